@@ -1,0 +1,28 @@
+"""Drop-in replacements for TorchRec's training pipelines, on CPU and GPU.
+
+Swap ``from torchrec.distributed.train_pipeline import TrainPipelineSparseDist``
+for ``from trec_pipelines import TrainPipelineSparseDist``.
+"""
+
+from trec_pipelines.context import (
+    EmbeddingTrainPipelineContext,
+    PrefetchTrainPipelineContext,
+    TrainPipelineContext,
+)
+from trec_pipelines.pipelines.base import TrainPipelineBase
+from trec_pipelines.pipelines.sparse_dist import TrainPipelineSparseDist
+from trec_pipelines.recorder import Action, ScheduleRecorder
+from trec_pipelines.rewrite import RewriteResult, restore_model, rewrite_model
+
+__all__ = [
+    "Action",
+    "EmbeddingTrainPipelineContext",
+    "PrefetchTrainPipelineContext",
+    "RewriteResult",
+    "ScheduleRecorder",
+    "TrainPipelineBase",
+    "TrainPipelineContext",
+    "TrainPipelineSparseDist",
+    "restore_model",
+    "rewrite_model",
+]

@@ -1,0 +1,91 @@
+"""Pipeline contexts: the state of one in-flight batch, passed between verbs.
+
+A pipeline creates one context per batch when the batch is loaded and drops it
+when the batch has been trained.  Each field names the verb that writes it and
+the verb that reads it; nothing else touches it.  Subclasses only add fields.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Dict, List, Optional, Tuple, Union
+
+import torch
+from torchrec.distributed.types import Awaitable
+from torchrec.streamable import Multistreamable
+
+
+@dataclass
+class TrainPipelineContext:
+    """Per-batch state of the sparse-dist pipelines.
+
+    Attributes:
+        index: the batch's position in the stream of loaded batches.
+            Written by ``copy_batch_to_gpu``; read by every verb for recording.
+        module_contexts: each pipelined module's sharding context, by module FQN.
+            Written by ``start_sparse_data_dist``; popped by the forward wrapper
+            (or by the prefetch / embedding-lookup verbs).
+        input_dist_splits_requests: the first (splits) phase of each module's
+            ``input_dist``.  Written by ``start_sparse_data_dist``; read and
+            cleared by ``wait_sparse_data_dist``.
+        fused_splits_awaitables: the splits phases fused into one collective per
+            process group, with the module names each one answers for.
+            Written by ``start_sparse_data_dist``; read and cleared by
+            ``wait_sparse_data_dist``.
+        input_dist_tensors_requests: the second (tensors) phase per module.
+            Written by ``wait_sparse_data_dist``; popped by the forward wrapper
+            (or by the prefetch / embedding-lookup verbs).
+        events: events the consumer of this batch waits on before using it.
+            Written and read by the staged pipeline's stages.
+    """
+
+    index: Optional[int] = None
+    module_contexts: Dict[str, Multistreamable] = field(default_factory=dict)
+    input_dist_splits_requests: Dict[str, Awaitable[Any]] = field(default_factory=dict)
+    fused_splits_awaitables: List[Tuple[List[str], Awaitable[Any]]] = field(
+        default_factory=list
+    )
+    input_dist_tensors_requests: Dict[str, Awaitable[Any]] = field(default_factory=dict)
+    events: List[torch.Event] = field(default_factory=list)
+
+
+@dataclass
+class PrefetchTrainPipelineContext(TrainPipelineContext):
+    """Adds the results of the cache-prefetch stage.
+
+    Attributes:
+        module_input_post_prefetch: each module's distributed input, ready for
+            lookup.  Written by the prefetch verb; popped by the prefetch forward.
+        module_contexts_post_prefetch: each module's sharding context after
+            prefetch.  Written by the prefetch verb; popped by the prefetch forward.
+    """
+
+    module_input_post_prefetch: Dict[str, Union[Multistreamable, torch.Tensor]] = field(
+        default_factory=dict
+    )
+    module_contexts_post_prefetch: Dict[str, Multistreamable] = field(
+        default_factory=dict
+    )
+
+
+@dataclass
+class EmbeddingTrainPipelineContext(TrainPipelineContext):
+    """Adds the embedding lookup that runs outside the forward (Fused, SemiSync).
+
+    Attributes:
+        embedding_a2a_requests: each module's ``compute_and_output_dist`` result.
+            Written by the embedding-lookup verb; popped by the embedding forward.
+        embedding_tensors: the lookup outputs, one list per module, in forward
+            order.  Written by the embedding forward (SemiSync); read by
+            ``embedding_backward``.
+        embedding_features: the feature names matching ``embedding_tensors``.
+            Written by the embedding forward; read by ``embedding_backward``.
+        detached_embedding_tensors: the detached leaves the dense part saw, whose
+            ``.grad`` is sent back into ``embedding_tensors``.  Written by the
+            embedding forward; read by ``embedding_backward``.
+    """
+
+    embedding_a2a_requests: Dict[str, Any] = field(default_factory=dict)
+    embedding_tensors: List[List[torch.Tensor]] = field(default_factory=list)
+    embedding_features: List[List[Union[str, List[str]]]] = field(default_factory=list)
+    detached_embedding_tensors: List[List[torch.Tensor]] = field(default_factory=list)

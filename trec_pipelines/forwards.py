@@ -1,0 +1,202 @@
+"""The wrappers that replace a pipelined ``ShardedModule.forward``.
+
+Once a model is rewritten, calling a sharded module no longer runs its
+``input_dist``: the pipeline already started it for this batch and left the
+result in the batch's context.  Each wrapper picks that result up, hands it
+from the side stream it was made on to the current stream, and finishes the
+module's work.
+
+=============================  ==========================================  ======================
+wrapper                        takes from the context                      then runs
+=============================  ==========================================  ======================
+``PipelinedForward``           ``input_dist_tensors_requests`` (waits)     ``compute_and_output_dist``
+``PrefetchPipelinedForward``   ``module_input_post_prefetch`` (ready)      ``compute_and_output_dist``
+``EmbeddingPipelinedForward``  ``embedding_a2a_requests`` (lookup done)    detaches the embeddings
+``InSyncEmbeddingPipelinedForward``  ``embedding_a2a_requests``            nothing more
+=============================  ==========================================  ======================
+
+A pipelined module runs once per batch: its input for the batch is consumed by
+the first call, and a second call in the same forward raises with the fix.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Dict, Generic, Iterable, List, Optional, TypeVar, Union
+
+import torch
+from torchrec.distributed.types import Awaitable, LazyNoWait, ShardedModule
+from torchrec.sparse.jagged_tensor import JaggedTensor, KeyedTensor
+
+from trec_pipelines.args import CallArgs
+from trec_pipelines.context import (
+    EmbeddingTrainPipelineContext,
+    PrefetchTrainPipelineContext,
+    TrainPipelineContext,
+)
+from trec_pipelines.streams import current_stream, hand_off, on_stream, record_stream
+
+C = TypeVar("C", bound=TrainPipelineContext)
+
+
+class BaseForward(Generic[C]):
+    """State shared by every wrapper: which module, its argument recipe, its context."""
+
+    def __init__(
+        self,
+        name: str,
+        args: CallArgs,
+        module: ShardedModule,
+        context: C,
+        stream: Optional[torch.Stream] = None,
+    ) -> None:
+        self._name = name
+        self._args = args
+        self._module = module
+        self._context = context
+        self._stream = stream
+        # The context whose input this wrapper consumed last: a second call on
+        # the same context is the "called twice in one forward" mistake.
+        self._consumed: Optional[C] = None
+
+    @property
+    def name(self) -> str:
+        return self._name
+
+    @property
+    def args(self) -> CallArgs:
+        return self._args
+
+    @property
+    def module(self) -> ShardedModule:
+        return self._module
+
+    def set_context(self, context: C) -> None:
+        self._context = context
+
+    def get_context(self) -> C:
+        return self._context
+
+    def _take(self, store: Dict[str, Any]) -> Any:
+        """Pop this module's entry from ``store`` or explain why it is missing."""
+        if self._name in store:
+            self._consumed = self._context
+            return store.pop(self._name)
+        if self._consumed is self._context:
+            raise RuntimeError(
+                f"sharded module '{self._name}' was called twice in one forward "
+                f"(batch {self._context.index}). A pipelined module runs once per "
+                "batch; call it once and reuse its output, or give the second use "
+                "its own module."
+            )
+        raise RuntimeError(
+            f"sharded module '{self._name}' has no pipelined input for batch "
+            f"{self._context.index}: the model was called outside pipeline.progress(). "
+            "Call pipeline.detach() before using the model directly, and "
+            "pipeline.attach() to resume."
+        )
+
+
+class PipelinedForward(BaseForward[TrainPipelineContext]):
+    """Waits for the batch's ``input_dist`` and runs ``compute_and_output_dist``."""
+
+    def __init__(
+        self,
+        name: str,
+        args: CallArgs,
+        module: ShardedModule,
+        context: TrainPipelineContext,
+        stream: Optional[torch.Stream] = None,
+        wait_on_current_stream: bool = False,
+    ) -> None:
+        super().__init__(name, args, module, context, stream)
+        # clear_data_dist_inputs frees the inputs early; the wait then stays on
+        # the current stream.
+        self._wait_stream = None if wait_on_current_stream else stream
+
+    def __call__(self, *input: Any, **kwargs: Any) -> Awaitable[Any]:
+        request = self._take(self._context.input_dist_tensors_requests)
+        with on_stream(self._wait_stream):
+            data = request.wait()
+        module_ctx = self._context.module_contexts.pop(self._name)
+        hand_off(data, self._stream)
+        hand_off(module_ctx, self._stream)
+        return self._module.compute_and_output_dist(module_ctx, data)
+
+
+class PrefetchPipelinedForward(BaseForward[PrefetchTrainPipelineContext]):
+    """Runs ``compute_and_output_dist`` on input the prefetch stage made ready."""
+
+    def __call__(self, *input: Any, **kwargs: Any) -> Awaitable[Any]:
+        data = self._take(self._context.module_input_post_prefetch)
+        module_ctx = self._context.module_contexts_post_prefetch.pop(self._name)
+        hand_off(data, self._stream)
+        hand_off(module_ctx, self._stream)
+        return self._module.compute_and_output_dist(module_ctx, data)
+
+
+EmbeddingOutput = Union[Dict[str, JaggedTensor], KeyedTensor]
+
+
+class EmbeddingPipelinedForward(BaseForward[EmbeddingTrainPipelineContext]):
+    """Returns the lookup the pipeline already ran, with the embeddings detached.
+
+    The dense backward then stops at the detached leaves; the pipeline sends
+    their gradients into the embeddings later (``embedding_backward``).
+    """
+
+    def __call__(self, *input: Any, **kwargs: Any) -> Any:
+        awaitable = self._take(self._context.embedding_a2a_requests)
+        module_ctx = self._context.module_contexts.pop(self._name)
+        hand_off(module_ctx, self._stream)
+        if isinstance(awaitable, Iterable):
+            # Managed-collision modules return (embeddings, remapped ids).
+            embeddings_awaitable, remapped_awaitable = awaitable
+            embeddings = embeddings_awaitable.wait()
+            remapped = remapped_awaitable.wait()
+            self._detach(embeddings)
+            return (LazyNoWait(embeddings), LazyNoWait(remapped))
+        embeddings = awaitable.wait()
+        self._detach(embeddings)
+        return LazyNoWait(embeddings)
+
+    def _detach(self, embeddings: EmbeddingOutput) -> None:
+        record_stream(embeddings, current_stream(_device_of(self._stream)))
+        originals: List[torch.Tensor] = []
+        leaves: List[torch.Tensor] = []
+        if isinstance(embeddings, KeyedTensor):
+            original = embeddings.values()
+            leaf = _detached_leaf(original)
+            embeddings._values = leaf
+            originals.append(original)
+            leaves.append(leaf)
+            # One concatenated tensor answers for all the keys.
+            features: List[Union[str, List[str]]] = [list(embeddings.keys())]
+        else:
+            features = []
+            for key, jt in embeddings.items():
+                original = jt.values()
+                leaf = _detached_leaf(original)
+                jt._values = leaf
+                originals.append(original)
+                leaves.append(leaf)
+                features.append(key)
+        self._context.embedding_tensors.append(originals)
+        self._context.embedding_features.append(features)
+        self._context.detached_embedding_tensors.append(leaves)
+
+
+class InSyncEmbeddingPipelinedForward(EmbeddingPipelinedForward):
+    """Returns the lookup the pipeline already ran, still attached to autograd."""
+
+    def _detach(self, embeddings: EmbeddingOutput) -> None:
+        return None
+
+
+def _detached_leaf(tensor: torch.Tensor) -> torch.Tensor:
+    leaf = tensor.detach().requires_grad_()
+    leaf.retain_grad()
+    return leaf
+
+
+def _device_of(stream: Optional[torch.Stream]) -> torch.device:
+    return stream.device if stream is not None else torch.device("cpu")

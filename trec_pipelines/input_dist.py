@@ -1,0 +1,217 @@
+"""Starting and finishing the sparse ``input_dist`` of the pipelined modules.
+
+``input_dist`` is two collectives: the *splits* all-to-all (how many ids each
+rank sends where) and then the *tensors* all-to-all (the ids themselves).  The
+pipelines start the first phase for every module, fuse the splits of all modules
+that share a process group into a single collective, and later wait for it,
+which issues the tensors phase.
+
+To fuse, each ``KJTAllToAll`` inside a pipelined module is made to return only
+its splits metadata (:class:`SplitsOnlyKJTAllToAll`) instead of launching its
+own splits collective; ``FusedKJTListSplitsAwaitable`` (torchrec) then launches
+one collective per process group.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+from collections import defaultdict
+from dataclasses import dataclass
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+
+import torch
+import torch.distributed as dist
+from torchrec.distributed.dist_data import KJTAllToAll, KJTAllToAllTensorsAwaitable
+from torchrec.distributed.embedding_sharding import (
+    FusedKJTListSplitsAwaitable,
+    KJTListAwaitable,
+    KJTListSplitsAwaitable,
+    KJTSplitsAllToAllMeta,
+)
+from torchrec.distributed.types import Awaitable, ShardedModule
+from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
+
+from trec_pipelines.context import TrainPipelineContext
+
+logger: logging.Logger = logging.getLogger(__name__)
+
+
+class SplitsOnlyKJTAllToAll:
+    """Stands in for ``KJTAllToAll.forward``: returns the splits metadata only."""
+
+    def __init__(self, pg: dist.ProcessGroup, splits: List[int], stagger: int) -> None:
+        self._pg = pg
+        self._splits = splits
+        self._stagger = stagger
+        self._bounds = [0] + list(itertools.accumulate(splits))
+
+    def __call__(self, input: KeyedJaggedTensor) -> KJTSplitsAllToAllMeta:
+        with torch.no_grad():
+            if len(input.keys()) != self._bounds[-1]:
+                raise ValueError(
+                    f"input_dist got a KeyedJaggedTensor with {len(input.keys())} keys "
+                    f"but the sharding plan expects {self._bounds[-1]}; the batch must "
+                    "carry exactly the features the sharded module was planned for"
+                )
+            rank = dist.get_rank(self._pg)
+            device = input.values().device
+            input_splits = input.dist_splits(self._splits)
+            splits_tensors = [torch.tensor(s, device=device) for s in input_splits]
+            if not input.variable_stride_per_key():
+                # Every rank also learns every other rank's batch size.
+                splits_tensors.append(
+                    torch.tensor([input.stride()] * self._pg.size(), device=device)
+                )
+            return KJTSplitsAllToAllMeta(
+                pg=self._pg,
+                _input=input,
+                splits=self._splits,
+                splits_tensors=splits_tensors,
+                input_splits=input_splits,
+                input_tensors=input.dist_tensors(),
+                labels=input.dist_labels(),
+                keys=input.keys()[self._bounds[rank] : self._bounds[rank + 1]],
+                device=device,
+                stagger=self._stagger,
+            )
+
+
+@dataclass(frozen=True)
+class KJTDistOverride:
+    """One ``KJTAllToAll`` whose forward was swapped, and how to undo it."""
+
+    dist_module: KJTAllToAll
+    had_instance_forward: bool
+    original_forward: Optional[Callable[..., Any]]
+
+
+def _kjt_all_to_alls(modules: Sequence[ShardedModule]) -> List[KJTAllToAll]:
+    found: List[KJTAllToAll] = []
+    for module in modules:
+        for fqn, child in module.named_modules():
+            if getattr(child, "_has_uninitialized_input_dist", False):
+                raise RuntimeError(
+                    f"{fqn or type(module).__name__}: input_dist is not initialised yet; "
+                    "run one input_dist before fusing its splits"
+                )
+            for input_dist in getattr(child, "_input_dists", None) or []:
+                kjt_dist = getattr(input_dist, "_dist", None)
+                if isinstance(kjt_dist, KJTAllToAll):
+                    found.append(kjt_dist)
+    return found
+
+
+def fuse_kjt_splits(modules: Sequence[ShardedModule]) -> Tuple[KJTDistOverride, ...]:
+    """Make every ``KJTAllToAll`` in ``modules`` hand back splits metadata only."""
+    overrides = []
+    for kjt_dist in _kjt_all_to_alls(modules):
+        overrides.append(
+            KJTDistOverride(
+                dist_module=kjt_dist,
+                had_instance_forward="forward" in kjt_dist.__dict__,
+                original_forward=kjt_dist.__dict__.get("forward"),
+            )
+        )
+        kjt_dist.forward = SplitsOnlyKJTAllToAll(  # type: ignore[method-assign]
+            kjt_dist._pg, kjt_dist._splits, kjt_dist._stagger
+        )
+    return tuple(overrides)
+
+
+def unfuse_kjt_splits(overrides: Sequence[KJTDistOverride]) -> None:
+    """Undo :func:`fuse_kjt_splits` exactly."""
+    for override in overrides:
+        if override.had_instance_forward:
+            override.dist_module.forward = override.original_forward  # type: ignore[method-assign]
+        else:
+            override.dist_module.__dict__.pop("forward", None)
+
+
+def start_input_dist(
+    modules: Sequence[Tuple[str, ShardedModule, Any]],
+    batch: Any,
+    context: TrainPipelineContext,
+) -> None:
+    """Launch the splits phase of every module's ``input_dist`` for ``batch``.
+
+    ``modules`` holds ``(name, module, call_args)``; writes ``module_contexts``,
+    ``input_dist_splits_requests`` and ``fused_splits_awaitables``.
+    """
+    for name, module, call_args in modules:
+        args, kwargs = call_args.build(batch)
+        args, kwargs = module.preprocess_input(args, kwargs)
+        module_ctx = module.create_context()
+        context.module_contexts[name] = module_ctx
+        context.input_dist_splits_requests[name] = module.input_dist(
+            module_ctx, *args, **kwargs
+        )
+    _release_early_inputs(context)
+    _fuse_splits(context)
+
+
+def _release_early_inputs(context: TrainPipelineContext) -> None:
+    # With free_features_storage_early, a module lists the batch KJTs it has
+    # finished with; every module has permuted its features by now.
+    for module_ctx in context.module_contexts.values():
+        releasable = getattr(module_ctx, "early_releasable_inputs", None)
+        if releasable:
+            for kjt in releasable:
+                kjt.clear_storage()
+            releasable.clear()
+
+
+def _process_group_of(request: Awaitable[Any]) -> Optional[dist.ProcessGroup]:
+    for awaitable in getattr(request, "awaitables", ()):
+        if isinstance(awaitable, KJTSplitsAllToAllMeta):
+            return awaitable.pg
+    return None
+
+
+def _fuse_splits(context: TrainPipelineContext) -> None:
+    names_per_pg: Dict[Optional[dist.ProcessGroup], List[str]] = defaultdict(list)
+    for name, request in context.input_dist_splits_requests.items():
+        if isinstance(request, KJTListSplitsAwaitable):
+            names_per_pg[_process_group_of(request)].append(name)
+        else:
+            # Not a KJT input dist (a custom sharded module): waited on its own.
+            context.fused_splits_awaitables.append(([name], _Single(request)))
+    for pg, names in names_per_pg.items():
+        fused = FusedKJTListSplitsAwaitable(
+            requests=[context.input_dist_splits_requests[n] for n in names],
+            contexts=[context.module_contexts[n] for n in names],
+            pg=pg,
+        )
+        context.fused_splits_awaitables.append((names, fused))
+
+
+class _Single(Awaitable[List[Any]]):
+    """Presents one splits awaitable with the fused awaitable's list result."""
+
+    def __init__(self, request: Awaitable[Any]) -> None:
+        super().__init__()
+        self._request = request
+
+    def _wait_impl(self) -> List[Any]:
+        return [self._request.wait()]
+
+
+def wait_input_dist(context: TrainPipelineContext) -> None:
+    """Finish the splits phase, which launches the tensors phase.
+
+    Reads ``fused_splits_awaitables``; writes ``input_dist_tensors_requests``.
+    """
+    for names, awaitable in context.fused_splits_awaitables:
+        for name, request in zip(names, awaitable.wait()):
+            context.input_dist_tensors_requests[name] = request
+    context.input_dist_splits_requests.clear()
+    context.fused_splits_awaitables.clear()
+
+
+def release_input_dist_inputs(context: TrainPipelineContext) -> None:
+    """Free the input storage of in-flight tensors all-to-alls (``clear_data_dist_inputs``)."""
+    for request in context.input_dist_tensors_requests.values():
+        if isinstance(request, KJTListAwaitable):
+            for awaitable in request.awaitables:
+                if isinstance(awaitable, KJTAllToAllTensorsAwaitable):
+                    awaitable.clear_inputs()

@@ -1,0 +1,110 @@
+"""TrainPipelineBase: the batch's host-to-device copy overlapped with compute."""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Iterator, List, Optional, Tuple
+
+import torch
+from torchrec.distributed.train_pipeline import TrainPipeline
+
+from trec_pipelines import recorder as rec
+from trec_pipelines.pipelines._common import check_device, check_optimizer
+from trec_pipelines.recorder import Recordable
+from trec_pipelines.stages import BatchSource, backward, copy_to_device, wait_for_batch
+from trec_pipelines.streams import make_streams
+
+
+class TrainPipelineBase(TrainPipeline[Any, Any], Recordable):
+    """Two batches in flight: batch ``i`` trains while batch ``i+1`` is copied.
+
+    ===========  =======  =========================================
+    stream       slot     work
+    ===========  =======  =========================================
+    default      ``cur``  zero_grad, wait, forward, backward, step
+    memcpy       ``nxt``  host-to-device copy
+    ===========  =======  =========================================
+
+    The copy of ``nxt`` is issued right after the forward of ``cur``, so on a
+    GPU it overlaps the backward and the optimizer step.  Differences from
+    torchrec 1.8.0, both fixes: ``custom_model_fwd`` is honoured, and a new
+    epoch starts without ``reset()`` when ``progress()`` is called again after
+    ``StopIteration`` (new iterator, or the same one refilled).
+
+    Example::
+
+        pipeline = TrainPipelineBase(model, optimizer, torch.device("cuda"))
+        it = iter(dataloader)
+        while True:
+            try:
+                output = pipeline.progress(it)
+            except StopIteration:
+                break
+    """
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        optimizer: torch.optim.Optimizer,
+        device: torch.device,
+        custom_model_fwd: Optional[Callable[[Any], Tuple[torch.Tensor, List[torch.Tensor]]]] = None,
+        enable_inplace_copy_batch: bool = False,
+    ) -> None:
+        super().__init__()
+        check_optimizer(optimizer, type(self).__name__)
+        self._model = model
+        self._optimizer = optimizer
+        self._device = check_device(device, type(self).__name__)
+        self._model_fwd: Callable[[Any], Tuple[torch.Tensor, Any]] = custom_model_fwd or model
+        self._enable_inplace_copy_batch = enable_inplace_copy_batch
+        self._streams = make_streams(device, memcpy=True)
+        self._source = BatchSource()
+        self._cur_batch: Optional[Any] = None
+        self._cur_index = 0
+        self._connected = False
+
+    def _copy(self, iterator: Iterator[Any]) -> None:
+        """Load the next batch and issue its copy on the memcpy stream."""
+        batch = self._source.next(iterator)
+        index = self._source.loaded - 1
+        if batch is None:
+            self._cur_batch = None
+            return
+        with self._span(rec.H2D, index, "memcpy"):
+            self._cur_batch = copy_to_device(
+                batch, self._device, self._streams.memcpy, self._enable_inplace_copy_batch
+            )
+        self._cur_index = index
+
+    def progress(self, dataloader_iter: Iterator[Any]) -> Any:
+        self._begin_call()
+        if not self._connected:
+            self._copy(dataloader_iter)  # fill: the first batch's copy
+            self._connected = True
+        cur, i = self._cur_batch, self._cur_index
+        if cur is None:
+            self._end_epoch()
+            raise StopIteration
+        training = self._model.training
+        if training:
+            with self._span(rec.ZERO_GRAD, i):
+                self._optimizer.zero_grad()
+        with self._span(rec.WAIT_BATCH, i):  # memcpy -> default
+            wait_for_batch(cur, self._streams.memcpy, record=not self._enable_inplace_copy_batch)
+        with self._span(rec.FORWARD, i):
+            losses, output = self._model_fwd(cur)
+        self._copy(dataloader_iter)  # nxt: H2D on memcpy, overlaps backward + step
+        if training:
+            with self._span(rec.BACKWARD, i):
+                backward(losses)
+            with self._span(rec.OPTIMIZER_STEP, i):
+                self._optimizer.step()
+        return output
+
+    def _end_epoch(self) -> None:
+        self._connected = False
+        self._source.end_epoch()
+
+    def reset(self) -> None:
+        """Forget the in-flight batch; the next ``progress()`` starts a new epoch."""
+        self._cur_batch = None
+        self._end_epoch()

@@ -1,0 +1,374 @@
+"""TrainPipelineSparseDist: copy, input_dist and compute of three batches overlap."""
+
+from __future__ import annotations
+
+import logging
+from collections import deque
+from typing import Any, Callable, Deque, Iterator, List, Optional, Tuple, Type
+
+import torch
+from torchrec.distributed.train_pipeline import TrainPipeline
+from torchrec.distributed.types import ShardedModule
+
+from trec_pipelines import recorder as rec
+from trec_pipelines.context import TrainPipelineContext
+from trec_pipelines.forwards import BaseForward, PipelinedForward
+from trec_pipelines.input_dist import (
+    KJTDistOverride,
+    fuse_kjt_splits,
+    release_input_dist_inputs,
+    start_input_dist,
+    unfuse_kjt_splits,
+    wait_input_dist,
+)
+from trec_pipelines.pipelines._common import check_device, check_optimizer
+from trec_pipelines.recorder import Recordable
+from trec_pipelines.rewrite import (
+    STRATEGIES,
+    RewriteResult,
+    Strategy,
+    reapply_rewrite,
+    restore_model,
+    rewrite_model,
+)
+from trec_pipelines.args import CallArgs
+from trec_pipelines.stages import BatchSource, backward, copy_to_device, wait_for_batch
+from trec_pipelines.streams import StreamSet, current_stream, make_streams, on_stream
+
+logger: logging.Logger = logging.getLogger(__name__)
+
+
+class TrainPipelineSparseDist(TrainPipeline[Any, Any], Recordable):
+    """Three batches in flight: ``cur`` trains, ``nxt`` is in input_dist, ``new`` is copied.
+
+    ==========  =======  ==================================================
+    stream      slot     work
+    ==========  =======  ==================================================
+    default     ``cur``  zero_grad, wait, forward (lookup inside), backward, step
+    data_dist   ``nxt``  input_dist: splits all-to-all, then tensors all-to-all
+    memcpy      ``new``  host-to-device copy
+    ==========  =======  ==================================================
+
+    Each pipelined ``ShardedModule.forward`` is replaced by a
+    :class:`~trec_pipelines.forwards.PipelinedForward`, which finds the batch's
+    ``input_dist`` already under way.  How the modules are found is
+    ``rewrite_strategy``: "auto" (FX tracing, falling back to binding the
+    batch's KeyedJaggedTensor fields directly), "fx" or "direct".  Modules that
+    can't be pipelined keep their forward and are logged (see
+    :attr:`rewrite_result`).
+
+    Differences from torchrec 1.8.0, all fixes: a new epoch starts without
+    ``reset()`` (new iterator, or the same one refilled); a plain
+    ``torch.Tensor`` batch works; ``detach()``/``attach()`` keep the in-flight
+    batches' input_dist instead of restarting it.
+
+    Example::
+
+        pipeline = TrainPipelineSparseDist(dmp_model, optimizer, device)
+        it = iter(dataloader)
+        while True:
+            try:
+                output = pipeline.progress(it)
+            except StopIteration:
+                break
+    """
+
+    # The wrapper installed on pipelined modules; variants override it.
+    _pipelined_forward_type: Type[BaseForward[Any]] = PipelinedForward
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        optimizer: torch.optim.Optimizer,
+        device: torch.device,
+        execute_all_batches: bool = True,
+        apply_jit: bool = False,
+        context_type: Type[TrainPipelineContext] = TrainPipelineContext,
+        pipeline_postproc: bool = False,
+        custom_model_fwd: Optional[Callable[[Optional[Any]], Tuple[torch.Tensor, Any]]] = None,
+        dmp_collection_sync_interval_batches: Optional[int] = 1,
+        enqueue_batch_after_forward: bool = False,
+        enable_inplace_copy_batch: bool = False,
+        free_features_storage_early: bool = False,
+        clear_data_dist_inputs: bool = False,
+        *,
+        rewrite_strategy: Strategy = "auto",
+    ) -> None:
+        super().__init__()
+        check_optimizer(optimizer, type(self).__name__)
+        if rewrite_strategy not in STRATEGIES:
+            raise ValueError(
+                f"rewrite_strategy must be one of {STRATEGIES}, got {rewrite_strategy!r}"
+            )
+        self._model = model
+        self._optimizer = optimizer
+        self._device = check_device(device, type(self).__name__)
+        self._execute_all_batches = execute_all_batches
+        self._apply_jit = apply_jit
+        self._context_type = context_type
+        self._pipeline_postproc = pipeline_postproc
+        self._custom_model_fwd = custom_model_fwd
+        self._model_fwd: Callable[[Optional[Any]], Tuple[torch.Tensor, Any]] = (
+            custom_model_fwd or model
+        )
+        self._dmp_collection_sync_interval_batches = dmp_collection_sync_interval_batches
+        self._enqueue_batch_after_forward = enqueue_batch_after_forward
+        self._enable_inplace_copy_batch = enable_inplace_copy_batch
+        self._free_features_storage_early = free_features_storage_early
+        self._clear_data_dist_inputs = clear_data_dist_inputs
+        self._rewrite_strategy: Strategy = rewrite_strategy
+        if pipeline_postproc:
+            logger.warning(
+                "pipeline_postproc=True: postproc modules are not pipelined by "
+                "trec_pipelines; sharded modules fed by one are reported as not pipelined"
+            )
+        if apply_jit:
+            logger.warning("apply_jit=True is accepted but not applied by trec_pipelines")
+
+        self._streams: StreamSet = self._make_streams()
+        self._source = BatchSource()
+        self.batches: Deque[Optional[Any]] = deque()
+        self.contexts: Deque[TrainPipelineContext] = deque()
+        self._rewrite: Optional[RewriteResult] = None
+        self._kjt_overrides: Tuple[KJTDistOverride, ...] = ()
+        self._model_attached = True
+
+    # ------------------------------------------------------------------ setup
+
+    def _make_streams(self) -> StreamSet:
+        return make_streams(self._device, memcpy=True, data_dist=True)
+
+    @property
+    def rewrite_result(self) -> Optional[RewriteResult]:
+        """What the model rewrite pipelined and what it left alone (after the first batch)."""
+        return self._rewrite
+
+    @property
+    def _pipelined_modules(self) -> List[ShardedModule]:
+        return [] if self._rewrite is None else self._rewrite.modules
+
+    def _make_forward(self, name: str, call_args: CallArgs, module: ShardedModule) -> BaseForward[Any]:
+        return PipelinedForward(
+            name,
+            call_args,
+            module,
+            self._current_context(),
+            self._streams.data_dist,
+            wait_on_current_stream=self._clear_data_dist_inputs,
+        )
+
+    def _pipeline_model(self, batch: Any, context: TrainPipelineContext) -> None:
+        """Rewrite the model on the first batch, then start that batch's input_dist."""
+        self._rewrite = rewrite_model(self._model, batch, self._make_forward, self._rewrite_strategy)
+        if self._free_features_storage_early:
+            for module in self._rewrite.modules:
+                if hasattr(module, "_free_features_storage_early"):
+                    module._free_features_storage_early = True
+        self._set_module_context(context)
+        self.start_sparse_data_dist(batch, context)
+        # input_dists exist only after the first input_dist call.
+        self._kjt_overrides = fuse_kjt_splits(self._rewrite.modules)
+
+    def _input_dist_modules(self) -> List[Tuple[str, ShardedModule, CallArgs]]:
+        assert self._rewrite is not None
+        return [(p.name, p.module, p.call_args) for p in self._rewrite.pipelined]
+
+    def _current_context(self) -> TrainPipelineContext:
+        return self.contexts[0] if self.contexts else self._context_type()
+
+    def _set_module_context(self, context: TrainPipelineContext) -> None:
+        for module in self._pipelined_modules:
+            module.forward.set_context(context)  # type: ignore[union-attr]
+
+    # ------------------------------------------------------------------ verbs
+
+    def copy_batch_to_gpu(
+        self, dataloader_iter: Iterator[Any]
+    ) -> Tuple[Optional[Any], Optional[TrainPipelineContext]]:
+        """Load the next batch and copy it to the device on the memcpy stream.
+
+        Returns ``(None, None)`` once the iterator is exhausted.
+        """
+        batch = self._source.next(dataloader_iter)
+        if batch is None:
+            return None, None
+        context = self._context_type(index=self._source.loaded - 1)
+        with self._span(rec.H2D, context.index, "memcpy"):
+            batch = copy_to_device(batch, self._device, self._streams.memcpy)
+        return batch, context
+
+    def inplace_copy_batch_to_gpu(
+        self, dataloader_iter: Iterator[Any]
+    ) -> Tuple[Optional[Any], Optional[TrainPipelineContext]]:
+        """As :meth:`copy_batch_to_gpu`, allocating on the current stream."""
+        batch = self._source.next(dataloader_iter)
+        if batch is None:
+            return None, None
+        context = self._context_type(index=self._source.loaded - 1)
+        with self._span(rec.H2D, context.index, "memcpy"):
+            batch = copy_to_device(batch, self._device, self._streams.memcpy, inplace=True)
+        return batch, context
+
+    def enqueue_batch(self, dataloader_iter: Iterator[Any]) -> bool:
+        """Load, copy and queue one batch; False when the iterator is exhausted."""
+        if self._enable_inplace_copy_batch:
+            batch, context = self.inplace_copy_batch_to_gpu(dataloader_iter)
+        else:
+            batch, context = self.copy_batch_to_gpu(dataloader_iter)
+        if batch is None or context is None:
+            return False
+        self.batches.append(batch)
+        self.contexts.append(context)
+        return True
+
+    def dequeue_batch(self) -> None:
+        """Drop the trained batch and point the wrappers at the next one."""
+        self.batches.popleft()
+        self.contexts.popleft()
+        if self.contexts:
+            self._set_module_context(self.contexts[0])
+
+    def start_sparse_data_dist(self, batch: Optional[Any], context: TrainPipelineContext) -> None:
+        """Wait for ``batch``'s copy, then start its input_dist on the data_dist stream."""
+        if batch is None:
+            return
+        with self._span(rec.INPUT_DIST_START, context.index, "data_dist"):
+            with on_stream(self._streams.data_dist):
+                wait_for_batch(batch, self._streams.memcpy)
+                start_input_dist(self._input_dist_modules(), batch, context)
+
+    def wait_sparse_data_dist(self, context: TrainPipelineContext) -> None:
+        """Finish the splits all-to-all, which launches the tensors all-to-all."""
+        with self._span(rec.INPUT_DIST_WAIT, context.index, "data_dist"):
+            with on_stream(self._streams.data_dist):
+                wait_input_dist(context)
+
+    def clear_sparse_data_dist_inputs(self, context: TrainPipelineContext) -> None:
+        """Free the input storage of ``context``'s in-flight tensors all-to-alls."""
+        with on_stream(self._streams.data_dist):
+            release_input_dist_inputs(context)
+
+    def _wait_for_batch(self) -> None:
+        with self._span(rec.WAIT_BATCH, self.contexts[0].index):  # data_dist -> default
+            wait_for_batch(self.batches[0], self._streams.data_dist)
+
+    def _backward(self, losses: torch.Tensor) -> None:
+        with self._span(rec.BACKWARD, self.contexts[0].index):
+            backward(losses)
+
+    def _optimizer_step(self) -> None:
+        with self._span(rec.OPTIMIZER_STEP, self.contexts[0].index):
+            self._optimizer.step()
+
+    def _zero_grad(self) -> None:
+        with self._span(rec.ZERO_GRAD, self.contexts[0].index):
+            self._optimizer.zero_grad()
+
+    def _forward(self) -> Tuple[torch.Tensor, Any]:
+        with self._span(rec.FORWARD, self.contexts[0].index):
+            return self._model_fwd(self.batches[0])
+
+    # --------------------------------------------------------------- schedule
+
+    def fill_pipeline(self, dataloader_iter: Iterator[Any]) -> None:
+        """Load ``cur`` (copy + input_dist) and ``nxt`` (copy) when the queue is empty."""
+        if len(self.batches) >= 2:
+            return
+        if self.batches and self._execute_all_batches:
+            return  # draining: the last batch trains alone
+        if not self.enqueue_batch(dataloader_iter):
+            return
+        if self._rewrite is None:
+            self._pipeline_model(self.batches[0], self.contexts[0])
+        else:
+            self._set_module_context(self.contexts[0])
+            self.start_sparse_data_dist(self.batches[0], self.contexts[0])
+        self.wait_sparse_data_dist(self.contexts[0])
+        self.enqueue_batch(dataloader_iter)
+
+    def progress(self, dataloader_iter: Iterator[Any]) -> Any:
+        self._begin_call()
+        if not self._model_attached:
+            self.attach(self._model)
+        self.fill_pipeline(dataloader_iter)
+        if not self.batches:
+            self._source.end_epoch()
+            raise StopIteration
+        self._set_module_context(self.contexts[0])
+        training = self._model.training
+
+        if training:
+            self._zero_grad()                                      # cur, default
+        self._wait_for_batch()                                     # cur, data_dist -> default
+        if self._clear_data_dist_inputs:
+            self.clear_sparse_data_dist_inputs(self.contexts[0])
+        if len(self.batches) >= 2:
+            self.start_sparse_data_dist(self.batches[1], self.contexts[1])  # nxt, data_dist
+        if not self._enqueue_batch_after_forward:
+            self.enqueue_batch(dataloader_iter)                    # new, memcpy
+        losses, output = self._forward()                           # cur, default
+        if self._enqueue_batch_after_forward:
+            self.enqueue_batch(dataloader_iter)                    # new, memcpy (after lookup)
+        if len(self.batches) >= 2:
+            self.wait_sparse_data_dist(self.contexts[1])           # nxt, data_dist
+        if training:
+            self._backward(losses)                                 # cur, default
+            self.sync_embeddings(
+                self._model, self._dmp_collection_sync_interval_batches, self.contexts[0]
+            )
+            self._optimizer_step()                                 # cur, default
+        self.dequeue_batch()
+        return output
+
+    # ------------------------------------------------------- attach / detach
+
+    def detach(self) -> torch.nn.Module:
+        """Give the model its own forwards back; in-flight batches are kept.
+
+        Call :meth:`attach` (or just :meth:`progress`) to resume.
+        """
+        if self._rewrite is not None and self._model_attached:
+            unfuse_kjt_splits(self._kjt_overrides)
+            restore_model(self._rewrite)
+            self._kjt_overrides = ()
+        self._model_attached = False
+        return self._model
+
+    def attach(self, model: Optional[torch.nn.Module] = None, sparse_dist: bool = True) -> None:
+        """Pipeline the model again after :meth:`detach`, or pipeline a new model.
+
+        The in-flight batches keep the input_dist already done for them.
+        """
+        if model is not None and model is not self._model:
+            self.detach()
+            self._model = model
+            self._model_fwd = self._custom_model_fwd or model
+            self._rewrite = None  # a new model is traced on the next batch
+        if self._model_attached:
+            return
+        self._model_attached = True
+        if self._rewrite is None:
+            if self.contexts:
+                self._pipeline_model_without_input_dist(self.batches[0])
+            return
+        self._rewrite = reapply_rewrite(self._rewrite, self._make_forward)
+        self._kjt_overrides = fuse_kjt_splits(self._rewrite.modules)
+        if self.contexts:
+            self._set_module_context(self.contexts[0])
+
+    def _pipeline_model_without_input_dist(self, batch: Any) -> None:
+        self._rewrite = rewrite_model(self._model, batch, self._make_forward, self._rewrite_strategy)
+        self._kjt_overrides = fuse_kjt_splits(self._rewrite.modules)
+        self._set_module_context(self.contexts[0])
+
+    def reset(self) -> None:
+        """Drop the in-flight batches; the next ``progress()`` starts a new epoch."""
+        if self.batches:
+            logger.warning(
+                "%s.reset() drops %d in-flight batch(es) that were never trained",
+                type(self).__name__,
+                len(self.batches),
+            )
+        self.batches.clear()
+        self.contexts.clear()
+        self._source.end_epoch()

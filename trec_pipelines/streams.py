@@ -1,0 +1,186 @@
+"""Device streams and events: the only module that touches them.
+
+[Note: stream protocol]
+Every pipeline runs its work on a few named streams (see :class:`StreamSet`).
+On a device without streams (CPU) every side stream is ``None`` and each helper
+here does nothing, so pipeline code never branches on the device type.
+
+On a device with streams three rules keep the overlap correct:
+
+1. A value produced on stream A is read on stream B only after B waited for A
+   (``wait_stream`` or an event recorded on A after the producing work).
+2. A tensor allocated on stream A and used on stream B is ``record_stream``-ed
+   on B, so the caching allocator does not hand its memory out again while B
+   may still read it.
+3. An event is waited on only after it has been recorded.
+
+:func:`hand_off` is rules 1 and 2 in one call, which is what nearly every
+cross-stream hand-over in the pipelines needs.
+
+The device module is looked up through :func:`device_module`, never hard-coded,
+so a test can point it at a recording stand-in (see ``use_device_module``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+from typing import Any, Iterator, Optional
+
+import torch
+
+# Devices whose runtime has streams we overlap on.
+_STREAM_DEVICES = ("cuda", "mtia")
+
+# A test may replace the device module (a recording stand-in); None = real one.
+_device_module_override: Optional[Any] = None
+
+
+def device_module(device: torch.device) -> Any:
+    """The runtime module of ``device`` (``torch.cuda`` for CUDA, ...)."""
+    if _device_module_override is not None:
+        return _device_module_override
+    return torch.get_device_module(device)
+
+
+def has_streams(device: torch.device) -> bool:
+    """True when ``device`` runs work asynchronously on streams."""
+    return _device_module_override is not None or device.type in _STREAM_DEVICES
+
+
+@contextlib.contextmanager
+def use_device_module(module: Any) -> Iterator[None]:
+    """Route every stream/event call through ``module`` (for tests)."""
+    global _device_module_override
+    previous = _device_module_override
+    _device_module_override = module
+    try:
+        yield
+    finally:
+        _device_module_override = previous
+
+
+@dataclass(frozen=True)
+class StreamSet:
+    """The side streams of one pipeline; ``None`` where a stream is not used.
+
+    Attributes:
+        memcpy: host-to-device copies of the batch, overlapped with compute.
+        data_dist: the sparse ``input_dist`` all-to-alls, overlapped with compute.
+        prefetch: embedding cache prefetch, overlapped with the forward.
+        emb_lookup: the embedding lookup of the Fused variants, started before
+            the dense forward.
+    """
+
+    memcpy: Optional[torch.Stream] = None
+    data_dist: Optional[torch.Stream] = None
+    prefetch: Optional[torch.Stream] = None
+    emb_lookup: Optional[torch.Stream] = None
+
+
+def new_stream(device: torch.device, priority: int = 0) -> Optional[torch.Stream]:
+    """A new side stream on ``device``, or ``None`` where there are no streams."""
+    if not has_streams(device):
+        return None
+    return device_module(device).Stream(priority=priority)
+
+
+def make_streams(
+    device: torch.device,
+    *,
+    memcpy: bool = False,
+    data_dist: bool = False,
+    prefetch: bool = False,
+    emb_lookup: bool = False,
+) -> StreamSet:
+    """Build the side streams a pipeline asks for.
+
+    Copies and all-to-alls feed the next steps' compute, so they get high
+    priority (-1) like upstream; prefetch and lookup run at normal priority.
+    """
+    return StreamSet(
+        memcpy=new_stream(device, priority=-1) if memcpy else None,
+        data_dist=new_stream(device, priority=-1) if data_dist else None,
+        prefetch=new_stream(device) if prefetch else None,
+        emb_lookup=new_stream(device) if emb_lookup else None,
+    )
+
+
+def current_stream(device: torch.device) -> Optional[torch.Stream]:
+    """The stream work is issued on now, or ``None`` where there are no streams."""
+    if not has_streams(device):
+        return None
+    return device_module(device).current_stream()
+
+
+def on_stream(stream: Optional[torch.Stream]) -> contextlib.AbstractContextManager[Any]:
+    """Issue the enclosed work on ``stream``; a no-op for ``None``."""
+    if stream is None:
+        return contextlib.nullcontext()
+    return device_module(stream.device).stream(stream)
+
+
+def wait_stream(waiter: Optional[torch.Stream], producer: Optional[torch.Stream]) -> None:
+    """Make ``waiter`` wait for all work issued so far on ``producer``."""
+    if waiter is None or producer is None or waiter == producer:
+        return
+    waiter.wait_stream(producer)
+
+
+def record_stream(obj: Any, stream: Optional[torch.Stream]) -> None:
+    """Tell the allocator ``obj`` (a Tensor or ``Multistreamable``) is used on ``stream``."""
+    if stream is None or obj is None:
+        return
+    obj.record_stream(stream)
+
+
+def hand_off(obj: Any, producer: Optional[torch.Stream]) -> None:
+    """Hand ``obj``, made on ``producer``, to the current stream (rules 1 and 2)."""
+    if producer is None:
+        return
+    consumer = device_module(producer.device).current_stream()
+    wait_stream(consumer, producer)
+    record_stream(obj, consumer)
+
+
+def record_event(stream: Optional[torch.Stream]) -> Optional[torch.Event]:
+    """An event recorded on ``stream`` now, or ``None`` where there are no streams."""
+    if stream is None:
+        return None
+    event = device_module(stream.device).Event()
+    event.record(stream)
+    return event
+
+
+def wait_event(stream: Optional[torch.Stream], event: Optional[torch.Event]) -> None:
+    """Make ``stream`` wait for ``event``; a no-op when either is ``None``."""
+    if stream is None or event is None:
+        return
+    stream.wait_event(event)
+
+
+def describe(stream: Optional[torch.Stream], streams: StreamSet) -> str:
+    """The role name of ``stream`` within ``streams`` ("default" otherwise)."""
+    if stream is not None:
+        for name in ("memcpy", "data_dist", "prefetch", "emb_lookup"):
+            if getattr(streams, name) is stream:
+                return name
+    return "default"
+
+
+__all__ = [
+    "StreamSet",
+    "current_stream",
+    "describe",
+    "device_module",
+    "hand_off",
+    "has_streams",
+    "make_streams",
+    "new_stream",
+    "on_stream",
+    "record_event",
+    "record_stream",
+    "use_device_module",
+    "wait_event",
+    "wait_stream",
+]

@@ -1,0 +1,157 @@
+"""FX tracing of a model down to its sharded modules.
+
+The trace is shallow: every ``ShardedModule`` is a leaf, and so is every
+subtree that holds no sharded module (unless it is marked
+``_is_pytorch_fx_traceable = True``).  Only the glue between the batch and the
+sharded modules is traced, which is all :func:`call_args_of` needs to read
+back how each sharded module's arguments come out of the batch.
+"""
+
+from __future__ import annotations
+
+import operator
+from typing import Any, List, Optional, Set, Tuple, Union
+
+import torch
+import torch.fx
+from torchrec.distributed.types import ShardedModule
+
+from trec_pipelines.args import ArgPath, ArgStep, CallArgs, GetAttr, GetItem
+
+
+def _contains_sharded(module: torch.nn.Module) -> bool:
+    return any(isinstance(m, ShardedModule) for m in module.modules())
+
+
+def leaf_module_names(model: torch.nn.Module) -> Set[str]:
+    """FQNs of the children the tracer need not enter.
+
+    Inside any module with a sharded descendant, a child without one is a leaf.
+    """
+    leaves: Set[str] = set()
+
+    def visit(module: torch.nn.Module, prefix: str) -> None:
+        for name, child in module.named_children():
+            fqn = prefix + name
+            if isinstance(child, ShardedModule):
+                continue
+            if _contains_sharded(child):
+                visit(child, fqn + ".")
+            elif not getattr(child, "_is_pytorch_fx_traceable", False):
+                leaves.add(fqn)
+
+    visit(model, "")
+    return leaves
+
+
+class ShallowTracer(torch.fx.Tracer):
+    """Traces only the glue around sharded modules (see the module docstring)."""
+
+    # Models that write to buffers in forward break when buffers are proxied.
+    proxy_buffer_attributes = False
+
+    def __init__(self, leaf_modules: Set[str]) -> None:
+        super().__init__()
+        self._leaf_modules = leaf_modules
+
+    def is_leaf_module(self, m: torch.nn.Module, module_qualified_name: str) -> bool:
+        if isinstance(m, ShardedModule) or module_qualified_name in self._leaf_modules:
+            return True
+        if _is_fsdp(m):
+            return True
+        return super().is_leaf_module(m, module_qualified_name)
+
+
+def _is_fsdp(module: torch.nn.Module) -> bool:
+    from torch.distributed.fsdp import FullyShardedDataParallel
+
+    return isinstance(module, FullyShardedDataParallel) or type(module).__name__.startswith(
+        "FSDP"
+    )
+
+
+def trace(model: torch.nn.Module) -> torch.fx.Graph:
+    """The shallow FX graph of ``model.forward``."""
+    return ShallowTracer(leaf_module_names(model)).trace(model)
+
+
+def _is_getattr(node: torch.fx.Node) -> bool:
+    return node.op == "call_function" and node.target is getattr
+
+
+def _is_getitem(node: torch.fx.Node) -> bool:
+    return node.op == "call_function" and node.target is operator.getitem
+
+
+def _is_dict_get(node: torch.fx.Node) -> bool:
+    return node.op == "call_method" and node.target == "get" and len(node.args) == 2
+
+
+def _describe(node: torch.fx.Node) -> str:
+    target = getattr(node.target, "__name__", node.target)
+    return f"FX node '{node.name}' ({node.op} {target})"
+
+
+def arg_path_of(arg: Any, batch_node: torch.fx.Node) -> Union[ArgPath, str]:
+    """How ``arg`` (an FX argument) is read from the batch, or why it can't be."""
+    if not isinstance(arg, torch.fx.Node):
+        if isinstance(arg, (list, tuple, dict)) and _has_node(arg):
+            return f"a {type(arg).__name__} built in the forward from traced values"
+        return ArgPath.constant(arg)
+    steps: List[ArgStep] = []
+    node = arg
+    while True:
+        if node is batch_node:
+            return ArgPath(tuple(reversed(steps)))
+        if node.op == "placeholder":
+            return f"{_describe(node)} is a model input other than the batch"
+        if _is_getattr(node) and isinstance(node.args[1], str):
+            steps.append(GetAttr(node.args[1]))
+        elif (_is_getitem(node) or _is_dict_get(node)) and isinstance(
+            node.args[1], (str, int)
+        ):
+            steps.append(GetItem(node.args[1]))
+        else:
+            return f"{_describe(node)} modifies the input before the sharded module"
+        parent = node.args[0]
+        if not isinstance(parent, torch.fx.Node):
+            return f"{_describe(node)} does not read from the batch"
+        node = parent
+
+
+def _has_node(value: Any) -> bool:
+    if isinstance(value, torch.fx.Node):
+        return True
+    if isinstance(value, (list, tuple)):
+        return any(_has_node(v) for v in value)
+    if isinstance(value, dict):
+        return any(_has_node(v) for v in value.values())
+    return False
+
+
+def call_args_of(node: torch.fx.Node, batch_node: Optional[torch.fx.Node]) -> Union[CallArgs, str]:
+    """The :class:`CallArgs` of a ``call_module`` node, or the reason there are none."""
+    if batch_node is None:
+        return "the model's forward takes no input"
+    if not node.args and not node.kwargs:
+        return "the sharded module is called with no arguments"
+    args: List[ArgPath] = []
+    for arg in node.args:
+        path = arg_path_of(arg, batch_node)
+        if isinstance(path, str):
+            return path
+        args.append(path)
+    kwargs: List[Tuple[str, ArgPath]] = []
+    for name, arg in node.kwargs.items():
+        path = arg_path_of(arg, batch_node)
+        if isinstance(path, str):
+            return path
+        kwargs.append((name, path))
+    return CallArgs(tuple(args), tuple(kwargs))
+
+
+def first_placeholder(graph: torch.fx.Graph) -> Optional[torch.fx.Node]:
+    for node in graph.nodes:
+        if node.op == "placeholder":
+            return node
+    return None
