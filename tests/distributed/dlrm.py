@@ -10,14 +10,15 @@ Public helpers (see each docstring):
     Batch, NestedBatch                  -- Pipelineable inputs
     DLRM, NestedDLRM                    -- models, forward(batch) -> (loss, pred)
     make_batches(n, seed, nested=False) -- per-rank synthetic batches
-    make_sharded(model_factory, sharding_type, seed) -> (dmp, optimizer)
+    make_sharded(model_factory, sharding_type, seed, ...) -> (dmp, optimizer)
+    current_group()                     -- the per-test process group
     plain_loop(model, optimizer, batches) -> Run (list of per-step preds + .weights)
     run_pipeline(pipeline, batches)       -> Run
     weights(model)                        -> Dict[str, Tensor]
     assert_runs_equal(a, b)
 """
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Callable, Dict, Iterable, List, Optional, Sequence, Union
 
 import torch
@@ -63,7 +64,10 @@ FEATURES = [spec[1] for spec in TABLE_SPECS]
 
 SHARDING_TYPES = ("table_wise", "column_wise", "data_parallel")
 
-EMB_LR = 0.05  # fused (in-backward) embedding optimizer
+# Adagrad rather than SGD for the embeddings: SGD steps on these tiny
+# gradients barely move the predictions (~1e-5), Adagrad steps are ~lr, so a
+# pipeline that looked up stale or wrong embedding rows shows up clearly.
+EMB_LR = 0.1  # fused (in-backward) embedding optimizer
 DENSE_LR = 0.05  # dense optimizer
 
 
@@ -87,7 +91,13 @@ def table_configs() -> List[EmbeddingBagConfig]:
 
 @dataclass
 class Batch(Pipelineable):
-    """Flat input: dense features, one KJT of sparse ids, binary labels."""
+    """Flat input: dense features, one KJT of sparse ids, binary labels.
+
+    ``record_stream`` forwards to the tensors, as torchrec's KJT does, so it
+    raises on CPU (``Tensor.record_stream`` rejects a CPU stream): a pipeline
+    must not call it when there is no accelerator.  torchrec's Base and
+    SparseDist pipelines don't; TrainPipelineSemiSync does and fails on CPU.
+    """
 
     dense: torch.Tensor  # [B, DENSE_IN] float
     sparse: KeyedJaggedTensor
@@ -121,9 +131,9 @@ class NestedBatch(Pipelineable):
     getitem from the placeholder to the sharded module's input.
     """
 
-    dense: torch.Tensor
-    features: Dict[str, KeyedJaggedTensor] = field(default_factory=dict)
-    labels: torch.Tensor = field(default_factory=lambda: torch.empty(0))
+    dense: torch.Tensor  # [B, DENSE_IN] float
+    features: Dict[str, KeyedJaggedTensor]  # {"sparse": kjt}
+    labels: torch.Tensor  # [B] float in {0, 1}
 
     def to(self, device: torch.device, non_blocking: bool = False) -> "NestedBatch":
         return NestedBatch(
@@ -151,6 +161,22 @@ class NestedBatch(Pipelineable):
 
 def _rank() -> int:
     return dist.get_rank() if dist.is_initialized() else 0
+
+
+# The process group make_sharded uses when none is passed.  conftest.py points
+# it at a fresh group for every test, so a test that leaves a collective
+# half-done on one rank (and times out) does not poison the tests after it.
+_current_group: Optional[dist.ProcessGroup] = None
+
+
+def set_current_group(group: Optional[dist.ProcessGroup]) -> None:
+    global _current_group
+    _current_group = group
+
+
+def current_group() -> dist.ProcessGroup:
+    """The group for this test (conftest sets it), else the default group."""
+    return _current_group if _current_group is not None else dist.group.WORLD
 
 
 def make_batches(
@@ -203,10 +229,17 @@ class DLRM(nn.Module):
     ``forward(batch)`` returns ``(loss, pred)``: ``loss`` is the 0-dim mean
     BCE-with-logits (``torch.sum(loss, dim=0)`` is valid on a 0-dim tensor, so
     torchrec's pipelines accept it), ``pred`` the detached logits ``[B]``.
+    With ``per_sample_loss=True`` the loss is the unreduced ``[B]`` vector
+    instead (use ``functools.partial(DLRM, per_sample_loss=True)`` as the
+    factory): a pipeline that calls ``loss.backward()`` instead of
+    ``torch.sum(loss, dim=0).backward()`` fails on it.
     """
 
-    def __init__(self, device: Optional[torch.device] = None) -> None:
+    def __init__(
+        self, device: Optional[torch.device] = None, per_sample_loss: bool = False
+    ) -> None:
         super().__init__()
+        self.reduction = "none" if per_sample_loss else "mean"
         self.ebc = EmbeddingBagCollection(tables=table_configs(), device=device)
         emb_dim = sum(spec[3] for spec in TABLE_SPECS)
         self.dense_arch = nn.Sequential(
@@ -221,9 +254,6 @@ class DLRM(nn.Module):
             nn.Linear(16, 1, device=device),
         )
 
-    def sparse_input(self, batch: Batch) -> KeyedJaggedTensor:
-        return batch.sparse
-
     def _head(self, dense: torch.Tensor, pooled: KeyedTensor, labels: torch.Tensor):
         # Concatenate by feature name: a sharded EBC orders its output keys
         # by shard placement, not by table order, so .values() would make the
@@ -231,7 +261,9 @@ class DLRM(nn.Module):
         by_name = pooled.to_dict()
         x = torch.cat([self.dense_arch(dense)] + [by_name[f] for f in FEATURES], dim=1)
         logits = self.over_arch(x).squeeze(-1)
-        loss = nn.functional.binary_cross_entropy_with_logits(logits, labels)
+        loss = nn.functional.binary_cross_entropy_with_logits(
+            logits, labels, reduction=self.reduction
+        )
         return loss, logits.detach()
 
     def forward(self, batch: Batch):
@@ -278,11 +310,14 @@ def make_sharded(
     model_factory: Callable[..., nn.Module],
     sharding_type: str,
     seed: int = 0,
-    emb_optimizer: type = torch.optim.SGD,
+    emb_optimizer: type = torch.optim.Adagrad,
     emb_lr: float = EMB_LR,
     dense_lr: float = DENSE_LR,
+    pg: Optional[dist.ProcessGroup] = None,
 ):
-    """Build ``(dmp, optimizer)``: ``model_factory()`` sharded over the world.
+    """Build ``(dmp, optimizer)``: ``model_factory()`` sharded over ``pg``
+    (default :func:`current_group`, i.e. all ranks).  The model must keep its
+    EmbeddingBagCollection at ``.ebc`` (DLRM, NestedDLRM and subclasses do).
 
     * Weights come from ``model_factory()`` built under ``torch.manual_seed(seed)``
       on every rank (so all ranks agree), then copied into the sharded model:
@@ -290,18 +325,23 @@ def make_sharded(
       whatever the sharding type.
     * Every embedding table is forced to ``sharding_type`` through
       ``ParameterConstraints`` ("table_wise", "column_wise", "data_parallel").
-    * Embeddings use an in-backward optimizer (``emb_optimizer``, SGD by
-      default): fused into the TBE kernel for table/column-wise, applied from
-      a gradient hook for data-parallel tables.
+    * Embedding params get an in-backward optimizer (``emb_optimizer``,
+      Adagrad by default) before sharding.  For table/column-wise the sharder
+      turns it into the fused TBE kernel's optimizer (the update happens
+      inside backward; ``dmp.fused_optimizer.step()`` is a no-op).  For
+      data_parallel torchrec uses the "dense" kernel, which ignores it: the
+      replicated tables become ordinary DDP params (no ``_in_backward_optimizers``)
+      and are trained by the dense optimizer below, with DDP-averaged grads.
     * ``optimizer`` is a ``CombinedOptimizer`` of the DMP's fused optimizer and
-      an Adagrad over every parameter without an in-backward optimizer.
+      an Adagrad (``dense_lr``) over every parameter without an in-backward
+      optimizer -- the usual torchrec recipe.
     """
     if sharding_type not in SHARDING_TYPES:
         raise ValueError(f"sharding_type must be one of {SHARDING_TYPES}")
     assert dist.is_initialized(), "make_sharded needs the default process group"
     device = torch.device("cpu")
-    pg = dist.group.WORLD
-    world_size = dist.get_world_size()
+    pg = pg if pg is not None else current_group()
+    world_size = dist.get_world_size(pg)
 
     torch.manual_seed(seed)
     model = model_factory()
@@ -378,8 +418,12 @@ def plain_loop(model: nn.Module, optimizer, batches: Iterable) -> Run:
     return Run(outputs, weights(model))
 
 
-def run_pipeline(pipeline, batches: Iterable, max_steps: int = 10_000) -> Run:
-    """Drive ``pipeline.progress(it)`` until it raises StopIteration."""
+def run_pipeline(
+    pipeline, batches: Iterable, model: Optional[nn.Module] = None, max_steps: int = 10_000
+) -> Run:
+    """Drive ``pipeline.progress(it)``, ``it = iter(batches)``, until it
+    raises StopIteration.  Final weights are read from ``model`` (default:
+    ``pipeline._model``, which torchrec's pipelines keep)."""
     it = iter(batches)
     outputs = []
     for _ in range(max_steps):
@@ -390,7 +434,7 @@ def run_pipeline(pipeline, batches: Iterable, max_steps: int = 10_000) -> Run:
         outputs.append(_snapshot(out))
     else:
         raise AssertionError(f"pipeline did not stop within {max_steps} steps")
-    return Run(outputs, weights(pipeline._model))
+    return Run(outputs, weights(model if model is not None else pipeline._model))
 
 
 def weights(model: nn.Module) -> Dict[str, torch.Tensor]:
