@@ -83,9 +83,13 @@ class EmbeddingTrainPipelineContext(TrainPipelineContext):
         detached_embedding_tensors: the detached leaves the dense part saw, whose
             ``.grad`` is sent back into ``embedding_tensors``.  Written by the
             embedding forward; read by ``embedding_backward``.
+        embedding_lookup_event: recorded on the lookup stream right after the
+            lookup (``None`` on CPU).  Written by the embedding-lookup verb; the
+            embedding forward makes the consuming stream wait on it.
     """
 
     embedding_a2a_requests: Dict[str, Any] = field(default_factory=dict)
     embedding_tensors: List[List[torch.Tensor]] = field(default_factory=list)
     embedding_features: List[List[Union[str, List[str]]]] = field(default_factory=list)
     detached_embedding_tensors: List[List[torch.Tensor]] = field(default_factory=list)
+    embedding_lookup_event: Optional[torch.Event] = None

@@ -33,7 +33,7 @@ from trec_pipelines.context import (
     PrefetchTrainPipelineContext,
     TrainPipelineContext,
 )
-from trec_pipelines.streams import current_stream, hand_off, on_stream, record_stream
+from trec_pipelines.streams import current_stream, hand_off, on_stream, record_stream, wait_event
 
 C = TypeVar("C", bound=TrainPipelineContext)
 
@@ -147,7 +147,10 @@ class EmbeddingPipelinedForward(BaseForward[EmbeddingTrainPipelineContext]):
     def __call__(self, *input: Any, **kwargs: Any) -> Any:
         awaitable = self._take(self._context.embedding_a2a_requests)
         module_ctx = self._context.module_contexts.pop(self._name)
-        hand_off(module_ctx, self._stream)
+        # Wait for this batch's lookup only (see [Note: lookup ordering on streams]).
+        consumer = current_stream(_device_of(self._stream))
+        wait_event(consumer, self._context.embedding_lookup_event)
+        record_stream(module_ctx, consumer)
         if isinstance(awaitable, Iterable):
             # Managed-collision modules return (embeddings, remapped ids).
             embeddings_awaitable, remapped_awaitable = awaitable
