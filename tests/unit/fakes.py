@@ -10,7 +10,7 @@ order in which a pipeline drove it.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Dict, List, Optional, Tuple, Type
+from typing import Any, Dict, List, Tuple, Type
 
 import torch
 from torch import nn

@@ -33,7 +33,7 @@ from trec_pipelines.rewrite import (
 )
 from trec_pipelines.args import CallArgs
 from trec_pipelines.stages import BatchSource, backward, copy_to_device, wait_for_batch
-from trec_pipelines.streams import StreamSet, current_stream, make_streams, on_stream
+from trec_pipelines.streams import StreamSet, make_streams, on_stream
 
 logger: logging.Logger = logging.getLogger(__name__)
 
