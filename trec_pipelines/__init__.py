@@ -10,6 +10,7 @@ from trec_pipelines.context import (
     TrainPipelineContext,
 )
 from trec_pipelines.pipelines.base import TrainPipelineBase
+from trec_pipelines.pipelines.pt2 import TorchCompileConfig, TrainPipelinePT2
 from trec_pipelines.pipelines.sparse_dist import TrainPipelineSparseDist
 from trec_pipelines.recorder import Action, ScheduleRecorder
 from trec_pipelines.rewrite import RewriteResult, restore_model, rewrite_model
@@ -20,8 +21,10 @@ __all__ = [
     "PrefetchTrainPipelineContext",
     "RewriteResult",
     "ScheduleRecorder",
+    "TorchCompileConfig",
     "TrainPipelineBase",
     "TrainPipelineContext",
+    "TrainPipelinePT2",
     "TrainPipelineSparseDist",
     "restore_model",
     "rewrite_model",

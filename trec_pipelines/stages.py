@@ -36,14 +36,17 @@ def copy_to_device(
     device: torch.device,
     stream: Optional[torch.Stream],
     inplace: bool = False,
+    blocking: bool = False,
 ) -> Any:
     """Host-to-device copy of ``batch`` issued on ``stream``.
 
     With ``inplace`` the batch allocates its device memory on the current stream
     and copies on ``stream`` itself (``data_copy_stream``), so the consumer
-    needs no ``record_stream``.
+    needs no ``record_stream``.  ``blocking`` waits for the copy to finish.
     """
     check_batch(batch)
+    if blocking:
+        return batch.to(device=device, non_blocking=False)
     if inplace and stream is not None:
         return batch.to(device=device, non_blocking=True, data_copy_stream=stream)
     with on_stream(stream):

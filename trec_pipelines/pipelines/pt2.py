@@ -1,0 +1,160 @@
+"""TrainPipelinePT2: no overlap; the model is compiled with ``torch.compile``."""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+from typing import Any, Callable, ContextManager, Dict, Iterator, Optional
+
+import torch
+from torchrec.distributed.train_pipeline import TrainPipeline
+from torchrec.pt2.utils import default_pipeline_input_transformer
+
+from trec_pipelines import recorder as rec
+from trec_pipelines.pipelines._common import check_device, check_optimizer
+from trec_pipelines.recorder import Recordable
+from trec_pipelines.stages import BatchSource, copy_to_device
+
+
+@dataclass
+class TorchCompileConfig:
+    """How :class:`TrainPipelinePT2` compiles the model.
+
+    Attributes:
+        fullgraph: fail on graph breaks instead of splitting the graph.
+        dynamic: dynamic shapes (None lets dynamo decide from what it sees).
+        backend: the ``torch.compile`` backend ("inductor", "aot_eager", ...).
+        compile_on_iter: the ``progress()`` call (from 0) that compiles; the
+            calls before it run eagerly, which keeps them easy to profile.
+    """
+
+    fullgraph: bool = False
+    dynamic: Optional[bool] = None
+    backend: str = "inductor"
+    compile_on_iter: int = 3
+
+
+# Dynamo settings a torchrec model needs to compile: KJT lengths become
+# unbacked symbolic ints, and torchrec's modules must be traced, not skipped.
+_DYNAMO_SETTINGS: Dict[str, Any] = {
+    "capture_scalar_outputs": True,
+    "capture_dynamic_output_shape_ops": True,
+    "force_unspec_int_unbacked_size_like_on_torchrec_kjt": True,
+    "skip_torchrec": False,
+}
+
+
+def dynamo_settings() -> ContextManager[None]:
+    """The torchrec dynamo settings, applied for the duration of a ``with``.
+
+    Unlike torchrec 1.8.0, which sets them globally for good, the pipeline only
+    holds them while its compiled model runs; other code sees the user's config.
+    """
+    known = {k: v for k, v in _DYNAMO_SETTINGS.items() if hasattr(torch._dynamo.config, k)}
+    return torch._dynamo.config.patch(**known)
+
+
+class TrainPipelinePT2(TrainPipeline[Any, Any], Recordable):
+    """One batch in flight, one stream; the model is compiled on ``compile_on_iter``.
+
+    ==========  =======  =========================================================
+    stream      slot     work
+    ==========  =======  =========================================================
+    default     ``cur``  load, H2D (blocking), input transform, zero_grad,
+                         forward, backward, step
+    ==========  =======  =========================================================
+
+    Nothing overlaps: the speed-up comes from the compiler.  The H2D copy is
+    blocking so the compiled graph always sees a batch that is complete.
+    ``input_transformer`` runs on the device batch, right before the model, so
+    shape hints it adds reach the object dynamo traces.
+
+    Differences from torchrec 1.8.0: the dynamo settings torchrec needs are held
+    only while the compiled model runs (upstream changes them globally for good);
+    a new epoch starts without ``reset()``; the end of data raises
+    ``StopIteration`` from the pipeline, after which a new iterator may be passed.
+
+    Example::
+
+        pipeline = TrainPipelinePT2(
+            model, optimizer, torch.device("cuda"),
+            compile_configs=TorchCompileConfig(compile_on_iter=3),
+        )
+        while True:
+            try:
+                pipeline.progress(it)
+            except StopIteration:
+                break
+    """
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        optimizer: torch.optim.Optimizer,
+        device: torch.device,
+        compile_configs: Optional[TorchCompileConfig] = None,
+        pre_compile_fn: Optional[Callable[[torch.nn.Module], None]] = None,
+        post_compile_fn: Optional[Callable[[torch.nn.Module], None]] = None,
+        input_transformer: Optional[Callable[[Any], Any]] = None,
+    ) -> None:
+        super().__init__()
+        check_optimizer(optimizer, type(self).__name__)
+        self._model = model
+        self._optimizer = optimizer
+        self._device = check_device(device, type(self).__name__)
+        self._compile_configs = compile_configs or TorchCompileConfig()
+        self._pre_compile_fn = pre_compile_fn
+        self._post_compile_fn = post_compile_fn
+        self._input_transformer = input_transformer or default_pipeline_input_transformer
+        self._source = BatchSource()
+        self._iter = 0
+        self._compiled = False
+        self._cur_batch: Optional[Any] = None
+
+    def _compile(self) -> None:
+        config = self._compile_configs
+        if self._pre_compile_fn is not None:
+            self._pre_compile_fn(self._model)
+        # fbgemm's sparse ops need their fake (meta) kernels registered to trace.
+        torch.ops.import_module("fbgemm_gpu.sparse_ops")
+        self._model.compile(fullgraph=config.fullgraph, dynamic=config.dynamic, backend=config.backend)
+        if self._post_compile_fn is not None:
+            self._post_compile_fn(self._model)
+        self._compiled = True
+
+    def _compiled_region(self) -> ContextManager[None]:
+        return dynamo_settings() if self._compiled else contextlib.nullcontext()
+
+    def progress(self, dataloader_iter: Iterator[Any]) -> Any:
+        self._begin_call()
+        host_batch = self._source.next(dataloader_iter)
+        if host_batch is None:
+            self._source.end_epoch()
+            raise StopIteration
+        i = self._source.loaded - 1
+        with self._span(rec.H2D, i):  # blocking copy on the default stream
+            batch = copy_to_device(host_batch, self._device, None, blocking=True)
+        self._cur_batch = batch = self._input_transformer(batch)
+        training = self._model.training
+        if training:
+            with self._span(rec.ZERO_GRAD, i):
+                self._optimizer.zero_grad()
+        if self._iter == self._compile_configs.compile_on_iter:
+            self._compile()
+        with self._compiled_region():
+            with self._span(rec.FORWARD, i):
+                losses, output = self._model(batch)
+            self._iter += 1
+            if training:
+                with self._span(rec.BACKWARD, i):
+                    # A plain sum: PT2 models may return a scalar loss.
+                    torch.sum(losses).backward()
+        if training:
+            with self._span(rec.OPTIMIZER_STEP, i):
+                self._optimizer.step()
+        return output
+
+    def reset(self) -> None:
+        """Forget the current batch; the next ``progress()`` starts a new epoch."""
+        self._cur_batch = None
+        self._source.end_epoch()
