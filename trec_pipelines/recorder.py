@@ -1,37 +1,57 @@
 """The schedule recorder: what each ``progress()`` call actually did, as data.
 
-Every pipeline verb opens a :meth:`ScheduleRecorder.span` with its task name,
-the index of the batch it works on and the stream it issues to.  Recording is
-off by default; a pipeline then hands out one shared no-op context manager, so
-the cost is a ``None`` check per verb.
+Every pipeline verb opens a span, ``with self._span(task, batch, stream):``,
+naming the task, the index of the batch it works on and the stream role it
+issues to.  Recording is off by default; a span then costs one ``None`` check
+(plus a ``torch.profiler.record_function`` label while a PyTorch profiler is
+running, so profiles show the same task names).
 
-Tests assert the exact list of :class:`Action` records per variant (fill,
-steady state and drain), with no GPU and no process group.
+With recording on, each span becomes an :class:`Action` with its ``progress()``
+call number and timing:
+
+* ``cpu_start``/``cpu_end``: wall time the training thread spent in the verb
+  (the task's *exposed* time: the thread was busy with it or blocked on it);
+* ``device_start``/``device_end``: when the work ran on its stream, from
+  events on CUDA; on CPU, where work runs as it is issued, the wall times.
+
+:mod:`trec_pipelines.schedule_view` turns the actions into the schedule table,
+a Chrome/Perfetto trace and a timeline picture.
 """
 
 from __future__ import annotations
 
 import contextlib
+import time
 from dataclasses import dataclass, field
-from typing import ContextManager, List, Optional
+from typing import Any, ContextManager, Dict, Iterator, List, Optional, Tuple
 
-# Task names, one per verb a schedule is built from.
-H2D = "H2D"
-INPUT_DIST_START = "InputDistStart"
-INPUT_DIST_WAIT = "InputDistWait"
-EMB_LOOKUP = "EmbLookup"
-EMB_PREFETCH = "EmbPrefetch"
-ZERO_GRAD = "ZeroGrad"
-WAIT_BATCH = "WaitBatch"
-FORWARD = "Forward"
-BACKWARD = "Backward"
-EMB_BACKWARD = "EmbBackward"
-OPTIMIZER_STEP = "OptimizerStep"
+import torch
+
+from trec_pipelines import schedule_view
+from trec_pipelines.streams import current_stream, record_event
+from trec_pipelines.tasks import (  # noqa: F401  (re-exported: pipelines use rec.H2D, ...)
+    BACKWARD,
+    EMB_BACKWARD,
+    EMB_LOOKUP,
+    EMB_PREFETCH,
+    FORWARD,
+    H2D,
+    INPUT_DIST_START,
+    INPUT_DIST_WAIT,
+    OPTIMIZER_STEP,
+    TASKS,
+    WAIT_BATCH,
+    ZERO_GRAD,
+)
 
 _NO_SPAN: ContextManager[None] = contextlib.nullcontext()
 
 
-@dataclass(frozen=True)
+def _profiler_running() -> bool:
+    return torch.autograd.profiler._is_profiler_enabled
+
+
+@dataclass
 class Action:
     """One verb as it ran.
 
@@ -40,12 +60,21 @@ class Action:
         task: the task name (``H2D``, ``Forward``, ...).
         batch: the index of the batch it worked on (order of loading, from 0).
         stream: the stream role it was issued to (``default``, ``memcpy``, ...).
+        thread: "main", or "loader" for work done by a background loading thread.
+        cpu_start, cpu_end: wall-clock seconds the issuing thread spent in it.
+        device_start, device_end: seconds when it ran on its stream, or None
+            until resolved (CUDA events are read once the work has finished).
     """
 
     call: int
     task: str
     batch: Optional[int]
     stream: str
+    thread: str = "main"
+    cpu_start: float = 0.0
+    cpu_end: float = 0.0
+    device_start: Optional[float] = None
+    device_end: Optional[float] = None
 
     def __str__(self) -> str:
         batch = "--" if self.batch is None else f"i{self.batch}"
@@ -54,34 +83,88 @@ class Action:
 
 @dataclass
 class ScheduleRecorder:
-    """Collects :class:`Action` records; a pipeline owns at most one."""
+    """Collects :class:`Action` records; a pipeline owns at most one.
 
+    ``streams`` maps a stream role to the device stream, so that on CUDA each
+    span also records events on the stream its work went to.
+    """
+
+    streams: Dict[str, Optional[torch.Stream]] = field(default_factory=dict)
     actions: List[Action] = field(default_factory=list)
     call: int = -1
+    call_starts: List[float] = field(default_factory=list)
+    _pending: List[Tuple[Action, Any, Any]] = field(default_factory=list, repr=False)
+    _origin: Optional[Tuple[float, Any]] = field(default=None, repr=False)
 
     def begin_call(self) -> None:
         """Mark the start of a ``progress()`` call."""
         self.call += 1
+        self.call_starts.append(time.perf_counter())
 
-    def span(self, task: str, batch: Optional[int], stream: str) -> ContextManager[None]:
-        """Record ``task`` for ``batch`` on ``stream``; usable as ``with``."""
-        self.actions.append(Action(max(self.call, 0), task, batch, stream))
-        return _NO_SPAN
+    @contextlib.contextmanager
+    def span(
+        self, task: str, batch: Optional[int], stream: str, thread: str = "main"
+    ) -> Iterator[None]:
+        """Record ``task`` for ``batch`` on ``stream`` around the enclosed work."""
+        action = Action(max(self.call, 0), task, batch, stream, thread)
+        self.actions.append(action)
+        device_stream = self.streams.get(stream)
+        start_event = self._event(device_stream)
+        with torch.profiler.record_function(f"trec_pipelines::{task}"):
+            action.cpu_start = time.perf_counter()
+            try:
+                yield
+            finally:
+                action.cpu_end = time.perf_counter()
+        if start_event is None:
+            action.device_start, action.device_end = action.cpu_start, action.cpu_end
+        else:
+            self._pending.append((action, start_event, self._event(device_stream)))
+
+    def _event(self, stream: Optional[torch.Stream]) -> Any:
+        if stream is None:
+            return None
+        event = record_event(stream)
+        if self._origin is None:
+            # Device times are measured from this event, placed at "now" on the CPU clock.
+            self._origin = (time.perf_counter(), event)
+        return event
+
+    def resolve(self) -> None:
+        """Turn recorded CUDA events into device times (waits for the work)."""
+        if not self._pending or self._origin is None:
+            return
+        origin_time, origin_event = self._origin
+        for action, start, end in self._pending:
+            end.synchronize()
+            action.device_start = origin_time + origin_event.elapsed_time(start) / 1e3
+            action.device_end = origin_time + origin_event.elapsed_time(end) / 1e3
+        self._pending.clear()
 
     def clear(self) -> None:
         self.actions.clear()
+        self.call_starts.clear()
+        self._pending.clear()
         self.call = -1
 
 
 class Recordable:
-    """Gives a pipeline the recording switch and the ``_span`` hook its verbs use."""
+    """Gives a pipeline the recording switch, the views, and the ``_span`` hook."""
 
     _recorder: Optional[ScheduleRecorder] = None
 
     def enable_schedule_recording(self) -> ScheduleRecorder:
-        """Start recording every verb from the next ``progress()`` call on."""
+        """Record every verb, with timing, from the next ``progress()`` call on."""
         if self._recorder is None:
-            self._recorder = ScheduleRecorder()
+            streams = getattr(self, "_streams", None)
+            roles: Dict[str, Optional[torch.Stream]] = {}
+            if streams is not None:
+                for role in ("memcpy", "data_dist", "prefetch", "emb_lookup"):
+                    roles[role] = getattr(streams, role, None)
+            device = getattr(self, "_device", None)
+            if device is not None:
+                roles["default"] = current_stream(device)
+            self._recorder = ScheduleRecorder(streams=roles)
         return self._recorder
 
     def disable_schedule_recording(self) -> None:
@@ -90,14 +173,48 @@ class Recordable:
     @property
     def schedule_actions(self) -> List[Action]:
         """The recorded actions, oldest first (empty when recording is off)."""
-        return [] if self._recorder is None else list(self._recorder.actions)
+        if self._recorder is None:
+            return []
+        self._recorder.resolve()
+        return list(self._recorder.actions)
+
+    def schedule(self) -> List[Tuple[str, str, List[Any]]]:
+        """The schedule table: one ``(task, stream, cells)`` row per task.
+
+        ``cells[k]`` is the batch index the task handled in ``progress()`` call
+        ``k`` (a tuple when it handled several, as in the fill), or None.
+        """
+        return schedule_view.schedule_table(self.schedule_actions)
+
+    def print_schedule(self, n: Optional[int] = None) -> str:
+        """Print (and return) the first ``n`` columns of :meth:`schedule`."""
+        text = schedule_view.format_schedule(self.schedule(), n)
+        print(text)
+        return text
+
+    def export_trace(self, path: str) -> None:
+        """Write a Chrome/Perfetto trace: one track per stream plus the CPU thread."""
+        schedule_view.write_trace(self.schedule_actions, path)
+
+    def save_timeline(self, path: str, calls: Optional[Tuple[int, int]] = None) -> None:
+        """Draw the recorded timeline (streams x time) to a PNG."""
+        schedule_view.draw_timeline(self.schedule_actions, path, calls=calls, title=type(self).__name__)
+
+    def exposed_time(self) -> Dict[str, float]:
+        """Seconds the training thread spent in each task, plus ``"step"``: the total."""
+        recorder = self._recorder
+        return schedule_view.exposed_time(self.schedule_actions, [] if recorder is None else recorder.call_starts)
 
     def _begin_call(self) -> None:
         if self._recorder is not None:
             self._recorder.begin_call()
 
-    def _span(self, task: str, batch: Optional[int], stream: str = "default") -> ContextManager[None]:
+    def _span(
+        self, task: str, batch: Optional[int], stream: str = "default", thread: str = "main"
+    ) -> ContextManager[None]:
         recorder = self._recorder
-        if recorder is None:
-            return _NO_SPAN
-        return recorder.span(task, batch, stream)
+        if recorder is not None:
+            return recorder.span(task, batch, stream, thread)
+        if _profiler_running():
+            return torch.profiler.record_function(f"trec_pipelines::{task}")
+        return _NO_SPAN
