@@ -75,6 +75,10 @@ class TrainPipelineSparseDist(TrainPipeline[Any, Any], Recordable):
 
     # The wrapper installed on pipelined modules; variants override it.
     _pipelined_forward_type: Type[BaseForward[Any]] = PipelinedForward
+    # Variants that only run forwards (Eval) take optimizer=None.
+    _requires_optimizer: bool = True
+    # The stream role input_dist is recorded on; Lite runs it on the default stream.
+    _input_dist_role: str = "data_dist"
 
     def __init__(
         self,
@@ -95,7 +99,8 @@ class TrainPipelineSparseDist(TrainPipeline[Any, Any], Recordable):
         rewrite_strategy: Strategy = "auto",
     ) -> None:
         super().__init__()
-        check_optimizer(optimizer, type(self).__name__)
+        if self._requires_optimizer:
+            check_optimizer(optimizer, type(self).__name__)
         if rewrite_strategy not in STRATEGIES:
             raise ValueError(
                 f"rewrite_strategy must be one of {STRATEGIES}, got {rewrite_strategy!r}"
@@ -169,6 +174,14 @@ class TrainPipelineSparseDist(TrainPipeline[Any, Any], Recordable):
         # input_dists exist only after the first input_dist call.
         self._kjt_overrides = fuse_kjt_splits(self._rewrite.modules)
 
+    def _init_input_dist(self, batch: Any, context: TrainPipelineContext) -> None:
+        """Start ``batch``'s input_dist, rewriting the model first if not done yet."""
+        if self._rewrite is None:
+            self._pipeline_model(batch, context)
+        else:
+            self._set_module_context(context)
+            self.start_sparse_data_dist(batch, context)
+
     def _input_dist_modules(self) -> List[Tuple[str, ShardedModule, CallArgs]]:
         assert self._rewrite is not None
         return [(p.name, p.module, p.call_args) for p in self._rewrite.pipelined]
@@ -229,17 +242,20 @@ class TrainPipelineSparseDist(TrainPipeline[Any, Any], Recordable):
             self._set_module_context(self.contexts[0])
 
     def start_sparse_data_dist(self, batch: Optional[Any], context: TrainPipelineContext) -> None:
-        """Wait for ``batch``'s copy, then start its input_dist on the data_dist stream."""
+        """Wait for ``batch``'s copy, then start its input_dist on the data_dist stream.
+
+        Without a data_dist stream (Lite) both run on the current stream.
+        """
         if batch is None:
             return
-        with self._span(rec.INPUT_DIST_START, context.index, "data_dist"):
+        with self._span(rec.INPUT_DIST_START, context.index, self._input_dist_role):
             with on_stream(self._streams.data_dist):
                 wait_for_batch(batch, self._streams.memcpy)
                 start_input_dist(self._input_dist_modules(), batch, context)
 
     def wait_sparse_data_dist(self, context: TrainPipelineContext) -> None:
         """Finish the splits all-to-all, which launches the tensors all-to-all."""
-        with self._span(rec.INPUT_DIST_WAIT, context.index, "data_dist"):
+        with self._span(rec.INPUT_DIST_WAIT, context.index, self._input_dist_role):
             with on_stream(self._streams.data_dist):
                 wait_input_dist(context)
 
@@ -278,11 +294,7 @@ class TrainPipelineSparseDist(TrainPipeline[Any, Any], Recordable):
             return  # draining: the last batch trains alone
         if not self.enqueue_batch(dataloader_iter):
             return
-        if self._rewrite is None:
-            self._pipeline_model(self.batches[0], self.contexts[0])
-        else:
-            self._set_module_context(self.contexts[0])
-            self.start_sparse_data_dist(self.batches[0], self.contexts[0])
+        self._init_input_dist(self.batches[0], self.contexts[0])
         self.wait_sparse_data_dist(self.contexts[0])
         self.enqueue_batch(dataloader_iter)
 
