@@ -10,14 +10,17 @@ from trec_pipelines.context import (
     TrainPipelineContext,
 )
 from trec_pipelines.pipelines.base import TrainPipelineBase
+from trec_pipelines.pipelines.eval_sparse_dist import EvalPipelineSparseDist
 from trec_pipelines.pipelines.pt2 import TorchCompileConfig, TrainPipelinePT2
 from trec_pipelines.pipelines.sparse_dist import TrainPipelineSparseDist
+from trec_pipelines.pipelines.sparse_dist_lite import TrainPipelineSparseDistLite
 from trec_pipelines.recorder import Action, ScheduleRecorder
 from trec_pipelines.rewrite import RewriteResult, restore_model, rewrite_model
 
 __all__ = [
     "Action",
     "EmbeddingTrainPipelineContext",
+    "EvalPipelineSparseDist",
     "PrefetchTrainPipelineContext",
     "RewriteResult",
     "ScheduleRecorder",
@@ -26,6 +29,7 @@ __all__ = [
     "TrainPipelineContext",
     "TrainPipelinePT2",
     "TrainPipelineSparseDist",
+    "TrainPipelineSparseDistLite",
     "restore_model",
     "rewrite_model",
 ]

@@ -1,0 +1,125 @@
+"""TrainPipelineSparseDistLite: only the copy overlaps; input_dist stays on the critical path."""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Iterator, Optional, Tuple, Type
+
+import torch
+
+from trec_pipelines import recorder as rec
+from trec_pipelines.context import TrainPipelineContext
+from trec_pipelines.pipelines.sparse_dist import TrainPipelineSparseDist
+from trec_pipelines.rewrite import Strategy
+from trec_pipelines.stages import wait_for_batch
+from trec_pipelines.streams import StreamSet, make_streams
+
+
+class TrainPipelineSparseDistLite(TrainPipelineSparseDist):
+    """Two batches in flight: ``cur`` runs input_dist and trains, ``nxt`` is copied.
+
+    ==========  =======  ==========================================================
+    stream      slot     work
+    ==========  =======  ==========================================================
+    default     ``cur``  zero_grad, wait, input_dist (start + wait), forward,
+                         backward, step
+    memcpy      ``nxt``  host-to-device copy, issued between backward and step
+    ==========  =======  ==========================================================
+
+    There is no data_dist stream: the all-to-alls of ``cur`` run on the default
+    stream just before its forward, so the pipeline holds one batch fewer than
+    :class:`TrainPipelineSparseDist` (the device memory of two batches, not
+    three) at the price of exposing input_dist.  The copy of ``nxt`` is issued
+    after the backward, so it overlaps the optimizer step and the next
+    ``progress()`` call's host work.
+
+    Same constructor as torchrec 1.8.0's ``TrainPipelineSparseDistLite``
+    (plus ``rewrite_strategy``, see :class:`TrainPipelineSparseDist`), with the
+    same fixes as that class: a new epoch starts without ``reset()``, a plain
+    ``torch.Tensor`` batch works.  ``clear_data_dist_inputs`` is accepted but,
+    as upstream, this schedule has no step that releases the inputs early.
+
+    Example::
+
+        pipeline = TrainPipelineSparseDistLite(dmp_model, optimizer, device)
+        it = iter(dataloader)
+        while True:
+            try:
+                output = pipeline.progress(it)
+            except StopIteration:
+                break
+    """
+
+    _input_dist_role = "default"
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        optimizer: torch.optim.Optimizer,
+        device: torch.device,
+        apply_jit: bool = False,
+        context_type: Type[TrainPipelineContext] = TrainPipelineContext,
+        pipeline_postproc: bool = False,
+        custom_model_fwd: Optional[Callable[[Optional[Any]], Tuple[torch.Tensor, Any]]] = None,
+        enable_inplace_copy_batch: bool = False,
+        free_features_storage_early: bool = False,
+        clear_data_dist_inputs: bool = False,
+        *,
+        rewrite_strategy: Strategy = "auto",
+    ) -> None:
+        super().__init__(
+            model,
+            optimizer,
+            device,
+            apply_jit=apply_jit,
+            context_type=context_type,
+            pipeline_postproc=pipeline_postproc,
+            custom_model_fwd=custom_model_fwd,
+            dmp_collection_sync_interval_batches=None,
+            enable_inplace_copy_batch=enable_inplace_copy_batch,
+            free_features_storage_early=free_features_storage_early,
+            clear_data_dist_inputs=clear_data_dist_inputs,
+            rewrite_strategy=rewrite_strategy,
+        )
+
+    def _make_streams(self) -> StreamSet:
+        return make_streams(self._device, memcpy=True)
+
+    def _pipeline_model_without_input_dist(self, batch: Any) -> None:
+        # attach() of a new model mid-epoch: no in-flight batch has started its
+        # input_dist yet, so the rewrite waits for the next progress(), which
+        # starts one for ``cur`` anyway.
+        return None
+
+    def _wait_for_batch(self) -> None:
+        with self._span(rec.WAIT_BATCH, self.contexts[0].index):  # memcpy -> default
+            wait_for_batch(self.batches[0], self._streams.memcpy)
+
+    def fill_pipeline(self, dataloader_iter: Iterator[Any]) -> None:
+        """Load ``cur`` (copy only) when the queue is empty."""
+        if not self.batches:
+            self.enqueue_batch(dataloader_iter)
+
+    def progress(self, dataloader_iter: Iterator[Any]) -> Any:
+        self._begin_call()
+        if not self._model_attached:
+            self.attach(self._model)
+        self.fill_pipeline(dataloader_iter)
+        if not self.batches:
+            self._source.end_epoch()
+            raise StopIteration
+        cur, ctx = self.batches[0], self.contexts[0]
+        training = self._model.training
+
+        if training:
+            self._zero_grad()                                      # cur, default
+        self._wait_for_batch()                                     # cur, memcpy -> default
+        self._init_input_dist(cur, ctx)                            # cur, default: critical path
+        self.wait_sparse_data_dist(ctx)                            # cur, default
+        losses, output = self._forward()                           # cur, default
+        if training:
+            self._backward(losses)                                 # cur, default
+        self.enqueue_batch(dataloader_iter)                        # nxt, memcpy: overlaps the step
+        if training:
+            self._optimizer_step()                                 # cur, default
+        self.dequeue_batch()
+        return output
