@@ -11,6 +11,7 @@ import logging
 from typing import Any, Iterator, Optional
 
 import torch
+import torch.distributed as dist
 from torchrec.streamable import Multistreamable, Pipelineable
 
 from trec_pipelines.streams import hand_off, on_stream
@@ -78,32 +79,95 @@ class BatchSource:
 
     * Within an epoch ``next()`` is never called again once the iterator has
       signalled its end.
-    * An epoch ends when the pipeline tells it to (:meth:`end_epoch`, after the
-      last batch has been trained); the next pull then starts a new epoch on
-      whatever iterator is passed, including the same iterator object refilled
-      (a ``DataLoader`` with ``persistent_workers=True``).
-    * A new iterator object also starts a new epoch.
+    * An epoch ends when the pipeline says so (:meth:`end_epoch`, once the last
+      batch has been trained); the next pull starts a new epoch on whatever
+      iterator is passed, including the same iterator object refilled (a
+      ``DataLoader`` with ``persistent_workers=True``).  A new iterator object
+      also starts a new epoch.
+    * :meth:`fetch_ahead` pulls the next host batch at the top of
+      ``progress()``, before any work is issued, so an exception raised by the
+      iterator reaches the caller with the pipeline untouched; the held batch
+      is then handed out by the next :meth:`next`.
+    * With ``sync_group`` every pull is agreed across ranks (a one-element
+      all-reduce): once any rank's iterator ends, every rank treats its own as
+      ended at the same step, so no rank waits in a collective for a batch the
+      others will never send.  Batches a rank pulled but could not use are
+      counted in :attr:`unused`.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, sync_group: Optional[Any] = None) -> None:
         self._iterator: Optional[Iterator[Any]] = None
+        self._sync_group = sync_group
+        self._held: Optional[Any] = None
         self.exhausted = False
-        self.loaded = 0  # batches pulled so far, over all epochs
+        self.loaded = 0  # batches handed out so far, over all epochs
+        self.unused = 0  # batches pulled but dropped because another rank ran out
+
+    def _switch_to(self, iterator: Iterator[Any]) -> None:
+        if iterator is self._iterator:
+            return
+        if self._held is not None:
+            logger.warning("a batch fetched from the previous iterator was dropped (new iterator passed)")
+            self._held = None
+            self.loaded -= 1
+        self._iterator = iterator
+        self.exhausted = False
 
     def next(self, iterator: Iterator[Any]) -> Optional[Any]:
-        if iterator is not self._iterator:
-            self._iterator = iterator
-            self.exhausted = False
+        """The next batch, or None at the end of the epoch."""
+        self._switch_to(iterator)
+        if self._held is not None:
+            batch, self._held = self._held, None
+            return batch
+        return self._pull(iterator)
+
+    def fetch_ahead(self, iterator: Iterator[Any]) -> None:
+        """Pull the next batch now; :meth:`next` returns it later."""
+        self._switch_to(iterator)
+        if self._held is None:
+            self._held = self._pull(iterator)
+
+    def _pull(self, iterator: Iterator[Any]) -> Optional[Any]:
         if self.exhausted:
             return None
         try:
             batch = next(iterator)
         except StopIteration:
+            batch = None
+        if self._sync_group is not None:
+            batch = self._agree(batch)
+        if batch is None:
             self.exhausted = True
             return None
         check_batch(batch)
         self.loaded += 1
         return batch
 
+    def _agree(self, batch: Optional[Any]) -> Optional[Any]:
+        flag = torch.tensor([0 if batch is None else 1], dtype=torch.int32)
+        dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=self._sync_group)
+        if batch is not None and int(flag.item()) == 0:
+            self.unused += 1
+            logger.warning(
+                "rank %d: another rank's data ended; stopping here in step with it "
+                "(%d batch(es) left unused on this rank so far)",
+                dist.get_rank(),
+                self.unused,
+            )
+            return None
+        return batch
+
     def end_epoch(self) -> None:
         self.exhausted = False
+
+
+def sync_group_for(sync_exhaustion: bool) -> Optional[Any]:
+    """A gloo group for :class:`BatchSource` agreement, or None when not asked for."""
+    if not sync_exhaustion:
+        return None
+    if not dist.is_available() or not dist.is_initialized():
+        raise RuntimeError(
+            "sync_exhaustion=True agrees on the end of data across ranks and needs "
+            "torch.distributed initialised first (dist.init_process_group(...))"
+        )
+    return dist.new_group(backend="gloo")
