@@ -1,0 +1,255 @@
+"""PrefetchTrainPipelineSparseDist: SparseDist plus an embedding-cache prefetch stage."""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Iterator, Optional, Tuple
+
+import torch
+from torchrec.distributed.types import ShardedModule
+
+from trec_pipelines import recorder as rec
+from trec_pipelines.args import CallArgs
+from trec_pipelines.context import PrefetchTrainPipelineContext
+from trec_pipelines.forwards import BaseForward, PrefetchPipelinedForward
+from trec_pipelines.pipelines.sparse_dist import TrainPipelineSparseDist
+from trec_pipelines.rewrite import Strategy
+from trec_pipelines.stages import wait_for_batch
+from trec_pipelines.streams import (
+    StreamSet,
+    current_stream,
+    make_streams,
+    on_stream,
+    record_event,
+    record_stream,
+    wait_event,
+    wait_stream,
+)
+
+
+class PrefetchTrainPipelineSparseDist(TrainPipelineSparseDist):
+    """Three batches in flight; ``nxt``'s cache prefetch overlaps ``cur``'s backward.
+
+    ==========  =======  ==========================================================
+    stream      slot     work
+    ==========  =======  ==========================================================
+    default     ``cur``  zero_grad, wait, forward (lookup of prefetched rows),
+                         backward, step
+    prefetch    ``nxt``  wait for the tensors all-to-all, ``ShardedModule.prefetch()``
+    data_dist   ``nxt``  tensors all-to-all, launched before ``cur``'s forward
+    data_dist   ``new``  splits all-to-all, started after ``cur``'s step
+    memcpy      ``new``  host-to-device copy
+    ==========  =======  ==========================================================
+
+    Per ``progress()`` call, in the order issued: zero_grad(cur),
+    wait(cur, on the prefetch stream), copy(new), input_dist wait(nxt),
+    forward(cur), prefetch(nxt), backward(cur), step(cur), input_dist
+    start(new).  Filling an empty pipeline copies, distributes and prefetches
+    batch 0, then copies batch 1 and starts its input_dist.
+
+    Each pipelined ``ShardedModule.forward`` becomes a
+    :class:`~trec_pipelines.forwards.PrefetchPipelinedForward`, which finds the
+    batch's input distributed and prefetched and only runs
+    ``compute_and_output_dist``.  Every pipelined module goes through the
+    prefetch stage, including those with nothing to prefetch (every CPU
+    kernel: their ``prefetch()`` is a no-op), so the pipeline runs the same
+    way on CPU and GPU.
+
+    [Note: prefetch ordering]
+    Issuing prefetch(nxt) on the CPU after forward(cur) does not order the two
+    on the GPU: they run on different streams.  Unordered, prefetch(nxt) could
+    evict cache rows forward(cur)'s lookup has not read yet, or be handed
+    memory the allocator freed on the prefetch stream (cache locations of
+    ``cur``) while forward(cur) still reads it: wrong rows, illegal accesses,
+    NaNs (the family of races of torchrec issue #4191).  The lookup may be
+    issued anywhere inside the model's forward (the wrapper returns a lazy
+    awaitable), so the first point where every read of ``cur``'s prefetch is
+    known to be issued is the end of forward(cur).  An event is recorded on
+    the default stream there, and the prefetch stream waits for it before
+    prefetch(nxt).  The prefetch still overlaps cur's backward and optimizer
+    step; the embedding kernel orders it against its own backward (FBGEMM
+    ``prefetch_pipeline``).
+
+    Differences from torchrec 1.8.0, all fixes:
+
+    * It runs on CPU.  Upstream skips the whole prefetch stage when there is no
+      data_dist stream, so the first forward finds no input and fails.
+    * The event above; upstream relies on the CPU issue order alone.
+    * ``prefetch()`` gets the stream the forward really runs on as
+      ``forward_stream``.  Upstream passes a new stream that nothing runs on,
+      so an embedding kernel's ``record_stream`` of the prefetched cache
+      locations does not keep them alive for the forward.
+    * Only an empty pipeline is filled.  Upstream's fill guard never holds in
+      steady state, so with ``execute_all_batches=False`` every step re-runs
+      the fill (torchrec PR #4503).
+    * A new epoch starts without ``reset()``; ``detach()``/``attach()`` keep
+      the in-flight batches (as :class:`TrainPipelineSparseDist`).
+
+    ``clear_data_dist_inputs`` is accepted and, as upstream, has no effect: it
+    frees a batch's input_dist inputs before the batch's forward, and here the
+    prefetch stage has finished that input_dist by then.  Embeddings of a
+    ``DMPCollection`` are not synced between replicas, as upstream.
+
+    Example::
+
+        pipeline = PrefetchTrainPipelineSparseDist(dmp_model, optimizer, device)
+        it = iter(dataloader)
+        while True:
+            try:
+                output = pipeline.progress(it)
+            except StopIteration:
+                break
+    """
+
+    _pipelined_forward_type = PrefetchPipelinedForward
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        optimizer: torch.optim.Optimizer,
+        device: torch.device,
+        execute_all_batches: bool = True,
+        apply_jit: bool = False,
+        pipeline_postproc: bool = True,
+        custom_model_fwd: Optional[Callable[[Optional[Any]], Tuple[torch.Tensor, Any]]] = None,
+        enable_inplace_copy_batch: bool = False,
+        free_features_storage_early: bool = False,
+        clear_data_dist_inputs: bool = False,
+        *,
+        rewrite_strategy: Strategy = "auto",
+    ) -> None:
+        super().__init__(
+            model,
+            optimizer,
+            device,
+            execute_all_batches=execute_all_batches,
+            apply_jit=apply_jit,
+            context_type=PrefetchTrainPipelineContext,
+            pipeline_postproc=pipeline_postproc,
+            custom_model_fwd=custom_model_fwd,
+            enable_inplace_copy_batch=enable_inplace_copy_batch,
+            free_features_storage_early=free_features_storage_early,
+            clear_data_dist_inputs=clear_data_dist_inputs,
+            rewrite_strategy=rewrite_strategy,
+        )
+        # Recorded on the default stream when the last forward was issued;
+        # the next prefetch waits for it (see [Note: prefetch ordering]).
+        self._forward_done: Optional[torch.Event] = None
+
+    # ------------------------------------------------------------------ setup
+
+    def _make_streams(self) -> StreamSet:
+        return make_streams(self._device, memcpy=True, data_dist=True, prefetch=True)
+
+    def _make_forward(self, name: str, call_args: CallArgs, module: ShardedModule) -> BaseForward[Any]:
+        # The wrapper hands the prefetched input over from the prefetch stream.
+        return PrefetchPipelinedForward(
+            name, call_args, module, self._current_context(), self._streams.prefetch
+        )
+
+    # ------------------------------------------------------------------ verbs
+
+    def _prefetch(self, context: PrefetchTrainPipelineContext) -> None:
+        """Finish ``context``'s input_dist and prefetch every module's rows.
+
+        Runs on the prefetch stream.  Moves each module's distributed input and
+        sharding context from ``input_dist_tensors_requests`` /
+        ``module_contexts`` to ``module_input_post_prefetch`` /
+        ``module_contexts_post_prefetch``, where the forward wrapper finds them.
+        """
+        assert self._rewrite is not None, "the model is rewritten before any prefetch"
+        prefetch_stream = self._streams.prefetch
+        data_dist_stream = self._streams.data_dist
+        forward_stream = current_stream(self._device)
+        context.module_input_post_prefetch.clear()
+        context.module_contexts_post_prefetch.clear()
+        with self._span(rec.EMB_PREFETCH, context.index, "prefetch"):
+            # The tensors all-to-alls belong to the data_dist stream; waiting
+            # there keeps any stream work the wait enqueues there too.
+            with on_stream(data_dist_stream):
+                dist_inputs = {
+                    name: context.input_dist_tensors_requests.pop(name).wait()
+                    for name in self._rewrite.names
+                }
+            with on_stream(prefetch_stream):
+                # [Note: prefetch ordering]: not before the last forward's lookups.
+                wait_event(prefetch_stream, self._forward_done)
+                # Everything of this batch so far (copy, input_dist) is now
+                # behind the prefetch stream, which the forward waits for;
+                # this holds even when no module was pipelined.
+                wait_stream(prefetch_stream, data_dist_stream)
+                for pipelined in self._rewrite.pipelined:
+                    name, module = pipelined.name, pipelined.module
+                    dist_input = dist_inputs[name]
+                    module_ctx = context.module_contexts.pop(name)
+                    # Made on data_dist, read here: keep them alive for this stream.
+                    record_stream(dist_input, prefetch_stream)
+                    record_stream(module_ctx, prefetch_stream)
+                    module.prefetch(
+                        dist_input=dist_input, forward_stream=forward_stream, ctx=module_ctx
+                    )
+                    context.module_input_post_prefetch[name] = dist_input
+                    context.module_contexts_post_prefetch[name] = module_ctx
+
+    def _wait_for_batch(self) -> None:
+        # The prefetch stream waited for data_dist, which waited for memcpy:
+        # waiting for prefetch covers the whole chain of this batch.
+        with self._span(rec.WAIT_BATCH, self.contexts[0].index):  # prefetch -> default
+            wait_for_batch(self.batches[0], self._streams.prefetch)
+
+    def _forward(self) -> Tuple[torch.Tensor, Any]:
+        losses, output = super()._forward()
+        # Every lookup of the prefetched rows is issued by now.
+        self._forward_done = record_event(current_stream(self._device))
+        return losses, output
+
+    # --------------------------------------------------------------- schedule
+
+    def fill_pipeline(self, dataloader_iter: Iterator[Any]) -> None:
+        """Fill an empty pipeline: ``cur`` prefetched, ``nxt`` in input_dist.
+
+        A non-empty pipeline is in steady state (two batches) or draining (one)
+        and is left alone.
+        """
+        if self.batches:
+            return
+        if not self.enqueue_batch(dataloader_iter):
+            return
+        if self._rewrite is None:
+            self._pipeline_model(self.batches[0], self.contexts[0])
+        else:
+            self._set_module_context(self.contexts[0])
+            self.start_sparse_data_dist(self.batches[0], self.contexts[0])
+        self.wait_sparse_data_dist(self.contexts[0])
+        self._prefetch(self.contexts[0])  # type: ignore[arg-type]
+        if not self.enqueue_batch(dataloader_iter):
+            return
+        self.start_sparse_data_dist(self.batches[1], self.contexts[1])
+
+    def progress(self, dataloader_iter: Iterator[Any]) -> Any:
+        self._begin_call()
+        if not self._model_attached:
+            self.attach(self._model)
+        self.fill_pipeline(dataloader_iter)
+        if not self.batches:
+            self._source.end_epoch()
+            raise StopIteration
+        self._set_module_context(self.contexts[0])
+        training = self._model.training
+
+        if training:
+            self._zero_grad()                                      # cur, default
+        self._wait_for_batch()                                     # cur, prefetch -> default
+        self.enqueue_batch(dataloader_iter)                        # new, memcpy
+        if len(self.batches) >= 2:
+            # The tensors all-to-all of nxt then runs during cur's forward.
+            self.wait_sparse_data_dist(self.contexts[1])           # nxt, data_dist
+        losses, output = self._forward()                           # cur, default
+        if len(self.batches) >= 2:
+            self._prefetch(self.contexts[1])  # type: ignore[arg-type]  # nxt, prefetch
+        if training:
+            self._backward(losses)                                 # cur, default
+            self._optimizer_step()                                 # cur, default
+        if len(self.batches) >= 3:
+            self.start_sparse_data_dist(self.batches[2], self.contexts[2])  # new, data_dist
+        self.dequeue_batch()
+        return output
