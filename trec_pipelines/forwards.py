@@ -192,7 +192,14 @@ class InSyncEmbeddingPipelinedForward(EmbeddingPipelinedForward):
     """Returns the lookup the pipeline already ran, still attached to autograd."""
 
     def _detach(self, embeddings: EmbeddingOutput) -> None:
-        return None
+        # Nothing is detached, but the output was allocated on the lookup stream
+        # and the forward and backward read it on this one.
+        consumer = current_stream(_device_of(self._stream))
+        if isinstance(embeddings, KeyedTensor):
+            record_stream(embeddings, consumer)
+        else:
+            for jt in embeddings.values():
+                record_stream(jt, consumer)
 
 
 def _detached_leaf(tensor: torch.Tensor) -> torch.Tensor:

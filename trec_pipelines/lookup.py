@@ -25,6 +25,7 @@ from torchrec.distributed.types import ShardedModule
 
 from trec_pipelines.context import EmbeddingTrainPipelineContext
 from trec_pipelines.streams import (
+    current_stream,
     on_stream,
     record_event,
     record_stream,
@@ -46,6 +47,12 @@ def start_embedding_lookup(
     Reads ``input_dist_tensors_requests`` and ``module_contexts``; writes
     ``embedding_a2a_requests`` and ``embedding_lookup_event``.
     """
+    # The caller's stream runs the forward and the backward over this lookup,
+    # and the fused TBE keeps the ids of ``dist_input`` for that backward: the
+    # input is used there too, not only where the lookup runs.
+    compute = current_stream(_device_of(lookup_stream, dist_stream))
+    runs_on = lookup_stream if lookup_stream is not None else compute
+    users = [runs_on] if runs_on == compute else [runs_on, compute]
     wait_event(lookup_stream, weights_ready)
     with on_stream(lookup_stream):
         for name, module in modules:
@@ -54,12 +61,18 @@ def start_embedding_lookup(
             # The tensors all-to-all completes on the stream it was issued to.
             with on_stream(dist_stream):
                 dist_input = request.wait()
-            consumer = lookup_stream
-            if consumer is not None:
-                wait_stream(consumer, dist_stream)
-                record_stream(dist_input, consumer)
-                record_stream(module_ctx, consumer)
+            wait_stream(runs_on, dist_stream)
+            for user in users:
+                record_stream(dist_input, user)
+                record_stream(module_ctx, user)
             context.embedding_a2a_requests[name] = module.compute_and_output_dist(
                 module_ctx, dist_input
             )
     context.embedding_lookup_event = record_event(lookup_stream)
+
+
+def _device_of(*streams: Optional[torch.Stream]) -> torch.device:
+    for stream in streams:
+        if stream is not None:
+            return stream.device
+    return torch.device("cpu")

@@ -1,0 +1,431 @@
+"""TrainPipelineFusedSparseDist and its eval variant: the embedding lookup leaves the forward."""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Deque, Iterator, List, Literal, Optional, Tuple, Type
+
+import torch
+from torchrec.distributed.types import ShardedModule
+
+from trec_pipelines import lookup
+from trec_pipelines import recorder as rec
+from trec_pipelines.args import CallArgs
+from trec_pipelines.context import EmbeddingTrainPipelineContext
+from trec_pipelines.forwards import BaseForward, InSyncEmbeddingPipelinedForward
+from trec_pipelines.pipelines.sparse_dist import TrainPipelineSparseDist
+from trec_pipelines.rewrite import Strategy
+from trec_pipelines.streams import (
+    StreamSet,
+    current_stream,
+    make_streams,
+    record_event,
+    wait_stream,
+)
+
+EmbLookupStream = Literal["data_dist", "new", "current"]
+EMB_LOOKUP_STREAMS: Tuple[str, ...] = ("data_dist", "new", "current")
+
+
+class TrainPipelineFusedSparseDist(TrainPipelineSparseDist):
+    """Three batches in flight as in SparseDist; ``cur``'s embedding lookup runs first, on its own stream.
+
+    ==========  =======  ==================================================
+    stream      slot     work
+    ==========  =======  ==================================================
+    lookup (*)  ``cur``  embedding lookup (``compute_and_output_dist``)
+    default     ``cur``  zero_grad, wait, dense forward, backward, step
+    data_dist   ``nxt``  input_dist: splits all-to-all, then tensors all-to-all
+    memcpy      ``new``  host-to-device copy
+    ==========  =======  ==================================================
+
+    (*) ``emb_lookup_stream``: "data_dist" (default) reuses the input_dist
+    stream, so the caching allocator keeps memory for one stream fewer; "new"
+    gives the lookup a stream of its own (most overlap); "current" runs it on
+    the default stream (no overlap: SparseDist with the lookup issued earlier).
+
+    The lookup of ``cur`` is issued at the top of :meth:`progress`, before the
+    dense forward; each pipelined module's forward is an
+    :class:`~trec_pipelines.forwards.InSyncEmbeddingPipelinedForward`, which
+    hands the result over still attached to autograd, so the backward reaches
+    the embeddings as usual.  On a GPU the lookup overlaps the previous batch's
+    optimizer step.  That is correct only when the embeddings are updated
+    inside the backward (the fused TBE optimizer, torchrec's default for
+    sharded tables): a table trained by the dense optimizer (data-parallel
+    tables) or behind a feature processor would be read before its update.
+    Experimental, as upstream: check NE parity before relying on it.
+    ``embedding_lookup_after_data_dist=True`` issues the lookup after ``nxt``'s
+    input_dist start and ``new``'s copy instead, which helps when launching the
+    all-to-alls is what holds the CPU back.
+
+    Differences from torchrec 1.8.0, all fixes; the first two are races on a
+    GPU, and on CPU the results are bit-identical:
+
+    * The fused TBE writes the embedding rows during the backward of batch
+      ``i-1``, on the default stream.  Upstream orders nothing between that
+      backward and the lookup of batch ``i`` on a side stream (the data_dist
+      stream never waits on the default one), so the lookup can read rows
+      before or while they are written.  Here an event is recorded on the
+      default stream right after each backward and the next lookup waits on
+      it; an event rather than ``wait_stream`` so the lookup still overlaps
+      the optimizer step issued after it.  The first lookup, and the first
+      after :meth:`detach`, waits for all default-stream work instead (weight
+      init, a loaded checkpoint).
+    * The lookup waits for the tensors all-to-all on the data_dist stream, and
+      the dense forward waits for an event recorded right after its batch's
+      lookup.  Upstream's forward waits for the data_dist stream, which with
+      "new" does not cover the lookup at all (fixed upstream after 1.8.0,
+      torchrec #4497).  Inputs and outputs of the lookup are
+      ``record_stream``-ed on every stream that reads them.
+    * 2D sharding (``DMPCollection``) replicas are synced after the backward,
+      as in SparseDist; upstream's Fused never syncs them.
+    * SparseDist's: a new epoch needs no ``reset()``, a ``torch.Tensor``
+      batch works, ``detach()``/``attach()`` keep the in-flight batches.
+
+    ``emb_lookup_stream`` outside the three choices raises ``ValueError``
+    (upstream: ``RuntimeError``).  ``strict`` is accepted and, as upstream,
+    unused.  ``pipeline_postproc`` defaults to True as upstream; postproc
+    modules are not pipelined by trec_pipelines, and a sharded module fed by
+    one keeps its own forward (see :attr:`rewrite_result`).
+
+    Example::
+
+        pipeline = TrainPipelineFusedSparseDist(
+            dmp_model, optimizer, torch.device("cuda"), emb_lookup_stream="new"
+        )
+        it = iter(dataloader)
+        while True:
+            try:
+                output = pipeline.progress(it)
+            except StopIteration:
+                break
+    """
+
+    _pipelined_forward_type: Type[BaseForward[Any]] = InSyncEmbeddingPipelinedForward
+    # context_type is always EmbeddingTrainPipelineContext here.
+    contexts: Deque[EmbeddingTrainPipelineContext]  # type: ignore[assignment]
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        optimizer: torch.optim.Optimizer,
+        device: torch.device,
+        execute_all_batches: bool = True,
+        apply_jit: bool = False,
+        pipeline_postproc: bool = True,
+        custom_model_fwd: Optional[Callable[[Optional[Any]], Tuple[torch.Tensor, Any]]] = None,
+        strict: bool = False,
+        emb_lookup_stream: EmbLookupStream = "data_dist",
+        embedding_lookup_after_data_dist: bool = False,
+        enable_inplace_copy_batch: bool = False,
+        enqueue_batch_after_forward: bool = False,
+        free_features_storage_early: bool = False,
+        clear_data_dist_inputs: bool = False,
+        *,
+        rewrite_strategy: Strategy = "auto",
+    ) -> None:
+        if emb_lookup_stream not in EMB_LOOKUP_STREAMS:
+            raise ValueError(
+                f"emb_lookup_stream must be one of {EMB_LOOKUP_STREAMS}, got "
+                f"{emb_lookup_stream!r}: 'data_dist' reuses the input_dist stream, "
+                "'new' creates a stream for the lookup, 'current' runs it on the "
+                "default stream"
+            )
+        # Read by _make_streams, which the base constructor calls.
+        self._emb_lookup_choice: str = emb_lookup_stream
+        super().__init__(
+            model,
+            optimizer,
+            device,
+            execute_all_batches=execute_all_batches,
+            apply_jit=apply_jit,
+            context_type=EmbeddingTrainPipelineContext,
+            # Nothing to warn about by default: the rewrite reports any sharded
+            # module it left alone because a postproc feeds it.
+            pipeline_postproc=False,
+            custom_model_fwd=custom_model_fwd,
+            enqueue_batch_after_forward=enqueue_batch_after_forward,
+            enable_inplace_copy_batch=enable_inplace_copy_batch,
+            free_features_storage_early=free_features_storage_early,
+            clear_data_dist_inputs=clear_data_dist_inputs,
+            rewrite_strategy=rewrite_strategy,
+        )
+        self._pipeline_postproc = pipeline_postproc
+        self._strict = strict
+        self._embedding_lookup_after_data_dist = embedding_lookup_after_data_dist
+        self._lookup_stream: Optional[torch.Stream]
+        self._lookup_role: str  # the stream's name in recorded schedules
+        if emb_lookup_stream == "data_dist":
+            self._lookup_stream, self._lookup_role = self._streams.data_dist, "data_dist"
+        elif emb_lookup_stream == "new":
+            self._lookup_stream, self._lookup_role = self._streams.emb_lookup, "emb_lookup"
+        else:
+            self._lookup_stream, self._lookup_role = current_stream(self._device), "default"
+        # Recorded on the default stream once the embeddings are up to date;
+        # the next lookup waits on it (None: record one at the next lookup).
+        self._weights_ready: Optional[torch.Event] = None
+
+    # ------------------------------------------------------------------ setup
+
+    def _make_streams(self) -> StreamSet:
+        return make_streams(
+            self._device,
+            memcpy=True,
+            data_dist=True,
+            emb_lookup=self._emb_lookup_choice == "new",
+        )
+
+    def _make_forward(
+        self, name: str, call_args: CallArgs, module: ShardedModule
+    ) -> BaseForward[Any]:
+        return InSyncEmbeddingPipelinedForward(
+            name, call_args, module, self._current_context(), self._lookup_stream  # type: ignore[arg-type]
+        )
+
+    def _lookup_modules(self) -> List[Tuple[str, ShardedModule]]:
+        if self._rewrite is None:
+            return []
+        return [(p.name, p.module) for p in self._rewrite.pipelined]
+
+    def _weights_ready_event(self) -> Optional[torch.Event]:
+        if self._weights_ready is None:
+            # No backward since the start (or since detach): the rows may have
+            # been written by anything on the default stream, so wait for all of it.
+            self._weights_ready = record_event(current_stream(self._device))
+        return self._weights_ready
+
+    # ------------------------------------------------------------------ verbs
+
+    def start_embedding_lookup(
+        self, batch: Optional[Any], context: EmbeddingTrainPipelineContext
+    ) -> None:
+        """Issue ``batch``'s embedding lookup on the lookup stream.
+
+        ``batch``'s input_dist must have been waited (:meth:`wait_sparse_data_dist`).
+        """
+        if batch is None:
+            return
+        with self._span(rec.EMB_LOOKUP, context.index, self._lookup_role):
+            lookup.start_embedding_lookup(
+                self._lookup_modules(),
+                context,
+                dist_stream=self._streams.data_dist,
+                lookup_stream=self._lookup_stream,
+                weights_ready=self._weights_ready_event(),
+            )
+
+    def wait_embedding_lookup(self) -> None:
+        """Make the current stream wait for every lookup issued so far."""
+        wait_stream(current_stream(self._device), self._lookup_stream)
+
+    def _mark_weights_ready(self) -> None:
+        # The fused TBE has updated the rows in the backward just issued on this
+        # stream; the step that follows touches only dense parameters.
+        self._weights_ready = record_event(current_stream(self._device))
+
+    # --------------------------------------------------------------- schedule
+
+    def progress(self, dataloader_iter: Iterator[Any]) -> Any:
+        self._begin_call()
+        if not self._model_attached:
+            self.attach(self._model)
+        self.fill_pipeline(dataloader_iter)
+        if not self.batches:
+            self._source.end_epoch()
+            raise StopIteration
+        self._set_module_context(self.contexts[0])
+        training = self._model.training
+
+        if not self._embedding_lookup_after_data_dist:
+            self.start_embedding_lookup(self.batches[0], self.contexts[0])  # cur, lookup (overlaps last step)
+        if training:
+            self._zero_grad()                                      # cur, default
+        self._wait_for_batch()                                     # cur, data_dist -> default
+        if self._clear_data_dist_inputs:
+            self.clear_sparse_data_dist_inputs(self.contexts[0])
+        if len(self.batches) >= 2:
+            self.start_sparse_data_dist(self.batches[1], self.contexts[1])  # nxt, data_dist
+        if not self._enqueue_batch_after_forward:
+            self.enqueue_batch(dataloader_iter)                    # new, memcpy
+        if self._embedding_lookup_after_data_dist:
+            self.start_embedding_lookup(self.batches[0], self.contexts[0])  # cur, lookup
+        losses, output = self._forward()                           # cur, default (waits for the lookup)
+        if self._enqueue_batch_after_forward:
+            self.enqueue_batch(dataloader_iter)                    # new, memcpy
+        if len(self.batches) >= 2:
+            self.wait_sparse_data_dist(self.contexts[1])           # nxt, data_dist
+        if training:
+            self._backward(losses)                                 # cur, default (updates embeddings)
+            self.sync_embeddings(
+                self._model, self._dmp_collection_sync_interval_batches, self.contexts[0]
+            )
+            self._mark_weights_ready()                             # default: the next lookup waits here
+            self._optimizer_step()                                 # cur, default
+        self.dequeue_batch()
+        return output
+
+    # ------------------------------------------------------- attach / detach
+
+    def detach(self) -> torch.nn.Module:
+        """As SparseDist's; the next lookup also waits for whatever the user ran meanwhile."""
+        self._weights_ready = None
+        return super().detach()
+
+
+class EvalPipelineFusedSparseDist(TrainPipelineFusedSparseDist):
+    """Inference in Fused's order: no backward or step, the forward under ``torch.no_grad()``.
+
+    ==========  =======  ==================================================
+    stream      slot     work
+    ==========  =======  ==================================================
+    lookup      ``cur``  embedding lookup (with prefetch: ``nxt``'s, issued
+                         after ``cur``'s forward)
+    default     ``cur``  wait, dense forward
+    data_dist   ``nxt``  input_dist
+    memcpy      ``new``  host-to-device copy
+    ==========  =======  ==================================================
+
+    Three batches in flight.  By default ``cur``'s lookup is issued at the top
+    of :meth:`progress` and its forward right after, so the two run one after
+    the other.  With ``enable_embedding_lookup_prefetch=True`` the lookup runs
+    one batch ahead: ``fill_pipeline`` starts the first batch's, and each
+    :meth:`progress` issues ``nxt``'s right after ``cur``'s forward, so on a
+    GPU they overlap (use ``emb_lookup_stream="new"``; two batches' embeddings
+    are then alive at once).  The lookup stream choices, the fixes and the
+    arguments are :class:`TrainPipelineFusedSparseDist`'s, except that
+    ``optimizer`` may be ``None``.  As upstream, the copy of ``new`` is always
+    issued before the forward (``enqueue_batch_after_forward`` has no effect),
+    and ``zero_grad`` runs if the model is left in training mode.
+
+    Example::
+
+        model.eval()
+        pipeline = EvalPipelineFusedSparseDist(
+            model, optimizer, device, enable_embedding_lookup_prefetch=True
+        )
+        it = iter(dataloader)
+        while True:
+            try:
+                predictions = pipeline.progress(it)
+            except StopIteration:
+                break
+    """
+
+    # Nothing is trained: optimizer=None is fine.
+    _requires_optimizer: bool = False
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        optimizer: Optional[torch.optim.Optimizer],
+        device: torch.device,
+        execute_all_batches: bool = True,
+        apply_jit: bool = False,
+        pipeline_postproc: bool = True,
+        custom_model_fwd: Optional[Callable[[Optional[Any]], Tuple[torch.Tensor, Any]]] = None,
+        strict: bool = False,
+        emb_lookup_stream: EmbLookupStream = "data_dist",
+        embedding_lookup_after_data_dist: bool = False,
+        enable_inplace_copy_batch: bool = False,
+        enqueue_batch_after_forward: bool = False,
+        free_features_storage_early: bool = False,
+        clear_data_dist_inputs: bool = False,
+        *,
+        enable_embedding_lookup_prefetch: bool = False,
+        rewrite_strategy: Strategy = "auto",
+    ) -> None:
+        super().__init__(
+            model,
+            optimizer,  # type: ignore[arg-type]
+            device,
+            execute_all_batches=execute_all_batches,
+            apply_jit=apply_jit,
+            pipeline_postproc=pipeline_postproc,
+            custom_model_fwd=custom_model_fwd,
+            strict=strict,
+            emb_lookup_stream=emb_lookup_stream,
+            embedding_lookup_after_data_dist=embedding_lookup_after_data_dist,
+            enable_inplace_copy_batch=enable_inplace_copy_batch,
+            enqueue_batch_after_forward=enqueue_batch_after_forward,
+            free_features_storage_early=free_features_storage_early,
+            clear_data_dist_inputs=clear_data_dist_inputs,
+            rewrite_strategy=rewrite_strategy,
+        )
+        self._enable_embedding_lookup_prefetch = enable_embedding_lookup_prefetch
+
+    def _zero_grad_if_training(self) -> None:
+        # Upstream clears the gradients when the model was left in training mode.
+        if self._model.training and self._optimizer is not None:
+            self._zero_grad()
+
+    def _eval_forward(self) -> Any:
+        with self._span(rec.FORWARD, self.contexts[0].index):
+            with torch.no_grad():
+                _, output = self._model_fwd(self.batches[0])
+        return output
+
+    # --------------------------------------------------------------- schedule
+
+    def fill_pipeline(self, dataloader_iter: Iterator[Any]) -> None:
+        """SparseDist's fill; with prefetch, also start ``cur``'s lookup before copying ``nxt``."""
+        if not self._enable_embedding_lookup_prefetch:
+            super().fill_pipeline(dataloader_iter)
+            return
+        if len(self.batches) >= 2:
+            return
+        if self.batches and self._execute_all_batches:
+            return  # draining: the last batch's lookup is already under way
+        if not self.enqueue_batch(dataloader_iter):
+            return
+        self._init_input_dist(self.batches[0], self.contexts[0])
+        self.wait_sparse_data_dist(self.contexts[0])
+        self.start_embedding_lookup(self.batches[0], self.contexts[0])  # the first forward's
+        self.enqueue_batch(dataloader_iter)
+
+    def progress(self, dataloader_iter: Iterator[Any]) -> Any:
+        self._begin_call()
+        if not self._model_attached:
+            self.attach(self._model)
+        self.fill_pipeline(dataloader_iter)
+        if not self.batches:
+            self._source.end_epoch()
+            raise StopIteration
+        self._set_module_context(self.contexts[0])
+        if self._enable_embedding_lookup_prefetch:
+            return self._progress_prefetch(dataloader_iter)
+        return self._progress_in_order(dataloader_iter)
+
+    def _progress_in_order(self, dataloader_iter: Iterator[Any]) -> Any:
+        """``cur``'s lookup, then its forward (the Fused training order without the update)."""
+        if not self._embedding_lookup_after_data_dist:
+            self.start_embedding_lookup(self.batches[0], self.contexts[0])  # cur, lookup
+        self._zero_grad_if_training()                              # cur, default
+        self._wait_for_batch()                                     # cur, data_dist -> default
+        if self._clear_data_dist_inputs:
+            self.clear_sparse_data_dist_inputs(self.contexts[0])
+        if len(self.batches) >= 2:
+            self.start_sparse_data_dist(self.batches[1], self.contexts[1])  # nxt, data_dist
+        self.enqueue_batch(dataloader_iter)                        # new, memcpy
+        if self._embedding_lookup_after_data_dist:
+            self.start_embedding_lookup(self.batches[0], self.contexts[0])  # cur, lookup
+        output = self._eval_forward()                              # cur, default (waits for the lookup)
+        if len(self.batches) >= 2:
+            self.wait_sparse_data_dist(self.contexts[1])           # nxt, data_dist
+        self.dequeue_batch()
+        return output
+
+    def _progress_prefetch(self, dataloader_iter: Iterator[Any]) -> Any:
+        """``cur``'s lookup was started one call earlier; ``nxt``'s starts after ``cur``'s forward."""
+        self._zero_grad_if_training()                              # cur, default
+        self._wait_for_batch()                                     # cur, data_dist -> default
+        if self._clear_data_dist_inputs:
+            self.clear_sparse_data_dist_inputs(self.contexts[0])
+        if len(self.batches) >= 2:
+            self.start_sparse_data_dist(self.batches[1], self.contexts[1])  # nxt, data_dist
+        self.enqueue_batch(dataloader_iter)                        # new, memcpy
+        # Issued before nxt's input_dist wait, which it does not depend on.
+        output = self._eval_forward()                              # cur, default (lookup primed)
+        if len(self.batches) >= 2:
+            self.wait_sparse_data_dist(self.contexts[1])           # nxt, data_dist
+            self.start_embedding_lookup(self.batches[1], self.contexts[1])  # nxt, lookup (overlaps cur's forward)
+        self.dequeue_batch()
+        return output
