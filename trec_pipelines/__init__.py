@@ -11,6 +11,11 @@ from trec_pipelines.context import (
 )
 from trec_pipelines.pipelines.base import TrainPipelineBase
 from trec_pipelines.pipelines.eval_sparse_dist import EvalPipelineSparseDist
+from trec_pipelines.pipelines.fused_sparse_dist import (
+    EvalPipelineFusedSparseDist,
+    TrainPipelineFusedSparseDist,
+)
+from trec_pipelines.pipelines.prefetch import PrefetchTrainPipelineSparseDist
 from trec_pipelines.pipelines.pt2 import TorchCompileConfig, TrainPipelinePT2
 from trec_pipelines.pipelines.sparse_dist import TrainPipelineSparseDist
 from trec_pipelines.pipelines.sparse_dist_lite import TrainPipelineSparseDistLite
@@ -20,13 +25,16 @@ from trec_pipelines.rewrite import RewriteResult, restore_model, rewrite_model
 __all__ = [
     "Action",
     "EmbeddingTrainPipelineContext",
+    "EvalPipelineFusedSparseDist",
     "EvalPipelineSparseDist",
     "PrefetchTrainPipelineContext",
+    "PrefetchTrainPipelineSparseDist",
     "RewriteResult",
     "ScheduleRecorder",
     "TorchCompileConfig",
     "TrainPipelineBase",
     "TrainPipelineContext",
+    "TrainPipelineFusedSparseDist",
     "TrainPipelinePT2",
     "TrainPipelineSparseDist",
     "TrainPipelineSparseDistLite",
