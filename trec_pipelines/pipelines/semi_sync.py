@@ -1,0 +1,403 @@
+"""TrainPipelineSemiSync: the next batch's embedding lookup runs before this batch's backward."""
+
+from __future__ import annotations
+
+import logging
+from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple, cast
+
+import torch
+from torchrec.distributed.types import ShardedModule
+
+from trec_pipelines import recorder as rec
+from trec_pipelines.args import CallArgs
+from trec_pipelines.context import EmbeddingTrainPipelineContext, TrainPipelineContext
+from trec_pipelines.forwards import BaseForward, EmbeddingPipelinedForward
+from trec_pipelines.input_dist import start_input_dist
+from trec_pipelines.lookup import start_embedding_lookup as run_embedding_lookup
+from trec_pipelines.pipelines.sparse_dist import TrainPipelineSparseDist
+from trec_pipelines.rewrite import Strategy
+from trec_pipelines.stages import BatchSource, backward, wait_for_batch
+from trec_pipelines.streams import (
+    current_stream,
+    on_stream,
+    record_event,
+    record_stream,
+    wait_event,
+)
+
+logger: logging.Logger = logging.getLogger(__name__)
+
+
+class TrainPipelineSemiSync(TrainPipelineSparseDist):
+    """Four batches in flight; once semi-sync, ``nxt`` is looked up before ``cur``'s backward.
+
+    ==========  ===========  ======================================================
+    stream      slot         work
+    ==========  ===========  ======================================================
+    default     ``cur``      wait for the copy, forward on detached embeddings,
+                             backward, embedding backward, step, zero_grad
+    default     ``nxt``      embedding lookup: right after ``cur``'s forward once
+                             semi-sync, after ``cur``'s zero_grad before that
+    data_dist   ``slot(2)``  input_dist: splits all-to-all, then tensors all-to-all
+    memcpy      ``slot(3)``  host-to-device copy
+    ==========  ===========  ======================================================
+
+    Pipelined modules get an
+    :class:`~trec_pipelines.forwards.EmbeddingPipelinedForward`: the forward
+    reads the lookup already run for its batch, as detached leaves, so the
+    dense backward stops there and :meth:`embedding_backward` then sends the
+    leaves' gradients into the tables (whose fused optimizer updates them).
+
+    Batches before ``start_batch`` train synchronously: ``nxt`` is looked up
+    after ``cur``'s update, and training equals the plain loop (zero_grad,
+    forward, backward, step).  From ``start_batch`` on, ``nxt`` is looked up
+    before ``cur``'s update (batch ``i`` reads rows updated through ``i-2``),
+    and the all-to-all of its embeddings overlaps ``cur``'s backward.  With
+    ``stash_gradients`` every semi-sync step applies the previous batch's
+    dense gradients instead (none at ``start_batch``: that step is skipped).
+
+    The numerics are torchrec 1.8.0's ``TrainPipelineSemiSync``, bit for bit,
+    and so is the order of work within a call.  The recorder shows, per call:
+    ``InputDistStart[i+2] WaitBatch[i] Forward[i] H2D[i+3] EmbLookup[i+1]``
+    (semi-sync) ``InputDistWait[i+2] Backward[i] EmbBackward[i] OptimizerStep
+    ZeroGrad[i] EmbLookup[i+1]`` (synchronous).  The schedule notes
+    (seeds/001, "TrainPipelineSemiSync") have the same tasks, slots and streams
+    but list ``ZeroGrad`` first and ``EmbLookup[i+1]`` after the step in both
+    modes -- in semi-sync mode that order would look up rows batch ``i`` has
+    already updated -- and spread the fill over three calls, where here the
+    first call fills (lookup of batch 0, input_dist of 1, copy of 2) and
+    returns batch 0's output.  ``OptimizerStep`` carries the batch whose
+    gradients it applies (``i-1`` when stashing); a skipped step is not recorded.
+
+    No device-wide synchronize.  Upstream synchronizes the device before the
+    synchronous lookup; the race that covers is that its lookup never waits
+    for the tensors all-to-all it reads (only for events recorded before that
+    all-to-all was issued).  Here the lookup makes the default stream wait for
+    data_dist after finishing that all-to-all
+    (:func:`trec_pipelines.lookup.start_embedding_lookup`), the forward waits
+    for an event recorded on memcpy right after its batch's copy, and the
+    lookup, backward and fused update all run on the default stream, ordered
+    by issue order.
+
+    Differences from torchrec 1.8.0, all fixes:
+
+    * an embedding output the loss does not use gets no gradient (upstream
+      sends ones into it when it has a single element);
+    * with ``stash_gradients``, a parameter without a gradient in batch ``i``
+      gets none at the next step (upstream applies batch ``i-1``'s again);
+    * ``clear_data_dist_inputs`` frees the inputs of the tensors all-to-all
+      still in flight, batch ``i+1``'s (upstream: batch ``i``'s, already read);
+    * ``strict`` raises ``ValueError`` (upstream: a bare ``Exception``);
+    * as :class:`TrainPipelineSparseDist`: new epochs without ``reset()``,
+      plain tensor batches, ``detach()``/``attach()`` keep in-flight batches.
+
+    As upstream, ``reset()`` restarts the batch count (synchronous again for
+    ``start_batch`` batches), and every loaded batch is trained whatever
+    ``execute_all_batches`` says (upstream's copy never raises at the end).
+
+    The optimizer should hold the dense parameters only; the tables are
+    updated by their fused optimizer.  A pipelined module's parameter in the
+    optimizer is reported when an epoch starts, as an error with ``strict``.
+
+    Example::
+
+        dense_optimizer = KeyedOptimizerWrapper(
+            dict(in_backward_optimizer_filter(dmp_model.named_parameters())),
+            lambda params: torch.optim.Adagrad(params, lr=0.01),
+        )
+        pipeline = TrainPipelineSemiSync(dmp_model, dense_optimizer, device, start_batch=900)
+        it = iter(dataloader)
+        while True:
+            try:
+                output = pipeline.progress(it)
+            except StopIteration:
+                break
+    """
+
+    _pipelined_forward_type = EmbeddingPipelinedForward
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        optimizer: torch.optim.Optimizer,
+        device: torch.device,
+        execute_all_batches: bool = True,
+        apply_jit: bool = False,
+        start_batch: int = 900,
+        stash_gradients: bool = False,
+        pipeline_postproc: bool = True,
+        custom_model_fwd: Optional[Callable[[Optional[Any]], Tuple[torch.Tensor, Any]]] = None,
+        strict: bool = False,
+        dmp_collection_sync_interval_batches: Optional[int] = 1,
+        enable_inplace_copy_batch: bool = False,
+        free_features_storage_early: bool = False,
+        clear_data_dist_inputs: bool = False,
+        *,
+        rewrite_strategy: Strategy = "auto",
+    ) -> None:
+        super().__init__(
+            model,
+            optimizer,
+            device,
+            execute_all_batches=execute_all_batches,
+            apply_jit=apply_jit,
+            context_type=EmbeddingTrainPipelineContext,
+            pipeline_postproc=pipeline_postproc,
+            custom_model_fwd=custom_model_fwd,
+            dmp_collection_sync_interval_batches=dmp_collection_sync_interval_batches,
+            enable_inplace_copy_batch=enable_inplace_copy_batch,
+            free_features_storage_early=free_features_storage_early,
+            clear_data_dist_inputs=clear_data_dist_inputs,
+            rewrite_strategy=rewrite_strategy,
+        )
+        self._start_batch = start_batch
+        self._stash_gradients = stash_gradients
+        self._strict = strict
+        # Parameter name -> the gradient of the last batch, applied at the next step.
+        self._gradients: Dict[str, torch.Tensor] = {}
+        self._warned_unused_features = False
+        logger.debug("%s: semi-sync from batch %d", type(self).__name__, start_batch)
+
+    # ------------------------------------------------------------------ setup
+
+    def _make_forward(
+        self, name: str, call_args: CallArgs, module: ShardedModule
+    ) -> BaseForward[Any]:
+        return EmbeddingPipelinedForward(
+            name,
+            call_args,
+            module,
+            cast(EmbeddingTrainPipelineContext, self._current_context()),
+            self._streams.data_dist,
+        )
+
+    def _lookup_modules(self) -> List[Tuple[str, ShardedModule]]:
+        assert self._rewrite is not None
+        return [(p.name, p.module) for p in self._rewrite.pipelined]
+
+    def _validate_optimizer(self) -> None:
+        """Report pipelined modules whose parameters the optimizer also holds."""
+        held = {id(p) for group in self._optimizer.param_groups for p in group["params"]}
+        shared = [
+            p.name
+            for p in (self._rewrite.pipelined if self._rewrite is not None else ())
+            if any(id(param) in held for param in p.module.parameters())
+        ]
+        if not shared:
+            return
+        message = (
+            f"{type(self).__name__}: the optimizer holds parameters of the pipelined "
+            f"module(s) {shared}. Their gradients arrive in embedding_backward, and "
+            "semi-sync training expects the fused (in-backward) optimizer to update "
+            "them there; stepping them with the dense optimizer as well can hurt "
+            "convergence. Pass an optimizer over the other parameters only, e.g. "
+            "KeyedOptimizerWrapper(dict(in_backward_optimizer_filter("
+            "model.named_parameters())), ...)"
+        )
+        if self._strict:
+            raise ValueError(message + ", or strict=False to only warn.")
+        logger.warning(message + ".")
+
+    def is_semi_sync(self) -> bool:
+        """True when the next batch to train is at or past ``start_batch``."""
+        if not self.contexts:
+            return False
+        index = self.contexts[0].index
+        return index is not None and index >= self._start_batch
+
+    def extract_model_input_from_batch(self, batch: Any) -> Any:
+        """What input_dist reads from ``batch``; override when they differ.
+
+        As upstream, the model rewrite still sees the whole batch, so with an
+        override use FX tracing (``rewrite_strategy="fx"``), which binds the
+        modules' arguments to what the model's forward receives.
+        """
+        return batch
+
+    # ------------------------------------------------------------------ verbs
+
+    def enqueue_batch(self, dataloader_iter: Iterator[Any]) -> bool:
+        """Load, copy and queue one batch, with an event marking the end of its copy."""
+        if not super().enqueue_batch(dataloader_iter):
+            return False
+        # The forward waits for this batch's copy only, not for later copies.
+        copied = record_event(self._streams.memcpy)
+        if copied is not None:
+            self.contexts[-1].events.append(copied)
+        return True
+
+    def start_sparse_data_dist(self, batch: Optional[Any], context: TrainPipelineContext) -> None:
+        """Wait for ``batch``'s copy, then start the input_dist of its model input."""
+        if batch is None:
+            return
+        with self._span(rec.INPUT_DIST_START, context.index, "data_dist"):
+            with on_stream(self._streams.data_dist):
+                wait_for_batch(batch, self._streams.memcpy)
+                model_input = self.extract_model_input_from_batch(batch)
+                start_input_dist(self._input_dist_modules(), model_input, context)
+
+    def start_embedding_lookup(
+        self, batch: Optional[Any], context: EmbeddingTrainPipelineContext
+    ) -> None:
+        """Finish ``batch``'s input_dist and run its lookup on the current stream."""
+        if batch is None:
+            return
+        with self._span(rec.EMB_LOOKUP, context.index):  # data_dist -> default
+            run_embedding_lookup(
+                self._lookup_modules(),
+                context,
+                dist_stream=self._streams.data_dist,
+                # The current stream, which also runs the backward and fused
+                # update this lookup must (or, semi-sync, must not) see: issue
+                # order is the ordering, so no weights event is needed.
+                lookup_stream=current_stream(self._device),
+                weights_ready=None,
+            )
+
+    def _train_forward(
+        self, batch: Any, context: TrainPipelineContext
+    ) -> Tuple[torch.Tensor, Any]:
+        with self._span(rec.WAIT_BATCH, context.index):  # memcpy -> default, by event
+            consumer = current_stream(self._device)
+            for event in context.events:
+                wait_event(consumer, event)
+            context.events.clear()
+            if not self._enable_inplace_copy_batch:
+                # Allocated on the memcpy stream; an inplace copy allocates here.
+                record_stream(batch, consumer)
+        with self._span(rec.FORWARD, context.index):
+            return self._model_fwd(batch)
+
+    def _dense_backward(self, losses: torch.Tensor, context: TrainPipelineContext) -> None:
+        with self._span(rec.BACKWARD, context.index):
+            backward(losses)
+
+    def embedding_backward(self, context: EmbeddingTrainPipelineContext) -> None:
+        """Send the gradients the dense backward left on the detached embeddings into them.
+
+        Each pipelined module's outputs go back in one ``torch.autograd.backward``
+        call; the fused optimizer updates the tables during it.  Outputs the loss
+        did not use have no gradient and are left out (logged once).
+        """
+        with self._span(rec.EMB_BACKWARD, context.index):
+            assert len(context.embedding_tensors) == len(context.embedding_features)
+            for tensors, features, leaves in zip(
+                context.embedding_tensors,
+                context.embedding_features,
+                context.detached_embedding_tensors,
+            ):
+                outputs: List[torch.Tensor] = []
+                grads: List[torch.Tensor] = []
+                unused: List[str] = []
+                for feature, tensor, leaf in zip(features, tensors, leaves):
+                    if leaf.grad is None:
+                        unused.extend([feature] if isinstance(feature, str) else feature)
+                        continue
+                    outputs.append(tensor)
+                    grads.append(leaf.grad)
+                if unused and not self._warned_unused_features:
+                    self._warned_unused_features = True
+                    logger.warning(
+                        "%s: no gradient reaches the embeddings of features %s "
+                        "(the loss does not use them); they are not updated",
+                        type(self).__name__,
+                        unused,
+                    )
+                if outputs:
+                    torch.autograd.backward(outputs, grads)
+
+    def _grad_swap(self) -> None:
+        """Give every parameter the previous batch's gradient and stash this batch's."""
+        for name, param in self._model.named_parameters():
+            previous = self._gradients.pop(name, None)
+            if param.grad is not None:
+                # A copy: the live gradient may be a view into a DDP bucket
+                # that the next backward overwrites.
+                self._gradients[name] = param.grad.clone()
+            param.grad = previous
+
+    def _dense_step(self, context: TrainPipelineContext, semi_sync: bool) -> None:
+        index = cast(int, context.index)
+        if semi_sync and self._stash_gradients:
+            self._grad_swap()
+            if index == self._start_batch:
+                # Nothing was stashed yet, and not every optimizer steps on None gradients.
+                return
+            index -= 1
+        with self._span(rec.OPTIMIZER_STEP, index):
+            self._optimizer.step()
+
+    def _dense_zero_grad(self, context: TrainPipelineContext) -> None:
+        with self._span(rec.ZERO_GRAD, context.index):
+            self._optimizer.zero_grad()
+
+    # --------------------------------------------------------------- schedule
+
+    def fill_pipeline(self, dataloader_iter: Iterator[Any]) -> None:
+        """From empty: ``cur`` through its lookup, ``nxt`` through input_dist, a third copied."""
+        if self.batches:
+            return  # full, or draining: what is in flight trains first
+        if not self.enqueue_batch(dataloader_iter):
+            return
+        if self._rewrite is None:
+            self._pipeline_model(self.batches[0], self.contexts[0])
+        else:
+            self._set_module_context(self.contexts[0])
+            self.start_sparse_data_dist(self.batches[0], self.contexts[0])
+        self.wait_sparse_data_dist(self.contexts[0])
+        self._validate_optimizer()
+        self.start_embedding_lookup(self.batches[0], self._embedding_context(0))
+        if not self.enqueue_batch(dataloader_iter):
+            return
+        self.start_sparse_data_dist(self.batches[1], self.contexts[1])
+        self.wait_sparse_data_dist(self.contexts[1])
+        self.enqueue_batch(dataloader_iter)
+
+    def progress(self, dataloader_iter: Iterator[Any]) -> Any:
+        self._begin_call()
+        if not self._model_attached:
+            self.attach(self._model)
+        self.fill_pipeline(dataloader_iter)
+        if not self.batches:
+            self._source.end_epoch()
+            raise StopIteration
+        self._set_module_context(self.contexts[0])
+        semi_sync = self.is_semi_sync()
+
+        if self._clear_data_dist_inputs and len(self.contexts) >= 2:
+            self.clear_sparse_data_dist_inputs(self.contexts[1])   # nxt, data_dist (in flight)
+        if len(self.batches) >= 3:
+            self.start_sparse_data_dist(self.batches[2], self.contexts[2])  # slot(2), data_dist
+        batch, context = self.batches[0], self._embedding_context(0)
+        losses, output = self._train_forward(batch, context)       # cur, memcpy -> default
+        self.dequeue_batch()  # nxt is now at the front, and the wrappers serve it
+        del batch  # cur's input is only held by the autograd graph from here on
+        self.enqueue_batch(dataloader_iter)                        # slot(3), memcpy
+        if semi_sync and self.batches:
+            # nxt, data_dist -> default: issued before cur's update, so it misses it
+            self.start_embedding_lookup(self.batches[0], self._embedding_context(0))
+        if len(self.batches) >= 2:
+            self.wait_sparse_data_dist(self.contexts[1])           # slot(2), data_dist
+        if self._model.training:
+            self._dense_backward(losses, context)                  # cur, default
+            self.embedding_backward(context)                       # cur, default (fused update)
+            self.sync_embeddings(
+                self._model, self._dmp_collection_sync_interval_batches, context
+            )
+            self._dense_step(context, semi_sync)                   # cur (i-1 stashed), default
+            self._dense_zero_grad(context)                         # cur, default
+        if not semi_sync and self.batches:
+            # nxt, data_dist -> default: issued after cur's update, so it sees it
+            self.start_embedding_lookup(self.batches[0], self._embedding_context(0))
+        return output
+
+    def _embedding_context(self, slot: int) -> EmbeddingTrainPipelineContext:
+        return cast(EmbeddingTrainPipelineContext, self.contexts[slot])
+
+    # ------------------------------------------------------------------ reset
+
+    def reset(self) -> None:
+        """Drop the in-flight batches and restart the batch count (synchronous again)."""
+        super().reset()
+        self._source = BatchSource()
+        self._gradients.clear()
