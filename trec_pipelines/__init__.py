@@ -16,6 +16,7 @@ from trec_pipelines.pipelines.fused_sparse_dist import (
     TrainPipelineFusedSparseDist,
 )
 from trec_pipelines.pipelines.prefetch import PrefetchTrainPipelineSparseDist
+from trec_pipelines.pipelines.semi_sync import TrainPipelineSemiSync
 from trec_pipelines.pipelines.pt2 import TorchCompileConfig, TrainPipelinePT2
 from trec_pipelines.pipelines.sparse_dist import TrainPipelineSparseDist
 from trec_pipelines.pipelines.sparse_dist_lite import TrainPipelineSparseDistLite
@@ -36,6 +37,7 @@ __all__ = [
     "TrainPipelineContext",
     "TrainPipelineFusedSparseDist",
     "TrainPipelinePT2",
+    "TrainPipelineSemiSync",
     "TrainPipelineSparseDist",
     "TrainPipelineSparseDistLite",
     "restore_model",

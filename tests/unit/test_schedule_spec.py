@@ -78,6 +78,23 @@ SPECS: Dict[str, Spec] = {
         ("OptimizerStep", 0, "default"),
         ("InputDistStart", 2, "data_dist"),
     ],
+    # The reference lists SemiSync in the declarative tool's stage order
+    # (ZeroGrad first, lookup last). Bit-identical results need upstream's real
+    # order: the dense step and zero_grad close the call, and in synchronous
+    # mode (before start_batch) the lookup of i+1 follows the step, which
+    # must have updated the rows it reads.  Offsets and streams match the table.
+    "TrainPipelineSemiSync": [
+        ("InputDistStart", 2, "data_dist"),
+        ("WaitBatch", 0, "default"),
+        ("Forward", 0, "default"),
+        ("H2D", 3, "memcpy"),
+        ("InputDistWait", 2, "data_dist"),
+        ("Backward", 0, "default"),
+        ("EmbBackward", 0, "default"),
+        ("OptimizerStep", 0, "default"),
+        ("ZeroGrad", 0, "default"),
+        ("EmbLookup", 1, "default"),
+    ],
     # PT2 loads and copies synchronously on the default stream.
     "TrainPipelinePT2": [
         ("H2D", 0, "default"),
@@ -110,6 +127,16 @@ def test_steady_state_matches_reference(name: str) -> None:
     pipeline.enable_schedule_recording()
     assert len(drain(pipeline, iter(make_batches(8)))) == 8
     assert steady_state(pipeline) == SPECS[name]
+
+
+def test_semi_sync_mode_issues_the_lookup_before_the_backward() -> None:
+    model = TinyModel()
+    pipeline = tp.TrainPipelineSemiSync(model, optimizer_for(model), CPU, start_batch=0)
+    pipeline.enable_schedule_recording()
+    drain(pipeline, iter(make_batches(8)))
+    tasks = [task for task, _, _ in steady_state(pipeline)]
+    assert tasks.index("EmbLookup") < tasks.index("Backward")
+    assert ("EmbLookup", 1, "default") in steady_state(pipeline)
 
 
 def test_fused_new_lookup_stream_is_recorded_as_emb_lookup() -> None:
