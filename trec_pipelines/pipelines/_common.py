@@ -23,3 +23,23 @@ def check_device(device: torch.device, pipeline: str) -> torch.device:
             f"({device!r}); pass torch.device({device!r})"
         )
     return device
+
+
+UNPIPELINED_POLICIES = ("warn", "raise")
+
+
+def check_model_device(model: torch.nn.Module, device: torch.device, pipeline: str) -> None:
+    """Raise when the model's parameters are not on the pipeline's device."""
+    for param in model.parameters():
+        if param.device.type == "meta":
+            continue
+        same_type = param.device.type == device.type
+        same_index = device.index is None or param.device.index in (None, device.index)
+        if not (same_type and same_index):
+            raise ValueError(
+                f"{pipeline}: the model's parameters are on {param.device} but the "
+                f"pipeline's device is {device}. Move the model first (for "
+                f"DistributedModelParallel pass device={device!r}), or build the "
+                f"pipeline with device=torch.device({str(param.device)!r})."
+            )
+        return

@@ -8,9 +8,15 @@ import torch
 from torchrec.distributed.train_pipeline import TrainPipeline
 
 from trec_pipelines import recorder as rec
-from trec_pipelines.pipelines._common import check_device, check_optimizer
+from trec_pipelines.pipelines._common import check_device, check_model_device, check_optimizer
 from trec_pipelines.recorder import Recordable
-from trec_pipelines.stages import BatchSource, backward, copy_to_device, wait_for_batch
+from trec_pipelines.stages import (
+    BatchSource,
+    backward,
+    copy_to_device,
+    sync_group_for,
+    wait_for_batch,
+)
 from trec_pipelines.streams import make_streams
 
 
@@ -28,7 +34,10 @@ class TrainPipelineBase(TrainPipeline[Any, Any], Recordable):
     GPU it overlaps the backward and the optimizer step.  Differences from
     torchrec 1.8.0, both fixes: ``custom_model_fwd`` is honoured, and a new
     epoch starts without ``reset()`` when ``progress()`` is called again after
-    ``StopIteration`` (new iterator, or the same one refilled).
+    ``StopIteration`` (new iterator, or the same one refilled).  The next host
+    batch is pulled at the top of ``progress()`` (as torchrec does), so an
+    iterator error reaches the caller before any work.  ``sync_exhaustion``
+    works as in :class:`~trec_pipelines.TrainPipelineSparseDist`.
 
     Example::
 
@@ -48,16 +57,19 @@ class TrainPipelineBase(TrainPipeline[Any, Any], Recordable):
         device: torch.device,
         custom_model_fwd: Optional[Callable[[Any], Tuple[torch.Tensor, List[torch.Tensor]]]] = None,
         enable_inplace_copy_batch: bool = False,
+        *,
+        sync_exhaustion: bool = False,
     ) -> None:
         super().__init__()
         check_optimizer(optimizer, type(self).__name__)
+        check_model_device(model, device, type(self).__name__)
         self._model = model
         self._optimizer = optimizer
         self._device = check_device(device, type(self).__name__)
         self._model_fwd: Callable[[Any], Tuple[torch.Tensor, Any]] = custom_model_fwd or model
         self._enable_inplace_copy_batch = enable_inplace_copy_batch
         self._streams = make_streams(device, memcpy=True)
-        self._source = BatchSource()
+        self._source = BatchSource(sync_group_for(sync_exhaustion))
         self._cur_batch: Optional[Any] = None
         self._cur_index = 0
         self._connected = False
@@ -80,6 +92,7 @@ class TrainPipelineBase(TrainPipeline[Any, Any], Recordable):
         if not self._connected:
             self._copy(dataloader_iter)  # fill: the first batch's copy
             self._connected = True
+        self._source.fetch_ahead(dataloader_iter)  # an iterator error surfaces before any work
         cur, i = self._cur_batch, self._cur_index
         if cur is None:
             self._end_epoch()

@@ -21,7 +21,12 @@ from trec_pipelines.input_dist import (
     unfuse_kjt_splits,
     wait_input_dist,
 )
-from trec_pipelines.pipelines._common import check_device, check_optimizer
+from trec_pipelines.pipelines._common import (
+    UNPIPELINED_POLICIES,
+    check_device,
+    check_model_device,
+    check_optimizer,
+)
 from trec_pipelines.recorder import Recordable
 from trec_pipelines.rewrite import (
     STRATEGIES,
@@ -32,7 +37,13 @@ from trec_pipelines.rewrite import (
     rewrite_model,
 )
 from trec_pipelines.args import CallArgs
-from trec_pipelines.stages import BatchSource, backward, copy_to_device, wait_for_batch
+from trec_pipelines.stages import (
+    BatchSource,
+    backward,
+    copy_to_device,
+    sync_group_for,
+    wait_for_batch,
+)
 from trec_pipelines.streams import StreamSet, make_streams, on_stream
 
 logger: logging.Logger = logging.getLogger(__name__)
@@ -57,10 +68,28 @@ class TrainPipelineSparseDist(TrainPipeline[Any, Any], Recordable):
     can't be pipelined keep their forward and are logged (see
     :attr:`rewrite_result`).
 
+    End of data: with ``execute_all_batches=True`` (default) every batch is
+    trained; with ``False`` the pipeline stops as soon as the iterator ends,
+    dropping (and logging) the batches still in flight, as torchrec does (it
+    trains N-2 of N batches).  With ``sync_exhaustion=True`` the ranks agree on
+    the end of data through a one-element all-reduce per batch on a gloo
+    group, so uneven data stops every rank at the same step instead of leaving
+    the others waiting in the all-to-all; :attr:`unused_batches` counts what a
+    rank pulled but could not use.  Without it, a rank whose data ends first
+    stops while the others wait in their next input_dist until the process
+    group times out.
+
+    ``on_unpipelined`` is "warn" (log each sharded module the rewrite could not
+    pipeline, with the reason; the default) or "raise".
+
     Differences from torchrec 1.8.0, all fixes: a new epoch starts without
     ``reset()`` (new iterator, or the same one refilled); a plain
     ``torch.Tensor`` batch works; ``detach()``/``attach()`` keep the in-flight
-    batches' input_dist instead of restarting it.
+    batches' input_dist instead of restarting it; the next host batch is
+    pulled at the top of ``progress()``, so an exception raised by the iterator
+    reaches the caller before any work is issued and the next call carries on
+    with no batch lost or trained twice; ``progress()`` on a detached pipeline
+    raises instead of silently re-attaching.
 
     Example::
 
@@ -97,13 +126,20 @@ class TrainPipelineSparseDist(TrainPipeline[Any, Any], Recordable):
         clear_data_dist_inputs: bool = False,
         *,
         rewrite_strategy: Strategy = "auto",
+        on_unpipelined: str = "warn",
+        sync_exhaustion: bool = False,
     ) -> None:
         super().__init__()
         if self._requires_optimizer:
             check_optimizer(optimizer, type(self).__name__)
+        check_model_device(model, device, type(self).__name__)
         if rewrite_strategy not in STRATEGIES:
             raise ValueError(
                 f"rewrite_strategy must be one of {STRATEGIES}, got {rewrite_strategy!r}"
+            )
+        if on_unpipelined not in UNPIPELINED_POLICIES:
+            raise ValueError(
+                f"on_unpipelined must be one of {UNPIPELINED_POLICIES}, got {on_unpipelined!r}"
             )
         self._model = model
         self._optimizer = optimizer
@@ -122,6 +158,7 @@ class TrainPipelineSparseDist(TrainPipeline[Any, Any], Recordable):
         self._free_features_storage_early = free_features_storage_early
         self._clear_data_dist_inputs = clear_data_dist_inputs
         self._rewrite_strategy: Strategy = rewrite_strategy
+        self._on_unpipelined = on_unpipelined
         if pipeline_postproc:
             logger.warning(
                 "pipeline_postproc=True: postproc modules are not pipelined by "
@@ -131,7 +168,7 @@ class TrainPipelineSparseDist(TrainPipeline[Any, Any], Recordable):
             logger.warning("apply_jit=True is accepted but not applied by trec_pipelines")
 
         self._streams: StreamSet = self._make_streams()
-        self._source = BatchSource()
+        self._source = BatchSource(sync_group_for(sync_exhaustion))
         self.batches: Deque[Optional[Any]] = deque()
         self.contexts: Deque[TrainPipelineContext] = deque()
         self._rewrite: Optional[RewriteResult] = None
@@ -164,7 +201,7 @@ class TrainPipelineSparseDist(TrainPipeline[Any, Any], Recordable):
 
     def _pipeline_model(self, batch: Any, context: TrainPipelineContext) -> None:
         """Rewrite the model on the first batch, then start that batch's input_dist."""
-        self._rewrite = rewrite_model(self._model, batch, self._make_forward, self._rewrite_strategy)
+        self._rewrite = self._rewrite_checked(batch)
         if self._free_features_storage_early:
             for module in self._rewrite.modules:
                 if hasattr(module, "_free_features_storage_early"):
@@ -181,6 +218,25 @@ class TrainPipelineSparseDist(TrainPipeline[Any, Any], Recordable):
         else:
             self._set_module_context(context)
             self.start_sparse_data_dist(batch, context)
+
+    def _rewrite_checked(self, batch: Any) -> RewriteResult:
+        """Rewrite the model and apply the ``on_unpipelined`` policy."""
+        result = rewrite_model(self._model, batch, self._make_forward, self._rewrite_strategy)
+        if result.not_pipelined and self._on_unpipelined == "raise":
+            restore_model(result)
+            raise RuntimeError(
+                "some sharded modules cannot be pipelined (on_unpipelined='raise'):\n"
+                + result.report()
+                + "\nFeed each one a batch field directly (no transformation in the "
+                "forward), or pass on_unpipelined='warn' to train them unpipelined."
+            )
+        if not result.pipelined and not result.not_pipelined:
+            logger.warning(
+                "%s: the model has no ShardedModule, so there is no input_dist to "
+                "pipeline; it trains as a plain loop with the H2D copy overlapped",
+                type(self).__name__,
+            )
+        return result
 
     def _input_dist_modules(self) -> List[Tuple[str, ShardedModule, CallArgs]]:
         assert self._rewrite is not None
@@ -290,22 +346,22 @@ class TrainPipelineSparseDist(TrainPipeline[Any, Any], Recordable):
         """Load ``cur`` (copy + input_dist) and ``nxt`` (copy) when the queue is empty."""
         if len(self.batches) >= 2:
             return
-        if self.batches and self._execute_all_batches:
+        if self.batches and self._source.exhausted:
             return  # draining: the last batch trains alone
-        if not self.enqueue_batch(dataloader_iter):
-            return
-        self._init_input_dist(self.batches[0], self.contexts[0])
-        self.wait_sparse_data_dist(self.contexts[0])
+        if not self.batches:
+            if not self.enqueue_batch(dataloader_iter):
+                return
+            self._init_input_dist(self.batches[0], self.contexts[0])
+            self.wait_sparse_data_dist(self.contexts[0])
+        # One batch in flight and data left: only after an iterator error in the fill.
         self.enqueue_batch(dataloader_iter)
 
     def progress(self, dataloader_iter: Iterator[Any]) -> Any:
         self._begin_call()
-        if not self._model_attached:
-            self.attach(self._model)
+        self._check_attached()
         self.fill_pipeline(dataloader_iter)
-        if not self.batches:
-            self._source.end_epoch()
-            raise StopIteration
+        self._source.fetch_ahead(dataloader_iter)  # an iterator error surfaces before any work
+        self._stop_if_done()
         self._set_module_context(self.contexts[0])
         training = self._model.training
 
@@ -331,6 +387,35 @@ class TrainPipelineSparseDist(TrainPipeline[Any, Any], Recordable):
             self._optimizer_step()                                 # cur, default
         self.dequeue_batch()
         return output
+
+    def _check_attached(self) -> None:
+        if not self._model_attached:
+            raise RuntimeError(
+                f"{type(self).__name__}.progress() was called after detach(); call "
+                "pipeline.attach() (optionally with the model) to resume pipelining"
+            )
+
+    def _stop_if_done(self) -> None:
+        """End the epoch when nothing is in flight, or when the data ran out and
+        ``execute_all_batches`` is False (dropping, and logging, what is in flight)."""
+        if self.batches and not self._execute_all_batches and self._source.exhausted:
+            logger.warning(
+                "%s: data exhausted with execute_all_batches=False; dropping %d "
+                "in-flight batch(es) untrained",
+                type(self).__name__,
+                len(self.batches),
+            )
+            self.batches.clear()
+            self.contexts.clear()
+        if not self.batches:
+            self._source.end_epoch()
+            raise StopIteration
+
+    @property
+    def unused_batches(self) -> int:
+        """Batches this rank pulled but did not train because another rank's data
+        ended first (``sync_exhaustion=True``)."""
+        return self._source.unused
 
     # ------------------------------------------------------- attach / detach
 
@@ -369,7 +454,7 @@ class TrainPipelineSparseDist(TrainPipeline[Any, Any], Recordable):
             self._set_module_context(self.contexts[0])
 
     def _pipeline_model_without_input_dist(self, batch: Any) -> None:
-        self._rewrite = rewrite_model(self._model, batch, self._make_forward, self._rewrite_strategy)
+        self._rewrite = self._rewrite_checked(batch)
         self._kjt_overrides = fuse_kjt_splits(self._rewrite.modules)
         self._set_module_context(self.contexts[0])
 

@@ -1,0 +1,44 @@
+"""Uneven data across ranks: sync_exhaustion stops every rank at the same step."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import trec_pipelines
+from tests.distributed.dlrm import DLRM, assert_runs_equal, make_batches, make_sharded, plain_loop, run_pipeline
+
+CPU = torch.device("cpu")
+SEED, DATA_SEED = 1234, 7
+
+
+@pytest.mark.parametrize("name", ["TrainPipelineSparseDist", "TrainPipelineBase"])
+def test_sync_exhaustion_with_uneven_data(name: str) -> None:
+    rank = dist.get_rank()
+    # Rank 0 has 6 batches, rank 1 only 4: without agreement rank 0 would wait
+    # in the all-to-all of its 5th batch for a rank that has stopped.
+    batches = make_batches(6 if rank == 0 else 4, seed=DATA_SEED)
+    ref = plain_loop(*make_sharded(DLRM, "table_wise", seed=SEED), batches[:4])
+    dmp, optimizer = make_sharded(DLRM, "table_wise", seed=SEED)
+    pipeline: Any = getattr(trec_pipelines, name)(dmp, optimizer, CPU, sync_exhaustion=True)
+    ours = run_pipeline(pipeline, batches, model=dmp)
+    assert_runs_equal(ref, ours, ("plain_loop[:4]", name))
+    # Rank 0 pulled its 5th batch before learning rank 1 had run out.
+    assert pipeline._source.unused == (1 if rank == 0 else 0)
+
+
+def test_sync_exhaustion_next_epoch_carries_on() -> None:
+    rank = dist.get_rank()
+    first = make_batches(5 if rank == 0 else 3, seed=DATA_SEED)
+    second = make_batches(3, seed=DATA_SEED + 1)
+    ref = plain_loop(*make_sharded(DLRM, "table_wise", seed=SEED), first[:3] + second)
+    dmp, optimizer = make_sharded(DLRM, "table_wise", seed=SEED)
+    pipeline = trec_pipelines.TrainPipelineSparseDist(dmp, optimizer, CPU, sync_exhaustion=True)
+    epoch1 = run_pipeline(pipeline, first, model=dmp)
+    epoch2 = run_pipeline(pipeline, second, model=dmp)
+    assert len(epoch1) == 3 and len(epoch2) == 3
+    ours = type(ref)(list(epoch1) + list(epoch2), epoch2.weights)
+    assert_runs_equal(ref, ours, ("plain_loop", "two epochs"))

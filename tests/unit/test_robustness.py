@@ -1,0 +1,113 @@
+"""Loader failures, end-of-data policies and bad input, on the fake model."""
+
+from __future__ import annotations
+
+import logging
+from typing import Any, Iterator, List
+
+import pytest
+import torch
+
+from tests.unit.fakes import (
+    ModifyingModel,
+    TinyModel,
+    assert_same_training,
+    base_pipeline,
+    drain,
+    make_batches,
+    optimizer_for,
+    plain_loop,
+    sparse_dist_pipeline,
+)
+from trec_pipelines import TrainPipelineBase, TrainPipelineSparseDist
+
+
+class FailsOnce:
+    """Yields ``batches`` but raises ``error`` once, when asked for batch ``at``."""
+
+    def __init__(self, batches: List[Any], at: int) -> None:
+        self._batches, self._at, self._pos, self._failed = batches, at, 0, False
+
+    def __iter__(self) -> Iterator[Any]:
+        return self
+
+    def __next__(self) -> Any:
+        if self._pos == self._at and not self._failed:
+            self._failed = True
+            raise OSError("transient read error")
+        if self._pos >= len(self._batches):
+            raise StopIteration
+        self._pos += 1
+        return self._batches[self._pos - 1]
+
+
+@pytest.mark.parametrize("make", [sparse_dist_pipeline, base_pipeline], ids=["sparse_dist", "base"])
+@pytest.mark.parametrize("at", [0, 1, 2, 3, 5])
+def test_iterator_error_reaches_caller_and_nothing_is_lost(at: int, make: Any) -> None:
+    batches = make_batches(6)
+    model, ref = TinyModel(), TinyModel()
+    pipeline = make(model)
+    loader = FailsOnce(batches, at)
+    outputs: List[torch.Tensor] = []
+    with pytest.raises(OSError, match="transient"):
+        while True:
+            outputs.append(pipeline.progress(loader))
+    outputs += drain(pipeline, loader)
+    assert_same_training(outputs, plain_loop(ref, batches), model, ref)
+
+
+def test_execute_all_batches_false_drops_the_in_flight_batches(caplog: pytest.LogCaptureFixture) -> None:
+    batches = make_batches(5)
+    model, ref = TinyModel(), TinyModel()
+    outputs = drain(sparse_dist_pipeline(model, execute_all_batches=False), iter(batches))
+    # Like torchrec: the two batches in flight when the data ends are dropped.
+    assert_same_training(outputs, plain_loop(ref, batches[:3]), model, ref)
+    assert "dropping 2 in-flight batch(es)" in caplog.text
+
+
+def test_on_unpipelined_raise_names_the_module_and_the_fix() -> None:
+    pipeline = sparse_dist_pipeline(ModifyingModel(), on_unpipelined="raise")
+    with pytest.raises(RuntimeError, match="(?s)NOT pipelined: sparse.*permute.*on_unpipelined='warn'"):
+        pipeline.progress(iter(make_batches(3)))
+
+
+def test_on_unpipelined_rejects_unknown_policy() -> None:
+    with pytest.raises(ValueError, match="on_unpipelined"):
+        sparse_dist_pipeline(TinyModel(), on_unpipelined="ignore")
+
+
+def test_progress_after_detach_says_to_attach() -> None:
+    pipeline = sparse_dist_pipeline(TinyModel())
+    it = iter(make_batches(4))
+    pipeline.progress(it)
+    pipeline.detach()
+    with pytest.raises(RuntimeError, match=r"attach\(\)"):
+        pipeline.progress(it)
+
+
+@pytest.mark.parametrize("cls", [TrainPipelineBase, TrainPipelineSparseDist])
+def test_model_on_another_device_is_rejected_with_the_fix(cls: Any) -> None:
+    model = TinyModel()
+    with pytest.raises(ValueError, match="parameters are on cpu.*device is cuda:0"):
+        cls(model, optimizer_for(model), torch.device("cuda:0"))
+
+
+def test_model_without_sharded_modules_logs_once(caplog: pytest.LogCaptureFixture) -> None:
+    class Dense(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.linear = torch.nn.Linear(3, 1)
+
+        def forward(self, batch: Any) -> Any:
+            out = self.linear(batch.dense).squeeze(1)
+            return out.pow(2), out.detach()
+
+    model = Dense()
+    with caplog.at_level(logging.WARNING):
+        drain(TrainPipelineSparseDist(model, optimizer_for(model), torch.device("cpu")), iter(make_batches(4)))
+    assert caplog.text.count("no ShardedModule") == 1
+
+
+def test_sync_exhaustion_needs_a_process_group() -> None:
+    with pytest.raises(RuntimeError, match="init_process_group"):
+        sparse_dist_pipeline(TinyModel(), sync_exhaustion=True)
