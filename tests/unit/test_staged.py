@@ -1,0 +1,346 @@
+"""StagedTrainPipeline: fill/steady/drain order and flushes; SparseDataDistUtil on a fake model."""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Iterator, List, Optional, Tuple
+
+import pytest
+import torch
+
+from tests.unit.fakes import (
+    TinyModel,
+    assert_same_training,
+    make_batches,
+    optimizer_for,
+    plain_loop,
+)
+from trec_pipelines.pipelines.sparse_data_dist_util import SparseDataDistUtil
+from trec_pipelines.pipelines.staged import PipelineStage, StagedTrainPipeline
+
+CPU = torch.device("cpu")
+CPU_STREAM = torch.Stream(device="cpu")
+
+
+class Log:
+    """Records what each stage and callback did, in order."""
+
+    def __init__(self) -> None:
+        self.events: List[str] = []
+
+    def stage(self, name: str) -> PipelineStage:
+        def run(batch: str) -> str:
+            self.events.append(f"{name}({batch.split('>')[0]})")
+            return f"{batch}>{name}"
+
+        return PipelineStage(
+            name=name,
+            runnable=run,
+            stream=None,
+            fill_callback=lambda: self.events.append(f"{name}.fill"),
+            data_exhausted_callback=lambda: self.events.append(f"{name}.exhausted"),
+        )
+
+
+class Counting:
+    """An iterator that counts how many batches were taken from it."""
+
+    def __init__(self, items: List[Any]) -> None:
+        self._it = iter(items)
+        self.taken = 0
+
+    def __iter__(self) -> "Counting":
+        return self
+
+    def __next__(self) -> Any:
+        item = next(self._it)
+        self.taken += 1
+        return item
+
+
+def three_stages() -> Tuple[Log, StagedTrainPipeline]:
+    log = Log()
+    return log, StagedTrainPipeline([log.stage("a"), log.stage("b"), log.stage("c")])
+
+
+def drain_staged(pipeline: StagedTrainPipeline, it: Iterator[Any], limit: int = 100) -> List[Any]:
+    out = []
+    for _ in range(limit):
+        batch = pipeline.progress(it)
+        if batch is None:
+            return out
+        out.append(batch)
+    raise AssertionError(f"no None after {limit} calls")
+
+
+def test_fill_steady_drain_order() -> None:
+    log, pipeline = three_stages()
+    batches = [f"b{i}" for i in range(5)]
+    it = iter(batches)
+    results = []
+    per_call: List[List[str]] = []
+    for _ in range(6):
+        start = len(log.events)
+        results.append(pipeline.progress(it))
+        per_call.append(log.events[start:])
+    assert results == [f"b{i}>a>b>c" for i in range(5)] + [None]
+    fill = [
+        "a(b0)", "a.fill", "b(b0)", "b.fill", "c(b0)", "c.fill",
+        "a(b1)", "a.fill", "b(b1)", "b.fill",
+        "a(b2)", "a.fill",
+    ]  # fmt: skip
+    assert per_call[0] == fill + ["a(b3)", "b(b2)", "c(b1)"]
+    assert per_call[1] == ["a(b4)", "b(b3)", "c(b2)"]
+    assert per_call[2] == ["a.exhausted", "b(b4)", "c(b3)"]
+    assert per_call[3] == ["a.exhausted", "b.exhausted", "c(b4)"]
+    assert per_call[4] == ["a.exhausted", "b.exhausted", "c.exhausted"]
+    assert per_call[5] == ["a.exhausted", "b.exhausted", "c.exhausted"]
+
+
+def test_recorded_schedule() -> None:
+    _, pipeline = three_stages()
+    pipeline.enable_schedule_recording()
+    drain_staged(pipeline, iter(["x0", "x1", "x2"]))
+    assert [str(a) for a in pipeline.schedule_actions] == [
+        "P0 a[i0]@default", "P0 b[i0]@default", "P0 c[i0]@default",
+        "P0 a[i1]@default", "P0 b[i1]@default",
+        "P0 a[i2]@default",
+        "P0 b[i2]@default", "P0 c[i1]@default", "P0 WaitBatch[i0]@default",
+        "P1 c[i2]@default", "P1 WaitBatch[i1]@default",
+        "P2 WaitBatch[i2]@default",
+    ]  # fmt: skip
+    # The table view: batch k leaves stage s in call k-N+1+s (the fill is call 0).
+    assert pipeline.schedule() == [
+        ("WaitBatch", "default", [0, 1, 2]),
+        ("a", "default", [(0, 1, 2), None, None]),
+        ("b", "default", [(0, 1, 2), None, None]),
+        ("c", "default", [(0, 1), 2, None]),
+    ]
+
+
+@pytest.mark.parametrize("n", [0, 1, 2])
+def test_short_loaders(n: int) -> None:
+    log, pipeline = three_stages()
+    assert drain_staged(pipeline, iter([f"b{i}" for i in range(n)])) == [
+        f"b{i}>a>b>c" for i in range(n)
+    ]
+    runs = [e for e in log.events if "(" in e]
+    assert sorted(runs) == sorted(f"{s}(b{i})" for s in "abc" for i in range(n))
+    assert log.events.count("a.fill") == 3 and log.events.count("c.fill") == 1
+
+
+def test_new_epoch_after_none() -> None:
+    _, pipeline = three_stages()
+    assert drain_staged(pipeline, iter(["e0", "e1"])) == ["e0>a>b>c", "e1>a>b>c"]
+    second = [f"f{i}" for i in range(4)]
+    assert drain_staged(pipeline, iter(second)) == [f"{b}>a>b>c" for b in second]
+    # The same exhausted iterator: still nothing.
+    it = iter(["g0"])
+    assert drain_staged(pipeline, it) == ["g0>a>b>c"]
+    assert pipeline.progress(it) is None
+
+
+def test_flush_drains_then_calls_on_flush_end_once_and_resumes() -> None:
+    log = Log()
+    it = Counting([f"b{i}" for i in range(10)])
+    returned: List[str] = []
+    flushes: List[Tuple[int, int]] = []
+    pipeline = StagedTrainPipeline(
+        [log.stage("a"), log.stage("b"), log.stage("c")],
+        on_flush_end=lambda: flushes.append((it.taken, len(returned))),
+    )
+    while (batch := pipeline.progress(it)) is not None:
+        returned.append(batch)
+        if len(returned) == 2:
+            pipeline.set_flush(True)
+    assert returned == [f"b{i}>a>b>c" for i in range(10)]
+    # At the end of the flush every batch taken had been returned: none in flight.
+    assert len(flushes) == 1
+    taken, done = flushes[0]
+    assert taken == done == 5
+    # Nothing was loaded while flushing, and every batch went through every stage once.
+    runs = [e for e in log.events if "(" in e]
+    assert sorted(runs) == sorted(f"{s}(b{i})" for s in "abc" for i in range(10))
+
+
+def test_flush_with_one_stage_and_flush_end_guard() -> None:
+    log = Log()
+    ended: List[int] = []
+    pipeline = StagedTrainPipeline([log.stage("a")], on_flush_end=lambda: ended.append(1))
+    it = iter([f"b{i}" for i in range(4)])
+    assert pipeline.progress(it) == "b0>a"
+    with pytest.raises(RuntimeError, match="in flight"):
+        pipeline.flush_end()
+    pipeline.set_flush(True)
+    assert pipeline.progress(it) == "b1>a"  # in flight when the flush began
+    assert ended == []
+    assert pipeline.progress(it) == "b2>a"  # drained, flushed, refilled
+    assert ended == [1]
+    assert drain_staged(pipeline, it) == ["b3>a"]
+
+
+def test_flush_called_off_leaves_no_gap() -> None:
+    _, pipeline = three_stages()
+    it = iter([f"b{i}" for i in range(6)])
+    out = [pipeline.progress(it)]
+    pipeline.set_flush(True)
+    out.append(pipeline.progress(it))
+    pipeline.set_flush(False)
+    out += drain_staged(pipeline, it)
+    assert out == [f"b{i}>a>b>c" for i in range(6)]
+
+
+def test_no_stages_is_an_error() -> None:
+    with pytest.raises(ValueError, match="at least one"):
+        StagedTrainPipeline([])
+
+
+# ---------------------------------------------------------- SparseDataDistUtil
+
+
+@pytest.fixture(autouse=True)
+def context_checks(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Run SparseDataDistUtil with its context checks on: they must hold throughout."""
+    monkeypatch.setattr(SparseDataDistUtil, "_WITH_CONTEXT_ASSERTIONS", True)
+
+
+def h2d_stage() -> PipelineStage:
+    return PipelineStage("h2d", lambda batch: batch.to(CPU, non_blocking=True), CPU_STREAM)
+
+
+def train_staged(
+    model: TinyModel,
+    pipeline: StagedTrainPipeline,
+    batches: List[Any],
+    optimizer: torch.optim.Optimizer,
+    between: Optional[Callable[[int], None]] = None,
+) -> List[torch.Tensor]:
+    it = iter(batches)
+    outputs = []
+    while (batch := pipeline.progress(it)) is not None:
+        optimizer.zero_grad()
+        loss, pred = model(batch)
+        torch.sum(loss, dim=0).backward()
+        optimizer.step()
+        outputs.append(pred)
+        if between is not None:
+            between(len(outputs))
+    return outputs
+
+
+@pytest.mark.parametrize("n", [0, 1, 2, 7])
+def test_sdd_stage_matches_plain_loop(n: int) -> None:
+    batches = make_batches(n)
+    ref_model = TinyModel()
+    ref = plain_loop(ref_model, batches)
+    model = TinyModel()
+    sdd = SparseDataDistUtil(model, data_dist_stream=CPU_STREAM)
+    pipeline = StagedTrainPipeline([h2d_stage(), sdd.start_sparse_data_dist_stage()])
+    ours = train_staged(model, pipeline, batches, optimizer_for(model))
+    assert_same_training(ours, ref, model, ref_model)
+    kinds = [kind for kind, _ in model.log]
+    assert kinds.count("input_dist") == kinds.count("compute") == n
+    if n >= 2:
+        assert sdd.rewrite_result is not None and sdd.rewrite_result.names == ["sparse"]
+        # Batch 1's input_dist was started before batch 0's lookup.
+        assert kinds[:3] == ["input_dist", "input_dist", "compute"]
+
+
+def test_sdd_with_prefetch_stage_matches_plain_loop() -> None:
+    batches = make_batches(6)
+    ref_model = TinyModel()
+    ref = plain_loop(ref_model, batches)
+    model = TinyModel()
+    sdd = SparseDataDistUtil(model, data_dist_stream=None, prefetch_stream=CPU_STREAM)
+    pipeline = StagedTrainPipeline(
+        [
+            h2d_stage(),
+            sdd.start_sparse_data_dist_stage(),
+            PipelineStage("prefetch", sdd.prefetch, sdd.prefetch_stream),
+        ]
+    )
+    ours = train_staged(model, pipeline, batches, optimizer_for(model))
+    assert_same_training(ours, ref, model, ref_model)
+
+
+def test_sdd_with_lookup_stage_frozen_embeddings_matches_plain_loop() -> None:
+    # The lookup stage looks batch i+1 up before batch i's optimizer step
+    # (semi-synchronous); with the embedding frozen that staleness is moot
+    # and the result must be the plain loop's exactly.
+    def dense_optimizer(model: TinyModel) -> torch.optim.Optimizer:
+        return torch.optim.SGD([p for n, p in model.named_parameters() if "bag" not in n], lr=0.1)
+
+    batches = make_batches(6)
+    ref_model = TinyModel()
+    ref_opt = dense_optimizer(ref_model)
+    ref = []
+    for batch in batches:
+        ref_opt.zero_grad()
+        loss, pred = ref_model(batch)
+        torch.sum(loss, dim=0).backward()
+        ref_opt.step()
+        ref.append(pred)
+    model = TinyModel()
+    sdd = SparseDataDistUtil(model, data_dist_stream=None, embedding_lookup_stream=CPU_STREAM)
+    pipeline = StagedTrainPipeline(
+        [h2d_stage(), sdd.start_sparse_data_dist_stage(), sdd.start_embedding_lookup_stage()]
+    )
+    ours = train_staged(model, pipeline, batches, dense_optimizer(model))
+    assert_same_training(ours, ref, model, ref_model)
+    kinds = [kind for kind, _ in model.log]
+    assert kinds.count("input_dist") == kinds.count("compute") == len(batches)
+    # Batch 1's lookup ran in the first progress(), before batch 0 was trained.
+    assert kinds[:5] == ["input_dist", "compute", "input_dist", "input_dist", "compute"]
+
+
+def test_sdd_flush_mid_stream_matches_plain_loop() -> None:
+    batches = make_batches(8)
+    ref_model = TinyModel()
+    ref = plain_loop(ref_model, batches)
+    model = TinyModel()
+    sdd = SparseDataDistUtil(model, data_dist_stream=None)
+    flushed: List[int] = []
+    pipeline = StagedTrainPipeline(
+        [h2d_stage(), sdd.start_sparse_data_dist_stage()], on_flush_end=lambda: flushed.append(1)
+    )
+
+    def between(done: int) -> None:
+        if done == 3:
+            pipeline.set_flush(True)
+
+    ours = train_staged(model, pipeline, batches, optimizer_for(model), between)
+    assert flushed == [1]
+    assert_same_training(ours, ref, model, ref_model)
+
+
+def test_sdd_detach_mid_stream_then_resume() -> None:
+    batches = make_batches(6)
+    probe = make_batches(1, seed=99)[0]
+    ref_model = TinyModel()
+    ref = plain_loop(ref_model, batches)
+    model = TinyModel()
+    sdd = SparseDataDistUtil(model, data_dist_stream=None)
+    pipeline = StagedTrainPipeline([h2d_stage(), sdd.start_sparse_data_dist_stage()])
+    probes: List[torch.Tensor] = []
+
+    def between(done: int) -> None:
+        if done == 2:
+            assert sdd.detach() is model
+            with torch.no_grad():
+                probes.append(model(probe)[1])  # the model's own forward, no pipeline
+            with torch.no_grad():
+                expected = TinyModel()
+                expected.load_state_dict(model.state_dict())
+                probes.append(expected(probe)[1])
+
+    ours = train_staged(model, pipeline, batches, optimizer_for(model), between)
+    assert_same_training(ours, ref, model, ref_model)
+    assert torch.equal(probes[0], probes[1])
+
+
+def test_sdd_prefetch_and_lookup_together_is_an_error() -> None:
+    with pytest.raises(ValueError, match="not both"):
+        SparseDataDistUtil(
+            TinyModel(), None, prefetch_stream=CPU_STREAM, embedding_lookup_stream=CPU_STREAM
+        )
+    with pytest.raises(ValueError, match="embedding_lookup_stream"):
+        SparseDataDistUtil(TinyModel(), None).start_embedding_lookup_stage()

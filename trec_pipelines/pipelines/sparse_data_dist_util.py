@@ -1,0 +1,438 @@
+"""SparseDataDistUtil: the sparse input_dist (and prefetch or lookup) as pipeline stages."""
+
+from __future__ import annotations
+
+import logging
+from collections import deque
+from typing import Any, Callable, Deque, Generic, List, Optional, Tuple, TypeVar
+
+import torch
+from torch.utils.hooks import RemovableHandle
+from torchrec.distributed.types import ShardedModule
+
+from trec_pipelines.args import CallArgs
+from trec_pipelines.context import (
+    EmbeddingTrainPipelineContext,
+    PrefetchTrainPipelineContext,
+    TrainPipelineContext,
+)
+from trec_pipelines.forwards import (
+    BaseForward,
+    InSyncEmbeddingPipelinedForward,
+    PipelinedForward,
+    PrefetchPipelinedForward,
+)
+from trec_pipelines.input_dist import (
+    KJTDistOverride,
+    fuse_kjt_splits,
+    start_input_dist,
+    unfuse_kjt_splits,
+    wait_input_dist,
+)
+from trec_pipelines.lookup import start_embedding_lookup
+from trec_pipelines.pipelines.staged import PipelineStage, side_stream
+from trec_pipelines.rewrite import (
+    STRATEGIES,
+    RewriteResult,
+    Strategy,
+    reapply_rewrite,
+    restore_model,
+    rewrite_model,
+)
+from trec_pipelines.streams import (
+    current_stream,
+    on_stream,
+    record_event,
+    record_stream,
+    wait_stream,
+)
+
+logger: logging.Logger = logging.getLogger(__name__)
+
+In = TypeVar("In")
+
+
+class SparseDataDistUtil(Generic[In]):
+    """Pipelines a model's sparse ``input_dist`` through :class:`StagedTrainPipeline` stages.
+
+    The caller trains in its own loop; this class rewrites the model so each
+    pipelined ``ShardedModule`` finds its input already distributed, and hooks
+    the end of the model's forward to move on to the next batch.
+
+    ===================  ==============================  ===========================
+    stage / hook         stream                          batch (``i`` = being trained)
+    ===================  ==============================  ===========================
+    input_dist start     ``data_dist_stream``            ``i+1`` (``i+2`` with a third stage)
+    prefetch / lookup    ``prefetch_stream`` / lookup    ``i+1``
+    forward hook: wait   ``data_dist_stream``            the batch whose input_dist started last
+    ===================  ==============================  ===========================
+
+    Each in-flight batch has a context; the contexts advance in lock step with
+    the stages: ``contexts[0]`` is the batch the model's forward reads,
+    ``contexts[-1]`` the batch whose input_dist starts next and, with prefetch
+    or embedding lookup, ``contexts[1]`` the batch that stage works on.  They
+    advance at the end of every forward (the hook) and, while the pipeline
+    fills, in :meth:`wait_sdd_fill_callback`.
+
+    Passing ``prefetch_stream`` adds cache prefetch (:meth:`prefetch`, a stage
+    after input_dist); passing ``embedding_lookup_stream`` runs the lookup as a
+    stage (:meth:`start_embedding_lookup`), one batch ahead of the forward, so
+    that batch is looked up before the optimizer step of the batch before it
+    (semi-synchronous).  On CPU pass ``torch.Stream(device="cpu")`` to turn
+    either on: the work then runs on the current stream.
+
+    Differences from torchrec 1.8.0, all fixes:
+
+    * It runs on CPU (streams may be ``None`` or CPU streams).
+    * The first batch's input_dist runs once; upstream starts it twice on the
+      same context and drops the first one.
+    * Prefetch is told the stream the forward really runs on (the current
+      stream when this object is built); upstream passes a new stream that
+      nothing runs on.  The lookup keeps its input alive for that stream too,
+      and first waits for the work issued on it so far (the previous
+      optimizer step), so it never reads rows half updated; upstream does
+      neither.
+    * ``wait_sdd_fill_callback`` with nothing started (empty data) does
+      nothing instead of raising ``IndexError``.
+
+    Example::
+
+        sdd = SparseDataDistUtil(model, data_dist_stream=torch.cuda.Stream())
+        pipeline = StagedTrainPipeline([
+            PipelineStage("h2d", lambda b: b.to(device, non_blocking=True), torch.cuda.Stream()),
+            sdd.start_sparse_data_dist_stage(),
+        ])
+        while (batch := pipeline.progress(it)) is not None:
+            optimizer.zero_grad()
+            loss, pred = model(batch)
+            torch.sum(loss, dim=0).backward()
+            optimizer.step()
+    """
+
+    # Debugging aid: check the contexts' contents whenever one is used.
+    _WITH_CONTEXT_ASSERTIONS: bool = False
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        data_dist_stream: Optional[torch.Stream],
+        apply_jit: bool = False,
+        prefetch_stream: Optional[torch.Stream] = None,
+        pipeline_postproc: bool = False,
+        embedding_lookup_stream: Optional[torch.Stream] = None,
+        *,
+        rewrite_strategy: Strategy = "auto",
+    ) -> None:
+        if prefetch_stream is not None and embedding_lookup_stream is not None:
+            raise ValueError(
+                "SparseDataDistUtil: pass prefetch_stream or embedding_lookup_stream, "
+                "not both; the lookup stage already reads the rows prefetch would load"
+            )
+        if rewrite_strategy not in STRATEGIES:
+            raise ValueError(
+                f"rewrite_strategy must be one of {STRATEGIES}, got {rewrite_strategy!r}"
+            )
+        if apply_jit:
+            logger.warning("apply_jit=True is accepted but not applied by trec_pipelines")
+        if pipeline_postproc:
+            logger.warning(
+                "pipeline_postproc=True: postproc modules are not pipelined by "
+                "trec_pipelines; sharded modules fed by one are reported as not pipelined"
+            )
+        self.model = model
+        self.data_dist_stream = data_dist_stream
+        self.apply_jit = apply_jit
+        self.prefetch_stream = prefetch_stream
+        self.embedding_lookup_stream = embedding_lookup_stream
+        self.initialized = False
+        self.fwd_hook: Optional[RemovableHandle] = None
+        self._pipeline_postproc = pipeline_postproc
+        self._rewrite_strategy: Strategy = rewrite_strategy
+
+        given = [
+            s for s in (data_dist_stream, prefetch_stream, embedding_lookup_stream) if s is not None
+        ]
+        self._device = given[0].device if given else torch.device("cpu")
+        self._dist_stream = side_stream(data_dist_stream)
+        self._prefetch_stream = side_stream(prefetch_stream)
+        self._lookup_stream = side_stream(embedding_lookup_stream)
+        # The caller's forward and backward run here (see the class docstring).
+        self._compute_stream = current_stream(self._device)
+
+        self._contexts: Deque[TrainPipelineContext] = deque()
+        self._next_index = 0
+        self._rewrite: Optional[RewriteResult] = None
+        self._kjt_overrides: Tuple[KJTDistOverride, ...] = ()
+        self._splits_fused = False
+        # Set when a stage first found no batch; only relaxes the context checks.
+        self._exhausting_mode = False
+
+    @property
+    def _with_prefetch(self) -> bool:
+        return self.prefetch_stream is not None
+
+    @property
+    def _with_embedding_lookup(self) -> bool:
+        return self.embedding_lookup_stream is not None
+
+    @property
+    def _num_contexts(self) -> int:
+        return 3 if self._with_prefetch or self._with_embedding_lookup else 2
+
+    @property
+    def rewrite_result(self) -> Optional[RewriteResult]:
+        """What the model rewrite pipelined and what it left alone (after the first batch)."""
+        return self._rewrite
+
+    # --------------------------------------------------------------- contexts
+
+    def _new_context(self, index: int) -> TrainPipelineContext:
+        if self._with_prefetch:
+            return PrefetchTrainPipelineContext(index=index)
+        if self._with_embedding_lookup:
+            return EmbeddingTrainPipelineContext(index=index)
+        return TrainPipelineContext(index=index)
+
+    def _add_context(self) -> None:
+        self._contexts.append(self._new_context(self._next_index))
+        self._next_index += 1
+
+    def _advance_context(self) -> None:
+        """The forward's batch is done: every batch moves one context down."""
+        self._contexts.popleft()
+        self._add_context()
+        self._set_module_context(self._forward_context())
+
+    def _set_module_context(self, context: TrainPipelineContext) -> None:
+        for module in self._modules():
+            module.forward.set_context(context)  # type: ignore[union-attr]
+
+    def should_assert_context_invariants(self, ctx: TrainPipelineContext) -> bool:
+        """True when ``ctx`` belongs to a real batch and the checks are switched on."""
+        return (
+            self._WITH_CONTEXT_ASSERTIONS
+            and self.initialized
+            and not self._exhausting_mode
+            and ctx.index is not None
+            and ctx.index >= 0
+        )
+
+    def _forward_context(self) -> TrainPipelineContext:
+        ctx = self._contexts[0]
+        if self.should_assert_context_invariants(ctx):
+            names = set(self._names())
+            if isinstance(ctx, PrefetchTrainPipelineContext):
+                assert set(ctx.module_input_post_prefetch) == names, ctx
+            elif isinstance(ctx, EmbeddingTrainPipelineContext):
+                assert set(ctx.embedding_a2a_requests) == names, ctx
+            else:
+                assert set(ctx.input_dist_tensors_requests) == names, ctx
+        return ctx
+
+    def _dist_context(self) -> TrainPipelineContext:
+        return self._contexts[-1]
+
+    def _stage_context(self) -> TrainPipelineContext:
+        """The context of the prefetch or lookup stage's batch."""
+        ctx = self._contexts[1]
+        if self.should_assert_context_invariants(ctx):
+            assert set(ctx.input_dist_tensors_requests) == set(self._names()), ctx
+        return ctx
+
+    # ---------------------------------------------------------------- rewrite
+
+    def _modules(self) -> List[ShardedModule]:
+        return [] if self._rewrite is None else self._rewrite.modules
+
+    def _names(self) -> List[str]:
+        return [] if self._rewrite is None else self._rewrite.names
+
+    def _make_forward(
+        self, name: str, call_args: CallArgs, module: ShardedModule
+    ) -> BaseForward[Any]:
+        context: Any = self._contexts[0]  # of the type _new_context makes for this mode
+        if self._with_prefetch:
+            return PrefetchPipelinedForward(
+                name, call_args, module, context, self._prefetch_stream
+            )
+        if self._with_embedding_lookup:
+            # The stream only names the device whose current stream consumes the lookup.
+            return InSyncEmbeddingPipelinedForward(
+                name, call_args, module, context, self._lookup_stream or self._dist_stream
+            )
+        return PipelinedForward(name, call_args, module, context, self._dist_stream)
+
+    def _initialize_or_reattach(self, batch: Any) -> None:
+        """Rewrite the model (first batch) or swap the wrappers back in (after :meth:`detach`)."""
+        if not self._contexts:
+            # Stand-ins for the batches ahead of the first one, so that the
+            # first batch's context is the one whose input_dist starts now.
+            for index in range(1 - self._num_contexts, 0):
+                self._contexts.append(self._new_context(index))
+            self._add_context()
+        if self._rewrite is None:
+            self._rewrite = rewrite_model(
+                self.model, batch, self._make_forward, self._rewrite_strategy
+            )
+        else:
+            self._rewrite = reapply_rewrite(self._rewrite, self._make_forward)
+        self._set_module_context(self._forward_context())
+        self.fwd_hook = self.model.register_forward_hook(self._after_forward)
+        self.initialized = True
+
+    def _after_forward(self, module: torch.nn.Module, input: Any, output: Any) -> None:
+        # The next batch's input must be distributed before its forward, and
+        # the contexts move on only after that wait and before the next start.
+        self.wait_sparse_data_dist()
+        self._advance_context()
+
+    def detach(self) -> torch.nn.Module:
+        """Give the model its own forwards back; in-flight batches are kept.
+
+        The next :meth:`start_sparse_data_dist` (the next ``progress()``)
+        pipelines the model again and carries on where it stopped.
+        """
+        if self.initialized:
+            assert self.fwd_hook is not None and self._rewrite is not None
+            self.fwd_hook.remove()
+            self.fwd_hook = None
+            if self._splits_fused:
+                unfuse_kjt_splits(self._kjt_overrides)
+                self._kjt_overrides = ()
+                self._splits_fused = False
+            restore_model(self._rewrite)
+        self.initialized = False
+        return self.model
+
+    # ------------------------------------------------------------------ verbs
+
+    def start_sparse_data_dist(self, batch: In) -> In:
+        """Start ``batch``'s input_dist (the splits all-to-all) on ``data_dist_stream``."""
+        if not self.initialized:
+            self._initialize_or_reattach(batch)
+        assert self._rewrite is not None
+        self._exhausting_mode = False
+        ctx = self._dist_context()
+        modules = [(p.name, p.module, p.call_args) for p in self._rewrite.pipelined]
+        with on_stream(self._dist_stream):
+            start_input_dist(modules, batch, ctx)
+        if not self._splits_fused:
+            # The modules build their all-to-alls on their first input_dist.
+            self._kjt_overrides = fuse_kjt_splits(self._rewrite.modules)
+            self._splits_fused = True
+        return batch
+
+    def wait_sparse_data_dist(self) -> None:
+        """Finish the last started batch's splits all-to-all, which launches its tensors one."""
+        ctx = self._dist_context()
+        if self.should_assert_context_invariants(ctx) and self._names():
+            assert ctx.fused_splits_awaitables, f"batch {ctx.index}: input_dist was not started"
+        with on_stream(self._dist_stream):
+            wait_input_dist(ctx)
+
+    def wait_sdd_fill_callback(self) -> None:
+        """The input_dist stage's ``fill_callback``: the forward hook's work, while filling."""
+        if not self._contexts:
+            return  # the data ran out before any input_dist started
+        self.wait_sparse_data_dist()
+        self._advance_context()
+
+    def data_exhausted_callback(self) -> None:
+        """The input_dist stage's ``data_exhausted_callback``."""
+        self._exhausting_mode = True
+
+    def prefetch(self, batch: In) -> In:
+        """Finish the batch's input_dist and prefetch its rows into the embedding caches."""
+        if not self._with_prefetch:
+            raise RuntimeError(
+                "SparseDataDistUtil.prefetch needs prefetch_stream; pass one "
+                '(torch.Stream(device="cpu") on CPU) to the constructor'
+            )
+        ctx = self._stage_context()
+        assert isinstance(ctx, PrefetchTrainPipelineContext)
+        assert self._rewrite is not None
+        prefetch_stream = self._prefetch_stream
+        with on_stream(self._dist_stream):
+            dist_inputs = {
+                name: ctx.input_dist_tensors_requests.pop(name).wait() for name in self._names()
+            }
+        with on_stream(prefetch_stream):
+            wait_stream(prefetch_stream, self._dist_stream)
+            for pipelined in self._rewrite.pipelined:
+                name = pipelined.name
+                dist_input = dist_inputs[name]
+                module_ctx = ctx.module_contexts.pop(name)
+                # Made on data_dist, used here (and handed to the forward by its wrapper).
+                record_stream(dist_input, prefetch_stream)
+                record_stream(module_ctx, prefetch_stream)
+                pipelined.module.prefetch(
+                    dist_input=dist_input, forward_stream=self._compute_stream, ctx=module_ctx
+                )
+                ctx.module_input_post_prefetch[name] = dist_input
+                ctx.module_contexts_post_prefetch[name] = module_ctx
+        return batch
+
+    def load_prefetch(self) -> None:
+        """Does nothing: the contexts carry the prefetched input (kept for compatibility)."""
+        logger.warning(
+            "SparseDataDistUtil.load_prefetch does nothing; drop it from the prefetch "
+            "stage's fill_callback"
+        )
+
+    def start_embedding_lookup(self, batch: In) -> In:
+        """Run the batch's embedding lookup on ``embedding_lookup_stream``."""
+        if not self._with_embedding_lookup:
+            raise RuntimeError(
+                "SparseDataDistUtil.start_embedding_lookup needs embedding_lookup_stream; "
+                'pass one (torch.Stream(device="cpu") on CPU) to the constructor'
+            )
+        ctx = self._stage_context()
+        assert isinstance(ctx, EmbeddingTrainPipelineContext)
+        assert self._rewrite is not None
+        # Issued from the compute stream's point of view: the lookup waits for
+        # what was issued there so far and its input is kept alive there too.
+        with on_stream(self._compute_stream):
+            start_embedding_lookup(
+                [(p.name, p.module) for p in self._rewrite.pipelined],
+                ctx,
+                dist_stream=self._dist_stream,
+                lookup_stream=self._lookup_stream,
+                weights_ready=record_event(self._compute_stream),
+            )
+        return batch
+
+    # ----------------------------------------------------------------- stages
+
+    def start_sparse_data_dist_stage(
+        self,
+        name: str = "start_sparse_data_dist",
+        runnable: Optional[Callable[[Any], Any]] = None,
+    ) -> PipelineStage:
+        """The input_dist stage, with its fill and data-exhausted callbacks."""
+        return PipelineStage(
+            name=name,
+            runnable=runnable or self.start_sparse_data_dist,
+            stream=self.data_dist_stream,
+            fill_callback=self.wait_sdd_fill_callback,
+            data_exhausted_callback=self.data_exhausted_callback,
+        )
+
+    def start_embedding_lookup_stage(
+        self,
+        name: str = "start_embedding_lookup",
+        runnable: Optional[Callable[[Any], Any]] = None,
+    ) -> PipelineStage:
+        """The embedding-lookup stage (needs ``embedding_lookup_stream``)."""
+        if self.embedding_lookup_stream is None:
+            raise ValueError(
+                "start_embedding_lookup_stage needs embedding_lookup_stream; pass one "
+                '(torch.Stream(device="cpu") on CPU) to SparseDataDistUtil'
+            )
+        return PipelineStage(
+            name=name,
+            runnable=runnable or self.start_embedding_lookup,
+            stream=self.embedding_lookup_stream,
+        )
+
+
+__all__ = ["SparseDataDistUtil"]

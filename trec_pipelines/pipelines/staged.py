@@ -1,0 +1,307 @@
+"""StagedTrainPipeline: a declared list of pre-forward stages, one batch per stage."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Any, Callable, Iterator, List, Optional
+
+import torch
+from torchrec.distributed.train_pipeline import TrainPipeline
+
+from trec_pipelines import recorder as rec
+from trec_pipelines.recorder import Recordable
+from trec_pipelines.streams import (
+    current_stream,
+    has_streams,
+    on_stream,
+    record_event,
+    record_stream,
+    wait_event,
+)
+
+logger: logging.Logger = logging.getLogger(__name__)
+
+
+@dataclass
+class PipelineStage:
+    """One step a batch takes before the model's forward.
+
+    Attributes:
+        name: shown in logs and in the recorded schedule.
+        runnable: ``batch -> batch``; must not need gradients (copy to device,
+            input_dist, postprocessing on the device, ...).
+        stream: the stream the stage runs on.  ``None``, or a stream of a
+            device without streams (``torch.Stream(device="cpu")``), runs it on
+            the current stream.
+        fill_callback: called after this stage while the pipeline fills
+            (also when the stage had no batch to work on).
+        data_exhausted_callback: called each time this stage finds no batch
+            because the data ran out or the pipeline is flushing.
+    """
+
+    name: str
+    runnable: Callable[[Any], Any]
+    stream: Optional[torch.Stream]
+    fill_callback: Optional[Callable[[], None]] = None
+    data_exhausted_callback: Optional[Callable[[], None]] = None
+
+
+def side_stream(stream: Optional[torch.Stream]) -> Optional[torch.Stream]:
+    """``stream`` if work can be issued to it apart from the current stream, else ``None``."""
+    if stream is None or not has_streams(stream.device):
+        return None
+    return stream
+
+
+@dataclass
+class _InFlight:
+    """A batch between two stages.
+
+    Attributes:
+        value: what the last stage returned.
+        stream: where the last stage ran (``None``: nowhere yet, or no streams).
+        event: recorded on ``stream`` after the last stage (``None`` on CPU);
+            a consumer on another stream waits on it.
+        index: the batch's position in loading order (for recording and logs).
+    """
+
+    value: Any
+    stream: Optional[torch.Stream]
+    event: Optional[torch.Event]
+    index: int
+
+    def hand_to(self, consumer: Optional[torch.Stream], consumer_name: str) -> None:
+        """Make ``consumer`` wait for the last stage and keep ``value`` alive for it."""
+        if self.event is None or consumer is None or consumer == self.stream:
+            return
+        wait_event(consumer, self.event)
+        if not hasattr(self.value, "record_stream"):
+            raise TypeError(
+                f"{consumer_name} gets a {type(self.value).__name__} from another "
+                "stream, which cannot cross streams: return a torch.Tensor or a "
+                "torchrec Pipelineable (it needs record_stream(stream)) from the "
+                "stage before, or give both the same stream"
+            )
+        record_stream(self.value, consumer)
+
+
+class StagedTrainPipeline(TrainPipeline[Any, Optional[Any]], Recordable):
+    """N batches in flight, one per stage; the caller trains the batch it returns.
+
+    With stages ``s0 .. s(N-1)``, one ``progress()`` call issues, in order:
+
+    ==========  ===========  ==================================================
+    stream      slot         work
+    ==========  ===========  ==================================================
+    s0's        ``i+N``      load from the iterator, run s0
+    s1's        ``i+N-1``    wait for s0's event, run s1
+    ...         ...          ...
+    s(N-1)'s    ``i+1``      wait for s(N-2)'s event, run s(N-1)
+    compute     ``i``        wait for s(N-1)'s event; returned to the caller
+    ==========  ===========  ==================================================
+
+    The newest batch goes first, so a stage's work for batch ``i+k`` overlaps
+    the caller's forward/backward/step of batch ``i``.  Stages hand a batch to
+    each other by events, not by ``wait_stream``: a stage waits only for the
+    one earlier stage of that batch.  Filling an empty pipeline loads N
+    batches and runs all N stages for batch 0, N-1 for batch 1, ..., stage 0
+    only for batch N-1; then every ``progress()`` call loads one more.
+
+    ``progress()`` returns ``None`` once every batch has come out.
+    :meth:`set_flush` ``(True)`` stops loading; when the in-flight batches
+    have all come out, ``on_flush_end`` is called and the pipeline fills
+    again from the same iterator, in the same ``progress()`` call.  Use
+    :class:`~trec_pipelines.pipelines.sparse_data_dist_util.SparseDataDistUtil`
+    to put the sparse ``input_dist`` among the stages; it must come last.
+
+    Differences from torchrec 1.8.0, all fixes:
+
+    * It runs on CPU: a stage's stream may be ``None`` (or a CPU
+      ``torch.Stream``), and events are only used where there are streams.
+      Upstream's constructor fails there (the CPU current stream has no
+      ``device``), and it records device events unconditionally.
+    * A stage on the current stream hands its batch on with an event recorded
+      on the current stream; upstream assumes every stage has its own stream.
+    * After it returned ``None``, ``progress()`` starts a new epoch, on a new
+      iterator or the same one refilled.  Upstream does not refill: given a
+      new iterator it returns ``None`` for N more calls while the new batches
+      pass through the stages, so a ``while batch := progress(it)`` loop
+      stops at once.
+    * :meth:`flush_end` with batches in flight raises instead of dropping
+      them; a flush called off before it drained leaves no ``None`` behind.
+
+    Example::
+
+        pipeline = StagedTrainPipeline([
+            PipelineStage("h2d", lambda b: b.to(device, non_blocking=True), torch.cuda.Stream()),
+            PipelineStage("postproc", gpu_postproc, torch.cuda.Stream()),
+        ])
+        while (batch := pipeline.progress(it)) is not None:
+            optimizer.zero_grad()
+            loss, pred = model(batch)
+            loss.backward()
+            optimizer.step()
+    """
+
+    def __init__(
+        self,
+        pipeline_stages: List[PipelineStage],
+        debug_mode: bool = False,
+        compute_stream: Optional[torch.Stream] = None,
+        on_flush_end: Optional[Callable[[], None]] = None,
+    ) -> None:
+        super().__init__()
+        if not pipeline_stages:
+            raise ValueError(
+                "StagedTrainPipeline needs at least one PipelineStage, got none; "
+                "pass e.g. a stage that copies the batch to the device"
+            )
+        self._pipeline_stages = list(pipeline_stages)
+        self._debug_mode = debug_mode
+        self.on_flush_end = on_flush_end
+        self._stage_streams = [side_stream(stage.stream) for stage in self._pipeline_stages]
+        # Recorded stream role: the stage's own name when it was given a stream.
+        self._roles = [
+            "default" if stage.stream is None else stage.name for stage in self._pipeline_stages
+        ]
+        devices = [s.device for s in self._stage_streams if s is not None]
+        if compute_stream is not None and side_stream(compute_stream) is not None:
+            devices.append(compute_stream.device)
+        self._device = devices[0] if devices else torch.device("cpu")
+        self._compute_stream = (
+            side_stream(compute_stream)
+            if compute_stream is not None
+            else current_stream(self._device)
+        )
+        # slot k holds the batch that has been through stages 0 .. N-2-k
+        # before a progress() call advances the slots (None: no batch).
+        self._slots: List[Optional[_InFlight]] = [None] * self.num_stages
+        self._filled = False
+        self._flushing = False
+        self._iterator: Optional[Iterator[Any]] = None
+        self._exhausted = False
+        self._loaded = 0
+
+    @property
+    def num_stages(self) -> int:
+        return len(self._pipeline_stages)
+
+    # ------------------------------------------------------------------ verbs
+
+    def _load(self, dataloader_iter: Iterator[Any]) -> Optional[_InFlight]:
+        """The next batch, or None once the epoch's data ran out or while flushing."""
+        if dataloader_iter is not self._iterator:
+            self._iterator = dataloader_iter
+            self._exhausted = False
+        if self._exhausted or self._flushing:
+            return None
+        batch = next(dataloader_iter, None)
+        if batch is None:
+            # Not asked again this epoch: some loaders block when they are.
+            self._exhausted = True
+            return None
+        self._loaded += 1
+        return _InFlight(batch, None, None, self._loaded - 1)
+
+    def _stage_stream(self, stage_idx: int) -> Optional[torch.Stream]:
+        """Where stage ``stage_idx`` runs: its own stream or the current one."""
+        stream = self._stage_streams[stage_idx]
+        return stream if stream is not None else current_stream(self._device)
+
+    def _run(self, stage_idx: int, item: _InFlight) -> _InFlight:
+        """Run one stage on ``item`` on the stage's stream; record its event."""
+        stage = self._pipeline_stages[stage_idx]
+        with self._span(stage.name, item.index, self._roles[stage_idx]):
+            with on_stream(self._stage_streams[stage_idx]):
+                runs_on = self._stage_stream(stage_idx)
+                item.hand_to(runs_on, f"stage {stage.name!r}")
+                value = stage.runnable(item.value)
+                return _InFlight(value, runs_on, record_event(runs_on), item.index)
+
+    def _run_stage(
+        self, stage_idx: int, slot: int, dataloader_iter: Iterator[Any], fill: bool = False
+    ) -> None:
+        """Stage ``stage_idx`` takes the batch in ``slot`` (stage 0 loads one) and puts it back."""
+        stage = self._pipeline_stages[stage_idx]
+        item = self._load(dataloader_iter) if stage_idx == 0 else self._slots[slot]
+        if item is None:
+            if self._debug_mode:
+                logger.info("stage %d (%s): no batch, skipped", stage_idx, stage.name)
+            if stage.data_exhausted_callback is not None:
+                stage.data_exhausted_callback()
+            self._slots[slot] = None
+        else:
+            if self._debug_mode:
+                logger.info("stage %d (%s): batch %d", stage_idx, stage.name, item.index)
+            self._slots[slot] = self._run(stage_idx, item)
+        if fill and stage.fill_callback is not None:
+            stage.fill_callback()
+
+    def _hand_to_compute(self, item: _InFlight) -> Any:
+        with self._span(rec.WAIT_BATCH, item.index):  # last stage -> compute
+            item.hand_to(self._compute_stream, "the compute stream")
+        return item.value
+
+    # --------------------------------------------------------------- schedule
+
+    def _fill_pipeline(self, dataloader_iter: Iterator[Any]) -> None:
+        """Batch ``k`` runs stages ``0 .. N-1-k``: all N for the first, one for the last."""
+        for slot in range(self.num_stages):
+            for stage_idx in range(self.num_stages - slot):
+                self._run_stage(stage_idx, slot, dataloader_iter, fill=True)
+        self._filled = True
+
+    def progress(self, dataloader_iter: Iterator[Any]) -> Optional[Any]:
+        """Advance every in-flight batch by one stage; return the one that is ready.
+
+        Returns ``None`` when the data is exhausted and every batch has come
+        out; calling again then starts a new epoch.
+        """
+        self._begin_call()
+        if not self._filled:
+            self._fill_pipeline(dataloader_iter)
+        ready = self._slots.pop(0)  # through every stage: trained by the caller next
+        self._slots.append(None)
+        for stage_idx in range(self.num_stages):
+            # Newest batch first: stage s works on slot N-1-s.
+            self._run_stage(stage_idx, self.num_stages - 1 - stage_idx, dataloader_iter)
+        if ready is None:
+            if any(slot is not None for slot in self._slots):
+                # A gap left by a flush called off before it drained: skip it.
+                return self.progress(dataloader_iter)
+            if self._flushing:
+                self.flush_end()
+                return self.progress(dataloader_iter)
+            self._end_epoch()
+            return None
+        return self._hand_to_compute(ready)
+
+    def set_flush(self, flush: bool) -> None:
+        """Stop (``True``) or resume (``False``) loading new batches.
+
+        While flushing the in-flight batches keep coming out; after the last one
+        :meth:`flush_end` runs and the pipeline fills again.
+        """
+        self._flushing = flush
+
+    def flush_end(self) -> None:
+        """End a flush: resume loading, refill on the next call, run ``on_flush_end``."""
+        in_flight = sum(slot is not None for slot in self._slots)
+        if in_flight:
+            raise RuntimeError(
+                f"flush_end() with {in_flight} batch(es) in flight would drop them; "
+                "call set_flush(True) and keep calling progress(), which ends the "
+                "flush itself once they have all come out"
+            )
+        self._flushing = False
+        self._filled = False
+        if self.on_flush_end is not None:
+            self.on_flush_end()
+
+    def _end_epoch(self) -> None:
+        self._filled = False
+        self._exhausted = False
+
+
+__all__ = ["PipelineStage", "StagedTrainPipeline", "side_stream"]
