@@ -1,0 +1,180 @@
+"""TrainPipelineSparseDistCompAutograd against the plain loop, on 2 gloo ranks.
+
+One model, few batches: compiling the backward with inductor takes over a
+minute on a 2-core machine with an empty inductor cache (~20 s with a warm one).
+"""
+
+from __future__ import annotations
+
+import gc
+from typing import Any, Dict, Iterator, List, Tuple
+
+import pytest
+import torch
+import torch._inductor.config
+import torch._logging
+from torchrec.distributed import comm_ops
+
+from tests.distributed.dlrm import (
+    DLRM,
+    Batch,
+    Run,
+    make_batches,
+    make_sharded,
+    plain_loop,
+    weights,
+)
+from trec_pipelines.pipelines.comp_autograd import (
+    TrainPipelineSparseDistCompAutograd,
+    touched_settings,
+)
+
+CPU = torch.device("cpu")
+SEED, DATA_SEED = 1234, 7
+NUM_BATCHES = 4
+
+# The compiled backward is inductor's code, not the eager kernels: it fuses
+# the dense backward and reorders float32 sums (bias gradients, the matmul
+# reductions of the MLPs), so gradients differ from eager by a few ULPs.  (The
+# Python DDP reducer does the C++ one's arithmetic: grad / 2, then a sum of
+# two values, which is exact in any order.)
+# Measured over 4 steps: 3e-8 on the logits, 4e-8 on the weights (values of
+# order 0.1-1, where one float32 ULP is 1e-8 to 1.2e-7).  1e-6 absolute is
+# ~25x that, while the test below shows that a schedule fault (two batches
+# trained in the wrong order) moves the same values by more than 1e-3.
+ATOL, RTOL = 1e-6, 0.0
+
+# What the pipeline holds around the compiled forward and backward (those of
+# upstream's settings this PyTorch still has and honours).
+HELD: Dict[str, Any] = {
+    "torch._inductor.config.reorder_for_compute_comm_overlap": True,
+    "torch._inductor.config.reorder_for_compute_comm_overlap_passes": [
+        "sink_waits",
+        "raise_comms",
+        "reorder_compute_for_overlap",
+    ],
+    "torch._functorch.config.recompute_views": True,
+    "torch._functorch.config.cse": False,
+}
+
+
+@pytest.fixture(autouse=True)
+def undo_python_reducer_side_effects() -> Iterator[None]:
+    """Leave the process as the tests after these expect it.
+
+    A DDP built with the Python reducer turns on inductor's DDP-fusion settings
+    globally (in DDP's constructor, not in the pipeline): they are put back.
+    The compiled graphs keep the test's model alive; they are dropped so that
+    it is freed now, while its process group still exists, not at exit.
+    """
+    inductor = torch._inductor.config
+    with inductor.patch(
+        _fuse_ddp_communication=inductor._fuse_ddp_communication,
+        _fuse_ddp_bucket_size=inductor._fuse_ddp_bucket_size,
+    ):
+        yield
+    torch._dynamo.reset()
+    gc.collect()
+
+
+def _assert_close(ours: Run, ref: Run) -> None:
+    assert len(ours) == len(ref) == NUM_BATCHES
+    for step, (a, b) in enumerate(zip(ours, ref)):
+        torch.testing.assert_close(a, b, atol=ATOL, rtol=RTOL, msg=lambda m: f"step {step}: {m}")
+    assert ours.weights.keys() == ref.weights.keys()
+    for key in ref.weights:
+        torch.testing.assert_close(
+            ours.weights[key], ref.weights[key], atol=ATOL, rtol=RTOL, msg=lambda m: f"{key}: {m}"
+        )
+
+
+def _max_difference(a: Run, b: Run) -> float:
+    outputs = max((x - y).abs().max().item() for x, y in zip(a, b))
+    weights = max((a.weights[k] - b.weights[k]).abs().max().item() for k in a.weights)
+    return max(outputs, weights)
+
+
+def test_comp_autograd_matches_plain_loop_and_leaves_config_alone() -> None:
+    batches: List[Batch] = make_batches(NUM_BATCHES, seed=DATA_SEED)  # type: ignore[assignment]
+    ref = plain_loop(*make_sharded(DLRM, "table_wise", seed=SEED), batches)
+    swapped = plain_loop(
+        *make_sharded(DLRM, "table_wise", seed=SEED), [batches[1], batches[0]] + batches[2:]
+    )
+    assert _max_difference(ref, swapped) > 1000 * ATOL, "the tolerance would hide a schedule fault"
+
+    before = touched_settings()
+    optimize_ddp_before = torch._dynamo.config.optimize_ddp
+    log_state_before = repr(torch._logging._internal.log_state)
+
+    # DDP picks its reducer when built; compiled autograd needs the Python one.
+    with torch._dynamo.config.patch(optimize_ddp="python_reducer"):
+        dmp, optimizer = make_sharded(DLRM, "table_wise", seed=SEED)
+
+    seen: List[Tuple[Dict[str, Any], bool]] = []
+
+    def forward(batch: Any) -> Any:
+        # What the pipeline holds while the model runs.
+        seen.append((touched_settings(), comm_ops.USE_SYNC_COLLECTIVES))
+        return dmp(batch)
+
+    torch._dynamo.utils.counters.clear()
+    pipeline = TrainPipelineSparseDistCompAutograd(dmp, optimizer, CPU, custom_model_fwd=forward)
+    assert touched_settings() == before, "the constructor changed compiler settings"
+    assert pipeline.compiled_autograd_options == {
+        "backend": "inductor",
+        "dynamic": True,
+        "fullgraph": False,  # CPU: fbgemm's embedding backward has no fake kernel
+    }
+    compiled_with: List[Dict[str, Any]] = []
+    compiler = pipeline._compiler
+
+    def recording_compiler(graph: Any) -> Any:
+        # Called by compiled autograd inside the backward, when it compiles a graph.
+        compiled_with.append(touched_settings())
+        return compiler(graph)
+
+    pipeline._compiler = recording_compiler
+
+    outputs: List[torch.Tensor] = []
+    it = iter(batches)
+    while True:
+        try:
+            outputs.append(pipeline.progress(it).clone())
+        except StopIteration:
+            break
+        # Between progress() calls everything is as the user left it.
+        assert touched_settings() == before
+        assert comm_ops.USE_SYNC_COLLECTIVES is False
+    ours = Run(outputs, weights(dmp))
+
+    counters = torch._dynamo.utils.counters
+    assert counters["compiled_autograd"]["captures"] >= 1, "the backward was not captured"
+    assert counters["stats"]["unique_graphs"] >= 1, "nothing reached the compiler"
+    _assert_close(ours, ref)
+
+    # The first forward runs without the settings (as upstream), the others
+    # with them, and the backward graphs are compiled under them.
+    assert len(seen) == NUM_BATCHES
+    assert seen[0] == (before, True)
+    assert compiled_with, "compiled autograd never called the compiler"
+    assert HELD.keys() <= before.keys()
+    for settings, sync in seen[1:] + [(c, True) for c in compiled_with]:
+        assert sync is True
+        for key, value in HELD.items():
+            assert settings[key] == value, key
+
+    del pipeline
+    assert touched_settings() == before
+    assert torch._dynamo.config.optimize_ddp == optimize_ddp_before
+    assert repr(torch._logging._internal.log_state) == log_state_before
+
+
+def test_cpp_reducer_fails_early_with_the_fix() -> None:
+    dmp, optimizer = make_sharded(DLRM, "table_wise", seed=SEED)
+    pipeline = TrainPipelineSparseDistCompAutograd(dmp, optimizer, CPU)
+    try:
+        pipeline.progress(iter(make_batches(2, seed=DATA_SEED)))
+    except RuntimeError as error:
+        assert 'optimize_ddp="python_reducer"' in str(error)
+    else:
+        raise AssertionError("a C++-reducer DDP model trained under compiled autograd")
