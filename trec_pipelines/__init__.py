@@ -16,7 +16,10 @@ from trec_pipelines.pipelines.fused_sparse_dist import (
     TrainPipelineFusedSparseDist,
 )
 from trec_pipelines.pipelines.prefetch import PrefetchTrainPipelineSparseDist
+from trec_pipelines.pipelines.comp_autograd import TrainPipelineSparseDistCompAutograd
 from trec_pipelines.pipelines.semi_sync import TrainPipelineSemiSync
+from trec_pipelines.pipelines.sparse_data_dist_util import SparseDataDistUtil
+from trec_pipelines.pipelines.staged import PipelineStage, StagedTrainPipeline
 from trec_pipelines.pipelines.pt2 import TorchCompileConfig, TrainPipelinePT2
 from trec_pipelines.pipelines.sparse_dist import TrainPipelineSparseDist
 from trec_pipelines.pipelines.sparse_dist_lite import TrainPipelineSparseDistLite
@@ -28,10 +31,13 @@ __all__ = [
     "EmbeddingTrainPipelineContext",
     "EvalPipelineFusedSparseDist",
     "EvalPipelineSparseDist",
+    "PipelineStage",
     "PrefetchTrainPipelineContext",
     "PrefetchTrainPipelineSparseDist",
     "RewriteResult",
     "ScheduleRecorder",
+    "SparseDataDistUtil",
+    "StagedTrainPipeline",
     "TorchCompileConfig",
     "TrainPipelineBase",
     "TrainPipelineContext",
@@ -39,6 +45,7 @@ __all__ = [
     "TrainPipelinePT2",
     "TrainPipelineSemiSync",
     "TrainPipelineSparseDist",
+    "TrainPipelineSparseDistCompAutograd",
     "TrainPipelineSparseDistLite",
     "restore_model",
     "rewrite_model",
