@@ -8,7 +8,8 @@ run on are passed in explicitly.  Nothing here keeps pipeline state except
 from __future__ import annotations
 
 import logging
-from typing import Any, Iterator, Optional
+from collections import deque
+from typing import Any, Deque, Iterator, Optional
 
 import torch
 import torch.distributed as dist
@@ -84,10 +85,10 @@ class BatchSource:
       iterator is passed, including the same iterator object refilled (a
       ``DataLoader`` with ``persistent_workers=True``).  A new iterator object
       also starts a new epoch.
-    * :meth:`fetch_ahead` pulls the next host batch at the top of
-      ``progress()``, before any work is issued, so an exception raised by the
-      iterator reaches the caller with the pipeline untouched; the held batch
-      is then handed out by the next :meth:`next`.
+    * :meth:`fetch_ahead` pulls, at the top of ``progress()``, every host batch
+      the call will need, before any work is issued: an exception raised by
+      the iterator then reaches the caller with the pipeline untouched, and the
+      next call carries on.  :meth:`next` hands the held batches out in order.
     * With ``sync_group`` every pull is agreed across ranks (a one-element
       all-reduce): once any rank's iterator ends, every rank treats its own as
       ended at the same step, so no rank waits in a collective for a batch the
@@ -98,34 +99,39 @@ class BatchSource:
     def __init__(self, sync_group: Optional[Any] = None) -> None:
         self._iterator: Optional[Iterator[Any]] = None
         self._sync_group = sync_group
-        self._held: Optional[Any] = None
+        self._held: Deque[Any] = deque()
         self.exhausted = False
-        self.loaded = 0  # batches handed out so far, over all epochs
+        self.loaded = 0  # batches handed out so far, over all epochs: the next one's index
         self.unused = 0  # batches pulled but dropped because another rank ran out
 
     def _switch_to(self, iterator: Iterator[Any]) -> None:
         if iterator is self._iterator:
             return
-        if self._held is not None:
-            logger.warning("a batch fetched from the previous iterator was dropped (new iterator passed)")
-            self._held = None
-            self.loaded -= 1
+        if self._held:
+            logger.warning(
+                "%d batch(es) fetched from the previous iterator were dropped: a new "
+                "iterator was passed mid-epoch",
+                len(self._held),
+            )
+            self._held.clear()
         self._iterator = iterator
         self.exhausted = False
 
     def next(self, iterator: Iterator[Any]) -> Optional[Any]:
         """The next batch, or None at the end of the epoch."""
         self._switch_to(iterator)
-        if self._held is not None:
-            batch, self._held = self._held, None
-            return batch
-        return self._pull(iterator)
+        batch = self._held.popleft() if self._held else self._pull(iterator)
+        if batch is not None:
+            self.loaded += 1
+        return batch
 
-    def fetch_ahead(self, iterator: Iterator[Any]) -> None:
-        """Pull the next batch now; :meth:`next` returns it later."""
+    def fetch_ahead(self, iterator: Iterator[Any], count: int = 1) -> None:
+        """Hold ``count`` batches (fewer at the end of data) for :meth:`next`."""
         self._switch_to(iterator)
-        if self._held is None:
-            self._held = self._pull(iterator)
+        while len(self._held) < count and not self.exhausted:
+            batch = self._pull(iterator)
+            if batch is not None:
+                self._held.append(batch)
 
     def _pull(self, iterator: Iterator[Any]) -> Optional[Any]:
         if self.exhausted:
@@ -140,7 +146,6 @@ class BatchSource:
             self.exhausted = True
             return None
         check_batch(batch)
-        self.loaded += 1
         return batch
 
     def _agree(self, batch: Optional[Any]) -> Optional[Any]:

@@ -19,6 +19,7 @@ from tests.unit.fakes import (
     plain_loop,
     sparse_dist_pipeline,
 )
+import trec_pipelines as tp
 from trec_pipelines import TrainPipelineBase, TrainPipelineSparseDist
 
 
@@ -41,7 +42,25 @@ class FailsOnce:
         return self._batches[self._pos - 1]
 
 
-@pytest.mark.parametrize("make", [sparse_dist_pipeline, base_pipeline], ids=["sparse_dist", "base"])
+def _variant(name: str, **kwargs: Any) -> Any:
+    def make(model: torch.nn.Module) -> Any:
+        return getattr(tp, name)(model, optimizer_for(model), torch.device("cpu"), **kwargs)
+
+    return make
+
+
+TRAINING_VARIANTS = {
+    "base": base_pipeline,
+    "sparse_dist": sparse_dist_pipeline,
+    "lite": _variant("TrainPipelineSparseDistLite"),
+    "fused": _variant("TrainPipelineFusedSparseDist"),
+    "prefetch": _variant("PrefetchTrainPipelineSparseDist"),
+    # synchronous phase only, so the plain loop is its oracle
+    "semi_sync": _variant("TrainPipelineSemiSync", start_batch=100),
+}
+
+
+@pytest.mark.parametrize("make", list(TRAINING_VARIANTS.values()), ids=list(TRAINING_VARIANTS))
 @pytest.mark.parametrize("at", [0, 1, 2, 3, 5])
 def test_iterator_error_reaches_caller_and_nothing_is_lost(at: int, make: Any) -> None:
     batches = make_batches(6)

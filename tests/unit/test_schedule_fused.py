@@ -441,7 +441,8 @@ def test_fused_waits_for_user_work_after_detach(monkeypatch: pytest.MonkeyPatch)
         pipeline.progress(it)
         pipeline.detach()
         mark = len(fake.log)
-        pipeline.progress(it)  # attaches again
+        pipeline.attach()
+        pipeline.progress(it)
     body = _span_body(fake.log[mark:], "EmbLookup", 1)
     ready = body[0][2]
     # a fresh event on the default stream, recorded after the detach

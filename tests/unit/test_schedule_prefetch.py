@@ -463,7 +463,11 @@ def test_batch_chain_holds_without_pipelined_modules() -> None:
 
 
 def test_without_execute_all_batches_the_fill_runs_once() -> None:
-    """torchrec PR #4503: upstream re-ran its fill every step in this mode."""
+    """torchrec PR #4503: upstream re-ran its fill every step in this mode.
+
+    Without execute_all_batches the batches in flight when the data ends are
+    dropped (as in every sparse-dist variant): 3 of 5 are trained.
+    """
     batches = make_batches(5)
     model, ref = TinyModel(), TinyModel()
     pipeline = prefetch_pipeline(model, execute_all_batches=False)
@@ -471,6 +475,6 @@ def test_without_execute_all_batches_the_fill_runs_once() -> None:
     outputs = drain(pipeline, iter(batches))
     prefetches = [str(a) for a in pipeline.schedule_actions if a.task == "EmbPrefetch"]
     assert prefetches == ["P0 EmbPrefetch[i0]@prefetch"] + [
-        f"P{k - 1} EmbPrefetch[i{k}]@prefetch" for k in range(1, 5)
+        f"P{k - 1} EmbPrefetch[i{k}]@prefetch" for k in range(1, 4)
     ]
-    assert_same_training(outputs, plain_loop(ref, batches), model, ref)
+    assert_same_training(outputs, plain_loop(ref, batches[:3]), model, ref)

@@ -89,10 +89,12 @@ class TrainPipelineBase(TrainPipeline[Any, Any], Recordable):
 
     def progress(self, dataloader_iter: Iterator[Any]) -> Any:
         self._begin_call()
+        # Pull the host batches this call copies before any work: an iterator
+        # error then reaches the caller with the pipeline untouched.
+        self._source.fetch_ahead(dataloader_iter, 1 if self._connected else 2)
         if not self._connected:
             self._copy(dataloader_iter)  # fill: the first batch's copy
             self._connected = True
-        self._source.fetch_ahead(dataloader_iter)  # an iterator error surfaces before any work
         cur, i = self._cur_batch, self._cur_index
         if cur is None:
             self._end_epoch()

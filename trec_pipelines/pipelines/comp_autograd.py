@@ -162,6 +162,8 @@ class TrainPipelineSparseDistCompAutograd(TrainPipelineSparseDist):
         clear_data_dist_inputs: bool = False,
         *,
         rewrite_strategy: Strategy = "auto",
+        on_unpipelined: str = "warn",
+        sync_exhaustion: bool = False,
     ) -> None:
         super().__init__(
             model,
@@ -175,6 +177,8 @@ class TrainPipelineSparseDistCompAutograd(TrainPipelineSparseDist):
             free_features_storage_early=free_features_storage_early,
             clear_data_dist_inputs=clear_data_dist_inputs,
             rewrite_strategy=rewrite_strategy,
+            on_unpipelined=on_unpipelined,
+            sync_exhaustion=sync_exhaustion,
         )
         default_options: Dict[str, Union[str, bool]] = {
             "backend": "inductor",
@@ -230,12 +234,10 @@ class TrainPipelineSparseDistCompAutograd(TrainPipelineSparseDist):
 
     def progress(self, dataloader_iter: Iterator[Any]) -> Any:
         self._begin_call()
-        if not self._model_attached:
-            self.attach(self._model)
+        self._check_attached()
+        self._fetch_ahead(dataloader_iter)  # iterator errors surface before any work
         self.fill_pipeline(dataloader_iter)
-        if not self.batches:
-            self._source.end_epoch()
-            raise StopIteration
+        self._stop_if_done()
         self._set_module_context(self.contexts[0])
         training = self._model.training
 

@@ -205,6 +205,8 @@ class EvalPipelineSparseDist(TrainPipelineSparseDist):
         clear_data_dist_inputs: bool = False,
         *,
         rewrite_strategy: Strategy = "auto",
+        on_unpipelined: str = "warn",
+        sync_exhaustion: bool = False,
     ) -> None:
         self._loader: Optional[_BatchLoader] = None  # first: __del__ reads it
         self._loader_iter: Optional[Iterator[Any]] = None
@@ -218,6 +220,8 @@ class EvalPipelineSparseDist(TrainPipelineSparseDist):
             free_features_storage_early=free_features_storage_early,
             clear_data_dist_inputs=clear_data_dist_inputs,
             rewrite_strategy=rewrite_strategy,
+            on_unpipelined=on_unpipelined,
+            sync_exhaustion=sync_exhaustion,
         )
 
     # ----------------------------------------------------------- loader thread
@@ -269,8 +273,7 @@ class EvalPipelineSparseDist(TrainPipelineSparseDist):
 
     def progress(self, dataloader_iter: Iterator[Any]) -> Any:
         self._begin_call()
-        if not self._model_attached:
-            self.attach(self._model)
+        self._check_attached()
         if self._loader is None:
             # fill: a new epoch; cur is copied by the loader, then input_dist
             assert not self.batches, "in-flight batches without a loader"

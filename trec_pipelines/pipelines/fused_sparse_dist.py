@@ -122,6 +122,8 @@ class TrainPipelineFusedSparseDist(TrainPipelineSparseDist):
         clear_data_dist_inputs: bool = False,
         *,
         rewrite_strategy: Strategy = "auto",
+        on_unpipelined: str = "warn",
+        sync_exhaustion: bool = False,
     ) -> None:
         if emb_lookup_stream not in EMB_LOOKUP_STREAMS:
             raise ValueError(
@@ -148,6 +150,8 @@ class TrainPipelineFusedSparseDist(TrainPipelineSparseDist):
             free_features_storage_early=free_features_storage_early,
             clear_data_dist_inputs=clear_data_dist_inputs,
             rewrite_strategy=rewrite_strategy,
+            on_unpipelined=on_unpipelined,
+            sync_exhaustion=sync_exhaustion,
         )
         self._pipeline_postproc = pipeline_postproc
         self._strict = strict
@@ -226,12 +230,10 @@ class TrainPipelineFusedSparseDist(TrainPipelineSparseDist):
 
     def progress(self, dataloader_iter: Iterator[Any]) -> Any:
         self._begin_call()
-        if not self._model_attached:
-            self.attach(self._model)
+        self._check_attached()
+        self._fetch_ahead(dataloader_iter)  # iterator errors surface before any work
         self.fill_pipeline(dataloader_iter)
-        if not self.batches:
-            self._source.end_epoch()
-            raise StopIteration
+        self._stop_if_done()
         self._set_module_context(self.contexts[0])
         training = self._model.training
 
@@ -332,6 +334,8 @@ class EvalPipelineFusedSparseDist(TrainPipelineFusedSparseDist):
         *,
         enable_embedding_lookup_prefetch: bool = False,
         rewrite_strategy: Strategy = "auto",
+        on_unpipelined: str = "warn",
+        sync_exhaustion: bool = False,
     ) -> None:
         super().__init__(
             model,
@@ -349,6 +353,8 @@ class EvalPipelineFusedSparseDist(TrainPipelineFusedSparseDist):
             free_features_storage_early=free_features_storage_early,
             clear_data_dist_inputs=clear_data_dist_inputs,
             rewrite_strategy=rewrite_strategy,
+            on_unpipelined=on_unpipelined,
+            sync_exhaustion=sync_exhaustion,
         )
         self._enable_embedding_lookup_prefetch = enable_embedding_lookup_prefetch
 
@@ -383,12 +389,10 @@ class EvalPipelineFusedSparseDist(TrainPipelineFusedSparseDist):
 
     def progress(self, dataloader_iter: Iterator[Any]) -> Any:
         self._begin_call()
-        if not self._model_attached:
-            self.attach(self._model)
+        self._check_attached()
+        self._fetch_ahead(dataloader_iter)  # iterator errors surface before any work
         self.fill_pipeline(dataloader_iter)
-        if not self.batches:
-            self._source.end_epoch()
-            raise StopIteration
+        self._stop_if_done()
         self._set_module_context(self.contexts[0])
         if self._enable_embedding_lookup_prefetch:
             return self._progress_prefetch(dataloader_iter)

@@ -116,6 +116,8 @@ class PrefetchTrainPipelineSparseDist(TrainPipelineSparseDist):
         clear_data_dist_inputs: bool = False,
         *,
         rewrite_strategy: Strategy = "auto",
+        on_unpipelined: str = "warn",
+        sync_exhaustion: bool = False,
     ) -> None:
         super().__init__(
             model,
@@ -130,6 +132,8 @@ class PrefetchTrainPipelineSparseDist(TrainPipelineSparseDist):
             free_features_storage_early=free_features_storage_early,
             clear_data_dist_inputs=clear_data_dist_inputs,
             rewrite_strategy=rewrite_strategy,
+            on_unpipelined=on_unpipelined,
+            sync_exhaustion=sync_exhaustion,
         )
         # Recorded on the default stream when the last forward was issued;
         # the next prefetch waits for it (see [Note: prefetch ordering]).
@@ -227,12 +231,10 @@ class PrefetchTrainPipelineSparseDist(TrainPipelineSparseDist):
 
     def progress(self, dataloader_iter: Iterator[Any]) -> Any:
         self._begin_call()
-        if not self._model_attached:
-            self.attach(self._model)
+        self._check_attached()
+        self._fetch_ahead(dataloader_iter)  # iterator errors surface before any work
         self.fill_pipeline(dataloader_iter)
-        if not self.batches:
-            self._source.end_epoch()
-            raise StopIteration
+        self._stop_if_done()
         self._set_module_context(self.contexts[0])
         training = self._model.training
 

@@ -114,6 +114,8 @@ class TrainPipelineSemiSync(TrainPipelineSparseDist):
                 break
     """
 
+    _depth = 4
+
     _pipelined_forward_type = EmbeddingPipelinedForward
 
     def __init__(
@@ -134,6 +136,8 @@ class TrainPipelineSemiSync(TrainPipelineSparseDist):
         clear_data_dist_inputs: bool = False,
         *,
         rewrite_strategy: Strategy = "auto",
+        on_unpipelined: str = "warn",
+        sync_exhaustion: bool = False,
     ) -> None:
         super().__init__(
             model,
@@ -149,6 +153,8 @@ class TrainPipelineSemiSync(TrainPipelineSparseDist):
             free_features_storage_early=free_features_storage_early,
             clear_data_dist_inputs=clear_data_dist_inputs,
             rewrite_strategy=rewrite_strategy,
+            on_unpipelined=on_unpipelined,
+            sync_exhaustion=sync_exhaustion,
         )
         self._start_batch = start_batch
         self._stash_gradients = stash_gradients
@@ -355,10 +361,10 @@ class TrainPipelineSemiSync(TrainPipelineSparseDist):
 
     def progress(self, dataloader_iter: Iterator[Any]) -> Any:
         self._begin_call()
-        if not self._model_attached:
-            self.attach(self._model)
+        self._check_attached()
+        self._fetch_ahead(dataloader_iter)  # iterator errors surface before any work
         self.fill_pipeline(dataloader_iter)
-        if not self.batches:
+        if not self.batches:  # every loaded batch is trained, as upstream (see docstring)
             self._source.end_epoch()
             raise StopIteration
         self._set_module_context(self.contexts[0])

@@ -104,6 +104,8 @@ class TrainPipelineSparseDist(TrainPipeline[Any, Any], Recordable):
 
     # The wrapper installed on pipelined modules; variants override it.
     _pipelined_forward_type: Type[BaseForward[Any]] = PipelinedForward
+    # Most batches in flight right after a step's H2D: what a call may pull.
+    _depth: int = 3
     # Variants that only run forwards (Eval) take optimizer=None.
     _requires_optimizer: bool = True
     # The stream role input_dist is recorded on; Lite runs it on the default stream.
@@ -359,8 +361,8 @@ class TrainPipelineSparseDist(TrainPipeline[Any, Any], Recordable):
     def progress(self, dataloader_iter: Iterator[Any]) -> Any:
         self._begin_call()
         self._check_attached()
+        self._fetch_ahead(dataloader_iter)  # iterator errors surface before any work
         self.fill_pipeline(dataloader_iter)
-        self._source.fetch_ahead(dataloader_iter)  # an iterator error surfaces before any work
         self._stop_if_done()
         self._set_module_context(self.contexts[0])
         training = self._model.training
@@ -387,6 +389,10 @@ class TrainPipelineSparseDist(TrainPipeline[Any, Any], Recordable):
             self._optimizer_step()                                 # cur, default
         self.dequeue_batch()
         return output
+
+    def _fetch_ahead(self, dataloader_iter: Iterator[Any]) -> None:
+        """Pull every host batch this call will copy, before any work is issued."""
+        self._source.fetch_ahead(dataloader_iter, self._depth - len(self.batches))
 
     def _check_attached(self) -> None:
         if not self._model_attached:

@@ -49,6 +49,8 @@ class TrainPipelineSparseDistLite(TrainPipelineSparseDist):
                 break
     """
 
+    _depth = 2
+
     _input_dist_role = "default"
 
     def __init__(
@@ -65,6 +67,8 @@ class TrainPipelineSparseDistLite(TrainPipelineSparseDist):
         clear_data_dist_inputs: bool = False,
         *,
         rewrite_strategy: Strategy = "auto",
+        on_unpipelined: str = "warn",
+        sync_exhaustion: bool = False,
     ) -> None:
         super().__init__(
             model,
@@ -79,6 +83,8 @@ class TrainPipelineSparseDistLite(TrainPipelineSparseDist):
             free_features_storage_early=free_features_storage_early,
             clear_data_dist_inputs=clear_data_dist_inputs,
             rewrite_strategy=rewrite_strategy,
+            on_unpipelined=on_unpipelined,
+            sync_exhaustion=sync_exhaustion,
         )
 
     def _make_streams(self) -> StreamSet:
@@ -101,12 +107,10 @@ class TrainPipelineSparseDistLite(TrainPipelineSparseDist):
 
     def progress(self, dataloader_iter: Iterator[Any]) -> Any:
         self._begin_call()
-        if not self._model_attached:
-            self.attach(self._model)
+        self._check_attached()
+        self._fetch_ahead(dataloader_iter)  # iterator errors surface before any work
         self.fill_pipeline(dataloader_iter)
-        if not self.batches:
-            self._source.end_epoch()
-            raise StopIteration
+        self._stop_if_done()
         cur, ctx = self.batches[0], self.contexts[0]
         training = self._model.training
 
