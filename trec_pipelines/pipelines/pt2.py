@@ -11,9 +11,9 @@ from torchrec.distributed.train_pipeline import TrainPipeline
 from torchrec.pt2.utils import default_pipeline_input_transformer
 
 from trec_pipelines import recorder as rec
-from trec_pipelines.pipelines._common import check_device, check_optimizer
+from trec_pipelines.pipelines._common import check_device, check_model_device, check_optimizer
 from trec_pipelines.recorder import Recordable
-from trec_pipelines.stages import BatchSource, copy_to_device
+from trec_pipelines.stages import BatchSource, copy_to_device, sync_group_for
 
 
 @dataclass
@@ -96,9 +96,12 @@ class TrainPipelinePT2(TrainPipeline[Any, Any], Recordable):
         pre_compile_fn: Optional[Callable[[torch.nn.Module], None]] = None,
         post_compile_fn: Optional[Callable[[torch.nn.Module], None]] = None,
         input_transformer: Optional[Callable[[Any], Any]] = None,
+        *,
+        sync_exhaustion: bool = False,
     ) -> None:
         super().__init__()
         check_optimizer(optimizer, type(self).__name__)
+        check_model_device(model, device, type(self).__name__)
         self._model = model
         self._optimizer = optimizer
         self._device = check_device(device, type(self).__name__)
@@ -106,7 +109,7 @@ class TrainPipelinePT2(TrainPipeline[Any, Any], Recordable):
         self._pre_compile_fn = pre_compile_fn
         self._post_compile_fn = post_compile_fn
         self._input_transformer = input_transformer or default_pipeline_input_transformer
-        self._source = BatchSource()
+        self._source = BatchSource(sync_group_for(sync_exhaustion))
         self._iter = 0
         self._compiled = False
         self._cur_batch: Optional[Any] = None
