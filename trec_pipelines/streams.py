@@ -5,20 +5,30 @@ Every pipeline runs its work on a few named streams (see :class:`StreamSet`).
 On a device without streams (CPU) every side stream is ``None`` and each helper
 here does nothing, so pipeline code never branches on the device type.
 
-On a device with streams three rules keep the overlap correct:
+On a device with streams four rules keep the overlap correct:
 
-1. A value produced on stream A is read on stream B only after B waited for A
-   (``wait_stream`` or an event recorded on A after the producing work).
-2. A tensor allocated on stream A and used on stream B is ``record_stream``-ed
-   on B, so the caching allocator does not hand its memory out again while B
-   may still read it.
-3. An event is waited on only after it has been recorded.
+1. A kernel on stream B that reads memory written on stream A runs after that
+   write: B waited for A since (``wait_stream``, or an event recorded on A
+   after the write), directly or through another stream (B waited for C after
+   C waited for A).  A write likewise waits for other streams' earlier reads.
+2. Memory allocated on stream A and used on stream B is ``record_stream``-ed on
+   B before it is freed, unless A waits for B's use before issuing more work
+   (only then could the allocator's reuse on A overtake B).  Parameters and
+   buffers made before the pipeline are never freed under it: exempt.
+3. An event is waited on only after it has been recorded; a wait on an
+   unrecorded event orders nothing.
+4. Each verb issues its kernels on the stream its recorder span names, in the
+   variant's documented order.
 
 :func:`hand_off` is rules 1 and 2 in one call, which is what nearly every
-cross-stream hand-over in the pipelines needs.
+cross-stream hand-over in the pipelines needs.  Where the consumer must not
+also wait for later work on the producer, an event recorded right after the
+producing work replaces the ``wait_stream``.
 
 The device module is looked up through :func:`device_module`, never hard-coded,
-so a test can point it at a recording stand-in (see ``use_device_module``).
+so a test can point it at a recording stand-in (see ``use_device_module``):
+:mod:`trec_pipelines.testing` runs a pipeline on one and checks these rules
+(``tests/unit/test_stream_protocol.py`` does it for every variant).
 """
 
 from __future__ import annotations

@@ -69,7 +69,8 @@ class TrainPipelineFusedSparseDist(TrainPipelineSparseDist):
       it; an event rather than ``wait_stream`` so the lookup still overlaps
       the optimizer step issued after it.  The first lookup, and the first
       after :meth:`detach`, waits for all default-stream work instead (weight
-      init, a loaded checkpoint).
+      init, a loaded checkpoint); and :meth:`detach` hands the model back
+      only after any lookup in flight (the eval variant's prefetch).
     * The lookup waits for the tensors all-to-all on the data_dist stream, and
       the dense forward waits for an event recorded right after its batch's
       lookup.  Upstream's forward waits for the data_dist stream, which with
@@ -268,7 +269,13 @@ class TrainPipelineFusedSparseDist(TrainPipelineSparseDist):
     # ------------------------------------------------------- attach / detach
 
     def detach(self) -> torch.nn.Module:
-        """As SparseDist's; the next lookup also waits for whatever the user ran meanwhile."""
+        """As SparseDist's; the next lookup also waits for whatever the user ran meanwhile.
+
+        A lookup may still be in flight (the eval variant's prefetch); the
+        caller's stream waits for it, so nothing the caller runs on the model
+        next (an update of the tables) overtakes it.
+        """
+        wait_stream(current_stream(self._device), self._lookup_stream)
         self._weights_ready = None
         return super().detach()
 

@@ -73,7 +73,9 @@ class PrefetchTrainPipelineSparseDist(TrainPipelineSparseDist):
 
     * It runs on CPU.  Upstream skips the whole prefetch stage when there is no
       data_dist stream, so the first forward finds no input and fails.
-    * The event above; upstream relies on the CPU issue order alone.
+    * The event above; upstream relies on the CPU issue order alone.  For the
+      same reason :meth:`detach` makes the current stream wait for the
+      prefetch in flight before handing the model back.
     * ``prefetch()`` gets the stream the forward really runs on as
       ``forward_stream``.  Upstream passes a new stream that nothing runs on,
       so an embedding kernel's ``record_stream`` of the prefetched cache
@@ -205,6 +207,16 @@ class PrefetchTrainPipelineSparseDist(TrainPipelineSparseDist):
         # Every lookup of the prefetched rows is issued by now.
         self._forward_done = record_event(current_stream(self._device))
         return losses, output
+
+    def detach(self) -> torch.nn.Module:
+        """As SparseDist's, once the caller's stream has waited for the prefetch in flight.
+
+        ``nxt``'s prefetch may still be filling the embedding caches on the
+        prefetch stream, and whatever the caller runs on the model next is
+        issued on the current stream.
+        """
+        wait_stream(current_stream(self._device), self._streams.prefetch)
+        return super().detach()
 
     # --------------------------------------------------------------- schedule
 

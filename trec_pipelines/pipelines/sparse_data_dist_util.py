@@ -44,6 +44,7 @@ from trec_pipelines.streams import (
     on_stream,
     record_event,
     record_stream,
+    wait_event,
     wait_stream,
 )
 
@@ -92,6 +93,15 @@ class SparseDataDistUtil(Generic[In]):
       and first waits for the work issued on it so far (the previous
       optimizer step), so it never reads rows half updated; upstream does
       neither.
+    * The stages are fenced against the caller's forward and backward, which
+      run on the compute stream in between (races on a GPU; on CPU the
+      results are bit-identical).  A prefetch first waits for an event the
+      forward hook records at the end of the last forward, so it never
+      rewrites cache state that forward may still be reading (as
+      ``[Note: prefetch ordering]``).  The forward hook makes the compute
+      stream wait for the next batch's lookup, so the caller's backward, which
+      updates the tables (fused optimizer), never overtakes the lookup that
+      reads them.  Upstream orders neither.
     * ``wait_sdd_fill_callback`` with nothing started (empty data) does
       nothing instead of raising ``IndexError``.
 
@@ -158,6 +168,8 @@ class SparseDataDistUtil(Generic[In]):
         self._lookup_stream = side_stream(embedding_lookup_stream)
         # The caller's forward and backward run here (see the class docstring).
         self._compute_stream = current_stream(self._device)
+        # Recorded on the compute stream by the forward hook; the next prefetch waits for it.
+        self._forward_done: Optional[torch.Event] = None
 
         self._contexts: Deque[TrainPipelineContext] = deque()
         self._next_index = 0
@@ -276,15 +288,24 @@ class SparseDataDistUtil(Generic[In]):
             )
         else:
             self._rewrite = reapply_rewrite(self._rewrite, self._make_forward)
+            # The caller may have run the model directly since the last forward hook.
+            self._forward_done = record_event(self._compute_stream)
         self._set_module_context(self._forward_context())
         self.fwd_hook = self.model.register_forward_hook(self._after_forward)
         self.initialized = True
 
     def _after_forward(self, module: torch.nn.Module, input: Any, output: Any) -> None:
+        # Every read of this batch's prefetched cache rows is issued by now.
+        self._forward_done = record_event(self._compute_stream)
         # The next batch's input must be distributed before its forward, and
         # the contexts move on only after that wait and before the next start.
         self.wait_sparse_data_dist()
         self._advance_context()
+        # The next batch's lookup ran before this forward; the caller's
+        # backward, which updates the tables it read, must not overtake it.
+        ctx = self._contexts[0]
+        if isinstance(ctx, EmbeddingTrainPipelineContext):
+            wait_event(self._compute_stream, ctx.embedding_lookup_event)
 
     def detach(self) -> torch.nn.Module:
         """Give the model its own forwards back; in-flight batches are kept.
@@ -357,6 +378,8 @@ class SparseDataDistUtil(Generic[In]):
                 name: ctx.input_dist_tensors_requests.pop(name).wait() for name in self._names()
             }
         with on_stream(prefetch_stream):
+            # Not before the last forward has read the cache state this rewrites.
+            wait_event(prefetch_stream, self._forward_done)
             wait_stream(prefetch_stream, self._dist_stream)
             for pipelined in self._rewrite.pipelined:
                 name = pipelined.name

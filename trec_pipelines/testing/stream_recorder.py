@@ -1,0 +1,777 @@
+"""A recording stand-in for a device with streams: run a pipeline on CPU, see its stream protocol.
+
+[Note: recording the stream protocol]
+Inside ``with StreamRecorder() as recorder:`` every stream helper of
+:mod:`trec_pipelines.streams` goes to :class:`RecordingDevice`, a stand-in for
+``torch.cuda`` (``streams.use_device_module``), so a pipeline built there
+creates its side streams even with ``device=torch.device("cpu")``.  Tensors
+stay on the CPU and every kernel runs at once; what is simulated is only the
+ordering a GPU would see.  The recorder writes one :data:`Record` per event,
+in the order the CPU issued them:
+
+* every aten op, seen by a ``TorchDispatchMode`` in the recording thread and
+  in every thread started during the recording, attributed to that thread's
+  current (stand-in) stream, with the storages it reads, writes and allocates;
+* every ``wait_stream``, event ``record``/wait and ``synchronize``;
+* every ``record_stream`` (``torch.Tensor.record_stream`` is replaced by a
+  logger for the duration: a CPU tensor cannot record a stand-in stream;
+  torchrec's KJT/JaggedTensor/KeyedTensor call the tensor one);
+* the free of a storage that was allocated on one stream and used on another
+  (noticed before the next record, through a weak reference);
+* the schedule recorder's spans and ``progress()`` calls, so each record
+  knows the pipeline step and task it belongs to.
+
+Tensors are identified by their storage: a view is its base, an in-place op
+writes the storage.  A storage first seen as an input (the host batch, the
+parameters, anything made before the recording) is *external*: it has no
+producer, and only writes made during the recording are checked against it.
+
+To model the host-to-device copy, ``.to(device)`` of an external tensor
+(host memory) makes a copy (``copy=True``) while recording, so the device
+batch is new memory allocated on the stream the copy was issued on, as on a
+GPU.  A tensor made during the recording is "on the device" already, and
+``.to(device)`` of it stays a no-op.
+
+The recorder never changes what the pipeline computes, and no pipeline code
+knows it is there: it only sees a device module with streams.
+:func:`trec_pipelines.testing.stream_checker.check_stream_protocol` replays
+the records against the rules of ``[Note: stream protocol]``
+(:mod:`trec_pipelines.streams`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import threading
+from dataclasses import dataclass
+from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple, Union
+
+import torch
+from torch._subclasses.fake_tensor import FakeTensor
+from torch.multiprocessing.reductions import StorageWeakRef
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
+
+from trec_pipelines import streams
+from trec_pipelines.recorder import ScheduleRecorder
+
+# ------------------------------------------------------------------ records
+
+
+@dataclass(frozen=True)
+class Span:
+    """A schedule-recorder span (one pipeline verb) as the stream record saw it.
+
+    ``role`` is the stream role the pipeline recorded the verb on; ``stream``
+    the stand-in stream that role names in the pipeline's recorder (``None``
+    when the role is not one of the recorder's, e.g. a staged pipeline's
+    stage name).
+    """
+
+    call: int
+    task: str
+    batch: Optional[int]
+    role: str
+    thread: str
+    stream: Optional["RecordingStream"]
+
+    def __str__(self) -> str:
+        batch = "--" if self.batch is None else f"i{self.batch}"
+        return f"P{self.call} {self.task}[{batch}]@{self.role}"
+
+
+@dataclass(frozen=True)
+class Where:
+    """When and where a record was made: its position, thread, span and step."""
+
+    index: int
+    thread: str
+    span: Optional[Span]
+    call: int
+
+    def __str__(self) -> str:
+        if self.span is not None:
+            return f"step {self.span} (progress call {self.span.call}, task {self.span.task})"
+        if self.call < 0:
+            return "before the first progress call"
+        return f"progress call {self.call}, outside any recorded task"
+
+
+@dataclass(frozen=True)
+class TensorInfo:
+    """The first tensor seen on a storage: how a message names it."""
+
+    storage: int
+    shape: Tuple[int, ...]
+    dtype: torch.dtype
+    external: bool
+
+    def __str__(self) -> str:
+        dtype = str(self.dtype).replace("torch.", "")
+        shape = ", ".join(str(s) for s in self.shape)
+        return f"tensor {dtype}[{shape}] (storage #{self.storage})"
+
+
+@dataclass(frozen=True)
+class OpRecord:
+    """A kernel: ``op`` issued on ``stream``, reading, writing and allocating storages."""
+
+    where: Where
+    stream: "RecordingStream"
+    op: str
+    reads: Tuple[int, ...]
+    writes: Tuple[int, ...]
+    allocs: Tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class WaitStreamRecord:
+    """``stream.wait_stream(producer)``: later work on ``stream`` waits for ``producer``'s so far."""
+
+    where: Where
+    stream: "RecordingStream"
+    producer: "RecordingStream"
+
+
+@dataclass(frozen=True)
+class RecordEventRecord:
+    where: Where
+    stream: "RecordingStream"
+    event: "RecordingEvent"
+
+
+@dataclass(frozen=True)
+class WaitEventRecord:
+    where: Where
+    stream: "RecordingStream"
+    event: "RecordingEvent"
+
+
+@dataclass(frozen=True)
+class RecordStreamRecord:
+    """``record_stream(stream)`` on the tensor whose storage is ``storage``."""
+
+    where: Where
+    storage: int
+    stream: Any  # a RecordingStream, or whatever else the caller passed
+
+
+@dataclass(frozen=True)
+class FreeRecord:
+    """The storage was freed by the CPU before the record at ``where.index``."""
+
+    where: Where
+    storage: int
+
+
+@dataclass(frozen=True)
+class SyncRecord:
+    """The CPU waited for ``stream``, ``event``, or (both None) the whole device."""
+
+    where: Where
+    stream: Optional["RecordingStream"]
+    event: Optional["RecordingEvent"]
+
+
+@dataclass(frozen=True)
+class SpanRecord:
+    where: Where
+    span: Span
+    enter: bool
+
+
+Record = Union[
+    OpRecord,
+    WaitStreamRecord,
+    RecordEventRecord,
+    WaitEventRecord,
+    RecordStreamRecord,
+    FreeRecord,
+    SyncRecord,
+    SpanRecord,
+]
+
+
+# ---------------------------------------------------------- the stand-in
+
+
+class RecordingStream:
+    """A stand-in ``torch.cuda.Stream``: its calls are recorded, nothing runs on it."""
+
+    def __init__(self, device: "RecordingDevice", name: str, priority: int = 0, named: bool = True) -> None:
+        self._device = device
+        self.name = name
+        self.priority = priority
+        self.device = device.device
+        # False while the name is a placeholder the schedule recorder may replace by a role.
+        self.named = named
+
+    def wait_stream(self, stream: "RecordingStream") -> None:
+        self._device.recorder._wait_stream(self, stream)
+
+    def wait_event(self, event: "RecordingEvent") -> None:
+        self._device.recorder._wait_event(self, event)
+
+    def record_event(self, event: Optional["RecordingEvent"] = None) -> "RecordingEvent":
+        event = event if event is not None else self._device.Event()
+        event.record(self)
+        return event
+
+    def synchronize(self) -> None:
+        self._device.recorder._synchronize(stream=self)
+
+    def query(self) -> bool:
+        return True
+
+    def __repr__(self) -> str:
+        return f"RecordingStream({self.name!r})"
+
+
+class RecordingEvent:
+    """A stand-in ``torch.cuda.Event``."""
+
+    def __init__(self, device: "RecordingDevice", number: int) -> None:
+        self._device = device
+        self.number = number
+        self.recorded = False
+        self._tick = 0  # the record index of the last record(), for elapsed_time
+
+    def record(self, stream: Optional[RecordingStream] = None) -> None:
+        self._device.recorder._record_event(self, stream or self._device.current_stream())
+
+    def wait(self, stream: Optional[RecordingStream] = None) -> None:
+        (stream or self._device.current_stream()).wait_event(self)
+
+    def synchronize(self) -> None:
+        self._device.recorder._synchronize(event=self)
+
+    def query(self) -> bool:
+        return True
+
+    def elapsed_time(self, end: "RecordingEvent") -> float:
+        # Milliseconds; one record is one microsecond of "device time".
+        return (end._tick - self._tick) / 1e3
+
+    def __repr__(self) -> str:
+        return f"RecordingEvent(#{self.number})"
+
+
+class RecordingDevice:
+    """Stands in for ``torch.cuda``: streams, a per-thread current stream, events.
+
+    The pipeline reaches it through :func:`trec_pipelines.streams.device_module`
+    while the owning :class:`StreamRecorder` is active.  Each thread starts on
+    the default stream, as on CUDA.
+    """
+
+    def __init__(self, recorder: "StreamRecorder", device: torch.device) -> None:
+        self.recorder = recorder
+        self.device = device
+        self.default = RecordingStream(self, "default")
+        # Every stream made, default first (a role without a recorder stream names one of these).
+        self.streams: List[RecordingStream] = [self.default]
+        self._local = threading.local()
+        self._stream_numbers = itertools.count(1)
+        self._event_numbers = itertools.count(1)
+
+    def Stream(  # noqa: N802 (torch.cuda's spelling)
+        self, priority: int = 0, device: Any = None, *, name: Optional[str] = None
+    ) -> RecordingStream:
+        """A new side stream; ``name`` labels it in messages (else the pipeline's role, or "streamN")."""
+        number = next(self._stream_numbers)
+        stream = RecordingStream(self, name or f"stream{number}", priority, named=name is not None)
+        self.streams.append(stream)
+        return stream
+
+    def stream_named(self, name: str) -> Optional[RecordingStream]:
+        """The stream called ``name`` (the last one made, if several are)."""
+        for stream in reversed(self.streams):
+            if stream.named and stream.name == name:
+                return stream
+        return None
+
+    def Event(  # noqa: N802
+        self, enable_timing: bool = False, blocking: bool = False, interprocess: bool = False
+    ) -> RecordingEvent:
+        return RecordingEvent(self, next(self._event_numbers))
+
+    def current_stream(self, device: Any = None) -> RecordingStream:
+        stream: Optional[RecordingStream] = getattr(self._local, "stream", None)
+        return stream if stream is not None else self.default
+
+    def default_stream(self, device: Any = None) -> RecordingStream:
+        return self.default
+
+    def set_stream(self, stream: RecordingStream) -> None:
+        self._local.stream = stream
+
+    @contextlib.contextmanager
+    def stream(self, stream: Optional[RecordingStream]) -> Iterator[None]:
+        if stream is None:
+            yield
+            return
+        previous = self.current_stream()
+        self.set_stream(stream)
+        try:
+            yield
+        finally:
+            self.set_stream(previous)
+
+    def synchronize(self, device: Any = None) -> None:
+        self.recorder._synchronize()
+
+    def is_available(self) -> bool:
+        return True
+
+    def device_count(self) -> int:
+        return 1
+
+    def current_device(self) -> int:
+        return 0
+
+
+# ------------------------------------------------------------ the recorder
+
+
+class _OpRecordingMode(TorchDispatchMode):
+    """Reports every aten op (after it ran) to the recorder."""
+
+    def __init__(self, recorder: "StreamRecorder") -> None:
+        super().__init__()
+        self._recorder = recorder
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        self._recorder._op(func, args, kwargs, out)
+        return out
+
+
+@dataclass
+class _Storage:
+    sid: int
+    ref: StorageWeakRef
+
+
+# Ops that read only their inputs' metadata (shape, dtype, device), not the data.
+def _reads_no_data(func: Any) -> bool:
+    name = func._schema.name.split("::")[-1]
+    return name.endswith("_like") or name.startswith("new_") or name in ("empty_strided", "lift_fresh")
+
+
+def _is_view(func: Any) -> bool:
+    schema = func._schema
+    writes = any(a.alias_info is not None and a.alias_info.is_write for a in schema.arguments)
+    return not writes and any(r.alias_info is not None for r in schema.returns)
+
+
+def _device_argument(args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> bool:
+    """True when a ``Tensor.to(...)`` call names a device."""
+    if "device" in kwargs and kwargs["device"] is not None:
+        return True
+    return bool(args) and isinstance(args[0], (torch.device, str, int))
+
+
+_active: Optional["StreamRecorder"] = None
+
+
+class StreamRecorder:
+    """Records the stream protocol of everything run inside ``with StreamRecorder() as r:``.
+
+    Build the pipeline inside the ``with`` (its streams come from the
+    stand-in device), and the model outside it (its parameters are then
+    external and need no hand-off).  Call :meth:`watch` on the pipeline so its
+    verbs are recorded too.  Then check the records with :meth:`check` or
+    :meth:`assert_protocol`.
+
+    Example::
+
+        model = MyModel()  # before the recording: parameters are external
+        with StreamRecorder() as recorder:
+            pipeline = recorder.watch(TrainPipelineSparseDist(model, opt, torch.device("cpu")))
+            for _ in range(4):
+                pipeline.progress(it)
+        recorder.assert_protocol()
+
+    Attributes:
+        device: the :class:`RecordingDevice` the pipeline's streams come from.
+        records: everything recorded, in the order the CPU issued it.
+        tensors: storage number -> the first tensor seen on that storage.
+    """
+
+    def __init__(self, device: torch.device = torch.device("cpu")) -> None:
+        self.device = RecordingDevice(self, device)
+        self.records: List[Record] = []
+        self.tensors: Dict[int, TensorInfo] = {}
+        self._lock = threading.RLock()
+        self._storages: Dict[int, _Storage] = {}
+        self._storage_numbers = itertools.count(1)
+        self._refs: Dict[int, StorageWeakRef] = {}
+        self._alloc_stream: Dict[int, RecordingStream] = {}
+        # Storages allocated on one stream and used on another: their frees are recorded.
+        self._watched: Dict[int, StorageWeakRef] = {}
+        self._spans: Dict[int, List[Span]] = {}  # thread ident -> open spans
+        self._call = -1
+        self._recording = False
+        self._stack: Optional[contextlib.ExitStack] = None
+
+    # ------------------------------------------------------------- public
+
+    def watch(self, pipeline: Any) -> Any:
+        """Turn on ``pipeline``'s schedule recording (its verbs become spans); returns it.
+
+        Read ``pipeline.schedule_actions`` only after the recording: it
+        synchronizes on the timing events, which would be recorded as
+        synchronization points.
+        """
+        side_streams = getattr(pipeline, "_streams", None)
+        if isinstance(side_streams, streams.StreamSet) and side_streams == streams.StreamSet():
+            raise ValueError(
+                f"{type(pipeline).__name__} has no side streams: it was built outside the "
+                "recording. Build it inside `with StreamRecorder():` so that its streams "
+                "come from the recording device."
+            )
+        pipeline.enable_schedule_recording()
+        return pipeline
+
+    @property
+    def spans(self) -> List[Span]:
+        """Every recorded span, in the order the verbs started."""
+        return [r.span for r in self.records if isinstance(r, SpanRecord) and r.enter]
+
+    def check(self, schedule: Optional[List[Any]] = None, **options: Any) -> List[Any]:
+        """The protocol violations of the records (see ``check_stream_protocol``)."""
+        # Imported here: the checker module imports this one for the record types.
+        from trec_pipelines.testing.stream_checker import check_stream_protocol
+
+        return check_stream_protocol(self, schedule, **options)
+
+    def assert_protocol(self, schedule: Optional[List[Any]] = None, **options: Any) -> None:
+        """Raise ``StreamProtocolError`` listing every violation (see ``assert_stream_protocol``)."""
+        from trec_pipelines.testing.stream_checker import assert_stream_protocol
+
+        assert_stream_protocol(self, schedule, **options)
+
+    # ------------------------------------------------------ enter / exit
+
+    def __enter__(self) -> "StreamRecorder":
+        global _active
+        if _active is not None:
+            raise RuntimeError(
+                "a StreamRecorder is already recording and recordings do not nest: leave "
+                "the first `with StreamRecorder()` block before starting another"
+            )
+        _active = self
+        stack = contextlib.ExitStack()
+        try:
+            stack.enter_context(streams.use_device_module(self.device))
+
+            def record_stream(tensor: torch.Tensor, stream: Any) -> None:
+                self._tensor_record_stream(tensor, stream)
+
+            patches = [
+                (torch.Tensor, "record_stream", record_stream),
+                (torch.Tensor, "to", self._tensor_to(torch.Tensor.to)),
+                (ScheduleRecorder, "span", self._span_hook(ScheduleRecorder.span)),
+                (ScheduleRecorder, "begin_call", self._begin_call_hook(ScheduleRecorder.begin_call)),
+                (threading.Thread, "run", self._thread_run(threading.Thread.run)),
+            ]
+            for owner, name, value in patches:
+                stack.enter_context(_patched(owner, name, value))
+            self._recording = True
+            stack.callback(self._stop)
+            stack.enter_context(_OpRecordingMode(self))
+        except BaseException:
+            stack.close()
+            _active = None
+            raise
+        self._stack = stack
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        global _active
+        assert self._stack is not None
+        try:
+            with self._lock:
+                self._poll_frees()  # what the run dropped last is part of the record
+        finally:
+            self._stack.close()
+            self._stack = None
+            _active = None
+
+    def _stop(self) -> None:
+        with self._lock:
+            self._recording = False
+
+    # ---------------------------------------------------------- helpers
+
+    def _where(self) -> Where:
+        thread = threading.current_thread()
+        open_spans = self._spans.get(thread.ident or 0)
+        span = open_spans[-1] if open_spans else None
+        name = "main" if thread is threading.main_thread() else thread.name
+        return Where(len(self.records), name, span, self._call)
+
+    def _append(self, make: Callable[[Where], Record]) -> None:
+        """Note any frees, then append the record ``make`` builds."""
+        with self._lock:
+            if not self._recording:
+                return
+            self._poll_frees()
+            self.records.append(make(self._where()))
+
+    def _poll_frees(self) -> None:
+        for sid, ref in list(self._watched.items()):
+            if ref.expired():
+                del self._watched[sid]
+                self.records.append(FreeRecord(self._where(), sid))
+
+    def _storage(self, tensor: torch.Tensor, external: bool) -> Tuple[Optional[int], bool]:
+        """``(storage number, first seen now)``, or ``(None, False)`` for a tensor without storage."""
+        if tensor.device.type == "meta" or tensor.is_sparse or isinstance(tensor, FakeTensor):
+            return None, False
+        try:
+            storage = tensor.untyped_storage()
+        except (RuntimeError, NotImplementedError):
+            return None, False  # a tensor subclass or fake tensor without real storage
+        key = storage._cdata
+        known = self._storages.get(key)
+        # A weak reference keeps the storage object's address, so a live key is never reused.
+        if known is not None and not known.ref.expired():
+            return known.sid, False
+        sid = next(self._storage_numbers)
+        ref = StorageWeakRef(storage)
+        self._storages[key] = _Storage(sid, ref)
+        self._refs[sid] = ref
+        self.tensors[sid] = TensorInfo(sid, tuple(tensor.shape), tensor.dtype, external)
+        return sid, True
+
+    def _is_host(self, tensor: torch.Tensor) -> bool:
+        """True for memory not produced during the recording (the host batch, parameters)."""
+        with self._lock:
+            try:
+                key = tensor.untyped_storage()._cdata
+            except (RuntimeError, NotImplementedError):
+                return False
+            known = self._storages.get(key)
+            if known is None or known.ref.expired():
+                return True
+            return self.tensors[known.sid].external
+
+    # ------------------------------------------------------------- ops
+
+    def _op(self, func: Any, args: Tuple[Any, ...], kwargs: Dict[str, Any], out: Any) -> None:
+        with self._lock:
+            if not self._recording:
+                return
+            schema = func._schema
+            if schema.name.startswith("profiler::"):
+                return  # record_function markers: no device work
+            self._poll_frees()
+            stream = self.device.current_stream()
+            reads_data = not _reads_no_data(func) and not _is_view(func)
+            fresh_inputs = schema.name in ("aten::lift_fresh", "aten::lift_fresh_copy")
+            reads: List[int] = []
+            writes: List[int] = []
+            allocs: List[int] = []
+            for position, argument in enumerate(schema.arguments):
+                if argument.kwarg_only or position >= len(args):
+                    value = kwargs.get(argument.name)
+                else:
+                    value = args[position]
+                tensors = [t for t in tree_leaves(value) if isinstance(t, torch.Tensor)]
+                written = argument.alias_info is not None and argument.alias_info.is_write
+                for tensor in tensors:
+                    sid, new = self._storage(tensor, external=not fresh_inputs)
+                    if sid is None:
+                        continue
+                    if new and fresh_inputs:
+                        # torch.tensor(data): memory made for this call, on this stream
+                        allocs.append(sid)
+                        continue
+                    if written:
+                        writes.append(sid)
+                    if reads_data and not (written and argument.name.startswith("out")):
+                        reads.append(sid)
+            for tensor in tree_leaves(out):
+                if isinstance(tensor, torch.Tensor):
+                    sid, new = self._storage(tensor, external=False)
+                    if sid is not None and new:
+                        allocs.append(sid)
+            for sid in allocs:
+                self._alloc_stream[sid] = stream
+            for sid in itertools.chain(reads, writes):
+                allocated_on = self._alloc_stream.get(sid)
+                if allocated_on is not None and allocated_on is not stream and sid not in self._watched:
+                    self._watched[sid] = self._refs[sid]
+            self.records.append(
+                OpRecord(
+                    self._where(),
+                    stream,
+                    str(func),
+                    tuple(dict.fromkeys(reads)),
+                    tuple(dict.fromkeys(writes)),
+                    tuple(dict.fromkeys(allocs)),
+                )
+            )
+
+    # ------------------------------------------------- stream and events
+
+    def _wait_stream(self, stream: RecordingStream, producer: RecordingStream) -> None:
+        self._append(lambda where: WaitStreamRecord(where, stream, producer))
+
+    def _record_event(self, event: RecordingEvent, stream: RecordingStream) -> None:
+        def make(where: Where) -> Record:
+            event.recorded = True
+            event._tick = where.index
+            return RecordEventRecord(where, stream, event)
+
+        self._append(make)
+
+    def _wait_event(self, stream: RecordingStream, event: RecordingEvent) -> None:
+        self._append(lambda where: WaitEventRecord(where, stream, event))
+
+    def _synchronize(
+        self, stream: Optional[RecordingStream] = None, event: Optional[RecordingEvent] = None
+    ) -> None:
+        self._append(lambda where: SyncRecord(where, stream, event))
+
+    def _tensor_record_stream(self, tensor: torch.Tensor, stream: Any) -> None:
+        with self._lock:
+            if not self._recording:
+                return
+            sid, _ = self._storage(tensor, external=True)
+        if sid is not None:
+            self._append(lambda where: RecordStreamRecord(where, sid, stream))
+
+    def _tensor_to(self, original: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
+        recorder = self
+
+        def to(tensor: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+            # Host memory moved "to the device" is a copy (see the module note).
+            if (
+                recorder._recording
+                and len(args) < 4  # copy not given positionally
+                and not kwargs.get("copy", False)
+                and _device_argument(args, kwargs)
+                and recorder._is_host(tensor)
+            ):
+                kwargs["copy"] = True
+            return original(tensor, *args, **kwargs)
+
+        return to
+
+    # ----------------------------------------------- spans and threads
+
+    def _span_hook(self, original: Callable[..., Any]) -> Callable[..., Any]:
+        recorder = self
+
+        @contextlib.contextmanager
+        def span(
+            schedule: ScheduleRecorder, task: str, batch: Optional[int], stream: str, thread: str = "main"
+        ) -> Iterator[None]:
+            with original(schedule, task, batch, stream, thread):
+                action = schedule.actions[-1]
+                for role, named in schedule.streams.items():
+                    # A side stream nobody named takes the name of its role.
+                    if isinstance(named, RecordingStream) and not named.named:
+                        named.name, named.named = role, True
+                role_stream = schedule.streams.get(stream) or recorder.device.stream_named(stream)
+                opened = Span(
+                    action.call,
+                    task,
+                    batch,
+                    stream,
+                    thread,
+                    role_stream if isinstance(role_stream, RecordingStream) else None,
+                )
+                recorder._open_span(opened)
+                try:
+                    yield
+                finally:
+                    recorder._close_span(opened)
+
+        return span
+
+    def _open_span(self, span: Span) -> None:
+        with self._lock:
+            if not self._recording:
+                return
+            self._poll_frees()
+            self.records.append(SpanRecord(self._where(), span, True))
+            self._spans.setdefault(threading.get_ident(), []).append(span)
+
+    def _close_span(self, span: Span) -> None:
+        with self._lock:
+            open_spans = self._spans.get(threading.get_ident(), [])
+            if open_spans and open_spans[-1] is span:
+                open_spans.pop()
+                if self._recording:
+                    self._poll_frees()
+                    self.records.append(SpanRecord(self._where(), span, False))
+
+    def _begin_call_hook(self, original: Callable[..., Any]) -> Callable[..., Any]:
+        recorder = self
+
+        def begin_call(schedule: ScheduleRecorder) -> None:
+            original(schedule)
+            with recorder._lock:
+                recorder._call = schedule.call
+
+        return begin_call
+
+    def _thread_run(self, original: Callable[..., Any]) -> Callable[..., Any]:
+        recorder = self
+
+        def run(thread: threading.Thread) -> None:
+            # A thread started while recording records its ops too (the dispatch
+            # mode is per thread); it starts on the default stream.
+            if not recorder._recording:
+                original(thread)
+                return
+            with _OpRecordingMode(recorder):
+                original(thread)
+
+        return run
+
+
+@contextlib.contextmanager
+def _patched(owner: Any, name: str, value: Any) -> Iterator[None]:
+    """Set ``owner.name`` for the duration; restore (or remove) it afterwards."""
+    had = name in owner.__dict__
+    previous = owner.__dict__.get(name)
+    setattr(owner, name, value)
+    try:
+        yield
+    finally:
+        if had:
+            setattr(owner, name, previous)
+        else:
+            delattr(owner, name)
+
+
+def active_recorder() -> Optional[StreamRecorder]:
+    """The recorder currently recording, if any."""
+    return _active
+
+
+__all__ = [
+    "FreeRecord",
+    "OpRecord",
+    "Record",
+    "RecordEventRecord",
+    "RecordStreamRecord",
+    "RecordingDevice",
+    "RecordingEvent",
+    "RecordingStream",
+    "Span",
+    "SpanRecord",
+    "StreamRecorder",
+    "SyncRecord",
+    "TensorInfo",
+    "WaitEventRecord",
+    "WaitStreamRecord",
+    "Where",
+    "active_recorder",
+]
