@@ -30,5 +30,9 @@ distributed: $(STAMP)
 bench: $(STAMP)
 	$(PY) -m benchmarks
 
+# Not in CI (a few minutes): 5,000 steps of SparseDist and SemiSync, RSS sampled.
+soak: $(STAMP)
+	$(VENV)/bin/torchrun --standalone --nproc_per_node=$(NPROC) tests/soak/run_soak.py
+
 clean:
 	rm -rf $(VENV) build *.egg-info
