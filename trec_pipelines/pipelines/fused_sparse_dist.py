@@ -230,12 +230,7 @@ class TrainPipelineFusedSparseDist(TrainPipelineSparseDist):
     # --------------------------------------------------------------- schedule
 
     def progress(self, dataloader_iter: Iterator[Any]) -> Any:
-        self._begin_call()
-        self._check_attached()
-        self._fetch_ahead(dataloader_iter)  # iterator errors surface before any work
-        self.fill_pipeline(dataloader_iter)
-        self._stop_if_done()
-        self._set_module_context(self.contexts[0])
+        self._start_step(dataloader_iter)  # fill, pull host batches, stop at end of data
         training = self._model.training
 
         if not self._embedding_lookup_after_data_dist:
@@ -395,12 +390,7 @@ class EvalPipelineFusedSparseDist(TrainPipelineFusedSparseDist):
         self.enqueue_batch(dataloader_iter)
 
     def progress(self, dataloader_iter: Iterator[Any]) -> Any:
-        self._begin_call()
-        self._check_attached()
-        self._fetch_ahead(dataloader_iter)  # iterator errors surface before any work
-        self.fill_pipeline(dataloader_iter)
-        self._stop_if_done()
-        self._set_module_context(self.contexts[0])
+        self._start_step(dataloader_iter)  # fill, pull host batches, stop at end of data
         if self._enable_embedding_lookup_prefetch:
             return self._progress_prefetch(dataloader_iter)
         return self._progress_in_order(dataloader_iter)

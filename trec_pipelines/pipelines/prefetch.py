@@ -242,12 +242,7 @@ class PrefetchTrainPipelineSparseDist(TrainPipelineSparseDist):
         self.start_sparse_data_dist(self.batches[1], self.contexts[1])
 
     def progress(self, dataloader_iter: Iterator[Any]) -> Any:
-        self._begin_call()
-        self._check_attached()
-        self._fetch_ahead(dataloader_iter)  # iterator errors surface before any work
-        self.fill_pipeline(dataloader_iter)
-        self._stop_if_done()
-        self._set_module_context(self.contexts[0])
+        self._start_step(dataloader_iter)  # fill, pull host batches, stop at end of data
         training = self._model.training
 
         if training:

@@ -359,15 +359,15 @@ class TrainPipelineSemiSync(TrainPipelineSparseDist):
         self.wait_sparse_data_dist(self.contexts[1])
         self.enqueue_batch(dataloader_iter)
 
-    def progress(self, dataloader_iter: Iterator[Any]) -> Any:
-        self._begin_call()
-        self._check_attached()
-        self._fetch_ahead(dataloader_iter)  # iterator errors surface before any work
-        self.fill_pipeline(dataloader_iter)
-        if not self.batches:  # every loaded batch is trained, as upstream (see docstring)
+    def _stop_if_done(self) -> None:
+        # Every loaded batch is trained whatever execute_all_batches says, as
+        # upstream's SemiSync does (its copy never stops mid-pipeline).
+        if not self.batches:
             self._source.end_epoch()
             raise StopIteration
-        self._set_module_context(self.contexts[0])
+
+    def progress(self, dataloader_iter: Iterator[Any]) -> Any:
+        self._start_step(dataloader_iter)  # fill, pull host batches, stop at end of data
         semi_sync = self.is_semi_sync()
 
         if self._clear_data_dist_inputs and len(self.contexts) >= 2:

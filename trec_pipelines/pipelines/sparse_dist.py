@@ -361,12 +361,7 @@ class TrainPipelineSparseDist(TrainPipeline[Any, Any], Recordable):
         self.enqueue_batch(dataloader_iter)
 
     def progress(self, dataloader_iter: Iterator[Any]) -> Any:
-        self._begin_call()
-        self._check_attached()
-        self._fetch_ahead(dataloader_iter)  # iterator errors surface before any work
-        self.fill_pipeline(dataloader_iter)
-        self._stop_if_done()
-        self._set_module_context(self.contexts[0])
+        self._start_step(dataloader_iter)  # fill, pull host batches, stop at end of data
         training = self._model.training
 
         if training:
@@ -391,6 +386,18 @@ class TrainPipelineSparseDist(TrainPipeline[Any, Any], Recordable):
             self._optimizer_step()                                 # cur, default
         self.dequeue_batch()
         return output
+
+    def _start_step(self, dataloader_iter: Iterator[Any]) -> None:
+        """What every step starts with: pull the host batches it will copy (so an
+        iterator error surfaces before any work), fill an empty pipeline, end the
+        epoch when nothing is left (``StopIteration``), and point the forward
+        wrappers at ``cur``."""
+        self._begin_call()
+        self._check_attached()
+        self._fetch_ahead(dataloader_iter)
+        self.fill_pipeline(dataloader_iter)
+        self._stop_if_done()
+        self._set_module_context(self.contexts[0])
 
     def _fetch_ahead(self, dataloader_iter: Iterator[Any]) -> None:
         """Pull every host batch this call will copy, before any work is issued."""

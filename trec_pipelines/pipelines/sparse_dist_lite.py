@@ -106,11 +106,7 @@ class TrainPipelineSparseDistLite(TrainPipelineSparseDist):
             self.enqueue_batch(dataloader_iter)
 
     def progress(self, dataloader_iter: Iterator[Any]) -> Any:
-        self._begin_call()
-        self._check_attached()
-        self._fetch_ahead(dataloader_iter)  # iterator errors surface before any work
-        self.fill_pipeline(dataloader_iter)
-        self._stop_if_done()
+        self._start_step(dataloader_iter)  # fill, pull host batches, stop at end of data
         cur, ctx = self.batches[0], self.contexts[0]
         training = self._model.training
 
