@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 from collections import deque
+from dataclasses import dataclass
 from typing import Any, Deque, Iterator, Optional
 
 import torch
@@ -164,6 +165,35 @@ class BatchSource:
 
     def end_epoch(self) -> None:
         self.exhausted = False
+
+    @property
+    def iterator(self) -> Optional[Iterator[Any]]:
+        """The iterator the current epoch pulls from."""
+        return self._iterator
+
+    @property
+    def holding(self) -> int:
+        """Batches fetched ahead and not handed out yet."""
+        return len(self._held)
+
+    def save(self) -> "SourceState":
+        """Set this iterator's epoch aside (see :meth:`restore`); start afresh."""
+        state = SourceState(self._iterator, self._held, self.exhausted)
+        self._iterator, self._held, self.exhausted = None, deque(), False
+        return state
+
+    def restore(self, state: "SourceState") -> None:
+        """Continue an epoch set aside by :meth:`save`."""
+        self._iterator, self._held, self.exhausted = state.iterator, state.held, state.exhausted
+
+
+@dataclass
+class SourceState:
+    """An iterator's epoch set aside: its fetched-ahead batches and whether it ended."""
+
+    iterator: Optional[Iterator[Any]]
+    held: Deque[Any]
+    exhausted: bool
 
 
 def sync_group_for(sync_exhaustion: bool) -> Optional[Any]:

@@ -42,3 +42,31 @@ def test_sync_exhaustion_next_epoch_carries_on() -> None:
     assert len(epoch1) == 3 and len(epoch2) == 3
     ours = type(ref)(list(epoch1) + list(epoch2), epoch2.weights)
     assert_runs_equal(ref, ours, ("plain_loop", "two epochs"))
+
+
+def test_eval_pass_mid_training_with_input_dist_in_flight() -> None:
+    """Batches whose input_dist is under way are parked through an eval pass."""
+    train, evaluation = make_batches(6, seed=DATA_SEED), make_batches(3, seed=DATA_SEED + 5)
+    ref_dmp, ref_optimizer = make_sharded(DLRM, "table_wise", seed=SEED)
+    ref_first = plain_loop(ref_dmp, ref_optimizer, train[:3])
+    ref_dmp.eval()
+    with torch.no_grad():
+        ref_eval = [ref_dmp(b)[1] for b in evaluation]
+    ref_dmp.train()
+    ref_rest = plain_loop(ref_dmp, ref_optimizer, train[3:])
+
+    dmp, optimizer = make_sharded(DLRM, "table_wise", seed=SEED)
+    pipeline = trec_pipelines.TrainPipelineSparseDist(dmp, optimizer, CPU)
+    train_it = iter(train)
+    first = [pipeline.progress(train_it).clone() for _ in range(3)]
+    dmp.eval()
+    eval_run = run_pipeline(pipeline, evaluation, model=dmp)
+    dmp.train()
+    rest = run_pipeline(pipeline, train_it, model=dmp)
+
+    assert len(eval_run) == 3
+    for step, (ours, ref) in enumerate(zip(eval_run, ref_eval)):
+        assert torch.equal(ours, ref), f"eval step {step} differs"
+    ours = type(ref_rest)(first + list(rest), rest.weights)
+    reference = type(ref_rest)(list(ref_first) + list(ref_rest), ref_rest.weights)
+    assert_runs_equal(reference, ours, ("plain_loop", "with an eval pass"))

@@ -130,3 +130,49 @@ def test_model_without_sharded_modules_logs_once(caplog: pytest.LogCaptureFixtur
 def test_sync_exhaustion_needs_a_process_group() -> None:
     with pytest.raises(RuntimeError, match="init_process_group"):
         sparse_dist_pipeline(TinyModel(), sync_exhaustion=True)
+
+
+SWITCHING_VARIANTS = {
+    "sparse_dist": sparse_dist_pipeline,
+    "lite": _variant("TrainPipelineSparseDistLite"),
+    "fused": _variant("TrainPipelineFusedSparseDist"),
+    "prefetch": _variant("PrefetchTrainPipelineSparseDist"),
+}
+
+
+@pytest.mark.parametrize("make", list(SWITCHING_VARIANTS.values()), ids=list(SWITCHING_VARIANTS))
+def test_eval_pass_between_train_steps_is_attributed_and_changes_nothing(make: Any) -> None:
+    train, evaluation = make_batches(6), make_batches(3, seed=42)
+    model, ref = TinyModel(), TinyModel()
+    pipeline = make(model)
+    train_it = iter(train)
+    outputs = [pipeline.progress(train_it) for _ in range(3)]
+
+    model.eval()
+    eval_outputs = drain(pipeline, iter(evaluation))
+    model.train()
+    outputs += drain(pipeline, train_it)
+
+    ref_optimizer = optimizer_for(ref)
+    ref_outputs, ref_eval = [], []
+    for step, batch in enumerate(train):
+        if step == 3:
+            ref.eval()
+            ref_eval = [ref(b)[1] for b in evaluation]
+            ref.train()
+        ref_optimizer.zero_grad()
+        loss, pred = ref(batch)
+        torch.sum(loss, dim=0).backward()
+        ref_optimizer.step()
+        ref_outputs.append(pred)
+    assert len(eval_outputs) == 3
+    assert all(torch.equal(a, b) for a, b in zip(eval_outputs, ref_eval)), "eval outputs misattributed"
+    assert_same_training(outputs, ref_outputs, model, ref)
+
+
+def test_reset_drops_parked_batches(caplog: pytest.LogCaptureFixture) -> None:
+    pipeline = sparse_dist_pipeline(TinyModel())
+    pipeline.progress(iter(make_batches(5)))
+    pipeline.progress(iter(make_batches(5, seed=3)))
+    pipeline.reset()
+    assert "parked" in caplog.text and "drops 4 in-flight" in caplog.text

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import logging
 from collections import deque
-from typing import Any, Callable, Deque, Iterator, List, Optional, Tuple, Type
+from dataclasses import dataclass
+from typing import Any, Callable, Deque, Dict, Iterator, List, Optional, Tuple, Type
 
 import torch
 from torchrec.distributed.train_pipeline import TrainPipeline
@@ -39,6 +40,7 @@ from trec_pipelines.rewrite import (
 from trec_pipelines.args import CallArgs
 from trec_pipelines.stages import (
     BatchSource,
+    SourceState,
     backward,
     copy_to_device,
     sync_group_for,
@@ -47,6 +49,15 @@ from trec_pipelines.stages import (
 from trec_pipelines.streams import StreamSet, make_streams, on_stream
 
 logger: logging.Logger = logging.getLogger(__name__)
+
+
+@dataclass
+class _Parked:
+    """An iterator's in-flight batches, set aside while another iterator runs."""
+
+    batches: Deque[Optional[Any]]
+    contexts: Deque[TrainPipelineContext]
+    source: SourceState
 
 
 class TrainPipelineSparseDist(TrainPipeline[Any, Any], Recordable):
@@ -81,6 +92,13 @@ class TrainPipelineSparseDist(TrainPipeline[Any, Any], Recordable):
 
     ``on_unpipelined`` is "warn" (log each sharded module the rewrite could not
     pipeline, with the reason; the default) or "raise".
+
+    Switching iterators: passing another iterator while batches of the
+    previous one are in flight (a train iterator, then an eval pass, then the
+    train iterator again) parks those batches, input_dist and all, and
+    resumes them when their iterator comes back, so no output is attributed to
+    the wrong batch (torchrec #3751) and training is identical to never having
+    switched.  The train/eval mode is the model's at each step.
 
     Differences from torchrec 1.8.0, all fixes: a new epoch starts without
     ``reset()`` (new iterator, or the same one refilled); a plain
@@ -176,6 +194,8 @@ class TrainPipelineSparseDist(TrainPipeline[Any, Any], Recordable):
         self.batches: Deque[Optional[Any]] = deque()
         self.contexts: Deque[TrainPipelineContext] = deque()
         self._rewrite: Optional[RewriteResult] = None
+        # In-flight batches of iterators set aside by a switch (see _switch_iterator).
+        self._parked: Dict[int, _Parked] = {}
         self._kjt_overrides: Tuple[KJTDistOverride, ...] = ()
         self._model_attached = True
 
@@ -394,10 +414,41 @@ class TrainPipelineSparseDist(TrainPipeline[Any, Any], Recordable):
         wrappers at ``cur``."""
         self._begin_call()
         self._check_attached()
+        self._switch_iterator(dataloader_iter)
         self._fetch_ahead(dataloader_iter)
         self.fill_pipeline(dataloader_iter)
         self._stop_if_done()
         self._set_module_context(self.contexts[0])
+
+    def _switch_iterator(self, dataloader_iter: Iterator[Any]) -> None:
+        """Set the previous iterator's in-flight batches aside when another is passed.
+
+        Alternating iterators (train, then an eval pass, then train again) must
+        not feed one iterator's in-flight batches to the other's steps (torchrec
+        #3751).  The batches of the previous iterator, with their input_dist
+        already under way, are parked untouched; passing that iterator again
+        resumes them exactly where they were.  Training is then identical to
+        never having switched.
+        """
+        source = self._source
+        if dataloader_iter is source.iterator:
+            return
+        previous = source.iterator
+        if previous is not None and (self.batches or source.holding):
+            in_flight = len(self.batches) + source.holding
+            self._parked[id(previous)] = _Parked(self.batches, self.contexts, source.save())
+            logger.warning(
+                "%s: a different iterator was passed with %d batch(es) of the previous "
+                "one in flight; they are parked and resume when that iterator is passed "
+                "again (reset() drops them)",
+                type(self).__name__,
+                in_flight,
+            )
+            self.batches, self.contexts = deque(), deque()
+        parked = self._parked.pop(id(dataloader_iter), None)
+        if parked is not None and parked.source.iterator is dataloader_iter:
+            self.batches, self.contexts = parked.batches, parked.contexts
+            source.restore(parked.source)
 
     def _fetch_ahead(self, dataloader_iter: Iterator[Any]) -> None:
         """Pull every host batch this call will copy, before any work is issued."""
@@ -474,13 +525,15 @@ class TrainPipelineSparseDist(TrainPipeline[Any, Any], Recordable):
         self._set_module_context(self.contexts[0])
 
     def reset(self) -> None:
-        """Drop the in-flight batches; the next ``progress()`` starts a new epoch."""
-        if self.batches:
+        """Drop the in-flight (and parked) batches; the next ``progress()`` starts a new epoch."""
+        dropped = len(self.batches) + sum(len(p.batches) for p in self._parked.values())
+        if dropped:
             logger.warning(
                 "%s.reset() drops %d in-flight batch(es) that were never trained",
                 type(self).__name__,
-                len(self.batches),
+                dropped,
             )
         self.batches.clear()
         self.contexts.clear()
+        self._parked.clear()
         self._source.end_epoch()
