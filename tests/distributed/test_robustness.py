@@ -15,7 +15,17 @@ CPU = torch.device("cpu")
 SEED, DATA_SEED = 1234, 7
 
 
-@pytest.mark.parametrize("name", ["TrainPipelineSparseDist", "TrainPipelineBase"])
+@pytest.mark.parametrize(
+    "name",
+    [
+        "TrainPipelineSparseDist",
+        "TrainPipelineBase",
+        "TrainPipelineSparseDistLite",
+        "TrainPipelineFusedSparseDist",
+        "PrefetchTrainPipelineSparseDist",
+        "TrainPipelineSemiSync",
+    ],
+)
 def test_sync_exhaustion_with_uneven_data(name: str) -> None:
     rank = dist.get_rank()
     # Rank 0 has 6 batches, rank 1 only 4: without agreement rank 0 would wait
@@ -23,7 +33,9 @@ def test_sync_exhaustion_with_uneven_data(name: str) -> None:
     batches = make_batches(6 if rank == 0 else 4, seed=DATA_SEED)
     ref = plain_loop(*make_sharded(DLRM, "table_wise", seed=SEED), batches[:4])
     dmp, optimizer = make_sharded(DLRM, "table_wise", seed=SEED)
-    pipeline: Any = getattr(trec_pipelines, name)(dmp, optimizer, CPU, sync_exhaustion=True)
+    # SemiSync stays synchronous here (start_batch past the data): the plain loop is its oracle.
+    extra = {"start_batch": 100} if name == "TrainPipelineSemiSync" else {}
+    pipeline: Any = getattr(trec_pipelines, name)(dmp, optimizer, CPU, sync_exhaustion=True, **extra)
     ours = run_pipeline(pipeline, batches, model=dmp)
     assert_runs_equal(ref, ours, ("plain_loop[:4]", name))
     # Rank 0 pulled its 5th batch before learning rank 1 had run out.
