@@ -1,0 +1,218 @@
+"""The benchmark's configuration: one dataclass, every field a command-line option.
+
+``python -m benchmarks --help`` lists the options; each field ``foo_bar``
+becomes ``--foo-bar``.  Tuples take comma-separated values
+(``--batch-sizes 512,4096``), booleans take ``--x`` / ``--no-x``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import typing
+from dataclasses import dataclass, fields
+from typing import Any, Dict, List, Optional, Sequence, Tuple
+
+from benchmarks.model import SHARDING_TYPES, ModelSpec
+
+# Help for each field, shown by --help and kept next to the defaults.
+_HELP: Dict[str, str] = {
+    "nproc": "ranks (gloo processes) launched by torchrun",
+    "sharding_type": f"sharding of every table: {', '.join(SHARDING_TYPES)}",
+    "batch_sizes": "per-rank batch sizes to measure (default: overhead-bound, compute-bound)",
+    "steps": "batches per timed epoch, one value per batch size or one for all (default: 24 up to batch 1024, else 8)",
+    "repeats": "timed epochs per contender; the result is their median",
+    "warmup_steps": "batches of the untimed warm-up epoch before the first repeat",
+    "rows": "rows of every embedding table",
+    "dims": "embedding dimension of each table (their count is the number of tables)",
+    "pooling": "mean ids per sample and feature",
+    "dense_in": "dense input features",
+    "dense_arch": "hidden sizes of the bottom MLP",
+    "over_arch": "hidden sizes of the top MLP",
+    "emb_lr": "learning rate of the fused (in-backward) embedding Adagrad",
+    "dense_lr": "learning rate of the dense Adagrad",
+    "variants": "only these pipeline classes (default: every one trec_pipelines exports)",
+    "include_compiled": "also run TrainPipelinePT2 and TrainPipelineSparseDistCompAutograd (compile time is excluded by the warm-up)",
+    "torchrec": "run torchrec's same-named classes next to ours",
+    "overhead": "measure per-step pipeline overhead on the tiny model",
+    "overhead_batch_size": "per-rank batch size of the overhead measurement",
+    "overhead_steps": "batches per timed epoch of the overhead measurement",
+    "stages": "measure SparseDist's stages separately (H2D, input dist, fwd+bwd+opt) for its bound",
+    "timelines": "write a schedule timeline PNG per variant of ours (separate recorded run)",
+    "timeline_steps": "batches of the recorded run behind each timeline",
+    "link_gbit": "emulate an interconnect of this many Gbit/s (private network namespace, tbf on its loopback)",
+    "threads": "intra-op threads per rank",
+    "seed": "seed of the model weights and the synthetic batches",
+    "out_dir": "where results go (a sub-directory per run name)",
+    "name": "run name (default: 'default', or 'link-<G>gbit' with --link-gbit)",
+    "progress": "show a progress bar",
+    "pg_timeout_s": "seconds before a stuck collective fails (a failing contender then becomes n/a)",
+}
+
+
+@dataclass
+class BenchConfig:
+    """Everything that defines a benchmark run (defaults: the run ``make bench`` does)."""
+
+    nproc: int = 2
+    sharding_type: str = "table_wise"
+    batch_sizes: Tuple[int, ...] = (512, 4096)
+    steps: Tuple[int, ...] = ()
+    repeats: int = 7
+    warmup_steps: int = 6
+    rows: int = 100_000
+    dims: Tuple[int, ...] = (16, 32, 64, 24, 48, 16, 32, 64)
+    pooling: int = 8
+    dense_in: int = 13
+    dense_arch: Tuple[int, ...] = (128, 64)
+    over_arch: Tuple[int, ...] = (128, 64)
+    emb_lr: float = 0.05
+    dense_lr: float = 0.01
+    variants: Tuple[str, ...] = ()
+    include_compiled: bool = False
+    torchrec: bool = True
+    overhead: bool = True
+    overhead_batch_size: int = 32
+    overhead_steps: int = 200
+    stages: bool = True
+    timelines: bool = True
+    timeline_steps: int = 7
+    link_gbit: Optional[float] = None
+    threads: int = 1
+    seed: int = 0
+    out_dir: str = "benchmarks/results"
+    name: str = ""
+    progress: bool = True
+    pg_timeout_s: float = 120.0
+
+    def __post_init__(self) -> None:
+        if self.nproc < 1:
+            raise ValueError(f"--nproc must be >= 1, got {self.nproc}")
+        if self.sharding_type not in SHARDING_TYPES:
+            raise ValueError(f"--sharding-type must be one of {SHARDING_TYPES}, got {self.sharding_type!r}")
+        if not self.batch_sizes or min(self.batch_sizes) < 1:
+            raise ValueError(f"--batch-sizes needs positive sizes, got {self.batch_sizes}")
+        if len(self.steps) not in (0, 1, len(self.batch_sizes)):
+            raise ValueError(
+                f"--steps takes one value or one per batch size ({len(self.batch_sizes)}), got {self.steps}"
+            )
+        if self.steps and min(self.steps) < 2:
+            raise ValueError(f"--steps must be >= 2 (a pipeline needs a few batches), got {self.steps}")
+        if self.repeats < 1:
+            raise ValueError(f"--repeats must be >= 1, got {self.repeats}")
+        if not self.dims or self.pooling < 1 or self.rows < 1:
+            raise ValueError("--dims, --pooling and --rows must be non-empty / positive")
+        if self.link_gbit is not None and self.link_gbit <= 0:
+            raise ValueError(f"--link-gbit must be > 0 Gbit/s, got {self.link_gbit}")
+        if self.timeline_steps < 6:
+            raise ValueError(f"--timeline-steps must be >= 6 to draw progress() calls 2..5, got {self.timeline_steps}")
+
+    def steps_for(self, batch_size: int) -> int:
+        """Batches per timed epoch at ``batch_size``."""
+        if not self.steps:
+            # Small batches are overhead-bound and quick: more steps per epoch.
+            return 24 if batch_size <= 1024 else 8
+        if len(self.steps) == 1:
+            return self.steps[0]
+        return self.steps[self.batch_sizes.index(batch_size)]
+
+    def model_spec(self) -> ModelSpec:
+        return ModelSpec(
+            rows=self.rows,
+            dims=tuple(self.dims),
+            pooling=self.pooling,
+            dense_in=self.dense_in,
+            dense_arch=tuple(self.dense_arch),
+            over_arch=tuple(self.over_arch),
+        )
+
+    def run_name(self) -> str:
+        if self.name:
+            return self.name
+        if self.link_gbit is not None:
+            return f"link-{self.link_gbit:g}gbit"
+        return "default"
+
+    def to_dict(self) -> Dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+def _element_type(annotation: Any) -> Any:
+    """``Tuple[int, ...]`` -> int, ``Optional[float]`` -> float, ``int`` -> int."""
+    args = [a for a in typing.get_args(annotation) if a is not Ellipsis and a is not type(None)]
+    return args[0] if args else annotation
+
+
+def _tuple_parser(kind: Any, name: str) -> Any:
+    def parse(text: str) -> Tuple[Any, ...]:
+        parts = [p.strip() for p in text.split(",") if p.strip()]
+        try:
+            return tuple(kind(p) for p in parts)
+        except ValueError:
+            raise argparse.ArgumentTypeError(
+                f"--{name} takes comma-separated {kind.__name__} values, got {text!r}"
+            ) from None
+
+    return parse
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="python -m benchmarks",
+        description=(
+            "QPS of each trec_pipelines variant next to torchrec's same-named class and a "
+            "plain training loop, on CPU ranks (launched under torchrun by this command)."
+        ),
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    hints = typing.get_type_hints(BenchConfig)
+    for f in fields(BenchConfig):
+        flag = "--" + f.name.replace("_", "-")
+        annotation = hints[f.name]
+        help_text = _HELP.get(f.name, "")
+        origin = typing.get_origin(annotation)
+        if annotation is bool:
+            parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=f.default, help=help_text)
+        elif origin in (tuple, typing.Tuple):
+            kind = _element_type(annotation)
+            default = ",".join(str(v) for v in f.default) if f.default else "(all)"
+            parser.add_argument(
+                flag, type=_tuple_parser(kind, f.name.replace("_", "-")), default=f.default,
+                metavar="A,B,...", help=f"{help_text} (default: {default})",
+            )
+        else:
+            parser.add_argument(flag, type=_element_type(annotation), default=f.default, help=help_text)
+    return parser
+
+
+def parse_args(argv: Optional[Sequence[str]] = None) -> BenchConfig:
+    """A :class:`BenchConfig` from command-line arguments (errors exit with usage)."""
+    parser = build_parser()
+    namespace = parser.parse_args(list(argv) if argv is not None else None)
+    values = {f.name: getattr(namespace, f.name) for f in fields(BenchConfig)}
+    try:
+        return BenchConfig(**values)
+    except ValueError as error:
+        parser.error(str(error))
+        raise  # unreachable: parser.error exits
+
+
+def to_argv(config: BenchConfig) -> List[str]:
+    """Command-line arguments that parse back to ``config`` (used to relaunch under torchrun)."""
+    argv: List[str] = []
+    defaults = BenchConfig()
+    for f in fields(BenchConfig):
+        value = getattr(config, f.name)
+        if value == getattr(defaults, f.name):
+            continue
+        flag = "--" + f.name.replace("_", "-")
+        if isinstance(value, bool):
+            argv.append(flag if value else "--no-" + f.name.replace("_", "-"))
+        elif isinstance(value, tuple):
+            argv += [flag, ",".join(str(v) for v in value)]
+        else:
+            argv += [flag, str(value)]
+    return argv
+
+
+__all__ = ["BenchConfig", "build_parser", "parse_args", "to_argv"]

@@ -1,0 +1,461 @@
+"""What runs in the benchmark: the pipeline variants and an adapter per contender.
+
+A *variant* is a pipeline class name that ``trec_pipelines`` exports (found at
+run time, so new variants join the benchmark once they are exported).  Each
+variant has up to two contenders, ours and torchrec's same-named class, and
+is compared with a plain loop in the same mode (training or eval).
+
+A *contender* builds its own model (so one pipeline's rewrite never touches
+another's model) and knows how to drive one epoch:
+
+* training pipelines: ``progress(it)`` until ``StopIteration``;
+* eval pipelines: the same with the model in eval mode, under ``no_grad``;
+* ``StagedTrainPipeline``: the pipeline returns batches and the loop does
+  zero_grad, forward, backward and step itself;
+* compiled variants (PT2, CompAutograd) compile during the untimed warm-up
+  epoch, so compile time is never timed; they only run with ``--include-compiled``.
+
+After every epoch the pipeline's ``reset()`` is called, so an epoch leaves
+nothing in flight (no background thread, no pending all-to-all) while the
+next contender is timed.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib
+import inspect
+import time
+from dataclasses import dataclass
+from typing import Any, Callable, ContextManager, Dict, List, Optional, Sequence, Tuple
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from benchmarks import shim
+from benchmarks.model import Batch, ModelSpec, make_sharded
+
+CPU = torch.device("cpu")
+
+# Display order; variants exported later that are not listed go at the end.
+KNOWN_ORDER = (
+    "TrainPipelineBase",
+    "TrainPipelinePT2",
+    "TrainPipelineSparseDist",
+    "TrainPipelineSparseDistLite",
+    "TrainPipelineFusedSparseDist",
+    "TrainPipelineSemiSync",
+    "PrefetchTrainPipelineSparseDist",
+    "EvalPipelineSparseDist",
+    "EvalPipelineFusedSparseDist",
+    "StagedTrainPipeline",
+    "TrainPipelineSparseDistCompAutograd",
+)
+
+# Variants that compile the model (or its autograd graph) with torch.compile.
+COMPILED = frozenset({"TrainPipelinePT2", "TrainPipelineSparseDistCompAutograd"})
+
+# torchrec classes that call CUDA-only stream APIs on CPU; they run under the shim.
+SHIMMED = frozenset(
+    {
+        "TrainPipelineFusedSparseDist",
+        "TrainPipelineSemiSync",
+        "PrefetchTrainPipelineSparseDist",
+        "EvalPipelineFusedSparseDist",
+        "StagedTrainPipeline",
+        "TrainPipelineSparseDistCompAutograd",
+    }
+)
+
+# Variants whose model must be built with DDP's Python reducer (compiled autograd).
+NEEDS_PYTHON_REDUCER = frozenset({"TrainPipelineSparseDistCompAutograd"})
+
+# Constructor arguments given to both libraries' classes.  SemiSync's default
+# start_batch (900) would keep it synchronous through every short epoch here.
+VARIANT_KWARGS: Dict[str, Dict[str, Any]] = {"TrainPipelineSemiSync": {"start_batch": 0}}
+
+# Modes: how an epoch is driven and which plain loop it is compared with.
+TRAIN, EVAL, STAGED = "train", "eval", "staged"
+
+
+@dataclass(frozen=True)
+class Variant:
+    """One pipeline class name with both libraries' implementations (None if absent)."""
+
+    name: str
+    ours: Optional[type]
+    theirs: Optional[type]
+
+    @property
+    def mode(self) -> str:
+        if self.name.startswith("Eval"):
+            return EVAL
+        if self.name.startswith("Staged"):
+            return STAGED
+        return TRAIN
+
+    @property
+    def compiled(self) -> bool:
+        return self.name in COMPILED
+
+    @property
+    def shimmed(self) -> bool:
+        return self.name in SHIMMED
+
+    @property
+    def plain_mode(self) -> str:
+        """The plain loop this variant is compared with."""
+        return EVAL if self.mode == EVAL else TRAIN
+
+
+def _is_pipeline_class(obj: Any) -> bool:
+    from torchrec.distributed.train_pipeline import TrainPipeline
+
+    return inspect.isclass(obj) and issubclass(obj, TrainPipeline) and not inspect.isabstract(obj)
+
+
+def torchrec_class(name: str) -> Optional[type]:
+    """torchrec's class named ``name``, from the package or its train_pipelines module."""
+    import torchrec.distributed.train_pipeline as package
+    import torchrec.distributed.train_pipeline.train_pipelines as module
+
+    for source in (package, module):
+        cls = getattr(source, name, None)
+        if _is_pipeline_class(cls):
+            return cls
+    return None
+
+
+def discover(names: Sequence[str] = (), include_compiled: bool = False) -> Tuple[List[Variant], List[str]]:
+    """The variants to benchmark and notes on what was left out.
+
+    Every pipeline class in ``trec_pipelines.__all__`` is a variant (classes
+    only importable from ``trec_pipelines.pipelines.<module>`` are not, until
+    the package exports them).  ``names`` restricts the set; compiled variants
+    need ``include_compiled``.
+    """
+    import trec_pipelines
+
+    exported = {n: getattr(trec_pipelines, n) for n in getattr(trec_pipelines, "__all__", ())}
+    pipelines = {n: obj for n, obj in exported.items() if _is_pipeline_class(obj)}
+    notes: List[str] = []
+    unknown = [n for n in names if n not in pipelines]
+    if unknown:
+        raise ValueError(
+            f"--variants {', '.join(unknown)}: not a pipeline class exported by trec_pipelines "
+            f"(exported: {', '.join(sorted(pipelines))})"
+        )
+    chosen = list(names) if names else sorted(
+        pipelines, key=lambda n: (KNOWN_ORDER.index(n) if n in KNOWN_ORDER else len(KNOWN_ORDER), n)
+    )
+    variants: List[Variant] = []
+    for name in chosen:
+        if name in COMPILED and not include_compiled and not names:
+            notes.append(f"{name}: compiles the model; left out (run with --include-compiled)")
+            continue
+        variants.append(Variant(name, pipelines[name], torchrec_class(name)))
+    return variants, notes
+
+
+# --------------------------------------------------------------------------
+# Contenders
+# --------------------------------------------------------------------------
+
+
+class Contender:
+    """One thing that trains (or evaluates) the model for an epoch.
+
+    Attributes:
+        key: unique id, e.g. ``"ours:TrainPipelineSparseDist"``.
+        variant: the variant name, or ``"plain"`` for a plain loop.
+        side: "ours", "torchrec" or "plain".
+        mode: TRAIN, EVAL or STAGED.
+    """
+
+    def __init__(self, key: str, variant: str, side: str, mode: str, shimmed: bool = False) -> None:
+        self.key = key
+        self.variant = variant
+        self.side = side
+        self.mode = mode
+        self.shimmed = shimmed
+        self.model: Optional[nn.Module] = None
+        self.optimizer: Optional[Any] = None
+        self.pg: Optional[dist.ProcessGroup] = None
+
+    # The shim is on for torchrec's shimmed classes and nothing else.
+    def _context(self) -> ContextManager[None]:
+        if self.shimmed:
+            return shim.torchrec_on_cpu()
+        if shim.shim_active():
+            raise RuntimeError(f"{self.key} must never run under the torchrec CPU shim")
+        return contextlib.nullcontext()
+
+    def _grad_context(self) -> ContextManager[None]:
+        return torch.no_grad() if self.mode == EVAL else contextlib.nullcontext()
+
+    def build(self, spec: ModelSpec, sharding_type: str, pg: dist.ProcessGroup, seed: int,
+              emb_lr: float, dense_lr: float) -> None:
+        """Build the sharded model and whatever drives it."""
+        self.pg = pg
+        with self._model_context():
+            self.model, self.optimizer = make_sharded(spec, sharding_type, pg, seed, emb_lr, dense_lr)
+        if self.mode == EVAL:
+            self.model.eval()
+        with self._context():
+            self._build()
+
+    def _model_context(self) -> ContextManager[Any]:
+        # Compiled autograd can't run DDP's C++ reducer, and DDP picks its
+        # reducer when it is built: both libraries need the model built so.
+        if self.variant in NEEDS_PYTHON_REDUCER:
+            return torch._dynamo.config.patch(optimize_ddp="python_reducer")
+        return contextlib.nullcontext()
+
+    def _build(self) -> None:
+        pass
+
+    def run_epoch(self, batches: Sequence[Batch]) -> int:
+        """Drive one epoch over ``batches``; returns the number of steps it made."""
+        with self._context(), self._grad_context():
+            return self._run_epoch(batches)
+
+    def _run_epoch(self, batches: Sequence[Batch]) -> int:
+        raise NotImplementedError
+
+    def close(self) -> None:
+        self.model = self.optimizer = None
+
+
+class PlainLoop(Contender):
+    """No pipeline: per batch, copy, zero_grad, forward, backward, step (train) or forward (eval)."""
+
+    def __init__(self, mode: str) -> None:
+        super().__init__(f"plain:{mode}", "plain", "plain", mode)
+
+    def _run_epoch(self, batches: Sequence[Batch]) -> int:
+        model, optimizer = self.model, self.optimizer
+        assert model is not None and optimizer is not None
+        for batch in batches:
+            batch = batch.to(CPU, non_blocking=True)
+            if self.mode == EVAL:
+                model(batch)
+                continue
+            optimizer.zero_grad()
+            losses, _ = model(batch)
+            torch.sum(losses, dim=0).backward()
+            optimizer.step()
+        return len(batches)
+
+
+class PipelineContender(Contender):
+    """A pipeline class (ours or torchrec's) driven through ``progress()``."""
+
+    def __init__(self, variant: Variant, side: str) -> None:
+        shimmed = side == "torchrec" and variant.shimmed
+        super().__init__(f"{side}:{variant.name}", variant.name, side, variant.mode, shimmed)
+        cls = variant.ours if side == "ours" else variant.theirs
+        assert cls is not None
+        self.cls: type = cls
+        self.pipeline: Any = None
+
+    def _build(self) -> None:
+        kwargs = VARIANT_KWARGS.get(self.variant, {})
+        self.pipeline = self.cls(self.model, self.optimizer, CPU, **kwargs)
+
+    def _run_epoch(self, batches: Sequence[Batch]) -> int:
+        pipeline = self.pipeline
+        it = iter(batches)
+        steps = 0
+        limit = len(batches) + 8  # a pipeline that never stops is a failure, not a hang
+        while steps <= limit:
+            try:
+                pipeline.progress(it)
+            except StopIteration:
+                break
+            steps += 1
+        else:
+            raise RuntimeError(f"{self.key} did not raise StopIteration after {limit} steps")
+        pipeline.reset()
+        if steps != len(batches):
+            raise RuntimeError(f"{self.key} made {steps} steps over {len(batches)} batches")
+        return steps
+
+    def close(self) -> None:
+        if self.pipeline is not None:
+            with self._context(), contextlib.suppress(Exception):
+                self.pipeline.reset()
+        self.pipeline = None
+        super().close()
+
+
+class StagedContender(PipelineContender):
+    """``StagedTrainPipeline``: stages H2D and input dist; the loop trains on what it returns.
+
+    Each library builds the stages from its own helpers (``PipelineStage`` and
+    ``SparseDataDistUtil``); ours must export them next to the pipeline.
+    """
+
+    def _helpers(self) -> Tuple[Any, Any]:
+        if self.side == "torchrec":
+            from torchrec.distributed.train_pipeline.pipeline_stage import PipelineStage, SparseDataDistUtil
+
+            return PipelineStage, SparseDataDistUtil
+        stage = _ours("PipelineStage", self.cls.__module__)
+        util = _ours("SparseDataDistUtil", self.cls.__module__)
+        if stage is None or util is None:
+            raise RuntimeError(
+                "trec_pipelines exports StagedTrainPipeline but the benchmark can't find its "
+                "PipelineStage and SparseDataDistUtil (looked in trec_pipelines and its pipelines modules)"
+            )
+        return stage, util
+
+    def _build(self) -> None:
+        stage_cls, util_cls = self._helpers()
+        # A CPU "stream": a real torch.Stream object, so code that reads .device works.
+        copy_stream = torch.Stream(device="cpu")
+        self._sdd = util_cls(model=self.model, data_dist_stream=torch.Stream(device="cpu"))
+        stages = [
+            stage_cls(name="data_copy", runnable=_to_cpu, stream=copy_stream),
+            stage_cls(
+                name="start_sparse_data_dist",
+                runnable=self._sdd.start_sparse_data_dist,
+                stream=self._sdd.data_dist_stream,
+                fill_callback=self._sdd.wait_sdd_fill_callback,
+            ),
+        ]
+        # torchrec would otherwise ask torch.cpu for a "current stream" that has no .device.
+        self.pipeline = self.cls(pipeline_stages=stages, compute_stream=torch.Stream(device="cpu"))
+
+    def _run_epoch(self, batches: Sequence[Batch]) -> int:
+        model, optimizer, pipeline = self.model, self.optimizer, self.pipeline
+        assert model is not None and optimizer is not None
+        it = iter(batches)
+        steps = 0
+        while steps <= len(batches) + 8:
+            batch = pipeline.progress(it)
+            if batch is None:
+                break
+            optimizer.zero_grad()
+            losses, _ = model(batch)
+            torch.sum(losses, dim=0).backward()
+            optimizer.step()
+            steps += 1
+        if self.side == "torchrec":
+            # torchrec's pipeline never fills again after returning None;
+            # flush_end() is its public way to make it (ours starts a new epoch by itself).
+            pipeline.flush_end()
+        if steps != len(batches):
+            raise RuntimeError(f"{self.key} made {steps} steps over {len(batches)} batches")
+        return steps
+
+    def close(self) -> None:
+        self.pipeline = None
+        Contender.close(self)
+
+
+def _ours(name: str, home_module: str) -> Any:
+    """``name`` from trec_pipelines: exported, in the module of the class, or any loaded pipelines module."""
+    import trec_pipelines
+
+    found = getattr(trec_pipelines, name, None)
+    if found is not None:
+        return found
+    import pkgutil
+
+    import trec_pipelines.pipelines as package
+
+    candidates = [home_module] + [f"{package.__name__}.{m.name}" for m in pkgutil.iter_modules(package.__path__)]
+    for module_name in candidates:
+        try:
+            module = importlib.import_module(module_name)
+        except ImportError:
+            continue
+        found = getattr(module, name, None)
+        if found is not None:
+            return found
+    return None
+
+
+def _to_cpu(batch: Batch) -> Batch:
+    return batch.to(CPU, non_blocking=True)
+
+
+def make_contender(variant: Variant, side: str) -> Contender:
+    if variant.mode == STAGED:
+        return StagedContender(variant, side)
+    return PipelineContender(variant, side)
+
+
+# --------------------------------------------------------------------------
+# The stage probe: SparseDist's stages timed one at a time
+# --------------------------------------------------------------------------
+
+
+@dataclass
+class StageTimes:
+    """Seconds per stage summed over one epoch (each stage timed on its own)."""
+
+    h2d: float = 0.0
+    input_dist: float = 0.0
+    compute: float = 0.0  # forward + backward + optimizer, input dist excluded
+
+    def as_dict(self) -> Dict[str, float]:
+        return {"h2d": self.h2d, "input_dist": self.input_dist, "compute": self.compute}
+
+
+class StageProbe(Contender):
+    """Times TrainPipelineSparseDist's three stages separately, with no overlap.
+
+    Per batch: the host-to-device copy; the sparse input dist (splits and
+    tensors all-to-alls, waited to completion); then zero_grad, forward,
+    backward and step with the embedding module handed the already
+    distributed input, so that stage excludes the input dist.  A barrier
+    before each stage keeps one rank's lag out of the next stage's time.
+    SparseDist overlaps the three, so ``1 / max(stage)`` bounds its steps/s.
+    """
+
+    def __init__(self) -> None:
+        super().__init__("probe:stages", "stages", "probe", TRAIN)
+        self.last = StageTimes()
+
+    def _run_epoch(self, batches: Sequence[Batch]) -> int:
+        model, optimizer, pg = self.model, self.optimizer, self.pg
+        assert model is not None and optimizer is not None
+        ebc = model.module.ebc
+        times = StageTimes()
+        for host_batch in batches:
+            dist.barrier(group=pg)
+            t0 = time.perf_counter()
+            batch = host_batch.to(CPU, non_blocking=True)
+            t1 = time.perf_counter()
+            dist.barrier(group=pg)
+            t2 = time.perf_counter()
+            ctx = ebc.create_context()
+            dist_input = ebc.input_dist(ctx, batch.sparse).wait().wait()
+            t3 = time.perf_counter()
+            dist.barrier(group=pg)
+            t4 = time.perf_counter()
+            ebc.forward = _precomputed_forward(ebc, ctx, dist_input)
+            try:
+                optimizer.zero_grad()
+                losses, _ = model(batch)
+                torch.sum(losses, dim=0).backward()
+                optimizer.step()
+            finally:
+                del ebc.forward  # back to the class's forward
+            t5 = time.perf_counter()
+            times.h2d += t1 - t0
+            times.input_dist += t3 - t2
+            times.compute += t5 - t4
+        self.last = times
+        return len(batches)
+
+
+def _precomputed_forward(ebc: nn.Module, ctx: Any, dist_input: Any) -> Callable[..., Any]:
+    """A forward for ``ebc`` that skips the input dist: its result is already here."""
+
+    def forward(*args: Any, **kwargs: Any) -> Any:
+        return ebc.compute_and_output_dist(ctx, dist_input)
+
+    return forward

@@ -1,0 +1,584 @@
+"""Turning measured epoch times into the results: console tables, JSON and a chart.
+
+The runner hands over *raw* measurements (seconds per timed epoch, per
+contender); everything derived (examples/s, medians, ratios, the SparseDist
+bound, per-step overhead) is computed here, so it can be tested without
+running anything.
+
+Raw layout (plain JSON types only)::
+
+    {"world": 2,
+     "throughput": [{"batch_size": 512, "steps": 16,
+                     "contenders": {key: Entry, ...},
+                     "stages": [{"h2d": s, "input_dist": s, "compute": s}, ...]}],
+     "overhead": {"batch_size": 32, "steps": 60, "contenders": {key: Entry}} or None}
+
+    Entry = {"variant": name or "plain", "side": "ours"|"torchrec"|"plain",
+             "mode": "train"|"eval"|"staged", "shimmed": bool,
+             "status": "ok"|"n/a", "reason": str, "seconds": [epoch seconds, ...]}
+"""
+
+from __future__ import annotations
+
+import os
+import platform
+import statistics
+import subprocess
+from dataclasses import dataclass, field
+from typing import Any, Dict, List, Optional, Sequence, Tuple
+
+OK, NA = "ok", "n/a"
+
+
+# --------------------------------------------------------------------------
+# Derived numbers
+# --------------------------------------------------------------------------
+
+
+@dataclass
+class Measure:
+    """One contender at one configuration: examples/s per repeat, or why there is none."""
+
+    status: str
+    reason: str = ""
+    shimmed: bool = False
+    samples: List[float] = field(default_factory=list)  # examples/s (or ms/step) per repeat
+
+    @property
+    def median(self) -> Optional[float]:
+        return statistics.median(self.samples) if self.status == OK and self.samples else None
+
+    @property
+    def spread(self) -> Optional[float]:
+        """(max - min) / median over the repeats: how much the machine moved."""
+        m = self.median
+        if m is None or m == 0 or len(self.samples) < 2:
+            return None
+        return (max(self.samples) - min(self.samples)) / m
+
+
+@dataclass
+class Row:
+    variant: str
+    mode: str
+    ours: Measure
+    torchrec: Measure
+    plain: Measure
+
+    @property
+    def ours_vs_torchrec(self) -> Optional[float]:
+        return _ratio(self.ours.median, self.torchrec.median)
+
+    @property
+    def paired(self) -> Optional[float]:
+        """Median over rounds of (ours / torchrec) within the same round.
+
+        The two run back to back in every round, so drift of the machine that
+        spans rounds cancels out; under a noisy load this is the steadier ratio.
+        """
+        o, t = self.ours, self.torchrec
+        if o.median is None or t.median is None or len(o.samples) != len(t.samples):
+            return None
+        return statistics.median(a / b for a, b in zip(o.samples, t.samples))
+
+    @property
+    def ours_vs_plain(self) -> Optional[float]:
+        return _ratio(self.ours.median, self.plain.median)
+
+    @property
+    def torchrec_vs_plain(self) -> Optional[float]:
+        return _ratio(self.torchrec.median, self.plain.median)
+
+
+@dataclass
+class Bound:
+    """SparseDist against ``1 / max(stage time)``, stages measured one at a time."""
+
+    stage_ms: Dict[str, float]  # per step, median over repeats
+    bound_qps: float
+    achieved: Dict[str, Optional[float]]  # side -> examples/s
+
+    def fraction(self, side: str) -> Optional[float]:
+        return _ratio(self.achieved.get(side), self.bound_qps)
+
+
+@dataclass
+class ThroughputTable:
+    batch_size: int
+    steps: int
+    world: int
+    rows: List[Row]
+    plain: Dict[str, Measure]  # mode -> plain loop
+    bound: Optional[Bound]
+
+
+@dataclass
+class OverheadRow:
+    variant: str
+    mode: str
+    ours_ms: Optional[float]
+    torchrec_ms: Optional[float]
+    plain_ms: Optional[float]
+    ours_note: str = ""
+    torchrec_note: str = ""
+
+    @property
+    def ours_overhead(self) -> Optional[float]:
+        return None if self.ours_ms is None or self.plain_ms is None else self.ours_ms - self.plain_ms
+
+    @property
+    def torchrec_overhead(self) -> Optional[float]:
+        return None if self.torchrec_ms is None or self.plain_ms is None else self.torchrec_ms - self.plain_ms
+
+    @property
+    def overhead_ratio(self) -> Optional[float]:
+        """ours / torchrec overhead; only meaningful when torchrec's is positive."""
+        ours, theirs = self.ours_overhead, self.torchrec_overhead
+        if ours is None or theirs is None or theirs <= 0:
+            return None
+        return ours / theirs
+
+
+@dataclass
+class OverheadTable:
+    batch_size: int
+    steps: int
+    rows: List[OverheadRow]
+    plain_ms: Dict[str, Optional[float]]
+
+
+def _ratio(a: Optional[float], b: Optional[float]) -> Optional[float]:
+    if a is None or b is None or b == 0:
+        return None
+    return a / b
+
+
+def _missing(reason: str) -> Measure:
+    return Measure(status=NA, reason=reason)
+
+
+def _measure(entry: Optional[Dict[str, Any]], per_epoch: float, inverse: bool, absent: str) -> Measure:
+    """examples/s (``per_epoch / seconds``) or ms/step (``seconds / per_epoch``) per repeat."""
+    if entry is None:
+        return _missing(absent)
+    if entry["status"] != OK or not entry["seconds"]:
+        return Measure(status=NA, reason=entry.get("reason", "") or "no timed epoch", shimmed=entry.get("shimmed", False))
+    if inverse:
+        samples = [1e3 * s / per_epoch for s in entry["seconds"]]
+    else:
+        samples = [per_epoch / s for s in entry["seconds"]]
+    return Measure(status=OK, shimmed=entry.get("shimmed", False), samples=samples)
+
+
+def _plain_mode(mode: str) -> str:
+    return "eval" if mode == "eval" else "train"
+
+
+def _variants(contenders: Dict[str, Dict[str, Any]]) -> List[Tuple[str, str]]:
+    seen: Dict[str, str] = {}
+    for entry in contenders.values():
+        if entry["side"] in ("ours", "torchrec") and entry["variant"] not in seen:
+            seen[entry["variant"]] = entry["mode"]
+    return list(seen.items())
+
+
+def throughput_tables(raw: Dict[str, Any]) -> List[ThroughputTable]:
+    world = raw["world"]
+    tables = []
+    for block in raw["throughput"]:
+        bs, steps, contenders = block["batch_size"], block["steps"], block["contenders"]
+        per_epoch = float(steps * bs * world)
+        plain = {
+            mode: _measure(contenders.get(f"plain:{mode}"), per_epoch, False, "not run")
+            for mode in ("train", "eval")
+            if f"plain:{mode}" in contenders
+        }
+        rows = []
+        for variant, mode in _variants(contenders):
+            rows.append(
+                Row(
+                    variant=variant,
+                    mode=mode,
+                    ours=_measure(contenders.get(f"ours:{variant}"), per_epoch, False, "not run"),
+                    torchrec=_measure(
+                        contenders.get(f"torchrec:{variant}"), per_epoch, False,
+                        "torchrec has no class of this name",
+                    ),
+                    plain=plain.get(_plain_mode(mode), _missing("not run")),
+                )
+            )
+        bound = _bound(block, rows, world)
+        tables.append(ThroughputTable(bs, steps, world, rows, plain, bound))
+    return tables
+
+
+def _bound(block: Dict[str, Any], rows: Sequence[Row], world: int) -> Optional[Bound]:
+    stages = block.get("stages") or []
+    if not stages:
+        return None
+    steps, bs = block["steps"], block["batch_size"]
+    stage_ms = {
+        name: statistics.median(1e3 * s[name] / steps for s in stages)
+        for name in ("h2d", "input_dist", "compute")
+    }
+    slowest = max(stage_ms.values())
+    if slowest <= 0:
+        return None
+    bound_qps = bs * world / (slowest / 1e3)
+    achieved: Dict[str, Optional[float]] = {}
+    for row in rows:
+        if row.variant == "TrainPipelineSparseDist":
+            achieved = {"ours": row.ours.median, "torchrec": row.torchrec.median, "plain": row.plain.median}
+    return Bound(stage_ms=stage_ms, bound_qps=bound_qps, achieved=achieved)
+
+
+def overhead_table(raw: Dict[str, Any]) -> Optional[OverheadTable]:
+    block = raw.get("overhead")
+    if not block:
+        return None
+    steps, contenders = block["steps"], block["contenders"]
+    plain = {
+        mode: _measure(contenders.get(f"plain:{mode}"), steps, True, "not run").median
+        for mode in ("train", "eval")
+        if f"plain:{mode}" in contenders
+    }
+    rows = []
+    for variant, mode in _variants(contenders):
+        ours = _measure(contenders.get(f"ours:{variant}"), steps, True, "not run")
+        theirs = _measure(contenders.get(f"torchrec:{variant}"), steps, True, "torchrec has no class of this name")
+        rows.append(
+            OverheadRow(
+                variant=variant,
+                mode=mode,
+                ours_ms=ours.median,
+                torchrec_ms=theirs.median,
+                plain_ms=plain.get(_plain_mode(mode)),
+                ours_note="" if ours.median is not None else "n/a",
+                torchrec_note="(shimmed)" if theirs.shimmed else ("" if theirs.median is not None else "n/a"),
+            )
+        )
+    return OverheadTable(block["batch_size"], steps, rows, plain)
+
+
+# --------------------------------------------------------------------------
+# Text
+# --------------------------------------------------------------------------
+
+
+def _num(value: Optional[float], digits: int = 0) -> str:
+    if value is None:
+        return "-"
+    return f"{value:,.{digits}f}"
+
+
+def _qps_cell(m: Measure, notes: List[str]) -> str:
+    if m.median is None:
+        notes.append(m.reason or "not run")
+        return f"n/a [{len(notes)}]"
+    spread = f" ±{100 * m.spread / 2:.0f}%" if m.spread is not None else ""
+    return _num(m.median) + spread + (" (shimmed)" if m.shimmed else "")
+
+
+def _ratio_cell(value: Optional[float]) -> str:
+    return "-" if value is None else f"{value:.2f}"
+
+
+def _table(header: Sequence[str], body: Sequence[Sequence[str]]) -> List[str]:
+    widths = [max(len(h), *(len(r[i]) for r in body)) if body else len(h) for i, h in enumerate(header)]
+
+    def line(cells: Sequence[str]) -> str:
+        return "  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(cells, widths))).rstrip()
+
+    return [line(header), line(["-" * w for w in widths])] + [line(r) for r in body]
+
+
+def format_throughput(table: ThroughputTable, repeats: int) -> str:
+    notes: List[str] = []
+    body = []
+    for row in table.rows:
+        body.append(
+            [
+                row.variant + (" (eval)" if row.mode == "eval" else ""),
+                _qps_cell(row.ours, notes),
+                _qps_cell(row.torchrec, notes),
+                _ratio_cell(row.ours_vs_torchrec),
+                _ratio_cell(row.paired),
+                _ratio_cell(row.ours_vs_plain),
+                _ratio_cell(row.torchrec_vs_plain),
+            ]
+        )
+    for mode, m in table.plain.items():
+        body.append([f"plain loop ({mode})", _qps_cell(m, notes), "", "", "", "", ""])
+    title = (
+        f"Throughput at batch {table.batch_size}/rank x {table.world} ranks: global examples/s, "
+        f"median of {repeats} repeats of {table.steps}-step epochs (± half the max-min spread)"
+    )
+    header = ["variant", "ours", "torchrec", "ours/torchrec", "paired", "ours/plain", "torchrec/plain"]
+    lines = [title] + _table(header, body)
+    lines.append(
+        "  ratios are of medians; 'paired' = median over rounds of ours/torchrec within a round "
+        "(the two run back to back, in alternating order, so machine drift cancels)"
+    )
+    lines += [f"  [{i}] {reason}" for i, reason in enumerate(notes, 1)]
+    if table.bound is not None:
+        lines.append(format_bound(table.bound))
+    return "\n".join(lines)
+
+
+def format_bound(bound: Bound) -> str:
+    ms = bound.stage_ms
+    parts = []
+    for side, label in (("ours", "ours"), ("torchrec", "torchrec"), ("plain", "plain loop")):
+        value = bound.achieved.get(side)
+        if value is None:
+            parts.append(f"{label} n/a")
+        else:
+            parts.append(f"{label} {_num(value)} ({100 * bound.fraction(side):.0f}%)")  # type: ignore[operator]
+    return (
+        f"SparseDist bound: stages per step H2D {ms['h2d']:.2f} ms, input dist {ms['input_dist']:.2f} ms, "
+        f"fwd+bwd+opt {ms['compute']:.2f} ms -> 1/max = {_num(bound.bound_qps)} ex/s; "
+        f"achieved (of bound): " + ", ".join(parts)
+    )
+
+
+def format_overhead(table: OverheadTable, repeats: int) -> str:
+    body = []
+    for row in table.rows:
+        ratio = row.overhead_ratio
+        body.append(
+            [
+                row.variant + (" (eval)" if row.mode == "eval" else ""),
+                _num(row.ours_ms, 2) + (f" {row.ours_note}" if row.ours_note else ""),
+                _num(row.torchrec_ms, 2) + (f" {row.torchrec_note}" if row.torchrec_note else ""),
+                _num(row.ours_overhead, 2),
+                _num(row.torchrec_overhead, 2),
+                "-" if ratio is None else f"{ratio:.2f}",
+            ]
+        )
+    plain = ", ".join(f"{mode} {_num(v, 2)} ms" for mode, v in table.plain_ms.items())
+    title = (
+        f"Per-step overhead on the tiny model (batch {table.batch_size}/rank, {table.steps}-step epochs, "
+        f"median of {repeats}): ms/step, and overhead = ms/step - plain loop ({plain})"
+    )
+    return "\n".join(
+        [title]
+        + _table(
+            ["variant", "ours ms/step", "torchrec ms/step", "ours overhead", "torchrec overhead", "ours/torchrec"],
+            body,
+        )
+    )
+
+
+def format_report(raw: Dict[str, Any], repeats: int, header: Sequence[str] = ()) -> str:
+    parts = list(header)
+    for table in throughput_tables(raw):
+        parts.append(format_throughput(table, repeats))
+    overhead = overhead_table(raw)
+    if overhead is not None:
+        parts.append(format_overhead(overhead, repeats))
+    return "\n\n".join(parts) + "\n"
+
+
+# --------------------------------------------------------------------------
+# JSON-ready summary
+# --------------------------------------------------------------------------
+
+
+def _measure_json(m: Measure) -> Dict[str, Any]:
+    return {
+        "status": m.status,
+        "reason": m.reason,
+        "shimmed": m.shimmed,
+        "median": m.median,
+        "samples": m.samples,
+    }
+
+
+def summary(raw: Dict[str, Any]) -> Dict[str, Any]:
+    """Derived numbers, next to the raw ones in the JSON file."""
+    out: Dict[str, Any] = {"throughput": [], "overhead": None}
+    for table in throughput_tables(raw):
+        out["throughput"].append(
+            {
+                "batch_size": table.batch_size,
+                "global_batch": table.batch_size * table.world,
+                "steps": table.steps,
+                "unit": "global examples/s",
+                "variants": [
+                    {
+                        "variant": r.variant,
+                        "mode": r.mode,
+                        "ours": _measure_json(r.ours),
+                        "torchrec": _measure_json(r.torchrec),
+                        "plain": _measure_json(r.plain),
+                        "ours_vs_torchrec": r.ours_vs_torchrec,
+                        "ours_vs_torchrec_paired": r.paired,
+                        "ours_vs_plain": r.ours_vs_plain,
+                        "torchrec_vs_plain": r.torchrec_vs_plain,
+                    }
+                    for r in table.rows
+                ],
+                "plain": {mode: _measure_json(m) for mode, m in table.plain.items()},
+                "sparse_dist_bound": None
+                if table.bound is None
+                else {
+                    "stage_ms_per_step": table.bound.stage_ms,
+                    "bound_qps": table.bound.bound_qps,
+                    "achieved_qps": table.bound.achieved,
+                    "fraction_of_bound": {s: table.bound.fraction(s) for s in table.bound.achieved},
+                },
+            }
+        )
+    overhead = overhead_table(raw)
+    if overhead is not None:
+        out["overhead"] = {
+            "batch_size": overhead.batch_size,
+            "steps": overhead.steps,
+            "unit": "ms/step; overhead = ms/step - plain loop ms/step",
+            "plain_ms": overhead.plain_ms,
+            "variants": [
+                {
+                    "variant": r.variant,
+                    "mode": r.mode,
+                    "ours_ms": r.ours_ms,
+                    "torchrec_ms": r.torchrec_ms,
+                    "ours_overhead_ms": r.ours_overhead,
+                    "torchrec_overhead_ms": r.torchrec_overhead,
+                    "ours_over_torchrec_overhead": r.overhead_ratio,
+                }
+                for r in overhead.rows
+            ],
+        }
+    return out
+
+
+# --------------------------------------------------------------------------
+# Chart
+# --------------------------------------------------------------------------
+
+
+def write_chart(raw: Dict[str, Any], path: str) -> None:
+    """Grouped bars per batch size: ours, torchrec (hatched when shimmed), plain loop."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    tables = throughput_tables(raw)
+    if not tables:
+        return
+    n_variants = max(len(t.rows) for t in tables)
+    fig, axes = plt.subplots(
+        len(tables), 1, figsize=(max(8.0, 1.25 * n_variants + 2), 4.2 * len(tables)), squeeze=False
+    )
+    width = 0.27
+    for ax, table in zip(axes[:, 0], tables):
+        labels = [_short(r.variant) for r in table.rows]
+        xs = list(range(len(table.rows)))
+        top = max(
+            [m for r in table.rows for m in (r.ours.median, r.torchrec.median, r.plain.median) if m] or [1.0]
+        )
+        for offset, side, color in ((-width, "ours", "tab:blue"), (0.0, "torchrec", "tab:orange"), (width, "plain", "0.6")):
+            for x, row in zip(xs, table.rows):
+                m: Measure = getattr(row, side)
+                if m.median is None:
+                    ax.text(x + offset, top * 0.02, "n/a", ha="center", va="bottom", fontsize=7, rotation=90)
+                    continue
+                ax.bar(
+                    x + offset, m.median, width, color=color,
+                    hatch="//" if m.shimmed else None, edgecolor="black" if m.shimmed else color,
+                    label=None,
+                )
+            if side == "ours":
+                for x, row in zip(xs, table.rows):
+                    if row.ours_vs_torchrec is not None and row.ours.median is not None:
+                        ax.text(x, max(row.ours.median, row.torchrec.median or 0) * 1.02,
+                                f"{row.ours_vs_torchrec:.2f}x", ha="center", va="bottom", fontsize=7)
+        if table.bound is not None:
+            ax.axhline(table.bound.bound_qps, color="tab:green", linestyle="--", linewidth=1)
+            ax.text(len(xs) - 0.5, table.bound.bound_qps, " SparseDist bound", color="tab:green",
+                    va="bottom", ha="right", fontsize=7)
+        ax.set_xticks(xs)
+        ax.set_xticklabels(labels, rotation=20, ha="right", fontsize=8)
+        ax.set_ylabel("global examples/s")
+        ax.set_title(f"batch {table.batch_size}/rank x {table.world} ranks (median; label = ours/torchrec)", fontsize=9)
+        from matplotlib.patches import Patch
+
+        ax.legend(
+            handles=[
+                Patch(color="tab:blue", label="trec_pipelines"),
+                Patch(color="tab:orange", label="torchrec"),
+                Patch(facecolor="tab:orange", edgecolor="black", hatch="//", label="torchrec (shimmed)"),
+                Patch(color="0.6", label="plain loop (same mode)"),
+            ],
+            fontsize=7, loc="upper right",
+        )
+        ax.set_ylim(0, top * 1.18)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def _short(name: str) -> str:
+    for prefix in ("TrainPipeline",):
+        if name.startswith(prefix) and len(name) > len(prefix):
+            return name[len(prefix):]
+    return name
+
+
+# --------------------------------------------------------------------------
+# Versions and host facts
+# --------------------------------------------------------------------------
+
+
+def versions(repo: str) -> Dict[str, Any]:
+    import fbgemm_gpu
+    import torch
+    import torchrec
+
+    return {
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "torchrec": getattr(torchrec, "__version__", "unknown"),
+        "fbgemm_gpu": getattr(fbgemm_gpu, "__version__", "unknown"),
+        "trec_pipelines": git_revision(repo),
+    }
+
+
+def git_revision(repo: str) -> str:
+    """``<sha>`` or ``<sha>-dirty`` of the checkout at ``repo`` ("unknown" outside git)."""
+    try:
+        sha = subprocess.run(
+            ["git", "-C", repo, "rev-parse", "HEAD"], capture_output=True, text=True, check=True
+        ).stdout.strip()
+        dirty = subprocess.run(
+            ["git", "-C", repo, "status", "--porcelain", "--untracked-files=no"],
+            capture_output=True, text=True, check=True,
+        ).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+    return sha + ("-dirty" if dirty else "")
+
+
+def host_facts() -> Dict[str, Any]:
+    facts: Dict[str, Any] = {
+        "cores": os.cpu_count(),
+        "platform": platform.platform(),
+        "cpu_model": platform.processor() or "unknown",
+        "memory_gib": None,
+        "load_average": os.getloadavg() if hasattr(os, "getloadavg") else None,
+    }
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    facts["cpu_model"] = line.split(":", 1)[1].strip()
+                    break
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemTotal:"):
+                    facts["memory_gib"] = round(int(line.split()[1]) / 2**20, 1)
+                    break
+    except OSError:
+        pass
+    return facts

@@ -1,0 +1,421 @@
+"""The benchmark on one rank (run under torchrun by ``python -m benchmarks``).
+
+Plan of a run:
+
+1. Throughput.  Every contender (each variant of ours, torchrec's same-named
+   class, the plain loops, the SparseDist stage probe) is built once, on its
+   own model and its own process group.  Per batch size: one untimed warm-up
+   epoch each (compiled variants compile here), then ``repeats`` rounds; each
+   round times one epoch of every contender in turn (A B C, A B C, ...), so
+   drift of a shared machine hits all of them alike.  The result per
+   contender is the median over rounds.  Then, per variant of ours, a short
+   *recorded* epoch (schedule recording on, never timed) draws its timeline.
+2. Overhead.  The same rounds on the tiny model, where the pipeline's own
+   Python work dominates a step.
+
+A contender that raises (on any rank) is reported "n/a" with the reason and
+left out of later rounds; each contender has its own process group, so one
+that leaves a collective half done can't wedge the others.
+"""
+
+from __future__ import annotations
+
+import datetime
+import gc
+import json
+import logging
+import os
+import time
+import traceback
+import warnings
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+
+import torch
+import torch.distributed as dist
+
+from benchmarks import netns, report
+from benchmarks.config import BenchConfig
+from benchmarks.contenders import (
+    EVAL,
+    TRAIN,
+    Contender,
+    PlainLoop,
+    StageProbe,
+    Variant,
+    discover,
+    make_contender,
+)
+from benchmarks.model import ModelSpec, make_batches, tiny_spec
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+LINK_REASON_ENV = "TREC_BENCH_LINK_REASON"
+
+
+class Progress:
+    """A tqdm bar on rank 0; silent elsewhere."""
+
+    def __init__(self, enabled: bool, total: int) -> None:
+        self._bar: Any = None
+        if enabled:
+            from tqdm import tqdm
+
+            self._bar = tqdm(total=total, unit="run", dynamic_ncols=True, smoothing=0.05)
+
+    def step(self, label: str, n: int = 1) -> None:
+        if self._bar is not None:
+            self._bar.set_description(label[:48], refresh=False)
+            self._bar.update(n)
+
+    def write(self, text: str) -> None:
+        if self._bar is not None:
+            self._bar.write(text)
+
+    def close(self) -> None:
+        if self._bar is not None:
+            self._bar.close()
+
+
+class Session:
+    """Runs contenders in lockstep on every rank and keeps what they measured."""
+
+    def __init__(self, cfg: BenchConfig, bar: Progress) -> None:
+        self.cfg = cfg
+        self.bar = bar
+        self.rank = dist.get_rank()
+        self.world = dist.get_world_size()
+        self.errors: Dict[str, str] = {}
+        self.timeout = datetime.timedelta(seconds=cfg.pg_timeout_s)
+        # Solo: rank 0 trains alone on a one-rank group, so no step waits for
+        # another rank; the other ranks idle (the overhead measurement).
+        self.solo = False
+
+    def guarded(self, key: str, fn: Callable[[], Any]) -> Tuple[Optional[str], List[Any]]:
+        """Run ``fn`` on every rank (all call this with the same ``key``, in the same order).
+
+        Returns ``(None, every rank's value)``, or the first error any rank
+        raised and ``[]``: all ranks agree on the outcome.
+        """
+        error: Optional[Tuple[str, str]] = None
+        value: Any = None
+        try:
+            value = fn()
+        except Exception as exc:  # reported as n/a: the benchmark goes on
+            error = (f"{type(exc).__name__}: {exc}".splitlines()[0][:240], traceback.format_exc())
+        gathered: List[Any] = [None] * self.world
+        dist.all_gather_object(gathered, (error, value))
+        for rank, (err, _) in enumerate(gathered):
+            if err is not None:
+                self.errors.setdefault(key, f"[rank {rank}] {err[1]}")
+                return f"{err[0]} (rank {rank})", []
+        return None, [v for _, v in gathered]
+
+    def build(self, contender: Contender, spec: ModelSpec) -> Optional[str]:
+        """Build ``contender`` on a new group: all ranks, or (solo) rank 0 alone."""
+        ranks = [0] if self.solo else None
+        pg = dist.new_group(ranks=ranks, backend="gloo", timeout=self.timeout)
+
+        def do() -> None:
+            if self.active:
+                contender.build(spec, self.cfg.sharding_type, pg, self.cfg.seed, self.cfg.emb_lr, self.cfg.dense_lr)
+
+        err, _ = self.guarded(contender.key, do)
+        return err
+
+    @property
+    def active(self) -> bool:
+        """Whether this rank runs the contenders (in a solo phase only rank 0 does)."""
+        return not self.solo or self.rank == 0
+
+    def epoch(self, contender: Contender, batches: Sequence[Any]) -> Tuple[Optional[str], float, Dict[str, float]]:
+        """One timed epoch; seconds are the slowest rank's."""
+
+        def do() -> Tuple[float, Dict[str, float]]:
+            gc.collect()  # nobody pays for the garbage of the contender before
+            dist.barrier()
+            if not self.active:
+                return 0.0, {}
+            start = time.perf_counter()
+            contender.run_epoch(batches)
+            seconds = time.perf_counter() - start
+            stages = contender.last.as_dict() if isinstance(contender, StageProbe) else {}
+            return seconds, stages
+
+        err, values = self.guarded(contender.key, do)
+        if err is not None:
+            return err, 0.0, {}
+        seconds = max(v[0] for v in values)
+        stages = {k: max(v[1].get(k, 0.0) for v in values) for k in values[0][1]}
+        return None, seconds, stages
+
+    def close(self, contenders: Sequence[Contender]) -> None:
+        for contender in contenders:
+            pg = contender.pg
+            contender.close()
+            contender.pg = None
+            if pg is not None:
+                dist.destroy_process_group(pg)
+        dist.barrier()
+
+
+def _entry(contender: Contender) -> Dict[str, Any]:
+    return {
+        "variant": contender.variant,
+        "side": contender.side,
+        "mode": contender.mode,
+        "shimmed": contender.shimmed,
+        "status": report.OK,
+        "reason": "",
+        "seconds": [],
+    }
+
+
+def _contenders(variants: Sequence[Variant], cfg: BenchConfig, probe: bool) -> List[Contender]:
+    out: List[Contender] = []
+    for variant in variants:
+        out.append(make_contender(variant, "ours"))
+        if cfg.torchrec and variant.theirs is not None:
+            out.append(make_contender(variant, "torchrec"))
+    out.append(PlainLoop(TRAIN))
+    if any(v.plain_mode == EVAL for v in variants):
+        out.append(PlainLoop(EVAL))
+    if probe and cfg.stages and any(v.name == "TrainPipelineSparseDist" for v in variants):
+        out.append(StageProbe())
+    return out
+
+
+def _phase(
+    session: Session,
+    spec: ModelSpec,
+    contenders: List[Contender],
+    sizes: Sequence[Tuple[int, int]],
+    timelines_dir: Optional[str],
+    solo: bool = False,
+) -> Tuple[List[Dict[str, Any]], List[str]]:
+    """Build, warm up and time ``contenders`` at each ``(batch_size, steps)``.
+
+    ``solo``: rank 0 trains alone on a one-rank group, so no step waits for
+    another rank (the overhead measurement).
+    """
+    cfg, bar = session.cfg, session.bar
+    session.solo = solo
+    entries = {c.key: _entry(c) for c in contenders}
+    alive: List[Contender] = []
+    for contender in contenders:
+        err = session.build(contender, spec)
+        bar.step(f"build {contender.key}")
+        if err is None:
+            alive.append(contender)
+        else:
+            entries[contender.key].update(status=report.NA, reason=f"failed to build: {err}")
+            bar.write(f"n/a {contender.key}: failed to build: {err}")
+
+    def drop(contender: Contender, why: str) -> None:
+        entries[contender.key].update(status=report.NA, reason=why, seconds=[])
+        alive.remove(contender)
+        bar.write(f"n/a {contender.key}: {why}")
+
+    blocks: List[Dict[str, Any]] = []
+    timelines: List[str] = []
+    for batch_size, steps in sizes:
+        batches = make_batches(spec, steps, batch_size, cfg.seed, session.rank)
+        warmup = make_batches(spec, cfg.warmup_steps, batch_size, cfg.seed + 1, session.rank)
+        block: Dict[str, Any] = {"batch_size": batch_size, "steps": steps, "contenders": {}, "stages": []}
+        seconds: Dict[str, List[float]] = {c.key: [] for c in contenders}
+        for contender in list(alive):
+            err, _, _ = session.epoch(contender, warmup)
+            bar.step(f"b{batch_size} warm-up {contender.key}")
+            if err is not None:
+                drop(contender, f"warm-up epoch failed: {err}")
+        for round_index in range(cfg.repeats):
+            for contender in _round_order(alive, round_index):
+                err, elapsed, stages = session.epoch(contender, batches)
+                bar.step(f"b{batch_size} round {round_index + 1}/{cfg.repeats} {contender.key}")
+                if err is not None:
+                    drop(contender, f"timed epoch failed: {err}")
+                    continue
+                seconds[contender.key].append(elapsed)
+                if stages:
+                    block["stages"].append(stages)
+        for key, entry in entries.items():
+            block["contenders"][key] = dict(entry, seconds=seconds[key] if entry["status"] == report.OK else [])
+        if timelines_dir is not None:
+            timelines += _timelines(session, alive, batches, batch_size, timelines_dir)
+        blocks.append(block)
+    session.close(contenders)
+    return blocks, timelines
+
+
+def _round_order(alive: Sequence[Contender], round_index: int) -> List[Contender]:
+    """The order of one round: every contender once, A B C ... as built.
+
+    Ours and torchrec's class of a variant always run back to back (so their
+    per-round ratio sees the same machine), the pair's order alternates
+    between rounds, and each round starts one group further on, so no
+    contender always runs first or always follows the same one.
+    """
+    groups: List[List[Contender]] = []
+    for contender in alive:
+        if groups and contender.side == "torchrec" and groups[-1][-1].variant == contender.variant:
+            groups[-1].append(contender)
+        else:
+            groups.append([contender])
+    shift = round_index % max(len(groups), 1)
+    order: List[Contender] = []
+    for group in groups[shift:] + groups[:shift]:
+        order += group if round_index % 2 == 0 else group[::-1]
+    return order
+
+
+def _timelines(
+    session: Session, contenders: Sequence[Contender], batches: Sequence[Any], batch_size: int, out_dir: str
+) -> List[str]:
+    """A separate recorded epoch per variant of ours, drawn to ``<Variant>_b<batch>.png``."""
+    written: List[str] = []
+    recorded = batches[: session.cfg.timeline_steps]
+    for contender in contenders:
+        pipeline = getattr(contender, "pipeline", None)
+        if contender.side != "ours" or pipeline is None:
+            continue
+        if not hasattr(pipeline, "enable_schedule_recording"):
+            session.bar.write(f"no timeline for {contender.variant}: it has no enable_schedule_recording()")
+            continue
+        path = os.path.join(out_dir, f"{contender.variant}_b{batch_size}.png")
+
+        def record() -> None:
+            pipeline.enable_schedule_recording()
+            try:
+                contender.run_epoch(recorded)
+                if session.rank == 0:
+                    pipeline.save_timeline(path, calls=(2, 5))
+            finally:
+                pipeline.disable_schedule_recording()
+
+        err, _ = session.guarded(f"timeline:{contender.key}", record)
+        session.bar.step(f"timeline {contender.variant} b{batch_size}")
+        if err is None:
+            written.append(path)
+        else:
+            session.bar.write(f"no timeline for {contender.variant}: {err}")
+    return written
+
+
+def _quiet(rank: int) -> None:
+    """Keep torchrec's and torch's routine warnings off the console (they repeat per model).
+
+    trec_pipelines' own warnings stay on, from rank 0 only.
+    """
+    if rank != 0:
+        logging.getLogger("trec_pipelines").setLevel(logging.ERROR)
+    for category in (FutureWarning, UserWarning, DeprecationWarning):
+        warnings.filterwarnings("ignore", category=category)
+    for name in ("torchrec", "torch", "fbgemm_gpu", "torch.distributed", "torch.fx", "torch._dynamo"):
+        logging.getLogger(name).setLevel(logging.ERROR)
+
+
+def _total_runs(n_main: int, n_ours: int, n_overhead: int, cfg: BenchConfig) -> int:
+    main = n_main + len(cfg.batch_sizes) * n_main * (1 + cfg.repeats)
+    if cfg.timelines:
+        main += len(cfg.batch_sizes) * n_ours
+    overhead = n_overhead * (2 + cfg.repeats) if cfg.overhead else 0
+    return main + overhead
+
+
+def out_dir(cfg: BenchConfig) -> str:
+    base = cfg.out_dir if os.path.isabs(cfg.out_dir) else os.path.join(REPO, cfg.out_dir)
+    return os.path.join(base, cfg.run_name())
+
+
+def link_facts(cfg: BenchConfig) -> Dict[str, Any]:
+    qdisc = netns.qdisc_in_effect()
+    return {
+        "requested_gbit": cfg.link_gbit,
+        "emulated": qdisc is not None,
+        "qdisc": qdisc,
+        "not_emulated_because": os.environ.get(LINK_REASON_ENV) if cfg.link_gbit is not None and qdisc is None else None,
+    }
+
+
+def worker(cfg: BenchConfig) -> int:
+    _quiet(int(os.environ.get("RANK", "0")))
+    torch.set_num_threads(cfg.threads)
+    dist.init_process_group(backend="gloo", timeout=datetime.timedelta(seconds=cfg.pg_timeout_s))
+    rank, world = dist.get_rank(), dist.get_world_size()
+    variants, notes = discover(cfg.variants, cfg.include_compiled)
+    main = _contenders(variants, cfg, probe=True)
+    overhead = _contenders(variants, cfg, probe=False) if cfg.overhead else []
+    n_ours = sum(1 for c in main if c.side == "ours")
+    bar = Progress(cfg.progress and rank == 0, _total_runs(len(main), n_ours, len(overhead), cfg))
+    for note in notes:
+        bar.write(note)
+    session = Session(cfg, bar)
+    target = out_dir(cfg)
+    timelines_dir = os.path.join(target, "timelines") if cfg.timelines else None
+    if rank == 0:
+        os.makedirs(timelines_dir or target, exist_ok=True)
+    dist.barrier()
+    started = time.time()
+
+    sizes = [(bs, cfg.steps_for(bs)) for bs in cfg.batch_sizes]
+    blocks, timelines = _phase(session, cfg.model_spec(), main, sizes, timelines_dir)
+    raw: Dict[str, Any] = {"world": world, "throughput": blocks, "overhead": None}
+    if overhead:
+        tiny, _ = _phase(
+            session, tiny_spec(), overhead, [(cfg.overhead_batch_size, cfg.overhead_steps)], None, solo=True
+        )
+        raw["overhead"] = tiny[0]
+    bar.close()
+
+    if rank == 0:
+        write_results(cfg, raw, notes, timelines, session.errors, target, time.time() - started)
+    dist.barrier()
+    dist.destroy_process_group()
+    return 0
+
+
+def write_results(
+    cfg: BenchConfig,
+    raw: Dict[str, Any],
+    notes: Sequence[str],
+    timelines: Sequence[str],
+    errors: Dict[str, str],
+    target: str,
+    seconds: float,
+) -> None:
+    link = link_facts(cfg)
+    header = [
+        f"trec_pipelines benchmark '{cfg.run_name()}': {raw['world']} gloo ranks on CPU, "
+        f"{cfg.sharding_type}, {len(cfg.dims)} tables x {cfg.rows:,} rows, pooling ~{cfg.pooling}, "
+        f"{cfg.threads} thread(s)/rank; wall time {seconds / 60:.1f} min",
+        _link_line(link),
+    ] + [f"note: {n}" for n in notes]
+    text = report.format_report(raw, cfg.repeats, header)
+    print("\n" + text, flush=True)
+    document = {
+        "name": cfg.run_name(),
+        "created_utc": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "wall_seconds": round(seconds, 1),
+        "config": cfg.to_dict(),
+        "versions": report.versions(REPO),
+        "host": report.host_facts(),
+        "link": link,
+        "notes": list(notes),
+        "summary": report.summary(raw),
+        "raw": raw,
+        "timelines": [os.path.relpath(p, target) for p in timelines],
+        "errors": errors,
+    }
+    with open(os.path.join(target, "results.json"), "w") as f:
+        json.dump(document, f, indent=1)
+    with open(os.path.join(target, "table.txt"), "w") as f:
+        f.write(text)
+    report.write_chart(raw, os.path.join(target, "qps.png"))
+    print(f"results: {os.path.relpath(target, os.getcwd())}/ (results.json, table.txt, qps.png"
+          + (", timelines/" if timelines else "") + ")", flush=True)
+
+
+def _link_line(link: Dict[str, Any]) -> str:
+    if link["requested_gbit"] is None:
+        return "interconnect: none emulated (loopback at memory speed)"
+    if link["emulated"]:
+        return f"interconnect: emulated {link['requested_gbit']:g} Gbit/s ({link['qdisc']}, private network namespace)"
+    return f"interconnect: {link['requested_gbit']:g} Gbit/s requested but NOT emulated: {link['not_emulated_because']}"

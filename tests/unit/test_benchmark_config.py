@@ -1,0 +1,261 @@
+"""The benchmark's CLI/config parsing and its result tables, without running anything."""
+
+from __future__ import annotations
+
+from typing import Any, Dict, List, Optional
+
+import pytest
+
+from benchmarks import netns, report
+from benchmarks.config import BenchConfig, parse_args, to_argv
+from benchmarks.contenders import COMPILED, SHIMMED, Variant, discover
+
+
+# --------------------------------------------------------------------------
+# Config and command line
+# --------------------------------------------------------------------------
+
+
+def test_defaults_are_the_issue_s_default_run() -> None:
+    cfg = parse_args([])
+    assert cfg == BenchConfig()
+    assert (cfg.nproc, cfg.sharding_type, cfg.batch_sizes) == (2, "table_wise", (512, 4096))
+    assert len(cfg.dims) == 8 and min(cfg.dims) == 16 and max(cfg.dims) == 64
+    assert cfg.rows == 100_000 and cfg.pooling == 8
+    assert cfg.link_gbit is None and not cfg.include_compiled
+    assert cfg.run_name() == "default"
+    assert (cfg.steps_for(512), cfg.steps_for(4096)) == (24, 8)
+    assert parse_args(["--batch-sizes", "64,8192,1024"]).steps_for(8192) == 8  # auto steps follow the sizes
+
+
+def test_overrides_of_every_kind() -> None:
+    cfg = parse_args(
+        [
+            "--batch-sizes", "64,128,256",
+            "--steps", "5",
+            "--link-gbit", "2",
+            "--variants", "TrainPipelineSparseDist,TrainPipelineBase",
+            "--no-torchrec",
+            "--include-compiled",
+            "--emb-lr", "0.5",
+            "--sharding-type", "column_wise",
+        ]
+    )
+    assert cfg.batch_sizes == (64, 128, 256)
+    assert [cfg.steps_for(b) for b in cfg.batch_sizes] == [5, 5, 5]
+    assert cfg.link_gbit == 2.0 and cfg.run_name() == "link-2gbit"
+    assert cfg.variants == ("TrainPipelineSparseDist", "TrainPipelineBase")
+    assert cfg.torchrec is False and cfg.include_compiled is True
+    assert cfg.emb_lr == 0.5 and cfg.sharding_type == "column_wise"
+    assert parse_args(["--name", "mine", "--link-gbit", "0.5"]).run_name() == "mine"
+    assert parse_args(["--link-gbit", "0.5"]).run_name() == "link-0.5gbit"
+
+
+def test_to_argv_round_trips() -> None:
+    cfg = parse_args(["--batch-sizes", "32,64", "--steps", "3,4", "--no-overhead", "--link-gbit", "1.5", "--repeats", "2"])
+    argv = to_argv(cfg)
+    assert parse_args(argv) == cfg
+    assert to_argv(BenchConfig()) == []  # the default run needs no arguments
+
+
+@pytest.mark.parametrize(
+    "argv, fragment",
+    [
+        (["--steps", "4,4,4"], "--steps takes one value or one per batch size"),
+        (["--sharding-type", "diagonal"], "--sharding-type must be one of"),
+        (["--link-gbit", "0"], "--link-gbit must be > 0"),
+        (["--batch-sizes", "12,x"], "--batch-sizes takes comma-separated int values"),
+        (["--repeats", "0"], "--repeats must be >= 1"),
+        (["--timeline-steps", "3"], "--timeline-steps must be >= 6"),
+    ],
+)
+def test_bad_values_exit_with_a_message(argv: List[str], fragment: str, capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exit_info:
+        parse_args(argv)
+    assert exit_info.value.code == 2
+    assert fragment in capsys.readouterr().err
+
+
+def test_discover_takes_pipeline_classes_exported_by_the_root() -> None:
+    import trec_pipelines
+
+    variants, notes = discover()
+    names = [v.name for v in variants]
+    assert {"TrainPipelineBase", "TrainPipelineSparseDist"} <= set(names)
+    assert set(names) <= set(trec_pipelines.__all__)
+    assert not COMPILED & set(names)  # compiled variants need --include-compiled
+    assert "TrainPipelinePT2" in " ".join(notes)
+    assert "ScheduleRecorder" not in names and "TrainPipelineContext" not in names
+    by_name = {v.name: v for v in variants}
+    assert by_name["TrainPipelineSparseDist"].theirs is not None
+    assert by_name["TrainPipelineSparseDist"].theirs.__module__.startswith("torchrec.")
+    assert by_name["TrainPipelineSparseDist"].ours.__module__.startswith("trec_pipelines.")
+    with_compiled, _ = discover(include_compiled=True)
+    assert "TrainPipelinePT2" in [v.name for v in with_compiled]
+    with pytest.raises(ValueError, match="not a pipeline class exported by trec_pipelines"):
+        discover(["ScheduleRecorder"])
+
+
+def test_variant_modes_and_shim() -> None:
+    assert Variant("EvalPipelineFusedSparseDist", None, None).mode == "eval"
+    assert Variant("EvalPipelineFusedSparseDist", None, None).plain_mode == "eval"
+    assert Variant("StagedTrainPipeline", None, None).mode == "staged"
+    assert Variant("StagedTrainPipeline", None, None).plain_mode == "train"
+    assert Variant("TrainPipelineSparseDist", None, None).shimmed is False
+    assert Variant("TrainPipelineSemiSync", None, None).shimmed is True
+    assert "TrainPipelineBase" not in SHIMMED
+
+
+def test_link_plan_limits_only_the_namespace_loopback() -> None:
+    plan = netns.plan(2)
+    assert plan.tc_args()[:7] == ["tc", "qdisc", "add", "dev", "lo", "root", "tbf"]
+    assert "2gbit" in plan.tc_args() and plan.burst_bytes >= 128 * 1024
+    command = netns.wrap(["torchrun", "x"], plan)
+    assert command[:3] == ["unshare", "-n", "--"]  # the tc call only ever runs inside
+    assert command[-3:] == ["--", "torchrun", "x"]
+
+
+def test_namespace_entry_refuses_the_launcher_s_own_namespace(monkeypatch: pytest.MonkeyPatch) -> None:
+    ran: List[Any] = []
+    monkeypatch.setattr(netns.subprocess, "run", lambda *a, **k: ran.append(a))
+    monkeypatch.setenv(netns.HOST_NETNS_ENV, str(netns.netns_inode()))
+    assert netns.inside(["2", "131072", "--", "true"]) == 3
+    monkeypatch.delenv(netns.HOST_NETNS_ENV)
+    assert netns.inside(["2", "131072", "--", "true"]) == 3
+    assert ran == []  # never reached tc
+
+
+# --------------------------------------------------------------------------
+# Result tables
+# --------------------------------------------------------------------------
+
+
+def _entry(variant: str, side: str, seconds: List[float], mode: str = "train",
+           shimmed: bool = False, reason: Optional[str] = None) -> Dict[str, Any]:
+    return {
+        "variant": variant,
+        "side": side,
+        "mode": mode,
+        "shimmed": shimmed,
+        "status": report.NA if reason else report.OK,
+        "reason": reason or "",
+        "seconds": [] if reason else seconds,
+    }
+
+
+def _raw() -> Dict[str, Any]:
+    sd, fused = "TrainPipelineSparseDist", "TrainPipelineFusedSparseDist"
+    return {
+        "world": 2,
+        "throughput": [
+            {
+                "batch_size": 100,
+                "steps": 10,
+                # examples per epoch: 10 steps x 100 x 2 ranks = 2000
+                "contenders": {
+                    f"ours:{sd}": _entry(sd, "ours", [1.0, 2.0, 1.0]),  # 2000, 1000, 2000 -> median 2000
+                    f"torchrec:{sd}": _entry(sd, "torchrec", [2.0, 2.0, 4.0]),  # median 1000
+                    f"ours:{fused}": _entry(fused, "ours", [1.0]),
+                    f"torchrec:{fused}": _entry(fused, "torchrec", [], shimmed=True, reason="boom on CPU"),
+                    "ours:EvalPipelineSparseDist": _entry("EvalPipelineSparseDist", "ours", [0.5], mode="eval"),
+                    "plain:train": _entry("plain", "plain", [4.0, 4.0]),  # 500
+                    "plain:eval": _entry("plain", "plain", [1.0], mode="eval"),  # 2000
+                },
+                # per epoch: compute 0.8 s -> 80 ms/step is the slowest stage
+                "stages": [{"h2d": 0.01, "input_dist": 0.2, "compute": 0.8}] * 3,
+            }
+        ],
+        "overhead": {
+            "batch_size": 8,
+            "steps": 100,
+            "contenders": {
+                f"ours:{sd}": _entry(sd, "ours", [0.3]),  # 3 ms/step
+                f"torchrec:{sd}": _entry(sd, "torchrec", [0.4]),  # 4 ms/step
+                "plain:train": _entry("plain", "plain", [0.2]),  # 2 ms/step
+            },
+        },
+    }
+
+
+def test_throughput_medians_ratios_and_bound() -> None:
+    (table,) = report.throughput_tables(_raw())
+    rows = {r.variant: r for r in table.rows}
+    sd = rows["TrainPipelineSparseDist"]
+    assert sd.ours.samples == [2000.0, 1000.0, 2000.0]
+    assert sd.ours.median == 2000.0 and sd.torchrec.median == 1000.0 and sd.plain.median == 500.0
+    assert sd.ours_vs_torchrec == 2.0 and sd.ours_vs_plain == 4.0 and sd.torchrec_vs_plain == 2.0
+    assert sd.paired == 2.0  # per round: 2000/1000, 1000/1000, 2000/500 -> 2, 1, 4
+    fused = rows["TrainPipelineFusedSparseDist"]
+    assert fused.torchrec.median is None and fused.torchrec.reason == "boom on CPU"
+    assert fused.ours_vs_torchrec is None
+    eval_row = rows["EvalPipelineSparseDist"]
+    assert eval_row.plain.median == 2000.0  # compared with the plain eval loop
+    assert table.bound is not None
+    assert table.bound.stage_ms == pytest.approx({"h2d": 1.0, "input_dist": 20.0, "compute": 80.0})
+    assert table.bound.bound_qps == pytest.approx(2500.0)  # 200 examples per 80 ms step
+    assert table.bound.fraction("ours") == pytest.approx(0.8)
+
+
+def test_console_tables_show_values_shim_and_reasons() -> None:
+    text = report.format_report(_raw(), repeats=3, header=["HEADER"])
+    assert text.startswith("HEADER")
+    line = next(l for l in text.splitlines() if l.startswith("TrainPipelineSparseDist "))
+    assert line.split()[1:] == ["2,000", "±25%", "1,000", "±25%", "2.00", "2.00", "4.00", "2.00"]
+    fused = next(l for l in text.splitlines() if l.startswith("TrainPipelineFusedSparseDist"))
+    assert "n/a [1]" in fused
+    assert "[1] boom on CPU" in text
+    assert "EvalPipelineSparseDist (eval)" in text
+    assert "plain loop (train)" in text and "plain loop (eval)" in text
+    assert "1/max = 2,500 ex/s" in text and "ours 2,000 (80%)" in text
+    overhead = next(l for l in text.splitlines() if l.startswith("TrainPipelineSparseDist") and "3.00" in l)
+    # ms/step 3 and 4, overhead 1 and 2 over the plain loop's 2 ms, ratio 0.5
+    assert overhead.split()[1:] == ["3.00", "4.00", "1.00", "2.00", "0.50"]
+
+
+def test_shimmed_values_are_marked() -> None:
+    raw = _raw()
+    block = raw["throughput"][0]["contenders"]
+    block["torchrec:TrainPipelineFusedSparseDist"] = _entry(
+        "TrainPipelineFusedSparseDist", "torchrec", [1.0], shimmed=True
+    )
+    text = report.format_report(raw, repeats=1)
+    fused = next(l for l in text.splitlines() if l.startswith("TrainPipelineFusedSparseDist"))
+    assert "2,000 (shimmed)" in fused
+
+
+def test_summary_is_plain_json_and_the_chart_is_written(tmp_path: Any) -> None:
+    import json
+
+    summary = report.summary(_raw())
+    text = json.dumps(summary)  # only JSON types
+    assert json.loads(text)["throughput"][0]["variants"][0]["ours_vs_torchrec"] == 2.0
+    assert summary["overhead"]["variants"][0]["ours_over_torchrec_overhead"] == pytest.approx(0.5)
+    path = tmp_path / "qps.png"
+    report.write_chart(_raw(), str(path))
+    assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_host_facts_and_versions() -> None:
+    facts = report.host_facts()
+    assert facts["cores"] and facts["cpu_model"]
+    versions = report.versions(".")
+    assert versions["torch"] and versions["torchrec"] and versions["fbgemm_gpu"]
+    assert versions["trec_pipelines"]
+
+
+def test_rounds_keep_each_pair_back_to_back_and_rotate() -> None:
+    from benchmarks.contenders import PlainLoop, make_contender
+    from benchmarks.runner import _round_order
+
+    a, b = Variant("TrainPipelineBase", object, object), Variant("TrainPipelineSparseDist", object, object)
+    contenders = [make_contender(a, "ours"), make_contender(a, "torchrec"),
+                  make_contender(b, "ours"), make_contender(b, "torchrec"), PlainLoop("train")]
+    keys = lambda r: [c.key for c in _round_order(contenders, r)]  # noqa: E731
+    assert keys(0) == [c.key for c in contenders]
+    assert keys(1) == ["torchrec:TrainPipelineSparseDist", "ours:TrainPipelineSparseDist", "plain:train",
+                       "torchrec:TrainPipelineBase", "ours:TrainPipelineBase"]
+    for r in range(6):
+        order = keys(r)
+        assert sorted(order) == sorted(c.key for c in contenders)
+        for v in ("TrainPipelineBase", "TrainPipelineSparseDist"):
+            assert abs(order.index(f"ours:{v}") - order.index(f"torchrec:{v}")) == 1
