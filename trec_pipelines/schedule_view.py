@@ -21,6 +21,17 @@ Row = Tuple[str, str, List[Cell]]
 STREAM_ORDER = ("default", "emb_lookup", "data_dist", "prefetch", "memcpy")
 
 
+def stream_lanes(actions: Sequence["Action"]) -> List[str]:
+    """The stream roles used, known roles in their usual order, then any others
+    (a staged pipeline names its streams after its stages) in order of use."""
+    used: List[str] = []
+    for action in actions:
+        if action.stream not in used:
+            used.append(action.stream)
+    known = [s for s in STREAM_ORDER if s in used]
+    return known + [s for s in used if s not in STREAM_ORDER]
+
+
 def schedule_table(actions: Sequence["Action"]) -> List[Row]:
     """One ``(task, stream, cells)`` row per task, ``cells`` per ``progress()`` call."""
     if not actions:
@@ -95,7 +106,8 @@ def write_trace(actions: Sequence["Action"], path: str) -> None:
         raise ValueError("nothing recorded: call enable_schedule_recording() before progress()")
     origin = min(a.cpu_start for a in actions)
     events: List[Dict[str, Any]] = []
-    tracks = ["CPU thread", "loader thread"] + [f"stream: {s}" for s in STREAM_ORDER]
+    lanes = stream_lanes(actions)
+    tracks = ["CPU thread", "loader thread"] + [f"stream: {s}" for s in lanes]
     for tid, name in enumerate(tracks):
         events.append({"ph": "M", "name": "thread_name", "pid": 0, "tid": tid, "args": {"name": name}})
         events.append({"ph": "M", "name": "thread_sort_index", "pid": 0, "tid": tid, "args": {"sort_index": tid}})
@@ -116,7 +128,7 @@ def write_trace(actions: Sequence["Action"], path: str) -> None:
         thread_tid = 0 if action.thread == "main" else 1
         events.append(span(label, thread_tid, action.cpu_start, action.cpu_end, action))
         if action.device_start is not None and action.device_end is not None:
-            stream_tid = 2 + (STREAM_ORDER.index(action.stream) if action.stream in STREAM_ORDER else 0)
+            stream_tid = 2 + lanes.index(action.stream)
             events.append(span(label, stream_tid, action.device_start, action.device_end, action))
     with open(path, "w") as f:
         json.dump({"traceEvents": events, "displayTimeUnit": "ms"}, f)
@@ -143,7 +155,7 @@ def draw_timeline(
     if not chosen:
         raise ValueError("no recorded actions in the requested window")
     origin = min(a.cpu_start for a in chosen)
-    streams = [s for s in STREAM_ORDER if any(a.stream == s for a in chosen)]
+    streams = stream_lanes(chosen)
     lanes = ["CPU thread"] + [f"{s} stream" for s in streams]
     colors = plt.get_cmap("tab10")
     fig_width = 14

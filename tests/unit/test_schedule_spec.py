@@ -171,3 +171,20 @@ def test_schedule_table_and_views(tmp_path: Any) -> None:
     png = tmp_path / "timeline.png"
     pipeline.save_timeline(str(png), calls=(2, 4))
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_views_accept_stream_roles_named_after_stages(tmp_path: Any) -> None:
+    from trec_pipelines.recorder import Action
+    from trec_pipelines.schedule_view import draw_timeline, stream_lanes, write_trace
+
+    actions = [
+        Action(0, "data_copy", 0, "data_copy", cpu_start=0.0, cpu_end=0.001, device_start=0.0, device_end=0.001),
+        Action(0, "Forward", 0, "default", cpu_start=0.001, cpu_end=0.002, device_start=0.001, device_end=0.002),
+    ]
+    assert stream_lanes(actions) == ["default", "data_copy"]
+    draw_timeline(actions, str(tmp_path / "t.png"))
+    write_trace(actions, str(tmp_path / "t.json"))
+    events = json.loads((tmp_path / "t.json").read_text())["traceEvents"]
+    assert {"stream: data_copy", "stream: default"} <= {
+        e["args"]["name"] for e in events if e["ph"] == "M" and e["name"] == "thread_name"
+    }
