@@ -23,7 +23,7 @@ from __future__ import annotations
 import contextlib
 import time
 from dataclasses import dataclass, field
-from typing import Any, ContextManager, Dict, Iterator, List, Optional, Tuple
+from typing import Any, ContextManager, Dict, List, Optional, Tuple
 
 import torch
 
@@ -101,25 +101,13 @@ class ScheduleRecorder:
         self.call += 1
         self.call_starts.append(time.perf_counter())
 
-    @contextlib.contextmanager
     def span(
         self, task: str, batch: Optional[int], stream: str, thread: str = "main"
-    ) -> Iterator[None]:
+    ) -> "_Span":
         """Record ``task`` for ``batch`` on ``stream`` around the enclosed work."""
         action = Action(max(self.call, 0), task, batch, stream, thread)
         self.actions.append(action)
-        device_stream = self.streams.get(stream)
-        start_event = self._event(device_stream)
-        with torch.profiler.record_function(f"trec_pipelines::{task}"):
-            action.cpu_start = time.perf_counter()
-            try:
-                yield
-            finally:
-                action.cpu_end = time.perf_counter()
-        if start_event is None:
-            action.device_start, action.device_end = action.cpu_start, action.cpu_end
-        else:
-            self._pending.append((action, start_event, self._event(device_stream)))
+        return _Span(self, action, self.streams.get(stream))
 
     def _event(self, stream: Optional[torch.Stream]) -> Any:
         if stream is None:
@@ -146,6 +134,38 @@ class ScheduleRecorder:
         self.call_starts.clear()
         self._pending.clear()
         self.call = -1
+
+
+class _Span:
+    """Times one action: wall clock on the issuing thread, events on its stream."""
+
+    __slots__ = ("_recorder", "_action", "_stream", "_start_event", "_label")
+
+    def __init__(self, recorder: ScheduleRecorder, action: Action, stream: Optional[torch.Stream]) -> None:
+        self._recorder = recorder
+        self._action = action
+        self._stream = stream
+        self._start_event: Any = None
+        self._label: Any = None
+
+    def __enter__(self) -> None:
+        self._start_event = self._recorder._event(self._stream)
+        if _profiler_running():
+            self._label = torch.profiler.record_function(f"trec_pipelines::{self._action.task}")
+            self._label.__enter__()
+        self._action.cpu_start = time.perf_counter()
+
+    def __exit__(self, *exc: Any) -> None:
+        action = self._action
+        action.cpu_end = time.perf_counter()
+        if self._label is not None:
+            self._label.__exit__(*exc)
+        if self._start_event is None:
+            action.device_start, action.device_end = action.cpu_start, action.cpu_end
+        else:
+            self._recorder._pending.append(
+                (action, self._start_event, self._recorder._event(self._stream))
+            )
 
 
 class Recordable:

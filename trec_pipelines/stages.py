@@ -10,7 +10,7 @@ from __future__ import annotations
 import logging
 from collections import deque
 from dataclasses import dataclass
-from typing import Any, Deque, Iterator, Optional
+from typing import Any, Deque, Dict, Iterator, List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
@@ -206,3 +206,29 @@ def sync_group_for(sync_exhaustion: bool) -> Optional[Any]:
             "torch.distributed initialised first (dist.init_process_group(...))"
         )
     return dist.new_group(backend="gloo")
+
+
+class ParkedEpochs:
+    """The in-flight state of iterators set aside while another iterator runs.
+
+    A pipeline parks its in-flight batches (whatever state it keeps for them)
+    when a different iterator is passed, and resumes them when the parked
+    iterator comes back; see ``TrainPipelineSparseDist._switch_iterator``.
+    """
+
+    def __init__(self) -> None:
+        self._parked: Dict[int, Tuple[Iterator[Any], Any]] = {}
+
+    def park(self, iterator: Iterator[Any], state: Any) -> None:
+        # The entry keeps the iterator alive, so its id() stays unique while parked.
+        self._parked[id(iterator)] = (iterator, state)
+
+    def resume(self, iterator: Iterator[Any]) -> Optional[Any]:
+        entry = self._parked.pop(id(iterator), None)
+        return entry[1] if entry is not None and entry[0] is iterator else None
+
+    def states(self) -> List[Any]:
+        return [state for _, state in self._parked.values()]
+
+    def clear(self) -> None:
+        self._parked.clear()

@@ -133,6 +133,7 @@ def test_sync_exhaustion_needs_a_process_group() -> None:
 
 
 SWITCHING_VARIANTS = {
+    "base": base_pipeline,
     "sparse_dist": sparse_dist_pipeline,
     "lite": _variant("TrainPipelineSparseDistLite"),
     "fused": _variant("TrainPipelineFusedSparseDist"),

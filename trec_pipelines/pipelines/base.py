@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 from typing import Any, Callable, Iterator, List, Optional, Tuple
 
 import torch
@@ -12,12 +13,15 @@ from trec_pipelines.pipelines._common import check_device, check_model_device, c
 from trec_pipelines.recorder import Recordable
 from trec_pipelines.stages import (
     BatchSource,
+    ParkedEpochs,
     backward,
     copy_to_device,
     sync_group_for,
     wait_for_batch,
 )
 from trec_pipelines.streams import make_streams
+
+logger: logging.Logger = logging.getLogger(__name__)
 
 
 class TrainPipelineBase(TrainPipeline[Any, Any], Recordable):
@@ -73,6 +77,8 @@ class TrainPipelineBase(TrainPipeline[Any, Any], Recordable):
         self._cur_batch: Optional[Any] = None
         self._cur_index = 0
         self._connected = False
+        # The in-flight batch of an iterator set aside by a switch.
+        self._parked = ParkedEpochs()
 
     def _copy(self, iterator: Iterator[Any]) -> None:
         """Load the next batch and issue its copy on the memcpy stream."""
@@ -89,6 +95,7 @@ class TrainPipelineBase(TrainPipeline[Any, Any], Recordable):
 
     def progress(self, dataloader_iter: Iterator[Any]) -> Any:
         self._begin_call()
+        self._switch_iterator(dataloader_iter)
         # Pull the host batches this call copies before any work: an iterator
         # error then reaches the caller with the pipeline untouched.
         self._source.fetch_ahead(dataloader_iter, 1 if self._connected else 2)
@@ -115,11 +122,33 @@ class TrainPipelineBase(TrainPipeline[Any, Any], Recordable):
                 self._optimizer.step()
         return output
 
+    def _switch_iterator(self, dataloader_iter: Iterator[Any]) -> None:
+        """Park the previous iterator's in-flight batch when another is passed,
+        and resume it when that iterator comes back (as SparseDist does)."""
+        source = self._source
+        if dataloader_iter is source.iterator:
+            return
+        previous = source.iterator
+        if previous is not None and self._connected and (self._cur_batch is not None or source.holding):
+            logger.warning(
+                "%s: a different iterator was passed mid-epoch; the previous one's "
+                "in-flight batch is parked and resumes when it is passed again",
+                type(self).__name__,
+            )
+            self._parked.park(previous, (self._cur_batch, self._cur_index, source.save()))
+            self._cur_batch, self._connected = None, False
+        parked = self._parked.resume(dataloader_iter)
+        if parked is not None:
+            self._cur_batch, self._cur_index, state = parked
+            source.restore(state)
+            self._connected = True
+
     def _end_epoch(self) -> None:
         self._connected = False
         self._source.end_epoch()
 
     def reset(self) -> None:
-        """Forget the in-flight batch; the next ``progress()`` starts a new epoch."""
+        """Forget the in-flight (and parked) batches; the next ``progress()`` starts a new epoch."""
         self._cur_batch = None
+        self._parked.clear()
         self._end_epoch()

@@ -5,7 +5,7 @@ from __future__ import annotations
 import logging
 from collections import deque
 from dataclasses import dataclass
-from typing import Any, Callable, Deque, Dict, Iterator, List, Optional, Tuple, Type
+from typing import Any, Callable, Deque, Iterator, List, Optional, Tuple, Type
 
 import torch
 from torchrec.distributed.train_pipeline import TrainPipeline
@@ -40,6 +40,7 @@ from trec_pipelines.rewrite import (
 from trec_pipelines.args import CallArgs
 from trec_pipelines.stages import (
     BatchSource,
+    ParkedEpochs,
     SourceState,
     backward,
     copy_to_device,
@@ -195,7 +196,7 @@ class TrainPipelineSparseDist(TrainPipeline[Any, Any], Recordable):
         self.contexts: Deque[TrainPipelineContext] = deque()
         self._rewrite: Optional[RewriteResult] = None
         # In-flight batches of iterators set aside by a switch (see _switch_iterator).
-        self._parked: Dict[int, _Parked] = {}
+        self._parked = ParkedEpochs()
         self._kjt_overrides: Tuple[KJTDistOverride, ...] = ()
         self._model_attached = True
 
@@ -436,7 +437,7 @@ class TrainPipelineSparseDist(TrainPipeline[Any, Any], Recordable):
         previous = source.iterator
         if previous is not None and (self.batches or source.holding):
             in_flight = len(self.batches) + source.holding
-            self._parked[id(previous)] = _Parked(self.batches, self.contexts, source.save())
+            self._parked.park(previous, _Parked(self.batches, self.contexts, source.save()))
             logger.warning(
                 "%s: a different iterator was passed with %d batch(es) of the previous "
                 "one in flight; they are parked and resume when that iterator is passed "
@@ -445,8 +446,8 @@ class TrainPipelineSparseDist(TrainPipeline[Any, Any], Recordable):
                 in_flight,
             )
             self.batches, self.contexts = deque(), deque()
-        parked = self._parked.pop(id(dataloader_iter), None)
-        if parked is not None and parked.source.iterator is dataloader_iter:
+        parked = self._parked.resume(dataloader_iter)
+        if parked is not None:
             self.batches, self.contexts = parked.batches, parked.contexts
             source.restore(parked.source)
 
@@ -526,7 +527,7 @@ class TrainPipelineSparseDist(TrainPipeline[Any, Any], Recordable):
 
     def reset(self) -> None:
         """Drop the in-flight (and parked) batches; the next ``progress()`` starts a new epoch."""
-        dropped = len(self.batches) + sum(len(p.batches) for p in self._parked.values())
+        dropped = len(self.batches) + sum(len(p.batches) for p in self._parked.states())
         if dropped:
             logger.warning(
                 "%s.reset() drops %d in-flight batch(es) that were never trained",
