@@ -2,10 +2,8 @@
 
 from __future__ import annotations
 
-import contextlib
 import inspect
-import itertools
-from typing import Any, Iterator, List, Optional, Tuple
+from typing import Any, List, Optional, Tuple
 
 import pytest
 import torch
@@ -14,6 +12,7 @@ from torchrec.distributed.types import Awaitable
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 from torchrec.streamable import Multistreamable
 
+from tests.unit.fake_cuda import FakeCuda as FakeDevice
 from tests.unit.fakes import (
     FEATURES,
     Batch,
@@ -294,50 +293,6 @@ def test_prefetch_of_next_batch_runs_after_forward_consumed_the_current_one() ->
 # ------------------------------------------------- stream hand-offs (as on CUDA)
 
 
-class _FakeStream:
-    def __init__(self, log: List[Tuple[Any, ...]], name: str) -> None:
-        self.log, self.name, self.device = log, name, torch.device("cuda")
-
-    def wait_stream(self, other: "_FakeStream") -> None:
-        self.log.append(("wait_stream", self.name, other.name))
-
-    def wait_event(self, event: "_FakeEvent") -> None:
-        self.log.append(("wait_event", self.name, event.number))
-
-
-class _FakeEvent:
-    def __init__(self, log: List[Tuple[Any, ...]], number: int) -> None:
-        self.log, self.number = log, number
-
-    def record(self, stream: _FakeStream) -> None:
-        self.log.append(("record_event", stream.name, self.number))
-
-
-class FakeDevice:
-    """Stands in for ``torch.cuda``: streams, a current-stream stack and events, all logged."""
-
-    def __init__(self, log: List[Tuple[Any, ...]]) -> None:
-        self.log = log
-        self.default = _FakeStream(log, "default")
-        self._stack: List[_FakeStream] = []
-        self._events = itertools.count()
-
-    def Stream(self, priority: int = 0) -> _FakeStream:
-        return _FakeStream(self.log, "unnamed")
-
-    def current_stream(self) -> _FakeStream:
-        return self._stack[-1] if self._stack else self.default
-
-    @contextlib.contextmanager
-    def stream(self, stream: _FakeStream) -> Iterator[None]:
-        self._stack.append(stream)
-        try:
-            yield
-        finally:
-            self._stack.pop()
-
-    def Event(self) -> _FakeEvent:
-        return _FakeEvent(self.log, next(self._events))
 
 
 class StreamBatch(Batch):

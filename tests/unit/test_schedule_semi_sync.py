@@ -2,12 +2,10 @@
 
 from __future__ import annotations
 
-import contextlib
 import inspect
-import itertools
 import logging
 from dataclasses import dataclass
-from typing import Any, Dict, Iterator, List, Optional, Tuple
+from typing import Any, Dict, List, Optional, Tuple
 
 import pytest
 import torch
@@ -17,6 +15,7 @@ from torchrec.distributed.train_pipeline.train_pipelines import (
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 from torchrec.streamable import Pipelineable
 
+from tests.unit.fake_cuda import FakeCuda
 from tests.unit.fakes import (
     FEATURES,
     Batch,
@@ -447,50 +446,6 @@ def test_extract_model_input_feeds_input_dist() -> None:
 # ------------------------------------------------- stream hand-offs (as on CUDA)
 
 
-class _Stream:
-    def __init__(self, log: List[Tuple[Any, ...]], name: str) -> None:
-        self.log, self.name, self.device = log, name, torch.device("cuda")
-
-    def wait_stream(self, other: "_Stream") -> None:
-        self.log.append(("wait_stream", self.name, other.name))
-
-    def wait_event(self, event: "_Event") -> None:
-        self.log.append(("wait_event", self.name, event.number))
-
-
-class _Event:
-    def __init__(self, log: List[Tuple[Any, ...]], number: int) -> None:
-        self.log, self.number = log, number
-
-    def record(self, stream: _Stream) -> None:
-        self.log.append(("record_event", stream.name, self.number))
-
-
-class FakeCuda:
-    """Stands in for ``torch.cuda``; it has no ``synchronize``, so a call would fail."""
-
-    def __init__(self, log: List[Tuple[Any, ...]]) -> None:
-        self.log = log
-        self.default = _Stream(log, "default")
-        self._stack: List[_Stream] = []
-        self._events = itertools.count()
-
-    def Stream(self, priority: int = 0) -> _Stream:
-        return _Stream(self.log, "unnamed")
-
-    def current_stream(self) -> _Stream:
-        return self._stack[-1] if self._stack else self.default
-
-    @contextlib.contextmanager
-    def stream(self, stream: _Stream) -> Iterator[None]:
-        self._stack.append(stream)
-        try:
-            yield
-        finally:
-            self._stack.pop()
-
-    def Event(self) -> _Event:
-        return _Event(self.log, next(self._events))
 
 
 IDS = len(FEATURES) * 3  # one id per sample and feature
@@ -531,7 +486,7 @@ def run_on_fake_cuda(
     log: List[Tuple[Any, ...]] = []
     MarkedBatch.log = log
     # CPU tensors can't record a fake stream; log that they were asked to.
-    def record_stream(tensor: torch.Tensor, stream: _Stream) -> None:
+    def record_stream(tensor: torch.Tensor, stream: Any) -> None:
         log.append(("record_stream", "tensor", stream.name))
 
     monkeypatch.setattr(torch.Tensor, "record_stream", record_stream)
