@@ -435,13 +435,13 @@ def test_eval_every_batch_exactly_once_whatever_the_timing(seed: int) -> None:
     assert [str(a) for a in pipeline.schedule_actions] == expected  # the same on every run
 
 
-def test_eval_ignores_a_new_iterator_mid_epoch_with_a_warning() -> None:
+def test_eval_refuses_a_new_iterator_mid_epoch_and_loses_nothing() -> None:
     batches = make_batches(4)
     model, ref = TinyModel(), TinyModel()
     pipeline = eval_pipeline(model)
     it = iter(batches)
     outputs = [pipeline.progress(it)]
-    with pytest.warns(RuntimeWarning, match="different iterator"):
-        outputs.append(pipeline.progress(iter(make_batches(4, seed=99))))
+    with pytest.raises(RuntimeError, match="different iterator.*reset"):
+        pipeline.progress(iter(make_batches(4, seed=99)))
     outputs += drain(pipeline, it)
     assert_same_training(outputs, plain_eval(ref, batches), model, ref)

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import functools
 import threading
-import warnings
 from typing import Any, Callable, Iterator, Optional, Tuple
 
 import torch
@@ -282,12 +281,13 @@ class EvalPipelineSparseDist(TrainPipelineSparseDist):
                 self._init_input_dist(self.batches[0], self.contexts[0])
                 self.wait_sparse_data_dist(self.contexts[0])
         elif dataloader_iter is not self._loader_iter:
-            warnings.warn(
-                f"{type(self).__name__}.progress() got a different iterator mid-epoch; "
-                "the loader thread keeps reading the first one until it ends. Pass the "
-                "same iterator until StopIteration, or call reset() to switch now.",
-                RuntimeWarning,
-                stacklevel=2,
+            # Its loader thread is reading the first iterator: running the new
+            # one's steps on those batches would attribute outputs wrongly.
+            raise RuntimeError(
+                f"{type(self).__name__}.progress() got a different iterator mid-epoch "
+                "while its loader thread reads the first one. Pass the same iterator "
+                "until StopIteration, or call reset() (dropping the batches in flight) "
+                "to switch now."
             )
         has_nxt = self._take_batch()                               # nxt, copied by the loader
         if not self.batches:
