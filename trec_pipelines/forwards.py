@@ -163,7 +163,7 @@ class EmbeddingPipelinedForward(BaseForward[EmbeddingTrainPipelineContext]):
         return LazyNoWait(embeddings)
 
     def _detach(self, embeddings: EmbeddingOutput) -> None:
-        record_stream(embeddings, current_stream(_device_of(self._stream)))
+        record_output(embeddings, current_stream(_device_of(self._stream)))
         originals: List[torch.Tensor] = []
         leaves: List[torch.Tensor] = []
         if isinstance(embeddings, KeyedTensor):
@@ -194,12 +194,17 @@ class InSyncEmbeddingPipelinedForward(EmbeddingPipelinedForward):
     def _detach(self, embeddings: EmbeddingOutput) -> None:
         # Nothing is detached, but the output was allocated on the lookup stream
         # and the forward and backward read it on this one.
-        consumer = current_stream(_device_of(self._stream))
-        if isinstance(embeddings, KeyedTensor):
-            record_stream(embeddings, consumer)
-        else:
-            for jt in embeddings.values():
-                record_stream(jt, consumer)
+        record_output(embeddings, current_stream(_device_of(self._stream)))
+
+
+def record_output(embeddings: EmbeddingOutput, consumer: Optional[torch.Stream]) -> None:
+    """``record_stream`` a lookup output on ``consumer``: a KeyedTensor (EBC) or a
+    dict of JaggedTensors (EC), which has no ``record_stream`` of its own."""
+    if isinstance(embeddings, KeyedTensor):
+        record_stream(embeddings, consumer)
+    else:
+        for jt in embeddings.values():
+            record_stream(jt, consumer)
 
 
 def _detached_leaf(tensor: torch.Tensor) -> torch.Tensor:

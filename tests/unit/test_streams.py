@@ -83,3 +83,18 @@ def test_helpers_call_the_device_module() -> None:
         ("wait_event", "default", "event"),
     ]
     assert streams.current_stream(torch.device("cpu")) is None  # override is gone
+
+
+def test_lookup_outputs_of_both_kinds_are_recorded(monkeypatch: Any) -> None:
+    from torchrec.sparse.jagged_tensor import JaggedTensor, KeyedTensor
+
+    from trec_pipelines.forwards import record_output
+
+    seen: List[Tuple[int, str]] = []
+    monkeypatch.setattr(torch.Tensor, "record_stream", lambda t, s: seen.append((t.numel(), s.name)))
+    consumer = _Stream([], "default")
+    keyed = KeyedTensor(keys=["a"], length_per_key=[2], values=torch.zeros(3, 2))
+    jagged = {"a": JaggedTensor(values=torch.zeros(5), lengths=torch.tensor([2, 3]))}
+    record_output(keyed, consumer)  # type: ignore[arg-type]
+    record_output(jagged, consumer)  # type: ignore[arg-type]
+    assert (6, "default") in seen and (5, "default") in seen
