@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any, Callable, Deque, Iterator, List, Literal, Optional, Tuple, Type
+from typing import Any, Callable, Deque, Iterator, List, Literal, Optional, Tuple
 
 import torch
 from torchrec.distributed.types import ShardedModule
@@ -101,7 +101,6 @@ class TrainPipelineFusedSparseDist(TrainPipelineSparseDist):
                 break
     """
 
-    _pipelined_forward_type: Type[BaseForward[Any]] = InSyncEmbeddingPipelinedForward
     # context_type is always EmbeddingTrainPipelineContext here.
     contexts: Deque[EmbeddingTrainPipelineContext]  # type: ignore[assignment]
 

@@ -102,7 +102,6 @@ class PrefetchTrainPipelineSparseDist(TrainPipelineSparseDist):
                 break
     """
 
-    _pipelined_forward_type = PrefetchPipelinedForward
 
     def __init__(
         self,

@@ -116,7 +116,6 @@ class TrainPipelineSemiSync(TrainPipelineSparseDist):
 
     _depth = 4
 
-    _pipelined_forward_type = EmbeddingPipelinedForward
 
     def __init__(
         self,

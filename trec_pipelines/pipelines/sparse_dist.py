@@ -121,8 +121,6 @@ class TrainPipelineSparseDist(TrainPipeline[Any, Any], Recordable):
                 break
     """
 
-    # The wrapper installed on pipelined modules; variants override it.
-    _pipelined_forward_type: Type[BaseForward[Any]] = PipelinedForward
     # Most batches in flight right after a step's H2D: what a call may pull.
     _depth: int = 3
     # Variants that only run forwards (Eval) take optimizer=None.
