@@ -188,3 +188,15 @@ def test_views_accept_stream_roles_named_after_stages(tmp_path: Any) -> None:
     assert {"stream: data_copy", "stream: default"} <= {
         e["args"]["name"] for e in events if e["ph"] == "M" and e["name"] == "thread_name"
     }
+
+
+@pytest.mark.parametrize("recording", [False, True])
+def test_tasks_are_labelled_for_the_pytorch_profiler(recording: bool) -> None:
+    model = TinyModel()
+    pipeline = tp.TrainPipelineSparseDist(model, optimizer_for(model), CPU)
+    if recording:
+        pipeline.enable_schedule_recording()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        drain(pipeline, iter(make_batches(4)))
+    names = {event.name for event in prof.events()}
+    assert {"trec_pipelines::Forward", "trec_pipelines::InputDistStart", "trec_pipelines::H2D"} <= names
