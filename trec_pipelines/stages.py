@@ -79,8 +79,10 @@ def backward(losses: torch.Tensor) -> None:
 class BatchSource:
     """Pulls batches from the user's iterator, one epoch at a time.
 
-    * Within an epoch ``next()`` is never called again once the iterator has
-      signalled its end.
+    * ``next()`` is never called again on an iterator once it has raised
+      ``StopIteration``, in this epoch or later ones, unless it shows it was
+      refilled (see :meth:`_is_spent`): a torch ``DataLoader`` iterator reused
+      with ``persistent_workers=True`` works across epochs with no ``reset()``.
     * An epoch ends when the pipeline says so (:meth:`end_epoch`, once the last
       batch has been trained); the next pull starts a new epoch on whatever
       iterator is passed, including the same iterator object refilled (a
@@ -104,6 +106,8 @@ class BatchSource:
         self.exhausted = False
         self.loaded = 0  # batches handed out so far, over all epochs: the next one's index
         self.unused = 0  # batches pulled but dropped because another rank ran out
+        # The iterator that last raised StopIteration, and its yield count then.
+        self._spent: Optional[Tuple[Iterator[Any], Optional[int]]] = None
 
     def _switch_to(self, iterator: Iterator[Any]) -> None:
         if iterator is self._iterator:
@@ -137,10 +141,14 @@ class BatchSource:
     def _pull(self, iterator: Iterator[Any]) -> Optional[Any]:
         if self.exhausted:
             return None
-        try:
-            batch = next(iterator)
-        except StopIteration:
-            batch = None
+        if self._is_spent(iterator):
+            batch = None  # it ended before and was not refilled: don't call next()
+        else:
+            try:
+                batch = next(iterator)
+            except StopIteration:
+                batch = None
+                self._spent = (iterator, getattr(iterator, "_num_yielded", None))
         if self._sync_group is not None:
             batch = self._agree(batch)
         if batch is None:
@@ -148,6 +156,19 @@ class BatchSource:
             return None
         check_batch(batch)
         return batch
+
+    def _is_spent(self, iterator: Iterator[Any]) -> bool:
+        """True for the iterator that already raised StopIteration, unless it shows
+        it was refilled since: a torch ``DataLoader`` iterator (``persistent_workers``)
+        restarts its ``_num_yielded`` count when ``iter(loader)`` resets it."""
+        if self._spent is None or self._spent[0] is not iterator:
+            return False
+        ended_at = self._spent[1]
+        now = getattr(iterator, "_num_yielded", None)
+        if ended_at is not None and now is not None and now < ended_at:
+            self._spent = None  # refilled
+            return False
+        return True
 
     def _agree(self, batch: Optional[Any]) -> Optional[Any]:
         flag = torch.tensor([0 if batch is None else 1], dtype=torch.int32)

@@ -40,11 +40,12 @@ def test_new_iterator_starts_new_epoch_without_reset(make: Callable[..., Any]) -
 
 
 class Refillable:
-    """One iterator object reused across epochs, like a persistent-workers DataLoader."""
+    """One iterator object reused across epochs, like a persistent-workers DataLoader
+    iterator: ``refill()`` (what ``iter(loader)`` does) restarts its ``_num_yielded``."""
 
     def __init__(self, batches: List[Any]) -> None:
         self._batches = batches
-        self._pos = 0
+        self._num_yielded = 0
         self.next_calls_after_end = 0
         self._ended = False
 
@@ -52,16 +53,16 @@ class Refillable:
         return self
 
     def refill(self) -> None:
-        self._pos, self._ended = 0, False
+        self._num_yielded, self._ended = 0, False
 
     def __next__(self) -> Any:
         if self._ended:
             self.next_calls_after_end += 1
-        if self._pos >= len(self._batches):
+        if self._num_yielded >= len(self._batches):
             self._ended = True
             raise StopIteration
-        self._pos += 1
-        return self._batches[self._pos - 1]
+        self._num_yielded += 1
+        return self._batches[self._num_yielded - 1]
 
 
 @pytest.mark.parametrize("make", PIPELINES, ids=["base", "sparse_dist"])
@@ -132,3 +133,46 @@ def test_optimizer_none_is_rejected() -> None:
             cls(TinyModel(), None, torch.device("cpu"))  # type: ignore[arg-type]
 
 
+
+
+class Strict:
+    """Fails the test if next() is called after it raised StopIteration."""
+
+    def __init__(self, batches: List[Any]) -> None:
+        self._it, self._ended = iter(batches), False
+
+    def __iter__(self) -> "Strict":
+        return self
+
+    def __next__(self) -> Any:
+        assert not self._ended, "next() called on an iterator that already raised StopIteration"
+        try:
+            return next(self._it)
+        except StopIteration:
+            self._ended = True
+            raise
+
+
+@pytest.mark.parametrize("make", PIPELINES, ids=["base", "sparse_dist"])
+def test_an_ended_iterator_is_never_asked_again(make: Callable[..., Any]) -> None:
+    pipeline = make(TinyModel())
+    loader = Strict(make_batches(3))
+    assert len(drain(pipeline, loader)) == 3
+    for _ in range(3):  # later epochs on the same ended iterator: nothing, and no next()
+        with pytest.raises(StopIteration):
+            pipeline.progress(loader)
+
+
+@pytest.mark.parametrize("make", PIPELINES, ids=["base", "sparse_dist"])
+def test_persistent_workers_dataloader_across_epochs(make: Callable[..., Any]) -> None:
+    batches = make_batches(4)
+    loader = torch.utils.data.DataLoader(
+        batches, batch_size=None, num_workers=1, persistent_workers=True, collate_fn=lambda b: b
+    )
+    model, ref = TinyModel(), TinyModel()
+    pipeline = make(model)
+    it = iter(loader)
+    first = drain(pipeline, it)
+    assert iter(loader) is it  # the same iterator object, reset by the DataLoader
+    second = drain(pipeline, it)
+    assert_same_training(first + second, plain_loop(ref, batches + batches), model, ref)
