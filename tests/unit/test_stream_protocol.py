@@ -43,7 +43,7 @@ from trec_pipelines import lookup as lookup_module
 from trec_pipelines import recorder as rec
 from trec_pipelines import streams
 from trec_pipelines.pipelines import base as base_module
-from trec_pipelines.pipelines import prefetch as prefetch_module
+from trec_pipelines import cache_prefetch as prefetch_module
 from trec_pipelines.pipelines import sparse_dist as sparse_dist_module
 from trec_pipelines.pipelines.base import TrainPipelineBase
 from trec_pipelines.pipelines.comp_autograd import TrainPipelineSparseDistCompAutograd

@@ -8,6 +8,7 @@ import torch
 from torchrec.distributed.types import ShardedModule
 
 from trec_pipelines import recorder as rec
+from trec_pipelines.cache_prefetch import prefetch_embeddings
 from trec_pipelines.args import CallArgs
 from trec_pipelines.context import PrefetchTrainPipelineContext
 from trec_pipelines.forwards import BaseForward, PrefetchPipelinedForward
@@ -18,10 +19,7 @@ from trec_pipelines.streams import (
     StreamSet,
     current_stream,
     make_streams,
-    on_stream,
     record_event,
-    record_stream,
-    wait_event,
     wait_stream,
 )
 
@@ -162,38 +160,17 @@ class PrefetchTrainPipelineSparseDist(TrainPipelineSparseDist):
         ``module_contexts_post_prefetch``, where the forward wrapper finds them.
         """
         assert self._rewrite is not None, "the model is rewritten before any prefetch"
-        prefetch_stream = self._streams.prefetch
-        data_dist_stream = self._streams.data_dist
-        forward_stream = current_stream(self._device)
         context.module_input_post_prefetch.clear()
         context.module_contexts_post_prefetch.clear()
         with self._span(rec.EMB_PREFETCH, context.index, "prefetch"):
-            # The tensors all-to-alls belong to the data_dist stream; waiting
-            # there keeps any stream work the wait enqueues there too.
-            with on_stream(data_dist_stream):
-                dist_inputs = {
-                    name: context.input_dist_tensors_requests.pop(name).wait()
-                    for name in self._rewrite.names
-                }
-            with on_stream(prefetch_stream):
-                # [Note: prefetch ordering]: not before the last forward's lookups.
-                wait_event(prefetch_stream, self._forward_done)
-                # Everything of this batch so far (copy, input_dist) is now
-                # behind the prefetch stream, which the forward waits for;
-                # this holds even when no module was pipelined.
-                wait_stream(prefetch_stream, data_dist_stream)
-                for pipelined in self._rewrite.pipelined:
-                    name, module = pipelined.name, pipelined.module
-                    dist_input = dist_inputs[name]
-                    module_ctx = context.module_contexts.pop(name)
-                    # Made on data_dist, read here: keep them alive for this stream.
-                    record_stream(dist_input, prefetch_stream)
-                    record_stream(module_ctx, prefetch_stream)
-                    module.prefetch(
-                        dist_input=dist_input, forward_stream=forward_stream, ctx=module_ctx
-                    )
-                    context.module_input_post_prefetch[name] = dist_input
-                    context.module_contexts_post_prefetch[name] = module_ctx
+            prefetch_embeddings(
+                self._rewrite.pipelined,
+                context,
+                dist_stream=self._streams.data_dist,
+                prefetch_stream=self._streams.prefetch,
+                forward_stream=current_stream(self._device),
+                forward_done=self._forward_done,
+            )
 
     def _wait_for_batch(self) -> None:
         # The prefetch stream waited for data_dist, which waited for memcpy:

@@ -10,6 +10,7 @@ import torch
 from torch.utils.hooks import RemovableHandle
 from torchrec.distributed.types import ShardedModule
 
+from trec_pipelines.cache_prefetch import prefetch_embeddings
 from trec_pipelines.args import CallArgs
 from trec_pipelines.context import (
     EmbeddingTrainPipelineContext,
@@ -43,9 +44,7 @@ from trec_pipelines.streams import (
     current_stream,
     on_stream,
     record_event,
-    record_stream,
     wait_event,
-    wait_stream,
 )
 
 logger: logging.Logger = logging.getLogger(__name__)
@@ -372,27 +371,14 @@ class SparseDataDistUtil(Generic[In]):
         ctx = self._stage_context()
         assert isinstance(ctx, PrefetchTrainPipelineContext)
         assert self._rewrite is not None
-        prefetch_stream = self._prefetch_stream
-        with on_stream(self._dist_stream):
-            dist_inputs = {
-                name: ctx.input_dist_tensors_requests.pop(name).wait() for name in self._names()
-            }
-        with on_stream(prefetch_stream):
-            # Not before the last forward has read the cache state this rewrites.
-            wait_event(prefetch_stream, self._forward_done)
-            wait_stream(prefetch_stream, self._dist_stream)
-            for pipelined in self._rewrite.pipelined:
-                name = pipelined.name
-                dist_input = dist_inputs[name]
-                module_ctx = ctx.module_contexts.pop(name)
-                # Made on data_dist, used here (and handed to the forward by its wrapper).
-                record_stream(dist_input, prefetch_stream)
-                record_stream(module_ctx, prefetch_stream)
-                pipelined.module.prefetch(
-                    dist_input=dist_input, forward_stream=self._compute_stream, ctx=module_ctx
-                )
-                ctx.module_input_post_prefetch[name] = dist_input
-                ctx.module_contexts_post_prefetch[name] = module_ctx
+        prefetch_embeddings(
+            self._rewrite.pipelined,
+            ctx,
+            dist_stream=self._dist_stream,
+            prefetch_stream=self._prefetch_stream,
+            forward_stream=self._compute_stream,
+            forward_done=self._forward_done,
+        )
         return batch
 
     def load_prefetch(self) -> None:

@@ -1,0 +1,57 @@
+"""The cache-prefetch verb shared by the Prefetch pipeline and SparseDataDistUtil.
+
+:func:`prefetch_embeddings` finishes each pipelined module's input_dist and
+calls its ``prefetch()`` on the prefetch stream, moving the distributed input
+and sharding context to ``module_input_post_prefetch`` /
+``module_contexts_post_prefetch``, where ``PrefetchPipelinedForward`` finds them.
+
+The prefetch stream first waits for ``forward_done``, an event recorded after
+the forward that reads the cache state this prefetch rewrites, then for the
+data_dist stream; see ``[Note: prefetch ordering]`` in
+:class:`~trec_pipelines.PrefetchTrainPipelineSparseDist`.
+"""
+
+from __future__ import annotations
+
+from typing import Optional, Sequence
+
+import torch
+
+from trec_pipelines.context import PrefetchTrainPipelineContext
+from trec_pipelines.rewrite import PipelinedModule
+from trec_pipelines.streams import on_stream, record_stream, wait_event, wait_stream
+
+
+def prefetch_embeddings(
+    modules: Sequence[PipelinedModule],
+    context: PrefetchTrainPipelineContext,
+    *,
+    dist_stream: Optional[torch.Stream],
+    prefetch_stream: Optional[torch.Stream],
+    forward_stream: Optional[torch.Stream],
+    forward_done: Optional[torch.Event],
+) -> None:
+    """Prefetch every module's rows for ``context``'s batch on ``prefetch_stream``.
+
+    Reads ``input_dist_tensors_requests`` and ``module_contexts``; writes
+    ``module_input_post_prefetch`` and ``module_contexts_post_prefetch``.
+    """
+    # The tensors all-to-alls belong to the data_dist stream; waiting there
+    # keeps any stream work the wait enqueues there too.
+    with on_stream(dist_stream):
+        dist_inputs = {p.name: context.input_dist_tensors_requests.pop(p.name).wait() for p in modules}
+    with on_stream(prefetch_stream):
+        wait_event(prefetch_stream, forward_done)
+        # Everything of this batch so far (copy, input_dist) is now behind the
+        # prefetch stream, which the forward waits for, pipelined modules or not.
+        wait_stream(prefetch_stream, dist_stream)
+        for pipelined in modules:
+            name = pipelined.name
+            dist_input = dist_inputs[name]
+            module_ctx = context.module_contexts.pop(name)
+            # Made on data_dist, read here: keep them alive for this stream.
+            record_stream(dist_input, prefetch_stream)
+            record_stream(module_ctx, prefetch_stream)
+            pipelined.module.prefetch(dist_input=dist_input, forward_stream=forward_stream, ctx=module_ctx)
+            context.module_input_post_prefetch[name] = dist_input
+            context.module_contexts_post_prefetch[name] = module_ctx
