@@ -136,10 +136,11 @@ def start_input_dist(
     """Launch the splits phase of every module's ``input_dist`` for ``batch``.
 
     ``modules`` holds ``(name, module, call_args)``; writes ``module_contexts``,
-    ``input_dist_splits_requests`` and ``fused_splits_awaitables``.
+    ``input_dist_splits_requests`` and ``fused_splits_awaitables`` (and, through
+    the postprocs the arguments are read from, ``postproc_fwd_results``).
     """
     for name, module, call_args in modules:
-        args, kwargs = call_args.build(batch)
+        args, kwargs = call_args.build(batch, context)
         args, kwargs = module.preprocess_input(args, kwargs)
         module_ctx = module.create_context()
         context.module_contexts[name] = module_ctx

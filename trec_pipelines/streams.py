@@ -144,6 +144,22 @@ def record_stream(obj: Any, stream: Optional[torch.Stream]) -> None:
     obj.record_stream(stream)
 
 
+def record_stream_tree(obj: Any, stream: Optional[torch.Stream]) -> None:
+    """:func:`record_stream` every Tensor / ``Multistreamable`` inside ``obj``,
+    looking into lists, tuples and dicts (a postproc's output: a batch, a list
+    of KJTs, ...).  Anything else holds no device memory we can track: skipped."""
+    if stream is None or obj is None:
+        return
+    if isinstance(obj, (list, tuple)):
+        for item in obj:
+            record_stream_tree(item, stream)
+    elif isinstance(obj, dict):
+        for item in obj.values():
+            record_stream_tree(item, stream)
+    elif isinstance(obj, torch.Tensor) or callable(getattr(obj, "record_stream", None)):
+        obj.record_stream(stream)
+
+
 def hand_off(obj: Any, producer: Optional[torch.Stream]) -> None:
     """Hand ``obj``, made on ``producer``, to the current stream (rules 1 and 2)."""
     if producer is None:
@@ -190,6 +206,7 @@ __all__ = [
     "on_stream",
     "record_event",
     "record_stream",
+    "record_stream_tree",
     "use_device_module",
     "wait_event",
     "wait_stream",

@@ -95,13 +95,18 @@ def test_on_unpipelined_rejects_unknown_policy() -> None:
         sparse_dist_pipeline(TinyModel(), on_unpipelined="ignore")
 
 
-def test_progress_after_detach_says_to_attach() -> None:
-    pipeline = sparse_dist_pipeline(TinyModel())
-    it = iter(make_batches(4))
-    pipeline.progress(it)
+def test_progress_after_detach_attaches_again_and_trains_every_batch_once() -> None:
+    batches = make_batches(5)
+    model, ref = TinyModel(), TinyModel()
+    pipeline = sparse_dist_pipeline(model)
+    it = iter(batches)
+    outputs = [pipeline.progress(it)]
     pipeline.detach()
-    with pytest.raises(RuntimeError, match=r"attach\(\)"):
-        pipeline.progress(it)
+    assert "forward" not in model.sparse.__dict__
+    outputs.append(pipeline.progress(it))  # attaches again, as upstream
+    assert "forward" in model.sparse.__dict__
+    outputs += drain(pipeline, it)
+    assert_same_training(outputs, plain_loop(ref, batches), model, ref)
 
 
 @pytest.mark.parametrize("cls", [TrainPipelineBase, TrainPipelineSparseDist])

@@ -272,7 +272,7 @@ class EvalPipelineSparseDist(TrainPipelineSparseDist):
 
     def progress(self, dataloader_iter: Iterator[Any]) -> Any:
         self._begin_call()
-        self._check_attached()
+        self._ensure_attached()
         if self._loader is None:
             # fill: a new epoch; cur is copied by the loader, then input_dist
             assert not self.batches, "in-flight batches without a loader"

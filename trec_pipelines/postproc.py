@@ -1,0 +1,240 @@
+"""Pipelined postprocs: modules between the batch and a sharded module.
+
+A *postproc* is a module the model calls on the batch before a sharded module
+reads the result, e.g. a negative sampler that rewrites the
+``KeyedJaggedTensor``.  A sharded module fed by one cannot start its
+``input_dist`` from the batch alone; with ``pipeline_postproc=True`` the
+rewrite checks each postproc on the way back from a sharded module's arguments
+(see :class:`PostprocPlanner`) and, where it is safe, the pipeline runs it in
+the batch's input_dist stage, on the data_dist stream, one batch ahead of the
+forward.  Its output feeds the input_dist and is cached in the batch's context
+(``postproc_fwd_results``): a postproc shared by several modules, or feeding
+other postprocs, runs once per batch, and the model's own call to it in the
+forward returns the cached output instead of running it again.
+
+Safe means all of:
+
+* no parameters: it runs a batch ahead, so a trained postproc would compute
+  with weights one step old;
+* no forward hooks: they would run in the forward around the cached output,
+  not with the computation in the input_dist stage;
+* every argument is a constant, a read from the batch, a list or dict of those,
+  or the output of another safe postproc (nested postprocs);
+* it is called once per forward (one result is cached per batch);
+* it is not, and holds no, sharded module.
+
+A module that fails a check stays as it is and so does every sharded module
+it feeds; :meth:`~trec_pipelines.rewrite.RewriteResult.report` lists it with
+the reason.
+
+Like a sharded module, a pipelined postproc keeps its place in the model: only
+its ``forward`` is swapped (for a :class:`PipelinedPostproc`) and
+:func:`~trec_pipelines.rewrite.restore_model` swaps it back.  So
+``state_dict``, ``named_modules`` and parameters never change, which upstream
+(which swaps the module itself) needs extra code for.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import Counter
+from typing import Any, Callable, Dict, List, Optional, Tuple, Union
+
+import torch
+import torch.fx
+from torchrec.distributed.types import ShardedModule
+
+from trec_pipelines import tracing
+from trec_pipelines.args import CallArgs
+from trec_pipelines.context import TrainPipelineContext
+from trec_pipelines.streams import (
+    current_stream,
+    on_stream,
+    record_event,
+    record_stream_tree,
+    wait_event,
+)
+
+logger: logging.Logger = logging.getLogger(__name__)
+
+
+class PipelinedPostproc:
+    """Stands in for a postproc module's ``forward`` once the model is rewritten.
+
+    In the input_dist stage :meth:`output_for` runs the module's own forward on
+    arguments built from the batch (and other postprocs' outputs) and caches
+    the result in the batch's context.  In the forward the model's call lands
+    in :meth:`__call__`, which returns that cached result.
+
+    Attributes read by tests and debugging code, as upstream's: ``fqn``,
+    ``postproc_module``, ``args`` (the :class:`~trec_pipelines.args.CallArgs`
+    recipe) and ``get_context()``.
+    """
+
+    def __init__(
+        self,
+        fqn: str,
+        module: torch.nn.Module,
+        args: CallArgs,
+        context: TrainPipelineContext,
+        stream: Optional[torch.Stream] = None,
+    ) -> None:
+        self._fqn = fqn
+        self._module = module
+        self._args = args
+        self._context = context
+        # Where the input_dist stage runs (None: the current stream, or CPU).
+        self._stream = stream
+        # The module's own forward, captured before the swap.
+        self._forward: Callable[..., Any] = module.forward
+
+    @property
+    def fqn(self) -> str:
+        return self._fqn
+
+    @property
+    def postproc_module(self) -> torch.nn.Module:
+        return self._module
+
+    @property
+    def args(self) -> CallArgs:
+        return self._args
+
+    def set_context(self, context: TrainPipelineContext) -> None:
+        """The context of the batch whose forward runs next."""
+        self._context = context
+
+    def get_context(self) -> TrainPipelineContext:
+        return self._context
+
+    def output_for(self, batch: Any, context: TrainPipelineContext) -> Any:
+        """The module's output for ``batch``: computed on the first call for
+        ``context`` (input_dist stage, data_dist stream), then read from
+        ``context.postproc_fwd_results``."""
+        results = context.postproc_fwd_results
+        if self._fqn in results:
+            return results[self._fqn]
+        args, kwargs = self._args.build(batch, context)
+        with torch.profiler.record_function(f"trec_pipelines::Postproc {self._fqn}"):
+            with on_stream(self._stream):
+                output = self._forward(*args, **kwargs)
+                ready = record_event(self._stream)
+        results[self._fqn] = output
+        if ready is not None:
+            context.postproc_events[self._fqn] = ready
+        return output
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        """The model's call in the forward: the output cached for this batch."""
+        context = self._context
+        if self._fqn not in context.postproc_fwd_results:
+            # Not run ahead for this batch (its input_dist stage predates the
+            # rewrite): the module's own forward on the arguments given.
+            return self._forward(*args, **kwargs)
+        output = context.postproc_fwd_results[self._fqn]
+        if self._stream is not None:
+            consumer = current_stream(self._stream.device)
+            # The event, not a wait_stream: later input_dist work on data_dist
+            # (the next batch's) must not hold the forward up.
+            wait_event(consumer, context.postproc_events.get(self._fqn))
+            record_stream_tree(output, consumer)
+        return output
+
+    def __repr__(self) -> str:
+        return f"PipelinedPostproc({self._fqn!r}, {type(self._module).__name__}, args={self._args})"
+
+
+# Builds the wrapper for one postproc: (fqn, module, call args) -> wrapper.
+PostprocFactory = Callable[[str, torch.nn.Module, CallArgs], PipelinedPostproc]
+
+
+class PostprocPlanner:
+    """Decides, during an FX rewrite, which postproc modules can be pipelined.
+
+    :meth:`resolve` is handed to :func:`trec_pipelines.tracing.call_args_of` and
+    called for every ``call_module`` node met on the way back from a sharded
+    module's arguments.  It answers with the node's :class:`PipelinedPostproc`
+    (made once per module, so a shared postproc has one wrapper) or with the
+    reason it can't be one.  Nothing is installed here: the rewrite installs
+    the postprocs that pipelined sharded modules actually read.
+    """
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        graph: torch.fx.Graph,
+        batch_node: Optional[torch.fx.Node],
+        make: PostprocFactory,
+    ) -> None:
+        self._modules: Dict[str, torch.nn.Module] = dict(model.named_modules())
+        self._calls = Counter(str(n.target) for n in graph.nodes if n.op == "call_module")
+        self._batch_node = batch_node
+        self._make = make
+        self._planned: Dict[str, PipelinedPostproc] = {}
+        self._refused: Dict[str, str] = {}
+
+    @property
+    def refused(self) -> List[Tuple[str, str]]:
+        """(fqn, reason) of every module met that can't be pipelined."""
+        return list(self._refused.items())
+
+    def resolve(self, node: torch.fx.Node) -> Union[PipelinedPostproc, str]:
+        fqn = str(node.target)
+        if fqn in self._planned:
+            return self._planned[fqn]
+        if fqn not in self._refused:
+            module = self._modules.get(fqn)
+            reason = self._unsafe(fqn, module)
+            if reason is None:
+                assert module is not None
+                args = tracing.call_args_of(node, self._batch_node, self.resolve)
+                if isinstance(args, CallArgs):
+                    self._planned[fqn] = self._make(fqn, module, args)
+                    return self._planned[fqn]
+                reason = f"its input can't be built from the batch: {args}"
+            self._refused[fqn] = reason
+        return f"its input is the output of module '{fqn}', which can't run ahead: {self._refused[fqn]}"
+
+    def _unsafe(self, fqn: str, module: Optional[torch.nn.Module]) -> Optional[str]:
+        """Why ``module`` can't be pipelined, or None when it can."""
+        if module is None:
+            return "not found among the model's modules"
+        if any(isinstance(m, ShardedModule) for m in module.modules()):
+            return "it is or holds a sharded module"
+        params = [name for name, _ in module.named_parameters()]
+        if params:
+            shown = ", ".join(params[:3]) + (", ..." if len(params) > 3 else "")
+            return (
+                f"it has parameters ({shown}); a postproc runs one batch ahead of "
+                "the forward, so it must not be trained"
+            )
+        if module._forward_hooks or module._forward_pre_hooks:
+            return (
+                "it has forward hooks, which would run on the cached output in the "
+                "forward rather than with the module in the input_dist stage"
+            )
+        if self._calls[fqn] > 1:
+            return (
+                f"it is called {self._calls[fqn]} times in the forward; one output is "
+                "cached per batch"
+            )
+        return None
+
+
+def postprocs_read_by(call_args: CallArgs) -> List[PipelinedPostproc]:
+    """Every postproc ``call_args`` reads, directly or through others;
+    each after the postprocs it reads (the order they first run in)."""
+    ordered: List[PipelinedPostproc] = []
+    seen: set = set()
+
+    def visit(args: CallArgs) -> None:
+        for source in args.sources():
+            assert isinstance(source, PipelinedPostproc)
+            if id(source) in seen:
+                continue
+            seen.add(id(source))
+            visit(source.args)
+            ordered.append(source)
+
+    visit(call_args)
+    return ordered
