@@ -172,6 +172,8 @@ class PostprocPlanner:
         self._make = make
         self._planned: Dict[str, PipelinedPostproc] = {}
         self._refused: Dict[str, str] = {}
+        # The module whose refusal ended the last failed walk, if one did.
+        self._blocked_by: Optional[str] = None
 
     @property
     def refused(self) -> List[Tuple[str, str]]:
@@ -187,12 +189,18 @@ class PostprocPlanner:
             reason = self._unsafe(fqn, module)
             if reason is None:
                 assert module is not None
+                self._blocked_by = None
                 args = tracing.call_args_of(node, self._batch_node, self.resolve)
                 if isinstance(args, CallArgs):
                     self._planned[fqn] = self._make(fqn, module, args)
                     return self._planned[fqn]
-                reason = f"its input can't be built from the batch: {args}"
+                if self._blocked_by is not None:
+                    # Its own reason is listed with it; don't repeat it here.
+                    reason = f"it reads the output of module '{self._blocked_by}', which can't run ahead"
+                else:
+                    reason = f"its input can't be read from the batch: {args}"
             self._refused[fqn] = reason
+        self._blocked_by = fqn
         return f"its input is the output of module '{fqn}', which can't run ahead: {self._refused[fqn]}"
 
     def _unsafe(self, fqn: str, module: Optional[torch.nn.Module]) -> Optional[str]:
