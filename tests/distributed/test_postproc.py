@@ -54,6 +54,10 @@ def fqns(postprocs: List[Any]) -> List[str]:
 def test_one_postproc_shared_by_two_sharded_modules() -> None:
     ours, theirs = three_ways("shared")
     assert len(theirs._pipelined_modules) == len(ours._pipelined_modules) == 2
+    # Run once per batch, in the input_dist stage (the forward reuses the output).
+    # (torchrec swaps the module for its wrapper; ours keeps it and swaps its forward.)
+    assert theirs._model.module.postproc.postproc_module.calls == len(make_batches())
+    assert ours._model.module.postproc.calls == len(make_batches())
     assert fqns(theirs._pipelined_postprocs) == fqns(ours._pipelined_postprocs) == ["postproc"]
     (postproc,) = ours._pipelined_postprocs
     for module, field in zip(ours._pipelined_modules, ("ids", "scored")):
