@@ -10,11 +10,12 @@ must be equal, and ours must pipeline exactly what torchrec pipelines.
 
 from __future__ import annotations
 
-from typing import Any, List
+from typing import Any, List, Tuple
 
 import pytest
 import torch
 import torchrec.distributed.train_pipeline as upstream
+import torchrec.distributed.train_pipeline.train_pipelines as upstream_classes
 from torch import nn
 from torchrec.distributed.train_pipeline.pipeline_context import (
     TrainPipelineContext as UpstreamContext,
@@ -40,7 +41,8 @@ from trec_pipelines.postproc import PipelinedPostproc
 def three_ways(layout: str, name: str = "TrainPipelineSparseDist") -> Any:
     """Plain loop, torchrec's ``name`` and ours on ``layout``; returns (ours, theirs) pipelines."""
     ref = plain(layout)
-    theirs, upstream_pipeline, _ = run(getattr(upstream, name), layout, pipeline_postproc=True)
+    theirs_cls = getattr(upstream, name, None) or getattr(upstream_classes, name)
+    theirs, upstream_pipeline, _ = run(theirs_cls, layout, pipeline_postproc=True)
     ours, pipeline, _ = run(getattr(trec_pipelines, name), layout, pipeline_postproc=True)
     assert_runs_equal(ref, theirs, ("plain_loop", "torchrec"))
     assert_runs_equal(ref, ours, ("plain_loop", "trec_pipelines"))
@@ -218,3 +220,69 @@ def test_rewrite_model_with_and_without_postprocs() -> None:
     assert missing == [] and unexpected == []
     restore_model(with_postprocs)
     assert "forward" not in dmp.module.postproc.__dict__
+
+
+# ------------------------------------------------------------ every variant
+
+
+def test_lite_with_postprocs_against_torchrec() -> None:
+    ours, theirs = three_ways("collections", "TrainPipelineSparseDistLite")
+    assert len(theirs._pipelined_modules) == len(ours._pipelined_modules) == 2
+    assert fqns(theirs._pipelined_postprocs) == fqns(ours._pipelined_postprocs)
+
+
+@pytest.mark.parametrize(
+    "name,kwargs",
+    [
+        ("TrainPipelineFusedSparseDist", {}),
+        ("TrainPipelineFusedSparseDist", {"emb_lookup_stream": "new"}),
+        ("TrainPipelineSemiSync", {}),
+        ("PrefetchTrainPipelineSparseDist", {}),
+    ],
+)
+def test_variants_torchrec_cannot_run_on_cpu_against_the_plain_loop(name: str, kwargs: Any) -> None:
+    """pipeline_postproc defaults to True for these, as upstream."""
+    ref = plain("collections")
+    ours, pipeline, dmp = run(getattr(trec_pipelines, name), "collections", **kwargs)
+    assert_runs_equal(ref, ours, ("plain_loop", name))
+    assert len(pipeline._pipelined_modules) == 2
+    assert fqns(pipeline._pipelined_postprocs) == ["keep_ids", "keep_scored", "mix", "tenth"]
+
+
+def _eval_run(cls: Any, layout: str, **kwargs: Any) -> Tuple[List[torch.Tensor], Any]:
+    dmp, optimizer = build(layout)
+    dmp.eval()
+    pipeline = cls(dmp, optimizer, CPU, **kwargs)
+    outputs = []
+    it = iter(make_batches())
+    while True:
+        try:
+            out = pipeline.progress(it)
+        except StopIteration:
+            break
+        outputs.append((out[1] if isinstance(out, tuple) else out).detach().clone())
+    return outputs, pipeline
+
+
+@pytest.mark.parametrize(
+    "name,kwargs",
+    [
+        ("EvalPipelineSparseDist", {"pipeline_postproc": True}),
+        ("EvalPipelineFusedSparseDist", {"emb_lookup_stream": "new"}),
+        ("EvalPipelineFusedSparseDist", {"emb_lookup_stream": "new", "enable_embedding_lookup_prefetch": True}),
+    ],
+)
+def test_eval_variants_with_postprocs(name: str, kwargs: Any) -> None:
+    """Against eval-mode forwards, and torchrec's EvalPipelineSparseDist (which runs on CPU)."""
+    layout = "shared_then_keep"
+    dmp, _ = build(layout)
+    dmp.eval()
+    with torch.no_grad():
+        expected = [dmp(batch)[1] for batch in make_batches()]
+    ours, pipeline = _eval_run(getattr(trec_pipelines, name), layout, **kwargs)
+    assert len(ours) == len(expected) and all(torch.equal(a, b) for a, b in zip(ours, expected))
+    assert fqns(pipeline._pipelined_postprocs) == ["keep_ids", "keep_scored", "postproc"]
+    if name == "EvalPipelineSparseDist":
+        theirs, upstream_pipeline = _eval_run(upstream.EvalPipelineSparseDist, layout, pipeline_postproc=True)
+        assert len(theirs) == len(ours) and all(torch.equal(a, b) for a, b in zip(theirs, ours))
+        assert len(upstream_pipeline._pipelined_postprocs) == 3
