@@ -255,3 +255,18 @@ def test_a_postproc_called_outside_its_stage_runs_its_own_forward() -> None:
     out = wrapper(batch)
     assert torch.equal(out.dense, batch.dense * 2.0) and module.calls == 1
 
+
+
+def test_sparse_data_dist_util_runs_the_postprocs_in_its_input_dist_stage() -> None:
+    from tests.unit.test_staged import h2d_stage, train_staged
+    from trec_pipelines import SparseDataDistUtil, StagedTrainPipeline
+
+    batches = make_batches(6)
+    model, ref = PostprocModel(), PostprocModel()
+    sdd = SparseDataDistUtil(model, data_dist_stream=None, pipeline_postproc=True)
+    pipeline = StagedTrainPipeline([h2d_stage(), sdd.start_sparse_data_dist_stage()])
+    outputs = train_staged(model, pipeline, batches, optimizer_for(model))
+    assert_same_training(outputs, plain_loop(ref, batches), model, ref)
+    assert sdd.rewrite_result is not None and sdd.rewrite_result.names == ["sparse"]
+    assert [p.fqn for p in sdd._pipelined_postprocs] == ["hasher", "as_list"]
+    assert model.hasher.calls == len(batches)
