@@ -38,7 +38,7 @@ from __future__ import annotations
 
 import logging
 from collections import Counter
-from typing import Any, Callable, Dict, List, Optional, Tuple, Union
+from typing import Any, Callable, Dict, List, Optional, Set, Tuple, Union
 
 import torch
 import torch.fx
@@ -233,7 +233,7 @@ def postprocs_read_by(call_args: CallArgs) -> List[PipelinedPostproc]:
     """Every postproc ``call_args`` reads, directly or through others;
     each after the postprocs it reads (the order they first run in)."""
     ordered: List[PipelinedPostproc] = []
-    seen: set = set()
+    seen: Set[int] = set()
 
     def visit(args: CallArgs) -> None:
         for source in args.sources():

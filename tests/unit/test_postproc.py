@@ -270,3 +270,18 @@ def test_sparse_data_dist_util_runs_the_postprocs_in_its_input_dist_stage() -> N
     assert sdd.rewrite_result is not None and sdd.rewrite_result.names == ["sparse"]
     assert [p.fqn for p in sdd._pipelined_postprocs] == ["hasher", "as_list"]
     assert model.hasher.calls == len(batches)
+
+
+def test_eval_progress_after_detach_attaches_again() -> None:
+    batches = make_batches(5)
+    model, ref = PostprocModel().eval(), PostprocModel().eval()
+    pipeline = EvalPipelineSparseDist(model, None, CPU, pipeline_postproc=True)
+    it = iter(batches)
+    outputs = [pipeline.progress(it), pipeline.progress(it)]
+    pipeline.detach()
+    assert "forward" not in model.hasher.__dict__ and "forward" not in model.sparse.__dict__
+    outputs += drain(pipeline, it)  # the first call attaches again
+    with torch.no_grad():
+        expected = [ref(batch)[1] for batch in batches]
+    assert len(outputs) == len(expected) and all(torch.equal(a, b) for a, b in zip(outputs, expected))
+    assert model.hasher.calls == len(batches)
