@@ -285,3 +285,20 @@ def test_eval_progress_after_detach_attaches_again() -> None:
         expected = [ref(batch)[1] for batch in batches]
     assert len(outputs) == len(expected) and all(torch.equal(a, b) for a, b in zip(outputs, expected))
     assert model.hasher.calls == len(batches)
+
+
+def test_record_stream_tree_reaches_every_tensor_and_multistreamable_in_an_output() -> None:
+    from trec_pipelines.streams import record_stream_tree
+
+    class Recorded:
+        def __init__(self) -> None:
+            self.streams: List[Any] = []
+
+        def record_stream(self, stream: Any) -> None:
+            self.streams.append(stream)
+
+    leaves = [Recorded() for _ in range(4)]
+    stream = object()
+    record_stream_tree([leaves[0], (leaves[1], {"k": leaves[2]}), 3, "text", None], stream)
+    record_stream_tree(leaves[3], None)  # no stream (CPU): nothing to record
+    assert [leaf.streams for leaf in leaves] == [[stream], [stream], [stream], []]
