@@ -87,6 +87,7 @@ class PipelinedPostproc:
         self._stream = stream
         # The module's own forward, captured before the swap.
         self._forward: Callable[..., Any] = module.forward
+        self._warned_untracked = False
 
     @property
     def fqn(self) -> str:
@@ -137,7 +138,16 @@ class PipelinedPostproc:
             # The event, not a wait_stream: later input_dist work on data_dist
             # (the next batch's) must not hold the forward up.
             wait_event(consumer, context.postproc_events.get(self._fqn))
-            record_stream_tree(output, consumer)
+            if record_stream_tree(output, consumer) == 0 and not self._warned_untracked:
+                self._warned_untracked = True
+                logger.warning(
+                    "postproc '%s' returned a %s holding no Tensor or Multistreamable that "
+                    "record_stream can reach; if it holds device memory, the allocator may "
+                    "reuse it while the forward reads it. Return tensors, Pipelineable "
+                    "objects, or lists/tuples/dicts of them.",
+                    self._fqn,
+                    type(output).__name__,
+                )
         return output
 
     def __repr__(self) -> str:

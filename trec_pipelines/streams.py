@@ -144,20 +144,21 @@ def record_stream(obj: Any, stream: Optional[torch.Stream]) -> None:
     obj.record_stream(stream)
 
 
-def record_stream_tree(obj: Any, stream: Optional[torch.Stream]) -> None:
+def record_stream_tree(obj: Any, stream: Optional[torch.Stream]) -> int:
     """:func:`record_stream` every Tensor / ``Multistreamable`` inside ``obj``,
     looking into lists, tuples and dicts (a postproc's output: a batch, a list
-    of KJTs, ...).  Anything else holds no device memory we can track: skipped."""
+    of KJTs, ...); returns how many were recorded.  Anything else is skipped:
+    the caller decides whether that can hide device memory."""
     if stream is None or obj is None:
-        return
+        return 0
     if isinstance(obj, (list, tuple)):
-        for item in obj:
-            record_stream_tree(item, stream)
-    elif isinstance(obj, dict):
-        for item in obj.values():
-            record_stream_tree(item, stream)
-    elif isinstance(obj, torch.Tensor) or callable(getattr(obj, "record_stream", None)):
+        return sum(record_stream_tree(item, stream) for item in obj)
+    if isinstance(obj, dict):
+        return sum(record_stream_tree(item, stream) for item in obj.values())
+    if isinstance(obj, torch.Tensor) or callable(getattr(obj, "record_stream", None)):
         obj.record_stream(stream)
+        return 1
+    return 0
 
 
 def hand_off(obj: Any, producer: Optional[torch.Stream]) -> None:

@@ -302,3 +302,11 @@ def test_record_stream_tree_reaches_every_tensor_and_multistreamable_in_an_outpu
     record_stream_tree([leaves[0], (leaves[1], {"k": leaves[2]}), 3, "text", None], stream)
     record_stream_tree(leaves[3], None)  # no stream (CPU): nothing to record
     assert [leaf.streams for leaf in leaves] == [[stream], [stream], [stream], []]
+
+
+def test_on_unpipelined_raise_refuses_a_model_whose_postproc_cannot_run_ahead() -> None:
+    model = PostprocModel(LearnedScale())
+    pipeline = _pipeline(model, pipeline_postproc=True, on_unpipelined="raise")
+    with pytest.raises(RuntimeError, match=r"(?s)on_unpipelined='raise'.*postproc NOT pipelined: hasher: it has parameters"):
+        pipeline.progress(iter(make_batches(3)))
+    assert all("forward" not in m.__dict__ for m in (model.hasher, model.as_list, model.sparse))

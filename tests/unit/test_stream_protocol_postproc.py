@@ -209,3 +209,25 @@ def test_the_forward_waits_for_the_postproc_event_not_for_the_whole_stream() -> 
     assert violation.message.startswith("cross-stream read without a wait: tensor float32[3, 3]")
     assert "produced by aten.mul.Tensor on stream 'data_dist'" in violation.message
     assert "read by aten.sum.default on stream 'default'" in violation.message
+
+
+def test_an_output_record_stream_cannot_reach_is_warned_about_once(caplog: pytest.LogCaptureFixture) -> None:
+    class Opaque:
+        def __init__(self, dense: torch.Tensor) -> None:
+            self.dense = dense
+
+    class ToOpaque(nn.Module):
+        def forward(self, batch: Batch) -> Opaque:
+            return Opaque(batch.dense * 2.0)
+
+    batch = make_batches(1)[0]
+    with StreamRecorder() as recorder:
+        data_dist = recorder.device.Stream(name="data_dist")
+        wrapper = PipelinedPostproc("opaque", ToOpaque(), CallArgs((ArgPath(),)), TrainPipelineContext(), data_dist)
+        for index in range(2):
+            context = TrainPipelineContext(index=index)
+            wrapper.output_for(batch, context)
+            wrapper.set_context(context)
+            wrapper(batch)
+    warnings = [r.getMessage() for r in caplog.records if "record_stream can reach" in r.getMessage()]
+    assert len(warnings) == 1 and "postproc 'opaque' returned a Opaque" in warnings[0]
