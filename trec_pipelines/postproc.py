@@ -36,9 +36,10 @@ its ``forward`` is swapped (for a :class:`PipelinedPostproc`) and
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from collections import Counter
-from typing import Any, Callable, Dict, List, Optional, Set, Tuple, Union
+from typing import Any, Callable, ContextManager, Dict, List, Optional, Set, Tuple, Union
 
 import torch
 import torch.fx
@@ -116,7 +117,7 @@ class PipelinedPostproc:
         if self._fqn in results:
             return results[self._fqn]
         args, kwargs = self._args.build(batch, context)
-        with torch.profiler.record_function(f"trec_pipelines::Postproc {self._fqn}"):
+        with _profiler_label(f"trec_pipelines::Postproc {self._fqn}"):
             with on_stream(self._stream):
                 output = self._forward(*args, **kwargs)
                 ready = record_event(self._stream)
@@ -152,6 +153,13 @@ class PipelinedPostproc:
 
     def __repr__(self) -> str:
         return f"PipelinedPostproc({self._fqn!r}, {type(self._module).__name__}, args={self._args})"
+
+
+def _profiler_label(name: str) -> ContextManager[Any]:
+    """A profiler label while a PyTorch profiler runs (as the recorder's spans); free otherwise."""
+    if torch.autograd.profiler._is_profiler_enabled:
+        return torch.profiler.record_function(name)
+    return contextlib.nullcontext()
 
 
 # Builds the wrapper for one postproc: (fqn, module, call args) -> wrapper.
