@@ -29,6 +29,7 @@ from trec_pipelines import (
     TrainPipelineFusedSparseDist,
     TrainPipelineSemiSync,
     TrainPipelineSparseDist,
+    TrainPipelineSparseDistCompAutograd,
     TrainPipelineSparseDistLite,
     restore_model,
     rewrite_model,
@@ -182,6 +183,18 @@ def test_postproc_taking_a_list_and_a_dict_of_batch_fields_and_postproc_outputs(
 def test_every_training_variant_pipelines_the_postprocs(cls: Any, kwargs: Any) -> None:
     pipeline = _trains_like_plain_loop(PostprocModel, cls=cls, **kwargs)
     assert pipeline.rewrite_result.names == ["sparse"]
+    assert [p.fqn for p in pipeline._pipelined_postprocs] == ["hasher", "as_list"]
+    assert pipeline._model.hasher.calls == 5
+
+
+def test_compiled_autograd_variant_pipelines_the_postprocs() -> None:
+    def model() -> PostprocModel:
+        m = PostprocModel()
+        # Compiled autograd with the "eager" backend: the captured backward runs op by op.
+        m._compiled_autograd_options = {"backend": "eager", "dynamic": True, "fullgraph": False}
+        return m
+
+    pipeline = _trains_like_plain_loop(model, cls=TrainPipelineSparseDistCompAutograd, pipeline_postproc=True)
     assert [p.fqn for p in pipeline._pipelined_postprocs] == ["hasher", "as_list"]
     assert pipeline._model.hasher.calls == 5
 
