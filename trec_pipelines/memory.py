@@ -14,7 +14,8 @@ variable) names on the path that reached it:
 
 * ``batch``: a name holding batches (``batches``, ``_cur_batch``, ``cur``,
   ``_batch_ip1``, the source's fetched-ahead ``_held``, a loader's or
-  stage's ``_slot``/``_slots``, ...);
+  stage's ``_slot``/``_slots``, torchrec's ``_buffered`` (loader thread) and
+  ``_stage_outputs``, ...);
 * ``context``: per-batch contexts and what ``input_dist`` left in them
   (names containing ``context``, ``dist``, ``request``, ``awaitable``,
   ``prefetch``);
@@ -41,7 +42,6 @@ other threads' frames.
 from __future__ import annotations
 
 import logging
-import threading
 import types
 import weakref
 from collections import deque
@@ -60,11 +60,15 @@ KINDS: Tuple[str, ...] = (BATCH, CONTEXT, EMBEDDINGS, OTHER)
 StorageKey = Tuple[str, int]
 
 _BATCH_NAMES = frozenset({"cur", "nxt", "new", "held", "_held", "batch"})
+# Also batch holders: a loader's or stage's slot, torchrec's loader thread's
+# ``_buffered`` and StagedTrainPipeline's ``_stage_outputs``.
+_BATCH_WORDS = ("batch", "slot", "buffered", "stage_output")
 _CONTEXT_WORDS = ("context", "dist", "request", "awaitable", "prefetch")
 _EMBEDDING_WORDS = ("emb", "lookup")
 
 # Never entered: not the pipeline's memory (model, optimizer, the user's data
-# iterator) or holding no tensors (code, types, synchronisation, logging).
+# iterator) or holding no tensors (code, types, logging).  A loader thread
+# object is entered: what it buffers is the pipeline's.
 _OPAQUE = (
     torch.nn.Module,
     torch.optim.Optimizer,
@@ -76,7 +80,6 @@ _OPAQUE = (
     type,
     weakref.ref,
     logging.Logger,
-    threading.Thread,
     BaseException,
     torch.device,
     torch.dtype,
@@ -100,7 +103,7 @@ def refine(kind: str, name: str) -> str:
         return kind
     if any(word in lowered for word in _CONTEXT_WORDS):
         return CONTEXT
-    if lowered in _BATCH_NAMES or "batch" in lowered or "slot" in lowered:
+    if lowered in _BATCH_NAMES or any(word in lowered for word in _BATCH_WORDS):
         return BATCH
     return kind
 
@@ -119,6 +122,9 @@ def storage_of(tensor: torch.Tensor) -> Optional[Tuple[StorageKey, int]]:
 
 def _inner_tensors(tensor: torch.Tensor) -> List[torch.Tensor]:
     """The tensors a tensor's memory lives in (itself, or a wrapper's parts)."""
+    local_shards = getattr(type(tensor), "local_shards", None)
+    if local_shards is not None:  # a (deprecated) ShardedTensor: its local shards hold the memory
+        return [shard.tensor for shard in tensor.local_shards()]  # type: ignore[attr-defined]
     if is_traceable_wrapper_subclass(tensor):
         names, _ = tensor.__tensor_flatten__()
         out: List[torch.Tensor] = []

@@ -221,3 +221,16 @@ def test_format_bytes() -> None:
 def test_none_and_empty_tensors_hold_nothing() -> None:
     held = footprint(Holder(a=None, b=torch.empty(0), c=torch.empty(3, device="meta")))
     assert held.total == 0 and held.storages == 0
+
+
+def test_a_loader_thread_s_buffered_batch_is_the_pipeline_s() -> None:
+    import threading
+
+    class Loader(threading.Thread):  # the shape of torchrec's DataLoadingThread
+        def __init__(self, batch: torch.Tensor) -> None:
+            super().__init__(daemon=True)
+            self._buffered = batch
+
+    batch = torch.zeros(12)
+    held = footprint(Holder(_batch_loader=Loader(batch)))
+    assert held.bytes_by_kind[BATCH] == nbytes(batch) and held.batches == 1
