@@ -120,9 +120,8 @@ class MemoryLedger:
         # Weak: the pipeline owns the recorder that owns this ledger.
         self._pipeline = weakref.ref(pipeline)
         self._device = device
-        self._skip: Set[StorageKey] = owned_storages(
-            getattr(pipeline, "_model", None), getattr(pipeline, "_optimizer", None)
-        )
+        self._skip: Set[StorageKey] = set()
+        self._skip_call: Optional[int] = None  # the call the skip set was taken in
         self._skip_objects: List[Any] = [self]
         self.samples: List[MemorySample] = []
 
@@ -138,8 +137,18 @@ class MemoryLedger:
         frames = pipeline_frames(pipeline, sys._getframe(1))
         return footprint(pipeline, self._skip, frames, self._skip_objects)
 
+    def _refresh_skip(self, call: int) -> None:
+        # Once per progress() call: optimizers create their state lazily, and the
+        # model or optimizer may be swapped (attach) between calls.
+        pipeline = self._pipeline()
+        if call == self._skip_call or pipeline is None:
+            return
+        self._skip_call = call
+        self._skip = owned_storages(getattr(pipeline, "_model", None), getattr(pipeline, "_optimizer", None))
+
     def sample(self, call: int, task: str, batch: Optional[int], stream: str) -> None:
         """Measure after the action ``task`` of ``batch`` ended."""
+        self._refresh_skip(call)
         held = self.measure()
         self.samples.append(
             MemorySample(call, task, batch, stream, time.perf_counter(), held, device_memory(self._device))

@@ -187,3 +187,30 @@ def test_timeline_gains_a_memory_track(tmp_path: Any) -> None:
     from PIL import Image  # matplotlib depends on it
 
     assert Image.open(with_memory).size[1] > Image.open(plain).size[1]
+
+
+class _Stepper:
+    """A pipeline-shaped object whose method holds model state in its locals."""
+
+    def __init__(self) -> None:
+        self._model = torch.nn.Linear(4, 4)
+        self._optimizer = torch.optim.Adam(self._model.parameters())  # state made at the first step
+
+    def step(self, ledger: Any, call: int) -> None:
+        batch = torch.ones(2, 4)
+        self._model(batch).sum().backward()
+        self._optimizer.step()
+        weight = self._model.weight  # noqa: F841  (locals the ledger sees)
+        moment = self._optimizer.state[weight]["exp_avg"]  # noqa: F841
+        ledger.sample(call, "OptimizerStep", call, "default")
+
+
+def test_model_state_in_a_running_method_s_locals_is_not_counted() -> None:
+    from trec_pipelines.ledger import MemoryLedger
+
+    stepper = _Stepper()
+    ledger = MemoryLedger(stepper)  # before the optimizer has any state
+    stepper.step(ledger, 0)
+    stepper.step(ledger, 1)
+    for sample in ledger.samples:
+        assert sample.held.total == 2 * 4 * 4 and sample.held.bytes_by_kind[BATCH] == 32
