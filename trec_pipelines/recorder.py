@@ -237,8 +237,9 @@ class Recordable:
         return text
 
     def export_trace(self, path: str) -> None:
-        """Write a Chrome/Perfetto trace: one track per stream plus the CPU thread."""
-        schedule_view.write_trace(self.schedule_actions, path)
+        """Write a Chrome/Perfetto trace: one track per stream plus the CPU thread
+        (and a counter of what the pipeline held, when the memory ledger is on)."""
+        schedule_view.write_trace(self.schedule_actions, path, memory=self.memory_samples)
 
     def save_timeline(self, path: str, calls: Optional[Tuple[int, int]] = None) -> None:
         """Draw the recorded timeline (streams x time) to a PNG, with a memory

@@ -97,11 +97,13 @@ def exposed_time(actions: Sequence["Action"], call_starts: Sequence[float]) -> D
     return dict(exposed)
 
 
-def write_trace(actions: Sequence["Action"], path: str) -> None:
+def write_trace(actions: Sequence["Action"], path: str, memory: Sequence["MemorySample"] = ()) -> None:
     """A Chrome trace (chrome://tracing, ui.perfetto.dev) of the recorded actions.
 
     Track "CPU thread" shows when the training thread issued (and was blocked
-    in) each task; one track per stream shows when the work ran on it.
+    in) each task; one track per stream shows when the work ran on it.  With
+    ``memory`` samples (the memory ledger) a counter track "held MiB" shows
+    what the pipeline held after each action, by kind.
     """
     if not actions:
         raise ValueError("nothing recorded: call enable_schedule_recording() before progress()")
@@ -131,6 +133,16 @@ def write_trace(actions: Sequence["Action"], path: str) -> None:
         if action.device_start is not None and action.device_end is not None:
             stream_tid = 2 + lanes.index(action.stream)
             events.append(span(label, stream_tid, action.device_start, action.device_end, action))
+    for sample in memory:
+        events.append(
+            {
+                "name": "held MiB",
+                "ph": "C",
+                "pid": 0,
+                "ts": (sample.time - origin) * 1e6,
+                "args": {kind: nbytes / 2**20 for kind, nbytes in sample.held.bytes_by_kind.items()},
+            }
+        )
     with open(path, "w") as f:
         json.dump({"traceEvents": events, "displayTimeUnit": "ms"}, f)
 

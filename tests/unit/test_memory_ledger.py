@@ -189,6 +189,18 @@ def test_timeline_gains_a_memory_track(tmp_path: Any) -> None:
     assert Image.open(with_memory).size[1] > Image.open(plain).size[1]
 
 
+def test_trace_gains_a_held_memory_counter(tmp_path: Any) -> None:
+    import json
+
+    pipeline, _ = recorded("TrainPipelineSparseDist", 5)
+    path = tmp_path / "trace.json"
+    pipeline.export_trace(str(path))
+    counters = [e for e in json.loads(path.read_text())["traceEvents"] if e["ph"] == "C"]
+    samples = pipeline.memory_samples
+    assert len(counters) == len(samples)
+    assert [c["args"]["batch"] for c in counters] == [s.held.bytes_by_kind[BATCH] / 2**20 for s in samples]
+
+
 class _Stepper:
     """A pipeline-shaped object whose method holds model state in its locals."""
 
