@@ -46,7 +46,7 @@ import types
 import weakref
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Any, Deque, Dict, FrozenSet, Iterable, List, Optional, Set, Tuple
+from typing import Any, Dict, FrozenSet, Iterable, List, Optional, Set, Tuple
 
 import torch
 from torch.utils._python_dispatch import is_traceable_wrapper_subclass
