@@ -38,6 +38,12 @@ def rss_peak(entry: Optional[Dict[str, Any]]) -> Optional[float]:
     return max(r["rss_peak"] for r in ranks) if ranks else None
 
 
+def rss_growth(entry: Optional[Dict[str, Any]]) -> Optional[float]:
+    """How far resident memory rose above its level before the measured epoch, max over ranks."""
+    ranks = [r for r in _ok_ranks(entry) if r.get("rss_before")]
+    return max(r["rss_peak"] - r["rss_before"] for r in ranks) if ranks else None
+
+
 def _rank_at_peak(entry: Optional[Dict[str, Any]]) -> Optional[Dict[str, Any]]:
     ranks = _ok_ranks(entry)
     return max(ranks, key=lambda r: r["held_peak"]) if ranks else None
@@ -101,12 +107,13 @@ def format_memory(memory: Dict[str, Any], variants: Sequence[str], batch_size: i
                 mib(book["peak"]) if book else "-",
                 mib(book["steady"]) if book else "-",
                 str(book["max_batches"]) if book else "-",
+                f"{mib(rss_growth(ours))}/{mib(rss_growth(theirs))}",
             ]
         )
     header = [
         "variant", "held ours", "held torchrec", "ours/torchrec",
         "ours " + "/".join(KINDS), "torchrec " + "/".join(KINDS), "batches o/t",
-        "ledger peak", "ledger steady", "ledger batches",
+        "ledger peak", "ledger steady", "ledger batches", "RSS rise o/t",
     ]
     title = (
         f"Pipeline-held memory at batch {batch_size}/rank x {world} ranks (MiB, largest rank): tensor storage "
@@ -117,6 +124,8 @@ def format_memory(memory: Dict[str, Any], variants: Sequence[str], batch_size: i
         "after a step (ours/torchrec)",
         "  ledger = ours only, measured after every recorded action, progress()'s local variables included "
         "(the batch being trained, its losses); its peak is within a step, so it can exceed 'held'",
+        "  RSS rise = resident memory at its peak during the epoch minus before it (ours/torchrec); the RSS "
+        "columns above are the whole process's, every contender's model included",
     ]
     return "\n".join([title] + _table(header, body) + notes)
 
@@ -178,6 +187,8 @@ def summary(block: Dict[str, Any], variants: Sequence[str]) -> Dict[str, Any]:
                 "torchrec_held_peak": held_peak(theirs),
                 "ours_rss_peak": rss_peak(ours),
                 "torchrec_rss_peak": rss_peak(theirs),
+                "ours_rss_rise": rss_growth(ours),
+                "torchrec_rss_rise": rss_growth(theirs),
                 "ours_ledger": ledger(ours),
             }
         )
@@ -195,6 +206,7 @@ __all__ = [
     "held_peak",
     "ledger",
     "peak_rss_line",
+    "rss_growth",
     "rss_peak",
     "summary",
     "throughput_cells",

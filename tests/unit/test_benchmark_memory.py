@@ -13,6 +13,7 @@ from tests.unit.fakes import TinyModel, optimizer_for
 from tests.unit.test_memory_ledger import _tensors, ledger_batches
 
 CPU = torch.device("cpu")
+MiB = 2**20
 
 
 def _contender() -> PipelineContender:
@@ -49,15 +50,12 @@ def _entry(held: List[int], rss: List[int], ledger_peak: int = 0) -> Dict[str, A
     for h, r in zip(held, rss):
         rank: Dict[str, Any] = {
             "held_peak": h, "held_by_kind": {"batch": h, "context": 0, "embeddings": 0, "other": 0},
-            "max_batches": 2, "rss_peak": r,
+            "max_batches": 2, "rss_peak": r, "rss_before": r - MiB,
         }
         if ledger_peak:
             rank["ledger"] = {"peak": ledger_peak, "steady": ledger_peak // 2, "max_batches": 3}
         ranks.append(rank)
     return {"status": "ok", "reason": "", "ranks": ranks}
-
-
-MiB = 2**20
 
 
 def _raw() -> Dict[str, Any]:
@@ -98,6 +96,7 @@ def test_memory_and_options_tables() -> None:
     memory_line = next(l for l in text.splitlines() if l.startswith("TrainPipelineSparseDist") and "/" in l
                        and "1.25" in l)
     assert "6.00" in memory_line and "3.00" in memory_line  # ledger peak and steady
+    assert memory_line.split()[-1] == "1.00/1.00"  # RSS rose 1 MiB over each epoch
     options = [l for l in text.splitlines() if l.startswith(("ours ", "torchrec "))]
     assert options[0].split()[:4] == ["ours", "none", "8.00", "0.00"]
     assert options[1].split()[:4] == ["ours", "clear_data_dist_inputs", "6.00", "2.00"]
