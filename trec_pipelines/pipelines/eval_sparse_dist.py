@@ -123,7 +123,7 @@ def _load_and_copy(
     batch = source.next(iterator)
     if batch is None:
         return None
-    return copy_to_device(batch, device, stream, inplace), source.loaded - 1
+    return copy_to_device(batch, device, stream, inplace), source.last_index
 
 
 def _predictions(output: Any) -> Any:
@@ -191,6 +191,7 @@ class EvalPipelineSparseDist(TrainPipelineSparseDist):
     """
 
     _requires_optimizer = False
+    _retries_failed_steps = False
 
     def __init__(
         self,

@@ -14,6 +14,7 @@ from trec_pipelines.context import PrefetchTrainPipelineContext
 from trec_pipelines.forwards import BaseForward, PrefetchPipelinedForward
 from trec_pipelines.pipelines.sparse_dist import TrainPipelineSparseDist
 from trec_pipelines.rewrite import Strategy
+from trec_pipelines.step_guard import guarded_step
 from trec_pipelines.stages import wait_for_batch
 from trec_pipelines.streams import (
     StreamSet,
@@ -217,6 +218,7 @@ class PrefetchTrainPipelineSparseDist(TrainPipelineSparseDist):
             return
         self.start_sparse_data_dist(self.batches[1], self.contexts[1])
 
+    @guarded_step
     def progress(self, dataloader_iter: Iterator[Any]) -> Any:
         self._start_step(dataloader_iter)  # fill, pull host batches, stop at end of data
         training = self._model.training

@@ -47,6 +47,7 @@ from trec_pipelines.stages import (
     sync_group_for,
     wait_for_batch,
 )
+from trec_pipelines.step_guard import StepGuard, guarded_step, skip_failed_batch
 from trec_pipelines.streams import StreamSet, make_streams, on_stream
 
 logger: logging.Logger = logging.getLogger(__name__)
@@ -127,6 +128,9 @@ class TrainPipelineSparseDist(TrainPipeline[Any, Any], Recordable):
     _requires_optimizer: bool = True
     # The stream role input_dist is recorded on; Lite runs it on the default stream.
     _input_dist_role: str = "data_dist"
+    # Training variants roll a failed step back (trec_pipelines.step_guard);
+    # the eval variants, which train nothing, keep no host copies for it.
+    _retries_failed_steps: bool = True
 
     def __init__(
         self,
@@ -189,7 +193,9 @@ class TrainPipelineSparseDist(TrainPipeline[Any, Any], Recordable):
             logger.warning("apply_jit=True is accepted but not applied by trec_pipelines")
 
         self._streams: StreamSet = self._make_streams()
-        self._source = BatchSource(sync_group_for(sync_exhaustion))
+        self._sync_group = sync_group_for(sync_exhaustion)
+        self._source = BatchSource(self._sync_group, keep_in_flight=self._retries_failed_steps)
+        self._step_guard = StepGuard()
         self.batches: Deque[Optional[Any]] = deque()
         self.contexts: Deque[TrainPipelineContext] = deque()
         self._rewrite: Optional[RewriteResult] = None
@@ -284,7 +290,7 @@ class TrainPipelineSparseDist(TrainPipeline[Any, Any], Recordable):
         batch = self._source.next(dataloader_iter)
         if batch is None:
             return None, None
-        context = self._context_type(index=self._source.loaded - 1)
+        context = self._context_type(index=self._source.last_index)
         with self._span(rec.H2D, context.index, "memcpy"):
             batch = copy_to_device(batch, self._device, self._streams.memcpy)
         return batch, context
@@ -296,7 +302,7 @@ class TrainPipelineSparseDist(TrainPipeline[Any, Any], Recordable):
         batch = self._source.next(dataloader_iter)
         if batch is None:
             return None, None
-        context = self._context_type(index=self._source.loaded - 1)
+        context = self._context_type(index=self._source.last_index)
         with self._span(rec.H2D, context.index, "memcpy"):
             batch = copy_to_device(batch, self._device, self._streams.memcpy, inplace=True)
         return batch, context
@@ -379,6 +385,7 @@ class TrainPipelineSparseDist(TrainPipeline[Any, Any], Recordable):
         # One batch in flight and data left: only after an iterator error in the fill.
         self.enqueue_batch(dataloader_iter)
 
+    @guarded_step
     def progress(self, dataloader_iter: Iterator[Any]) -> Any:
         self._start_step(dataloader_iter)  # fill, pull host batches, stop at end of data
         training = self._model.training
@@ -415,6 +422,7 @@ class TrainPipelineSparseDist(TrainPipeline[Any, Any], Recordable):
         self._check_attached()
         self._switch_iterator(dataloader_iter)
         self._fetch_ahead(dataloader_iter)
+        self._step_guard.begin()  # from here a failure is rolled back and retried
         self.fill_pipeline(dataloader_iter)
         self._stop_if_done()
         self._set_module_context(self.contexts[0])
@@ -472,9 +480,28 @@ class TrainPipelineSparseDist(TrainPipeline[Any, Any], Recordable):
             )
             self.batches.clear()
             self.contexts.clear()
+            self._source.drop_in_flight()
         if not self.batches:
             self._source.end_epoch()
             raise StopIteration
+
+    def _drop_in_flight_state(self) -> None:
+        """Forget the in-flight device batches and contexts; the step guard gives
+        their host batches back to the source (see :mod:`trec_pipelines.step_guard`)."""
+        self.batches.clear()
+        self.contexts.clear()
+
+    def skip_failed_batch(self) -> int:
+        """Drop the batch the last ``progress()`` failed on instead of retrying it.
+
+        After a ``progress()`` that raised, the next call retries the same batch
+        from scratch.  For a batch that fails every time, call this (on every
+        rank) before the next ``progress()``: the batch is logged and never
+        trained, and training goes on with the one after it.  Returns the
+        skipped batch's index; raises ``RuntimeError`` if the last call did not
+        fail.
+        """
+        return skip_failed_batch(self)
 
     @property
     def unused_batches(self) -> int:
@@ -526,6 +553,7 @@ class TrainPipelineSparseDist(TrainPipeline[Any, Any], Recordable):
     def reset(self) -> None:
         """Drop the in-flight (and parked) batches; the next ``progress()`` starts a new epoch."""
         dropped = len(self.batches) + sum(len(p.batches) for p in self._parked.states())
+        dropped += self._source.rewound
         if dropped:
             logger.warning(
                 "%s.reset() drops %d in-flight batch(es) that were never trained",
@@ -535,4 +563,6 @@ class TrainPipelineSparseDist(TrainPipeline[Any, Any], Recordable):
         self.batches.clear()
         self.contexts.clear()
         self._parked.clear()
+        self._source.drop_in_flight()
+        self._step_guard.failed = None
         self._source.end_epoch()
