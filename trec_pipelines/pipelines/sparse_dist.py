@@ -36,6 +36,7 @@ from trec_pipelines.rewrite import (
     reapply_rewrite,
     restore_model,
     rewrite_model,
+    sharded_modules,
 )
 from trec_pipelines.args import CallArgs
 from trec_pipelines.stages import (
@@ -51,6 +52,13 @@ from trec_pipelines.step_guard import StepGuard, guarded_step, skip_failed_batch
 from trec_pipelines.streams import StreamSet, make_streams, on_stream
 
 logger: logging.Logger = logging.getLogger(__name__)
+
+
+def _claim(result: RewriteResult, pipeline: Any) -> None:
+    for module in result.modules:
+        forward = module.__dict__.get("forward")
+        if isinstance(forward, BaseForward):
+            forward.claim(pipeline)
 
 
 @dataclass
@@ -203,6 +211,8 @@ class TrainPipelineSparseDist(TrainPipeline[Any, Any], Recordable):
         self._parked = ParkedEpochs()
         self._kjt_overrides: Tuple[KJTDistOverride, ...] = ()
         self._model_attached = True
+        # Set when another pipeline detached this one to take the model over.
+        self._taken_over_by: Optional[str] = None
 
     # ------------------------------------------------------------------ setup
 
@@ -250,7 +260,9 @@ class TrainPipelineSparseDist(TrainPipeline[Any, Any], Recordable):
 
     def _rewrite_checked(self, batch: Any) -> RewriteResult:
         """Rewrite the model and apply the ``on_unpipelined`` policy."""
+        self._take_over_model()
         result = rewrite_model(self._model, batch, self._make_forward, self._rewrite_strategy)
+        _claim(result, self)
         if result.not_pipelined and self._on_unpipelined == "raise":
             restore_model(result)
             raise RuntimeError(
@@ -419,6 +431,7 @@ class TrainPipelineSparseDist(TrainPipeline[Any, Any], Recordable):
         epoch when nothing is left (``StopIteration``), and point the forward
         wrappers at ``cur``."""
         self._begin_call()
+        self._take_over_model()
         self._check_attached()
         self._switch_iterator(dataloader_iter)
         self._fetch_ahead(dataloader_iter)
@@ -460,6 +473,47 @@ class TrainPipelineSparseDist(TrainPipeline[Any, Any], Recordable):
     def _fetch_ahead(self, dataloader_iter: Iterator[Any]) -> None:
         """Pull every host batch this call will copy, before any work is issued."""
         self._source.fetch_ahead(dataloader_iter, self._depth - len(self.batches))
+
+    def _take_over_model(self) -> None:
+        """Detach any other pipeline whose forward wrappers are on this model.
+
+        Two pipelines share a model (a train pipeline and an eval pipeline left
+        attached when its data ended): the one about to run detaches the other,
+        which gives back exactly what it replaced (this pipeline's wrappers, if
+        it had rewritten the model first), and logs it.  A pipeline detached
+        that way (not by the user) takes the model back the same way at its
+        next ``progress()``, so train and eval pipelines can alternate on one
+        model.  A wrapper whose pipeline no longer exists can't be undone: that
+        raises.
+        """
+        if self._taken_over_by is not None:
+            self._taken_over_by = None
+            self.attach()  # detaches the pipeline that took the model, then re-wraps
+            return
+        if not self._model_attached:
+            return
+        for name, module in sharded_modules(self._model).items():
+            forward = module.__dict__.get("forward")
+            if not isinstance(forward, BaseForward) or forward.owner is self:
+                continue
+            other = forward.owner
+            if other is None:
+                raise RuntimeError(
+                    f"{type(self).__name__}: sharded module '{name}' still carries the "
+                    f"forward wrapper of a {forward.owner_name} that was dropped without "
+                    "detach(), so its original forward is lost. Call detach() on a "
+                    "pipeline before dropping it (or keep it alive), or rebuild the model."
+                )
+            logger.warning(
+                "%s: the model is still attached to a %s (its forward wrappers are on "
+                "'%s'); detaching it and taking the model over. Call detach() on a "
+                "pipeline when you are done with it to avoid this.",
+                type(self).__name__,
+                type(other).__name__,
+                name,
+            )
+            other.detach()
+            other._taken_over_by = type(self).__name__
 
     def _check_attached(self) -> None:
         if not self._model_attached:
@@ -540,7 +594,9 @@ class TrainPipelineSparseDist(TrainPipeline[Any, Any], Recordable):
             if self.contexts:
                 self._pipeline_model_without_input_dist(self.batches[0])
             return
+        self._take_over_model()
         self._rewrite = reapply_rewrite(self._rewrite, self._make_forward)
+        _claim(self._rewrite, self)
         self._kjt_overrides = fuse_kjt_splits(self._rewrite.modules)
         if self.contexts:
             self._set_module_context(self.contexts[0])
