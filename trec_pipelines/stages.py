@@ -17,6 +17,7 @@ import torch.distributed as dist
 from torchrec.streamable import Multistreamable, Pipelineable
 
 from trec_pipelines.streams import hand_off, on_stream
+from trec_pipelines.validation import batch_problem
 
 logger: logging.Logger = logging.getLogger(__name__)
 
@@ -104,7 +105,12 @@ class BatchSource:
       host copies (see :mod:`trec_pipelines.step_guard`).
     """
 
-    def __init__(self, sync_group: Optional[Any] = None, keep_in_flight: bool = False) -> None:
+    def __init__(
+        self,
+        sync_group: Optional[Any] = None,
+        keep_in_flight: bool = False,
+        validate: bool = False,
+    ) -> None:
         self._iterator: Optional[Iterator[Any]] = None
         self._sync_group = sync_group
         self._held: Deque[Any] = deque()
@@ -117,6 +123,8 @@ class BatchSource:
         # (index, host batch) given back by rewind(), served before anything else.
         self._rewound: Deque[Tuple[int, Any]] = deque()
         self.unused = 0  # batches pulled but dropped because another rank ran out
+        self._validate = validate
+        self.rejected = 0  # malformed batches pulled and dropped (``validate``)
         # The iterator that last raised StopIteration, and its yield count then.
         self._spent: Optional[Tuple[Iterator[Any], Optional[int]]] = None
 
@@ -175,8 +183,16 @@ class BatchSource:
             except StopIteration:
                 batch = None
                 self._spent = (iterator, getattr(iterator, "_num_yielded", None))
+        problem = batch_problem(batch) if self._validate and batch is not None else None
         if self._sync_group is not None:
-            batch = self._agree(batch)
+            batch, problem = self._agree(batch, problem)
+        if problem is not None:
+            self.rejected += 1
+            raise ValueError(
+                f"batch {self.loaded + len(self._held)}: {problem}. It was dropped before "
+                "any work, and the next progress() goes on with the next batch. Fix the "
+                "data, or pass validate_batches=False to turn these checks off."
+            )
         if batch is None:
             self.exhausted = True
             return None
@@ -196,10 +212,21 @@ class BatchSource:
             return False
         return True
 
-    def _agree(self, batch: Optional[Any]) -> Optional[Any]:
-        flag = torch.tensor([0 if batch is None else 1], dtype=torch.int32)
+    def _agree(
+        self, batch: Optional[Any], problem: Optional[str]
+    ) -> Tuple[Optional[Any], Optional[str]]:
+        """Every rank's (batch, problem) after agreeing: ended if any rank's data
+        ended, malformed if any rank's batch is (so all drop it in step)."""
+        mine = 0 if batch is None else (1 if problem is not None else 2)
+        flag = torch.tensor([mine], dtype=torch.int32)
         dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=self._sync_group)
-        if batch is not None and int(flag.item()) == 0:
+        agreed = int(flag.item())
+        if agreed == 1:
+            return None, problem or (
+                "this rank's batch is fine but another rank's is malformed (see its "
+                "error); dropped here too so the ranks stay in step"
+            )
+        if batch is not None and agreed == 0:
             self.unused += 1
             logger.warning(
                 "rank %d: another rank's data ended; stopping here in step with it "
@@ -207,8 +234,8 @@ class BatchSource:
                 dist.get_rank(),
                 self.unused,
             )
-            return None
-        return batch
+            return None, None
+        return batch, None
 
     def end_epoch(self) -> None:
         self.exhausted = False

@@ -64,6 +64,7 @@ class TrainPipelineBase(TrainPipeline[Any, Any], Recordable):
         enable_inplace_copy_batch: bool = False,
         *,
         sync_exhaustion: bool = False,
+        validate_batches: bool = True,
     ) -> None:
         super().__init__()
         check_optimizer(optimizer, type(self).__name__)
@@ -74,7 +75,9 @@ class TrainPipelineBase(TrainPipeline[Any, Any], Recordable):
         self._model_fwd: Callable[[Any], Tuple[torch.Tensor, Any]] = custom_model_fwd or model
         self._enable_inplace_copy_batch = enable_inplace_copy_batch
         self._streams = make_streams(device, memcpy=True)
-        self._source = BatchSource(sync_group_for(sync_exhaustion), keep_in_flight=True)
+        self._source = BatchSource(
+            sync_group_for(sync_exhaustion), keep_in_flight=True, validate=validate_batches
+        )
         self._step_guard = StepGuard()
         self._cur_batch: Optional[Any] = None
         self._cur_index = 0

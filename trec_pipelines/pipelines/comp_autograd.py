@@ -165,6 +165,7 @@ class TrainPipelineSparseDistCompAutograd(TrainPipelineSparseDist):
         rewrite_strategy: Strategy = "auto",
         on_unpipelined: str = "warn",
         sync_exhaustion: bool = False,
+        validate_batches: bool = True,
     ) -> None:
         super().__init__(
             model,
@@ -180,6 +181,7 @@ class TrainPipelineSparseDistCompAutograd(TrainPipelineSparseDist):
             rewrite_strategy=rewrite_strategy,
             on_unpipelined=on_unpipelined,
             sync_exhaustion=sync_exhaustion,
+            validate_batches=validate_batches,
         )
         default_options: Dict[str, Union[str, bool]] = {
             "backend": "inductor",

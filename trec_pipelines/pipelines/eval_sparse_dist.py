@@ -207,6 +207,7 @@ class EvalPipelineSparseDist(TrainPipelineSparseDist):
         rewrite_strategy: Strategy = "auto",
         on_unpipelined: str = "warn",
         sync_exhaustion: bool = False,
+        validate_batches: bool = True,
     ) -> None:
         self._loader: Optional[_BatchLoader] = None  # first: __del__ reads it
         self._loader_iter: Optional[Iterator[Any]] = None
@@ -222,6 +223,7 @@ class EvalPipelineSparseDist(TrainPipelineSparseDist):
             rewrite_strategy=rewrite_strategy,
             on_unpipelined=on_unpipelined,
             sync_exhaustion=sync_exhaustion,
+            validate_batches=validate_batches,
         )
 
     # ----------------------------------------------------------- loader thread

@@ -125,6 +125,7 @@ class TrainPipelineFusedSparseDist(TrainPipelineSparseDist):
         rewrite_strategy: Strategy = "auto",
         on_unpipelined: str = "warn",
         sync_exhaustion: bool = False,
+        validate_batches: bool = True,
     ) -> None:
         if emb_lookup_stream not in EMB_LOOKUP_STREAMS:
             raise ValueError(
@@ -153,6 +154,7 @@ class TrainPipelineFusedSparseDist(TrainPipelineSparseDist):
             rewrite_strategy=rewrite_strategy,
             on_unpipelined=on_unpipelined,
             sync_exhaustion=sync_exhaustion,
+            validate_batches=validate_batches,
         )
         self._pipeline_postproc = pipeline_postproc
         self._strict = strict
@@ -346,6 +348,7 @@ class EvalPipelineFusedSparseDist(TrainPipelineFusedSparseDist):
         rewrite_strategy: Strategy = "auto",
         on_unpipelined: str = "warn",
         sync_exhaustion: bool = False,
+        validate_batches: bool = True,
     ) -> None:
         super().__init__(
             model,
@@ -365,6 +368,7 @@ class EvalPipelineFusedSparseDist(TrainPipelineFusedSparseDist):
             rewrite_strategy=rewrite_strategy,
             on_unpipelined=on_unpipelined,
             sync_exhaustion=sync_exhaustion,
+            validate_batches=validate_batches,
         )
         self._enable_embedding_lookup_prefetch = enable_embedding_lookup_prefetch
 

@@ -118,6 +118,7 @@ class PrefetchTrainPipelineSparseDist(TrainPipelineSparseDist):
         rewrite_strategy: Strategy = "auto",
         on_unpipelined: str = "warn",
         sync_exhaustion: bool = False,
+        validate_batches: bool = True,
     ) -> None:
         super().__init__(
             model,
@@ -134,6 +135,7 @@ class PrefetchTrainPipelineSparseDist(TrainPipelineSparseDist):
             rewrite_strategy=rewrite_strategy,
             on_unpipelined=on_unpipelined,
             sync_exhaustion=sync_exhaustion,
+            validate_batches=validate_batches,
         )
         # Recorded on the default stream when the last forward was issued;
         # the next prefetch waits for it (see [Note: prefetch ordering]).

@@ -99,6 +99,7 @@ class TrainPipelinePT2(TrainPipeline[Any, Any], Recordable):
         input_transformer: Optional[Callable[[Any], Any]] = None,
         *,
         sync_exhaustion: bool = False,
+        validate_batches: bool = True,
     ) -> None:
         super().__init__()
         check_optimizer(optimizer, type(self).__name__)
@@ -110,7 +111,9 @@ class TrainPipelinePT2(TrainPipeline[Any, Any], Recordable):
         self._pre_compile_fn = pre_compile_fn
         self._post_compile_fn = post_compile_fn
         self._input_transformer = input_transformer or default_pipeline_input_transformer
-        self._source = BatchSource(sync_group_for(sync_exhaustion), keep_in_flight=True)
+        self._source = BatchSource(
+            sync_group_for(sync_exhaustion), keep_in_flight=True, validate=validate_batches
+        )
         self._step_guard = StepGuard()
         self._iter = 0
         self._compiled = False

@@ -142,6 +142,7 @@ class TrainPipelineSemiSync(TrainPipelineSparseDist):
         rewrite_strategy: Strategy = "auto",
         on_unpipelined: str = "warn",
         sync_exhaustion: bool = False,
+        validate_batches: bool = True,
     ) -> None:
         super().__init__(
             model,
@@ -159,6 +160,7 @@ class TrainPipelineSemiSync(TrainPipelineSparseDist):
             rewrite_strategy=rewrite_strategy,
             on_unpipelined=on_unpipelined,
             sync_exhaustion=sync_exhaustion,
+            validate_batches=validate_batches,
         )
         self._start_batch = start_batch
         self._stash_gradients = stash_gradients
@@ -414,5 +416,7 @@ class TrainPipelineSemiSync(TrainPipelineSparseDist):
     def reset(self) -> None:
         """Drop the in-flight batches and restart the batch count (synchronous again)."""
         super().reset()
-        self._source = BatchSource(self._sync_group, keep_in_flight=True)
+        self._source = BatchSource(
+            self._sync_group, keep_in_flight=True, validate=self._validate_batches
+        )
         self._gradients.clear()

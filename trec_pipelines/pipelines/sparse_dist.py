@@ -159,6 +159,7 @@ class TrainPipelineSparseDist(TrainPipeline[Any, Any], Recordable):
         rewrite_strategy: Strategy = "auto",
         on_unpipelined: str = "warn",
         sync_exhaustion: bool = False,
+        validate_batches: bool = True,
     ) -> None:
         super().__init__()
         if self._requires_optimizer:
@@ -202,7 +203,10 @@ class TrainPipelineSparseDist(TrainPipeline[Any, Any], Recordable):
 
         self._streams: StreamSet = self._make_streams()
         self._sync_group = sync_group_for(sync_exhaustion)
-        self._source = BatchSource(self._sync_group, keep_in_flight=self._retries_failed_steps)
+        self._validate_batches = validate_batches
+        self._source = BatchSource(
+            self._sync_group, keep_in_flight=self._retries_failed_steps, validate=validate_batches
+        )
         self._step_guard = StepGuard()
         self.batches: Deque[Optional[Any]] = deque()
         self.contexts: Deque[TrainPipelineContext] = deque()
