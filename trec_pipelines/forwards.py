@@ -22,7 +22,7 @@ the first call, and a second call in the same forward raises with the fix.
 from __future__ import annotations
 
 import weakref
-from typing import Any, Dict, Generic, Iterable, List, Optional, TypeVar, Union
+from typing import Any, Dict, Generic, Iterable, List, Optional, Tuple, TypeVar, Union
 
 import torch
 from torchrec.distributed.types import Awaitable, LazyNoWait, ShardedModule
@@ -61,6 +61,9 @@ class BaseForward(Generic[C]):
         # The pipeline that installed this wrapper (see claim()).
         self._owner: Optional[weakref.ReferenceType[Any]] = None
         self.owner_name = "a pipeline"
+        # (had an instance forward, that forward): what this wrapper replaced on
+        # the module, so it can be undone after its pipeline is gone.
+        self.replaced: Optional[Tuple[bool, Any]] = None
 
     def claim(self, pipeline: Any) -> None:
         """Record ``pipeline`` as the one that installed this wrapper, so another

@@ -270,3 +270,47 @@ def test_source_without_keep_in_flight_keeps_nothing() -> None:
     it = _items("a", "b")
     _take(source, it), _take(source, it)
     assert source.in_flight == 0 and source.rewind() is None
+
+
+# ------------------------------------------------------------- handing over
+
+
+def _eval_pass(model: torch.nn.Module) -> Any:
+    pipeline = tp.EvalPipelineSparseDist(model, None, CPU)
+    model.eval()
+    drain(pipeline, iter(make_batches(2, seed=7)))
+    model.train()
+    return pipeline
+
+
+@pytest.mark.parametrize("keep_eval_alive", [True, False])
+def test_a_train_pipeline_takes_the_model_over_from_an_attached_eval_pipeline(
+    keep_eval_alive: bool, caplog: pytest.LogCaptureFixture
+) -> None:
+    batches = make_batches(5)
+    model, ref = TinyModel(), TinyModel()
+    evaluation = _eval_pass(model)
+    if not keep_eval_alive:
+        del evaluation
+    pipeline = tp.TrainPipelineFusedSparseDist(model, optimizer_for(model), CPU)
+    outputs = drain(pipeline, iter(batches))
+    assert_same_training(outputs, plain_loop_with_retry(ref, optimizer_for(ref), batches), model, ref)
+    assert ("detaching it and taking the model over" if keep_eval_alive else "dropped without detach()") in caplog.text
+    pipeline.detach()
+    assert "forward" not in model.sparse.__dict__, "a wrapper was left on the model"
+
+
+def test_train_and_eval_pipelines_alternate_on_one_model() -> None:
+    batches = make_batches(6)
+    model, ref = TinyModel(), TinyModel()
+    train = tp.TrainPipelineSemiSync(model, optimizer_for(model), CPU, start_batch=100)
+    evaluation = tp.EvalPipelineSparseDist(model, None, CPU)
+    it = iter(batches)
+    outputs = [train.progress(it) for _ in range(2)]
+    for _ in range(2):
+        model.eval()
+        drain(evaluation, iter(make_batches(2, seed=7)))
+        model.train()
+        outputs.append(train.progress(it))
+    outputs += drain(train, it)
+    assert_same_training(outputs, plain_loop_with_retry(ref, optimizer_for(ref), batches), model, ref)

@@ -20,6 +20,7 @@ from trec_pipelines.input_dist import (
     release_input_dist_inputs,
     start_input_dist,
     unfuse_kjt_splits,
+    unfuse_left_over,
     wait_input_dist,
 )
 from trec_pipelines.pipelines._common import (
@@ -55,10 +56,28 @@ logger: logging.Logger = logging.getLogger(__name__)
 
 
 def _claim(result: RewriteResult, pipeline: Any) -> None:
-    for module in result.modules:
+    """Tag ``result``'s wrappers with their pipeline and what they replaced."""
+    for module, had_instance_forward, original, _ in result._saved:
         forward = module.__dict__.get("forward")
         if isinstance(forward, BaseForward):
             forward.claim(pipeline)
+            forward.replaced = (had_instance_forward, original)
+
+
+def _strip_orphan(module: ShardedModule) -> None:
+    """Undo what a collected pipeline left on ``module``: its forward wrapper(s)
+    and its splits-only input_dist overrides."""
+    while True:
+        forward = module.__dict__.get("forward")
+        if not isinstance(forward, BaseForward) or forward.owner is not None:
+            break
+        assert forward.replaced is not None, "wrappers are tagged when installed"
+        had_instance_forward, original = forward.replaced
+        if had_instance_forward:
+            module.forward = original  # type: ignore[method-assign]
+        else:
+            module.__dict__.pop("forward", None)
+    unfuse_left_over(module)
 
 
 @dataclass
@@ -487,8 +506,8 @@ class TrainPipelineSparseDist(TrainPipeline[Any, Any], Recordable):
         it had rewritten the model first), and logs it.  A pipeline detached
         that way (not by the user) takes the model back the same way at its
         next ``progress()``, so train and eval pipelines can alternate on one
-        model.  A wrapper whose pipeline no longer exists can't be undone: that
-        raises.
+        model.  A wrapper whose pipeline was collected is undone from what it
+        recorded it replaced.
         """
         if self._taken_over_by is not None:
             self._taken_over_by = None
@@ -502,12 +521,15 @@ class TrainPipelineSparseDist(TrainPipeline[Any, Any], Recordable):
                 continue
             other = forward.owner
             if other is None:
-                raise RuntimeError(
-                    f"{type(self).__name__}: sharded module '{name}' still carries the "
-                    f"forward wrapper of a {forward.owner_name} that was dropped without "
-                    "detach(), so its original forward is lost. Call detach() on a "
-                    "pipeline before dropping it (or keep it alive), or rebuild the model."
+                logger.warning(
+                    "%s: sharded module '%s' still carried the forward wrapper of a %s "
+                    "that was dropped without detach(); restored its own forward",
+                    type(self).__name__,
+                    name,
+                    forward.owner_name,
                 )
+                _strip_orphan(module)
+                continue
             logger.warning(
                 "%s: the model is still attached to a %s (its forward wrappers are on "
                 "'%s'); detaching it and taking the model over. Call detach() on a "
