@@ -42,7 +42,9 @@ class TrainPipelineBase(TrainPipeline[Any, Any], Recordable):
     ``StopIteration`` (new iterator, or the same one refilled).  The next host
     batch is pulled at the top of ``progress()`` (as torchrec does), so an
     iterator error reaches the caller before any work.  ``sync_exhaustion``
-    works as in :class:`~trec_pipelines.TrainPipelineSparseDist`.
+    works as in :class:`~trec_pipelines.TrainPipelineSparseDist`, and so do a
+    failed step (rolled back; the next call retries its batch, or
+    :meth:`skip_failed_batch` drops it) and ``validate_batches``.
 
     Example::
 

@@ -73,7 +73,10 @@ class TrainPipelinePT2(TrainPipeline[Any, Any], Recordable):
     Differences from torchrec 1.8.0: the dynamo settings torchrec needs are held
     only while the compiled model runs (upstream changes them globally for good);
     a new epoch starts without ``reset()``; the end of data raises
-    ``StopIteration`` from the pipeline, after which a new iterator may be passed.
+    ``StopIteration`` from the pipeline, after which a new iterator may be passed;
+    a step that raises is rolled back and the next call retries its batch (or
+    :meth:`skip_failed_batch` drops it), as in
+    :class:`~trec_pipelines.TrainPipelineSparseDist`.
 
     Example::
 

@@ -122,6 +122,18 @@ class TrainPipelineSparseDist(TrainPipeline[Any, Any], Recordable):
     ``on_unpipelined`` is "warn" (log each sharded module the rewrite could not
     pipeline, with the reason; the default) or "raise".
 
+    A ``progress()`` that raises (model, loss, backward, optimizer, loader) is
+    rolled back: the exception carries a note naming the batch, and the next
+    ``progress()`` retries that batch from scratch, re-running what the failed
+    attempt consumed (copy, input_dist, lookup, prefetch) from the host copies
+    the pipeline keeps for its in-flight batches; nothing is pulled twice, lost
+    or trained twice.  :meth:`skip_failed_batch` drops a batch that fails every
+    time.  Each host batch's KeyedJaggedTensors are checked as it is pulled
+    (``validate_batches=True``): a malformed one raises ``ValueError`` before any
+    work, and the next call goes on with the next batch.  A pipeline that finds
+    another pipeline's wrappers on its model (an eval pipeline left attached)
+    detaches it and takes the model over; see ``_take_over_model``.
+
     Switching iterators: passing another iterator while batches of the
     previous one are in flight (a train iterator, then an eval pass, then the
     train iterator again) parks those batches, input_dist and all, and
