@@ -65,13 +65,15 @@ class StepGuard:
         self.running = False
         self.begun = False
         self.failed: Optional[FailedStep] = None
+        self.steps = 0  # steps begun so far: tells state saved in this step from older
 
     def begin(self) -> None:
         """The step starts issuing work: from here a failure is rolled back."""
         self.begun = True
+        self.steps += 1
 
 
-def _where(pipeline: Any) -> str:
+def _where() -> str:
     if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
         return f"rank {dist.get_rank()}: "
     return ""
@@ -81,7 +83,7 @@ def _explain(error: BaseException, pipeline: Any, index: Optional[int]) -> None:
     name = type(pipeline).__name__
     batch = "its batch" if index is None else f"batch {index}"
     note = (
-        f"trec_pipelines: {_where(pipeline)}{name}.progress() raised while training "
+        f"trec_pipelines: {_where()}{name}.progress() raised while training "
         f"{batch}; the pipeline rolled back, and the next progress() retries {batch} "
         "from its host copy (call pipeline.skip_failed_batch() first to drop it "
         "instead). With several ranks, do the same on every rank: a rank that raised "

@@ -314,3 +314,20 @@ def test_train_and_eval_pipelines_alternate_on_one_model() -> None:
         outputs.append(train.progress(it))
     outputs += drain(train, it)
     assert_same_training(outputs, plain_loop_with_retry(ref, optimizer_for(ref), batches), model, ref)
+
+
+def test_semi_sync_stash_survives_a_failed_optimizer_step() -> None:
+    """With stash_gradients the step swaps in the previous batch's gradients before
+    stepping; if the step then fails, the retry must find the stash as it was."""
+    model = TinyModel()
+    optimizer = FaultyOptimizer(model.parameters(), at=3)
+    pipeline = tp.TrainPipelineSemiSync(model, optimizer, CPU, start_batch=1, stash_gradients=True)
+    it = iter(make_batches(6))
+    for _ in range(4):  # batch 1 only stashes (its step is skipped): steps 0, 1, 2 run
+        pipeline.progress(it)
+    before = {name: grad.clone() for name, grad in pipeline._gradients.items()}
+    with pytest.raises(Fault):
+        pipeline.progress(it)
+    assert before.keys() == pipeline._gradients.keys()
+    assert all(torch.equal(before[name], pipeline._gradients[name]) for name in before)
+    assert len(drain(pipeline, it)) == 2

@@ -167,6 +167,7 @@ class TrainPipelineSemiSync(TrainPipelineSparseDist):
         self._strict = strict
         # Parameter name -> the gradient of the last batch, applied at the next step.
         self._gradients: Dict[str, torch.Tensor] = {}
+        self._stash_before: Tuple[int, Dict[str, torch.Tensor]] = (-1, {})
         self._warned_unused_features = False
         logger.debug("%s: semi-sync from batch %d", type(self).__name__, start_batch)
 
@@ -320,6 +321,8 @@ class TrainPipelineSemiSync(TrainPipelineSparseDist):
 
     def _grad_swap(self) -> None:
         """Give every parameter the previous batch's gradient and stash this batch's."""
+        # The stash as it was before this step, should the step fail after this.
+        self._stash_before = (self._step_guard.steps, dict(self._gradients))
         for name, param in self._model.named_parameters():
             previous = self._gradients.pop(name, None)
             if param.grad is not None:
@@ -407,6 +410,13 @@ class TrainPipelineSemiSync(TrainPipelineSparseDist):
             # nxt, data_dist -> default: issued after cur's update, so it sees it
             self.start_embedding_lookup(self.batches[0], self._embedding_context(0))
         return output
+
+    def _drop_in_flight_state(self) -> None:
+        super()._drop_in_flight_state()
+        steps, stash = self._stash_before
+        if steps == self._step_guard.steps:
+            # The failed step swapped gradients: its retry must find the previous batch's.
+            self._gradients = stash
 
     def _embedding_context(self, slot: int) -> EmbeddingTrainPipelineContext:
         return cast(EmbeddingTrainPipelineContext, self.contexts[slot])
