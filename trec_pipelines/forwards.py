@@ -21,7 +21,8 @@ the first call, and a second call in the same forward raises with the fix.
 
 from __future__ import annotations
 
-from typing import Any, Dict, Generic, Iterable, List, Optional, TypeVar, Union
+import weakref
+from typing import Any, Dict, Generic, Iterable, List, Optional, Tuple, TypeVar, Union
 
 import torch
 from torchrec.distributed.types import Awaitable, LazyNoWait, ShardedModule
@@ -57,6 +58,23 @@ class BaseForward(Generic[C]):
         # The context whose input this wrapper consumed last: a second call on
         # the same context is the "called twice in one forward" mistake.
         self._consumed: Optional[C] = None
+        # The pipeline that installed this wrapper (see claim()).
+        self._owner: Optional[weakref.ReferenceType[Any]] = None
+        self.owner_name = "a pipeline"
+        # (had an instance forward, that forward): what this wrapper replaced on
+        # the module, so it can be undone after its pipeline is gone.
+        self.replaced: Optional[Tuple[bool, Any]] = None
+
+    def claim(self, pipeline: Any) -> None:
+        """Record ``pipeline`` as the one that installed this wrapper, so another
+        pipeline finding it on the model knows whom to take the model from."""
+        self._owner = weakref.ref(pipeline)
+        self.owner_name = type(pipeline).__name__
+
+    @property
+    def owner(self) -> Optional[Any]:
+        """The pipeline that installed this wrapper, or None if it was collected."""
+        return self._owner() if self._owner is not None else None
 
     @property
     def name(self) -> str:

@@ -45,6 +45,8 @@ class SplitsOnlyKJTAllToAll:
         self._splits = splits
         self._stagger = stagger
         self._bounds = [0] + list(itertools.accumulate(splits))
+        # What this override replaced (set by fuse_kjt_splits), to undo it.
+        self.replaced: Optional["KJTDistOverride"] = None
 
     def __call__(self, input: KeyedJaggedTensor) -> KJTSplitsAllToAllMeta:
         with torch.no_grad():
@@ -113,10 +115,22 @@ def fuse_kjt_splits(modules: Sequence[ShardedModule]) -> Tuple[KJTDistOverride, 
                 original_forward=kjt_dist.__dict__.get("forward"),
             )
         )
-        kjt_dist.forward = SplitsOnlyKJTAllToAll(  # type: ignore[method-assign]
-            kjt_dist._pg, kjt_dist._splits, kjt_dist._stagger
-        )
+        splits_only = SplitsOnlyKJTAllToAll(kjt_dist._pg, kjt_dist._splits, kjt_dist._stagger)
+        splits_only.replaced = overrides[-1]
+        kjt_dist.forward = splits_only  # type: ignore[method-assign]
     return tuple(overrides)
+
+
+def unfuse_left_over(module: ShardedModule) -> None:
+    """Undo the splits-only overrides a collected pipeline left in ``module``
+    (each remembers what it replaced), as :func:`unfuse_kjt_splits` would have."""
+    for fqn, child in module.named_modules():
+        for input_dist in getattr(child, "_input_dists", None) or []:
+            kjt_dist = getattr(input_dist, "_dist", None)
+            if not isinstance(kjt_dist, KJTAllToAll):
+                continue
+            while isinstance(kjt_dist.__dict__.get("forward"), SplitsOnlyKJTAllToAll):
+                unfuse_kjt_splits([kjt_dist.__dict__["forward"].replaced])
 
 
 def unfuse_kjt_splits(overrides: Sequence[KJTDistOverride]) -> None:

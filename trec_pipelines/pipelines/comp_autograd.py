@@ -15,6 +15,7 @@ from trec_pipelines import recorder as rec
 from trec_pipelines.context import TrainPipelineContext
 from trec_pipelines.pipelines.sparse_dist import TrainPipelineSparseDist
 from trec_pipelines.rewrite import Strategy
+from trec_pipelines.step_guard import guarded_step
 from trec_pipelines.stages import backward
 
 # The compiler settings upstream sets for compiled autograd, per config module:
@@ -164,6 +165,7 @@ class TrainPipelineSparseDistCompAutograd(TrainPipelineSparseDist):
         rewrite_strategy: Strategy = "auto",
         on_unpipelined: str = "warn",
         sync_exhaustion: bool = False,
+        validate_batches: bool = True,
     ) -> None:
         super().__init__(
             model,
@@ -179,6 +181,7 @@ class TrainPipelineSparseDistCompAutograd(TrainPipelineSparseDist):
             rewrite_strategy=rewrite_strategy,
             on_unpipelined=on_unpipelined,
             sync_exhaustion=sync_exhaustion,
+            validate_batches=validate_batches,
         )
         default_options: Dict[str, Union[str, bool]] = {
             "backend": "inductor",
@@ -232,6 +235,7 @@ class TrainPipelineSparseDistCompAutograd(TrainPipelineSparseDist):
             with self._span(rec.BACKWARD, self.contexts[0].index):
                 backward(losses)
 
+    @guarded_step
     def progress(self, dataloader_iter: Iterator[Any]) -> Any:
         self._start_step(dataloader_iter)  # fill, pull host batches, stop at end of data
         training = self._model.training

@@ -123,7 +123,7 @@ def _load_and_copy(
     batch = source.next(iterator)
     if batch is None:
         return None
-    return copy_to_device(batch, device, stream, inplace), source.loaded - 1
+    return copy_to_device(batch, device, stream, inplace), source.last_index
 
 
 def _predictions(output: Any) -> Any:
@@ -191,6 +191,7 @@ class EvalPipelineSparseDist(TrainPipelineSparseDist):
     """
 
     _requires_optimizer = False
+    _retries_failed_steps = False
 
     def __init__(
         self,
@@ -206,6 +207,7 @@ class EvalPipelineSparseDist(TrainPipelineSparseDist):
         rewrite_strategy: Strategy = "auto",
         on_unpipelined: str = "warn",
         sync_exhaustion: bool = False,
+        validate_batches: bool = True,
     ) -> None:
         self._loader: Optional[_BatchLoader] = None  # first: __del__ reads it
         self._loader_iter: Optional[Iterator[Any]] = None
@@ -221,6 +223,7 @@ class EvalPipelineSparseDist(TrainPipelineSparseDist):
             rewrite_strategy=rewrite_strategy,
             on_unpipelined=on_unpipelined,
             sync_exhaustion=sync_exhaustion,
+            validate_batches=validate_batches,
         )
 
     # ----------------------------------------------------------- loader thread
@@ -272,6 +275,7 @@ class EvalPipelineSparseDist(TrainPipelineSparseDist):
 
     def progress(self, dataloader_iter: Iterator[Any]) -> Any:
         self._begin_call()
+        self._take_over_model()  # from a train pipeline sharing the model, if any
         self._check_attached()
         if self._loader is None:
             # fill: a new epoch; cur is copied by the loader, then input_dist

@@ -14,6 +14,7 @@ from trec_pipelines.context import EmbeddingTrainPipelineContext
 from trec_pipelines.forwards import BaseForward, InSyncEmbeddingPipelinedForward
 from trec_pipelines.pipelines.sparse_dist import TrainPipelineSparseDist
 from trec_pipelines.rewrite import Strategy
+from trec_pipelines.step_guard import guarded_step
 from trec_pipelines.streams import (
     StreamSet,
     current_stream,
@@ -124,6 +125,7 @@ class TrainPipelineFusedSparseDist(TrainPipelineSparseDist):
         rewrite_strategy: Strategy = "auto",
         on_unpipelined: str = "warn",
         sync_exhaustion: bool = False,
+        validate_batches: bool = True,
     ) -> None:
         if emb_lookup_stream not in EMB_LOOKUP_STREAMS:
             raise ValueError(
@@ -152,6 +154,7 @@ class TrainPipelineFusedSparseDist(TrainPipelineSparseDist):
             rewrite_strategy=rewrite_strategy,
             on_unpipelined=on_unpipelined,
             sync_exhaustion=sync_exhaustion,
+            validate_batches=validate_batches,
         )
         self._pipeline_postproc = pipeline_postproc
         self._strict = strict
@@ -228,6 +231,7 @@ class TrainPipelineFusedSparseDist(TrainPipelineSparseDist):
 
     # --------------------------------------------------------------- schedule
 
+    @guarded_step
     def progress(self, dataloader_iter: Iterator[Any]) -> Any:
         self._start_step(dataloader_iter)  # fill, pull host batches, stop at end of data
         training = self._model.training
@@ -259,6 +263,12 @@ class TrainPipelineFusedSparseDist(TrainPipelineSparseDist):
             self._optimizer_step()                                 # cur, default
         self.dequeue_batch()
         return output
+
+    def _drop_in_flight_state(self) -> None:
+        super()._drop_in_flight_state()
+        # The failed step may have stopped anywhere: the next lookup waits for
+        # all the work issued so far.
+        self._weights_ready = None
 
     # ------------------------------------------------------- attach / detach
 
@@ -315,6 +325,7 @@ class EvalPipelineFusedSparseDist(TrainPipelineFusedSparseDist):
 
     # Nothing is trained: optimizer=None is fine.
     _requires_optimizer: bool = False
+    _retries_failed_steps: bool = False
 
     def __init__(
         self,
@@ -337,6 +348,7 @@ class EvalPipelineFusedSparseDist(TrainPipelineFusedSparseDist):
         rewrite_strategy: Strategy = "auto",
         on_unpipelined: str = "warn",
         sync_exhaustion: bool = False,
+        validate_batches: bool = True,
     ) -> None:
         super().__init__(
             model,
@@ -356,6 +368,7 @@ class EvalPipelineFusedSparseDist(TrainPipelineFusedSparseDist):
             rewrite_strategy=rewrite_strategy,
             on_unpipelined=on_unpipelined,
             sync_exhaustion=sync_exhaustion,
+            validate_batches=validate_batches,
         )
         self._enable_embedding_lookup_prefetch = enable_embedding_lookup_prefetch
 

@@ -14,6 +14,7 @@ from trec_pipelines.context import PrefetchTrainPipelineContext
 from trec_pipelines.forwards import BaseForward, PrefetchPipelinedForward
 from trec_pipelines.pipelines.sparse_dist import TrainPipelineSparseDist
 from trec_pipelines.rewrite import Strategy
+from trec_pipelines.step_guard import guarded_step
 from trec_pipelines.stages import wait_for_batch
 from trec_pipelines.streams import (
     StreamSet,
@@ -117,6 +118,7 @@ class PrefetchTrainPipelineSparseDist(TrainPipelineSparseDist):
         rewrite_strategy: Strategy = "auto",
         on_unpipelined: str = "warn",
         sync_exhaustion: bool = False,
+        validate_batches: bool = True,
     ) -> None:
         super().__init__(
             model,
@@ -133,6 +135,7 @@ class PrefetchTrainPipelineSparseDist(TrainPipelineSparseDist):
             rewrite_strategy=rewrite_strategy,
             on_unpipelined=on_unpipelined,
             sync_exhaustion=sync_exhaustion,
+            validate_batches=validate_batches,
         )
         # Recorded on the default stream when the last forward was issued;
         # the next prefetch waits for it (see [Note: prefetch ordering]).
@@ -217,6 +220,7 @@ class PrefetchTrainPipelineSparseDist(TrainPipelineSparseDist):
             return
         self.start_sparse_data_dist(self.batches[1], self.contexts[1])
 
+    @guarded_step
     def progress(self, dataloader_iter: Iterator[Any]) -> Any:
         self._start_step(dataloader_iter)  # fill, pull host batches, stop at end of data
         training = self._model.training
