@@ -10,6 +10,7 @@ import torch._functorch.config
 import torch._inductor.config
 from torch.nn.parallel import DistributedDataParallel
 from torchrec.distributed import comm_ops
+from torchrec.distributed.train_pipeline import In, Out
 
 from trec_pipelines import recorder as rec
 from trec_pipelines.context import TrainPipelineContext
@@ -89,7 +90,7 @@ def sync_collectives() -> Iterator[None]:
         comm_ops.set_use_sync_collectives(previous)
 
 
-class TrainPipelineSparseDistCompAutograd(TrainPipelineSparseDist):
+class TrainPipelineSparseDistCompAutograd(TrainPipelineSparseDist[In, Out]):
     """Three batches in flight, as :class:`TrainPipelineSparseDist`; the backward is compiled.
 
     ==========  =======  ===========================================================

@@ -17,6 +17,7 @@ import threading
 from typing import Any, Callable, Iterator, Optional, Tuple
 
 import torch
+from torchrec.distributed.train_pipeline import In, Out
 
 from trec_pipelines import recorder as rec
 from trec_pipelines.pipelines.sparse_dist import TrainPipelineSparseDist
@@ -133,7 +134,7 @@ def _predictions(output: Any) -> Any:
     return output
 
 
-class EvalPipelineSparseDist(TrainPipelineSparseDist):
+class EvalPipelineSparseDist(TrainPipelineSparseDist[In, Out]):
     """Forward only; ``cur`` runs while ``nxt`` is in input_dist and a loader thread copies.
 
     ============  ==========  ================================================

@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Any, Callable, Deque, Iterator, List, Literal, Optional, Tuple
 
 import torch
+from torchrec.distributed.train_pipeline import In, Out
 from torchrec.distributed.types import ShardedModule
 
 from trec_pipelines import lookup
@@ -26,7 +27,7 @@ EmbLookupStream = Literal["data_dist", "new", "current"]
 EMB_LOOKUP_STREAMS: Tuple[str, ...] = ("data_dist", "new", "current")
 
 
-class TrainPipelineFusedSparseDist(TrainPipelineSparseDist):
+class TrainPipelineFusedSparseDist(TrainPipelineSparseDist[In, Out]):
     """Three batches in flight as in SparseDist; ``cur``'s embedding lookup runs first, on its own stream.
 
     ==========  =======  ==================================================
@@ -274,7 +275,7 @@ class TrainPipelineFusedSparseDist(TrainPipelineSparseDist):
         return super().detach()
 
 
-class EvalPipelineFusedSparseDist(TrainPipelineFusedSparseDist):
+class EvalPipelineFusedSparseDist(TrainPipelineFusedSparseDist[In, Out]):
     """Inference in Fused's order: no backward or step, the forward under ``torch.no_grad()``.
 
     ==========  =======  ==================================================

@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import logging
 from collections import deque
-from typing import Any, Callable, Deque, Generic, List, Optional, Tuple, TypeVar
+from typing import Any, Callable, Deque, Generic, List, Optional, Tuple
 
 import torch
 from torch.utils.hooks import RemovableHandle
+from torchrec.distributed.train_pipeline import In
 from torchrec.distributed.types import ShardedModule
 
 from trec_pipelines.cache_prefetch import prefetch_embeddings
@@ -48,8 +49,6 @@ from trec_pipelines.streams import (
 )
 
 logger: logging.Logger = logging.getLogger(__name__)
-
-In = TypeVar("In")
 
 
 class SparseDataDistUtil(Generic[In]):

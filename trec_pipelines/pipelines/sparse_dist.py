@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, Deque, Iterator, List, Optional, Tuple, Type
 
 import torch
-from torchrec.distributed.train_pipeline import TrainPipeline
+from torchrec.distributed.train_pipeline import In, Out, TrainPipeline
 from torchrec.distributed.types import ShardedModule
 
 from trec_pipelines import recorder as rec
@@ -61,7 +61,7 @@ class _Parked:
     source: SourceState
 
 
-class TrainPipelineSparseDist(TrainPipeline[Any, Any], Recordable):
+class TrainPipelineSparseDist(TrainPipeline[In, Out], Recordable):
     """Three batches in flight: ``cur`` trains, ``nxt`` is in input_dist, ``new`` is copied.
 
     ==========  =======  ==================================================

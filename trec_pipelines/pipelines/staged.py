@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
-from typing import Any, Callable, Iterator, List, Optional
+from typing import Any, Callable, Iterator, List, Optional, TypeVar
 
 import torch
-from torchrec.distributed.train_pipeline import TrainPipeline
+from torchrec.distributed.train_pipeline import In, TrainPipeline
+from torchrec.streamable import Pipelineable
 
 from trec_pipelines import recorder as rec
 from trec_pipelines.recorder import Recordable
@@ -21,6 +22,9 @@ from trec_pipelines.streams import (
 )
 
 logger: logging.Logger = logging.getLogger(__name__)
+
+# What the last stage hands the caller (the type parameter upstream's Staged pipeline has).
+StageOut = TypeVar("StageOut", bound=Pipelineable)
 
 
 @dataclass
@@ -86,7 +90,7 @@ class _InFlight:
         record_stream(self.value, consumer)
 
 
-class StagedTrainPipeline(TrainPipeline[Any, Optional[Any]], Recordable):
+class StagedTrainPipeline(TrainPipeline[In, Optional[StageOut]], Recordable):
     """N batches in flight, one per stage; the caller trains the batch it returns.
 
     With stages ``s0 .. s(N-1)``, one ``progress()`` call issues, in order:
