@@ -13,6 +13,7 @@ from trec_pipelines import recorder as rec
 from trec_pipelines.args import CallArgs
 from trec_pipelines.context import EmbeddingTrainPipelineContext
 from trec_pipelines.forwards import BaseForward, InSyncEmbeddingPipelinedForward
+from trec_pipelines.pipelines._common import predictions
 from trec_pipelines.pipelines.sparse_dist import TrainPipelineSparseDist
 from trec_pipelines.rewrite import Strategy
 from trec_pipelines.streams import (
@@ -368,8 +369,8 @@ class EvalPipelineFusedSparseDist(TrainPipelineFusedSparseDist[In, Out]):
     def _eval_forward(self) -> Any:
         with self._span(rec.FORWARD, self.contexts[0].index):
             with torch.no_grad():
-                _, output = self._model_fwd(self.batches[0])
-        return output
+                # (loss, pred) or predictions only: both model shapes, as EvalPipelineSparseDist.
+                return predictions(self._model_fwd(self.batches[0]))
 
     # --------------------------------------------------------------- schedule
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
-from typing import Any, Callable, Iterator, List, Optional, TypeVar
+from typing import Any, Callable, Iterator, List, Optional, Protocol, TypeVar, runtime_checkable
 
 import torch
 from torchrec.distributed.train_pipeline import In, TrainPipeline
@@ -49,6 +49,22 @@ class PipelineStage:
     stream: Optional[torch.Stream]
     fill_callback: Optional[Callable[[], None]] = None
     data_exhausted_callback: Optional[Callable[[], None]] = None
+
+
+@runtime_checkable
+class StageAware(Protocol):
+    """An object whose bound methods are stage runnables and which must know,
+    before the first batch, which of them the pipeline runs
+    (:class:`SparseDataDistUtil`: how many batches it keeps in flight)."""
+
+    def stage_declared(self, verb: str) -> None: ...
+
+
+def _declare_stages(stages: List[PipelineStage]) -> None:
+    for stage in stages:
+        owner = getattr(stage.runnable, "__self__", None)
+        if isinstance(owner, StageAware):
+            owner.stage_declared(stage.runnable.__name__)
 
 
 def side_stream(stream: Optional[torch.Stream]) -> Optional[torch.Stream]:
@@ -162,6 +178,7 @@ class StagedTrainPipeline(TrainPipeline[In, Optional[StageOut]], Recordable):
                 "pass e.g. a stage that copies the batch to the device"
             )
         self._pipeline_stages = list(pipeline_stages)
+        _declare_stages(self._pipeline_stages)
         self._debug_mode = debug_mode
         self.on_flush_end = on_flush_end
         self._stage_streams = [side_stream(stage.stream) for stage in self._pipeline_stages]
