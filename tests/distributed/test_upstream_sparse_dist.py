@@ -9,7 +9,10 @@ From upstream's ``test_train_pipelines.py`` (GPU-only there, skipped on CPU):
 * ``test_custom_fwd`` -- a custom forward whose predictions are reshaped;
 * ``EmbeddingTrainPipelineTest.test_equal_to_non_pipelined`` -- SemiSync
   (``start_batch`` 0 and 6, gradients stashed or not);
-* ``EvalPipelineSparseDistTest.test_processing`` -- eval over plain tensors.
+* ``EvalPipelineSparseDistTest.test_processing`` -- eval over plain tensors;
+* ``test_feature_processed_ebc`` -- a position-weighted FP-EBC is pipelined;
+* ``test_train_pipelines_utils.test_restore_from_snapshot`` -- without the
+  postproc module (postprocs are tested with the postproc pipelining).
 
 Each run is checked against the non-pipelined copy of the model, and against
 torchrec 1.8.0's class of the same name where that runs on CPU (SparseDist
@@ -18,22 +21,38 @@ and Lite as they are, Fused and SemiSync under the test-only shim).
 
 from __future__ import annotations
 
+import copy
 from typing import Any, List, Tuple
 
 import pytest
 import torch
 import torchrec.distributed.train_pipeline.train_pipelines as upstream
 from torch import nn
+from torchrec.distributed.fp_embeddingbag import (
+    FeatureProcessedEmbeddingBagCollectionSharder,
+    ShardedFeatureProcessedEmbeddingBagCollection,
+)
+from torchrec.distributed.model_parallel import DistributedModelParallel
+from torchrec.distributed.test_utils.emb_sharder import TestEBCSharder
+from torchrec.distributed.test_utils.test_model import ModelInput
+from torchrec.distributed.types import ShardingEnv
+from torchrec.modules.embedding_modules import EmbeddingBagCollection
+from torchrec.modules.feature_processor_ import PositionWeightedModule
+from torchrec.modules.fp_embedding_modules import FeatureProcessedEmbeddingBagCollection
 
 import trec_pipelines
-from tests.distributed.dlrm import Run, assert_runs_equal, run_pipeline, weights
+from tests.distributed.dlrm import Run, assert_runs_equal, current_group, run_pipeline, weights
 from tests.distributed.torchrec_shim import torchrec_on_cpu
 from tests.distributed.upstream_setup import (
     CPU,
+    FUSED,
+    NUM_FLOAT_FEATURES,
     Setting,
+    copy_state,
     generate_data,
     non_pipelined,
     optional_run,
+    tables,
 )
 
 SHARDINGS = ["table_wise", "column_wise", "row_wise"]
@@ -173,3 +192,89 @@ def test_eval_processing_of_plain_tensors(cls: Any) -> None:
     assert [pipeline.progress(it).item() for _ in range(7)] == list(range(7))
     with pytest.raises(StopIteration):
         pipeline.progress(it)
+
+
+class PositionWeightedSparse(nn.Module):
+    """Upstream's feature-processed model: a weighted EBC fed through one
+    PositionWeightedModule per feature, its pooled outputs concatenated as the
+    predictions and their mean as the loss; it reads ``batch.idlist_features``."""
+
+    def __init__(self, max_lengths: List[int]) -> None:
+        super().__init__()
+        plain, _ = tables()
+        names = [f for t in plain for f in t.feature_names]
+        self.names = names
+        self.fp_ebc = FeatureProcessedEmbeddingBagCollection(
+            EmbeddingBagCollection(tables=plain, device=CPU, is_weighted=True),
+            {name: PositionWeightedModule(max_feature_length=n) for name, n in zip(names, max_lengths)},  # type: ignore[misc]
+        )
+        for param in self.parameters():
+            nn.init.normal_(param, mean=0.0, std=0.01)
+
+    def forward(self, batch: Any) -> Tuple[torch.Tensor, torch.Tensor]:
+        pooled = self.fp_ebc(batch.idlist_features)
+        pred = torch.cat([pooled[name] for name in self.names], dim=1)
+        return pred.mean(), pred
+
+
+def test_feature_processed_ebc() -> None:
+    max_lengths = [10, 10, 12, 12]
+    plain, _ = tables()
+    torch.manual_seed(0)
+    model = PositionWeightedSparse(max_lengths)
+    rank = torch.distributed.get_rank()
+    torch.manual_seed(100 + rank)
+    batches = [
+        ModelInput.generate(
+            tables=plain, weighted_tables=[], batch_size=4, world_size=1,
+            num_float_features=NUM_FLOAT_FEATURES, max_feature_lengths=max_lengths,
+        )[1][0]
+        for _ in range(5)
+    ]
+    sharder = FeatureProcessedEmbeddingBagCollectionSharder(TestEBCSharder("table_wise", FUSED))
+    copies = []
+    for _ in range(3):
+        dmp = DistributedModelParallel(
+            module=copy.deepcopy(model), env=ShardingEnv.from_process_group(current_group()),
+            device=CPU, sharders=[sharder],  # type: ignore[list-item]
+        )
+        copies.append((dmp, torch.optim.SGD(dmp.parameters(), lr=0.1)))
+    with torch.no_grad():
+        for dmp, _ in copies[1:]:
+            copy_state(copies[0][0].state_dict(), dmp.state_dict())
+    (ref_dmp, ref_opt), (their_dmp, their_opt), (dmp, opt) = copies
+    ref = non_pipelined(ref_dmp, ref_opt, batches)
+    theirs = optional_run(upstream.TrainPipelineSparseDist(their_dmp, their_opt, CPU), batches, model=their_dmp)
+    pipeline = trec_pipelines.TrainPipelineSparseDist(dmp, opt, CPU)
+    ours = optional_run(pipeline, batches, model=dmp)
+    assert_runs_equal(ref, theirs, ("non_pipelined", "torchrec"))
+    assert_runs_equal(ref, ours, ("non_pipelined", "trec_pipelines"))
+    (pipelined,) = pipeline.rewrite_result.modules
+    assert isinstance(pipelined, ShardedFeatureProcessedEmbeddingBagCollection)
+
+
+def test_restore_from_snapshot() -> None:
+    """Upstream's snapshot test without postprocs: a model rewritten by the
+    pipeline saves the state dict a plain sharded copy has, each loads the
+    other's, and training goes on from the loaded state as it would have."""
+    batches = generate_data(num_batches=6, batch_size=4, seed=8)
+    (ref_dmp, ref_opt), (src_dmp, src_opt), (dst_dmp, dst_opt) = Setting("table_wise").pair(3)
+    ref = non_pipelined(ref_dmp, ref_opt, batches)
+    source = trec_pipelines.TrainPipelineSparseDist(src_dmp, src_opt, CPU)
+    it = iter(batches[:3])
+    first = [source.progress(it).detach().clone() for _ in range(3)]
+    with pytest.raises(StopIteration):
+        source.progress(it)
+    assert source.rewrite_result is not None and source.rewrite_result.modules  # still rewritten
+    snapshot = src_dmp.state_dict()
+    plain_state = ref_dmp.state_dict()
+    assert snapshot.keys() == plain_state.keys()
+    # Pipelined -> sharded: the plain copy picks up where the pipeline stopped.
+    missing, unexpected = dst_dmp.load_state_dict(snapshot)
+    assert (missing, unexpected) == ([], [])
+    rest = non_pipelined(dst_dmp, dst_opt, batches[3:])
+    assert_runs_equal(ref, Run(first + list(rest), rest.weights), ("non_pipelined", "pipelined then restored"))
+    # Sharded -> pipelined: load into the rewritten model, which then trains on.
+    missing, unexpected = src_dmp.load_state_dict(ref_dmp.state_dict())
+    assert (missing, unexpected) == ([], [])
+    assert_runs_equal(Run([], weights(ref_dmp)), Run([], weights(src_dmp)))

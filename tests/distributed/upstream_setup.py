@@ -80,7 +80,7 @@ def generate_data(num_batches: int = 5, batch_size: int = 1, seed: int = 0) -> L
         torch.random.set_rng_state(state)
 
 
-def _copy_state(src: Dict[str, Any], dst: Dict[str, Any]) -> None:
+def copy_state(src: Dict[str, Any], dst: Dict[str, Any]) -> None:
     """Make ``dst`` (a DMP state dict sharded by the same plan) equal ``src``."""
     for key, value in src.items():
         target = dst[key]
@@ -132,7 +132,7 @@ class Setting:
         copies = [self.shard(model) for _ in range(n)]
         with torch.no_grad():
             for dmp, _ in copies[1:]:
-                _copy_state(copies[0][0].state_dict(), dmp.state_dict())
+                copy_state(copies[0][0].state_dict(), dmp.state_dict())
         return copies
 
 
