@@ -376,3 +376,25 @@ def test_sdd_modes_come_from_the_stages_when_streams_are_none() -> None:
     hidden = SparseDataDistUtil(TinyModel(), None)
     with pytest.raises(RuntimeError, match="prefetch_stream"):
         hidden.prefetch(object())
+
+
+def test_sdd_prefetch_stage_with_none_streams_matches_plain_loop_and_is_late_declared_error() -> None:
+    batches = make_batches(6)
+    ref_model = TinyModel()
+    ref = plain_loop(ref_model, batches)
+    model = TinyModel()
+    sdd = SparseDataDistUtil(model, data_dist_stream=None)  # every stream None, as on CPU
+    stages = [
+        PipelineStage("h2d", lambda b: b, None),
+        sdd.start_sparse_data_dist_stage(),
+        PipelineStage("prefetch", sdd.prefetch, None),
+    ]
+    ours = train_staged(model, StagedTrainPipeline(stages), batches, optimizer_for(model))
+    assert_same_training(ours, ref, model, ref_model)
+    # A prefetch stage declared once batches have gone through input_dist
+    # would change how many are in flight: refused, with the fix.
+    late = SparseDataDistUtil(TinyModel(), None)
+    first = StagedTrainPipeline([h2d_stage(), late.start_sparse_data_dist_stage()])
+    first.progress(iter(make_batches(3)))
+    with pytest.raises(RuntimeError, match="before the first progress"):
+        StagedTrainPipeline([h2d_stage(), late.start_sparse_data_dist_stage(), PipelineStage("p", late.prefetch, None)])
