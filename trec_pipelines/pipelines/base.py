@@ -6,7 +6,7 @@ import logging
 from typing import Any, Callable, Iterator, List, Optional, Tuple
 
 import torch
-from torchrec.distributed.train_pipeline import TrainPipeline
+from torchrec.distributed.train_pipeline import In, Out, TrainPipeline
 
 from trec_pipelines import recorder as rec
 from trec_pipelines.pipelines._common import check_device, check_model_device, check_optimizer
@@ -25,7 +25,7 @@ from trec_pipelines.streams import make_streams
 logger: logging.Logger = logging.getLogger(__name__)
 
 
-class TrainPipelineBase(TrainPipeline[Any, Any], Recordable):
+class TrainPipelineBase(TrainPipeline[In, Out], Recordable):
     """Two batches in flight: batch ``i`` trains while batch ``i+1`` is copied.
 
     ===========  =======  =========================================

@@ -17,8 +17,10 @@ import threading
 from typing import Any, Callable, Iterator, Optional, Tuple
 
 import torch
+from torchrec.distributed.train_pipeline import In, Out
 
 from trec_pipelines import recorder as rec
+from trec_pipelines.pipelines._common import predictions
 from trec_pipelines.pipelines.sparse_dist import TrainPipelineSparseDist
 from trec_pipelines.rewrite import Strategy
 from trec_pipelines.stages import BatchSource, copy_to_device
@@ -126,14 +128,7 @@ def _load_and_copy(
     return copy_to_device(batch, device, stream, inplace), source.last_index
 
 
-def _predictions(output: Any) -> Any:
-    """The model's predictions: ``pred`` of a ``(loss, pred)`` pair, else the output itself."""
-    if isinstance(output, tuple) and len(output) == 2:
-        return output[1]
-    return output
-
-
-class EvalPipelineSparseDist(TrainPipelineSparseDist):
+class EvalPipelineSparseDist(TrainPipelineSparseDist[In, Out]):
     """Forward only; ``cur`` runs while ``nxt`` is in input_dist and a loader thread copies.
 
     ============  ==========  ================================================
@@ -271,7 +266,7 @@ class EvalPipelineSparseDist(TrainPipelineSparseDist):
     def _predict(self) -> Any:
         with self._span(rec.FORWARD, self.contexts[0].index):
             with torch.no_grad():
-                return _predictions(self._model(self.batches[0]))
+                return predictions(self._model(self.batches[0]))
 
     def progress(self, dataloader_iter: Iterator[Any]) -> Any:
         self._begin_call()

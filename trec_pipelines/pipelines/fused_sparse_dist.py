@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Any, Callable, Deque, Iterator, List, Literal, Optional, Tuple
 
 import torch
+from torchrec.distributed.train_pipeline import In, Out
 from torchrec.distributed.types import ShardedModule
 
 from trec_pipelines import lookup
@@ -12,6 +13,7 @@ from trec_pipelines import recorder as rec
 from trec_pipelines.args import CallArgs
 from trec_pipelines.context import EmbeddingTrainPipelineContext
 from trec_pipelines.forwards import BaseForward, InSyncEmbeddingPipelinedForward
+from trec_pipelines.pipelines._common import predictions
 from trec_pipelines.pipelines.sparse_dist import TrainPipelineSparseDist
 from trec_pipelines.rewrite import Strategy
 from trec_pipelines.step_guard import guarded_step
@@ -27,7 +29,7 @@ EmbLookupStream = Literal["data_dist", "new", "current"]
 EMB_LOOKUP_STREAMS: Tuple[str, ...] = ("data_dist", "new", "current")
 
 
-class TrainPipelineFusedSparseDist(TrainPipelineSparseDist):
+class TrainPipelineFusedSparseDist(TrainPipelineSparseDist[In, Out]):
     """Three batches in flight as in SparseDist; ``cur``'s embedding lookup runs first, on its own stream.
 
     ==========  =======  ==================================================
@@ -284,7 +286,7 @@ class TrainPipelineFusedSparseDist(TrainPipelineSparseDist):
         return super().detach()
 
 
-class EvalPipelineFusedSparseDist(TrainPipelineFusedSparseDist):
+class EvalPipelineFusedSparseDist(TrainPipelineFusedSparseDist[In, Out]):
     """Inference in Fused's order: no backward or step, the forward under ``torch.no_grad()``.
 
     ==========  =======  ==================================================
@@ -380,8 +382,8 @@ class EvalPipelineFusedSparseDist(TrainPipelineFusedSparseDist):
     def _eval_forward(self) -> Any:
         with self._span(rec.FORWARD, self.contexts[0].index):
             with torch.no_grad():
-                _, output = self._model_fwd(self.batches[0])
-        return output
+                # (loss, pred) or predictions only: both model shapes, as EvalPipelineSparseDist.
+                return predictions(self._model_fwd(self.batches[0]))
 
     # --------------------------------------------------------------- schedule
 

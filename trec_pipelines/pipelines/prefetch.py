@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Any, Callable, Iterator, Optional, Tuple
 
 import torch
+from torchrec.distributed.train_pipeline import In, Out
 from torchrec.distributed.types import ShardedModule
 
 from trec_pipelines import recorder as rec
@@ -25,7 +26,7 @@ from trec_pipelines.streams import (
 )
 
 
-class PrefetchTrainPipelineSparseDist(TrainPipelineSparseDist):
+class PrefetchTrainPipelineSparseDist(TrainPipelineSparseDist[In, Out]):
     """Three batches in flight; ``nxt``'s cache prefetch overlaps ``cur``'s backward.
 
     ==========  =======  ==========================================================

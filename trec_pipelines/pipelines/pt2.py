@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, ContextManager, Dict, Iterator, Optional
 
 import torch
-from torchrec.distributed.train_pipeline import TrainPipeline
+from torchrec.distributed.train_pipeline import In, Out, TrainPipeline
 from torchrec.pt2.utils import default_pipeline_input_transformer
 
 from trec_pipelines import recorder as rec
@@ -55,7 +55,7 @@ def dynamo_settings() -> ContextManager[None]:
     return torch._dynamo.config.patch(**known)
 
 
-class TrainPipelinePT2(TrainPipeline[Any, Any], Recordable):
+class TrainPipelinePT2(TrainPipeline[In, Out], Recordable):
     """One batch in flight, one stream; the model is compiled on ``compile_on_iter``.
 
     ==========  =======  =========================================================

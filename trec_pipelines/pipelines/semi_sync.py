@@ -6,6 +6,7 @@ import logging
 from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple, cast
 
 import torch
+from torchrec.distributed.train_pipeline import In, Out
 from torchrec.distributed.types import ShardedModule
 
 from trec_pipelines import recorder as rec
@@ -29,7 +30,7 @@ from trec_pipelines.streams import (
 logger: logging.Logger = logging.getLogger(__name__)
 
 
-class TrainPipelineSemiSync(TrainPipelineSparseDist):
+class TrainPipelineSemiSync(TrainPipelineSparseDist[In, Out]):
     """Four batches in flight; once semi-sync, ``nxt`` is looked up before ``cur``'s backward.
 
     ==========  ===========  ======================================================

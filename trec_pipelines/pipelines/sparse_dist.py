@@ -8,10 +8,12 @@ from dataclasses import dataclass
 from typing import Any, Callable, Deque, Iterator, List, Optional, Tuple, Type
 
 import torch
-from torchrec.distributed.train_pipeline import TrainPipeline
+from torch.utils.hooks import RemovableHandle
+from torchrec.distributed.train_pipeline import In, Out, TrainPipeline
 from torchrec.distributed.types import ShardedModule
 
 from trec_pipelines import recorder as rec
+from trec_pipelines.backward_hooks import pipeline_hook, register_backward_hook
 from trec_pipelines.context import TrainPipelineContext
 from trec_pipelines.forwards import BaseForward, PipelinedForward
 from trec_pipelines.input_dist import (
@@ -89,7 +91,7 @@ class _Parked:
     source: SourceState
 
 
-class TrainPipelineSparseDist(TrainPipeline[Any, Any], Recordable):
+class TrainPipelineSparseDist(TrainPipeline[In, Out], Recordable):
     """Three batches in flight: ``cur`` trains, ``nxt`` is in input_dist, ``new`` is copied.
 
     ==========  =======  ==================================================
@@ -324,6 +326,25 @@ class TrainPipelineSparseDist(TrainPipeline[Any, Any], Recordable):
     def _set_module_context(self, context: TrainPipelineContext) -> None:
         for module in self._pipelined_modules:
             module.forward.set_context(context)  # type: ignore[union-attr]
+
+    def register_backward_hook(self, site: Any, work: Callable[[Any], None]) -> RemovableHandle:
+        """Run ``work(self)`` each training step when the backward reaches ``site``.
+
+        ``site`` is a :class:`~trec_pipelines.backward_hooks.InjectionSite` (or
+        torchrec's): with ``OutputDistTensorFinder`` on a pipelined EBC/EC the
+        work runs while that module's backward all-to-all is in flight (see
+        :mod:`trec_pipelines.backward_hooks`).  Several works at one site run
+        in registration order.  ``site.fqn`` is relative to the user's model.
+        Returns a handle (torchrec returns None); ``handle.remove()`` stops it.
+
+        Example::
+
+            pipeline.register_backward_hook(
+                InjectionSite("ebc", OutputDistTensorFinder(ShardingType.TABLE_WISE)),
+                lambda p: log.append(p),
+            )
+        """
+        return register_backward_hook(site, self._model, pipeline_hook(site, self, work))
 
     # ------------------------------------------------------------------ verbs
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Any, Callable, Iterator, Optional, Tuple, Type
 
 import torch
+from torchrec.distributed.train_pipeline import In, Out
 
 from trec_pipelines import recorder as rec
 from trec_pipelines.context import TrainPipelineContext
@@ -15,7 +16,7 @@ from trec_pipelines.stages import wait_for_batch
 from trec_pipelines.streams import StreamSet, make_streams
 
 
-class TrainPipelineSparseDistLite(TrainPipelineSparseDist):
+class TrainPipelineSparseDistLite(TrainPipelineSparseDist[In, Out]):
     """Two batches in flight: ``cur`` runs input_dist and trains, ``nxt`` is copied.
 
     ==========  =======  ==========================================================
