@@ -106,6 +106,7 @@ class PipelinedForward(BaseForward[TrainPipelineContext]):
         module: ShardedModule,
         context: TrainPipelineContext,
         stream: Optional[torch.Stream] = None,
+        *,
         wait_on_current_stream: bool = False,
     ) -> None:
         super().__init__(name, args, module, context, stream)
@@ -124,7 +125,20 @@ class PipelinedForward(BaseForward[TrainPipelineContext]):
 
 
 class PrefetchPipelinedForward(BaseForward[PrefetchTrainPipelineContext]):
-    """Runs ``compute_and_output_dist`` on input the prefetch stage made ready."""
+    """Runs ``compute_and_output_dist`` on input the prefetch stage made ready.
+
+    ``prefetch_stream`` is the stream the prefetch ran on (torchrec's name).
+    """
+
+    def __init__(
+        self,
+        name: str,
+        args: CallArgs,
+        module: ShardedModule,
+        context: PrefetchTrainPipelineContext,
+        prefetch_stream: Optional[torch.Stream] = None,
+    ) -> None:
+        super().__init__(name, args, module, context, prefetch_stream)
 
     def __call__(self, *input: Any, **kwargs: Any) -> Awaitable[Any]:
         data = self._take(self._context.module_input_post_prefetch)

@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
-from typing import Any, Callable, Iterator, List, Optional
+from typing import Any, Callable, Iterator, List, Optional, TypeVar
 
 import torch
 from torchrec.distributed.train_pipeline import TrainPipeline
+from torchrec.streamable import Pipelineable
 
 from trec_pipelines import recorder as rec
 from trec_pipelines.recorder import Recordable
@@ -21,6 +22,9 @@ from trec_pipelines.streams import (
 )
 
 logger: logging.Logger = logging.getLogger(__name__)
+
+# What a stage returns, for annotating stage callables (torchrec's name).
+StageOut = TypeVar("StageOut", bound=Pipelineable)
 
 
 @dataclass
