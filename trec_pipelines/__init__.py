@@ -7,12 +7,14 @@ for ``from trec_pipelines import TrainPipelineSparseDist``.
 # torchrec's own interface: a pipeline of ours is a torchrec ``TrainPipeline``.
 from torchrec.distributed.train_pipeline import In, Out, TrainPipeline
 
-from trec_pipelines.args import CallArgs
+from trec_pipelines.args import ArgInfo, ArgInfoStepFactory, CallArgs
+from trec_pipelines.cache_prefetch import prefetch_embeddings
 from trec_pipelines.context import (
     EmbeddingTrainPipelineContext,
     PrefetchTrainPipelineContext,
     TrainPipelineContext,
 )
+from trec_pipelines.data_loading import DataLoadingThread
 from trec_pipelines.errors import ModelDetachedException
 from trec_pipelines.forwards import (
     EmbeddingPipelinedForward,
@@ -41,10 +43,14 @@ from trec_pipelines.pipelines.sparse_dist_lite import TrainPipelineSparseDistLit
 from trec_pipelines.recorder import Action, ScheduleRecorder
 from trec_pipelines.rewrite import RewriteResult, restore_model, rewrite_model
 from trec_pipelines.state import PipelineState
+from trec_pipelines.tracing import Tracer
 
 __all__ = [
     "Action",
+    "ArgInfo",
+    "ArgInfoStepFactory",
     "CallArgs",
+    "DataLoadingThread",
     "EmbeddingPipelinedForward",
     "EmbeddingTrainPipelineContext",
     "EvalPipelineFusedSparseDist",
@@ -67,6 +73,7 @@ __all__ = [
     "StageOut",
     "StagedTrainPipeline",
     "TorchCompileConfig",
+    "Tracer",
     "TrainPipeline",
     "TrainPipelineBase",
     "TrainPipelineContext",
@@ -76,6 +83,7 @@ __all__ = [
     "TrainPipelineSparseDist",
     "TrainPipelineSparseDistCompAutograd",
     "TrainPipelineSparseDistLite",
+    "prefetch_embeddings",
     "restore_model",
     "rewrite_model",
 ]

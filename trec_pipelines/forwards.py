@@ -170,14 +170,16 @@ class EmbeddingPipelinedForward(BaseForward[EmbeddingTrainPipelineContext]):
             embeddings_awaitable, remapped_awaitable = awaitable
             embeddings = embeddings_awaitable.wait()
             remapped = remapped_awaitable.wait()
-            self._detach(embeddings)
+            self.detach_embeddings(embeddings, consumer)
             return (LazyNoWait(embeddings), LazyNoWait(remapped))
         embeddings = awaitable.wait()
-        self._detach(embeddings)
+        self.detach_embeddings(embeddings, consumer)
         return LazyNoWait(embeddings)
 
-    def _detach(self, embeddings: EmbeddingOutput) -> None:
-        record_output(embeddings, current_stream(_device_of(self._stream)))
+    def detach_embeddings(self, embeddings: EmbeddingOutput, cur_stream: Optional[torch.Stream]) -> None:
+        """Hand the lookup output to ``cur_stream`` (the forward's) and cut it from
+        autograd, keeping both sides in the context for ``embedding_backward``."""
+        record_output(embeddings, cur_stream)
         originals: List[torch.Tensor] = []
         leaves: List[torch.Tensor] = []
         if isinstance(embeddings, KeyedTensor):
@@ -205,10 +207,10 @@ class EmbeddingPipelinedForward(BaseForward[EmbeddingTrainPipelineContext]):
 class InSyncEmbeddingPipelinedForward(EmbeddingPipelinedForward):
     """Returns the lookup the pipeline already ran, still attached to autograd."""
 
-    def _detach(self, embeddings: EmbeddingOutput) -> None:
+    def detach_embeddings(self, embeddings: EmbeddingOutput, cur_stream: Optional[torch.Stream]) -> None:
         # Nothing is detached, but the output was allocated on the lookup stream
         # and the forward and backward read it on this one.
-        record_output(embeddings, current_stream(_device_of(self._stream)))
+        record_output(embeddings, cur_stream)
 
 
 def record_output(embeddings: EmbeddingOutput, consumer: Optional[torch.Stream]) -> None:

@@ -8,7 +8,7 @@ import torch
 from torchrec.distributed.types import ShardedModule
 
 from trec_pipelines import recorder as rec
-from trec_pipelines.cache_prefetch import prefetch_embeddings
+from trec_pipelines.cache_prefetch import prefetch_modules
 from trec_pipelines.args import CallArgs
 from trec_pipelines.context import PrefetchTrainPipelineContext
 from trec_pipelines.forwards import BaseForward, PrefetchPipelinedForward
@@ -163,7 +163,7 @@ class PrefetchTrainPipelineSparseDist(TrainPipelineSparseDist):
         context.module_input_post_prefetch.clear()
         context.module_contexts_post_prefetch.clear()
         with self._span(rec.EMB_PREFETCH, context.index, "prefetch"):
-            prefetch_embeddings(
+            prefetch_modules(
                 self._rewrite.pipelined,
                 context,
                 dist_stream=self._streams.data_dist,
