@@ -8,19 +8,19 @@ all-reduce is skipped (``no_sync()``) on the calls that end no window.
 
 For call ``k`` (0-based, counted by the wrapper):
 
-=======================  ==================================================
-``optimizer.step()``     runs when ``(k + 1) % num_steps == 0``
-``optimizer.zero_grad()``  runs on the first call after a step that ran (and on the first call)
-gradients all-reduced    when ``k == 0``, ``k < num_warmup_steps``, ``(k + 1) % num_steps == 0``,
-                         or ``is_last_batch``; otherwise under every DDP module's ``no_sync()``
-end of the data          the ``StopIteration`` from the pipeline first steps on a partial window,
-                         after all-reducing it if it was accumulated under ``no_sync()``
-=======================  ==================================================
+* ``optimizer.step()`` runs when ``(k + 1) % num_steps == 0``;
+* ``optimizer.zero_grad()`` runs on the first call, and on the first call after
+  a step that ran;
+* gradients are all-reduced when ``k == 0``, ``k < num_warmup_steps``,
+  ``(k + 1) % num_steps == 0`` or ``is_last_batch``; otherwise the pipeline's
+  ``progress()`` runs under every DDP module's ``no_sync()``;
+* at the end of the data, the pipeline's ``StopIteration`` first steps on an
+  unfinished window, all-reduced first if it was accumulated under ``no_sync()``.
 
 The first call always synchronises: DDP with ``static_graph=True`` must see an
-all-reduce in its first backward.  Skipping the all-reduce is exact: DDP
-averages, on the synchronising call, the gradients its ranks accumulated
-locally, which equals averaging each call's gradients.
+all-reduce in its first backward.  Skipping the all-reduce loses nothing: on
+the synchronising call DDP averages the gradients each rank accumulated
+locally, which is the average of every call's gradients up to rounding.
 
 Unlike torchrec 1.8.0 / 1.9.2, whose wrapper steps on the rank's local
 gradients when the data ends inside a window (so data-parallel replicas stop

@@ -142,7 +142,7 @@ def test_ours_matches_the_accumulation_loop_and_torchrec(name: str, sharding_typ
         assert_runs_equal(ref, Run(theirs, ref.weights), ("accumulation_loop", "torchrec"))
         assert not dense_weights_agree_across_ranks(their_dmp), (
             "torchrec's wrapper now all-reduces a final partial window: compare its "
-            "final weights too, and update the README's list of differences"
+            "final weights too, and drop this difference from gradient_accumulation.py's docstring"
         )
 
 def test_accumulation_changes_training() -> None:
