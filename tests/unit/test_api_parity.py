@@ -395,3 +395,12 @@ def test_checker_catches_reordered_parameters() -> None:
         "_Theirs.__init__: position 2 is 'device', torchrec has optimizer (positional or keyword)",
         "_Theirs.__init__: position 3 is 'optimizer', torchrec has device (positional or keyword)",
     ]
+
+
+def test_checker_catches_a_context_missing_a_field_or_with_a_required_extra() -> None:
+    ours = trec_pipelines.TrainPipelineContext
+    kept = [(f.name, f.type, f) for f in dataclasses.fields(ours) if f.name != "input_dist_tensors_requests"]
+    doctored = dataclasses.make_dataclass("Doctored", [("needs_a_value", int)] + kept)
+    problems = context_problems(TORCHREC_CLASSES["TrainPipelineContext"], doctored)
+    assert "TrainPipelineContext: missing field 'input_dist_tensors_requests'" in problems
+    assert "TrainPipelineContext: our extra field 'needs_a_value' needs a default" in problems
