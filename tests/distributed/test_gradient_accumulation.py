@@ -9,8 +9,8 @@ final weights (``torch.equal``):
   each window and once more for a final partial window, whose gradients are
   averaged over the ranks first if they were accumulated under ``no_sync()``;
 * our wrapper around our pipeline;
-* torchrec's wrapper around torchrec's pipeline of the same name (both run on
-  CPU).  It steps a final partial window on each rank's local gradients, so
+* torchrec's wrapper around torchrec's pipeline of the same name (Fused under
+  the test-only CPU shim, torchrec's side only).  It steps a final partial window on each rank's local gradients, so
   the data-parallel weights of the ranks part; with data ending on a window
   boundary all three must agree, with a partial window torchrec's per-step
   outputs must and its final weights are shown to disagree across ranks.
@@ -42,12 +42,20 @@ from tests.distributed.dlrm import (
     run_pipeline,
     weights,
 )
+from tests.distributed.torchrec_shim import shim_active, torchrec_on_cpu
 from trec_pipelines import GradientAccumulationConfig, GradientAccumulationWrapper
 
 CPU = torch.device("cpu")
 SEED, DATA_SEED = 1234, 7
 NUM_STEPS, NUM_WARMUP = 3, 2
-PIPELINES = ("TrainPipelineBase", "TrainPipelineSparseDist", "TrainPipelineSparseDistLite")
+PIPELINES = (
+    "TrainPipelineBase",
+    "TrainPipelineSparseDist",
+    "TrainPipelineSparseDistLite",
+    "TrainPipelineFusedSparseDist",
+)
+# torchrec's classes that only run on CPU under the test shim.
+NEEDS_SHIM = ("TrainPipelineFusedSparseDist",)
 
 
 def accumulation_loop(
@@ -122,6 +130,7 @@ def test_ours_matches_the_accumulation_loop_and_torchrec(name: str, sharding_typ
     dmp, optimizer = make_sharded(DLRM, sharding_type, seed=SEED)
     pipeline = getattr(trec_pipelines, name)(dmp, optimizer, CPU)
     wrapped = GradientAccumulationWrapper(pipeline, optimizer, dmp, config())
+    assert not shim_active()
     ours = run_pipeline(wrapped, batches, model=dmp)
     assert wrapped.current_step == len(batches)
     assert_runs_equal(ref, ours, ("accumulation_loop", "trec_pipelines"))
@@ -130,11 +139,12 @@ def test_ours_matches_the_accumulation_loop_and_torchrec(name: str, sharding_typ
     their_dmp, their_optimizer = make_sharded(DLRM, sharding_type, seed=SEED)
     their_pipeline = getattr(upstream_pipelines, name)(their_dmp, their_optimizer, CPU)
     their_config = upstream.GradientAccumulationConfig(num_steps=NUM_STEPS, num_warmup_steps=NUM_WARMUP)
-    theirs = run_pipeline(
-        upstream.GradientAccumulationWrapper(their_pipeline, their_optimizer, their_dmp, their_config),
-        batches,
-        model=their_dmp,
-    )
+    with torchrec_on_cpu() if name in NEEDS_SHIM else contextlib.nullcontext():
+        theirs = run_pipeline(
+            upstream.GradientAccumulationWrapper(their_pipeline, their_optimizer, their_dmp, their_config),
+            batches,
+            model=their_dmp,
+        )
     if num_batches % NUM_STEPS == 0:
         assert_runs_equal(ref, theirs, ("accumulation_loop", "torchrec"))
     else:
