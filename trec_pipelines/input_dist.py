@@ -153,7 +153,7 @@ def start_input_dist(
     ``input_dist_splits_requests`` and ``fused_splits_awaitables``.
     """
     for name, module, call_args in modules:
-        args, kwargs = call_args.build(batch)
+        args, kwargs = call_args.build_args_kwargs(batch)
         args, kwargs = module.preprocess_input(args, kwargs)
         module_ctx = module.create_context()
         context.module_contexts[name] = module_ctx

@@ -29,7 +29,7 @@ from torchrec.distributed.types import ShardedModule
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from trec_pipelines import tracing
-from trec_pipelines.args import ArgPath, CallArgs, GetAttr, GetItem
+from trec_pipelines.args import ArgInfo, CallArgs, GetAttr, GetItem
 
 logger: logging.Logger = logging.getLogger(__name__)
 
@@ -241,13 +241,13 @@ def _plan_fx(
     ]
 
 
-def kjt_fields(batch: Any, max_depth: int = 4) -> List[Tuple[ArgPath, KeyedJaggedTensor]]:
+def kjt_fields(batch: Any, max_depth: int = 4) -> List[Tuple[ArgInfo, KeyedJaggedTensor]]:
     """Every ``KeyedJaggedTensor`` reachable from ``batch`` by attributes and items."""
-    found: List[Tuple[ArgPath, KeyedJaggedTensor]] = []
+    found: List[Tuple[ArgInfo, KeyedJaggedTensor]] = []
 
     def visit(value: Any, steps: Tuple[Any, ...], depth: int) -> None:
         if isinstance(value, KeyedJaggedTensor):
-            found.append((ArgPath(steps), value))
+            found.append((ArgInfo.from_batch(steps), value))
             return
         if depth >= max_depth or isinstance(value, torch.Tensor):
             return
@@ -288,7 +288,7 @@ def _plan_direct(
         if len(fields) == 1:
             matching = [fields[0][0]]
         if len(matching) == 1:
-            plans.append((name, CallArgs((matching[0],))))
+            plans.append((name, CallArgs([matching[0]], {})))
         else:
             options = ", ".join(str(path) for path, _ in fields)
             plans.append(

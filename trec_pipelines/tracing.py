@@ -10,13 +10,13 @@ back how each sharded module's arguments come out of the batch.
 from __future__ import annotations
 
 import operator
-from typing import Any, List, Optional, Set, Tuple, Union
+from typing import Any, Dict, List, Optional, Set, Union
 
 import torch
 import torch.fx
 from torchrec.distributed.types import ShardedModule
 
-from trec_pipelines.args import ArgPath, ArgStep, CallArgs, GetAttr, GetItem
+from trec_pipelines.args import ArgInfo, ArgStep, CallArgs, GetAttr, GetItem
 
 
 def _contains_sharded(module: torch.nn.Module) -> bool:
@@ -44,22 +44,34 @@ def leaf_module_names(model: torch.nn.Module) -> Set[str]:
     return leaves
 
 
-class ShallowTracer(torch.fx.Tracer):
-    """Traces only the glue around sharded modules (see the module docstring)."""
+class Tracer(torch.fx.Tracer):
+    """Traces only the glue around sharded modules (see the module docstring).
+
+    Sharded modules, FSDP wrappers and the modules named in ``leaf_modules``
+    are leaves.  With ``extend_leaf_fqn`` the modules inside a named leaf are
+    leaves too (matched by FQN prefix), for tracers that get called on them.
+    """
 
     # Models that write to buffers in forward break when buffers are proxied.
     proxy_buffer_attributes = False
 
-    def __init__(self, leaf_modules: Set[str]) -> None:
+    def __init__(self, leaf_modules: Optional[List[str]] = None, extend_leaf_fqn: bool = False) -> None:
         super().__init__()
-        self._leaf_modules = leaf_modules
+        self._leaf_modules: Set[str] = set(leaf_modules or ())
+        self._extend_leaf_fqn = extend_leaf_fqn
 
     def is_leaf_module(self, m: torch.nn.Module, module_qualified_name: str) -> bool:
         if isinstance(m, ShardedModule) or module_qualified_name in self._leaf_modules:
             return True
         if _is_fsdp(m):
             return True
+        if self._extend_leaf_fqn and self.is_extended_leaf_modules(m, module_qualified_name):
+            return True
         return super().is_leaf_module(m, module_qualified_name)
+
+    def is_extended_leaf_modules(self, m: torch.nn.Module, module_qualified_name: str) -> bool:
+        """Whether ``module_qualified_name`` lies inside one of the named leaves."""
+        return any(module_qualified_name.startswith(leaf + ".") for leaf in self._leaf_modules)
 
 
 def _is_fsdp(module: torch.nn.Module) -> bool:
@@ -72,7 +84,7 @@ def _is_fsdp(module: torch.nn.Module) -> bool:
 
 def trace(model: torch.nn.Module) -> torch.fx.Graph:
     """The shallow FX graph of ``model.forward``."""
-    return ShallowTracer(leaf_module_names(model)).trace(model)
+    return Tracer(sorted(leaf_module_names(model))).trace(model)
 
 
 def _is_getattr(node: torch.fx.Node) -> bool:
@@ -92,17 +104,17 @@ def _describe(node: torch.fx.Node) -> str:
     return f"FX node '{node.name}' ({node.op} {target})"
 
 
-def arg_path_of(arg: Any, batch_node: torch.fx.Node) -> Union[ArgPath, str]:
+def arg_path_of(arg: Any, batch_node: torch.fx.Node) -> Union[ArgInfo, str]:
     """How ``arg`` (an FX argument) is read from the batch, or why it can't be."""
     if not isinstance(arg, torch.fx.Node):
         if isinstance(arg, (list, tuple, dict)) and _has_node(arg):
             return f"a {type(arg).__name__} built in the forward from traced values"
-        return ArgPath.constant(arg)
+        return ArgInfo.constant(arg)
     steps: List[ArgStep] = []
     node = arg
     while True:
         if node is batch_node:
-            return ArgPath(tuple(reversed(steps)))
+            return ArgInfo.from_batch(tuple(reversed(steps)))
         if node.op == "placeholder":
             return f"{_describe(node)} is a model input other than the batch"
         if _is_getattr(node) and isinstance(node.args[1], str):
@@ -135,19 +147,19 @@ def call_args_of(node: torch.fx.Node, batch_node: Optional[torch.fx.Node]) -> Un
         return "the model's forward takes no input"
     if not node.args and not node.kwargs:
         return "the sharded module is called with no arguments"
-    args: List[ArgPath] = []
+    args: List[ArgInfo] = []
     for arg in node.args:
         path = arg_path_of(arg, batch_node)
         if isinstance(path, str):
             return path
         args.append(path)
-    kwargs: List[Tuple[str, ArgPath]] = []
+    kwargs: Dict[str, ArgInfo] = {}
     for name, arg in node.kwargs.items():
         path = arg_path_of(arg, batch_node)
         if isinstance(path, str):
             return path
-        kwargs.append((name, path))
-    return CallArgs(tuple(args), tuple(kwargs))
+        kwargs[name] = path
+    return CallArgs(args, kwargs)
 
 
 def first_placeholder(graph: torch.fx.Graph) -> Optional[torch.fx.Node]:

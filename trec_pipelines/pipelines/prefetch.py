@@ -9,7 +9,7 @@ from torchrec.distributed.train_pipeline import In, Out
 from torchrec.distributed.types import ShardedModule
 
 from trec_pipelines import recorder as rec
-from trec_pipelines.cache_prefetch import prefetch_embeddings
+from trec_pipelines.cache_prefetch import prefetch_modules
 from trec_pipelines.args import CallArgs
 from trec_pipelines.context import PrefetchTrainPipelineContext
 from trec_pipelines.forwards import BaseForward, PrefetchPipelinedForward
@@ -167,7 +167,7 @@ class PrefetchTrainPipelineSparseDist(TrainPipelineSparseDist[In, Out]):
         context.module_input_post_prefetch.clear()
         context.module_contexts_post_prefetch.clear()
         with self._span(rec.EMB_PREFETCH, context.index, "prefetch"):
-            prefetch_embeddings(
+            prefetch_modules(
                 self._rewrite.pipelined,
                 context,
                 dist_stream=self._streams.data_dist,

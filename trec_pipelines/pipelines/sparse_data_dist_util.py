@@ -11,7 +11,7 @@ from torch.utils.hooks import RemovableHandle
 from torchrec.distributed.train_pipeline import In
 from torchrec.distributed.types import ShardedModule
 
-from trec_pipelines.cache_prefetch import prefetch_embeddings
+from trec_pipelines.cache_prefetch import prefetch_modules
 from trec_pipelines.args import CallArgs
 from trec_pipelines.context import (
     EmbeddingTrainPipelineContext,
@@ -401,7 +401,7 @@ class SparseDataDistUtil(Generic[In]):
         ctx = self._stage_context()
         assert isinstance(ctx, PrefetchTrainPipelineContext)
         assert self._rewrite is not None
-        prefetch_embeddings(
+        prefetch_modules(
             self._rewrite.pipelined,
             ctx,
             dist_stream=self._dist_stream,

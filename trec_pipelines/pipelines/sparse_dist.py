@@ -15,6 +15,7 @@ from torchrec.distributed.types import ShardedModule
 from trec_pipelines import recorder as rec
 from trec_pipelines.backward_hooks import pipeline_hook, register_backward_hook
 from trec_pipelines.context import TrainPipelineContext
+from trec_pipelines.errors import ModelDetachedException
 from trec_pipelines.forwards import BaseForward, PipelinedForward
 from trec_pipelines.input_dist import (
     KJTDistOverride,
@@ -576,7 +577,7 @@ class TrainPipelineSparseDist(TrainPipeline[In, Out], Recordable):
 
     def _check_attached(self) -> None:
         if not self._model_attached:
-            raise RuntimeError(
+            raise ModelDetachedException(
                 f"{type(self).__name__}.progress() was called after detach(); call "
                 "pipeline.attach() (optionally with the model) to resume pipelining"
             )

@@ -23,7 +23,7 @@ from trec_pipelines.streams import (
 
 logger: logging.Logger = logging.getLogger(__name__)
 
-# What the last stage hands the caller (the type parameter upstream's Staged pipeline has).
+# What the last stage hands the caller, for annotating stage callables (torchrec's name).
 StageOut = TypeVar("StageOut", bound=Pipelineable)
 
 
