@@ -8,6 +8,14 @@ for ``from trec_pipelines import TrainPipelineSparseDist``.
 from torchrec.distributed.train_pipeline import In, Out, TrainPipeline
 
 from trec_pipelines.args import ArgInfo, ArgInfoStepFactory, CallArgs
+from trec_pipelines.backward_hooks import (
+    FirstGradTensorFinder,
+    GradTensorFinder,
+    InjectionSite,
+    InjectionTargetType,
+    OutputDistTensorFinder,
+    register_backward_hook,
+)
 from trec_pipelines.cache_prefetch import prefetch_embeddings
 from trec_pipelines.context import (
     EmbeddingTrainPipelineContext,
@@ -55,12 +63,17 @@ __all__ = [
     "EmbeddingTrainPipelineContext",
     "EvalPipelineFusedSparseDist",
     "EvalPipelineSparseDist",
+    "FirstGradTensorFinder",
+    "GradTensorFinder",
     "GradientAccumulationConfig",
     "GradientAccumulationWrapper",
     "In",
     "InSyncEmbeddingPipelinedForward",
+    "InjectionSite",
+    "InjectionTargetType",
     "ModelDetachedException",
     "Out",
+    "OutputDistTensorFinder",
     "PipelineStage",
     "PipelineState",
     "PipelinedForward",
@@ -84,6 +97,7 @@ __all__ = [
     "TrainPipelineSparseDistCompAutograd",
     "TrainPipelineSparseDistLite",
     "prefetch_embeddings",
+    "register_backward_hook",
     "restore_model",
     "rewrite_model",
 ]

@@ -152,7 +152,7 @@ class InjectionSite:
     """
 
     fqn: str
-    tensor_finder: GradTensorFinder = FirstGradTensorFinder()
+    tensor_finder: GradTensorFinder
     target_type: InjectionTargetType = InjectionTargetType.ACTIVATION
     hook_position: float = 1.0
 

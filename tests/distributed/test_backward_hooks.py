@@ -140,7 +140,7 @@ def test_param_grad_site_on_a_dense_module(cls: Any) -> None:
         pipeline = cls(dmp, optimizer, CPU)
         grads: List[torch.Tensor] = []
         if with_hook:
-            site = InjectionSite("over_arch", target_type=InjectionTargetType.PARAM_GRAD, hook_position=0.0)
+            site = InjectionSite("over_arch", FirstGradTensorFinder(), target_type=InjectionTargetType.PARAM_GRAD, hook_position=0.0)
             layer = dmp.module.over_arch[0].weight
 
             def work(p: Any) -> None:
@@ -160,11 +160,11 @@ def test_bad_sites_say_what_to_do() -> None:
     dmp, optimizer = make_sharded(DLRM, "table_wise", seed=SEED)
     pipeline = trec_pipelines.TrainPipelineSparseDist(dmp, optimizer, CPU)
     with pytest.raises(ValueError, match="no module 'nope'"):
-        pipeline.register_backward_hook(InjectionSite("nope"), lambda p: None)
+        pipeline.register_backward_hook(InjectionSite("nope", FirstGradTensorFinder()), lambda p: None)
     with pytest.raises(ValueError, match="can take a gradient hook"):
         # Sharded tables are updated in fbgemm's fused backward: no hook fires there.
         pipeline.register_backward_hook(
-            InjectionSite("ebc", target_type=InjectionTargetType.PARAM_GRAD), lambda p: None
+            InjectionSite("ebc", FirstGradTensorFinder(), target_type=InjectionTargetType.PARAM_GRAD), lambda p: None
         )
     # torchrec's enum is read by value.
     pipeline.register_backward_hook(
@@ -193,7 +193,7 @@ def test_eval_pipelines_accept_a_hook_that_never_runs(cls: Any, log: List[str]) 
     dmp.eval()
     pipeline = cls(dmp, optimizer, CPU)
     site = output_dist_site() if cls is trec_pipelines.EvalPipelineSparseDist else InjectionSite(
-        "over_arch", target_type=InjectionTargetType.PARAM_GRAD
+        "over_arch", FirstGradTensorFinder(), target_type=InjectionTargetType.PARAM_GRAD
     )
     pipeline.register_backward_hook(site, lambda p: log.append("work"))
     ours = run_pipeline(pipeline, batches, model=dmp)

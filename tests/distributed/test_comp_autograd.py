@@ -24,7 +24,7 @@ from tests.distributed.dlrm import (
     plain_loop,
     weights,
 )
-from trec_pipelines.backward_hooks import InjectionSite, InjectionTargetType
+from trec_pipelines.backward_hooks import FirstGradTensorFinder, InjectionSite, InjectionTargetType
 from trec_pipelines.pipelines.comp_autograd import (
     TrainPipelineSparseDistCompAutograd,
     touched_settings,
@@ -199,7 +199,7 @@ def test_normally_built_dmp_matches_plain_loop_and_keeps_training_eagerly() -> N
     assert pipeline.switched_ddp_reducers == len(ddps)
     hook_calls: List[int] = []
     hook = pipeline.register_backward_hook(
-        InjectionSite("over_arch", target_type=InjectionTargetType.PARAM_GRAD),
+        InjectionSite("over_arch", FirstGradTensorFinder(), target_type=InjectionTargetType.PARAM_GRAD),
         lambda p: hook_calls.append(len(hook_calls)),
     )
     outputs: List[torch.Tensor] = []
