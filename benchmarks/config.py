@@ -40,6 +40,9 @@ _HELP: Dict[str, str] = {
     "stages": "measure SparseDist's stages separately (H2D, input dist, fwd+bwd+opt) for its bound",
     "timelines": "write a schedule timeline PNG per variant of ours (separate recorded run)",
     "timeline_steps": "batches of the recorded run behind each timeline",
+    "memory": "measure what each pipeline holds (tensor storage reachable from it, per step; ours also per action) and the RSS, in separate untimed epochs",
+    "memory_options": "also measure what SparseDist's enable_inplace_copy_batch / free_features_storage_early / clear_data_dist_inputs save, at the largest batch size (builds a model and pipeline per option set and library)",
+    "memory_steps": "batches of each memory-measuring epoch",
     "link_gbit": "emulate an interconnect of this many Gbit/s (private network namespace, tbf on its loopback)",
     "threads": "intra-op threads per rank",
     "seed": "seed of the model weights and the synthetic batches",
@@ -77,6 +80,9 @@ class BenchConfig:
     stages: bool = True
     timelines: bool = True
     timeline_steps: int = 7
+    memory: bool = True
+    memory_options: bool = True
+    memory_steps: int = 8
     link_gbit: Optional[float] = None
     threads: int = 1
     seed: int = 0
@@ -104,6 +110,8 @@ class BenchConfig:
             raise ValueError("--dims, --pooling and --rows must be non-empty / positive")
         if self.link_gbit is not None and self.link_gbit <= 0:
             raise ValueError(f"--link-gbit must be > 0 Gbit/s, got {self.link_gbit}")
+        if self.memory_steps < 3:
+            raise ValueError(f"--memory-steps must be >= 3 (a pipeline fills with up to 3 batches), got {self.memory_steps}")
         if self.timeline_steps < 6:
             raise ValueError(f"--timeline-steps must be >= 6 to draw progress() calls 2..5, got {self.timeline_steps}")
 

@@ -182,6 +182,8 @@ class Contender:
         self.model: Optional[nn.Module] = None
         self.optimizer: Optional[Any] = None
         self.pg: Optional[dist.ProcessGroup] = None
+        # Called after every step of a pipeline contender (the memory measurement); never timed.
+        self.after_step: Optional[Callable[[], None]] = None
 
     # The shim is on for torchrec's shimmed classes and nothing else.
     def _context(self) -> ContextManager[None]:
@@ -256,11 +258,14 @@ class PipelineContender(Contender):
         super().__init__(f"{side}:{variant.name}", variant.name, side, variant.mode, shimmed)
         cls = variant.ours if side == "ours" else variant.theirs
         assert cls is not None
+        self.info = variant
         self.cls: type = cls
         self.pipeline: Any = None
+        # Constructor arguments on top of VARIANT_KWARGS (the memory options runs).
+        self.extra_kwargs: Dict[str, Any] = {}
 
     def _build(self) -> None:
-        kwargs = VARIANT_KWARGS.get(self.variant, {})
+        kwargs = {**VARIANT_KWARGS.get(self.variant, {}), **self.extra_kwargs}
         self.pipeline = self.cls(self.model, self.optimizer, CPU, **kwargs)
 
     def _run_epoch(self, batches: Sequence[Batch]) -> int:
@@ -274,6 +279,8 @@ class PipelineContender(Contender):
             except StopIteration:
                 break
             steps += 1
+            if self.after_step is not None:
+                self.after_step()
         else:
             raise RuntimeError(f"{self.key} did not raise StopIteration after {limit} steps")
         pipeline.reset()
@@ -336,6 +343,8 @@ class StagedContender(PipelineContender):
             batch = pipeline.progress(it)
             if batch is None:
                 break
+            if self.after_step is not None:
+                self.after_step()
             optimizer.zero_grad()
             losses, _ = model(batch)
             torch.sum(losses, dim=0).backward()

@@ -16,6 +16,10 @@ Raw layout (plain JSON types only)::
     Entry = {"variant": name or "plain", "side": "ours"|"torchrec"|"plain",
              "mode": "train"|"eval"|"staged", "shimmed": bool,
              "status": "ok"|"n/a", "reason": str, "seconds": [epoch seconds, ...]}
+
+With ``--memory`` a block also has ``"memory"`` and ``"memory_options"`` and
+the raw results ``"peak_rss"``; their layout and tables are in
+:mod:`benchmarks.memory_report`.
 """
 
 from __future__ import annotations
@@ -26,6 +30,8 @@ import statistics
 import subprocess
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional, Sequence, Tuple
+
+from benchmarks import memory_report
 
 OK, NA = "ok", "n/a"
 
@@ -110,6 +116,8 @@ class ThroughputTable:
     rows: List[Row]
     plain: Dict[str, Measure]  # mode -> plain loop
     bound: Optional[Bound]
+    memory: Dict[str, Any] = field(default_factory=dict)  # the block's raw "memory"
+    memory_options: List[Dict[str, Any]] = field(default_factory=list)
 
 
 @dataclass
@@ -208,7 +216,12 @@ def throughput_tables(raw: Dict[str, Any]) -> List[ThroughputTable]:
                 )
             )
         bound = _bound(block, rows, world)
-        tables.append(ThroughputTable(bs, steps, world, rows, plain, bound))
+        tables.append(
+            ThroughputTable(
+                bs, steps, world, rows, plain, bound,
+                memory=block.get("memory") or {}, memory_options=block.get("memory_options") or [],
+            )
+        )
     return tables
 
 
@@ -306,22 +319,36 @@ def format_throughput(table: ThroughputTable, repeats: int) -> str:
                 _ratio_cell(row.ours_vs_plain),
                 _ratio_cell(row.torchrec_vs_plain),
             ]
+            + (memory_report.throughput_cells(table.memory, row.variant) if table.memory else [])
         )
+    extra = len(memory_report.THROUGHPUT_HEADER) if table.memory else 0
     for mode, m in table.plain.items():
-        body.append([f"plain loop ({mode})", _qps_cell(m, notes), "", "", "", "", ""])
+        body.append([f"plain loop ({mode})", _qps_cell(m, notes), "", "", "", "", ""] + [""] * extra)
     title = (
         f"Throughput at batch {table.batch_size}/rank x {table.world} ranks: global examples/s, "
         f"median of {repeats} repeats of {table.steps}-step epochs (± half the max-min spread)"
     )
     header = ["variant", "ours", "torchrec", "ours/torchrec", "paired", "ours/plain", "torchrec/plain"]
+    if table.memory:
+        header += memory_report.THROUGHPUT_HEADER
     lines = [title] + _table(header, body)
     lines.append(
         "  ratios are of medians; 'paired' = median over rounds of ours/torchrec within a round "
         "(the two run back to back, in alternating order, so machine drift cancels)"
     )
     lines += [f"  [{i}] {reason}" for i, reason in enumerate(notes, 1)]
+    if table.memory:
+        lines.append(
+            "  held MiB = pipeline-held tensor storage at peak (after a progress(), largest rank); "
+            "RSS MiB = process resident memory at peak during that epoch (see the memory table below)"
+        )
     if table.bound is not None:
         lines.append(format_bound(table.bound))
+    if table.memory:
+        variants = [row.variant for row in table.rows]
+        lines += ["", memory_report.format_memory(table.memory, variants, table.batch_size, table.world)]
+    if table.memory_options:
+        lines += ["", memory_report.format_options(table.memory_options, table.batch_size)]
     return "\n".join(lines)
 
 
@@ -371,6 +398,9 @@ def format_overhead(table: OverheadTable, repeats: int) -> str:
 
 def format_report(raw: Dict[str, Any], repeats: int, header: Sequence[str] = ()) -> str:
     parts = list(header)
+    rss = memory_report.peak_rss_line(raw)
+    if rss is not None:
+        parts.append(rss)
     for table in throughput_tables(raw):
         parts.append(format_throughput(table, repeats))
     overhead = overhead_table(raw)
@@ -419,6 +449,12 @@ def summary(raw: Dict[str, Any]) -> Dict[str, Any]:
                     for r in table.rows
                 ],
                 "plain": {mode: _measure_json(m) for mode, m in table.plain.items()},
+                "memory": memory_report.summary(
+                    {"memory": table.memory, "memory_options": table.memory_options},
+                    [r.variant for r in table.rows],
+                )
+                if table.memory
+                else None,
                 "sparse_dist_bound": None
                 if table.bound is None
                 else {

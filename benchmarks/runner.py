@@ -10,6 +10,10 @@ Plan of a run:
    drift of a shared machine hits all of them alike.  The result per
    contender is the median over rounds.  Then, per variant of ours, a short
    *recorded* epoch (schedule recording on, never timed) draws its timeline.
+   With ``memory`` (default), per batch size, every pipeline contender then
+   runs untimed epochs measuring what it holds (``benchmarks/memory.py``);
+   at the largest batch size SparseDist of both libraries is also built and
+   measured once per memory option set.
 2. Overhead.  The same rounds on the tiny model, where the pipeline's own
    Python work dominates a step.
 
@@ -33,12 +37,13 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 import torch
 import torch.distributed as dist
 
-from benchmarks import netns, report
+from benchmarks import memory, netns, report
 from benchmarks.config import BenchConfig
 from benchmarks.contenders import (
     EVAL,
     TRAIN,
     Contender,
+    PipelineContender,
     PlainLoop,
     StageProbe,
     Variant,
@@ -46,6 +51,7 @@ from benchmarks.contenders import (
     make_contender,
 )
 from benchmarks.model import ModelSpec, make_batches, tiny_spec
+from trec_pipelines.memory import peak_rss_bytes
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 LINK_REASON_ENV = "TREC_BENCH_LINK_REASON"
@@ -190,6 +196,7 @@ def _phase(
     sizes: Sequence[Tuple[int, int]],
     timelines_dir: Optional[str],
     solo: bool = False,
+    measure_memory: bool = False,
 ) -> Tuple[List[Dict[str, Any]], List[str]]:
     """Build, warm up and time ``contenders`` at each ``(batch_size, steps)``.
 
@@ -240,9 +247,96 @@ def _phase(
             block["contenders"][key] = dict(entry, seconds=seconds[key] if entry["status"] == report.OK else [])
         if timelines_dir is not None:
             timelines += _timelines(session, alive, batches, batch_size, timelines_dir)
+        if measure_memory:
+            block["memory"] = _memory(session, alive, spec, batch_size, timelines_dir)
+            if timelines_dir is not None:
+                timelines += [
+                    m["ranks"][0]["timeline"] for m in block["memory"].values()
+                    if m["status"] == report.OK and m["ranks"] and m["ranks"][0].get("timeline")
+                ]
         blocks.append(block)
     session.close(contenders)
+    sparse_dist = next((c for c in contenders if c.variant == memory.OPTIONS_VARIANT and c.side == "ours"), None)
+    if measure_memory and cfg.memory_options and sparse_dist is not None:
+        # At the largest batch size only: each option set builds a model of its own.
+        largest = max(range(len(sizes)), key=lambda k: sizes[k][0])
+        blocks[largest]["memory_options"] = _memory_options(session, sparse_dist, spec, sizes[largest][0])
     return blocks, timelines
+
+
+def _memory_batches(session: Session, spec: ModelSpec, batch_size: int, salt: int) -> List[Any]:
+    # Fresh batches per epoch (the freeing options empty the storage of the ones
+    # they train on), the same content for every contender: their bytes compare exactly.
+    cfg = session.cfg
+    return make_batches(spec, cfg.memory_steps, batch_size, cfg.seed + 100 + salt, session.rank)
+
+
+def _memory(
+    session: Session, contenders: Sequence[Contender], spec: ModelSpec, batch_size: int, out_dir: Optional[str]
+) -> Dict[str, Any]:
+    """What each pipeline contender holds, from outside (and ours' ledger), per rank.
+
+    With ``out_dir`` rank 0 also draws each of ours' ledger epochs with its
+    memory track, to ``memory_<Variant>_b<batch>.png``.
+    """
+    out: Dict[str, Any] = {}
+    for contender in contenders:
+        if contender.side not in ("ours", "torchrec"):
+            continue
+        held_batches = _memory_batches(session, spec, batch_size, 0)
+        ledger_batches = _memory_batches(session, spec, batch_size, 1)
+
+        picture = None
+        if out_dir is not None and session.rank == 0 and contender.side == "ours":
+            picture = os.path.join(out_dir, f"memory_{contender.variant}_b{batch_size}.png")
+
+        def measure() -> Dict[str, Any]:
+            result = memory.held_epoch(contender, held_batches)
+            if contender.side == "ours":
+                result["ledger"] = memory.ledger_epoch(contender, ledger_batches, picture)
+                result["timeline"] = picture if result["ledger"] is not None else None
+            return result
+
+        err, values = session.guarded(f"memory:{contender.key}", measure)
+        session.bar.step(f"b{batch_size} memory {contender.key}")
+        out[contender.key] = {"status": report.OK if err is None else report.NA, "reason": err or "", "ranks": values}
+        if err is not None:
+            session.bar.write(f"no memory measurement for {contender.key}: {err}")
+    return out
+
+
+def _memory_options(
+    session: Session, ours: Contender, spec: ModelSpec, batch_size: int
+) -> List[Dict[str, Any]]:
+    """SparseDist of each library, built afresh per memory option set, measured from outside."""
+    assert isinstance(ours, PipelineContender)
+    rows: List[Dict[str, Any]] = []
+    sides = ["ours"] + (["torchrec"] if session.cfg.torchrec and ours.info.theirs is not None else [])
+    for side in sides:
+        for label, kwargs in memory.OPTION_SETS:
+            contender = make_contender(ours.info, side)
+            assert isinstance(contender, PipelineContender)
+            contender.extra_kwargs = dict(kwargs)
+            err = session.build(contender, spec)
+            values: List[Any] = []
+            if err is None:
+                held_batches = _memory_batches(session, spec, batch_size, 0)
+                ledger_batches = _memory_batches(session, spec, batch_size, 1)
+
+                def measure() -> Dict[str, Any]:
+                    result = memory.held_epoch(contender, held_batches)
+                    if side == "ours":  # within a step too: clear_data_dist_inputs acts mid-step
+                        result["ledger"] = memory.ledger_epoch(contender, ledger_batches)
+                    return result
+
+                err, values = session.guarded(f"memory-options:{side}:{label}", measure)
+            session.close([contender])
+            session.bar.step(f"b{batch_size} memory options {side} {label}")
+            rows.append(
+                {"side": side, "label": label, "options": dict(kwargs),
+                 "status": report.OK if err is None else report.NA, "reason": err or "", "ranks": values}
+            )
+    return rows
 
 
 def _round_order(alive: Sequence[Contender], round_index: int) -> List[Contender]:
@@ -312,10 +406,14 @@ def _quiet(rank: int) -> None:
         logging.getLogger(name).setLevel(logging.ERROR)
 
 
-def _total_runs(n_main: int, n_ours: int, n_overhead: int, cfg: BenchConfig) -> int:
+def _total_runs(n_main: int, n_ours: int, n_overhead: int, cfg: BenchConfig, n_pipelines: int = 0) -> int:
     main = n_main + len(cfg.batch_sizes) * n_main * (1 + cfg.repeats)
     if cfg.timelines:
         main += len(cfg.batch_sizes) * n_ours
+    if cfg.memory:
+        main += len(cfg.batch_sizes) * n_pipelines
+        if cfg.memory_options:
+            main += len(memory.OPTION_SETS) * (2 if cfg.torchrec else 1)
     overhead = n_overhead * (2 + cfg.repeats) if cfg.overhead else 0
     return main + overhead
 
@@ -344,7 +442,8 @@ def worker(cfg: BenchConfig) -> int:
     main = _contenders(variants, cfg, probe=True)
     overhead = _contenders(variants, cfg, probe=False) if cfg.overhead else []
     n_ours = sum(1 for c in main if c.side == "ours")
-    bar = Progress(cfg.progress and rank == 0, _total_runs(len(main), n_ours, len(overhead), cfg))
+    n_pipelines = sum(1 for c in main if c.side in ("ours", "torchrec"))
+    bar = Progress(cfg.progress and rank == 0, _total_runs(len(main), n_ours, len(overhead), cfg, n_pipelines))
     for note in notes:
         bar.write(note)
     session = Session(cfg, bar)
@@ -356,7 +455,7 @@ def worker(cfg: BenchConfig) -> int:
     started = time.time()
 
     sizes = [(bs, cfg.steps_for(bs)) for bs in cfg.batch_sizes]
-    blocks, timelines = _phase(session, cfg.model_spec(), main, sizes, timelines_dir)
+    blocks, timelines = _phase(session, cfg.model_spec(), main, sizes, timelines_dir, measure_memory=cfg.memory)
     raw: Dict[str, Any] = {"world": world, "throughput": blocks, "overhead": None}
     if overhead:
         tiny, _ = _phase(
@@ -364,6 +463,9 @@ def worker(cfg: BenchConfig) -> int:
         )
         raw["overhead"] = tiny[0]
     bar.close()
+    peaks: List[Any] = [None] * world
+    dist.all_gather_object(peaks, peak_rss_bytes())
+    raw["peak_rss"] = peaks
 
     if rank == 0:
         write_results(cfg, raw, notes, timelines, session.errors, target, time.time() - started)

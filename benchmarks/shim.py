@@ -7,7 +7,9 @@ is active:
 
 * ``Tensor.record_stream`` does nothing for a CPU tensor (there is no caching
   allocator to tell), and
-* ``torch.cuda.current_stream`` answers with the CPU stream.
+* ``torch.cuda.current_stream`` answers with the CPU stream, and
+* ``torch.cpu.Stream.device`` is ``cpu`` where torch lacks it (torchrec 1.9's
+  stream ordering before the embedding lookup reads ``stream.device``).
 
 Only torchrec's classes ever run inside it, and their results are labelled
 "(shimmed)"; the benchmark checks that the shim is off whenever one of ours runs.
@@ -30,13 +32,14 @@ def shim_active() -> bool:
 
 @contextlib.contextmanager
 def torchrec_on_cpu() -> Iterator[None]:
-    """Patch the two CUDA-only calls for the duration of a ``with`` block."""
+    """Patch the CUDA-only calls for the duration of a ``with`` block."""
     global _active
     if _active:  # re-entered: the outer block owns the patches
         yield
         return
     real_record_stream = torch.Tensor.record_stream
     real_current_stream = torch.cuda.current_stream
+    patch_device = not hasattr(torch.cpu.Stream, "device")
 
     def record_stream(tensor: torch.Tensor, stream: Any) -> None:
         if tensor.device.type != "cpu":
@@ -47,6 +50,8 @@ def torchrec_on_cpu() -> Iterator[None]:
 
     torch.Tensor.record_stream = record_stream  # type: ignore[method-assign]
     torch.cuda.current_stream = current_stream  # type: ignore[assignment]
+    if patch_device:
+        torch.cpu.Stream.device = torch.device("cpu")  # type: ignore[attr-defined]
     _active = True
     try:
         yield
@@ -54,3 +59,5 @@ def torchrec_on_cpu() -> Iterator[None]:
         _active = False
         torch.Tensor.record_stream = real_record_stream  # type: ignore[method-assign]
         torch.cuda.current_stream = real_current_stream  # type: ignore[assignment]
+        if patch_device:
+            del torch.cpu.Stream.device  # type: ignore[attr-defined]

@@ -4,10 +4,35 @@ Swap ``from torchrec.distributed.train_pipeline import TrainPipelineSparseDist``
 for ``from trec_pipelines import TrainPipelineSparseDist``.
 """
 
+# torchrec's own interface: a pipeline of ours is a torchrec ``TrainPipeline``.
+from torchrec.distributed.train_pipeline import In, Out, TrainPipeline
+
+from trec_pipelines.args import ArgInfo, ArgInfoStepFactory, CallArgs
+from trec_pipelines.backward_hooks import (
+    FirstGradTensorFinder,
+    GradTensorFinder,
+    InjectionSite,
+    InjectionTargetType,
+    OutputDistTensorFinder,
+    register_backward_hook,
+)
+from trec_pipelines.cache_prefetch import prefetch_embeddings
 from trec_pipelines.context import (
     EmbeddingTrainPipelineContext,
     PrefetchTrainPipelineContext,
     TrainPipelineContext,
+)
+from trec_pipelines.data_loading import DataLoadingThread
+from trec_pipelines.errors import ModelDetachedException
+from trec_pipelines.forwards import (
+    EmbeddingPipelinedForward,
+    InSyncEmbeddingPipelinedForward,
+    PipelinedForward,
+    PrefetchPipelinedForward,
+)
+from trec_pipelines.gradient_accumulation import (
+    GradientAccumulationConfig,
+    GradientAccumulationWrapper,
 )
 from trec_pipelines.pipelines.base import TrainPipelineBase
 from trec_pipelines.pipelines.eval_sparse_dist import EvalPipelineSparseDist
@@ -19,26 +44,52 @@ from trec_pipelines.pipelines.prefetch import PrefetchTrainPipelineSparseDist
 from trec_pipelines.pipelines.comp_autograd import TrainPipelineSparseDistCompAutograd
 from trec_pipelines.pipelines.semi_sync import TrainPipelineSemiSync
 from trec_pipelines.pipelines.sparse_data_dist_util import SparseDataDistUtil
-from trec_pipelines.pipelines.staged import PipelineStage, StagedTrainPipeline
+from trec_pipelines.pipelines.staged import PipelineStage, StagedTrainPipeline, StageOut
 from trec_pipelines.pipelines.pt2 import TorchCompileConfig, TrainPipelinePT2
 from trec_pipelines.pipelines.sparse_dist import TrainPipelineSparseDist
 from trec_pipelines.pipelines.sparse_dist_lite import TrainPipelineSparseDistLite
+from trec_pipelines.postproc import PipelinedPostproc, use_context_for_postprocs
 from trec_pipelines.recorder import Action, ScheduleRecorder
 from trec_pipelines.rewrite import RewriteResult, restore_model, rewrite_model
+from trec_pipelines.state import PipelineState
+from trec_pipelines.tracing import Tracer
 
 __all__ = [
     "Action",
+    "ArgInfo",
+    "ArgInfoStepFactory",
+    "CallArgs",
+    "DataLoadingThread",
+    "EmbeddingPipelinedForward",
     "EmbeddingTrainPipelineContext",
     "EvalPipelineFusedSparseDist",
     "EvalPipelineSparseDist",
+    "FirstGradTensorFinder",
+    "GradTensorFinder",
+    "GradientAccumulationConfig",
+    "GradientAccumulationWrapper",
+    "In",
+    "InSyncEmbeddingPipelinedForward",
+    "InjectionSite",
+    "InjectionTargetType",
+    "ModelDetachedException",
+    "Out",
+    "OutputDistTensorFinder",
     "PipelineStage",
+    "PipelinedPostproc",
+    "PipelineState",
+    "PipelinedForward",
+    "PrefetchPipelinedForward",
     "PrefetchTrainPipelineContext",
     "PrefetchTrainPipelineSparseDist",
     "RewriteResult",
     "ScheduleRecorder",
     "SparseDataDistUtil",
+    "StageOut",
     "StagedTrainPipeline",
     "TorchCompileConfig",
+    "Tracer",
+    "TrainPipeline",
     "TrainPipelineBase",
     "TrainPipelineContext",
     "TrainPipelineFusedSparseDist",
@@ -47,6 +98,9 @@ __all__ = [
     "TrainPipelineSparseDist",
     "TrainPipelineSparseDistCompAutograd",
     "TrainPipelineSparseDistLite",
+    "prefetch_embeddings",
+    "register_backward_hook",
     "restore_model",
     "rewrite_model",
+    "use_context_for_postprocs",
 ]

@@ -1,6 +1,6 @@
 """The cache-prefetch verb shared by the Prefetch pipeline and SparseDataDistUtil.
 
-:func:`prefetch_embeddings` finishes each pipelined module's input_dist and
+:func:`prefetch_modules` finishes each pipelined module's input_dist and
 calls its ``prefetch()`` on the prefetch stream, moving the distributed input
 and sharding context to ``module_input_post_prefetch`` /
 ``module_contexts_post_prefetch``, where ``PrefetchPipelinedForward`` finds them.
@@ -9,20 +9,24 @@ The prefetch stream first waits for ``forward_done``, an event recorded after
 the forward that reads the cache state this prefetch rewrites, then for the
 data_dist stream; see ``[Note: prefetch ordering]`` in
 :class:`~trec_pipelines.PrefetchTrainPipelineSparseDist`.
+
+:func:`prefetch_embeddings` is the same verb with torchrec's signature, for code
+that drives prefetching itself.
 """
 
 from __future__ import annotations
 
-from typing import Optional, Sequence
+from typing import Any, Callable, ContextManager, List, Optional, Sequence
 
 import torch
+from torchrec.distributed.types import ShardedModule
 
 from trec_pipelines.context import PrefetchTrainPipelineContext
 from trec_pipelines.rewrite import PipelinedModule
-from trec_pipelines.streams import on_stream, record_stream, wait_event, wait_stream
+from trec_pipelines.streams import current_stream, on_stream, record_stream, wait_event, wait_stream
 
 
-def prefetch_embeddings(
+def prefetch_modules(
     modules: Sequence[PipelinedModule],
     context: PrefetchTrainPipelineContext,
     *,
@@ -55,3 +59,40 @@ def prefetch_embeddings(
             pipelined.module.prefetch(dist_input=dist_input, forward_stream=forward_stream, ctx=module_ctx)
             context.module_input_post_prefetch[name] = dist_input
             context.module_contexts_post_prefetch[name] = module_ctx
+
+
+def prefetch_embeddings(
+    context: PrefetchTrainPipelineContext,
+    pipelined_modules: List[ShardedModule],
+    device: torch.device,
+    stream_context: Callable[[Optional[torch.Stream]], ContextManager[Any]],
+    data_dist_stream: Optional[torch.Stream],
+    forward_stream: Optional[torch.Stream],
+) -> None:
+    """Prefetch ``context``'s batch for ``pipelined_modules`` on the current stream.
+
+    torchrec's signature; each module's forward must be a pipelined forward of
+    ours (it names the module).  The current stream of ``device`` does the
+    prefetch, after the ``data_dist_stream`` that made the inputs.  Unlike
+    torchrec's, it also prefetches when there is no data_dist stream (CPU).
+    ``stream_context`` is accepted for torchrec's callers; ours switch streams
+    with :func:`trec_pipelines.streams.on_stream`.
+    """
+    modules = []
+    for module in pipelined_modules:
+        name = getattr(module.forward, "name", None)
+        if not isinstance(name, str):
+            raise TypeError(
+                f"prefetch_embeddings: {type(module).__name__}.forward is not a pipelined "
+                "forward; pass the modules a trec_pipelines pipeline rewrote "
+                "(pipeline.rewrite_result.pipelined)"
+            )
+        modules.append(PipelinedModule(name, module, module.forward.args))
+    prefetch_modules(
+        modules,
+        context,
+        dist_stream=data_dist_stream,
+        prefetch_stream=current_stream(device),
+        forward_stream=forward_stream,
+        forward_done=None,
+    )

@@ -21,7 +21,8 @@ the first call, and a second call in the same forward raises with the fix.
 
 from __future__ import annotations
 
-from typing import Any, Dict, Generic, Iterable, List, Optional, TypeVar, Union
+import weakref
+from typing import Any, Dict, Generic, Iterable, List, Optional, Tuple, TypeVar, Union
 
 import torch
 from torchrec.distributed.types import Awaitable, LazyNoWait, ShardedModule
@@ -57,6 +58,23 @@ class BaseForward(Generic[C]):
         # The context whose input this wrapper consumed last: a second call on
         # the same context is the "called twice in one forward" mistake.
         self._consumed: Optional[C] = None
+        # The pipeline that installed this wrapper (see claim()).
+        self._owner: Optional[weakref.ReferenceType[Any]] = None
+        self.owner_name = "a pipeline"
+        # (had an instance forward, that forward): what this wrapper replaced on
+        # the module, so it can be undone after its pipeline is gone.
+        self.replaced: Optional[Tuple[bool, Any]] = None
+
+    def claim(self, pipeline: Any) -> None:
+        """Record ``pipeline`` as the one that installed this wrapper, so another
+        pipeline finding it on the model knows whom to take the model from."""
+        self._owner = weakref.ref(pipeline)
+        self.owner_name = type(pipeline).__name__
+
+    @property
+    def owner(self) -> Optional[Any]:
+        """The pipeline that installed this wrapper, or None if it was collected."""
+        return self._owner() if self._owner is not None else None
 
     @property
     def name(self) -> str:
@@ -106,6 +124,7 @@ class PipelinedForward(BaseForward[TrainPipelineContext]):
         module: ShardedModule,
         context: TrainPipelineContext,
         stream: Optional[torch.Stream] = None,
+        *,
         wait_on_current_stream: bool = False,
     ) -> None:
         super().__init__(name, args, module, context, stream)
@@ -124,7 +143,20 @@ class PipelinedForward(BaseForward[TrainPipelineContext]):
 
 
 class PrefetchPipelinedForward(BaseForward[PrefetchTrainPipelineContext]):
-    """Runs ``compute_and_output_dist`` on input the prefetch stage made ready."""
+    """Runs ``compute_and_output_dist`` on input the prefetch stage made ready.
+
+    ``prefetch_stream`` is the stream the prefetch ran on (torchrec's name).
+    """
+
+    def __init__(
+        self,
+        name: str,
+        args: CallArgs,
+        module: ShardedModule,
+        context: PrefetchTrainPipelineContext,
+        prefetch_stream: Optional[torch.Stream] = None,
+    ) -> None:
+        super().__init__(name, args, module, context, prefetch_stream)
 
     def __call__(self, *input: Any, **kwargs: Any) -> Awaitable[Any]:
         data = self._take(self._context.module_input_post_prefetch)
@@ -156,14 +188,16 @@ class EmbeddingPipelinedForward(BaseForward[EmbeddingTrainPipelineContext]):
             embeddings_awaitable, remapped_awaitable = awaitable
             embeddings = embeddings_awaitable.wait()
             remapped = remapped_awaitable.wait()
-            self._detach(embeddings)
+            self.detach_embeddings(embeddings, consumer)
             return (LazyNoWait(embeddings), LazyNoWait(remapped))
         embeddings = awaitable.wait()
-        self._detach(embeddings)
+        self.detach_embeddings(embeddings, consumer)
         return LazyNoWait(embeddings)
 
-    def _detach(self, embeddings: EmbeddingOutput) -> None:
-        record_output(embeddings, current_stream(_device_of(self._stream)))
+    def detach_embeddings(self, embeddings: EmbeddingOutput, cur_stream: Optional[torch.Stream]) -> None:
+        """Hand the lookup output to ``cur_stream`` (the forward's) and cut it from
+        autograd, keeping both sides in the context for ``embedding_backward``."""
+        record_output(embeddings, cur_stream)
         originals: List[torch.Tensor] = []
         leaves: List[torch.Tensor] = []
         if isinstance(embeddings, KeyedTensor):
@@ -191,10 +225,10 @@ class EmbeddingPipelinedForward(BaseForward[EmbeddingTrainPipelineContext]):
 class InSyncEmbeddingPipelinedForward(EmbeddingPipelinedForward):
     """Returns the lookup the pipeline already ran, still attached to autograd."""
 
-    def _detach(self, embeddings: EmbeddingOutput) -> None:
+    def detach_embeddings(self, embeddings: EmbeddingOutput, cur_stream: Optional[torch.Stream]) -> None:
         # Nothing is detached, but the output was allocated on the lookup stream
         # and the forward and backward read it on this one.
-        record_output(embeddings, current_stream(_device_of(self._stream)))
+        record_output(embeddings, cur_stream)
 
 
 def record_output(embeddings: EmbeddingOutput, consumer: Optional[torch.Stream]) -> None:

@@ -33,6 +33,7 @@ from torchrec.distributed.types import Awaitable, ShardedModule
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from trec_pipelines.context import TrainPipelineContext
+from trec_pipelines.postproc import PipelinedPostproc, postprocs_read_by, use_context_for_postprocs
 
 logger: logging.Logger = logging.getLogger(__name__)
 
@@ -45,6 +46,8 @@ class SplitsOnlyKJTAllToAll:
         self._splits = splits
         self._stagger = stagger
         self._bounds = [0] + list(itertools.accumulate(splits))
+        # What this override replaced (set by fuse_kjt_splits), to undo it.
+        self.replaced: Optional["KJTDistOverride"] = None
 
     def __call__(self, input: KeyedJaggedTensor) -> KJTSplitsAllToAllMeta:
         with torch.no_grad():
@@ -113,10 +116,22 @@ def fuse_kjt_splits(modules: Sequence[ShardedModule]) -> Tuple[KJTDistOverride, 
                 original_forward=kjt_dist.__dict__.get("forward"),
             )
         )
-        kjt_dist.forward = SplitsOnlyKJTAllToAll(  # type: ignore[method-assign]
-            kjt_dist._pg, kjt_dist._splits, kjt_dist._stagger
-        )
+        splits_only = SplitsOnlyKJTAllToAll(kjt_dist._pg, kjt_dist._splits, kjt_dist._stagger)
+        splits_only.replaced = overrides[-1]
+        kjt_dist.forward = splits_only  # type: ignore[method-assign]
     return tuple(overrides)
+
+
+def unfuse_left_over(module: ShardedModule) -> None:
+    """Undo the splits-only overrides a collected pipeline left in ``module``
+    (each remembers what it replaced), as :func:`unfuse_kjt_splits` would have."""
+    for fqn, child in module.named_modules():
+        for input_dist in getattr(child, "_input_dists", None) or []:
+            kjt_dist = getattr(input_dist, "_dist", None)
+            if not isinstance(kjt_dist, KJTAllToAll):
+                continue
+            while isinstance(kjt_dist.__dict__.get("forward"), SplitsOnlyKJTAllToAll):
+                unfuse_kjt_splits([kjt_dist.__dict__["forward"].replaced])
 
 
 def unfuse_kjt_splits(overrides: Sequence[KJTDistOverride]) -> None:
@@ -139,14 +154,21 @@ def start_input_dist(
     ``input_dist_splits_requests`` and ``fused_splits_awaitables`` (and, through
     the postprocs the arguments are read from, ``postproc_fwd_results``).
     """
-    for name, module, call_args in modules:
-        args, kwargs = call_args.build(batch, context)
-        args, kwargs = module.preprocess_input(args, kwargs)
-        module_ctx = module.create_context()
-        context.module_contexts[name] = module_ctx
-        context.input_dist_splits_requests[name] = module.input_dist(
-            module_ctx, *args, **kwargs
-        )
+    postprocs: Dict[int, PipelinedPostproc] = {}
+    for _, _, call_args in modules:
+        for postproc in postprocs_read_by(call_args):
+            postprocs.setdefault(id(postproc), postproc)
+    # The postprocs cache their output in the context they hold: this batch's
+    # for the stage, the forward's again after it.
+    with use_context_for_postprocs(list(postprocs.values()), context):
+        for name, module, call_args in modules:
+            args, kwargs = call_args.build_args_kwargs(batch)
+            args, kwargs = module.preprocess_input(args, kwargs)
+            module_ctx = module.create_context()
+            context.module_contexts[name] = module_ctx
+            context.input_dist_splits_requests[name] = module.input_dist(
+                module_ctx, *args, **kwargs
+            )
     _release_early_inputs(context)
     _fuse_splits(context)
 

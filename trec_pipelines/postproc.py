@@ -38,8 +38,20 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from collections import Counter
-from typing import Any, Callable, ContextManager, Dict, List, Optional, Set, Tuple, Union
+from collections import Counter, OrderedDict
+from typing import (
+    Any,
+    Callable,
+    ContextManager,
+    Dict,
+    Generator,
+    Iterator,
+    List,
+    Optional,
+    Set,
+    Tuple,
+    Union,
+)
 
 import torch
 import torch.fx
@@ -59,35 +71,50 @@ from trec_pipelines.streams import (
 logger: logging.Logger = logging.getLogger(__name__)
 
 
-class PipelinedPostproc:
+class PipelinedPostproc(torch.nn.Module):
     """Stands in for a postproc module's ``forward`` once the model is rewritten.
 
-    In the input_dist stage :meth:`output_for` runs the module's own forward on
-    arguments built from the batch (and other postprocs' outputs) and caches
-    the result in the batch's context.  In the forward the model's call lands
-    in :meth:`__call__`, which returns that cached result.
+    Built with torchrec's arguments.  It holds the context of one batch
+    (:meth:`set_context`): in the input_dist stage the pipeline points it at
+    the batch being distributed (:func:`use_context_for_postprocs`) and the
+    :class:`~trec_pipelines.args.Postproc` step of a recipe calls
+    :meth:`output_for`, which runs the module's own forward on ``dist_stream``
+    on arguments built from the batch (and other postprocs' outputs) and
+    caches the result in ``context.postproc_fwd_results``.  In the forward the
+    model's call lands in :meth:`forward`, which returns that cached result,
+    handed to the stream the forward runs on.
 
-    Attributes read by tests and debugging code, as upstream's: ``fqn``,
-    ``postproc_module``, ``args`` (the :class:`~trec_pipelines.args.CallArgs`
-    recipe) and ``get_context()``.
+    It is installed as the module's ``forward`` only (the module keeps its
+    place in the model); ``named_modules``, ``named_parameters``,
+    ``named_buffers``, ``state_dict`` and ``load_state_dict`` are the module's
+    own, so code that does place it in the model, as torchrec does, sees the
+    same names.
     """
 
     def __init__(
         self,
+        postproc_module: torch.nn.Module,
         fqn: str,
-        module: torch.nn.Module,
         args: CallArgs,
         context: TrainPipelineContext,
-        stream: Optional[torch.Stream] = None,
+        default_stream: Optional[torch.Stream],
+        dist_stream: Optional[torch.Stream],
     ) -> None:
+        super().__init__()
+        self._postproc_module = postproc_module
         self._fqn = fqn
-        self._module = module
         self._args = args
         self._context = context
-        # Where the input_dist stage runs (None: the current stream, or CPU).
-        self._stream = stream
-        # The module's own forward, captured before the swap.
-        self._forward: Callable[..., Any] = module.forward
+        # Where the input_dist stage runs it (None: the current stream, or CPU).
+        self._dist_stream = dist_stream
+        # Where the forward reads it (None: the current stream at that time).
+        self._default_stream = default_stream
+        # The module's own forward, captured before the swap (under the
+        # wrapper of a pipeline dropped without detach(), if one is left).
+        forward: Callable[..., Any] = postproc_module.forward
+        while isinstance(forward, PipelinedPostproc):
+            forward = forward._forward
+        self._forward = forward
         self._warned_untracked = False
 
     @property
@@ -96,46 +123,47 @@ class PipelinedPostproc:
 
     @property
     def postproc_module(self) -> torch.nn.Module:
-        return self._module
+        return self._postproc_module
 
     @property
     def args(self) -> CallArgs:
         return self._args
 
     def set_context(self, context: TrainPipelineContext) -> None:
-        """The context of the batch whose forward runs next."""
+        """The context of the batch whose postproc output is computed or read next."""
         self._context = context
 
     def get_context(self) -> TrainPipelineContext:
         return self._context
 
-    def output_for(self, batch: Any, context: TrainPipelineContext) -> Any:
-        """The module's output for ``batch``: computed on the first call for
-        ``context`` (input_dist stage, data_dist stream), then read from
+    def output_for(self, batch: Any) -> Any:
+        """The module's output for ``batch``: computed on the first call for the
+        current context (input_dist stage, ``dist_stream``), then read from
         ``context.postproc_fwd_results``."""
+        context = self._context
         results = context.postproc_fwd_results
         if self._fqn in results:
             return results[self._fqn]
-        args, kwargs = self._args.build(batch, context)
+        args, kwargs = self._args.build_args_kwargs(batch)
         with _profiler_label(f"trec_pipelines::Postproc {self._fqn}"):
-            with on_stream(self._stream):
+            with on_stream(self._dist_stream):
                 output = self._forward(*args, **kwargs)
-                ready = record_event(self._stream)
+                ready = record_event(self._dist_stream)
         results[self._fqn] = output
         if ready is not None:
             context.postproc_events[self._fqn] = ready
         return output
 
-    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+    def forward(self, *input: Any, **kwargs: Any) -> Any:
         """The model's call in the forward: the output cached for this batch."""
         context = self._context
         if self._fqn not in context.postproc_fwd_results:
             # Not run ahead for this batch (its input_dist stage predates the
             # rewrite): the module's own forward on the arguments given.
-            return self._forward(*args, **kwargs)
+            return self._forward(*input, **kwargs)
         output = context.postproc_fwd_results[self._fqn]
-        if self._stream is not None:
-            consumer = current_stream(self._stream.device)
+        if self._dist_stream is not None:
+            consumer = self._default_stream or current_stream(self._dist_stream.device)
             # The event, not a wait_stream: later input_dist work on data_dist
             # (the next batch's) must not hold the forward up.
             wait_event(consumer, context.postproc_events.get(self._fqn))
@@ -151,8 +179,73 @@ class PipelinedPostproc:
                 )
         return output
 
+    # The module's own names, not the wrapper's (as if it were the module).
+
+    def named_modules(
+        self,
+        memo: Optional[Set[torch.nn.Module]] = None,
+        prefix: str = "",
+        remove_duplicate: bool = True,
+    ) -> Iterator[Tuple[str, torch.nn.Module]]:
+        memo = set() if memo is None else memo
+        if self not in memo:
+            if remove_duplicate:
+                memo.add(self)
+            yield prefix, self
+            yield from self._postproc_module.named_modules(memo, prefix, remove_duplicate)
+
+    def named_parameters(
+        self, prefix: str = "", recurse: bool = True, remove_duplicate: bool = True
+    ) -> Iterator[Tuple[str, torch.nn.Parameter]]:
+        yield from self._postproc_module.named_parameters(prefix, recurse, remove_duplicate)
+
+    def named_buffers(
+        self, prefix: str = "", recurse: bool = True, remove_duplicate: bool = True
+    ) -> Iterator[Tuple[str, torch.Tensor]]:
+        yield from self._postproc_module.named_buffers(prefix, recurse, remove_duplicate)
+
+    def state_dict(  # type: ignore[override]
+        self,
+        destination: Optional[Dict[str, Any]] = None,
+        prefix: str = "",
+        keep_vars: bool = False,
+    ) -> Dict[str, Any]:
+        return self._postproc_module.state_dict(
+            destination=destination, prefix=prefix, keep_vars=keep_vars
+        )
+
+    def load_state_dict(  # type: ignore[override]
+        self, state_dict: "OrderedDict[str, torch.Tensor]", strict: bool = True
+    ) -> Any:
+        return self._postproc_module.load_state_dict(state_dict, strict=strict)
+
+    @staticmethod
+    def recursive_record_stream(res: Any, stream: torch.Stream) -> None:
+        """``record_stream`` every tensor and Pipelineable inside ``res`` on ``stream``."""
+        record_stream_tree(res, stream)
+
     def __repr__(self) -> str:
-        return f"PipelinedPostproc({self._fqn!r}, {type(self._module).__name__}, args={self._args})"
+        return (
+            f"PipelinedPostproc({self._fqn!r}, {type(self._postproc_module).__name__}, "
+            f"args={self._args})"
+        )
+
+
+@contextlib.contextmanager
+def use_context_for_postprocs(
+    pipelined_postprocs: List[PipelinedPostproc],
+    next_batch_context: TrainPipelineContext,
+) -> Generator[None, None, None]:
+    """Point ``pipelined_postprocs`` at ``next_batch_context`` (the batch whose
+    input_dist stage runs), then back at the contexts they held (the forward's)."""
+    held = [postproc.get_context() for postproc in pipelined_postprocs]
+    for postproc in pipelined_postprocs:
+        postproc.set_context(next_batch_context)
+    try:
+        yield
+    finally:
+        for postproc, context in zip(pipelined_postprocs, held):
+            postproc.set_context(context)
 
 
 def _profiler_label(name: str) -> ContextManager[Any]:
@@ -254,7 +347,7 @@ def postprocs_read_by(call_args: CallArgs) -> List[PipelinedPostproc]:
     seen: Set[int] = set()
 
     def visit(args: CallArgs) -> None:
-        for source in args.sources():
+        for source in args.postprocs():
             assert isinstance(source, PipelinedPostproc)
             if id(source) in seen:
                 continue

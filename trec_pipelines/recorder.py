@@ -16,6 +16,12 @@ call number and timing:
 
 :mod:`trec_pipelines.schedule_view` turns the actions into the schedule table,
 a Chrome/Perfetto trace and a timeline picture.
+
+With ``enable_schedule_recording(memory=True)`` the recorder also keeps a
+:class:`~trec_pipelines.ledger.MemoryLedger`: after each verb of the training
+thread it measures the tensor storage the pipeline holds (see
+:mod:`trec_pipelines.memory`).  That walk takes far longer than the verb's
+bookkeeping, so timings recorded with it on are not representative.
 """
 
 from __future__ import annotations
@@ -28,6 +34,7 @@ from typing import Any, ContextManager, Dict, List, Optional, Tuple
 import torch
 
 from trec_pipelines import schedule_view
+from trec_pipelines.ledger import LedgerSummary, MemoryLedger, MemorySample, summarize
 from trec_pipelines.streams import current_stream, record_event
 from trec_pipelines.tasks import (  # noqa: F401  (re-exported: pipelines use rec.H2D, ...)
     BACKWARD,
@@ -95,6 +102,8 @@ class ScheduleRecorder:
     call_starts: List[float] = field(default_factory=list)
     _pending: List[Tuple[Action, Any, Any]] = field(default_factory=list, repr=False)
     _origin: Optional[Tuple[float, Any]] = field(default=None, repr=False)
+    # Measures the pipeline after each training-thread verb; None: not asked for.
+    memory: Optional[MemoryLedger] = field(default=None, repr=False)
 
     def begin_call(self) -> None:
         """Mark the start of a ``progress()`` call."""
@@ -134,6 +143,8 @@ class ScheduleRecorder:
         self.call_starts.clear()
         self._pending.clear()
         self.call = -1
+        if self.memory is not None:
+            self.memory.clear()
 
 
 class _Span:
@@ -166,6 +177,11 @@ class _Span:
             self._recorder._pending.append(
                 (action, self._start_event, self._recorder._event(self._stream))
             )
+        ledger = self._recorder.memory
+        # A loader thread's verbs are not measured: walking the pipeline from
+        # there would race with the training thread changing it.
+        if ledger is not None and action.thread == "main":
+            ledger.sample(action.call, action.task, action.batch, action.stream)
 
 
 class Recordable:
@@ -173,8 +189,12 @@ class Recordable:
 
     _recorder: Optional[ScheduleRecorder] = None
 
-    def enable_schedule_recording(self) -> ScheduleRecorder:
-        """Record every verb, with timing, from the next ``progress()`` call on."""
+    def enable_schedule_recording(self, memory: bool = False) -> ScheduleRecorder:
+        """Record every verb, with timing, from the next ``progress()`` call on.
+
+        ``memory=True`` also measures, after each verb, the tensor storage the
+        pipeline holds (:meth:`memory_ledger`); it slows every verb down.
+        """
         if self._recorder is None:
             streams = getattr(self, "_streams", None)
             roles: Dict[str, Optional[torch.Stream]] = {}
@@ -185,6 +205,10 @@ class Recordable:
             if device is not None:
                 roles["default"] = current_stream(device)
             self._recorder = ScheduleRecorder(streams=roles)
+        if memory and self._recorder.memory is None:
+            ledger = MemoryLedger(self, getattr(self, "_device", None))
+            ledger.ignore(self._recorder)
+            self._recorder.memory = ledger
         return self._recorder
 
     def disable_schedule_recording(self) -> None:
@@ -213,12 +237,34 @@ class Recordable:
         return text
 
     def export_trace(self, path: str) -> None:
-        """Write a Chrome/Perfetto trace: one track per stream plus the CPU thread."""
-        schedule_view.write_trace(self.schedule_actions, path)
+        """Write a Chrome/Perfetto trace: one track per stream plus the CPU thread
+        (and a counter of what the pipeline held, when the memory ledger is on)."""
+        schedule_view.write_trace(self.schedule_actions, path, memory=self.memory_samples)
 
     def save_timeline(self, path: str, calls: Optional[Tuple[int, int]] = None) -> None:
-        """Draw the recorded timeline (streams x time) to a PNG."""
-        schedule_view.draw_timeline(self.schedule_actions, path, calls=calls, title=type(self).__name__)
+        """Draw the recorded timeline (streams x time) to a PNG, with a memory
+        track when the memory ledger is on."""
+        schedule_view.draw_timeline(
+            self.schedule_actions, path, calls=calls, title=type(self).__name__, memory=self.memory_samples
+        )
+
+    @property
+    def memory_samples(self) -> List[MemorySample]:
+        """What the pipeline held after each recorded verb (empty unless ``memory=True``)."""
+        recorder = self._recorder
+        if recorder is None or recorder.memory is None:
+            return []
+        return list(recorder.memory.samples)
+
+    def memory_ledger(self) -> LedgerSummary:
+        """Peak and steady state of what the pipeline held, by kind (see :mod:`trec_pipelines.ledger`)."""
+        return summarize(self.memory_samples)
+
+    def print_memory(self) -> str:
+        """Print (and return) :meth:`memory_ledger` as a table."""
+        text = self.memory_ledger().format()
+        print(text)
+        return text
 
     def exposed_time(self) -> Dict[str, float]:
         """Seconds the training thread spent in each task, plus ``"step"``: the total."""

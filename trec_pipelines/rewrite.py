@@ -33,7 +33,7 @@ from torchrec.distributed.types import ShardedModule
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from trec_pipelines import tracing
-from trec_pipelines.args import ArgPath, CallArgs, GetAttr, GetItem
+from trec_pipelines.args import ArgInfo, CallArgs, GetAttr, GetItem
 from trec_pipelines.postproc import (
     PipelinedPostproc,
     PostprocFactory,
@@ -232,7 +232,9 @@ def _install(module: torch.nn.Module, forward: Any, mark_pipelined: bool = True)
         module.__dict__.get("forward"),
         getattr(module, "is_pipelined", False) if mark_pipelined else None,
     )
-    module.forward = forward  # type: ignore[method-assign]
+    # Not nn.Module.__setattr__: a PipelinedPostproc is a Module and would be
+    # registered as a child named "forward" (changing state_dict and named_modules).
+    object.__setattr__(module, "forward", forward)
     if mark_pipelined:
         module.is_pipelined = True
     return saved
@@ -243,7 +245,7 @@ def restore_model(result: RewriteResult) -> None:
     :func:`rewrite_model`."""
     for module, had_instance_forward, original, was_pipelined in reversed(result._saved):
         if had_instance_forward:
-            module.forward = original  # type: ignore[method-assign]
+            object.__setattr__(module, "forward", original)
         else:
             module.__dict__.pop("forward", None)
         if was_pipelined is not None:
@@ -309,13 +311,13 @@ def _plan_fx(
     ], planner
 
 
-def kjt_fields(batch: Any, max_depth: int = 4) -> List[Tuple[ArgPath, KeyedJaggedTensor]]:
+def kjt_fields(batch: Any, max_depth: int = 4) -> List[Tuple[ArgInfo, KeyedJaggedTensor]]:
     """Every ``KeyedJaggedTensor`` reachable from ``batch`` by attributes and items."""
-    found: List[Tuple[ArgPath, KeyedJaggedTensor]] = []
+    found: List[Tuple[ArgInfo, KeyedJaggedTensor]] = []
 
     def visit(value: Any, steps: Tuple[Any, ...], depth: int) -> None:
         if isinstance(value, KeyedJaggedTensor):
-            found.append((ArgPath(steps), value))
+            found.append((ArgInfo.from_batch(steps), value))
             return
         if depth >= max_depth or isinstance(value, torch.Tensor):
             return
@@ -356,7 +358,7 @@ def _plan_direct(
         if len(fields) == 1:
             matching = [fields[0][0]]
         if len(matching) == 1:
-            plans.append((name, CallArgs((matching[0],))))
+            plans.append((name, CallArgs([matching[0]], {})))
         else:
             options = ", ".join(str(path) for path, _ in fields)
             plans.append(

@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Any, Dict, List, Optional, Sequence, Tuple
 from trec_pipelines.tasks import TASKS
 
 if TYPE_CHECKING:
+    from trec_pipelines.ledger import MemorySample
     from trec_pipelines.recorder import Action
 
 Cell = Optional[Any]  # an int, a tuple of ints, or None
@@ -96,11 +97,13 @@ def exposed_time(actions: Sequence["Action"], call_starts: Sequence[float]) -> D
     return dict(exposed)
 
 
-def write_trace(actions: Sequence["Action"], path: str) -> None:
+def write_trace(actions: Sequence["Action"], path: str, memory: Sequence["MemorySample"] = ()) -> None:
     """A Chrome trace (chrome://tracing, ui.perfetto.dev) of the recorded actions.
 
     Track "CPU thread" shows when the training thread issued (and was blocked
-    in) each task; one track per stream shows when the work ran on it.
+    in) each task; one track per stream shows when the work ran on it.  With
+    ``memory`` samples (the memory ledger) a counter track "held MiB" shows
+    what the pipeline held after each action, by kind.
     """
     if not actions:
         raise ValueError("nothing recorded: call enable_schedule_recording() before progress()")
@@ -130,6 +133,16 @@ def write_trace(actions: Sequence["Action"], path: str) -> None:
         if action.device_start is not None and action.device_end is not None:
             stream_tid = 2 + lanes.index(action.stream)
             events.append(span(label, stream_tid, action.device_start, action.device_end, action))
+    for sample in memory:
+        events.append(
+            {
+                "name": "held MiB",
+                "ph": "C",
+                "pid": 0,
+                "ts": (sample.time - origin) * 1e6,
+                "args": {kind: nbytes / 2**20 for kind, nbytes in sample.held.bytes_by_kind.items()},
+            }
+        )
     with open(path, "w") as f:
         json.dump({"traceEvents": events, "displayTimeUnit": "ms"}, f)
 
@@ -139,12 +152,14 @@ def draw_timeline(
     path: str,
     calls: Optional[Tuple[int, int]] = None,
     title: str = "",
+    memory: Sequence["MemorySample"] = (),
 ) -> None:
     """A PNG timeline: one lane per stream (device time), one for the CPU thread.
 
     Boxes are coloured by batch and labelled with task and batch, in the style
     of the reference timelines.  ``calls=(first, last)`` limits it to a window
-    of ``progress()`` calls.
+    of ``progress()`` calls.  With ``memory`` samples (the memory ledger) a
+    track below shows what the pipeline held after each action, stacked by kind.
     """
     import matplotlib
 
@@ -160,7 +175,14 @@ def draw_timeline(
     colors = plt.get_cmap("tab10")
     fig_width = 14
     total_ms = (max(a.cpu_end for a in chosen) - origin) * 1e3
-    fig, ax = plt.subplots(figsize=(fig_width, 0.7 * len(lanes) + 1.2))
+    held = [m for m in memory if calls is None or calls[0] <= m.call <= calls[1]]
+    if held:
+        fig, (ax, mem_ax) = plt.subplots(
+            2, 1, sharex=True, figsize=(fig_width, 0.7 * len(lanes) + 3.2),
+            gridspec_kw={"height_ratios": [0.7 * len(lanes) + 0.6, 2.0]},
+        )
+    else:
+        fig, ax = plt.subplots(figsize=(fig_width, 0.7 * len(lanes) + 1.2))
     for action in chosen:
         color = colors((action.batch or 0) % 10)
         label = action.task if action.batch is None else f"{action.task} i{action.batch}"
@@ -175,9 +197,25 @@ def draw_timeline(
                 ax.text(x + width / 2, y, label, ha="center", va="center", fontsize=6, clip_on=True)
     ax.set_yticks(range(len(lanes)))
     ax.set_yticklabels(list(reversed(lanes)))
-    ax.set_xlabel("time (ms)")
     ax.set_title(title or "pipeline timeline")
     ax.grid(axis="x", linestyle=":", linewidth=0.5)
+    if held:
+        _draw_memory(mem_ax, held, origin)
+        mem_ax.set_xlabel("time (ms)")
+    else:
+        ax.set_xlabel("time (ms)")
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
+
+
+def _draw_memory(ax: Any, samples: Sequence["MemorySample"], origin: float) -> None:
+    """What the pipeline held after each action, in MiB, stacked by kind (a step plot)."""
+    from trec_pipelines.memory import KINDS
+
+    xs = [(m.time - origin) * 1e3 for m in samples]
+    layers = [[m.held.bytes_by_kind.get(kind, 0) / 2**20 for m in samples] for kind in KINDS]
+    ax.stackplot(xs, *layers, labels=list(KINDS), step="post", alpha=0.8)
+    ax.set_ylabel("held (MiB)")
+    ax.legend(fontsize=6, loc="upper left", ncol=len(KINDS))
+    ax.grid(axis="x", linestyle=":", linewidth=0.5)

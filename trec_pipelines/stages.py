@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import logging
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Deque, Dict, Iterator, List, Optional, Tuple
 
 import torch
@@ -17,6 +17,7 @@ import torch.distributed as dist
 from torchrec.streamable import Multistreamable, Pipelineable
 
 from trec_pipelines.streams import hand_off, on_stream
+from trec_pipelines.validation import batch_problem
 
 logger: logging.Logger = logging.getLogger(__name__)
 
@@ -97,21 +98,46 @@ class BatchSource:
       ended at the same step, so no rank waits in a collective for a batch the
       others will never send.  Batches a rank pulled but could not use are
       counted in :attr:`unused`.
+    * With ``keep_in_flight`` every batch handed out stays listed, host copy
+      and index, until the pipeline marks it trained (:meth:`retire`) or drops it.
+      :meth:`rewind` gives the listed batches back, in order and with their
+      indices, ahead of everything else: a failed step is retried from the
+      host copies (see :mod:`trec_pipelines.step_guard`).
     """
 
-    def __init__(self, sync_group: Optional[Any] = None) -> None:
+    def __init__(
+        self,
+        sync_group: Optional[Any] = None,
+        keep_in_flight: bool = False,
+        validate: bool = False,
+    ) -> None:
         self._iterator: Optional[Iterator[Any]] = None
         self._sync_group = sync_group
         self._held: Deque[Any] = deque()
         self.exhausted = False
-        self.loaded = 0  # batches handed out so far, over all epochs: the next one's index
+        self.loaded = 0  # batches handed out so far, over all epochs: the next new one's index
+        self.last_index = -1  # the index of the batch :meth:`next` returned last
+        self._keep_in_flight = keep_in_flight
+        # (index, host batch) handed out and not trained yet, oldest first.
+        self._in_flight: Deque[Tuple[int, Any]] = deque()
+        # (index, host batch) given back by rewind(), served before anything else.
+        self._rewound: Deque[Tuple[int, Any]] = deque()
         self.unused = 0  # batches pulled but dropped because another rank ran out
+        self._validate = validate
+        self.rejected = 0  # malformed batches pulled and dropped (``validate``)
         # The iterator that last raised StopIteration, and its yield count then.
         self._spent: Optional[Tuple[Iterator[Any], Optional[int]]] = None
 
     def _switch_to(self, iterator: Iterator[Any]) -> None:
         if iterator is self._iterator:
             return
+        if self._rewound:
+            logger.warning(
+                "%d batch(es) of a failed step were dropped: a new iterator was passed "
+                "before they were retried",
+                len(self._rewound),
+            )
+            self._rewound.clear()
         if self._held:
             logger.warning(
                 "%d batch(es) fetched from the previous iterator were dropped: a new "
@@ -125,15 +151,23 @@ class BatchSource:
     def next(self, iterator: Iterator[Any]) -> Optional[Any]:
         """The next batch, or None at the end of the epoch."""
         self._switch_to(iterator)
-        batch = self._held.popleft() if self._held else self._pull(iterator)
-        if batch is not None:
+        if self._rewound:
+            index, batch = self._rewound.popleft()
+        else:
+            batch = self._held.popleft() if self._held else self._pull(iterator)
+            if batch is None:
+                return None
+            index = self.loaded
             self.loaded += 1
+        self.last_index = index
+        if self._keep_in_flight:
+            self._in_flight.append((index, batch))
         return batch
 
     def fetch_ahead(self, iterator: Iterator[Any], count: int = 1) -> None:
         """Hold ``count`` batches (fewer at the end of data) for :meth:`next`."""
         self._switch_to(iterator)
-        while len(self._held) < count and not self.exhausted:
+        while self.holding < count and not self.exhausted:
             batch = self._pull(iterator)
             if batch is not None:
                 self._held.append(batch)
@@ -149,8 +183,16 @@ class BatchSource:
             except StopIteration:
                 batch = None
                 self._spent = (iterator, getattr(iterator, "_num_yielded", None))
+        problem = batch_problem(batch) if self._validate and batch is not None else None
         if self._sync_group is not None:
-            batch = self._agree(batch)
+            batch, problem = self._agree(batch, problem)
+        if problem is not None:
+            self.rejected += 1
+            raise ValueError(
+                f"batch {self.loaded + len(self._held)}: {problem}. It was dropped before "
+                "any work, and the next progress() goes on with the next batch. Fix the "
+                "data, or pass validate_batches=False to turn these checks off."
+            )
         if batch is None:
             self.exhausted = True
             return None
@@ -170,10 +212,21 @@ class BatchSource:
             return False
         return True
 
-    def _agree(self, batch: Optional[Any]) -> Optional[Any]:
-        flag = torch.tensor([0 if batch is None else 1], dtype=torch.int32)
+    def _agree(
+        self, batch: Optional[Any], problem: Optional[str]
+    ) -> Tuple[Optional[Any], Optional[str]]:
+        """Every rank's (batch, problem) after agreeing: ended if any rank's data
+        ended, malformed if any rank's batch is (so all drop it in step)."""
+        mine = 0 if batch is None else (1 if problem is not None else 2)
+        flag = torch.tensor([mine], dtype=torch.int32)
         dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=self._sync_group)
-        if batch is not None and int(flag.item()) == 0:
+        agreed = int(flag.item())
+        if agreed == 1:
+            return None, problem or (
+                "this rank's batch is fine but another rank's is malformed (see its "
+                "error); dropped here too so the ranks stay in step"
+            )
+        if batch is not None and agreed == 0:
             self.unused += 1
             logger.warning(
                 "rank %d: another rank's data ended; stopping here in step with it "
@@ -181,11 +234,50 @@ class BatchSource:
                 dist.get_rank(),
                 self.unused,
             )
-            return None
-        return batch
+            return None, None
+        return batch, None
 
     def end_epoch(self) -> None:
         self.exhausted = False
+
+    # ----------------------------------------------------- failed-step retry
+
+    def retire(self) -> None:
+        """The oldest in-flight batch was trained: forget its host copy."""
+        if self._in_flight:
+            self._in_flight.popleft()
+
+    def drop_in_flight(self) -> None:
+        """The in-flight batches were dropped untrained (``reset()``, end of data)."""
+        self._in_flight.clear()
+        self._rewound.clear()
+
+    def rewind(self) -> Optional[int]:
+        """Give every in-flight batch back, in order, ahead of the held ones.
+
+        Returns the index of the oldest (the one the failed step was
+        training), or None when nothing was in flight.
+        """
+        first = self._in_flight[0][0] if self._in_flight else None
+        self._rewound.extendleft(reversed(self._in_flight))
+        self._in_flight.clear()
+        return first
+
+    def skip_rewound(self) -> Optional[int]:
+        """Drop the first batch given back by :meth:`rewind`; its index, or None."""
+        if not self._rewound:
+            return None
+        return self._rewound.popleft()[0]
+
+    @property
+    def rewound(self) -> int:
+        """Batches given back by :meth:`rewind` and not handed out again yet."""
+        return len(self._rewound)
+
+    @property
+    def in_flight(self) -> int:
+        """Batches handed out and neither trained nor dropped (``keep_in_flight``)."""
+        return len(self._in_flight)
 
     @property
     def iterator(self) -> Optional[Iterator[Any]]:
@@ -194,27 +286,34 @@ class BatchSource:
 
     @property
     def holding(self) -> int:
-        """Batches fetched ahead and not handed out yet."""
-        return len(self._held)
+        """Batches fetched ahead (or given back by :meth:`rewind`) and not handed out yet."""
+        return len(self._held) + len(self._rewound)
 
     def save(self) -> "SourceState":
         """Set this iterator's epoch aside (see :meth:`restore`); start afresh."""
-        state = SourceState(self._iterator, self._held, self.exhausted)
+        state = SourceState(
+            self._iterator, self._held, self.exhausted, self._in_flight, self._rewound
+        )
         self._iterator, self._held, self.exhausted = None, deque(), False
+        self._in_flight, self._rewound = deque(), deque()
         return state
 
     def restore(self, state: "SourceState") -> None:
         """Continue an epoch set aside by :meth:`save`."""
         self._iterator, self._held, self.exhausted = state.iterator, state.held, state.exhausted
+        self._in_flight, self._rewound = state.in_flight, state.rewound
 
 
 @dataclass
 class SourceState:
-    """An iterator's epoch set aside: its fetched-ahead batches and whether it ended."""
+    """An iterator's epoch set aside: its fetched-ahead batches, whether it ended,
+    and (``keep_in_flight``) the host copies of its in-flight and rewound batches."""
 
     iterator: Optional[Iterator[Any]]
     held: Deque[Any]
     exhausted: bool
+    in_flight: Deque[Tuple[int, Any]] = field(default_factory=deque)
+    rewound: Deque[Tuple[int, Any]] = field(default_factory=deque)
 
 
 def sync_group_for(sync_exhaustion: bool) -> Optional[Any]:

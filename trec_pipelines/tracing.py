@@ -16,26 +16,26 @@ module can run ahead as a postproc, and the path then starts at its output.
 from __future__ import annotations
 
 import operator
-from typing import Any, Callable, List, Optional, Set, Tuple, Union
+from typing import Any, Callable, Dict, List, Optional, Set, Union
 
 import torch
 import torch.fx
 from torchrec.distributed.types import ShardedModule
 
 from trec_pipelines.args import (
-    ArgDict,
-    ArgList,
-    ArgPath,
-    ArgRecipe,
-    ArgSource,
+    ArgInfo,
     ArgStep,
     CallArgs,
+    DictOf,
     GetAttr,
     GetItem,
+    ListOf,
+    Postproc,
+    RunsAhead,
 )
 
 # A call_module node -> the postproc standing for it, or why it can't be one.
-Resolve = Callable[[torch.fx.Node], Union[ArgSource, str]]
+Resolve = Callable[[torch.fx.Node], Union[RunsAhead, str]]
 
 
 def _contains_sharded(module: torch.nn.Module) -> bool:
@@ -63,22 +63,34 @@ def leaf_module_names(model: torch.nn.Module) -> Set[str]:
     return leaves
 
 
-class ShallowTracer(torch.fx.Tracer):
-    """Traces only the glue around sharded modules (see the module docstring)."""
+class Tracer(torch.fx.Tracer):
+    """Traces only the glue around sharded modules (see the module docstring).
+
+    Sharded modules, FSDP wrappers and the modules named in ``leaf_modules``
+    are leaves.  With ``extend_leaf_fqn`` the modules inside a named leaf are
+    leaves too (matched by FQN prefix), for tracers that get called on them.
+    """
 
     # Models that write to buffers in forward break when buffers are proxied.
     proxy_buffer_attributes = False
 
-    def __init__(self, leaf_modules: Set[str]) -> None:
+    def __init__(self, leaf_modules: Optional[List[str]] = None, extend_leaf_fqn: bool = False) -> None:
         super().__init__()
-        self._leaf_modules = leaf_modules
+        self._leaf_modules: Set[str] = set(leaf_modules or ())
+        self._extend_leaf_fqn = extend_leaf_fqn
 
     def is_leaf_module(self, m: torch.nn.Module, module_qualified_name: str) -> bool:
         if isinstance(m, ShardedModule) or module_qualified_name in self._leaf_modules:
             return True
         if _is_fsdp(m):
             return True
+        if self._extend_leaf_fqn and self.is_extended_leaf_modules(m, module_qualified_name):
+            return True
         return super().is_leaf_module(m, module_qualified_name)
+
+    def is_extended_leaf_modules(self, m: torch.nn.Module, module_qualified_name: str) -> bool:
+        """Whether ``module_qualified_name`` lies inside one of the named leaves."""
+        return any(module_qualified_name.startswith(leaf + ".") for leaf in self._leaf_modules)
 
 
 def _is_fsdp(module: torch.nn.Module) -> bool:
@@ -91,7 +103,7 @@ def _is_fsdp(module: torch.nn.Module) -> bool:
 
 def trace(model: torch.nn.Module) -> torch.fx.Graph:
     """The shallow FX graph of ``model.forward``."""
-    return ShallowTracer(leaf_module_names(model)).trace(model)
+    return Tracer(sorted(leaf_module_names(model))).trace(model)
 
 
 def _is_getattr(node: torch.fx.Node) -> bool:
@@ -113,7 +125,7 @@ def _describe(node: torch.fx.Node) -> str:
 
 def arg_path_of(
     arg: Any, batch_node: torch.fx.Node, resolve: Optional[Resolve] = None
-) -> Union[ArgRecipe, str]:
+) -> Union[ArgInfo, str]:
     """How ``arg`` (an FX argument) is read from the batch, or why it can't be.
 
     With ``resolve``, the path may start at a postproc's output, and a list,
@@ -124,12 +136,12 @@ def arg_path_of(
             if resolve is None:
                 return f"a {type(arg).__name__} built in the forward from traced values"
             return _collection_of(arg, batch_node, resolve)
-        return ArgPath.constant(arg)
+        return ArgInfo.constant(arg)
     steps: List[ArgStep] = []
     node = arg
     while True:
         if node is batch_node:
-            return ArgPath(tuple(reversed(steps)))
+            return ArgInfo.from_batch(tuple(reversed(steps)))
         if node.op == "placeholder":
             return f"{_describe(node)} is a model input other than the batch"
         if node.op == "call_module":
@@ -142,7 +154,7 @@ def arg_path_of(
             source = resolve(node)
             if isinstance(source, str):
                 return source
-            return ArgPath(tuple(reversed(steps)), source=source)
+            return ArgInfo([Postproc(source), *reversed(steps)])
         if _is_getattr(node) and isinstance(node.args[1], str):
             steps.append(GetAttr(node.args[1]))
         elif (_is_getitem(node) or _is_dict_get(node)) and isinstance(
@@ -159,22 +171,22 @@ def arg_path_of(
 
 def _collection_of(
     value: Union[list, tuple, dict], batch_node: torch.fx.Node, resolve: Resolve
-) -> Union[ArgRecipe, str]:
-    if isinstance(value, dict):
-        entries: List[Tuple[Any, ArgRecipe]] = []
-        for key, item in value.items():
-            recipe = arg_path_of(item, batch_node, resolve)
-            if isinstance(recipe, str):
-                return recipe
-            entries.append((key, recipe))
-        return ArgDict(tuple(entries))
-    items: List[ArgRecipe] = []
-    for item in value:
+) -> Union[ArgInfo, str]:
+    """A list, tuple or dict built in the forward: each element's recipe, or
+    why one of them can't be read (constants stay constants)."""
+    items = list(value.values()) if isinstance(value, dict) else list(value)
+    recipes: List[Any] = []
+    for item in items:
+        if not _has_node(item):
+            recipes.append(item)
+            continue
         recipe = arg_path_of(item, batch_node, resolve)
         if isinstance(recipe, str):
             return recipe
-        items.append(recipe)
-    return ArgList(tuple(items), is_tuple=isinstance(value, tuple))
+        recipes.append(recipe)
+    if isinstance(value, dict):
+        return ArgInfo([DictOf(dict(zip(value.keys(), recipes)))])
+    return ArgInfo([ListOf(recipes, as_tuple=isinstance(value, tuple))])
 
 
 def _has_node(value: Any) -> bool:
@@ -198,19 +210,19 @@ def call_args_of(
         return "the model's forward takes no input"
     if not node.args and not node.kwargs:
         return f"module '{node.target}' is called with no arguments"
-    args: List[ArgRecipe] = []
+    args: List[ArgInfo] = []
     for arg in node.args:
         path = arg_path_of(arg, batch_node, resolve)
         if isinstance(path, str):
             return path
         args.append(path)
-    kwargs: List[Tuple[str, ArgRecipe]] = []
+    kwargs: Dict[str, ArgInfo] = {}
     for name, arg in node.kwargs.items():
         path = arg_path_of(arg, batch_node, resolve)
         if isinstance(path, str):
             return path
-        kwargs.append((name, path))
-    return CallArgs(tuple(args), tuple(kwargs))
+        kwargs[name] = path
+    return CallArgs(args, kwargs)
 
 
 def first_placeholder(graph: torch.fx.Graph) -> Optional[torch.fx.Node]:

@@ -90,8 +90,12 @@ _barrier = None
 _peer_lost = None
 
 
+# Node ids of the tests whose torchrec reference ran under torchrec_shim.
+_shimmed_tests = []
+
+
 @pytest.fixture(autouse=True)
-def per_test_group(process_group):
+def per_test_group(process_group, request):
     """A fresh gloo group per test, used by dlrm.make_sharded by default.
 
     If a test fails on one rank only while the other waits in a collective,
@@ -103,7 +107,7 @@ def per_test_group(process_group):
     the remaining tests fail at once instead of waiting again.
     """
     global _barrier, _peer_lost
-    from tests.distributed import dlrm
+    from tests.distributed import dlrm, torchrec_shim
 
     if _peer_lost:
         pytest.fail(_peer_lost, pytrace=False)
@@ -116,7 +120,10 @@ def per_test_group(process_group):
         pytest.fail(_peer_lost, pytrace=False)
     group = dist.new_group(backend="gloo", timeout=PG_TIMEOUT)
     dlrm.set_current_group(group)
+    shim_entries_before = torchrec_shim.shim_entries()
     yield group
+    if torchrec_shim.shim_entries() > shim_entries_before:
+        _shimmed_tests.append(request.node.nodeid)
     dlrm.set_current_group(None)
     dist.destroy_process_group(group)
 
@@ -139,3 +146,23 @@ def pytest_collection_modifyitems(config, items):
         if str(item.path).startswith(here + os.sep):
             for spec in _KNOWN_WARNINGS:
                 item.add_marker(pytest.mark.filterwarnings(spec))
+
+
+def pytest_terminal_summary(terminalreporter, exitstatus, config):
+    """Say which torchrec references needed the CPU shim, and what it patched."""
+    # Every rank runs the same tests; one list is enough.
+    if not _shimmed_tests or os.environ.get("RANK") != "0":
+        return
+    import torchrec
+
+    from tests.distributed import torchrec_shim
+
+    write = terminalreporter.write_line
+    write(
+        f"{len(_shimmed_tests)} tests ran torchrec {torchrec.__version__}'s "
+        "reference under tests/distributed/torchrec_shim.py (torchrec's side only), patching:"
+    )
+    for patch in torchrec_shim.patches():
+        write(f"    {patch}")
+    for nodeid in _shimmed_tests:
+        write(f"    shimmed reference: {nodeid}")

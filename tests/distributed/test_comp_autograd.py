@@ -24,6 +24,7 @@ from tests.distributed.dlrm import (
     plain_loop,
     weights,
 )
+from trec_pipelines.backward_hooks import FirstGradTensorFinder, InjectionSite, InjectionTargetType
 from trec_pipelines.pipelines.comp_autograd import (
     TrainPipelineSparseDistCompAutograd,
     touched_settings,
@@ -78,7 +79,7 @@ def undo_python_reducer_side_effects() -> Iterator[None]:
 
 
 def _assert_close(ours: Run, ref: Run) -> None:
-    assert len(ours) == len(ref) == NUM_BATCHES
+    assert len(ours) == len(ref)
     for step, (a, b) in enumerate(zip(ours, ref)):
         torch.testing.assert_close(a, b, atol=ATOL, rtol=RTOL, msg=lambda m: f"step {step}: {m}")
     assert ours.weights.keys() == ref.weights.keys()
@@ -169,12 +170,54 @@ def test_comp_autograd_matches_plain_loop_and_leaves_config_alone() -> None:
     assert repr(torch._logging._internal.log_state) == log_state_before
 
 
-def test_cpp_reducer_fails_early_with_the_fix() -> None:
+def test_normally_built_dmp_matches_plain_loop_and_keeps_training_eagerly() -> None:
+    """The DMP is built the usual way (C++ reducer): the pipeline switches its
+    DDP to the Python reducer, trains like the plain loop, leaves the global
+    settings alone, and the model then goes on training eagerly (the switched
+    reducer still averages the dense gradients across ranks).  A backward hook
+    (register_backward_hook, PARAM_GRAD) runs once per compiled backward."""
+    extra = 2
+    batches: List[Batch] = make_batches(NUM_BATCHES + extra, seed=DATA_SEED)  # type: ignore[assignment]
+    ref = plain_loop(*make_sharded(DLRM, "table_wise", seed=SEED), batches)
+
+    inductor = torch._inductor.config
+    rules = torch._dynamo.trace_rules
+    global_state = lambda: (  # noqa: E731
+        touched_settings(),
+        torch._dynamo.config.optimize_ddp,
+        inductor._fuse_ddp_communication,
+        inductor._fuse_ddp_bucket_size,
+        "torch.nn.parallel.distributed" in rules.LEGACY_MOD_INLINELIST,
+    )
+    before = global_state()
     dmp, optimizer = make_sharded(DLRM, "table_wise", seed=SEED)
+    ddps = [m for m in dmp.modules() if isinstance(m, torch.nn.parallel.DistributedDataParallel)]
+    assert ddps and not any(d._use_python_reducer for d in ddps), "not a normally built DMP"
+
+    torch._dynamo.utils.counters.clear()
     pipeline = TrainPipelineSparseDistCompAutograd(dmp, optimizer, CPU)
-    try:
-        pipeline.progress(iter(make_batches(2, seed=DATA_SEED)))
-    except RuntimeError as error:
-        assert 'optimize_ddp="python_reducer"' in str(error)
-    else:
-        raise AssertionError("a C++-reducer DDP model trained under compiled autograd")
+    assert pipeline.switched_ddp_reducers == len(ddps)
+    hook_calls: List[int] = []
+    hook = pipeline.register_backward_hook(
+        InjectionSite("over_arch", FirstGradTensorFinder(), target_type=InjectionTargetType.PARAM_GRAD),
+        lambda p: hook_calls.append(len(hook_calls)),
+    )
+    outputs: List[torch.Tensor] = []
+    it = iter(batches[:NUM_BATCHES])
+    while True:
+        try:
+            outputs.append(pipeline.progress(it).clone())
+        except StopIteration:
+            break
+        assert global_state() == before, "a global setting changed between steps"
+    assert torch._dynamo.utils.counters["compiled_autograd"]["captures"] >= 1
+    assert hook_calls == list(range(NUM_BATCHES))
+    hook.remove()
+    # Eager training of the same model, as a user might go on after the pipeline.
+    pipeline.detach()
+    more = plain_loop(dmp, optimizer, batches[NUM_BATCHES:])
+    ours = Run(outputs + list(more), more.weights)
+    assert len(ours) == len(ref)
+    _assert_close(ours, ref)
+    assert global_state() == before
+

@@ -33,7 +33,7 @@ from tests.distributed.postproc_models import (
     run,
 )
 from trec_pipelines import restore_model, rewrite_model
-from trec_pipelines.args import ArgDict, ArgList, ArgPath, CallArgs, GetAttr, GetItem
+from trec_pipelines.args import ArgInfo, CallArgs, DictOf, GetAttr, GetItem, ListOf, Noop, Postproc
 from trec_pipelines.context import TrainPipelineContext
 from trec_pipelines.postproc import PipelinedPostproc
 
@@ -64,7 +64,7 @@ def test_one_postproc_shared_by_two_sharded_modules() -> None:
     assert fqns(theirs._pipelined_postprocs) == fqns(ours._pipelined_postprocs) == ["postproc"]
     (postproc,) = ours._pipelined_postprocs
     for module, field in zip(ours._pipelined_modules, ("ids", "scored")):
-        assert module.forward.args == CallArgs((ArgPath((GetAttr(field),), source=postproc),))
+        assert module.forward.args == CallArgs([ArgInfo([Postproc(postproc), GetAttr(field)])], {})
 
 
 def test_a_postproc_per_module_reading_batch_fields() -> None:
@@ -72,11 +72,11 @@ def test_a_postproc_per_module_reading_batch_fields() -> None:
     assert len(theirs._pipelined_modules) == len(ours._pipelined_modules) == 2
     assert fqns(theirs._pipelined_postprocs) == fqns(ours._pipelined_postprocs) == ["keep_ids", "keep_scored"]
     by_name = {p.fqn: p for p in ours._pipelined_postprocs}
-    assert by_name["keep_ids"].args == CallArgs((ArgPath((GetAttr("ids"),)),))
-    assert by_name["keep_scored"].args == CallArgs((ArgPath((GetAttr("scored"),)),))
+    assert by_name["keep_ids"].args == CallArgs([ArgInfo([GetAttr("ids")])], {})
+    assert by_name["keep_scored"].args == CallArgs([ArgInfo([GetAttr("scored")])], {})
     ebc, webc = ours._pipelined_modules
-    assert ebc.forward.args == CallArgs((ArgPath((GetItem(0),), source=by_name["keep_ids"]),))
-    assert webc.forward.args == CallArgs((ArgPath((GetItem(0),), source=by_name["keep_scored"]),))
+    assert ebc.forward.args == CallArgs([ArgInfo([Postproc(by_name["keep_ids"]), GetItem(0)])], {})
+    assert webc.forward.args == CallArgs([ArgInfo([Postproc(by_name["keep_scored"]), GetItem(0)])], {})
 
 
 def test_postprocs_reading_another_postproc() -> None:
@@ -86,9 +86,9 @@ def test_postprocs_reading_another_postproc() -> None:
     assert fqns(theirs._pipelined_postprocs) == fqns(ours._pipelined_postprocs) == names
     by_name = {p.fqn: p for p in ours._pipelined_postprocs}
     parent = by_name["postproc"]
-    assert parent.args == CallArgs((ArgPath(),))
-    assert by_name["keep_ids"].args == CallArgs((ArgPath((GetAttr("ids"),), source=parent),))
-    assert by_name["keep_scored"].args == CallArgs((ArgPath((GetAttr("scored"),), source=parent),))
+    assert parent.args == CallArgs([ArgInfo([Noop()])], {})
+    assert by_name["keep_ids"].args == CallArgs([ArgInfo([Postproc(parent), GetAttr("ids")])], {})
+    assert by_name["keep_scored"].args == CallArgs([ArgInfo([Postproc(parent), GetAttr("scored")])], {})
     # The rewrite lists each postproc pipelined, each after the ones it reads.
     assert ours.rewrite_result.postproc_names == ["postproc", "keep_ids", "keep_scored"]
 
@@ -158,13 +158,14 @@ def test_postproc_taking_collections_of_fields_constants_and_postproc_outputs() 
     names = ["keep_ids", "keep_scored", "mix", "tenth"]
     assert fqns(theirs._pipelined_postprocs) == fqns(ours._pipelined_postprocs) == names
     by_name = {p.fqn: p for p in ours._pipelined_postprocs}
-    dense, tenth = ArgPath((GetAttr("dense"),)), ArgPath(source=by_name["tenth"])
+    dense, tenth = ArgInfo([GetAttr("dense")]), ArgInfo([Postproc(by_name["tenth"])])
     assert by_name["mix"].args == CallArgs(
-        (
-            ArgPath(),
-            ArgList((ArgPath.constant(1), dense, tenth)),
-            ArgDict((("one", ArgPath.constant(1)), ("dense", dense), ("tenth", tenth))),
-        )
+        [
+            ArgInfo([Noop()]),
+            ArgInfo([ListOf([1, dense, tenth])]),
+            ArgInfo([DictOf({"one": 1, "dense": dense, "tenth": tenth})]),
+        ],
+        {},
     )
 
 
@@ -207,7 +208,9 @@ def test_rewrite_model_with_and_without_postprocs() -> None:
         batch,
         Marker,
         "fx",
-        make_postproc=lambda fqn, module, args: PipelinedPostproc(fqn, module, args, TrainPipelineContext()),
+        make_postproc=lambda fqn, module, args: PipelinedPostproc(
+            module, fqn, args, TrainPipelineContext(), None, None
+        ),
     )
     assert with_postprocs.names == ["ebc", "webc"]
     (postproc,) = with_postprocs.postprocs
@@ -215,7 +218,7 @@ def test_rewrite_model_with_and_without_postprocs() -> None:
     assert dmp.module.postproc.forward is postproc
     for tower in (dmp.module.ebc, dmp.module.webc):
         assert isinstance(tower.forward, Marker)
-        assert tower.forward.call_args.args[0].source is postproc
+        assert tower.forward.call_args.args[0].postprocs() == [postproc]
     assert list(dmp.state_dict()) == keys
     missing, unexpected = dmp.load_state_dict(dmp.state_dict())
     assert missing == [] and unexpected == []

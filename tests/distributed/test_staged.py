@@ -11,6 +11,9 @@ from typing import Any, Callable, List, Optional
 
 import pytest
 import torch
+from torchrec.distributed.train_pipeline.train_pipelines import (
+    TrainPipelineSemiSync as UpstreamSemiSync,
+)
 
 from tests.distributed.dlrm import (
     DLRM,
@@ -20,9 +23,10 @@ from tests.distributed.dlrm import (
     make_batches,
     make_sharded,
     plain_loop,
+    run_pipeline,
     weights,
 )
-from tests.distributed.torchrec_shim import shim_active
+from tests.distributed.torchrec_shim import shim_active, torchrec_on_cpu
 from trec_pipelines.pipelines.sparse_data_dist_util import SparseDataDistUtil
 from trec_pipelines.pipelines.staged import PipelineStage, StagedTrainPipeline
 
@@ -54,19 +58,23 @@ def staged_run(
     after_step: Optional[Callable[[StagedTrainPipeline, int], None]] = None,
     on_flush_end: Optional[Callable[[], None]] = None,
     it: Optional[Any] = None,
+    stream: Optional[torch.Stream] = CPU_STREAM,
 ) -> Run:
+    """``stream=None``: every stream left None, as a CPU user writes it."""
     dmp, optimizer = make_sharded(DLRM, sharding_type, seed=SEED)
     sdd = SparseDataDistUtil(
         dmp,
-        data_dist_stream=CPU_STREAM,
-        prefetch_stream=CPU_STREAM if third_stage == "prefetch" else None,
+        data_dist_stream=stream,
+        prefetch_stream=stream if third_stage == "prefetch" else None,
     )
     stages = [
-        PipelineStage("h2d", lambda batch: batch.to(CPU, non_blocking=True), CPU_STREAM),
+        PipelineStage("h2d", lambda batch: batch.to(CPU, non_blocking=True), stream),
         sdd.start_sparse_data_dist_stage(),
     ]
     if third_stage == "prefetch":
         stages.append(PipelineStage("prefetch", sdd.prefetch, sdd.prefetch_stream))
+    elif third_stage == "lookup":
+        stages.append(sdd.start_embedding_lookup_stage())
     pipeline = StagedTrainPipeline(stages, on_flush_end=on_flush_end)
     outputs = []
     source = it if it is not None else iter(batches)
@@ -124,3 +132,31 @@ def test_flush_mid_stream_loses_and_repeats_nothing(flush_after: int) -> None:
     taken, done = flushes[0]
     assert taken == done == flush_after + 2  # the two batches in flight at the flush
     assert_runs_equal(ref, ours, ("plain_loop", f"staged, flushed after {flush_after}"))
+
+
+@pytest.mark.parametrize("third_stage", [None, "prefetch"])
+def test_none_streams_match_plain_loop(third_stage: Optional[str]) -> None:
+    """No stream anywhere: the stages run on the current stream, the prefetch
+    stage included (the mode comes from the stage list, not from a stream)."""
+    batches = make_batches(seed=DATA_SEED)
+    ref = plain_loop(*make_sharded(DLRM, "table_wise", seed=SEED), batches)
+    ours = staged_run("table_wise", batches, third_stage=third_stage, stream=None)
+    assert len(ref) == len(batches)
+    assert_runs_equal(ref, ours, ("plain_loop", f"staged, None streams, {third_stage}"))
+
+
+@pytest.mark.parametrize("stream", [None, CPU_STREAM], ids=["none", "cpu_stream"])
+def test_lookup_stage_matches_torchrec_semi_sync_from_batch_0(stream: Optional[torch.Stream]) -> None:
+    """A lookup stage looks batch i+1 up before batch i's backward updates the
+    tables: semi-synchronous from the first batch, which is what torchrec's
+    TrainPipelineSemiSync(start_batch=0) computes (torchrec's own Staged
+    pipeline does not run on CPU)."""
+    batches = make_batches(seed=DATA_SEED)
+    dmp, optimizer = make_sharded(DLRM, "table_wise", seed=SEED)
+    with torchrec_on_cpu():
+        theirs = run_pipeline(UpstreamSemiSync(dmp, optimizer, CPU, start_batch=0), batches)
+    ours = staged_run("table_wise", batches, third_stage="lookup", stream=stream)
+    assert len(theirs) == len(batches)
+    assert_runs_equal(theirs, ours, ("torchrec SemiSync", "staged + lookup"))
+    ref = plain_loop(*make_sharded(DLRM, "table_wise", seed=SEED), batches)
+    assert not torch.equal(ref[1], ours[1]), "the lookup stage ran synchronously"

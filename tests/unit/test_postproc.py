@@ -33,8 +33,19 @@ from trec_pipelines import (
     TrainPipelineSparseDistLite,
     restore_model,
     rewrite_model,
+    use_context_for_postprocs,
 )
-from trec_pipelines.args import ArgDict, ArgList, ArgPath, CallArgs, GetAttr, GetItem
+from trec_pipelines.args import (
+    ArgInfo,
+    ArgInfoStepFactory,
+    CallArgs,
+    DictOf,
+    GetAttr,
+    GetItem,
+    ListOf,
+    Noop,
+    Postproc,
+)
 from trec_pipelines.context import TrainPipelineContext
 from trec_pipelines.postproc import PipelinedPostproc
 
@@ -63,10 +74,10 @@ def test_postproc_chain_is_pipelined_and_each_argument_read_back() -> None:
     assert result.names == ["sparse"] and result.not_pipelined == ()
     hasher, as_list = pipeline._pipelined_postprocs
     assert (hasher.fqn, as_list.fqn) == ("hasher", "as_list")  # each after what it reads
-    assert hasher.args.args == (ArgPath(),)  # the batch itself
-    assert as_list.args.args == (ArgPath((GetAttr("sparse"),), source=hasher),)
+    assert hasher.args.args == [ArgInfo([Noop()])]  # the batch itself
+    assert as_list.args.args == [ArgInfo([Postproc(hasher), GetAttr("sparse")])]
     (module,) = pipeline._pipelined_modules
-    assert module.forward.args.args == (ArgPath((GetItem(0),), source=as_list),)
+    assert module.forward.args.args == [ArgInfo([Postproc(as_list), GetItem(0)])]
     assert str(module.forward.args) == "(as_list(...)[0])"
     assert pipeline._model.hasher.forward is hasher and hasher.postproc_module is pipeline._model.hasher
     report = result.report()
@@ -160,10 +171,10 @@ def test_postproc_taking_a_list_and_a_dict_of_batch_fields_and_postproc_outputs(
     tenth, mix = pipeline._pipelined_postprocs
     assert (tenth.fqn, mix.fqn) == ("tenth", "mix")
     batch_arg, listed, named = mix.args.args
-    assert batch_arg == ArgPath()
-    dense, from_tenth = ArgPath((GetAttr("dense"),)), ArgPath(source=tenth)
-    assert listed == ArgList((ArgPath.constant(1), dense, from_tenth))
-    assert named == ArgDict((("one", ArgPath.constant(1)), ("dense", dense), ("tenth", from_tenth)))
+    assert batch_arg == ArgInfo([Noop()])
+    dense, from_tenth = ArgInfo([GetAttr("dense")]), ArgInfo([Postproc(tenth)])
+    assert listed == ArgInfo([ListOf([1, dense, from_tenth])])
+    assert named == ArgInfo([DictOf({"one": 1, "dense": dense, "tenth": from_tenth})])
 
 
 # ------------------------------------------------------------ every variant
@@ -243,7 +254,7 @@ def test_rewrite_and_restore_keep_the_state_dict() -> None:
     made: List[PipelinedPostproc] = []
 
     def make_postproc(fqn: str, module: torch.nn.Module, args: Any) -> PipelinedPostproc:
-        made.append(PipelinedPostproc(fqn, module, args, TrainPipelineContext()))
+        made.append(PipelinedPostproc(module, fqn, args, TrainPipelineContext(), None, None))
         return made[-1]
 
     plain = rewrite_model(model, make_batches(1)[0], lambda n, a, m: (lambda *x: None), "fx")
@@ -263,11 +274,48 @@ def test_rewrite_and_restore_keep_the_state_dict() -> None:
 
 def test_a_postproc_called_outside_its_stage_runs_its_own_forward() -> None:
     module = HashIds()
-    wrapper = PipelinedPostproc("hasher", module, CallArgs((ArgPath(),)), TrainPipelineContext())
+    wrapper = PipelinedPostproc(module, "hasher", CallArgs([ArgInfo([Noop()])], {}), TrainPipelineContext(), None, None)
     batch = make_batches(1)[0]
     out = wrapper(batch)
     assert torch.equal(out.dense, batch.dense * 2.0) and module.calls == 1
 
+
+
+def test_a_recipe_built_with_torchrecs_factory_runs_the_postproc_once_per_batch_context() -> None:
+    """The torchrec way: the wrapper holds a context, pointed at the batch being
+    distributed by use_context_for_postprocs; a postproc step caches there."""
+    module = HashIds()
+    forward_context = TrainPipelineContext(index=0)
+    wrapper = PipelinedPostproc(module, "hasher", CallArgs([ArgInfo([Noop()])], {}), forward_context, None, None)
+    recipe = CallArgs(
+        [ArgInfo([ArgInfoStepFactory.postproc(wrapper), ArgInfoStepFactory.get_attr("dense")])], {}
+    )
+    assert str(recipe) == "(hasher(...).dense)"
+    batch = make_batches(1)[0]
+    first_context, second_context = TrainPipelineContext(index=1), TrainPipelineContext(index=2)
+    with use_context_for_postprocs([wrapper], first_context):
+        assert wrapper.get_context() is first_context
+        (dense,), _ = recipe.build_args_kwargs(batch)
+        (again,), _ = recipe.build_args_kwargs(batch)
+    assert wrapper.get_context() is forward_context  # given back for the forward
+    assert module.calls == 1 and again is dense and torch.equal(dense, batch.dense * 2.0)
+    with use_context_for_postprocs([wrapper], second_context):
+        recipe.build_args_kwargs(batch)
+    assert module.calls == 2 and forward_context.postproc_fwd_results == {}
+    # The model's call in the forward of the first batch reads its cached output.
+    wrapper.set_context(first_context)
+    assert wrapper(batch) is first_context.postproc_fwd_results["hasher"] and module.calls == 2
+
+
+def test_the_wrapper_shows_the_modules_own_names_and_state() -> None:
+    module = HashIds()
+    wrapper = PipelinedPostproc(module, "hasher", CallArgs([ArgInfo([Noop()])], {}), TrainPipelineContext(), None, None)
+    assert list(wrapper.state_dict()) == list(module.state_dict()) == ["offset"]
+    assert [n for n, _ in wrapper.named_buffers()] == ["offset"]
+    assert [n for n, _ in wrapper.named_parameters()] == []
+    assert [m for _, m in wrapper.named_modules()] == [wrapper, module]
+    wrapper.load_state_dict({"offset": torch.tensor(3)})
+    assert int(module.offset) == 3
 
 
 def test_sparse_data_dist_util_runs_the_postprocs_in_its_input_dist_stage() -> None:

@@ -17,7 +17,7 @@ from tests.unit.fakes import (
     sparse_dist_pipeline,
 )
 from trec_pipelines import restore_model, rewrite_model
-from trec_pipelines.args import ArgPath, CallArgs, GetAttr, GetItem
+from trec_pipelines.args import ArgInfo, CallArgs, GetAttr, GetItem
 
 
 def _noop_forward(name, call_args, module):  # type: ignore[no-untyped-def]
@@ -31,7 +31,7 @@ def test_round_trip_restores_class_forward(strategy: str) -> None:
     assert "forward" not in model.sparse.__dict__
     result = rewrite_model(model, batch, _noop_forward, strategy)  # type: ignore[arg-type]
     assert result.names == ["sparse"]
-    assert result.pipelined[0].call_args == CallArgs((ArgPath((GetAttr("sparse"),)),))
+    assert result.pipelined[0].call_args == CallArgs([ArgInfo([GetAttr("sparse")])], {})
     assert model.sparse.is_pipelined
     restore_model(result)
     assert "forward" not in model.sparse.__dict__
@@ -43,8 +43,8 @@ def test_fx_reads_kjt_inside_a_dict() -> None:
     result = rewrite_model(NestedModel(), batch, _noop_forward, "fx")
     call_args = result.pipelined[0].call_args
     assert str(call_args) == "(batch.features['ids'])"
-    assert call_args.build(batch)[0][0] is batch.features["ids"]
-    assert result.pipelined[0].call_args.args[0].steps == (GetAttr("features"), GetItem("ids"))
+    assert call_args.build_args_kwargs(batch)[0][0] is batch.features["ids"]
+    assert result.pipelined[0].call_args.args[0].steps == [GetAttr("features"), GetItem("ids")]
 
 
 def test_direct_finds_kjt_inside_a_dict() -> None:

@@ -75,6 +75,12 @@ def test_iterator_error_reaches_caller_and_nothing_is_lost(at: int, make: Any) -
     assert_same_training(outputs, plain_loop(ref, batches), model, ref)
 
 
+def test_model_detached_exception_is_offered_as_torchrecs() -> None:
+    # torchrec exports it (progress() after detach() attaches instead of raising
+    # it); code catching it, or a RuntimeError, keeps working.
+    assert issubclass(tp.ModelDetachedException, RuntimeError)
+
+
 def test_execute_all_batches_false_drops_the_in_flight_batches(caplog: pytest.LogCaptureFixture) -> None:
     batches = make_batches(5)
     model, ref = TinyModel(), TinyModel()

@@ -69,6 +69,7 @@ FILL = [
 # Batch i trains synchronously: batch i+1 is looked up after i's update.
 SYNC_STEP = (
     "P{P} InputDistStart[i{m}]@data_dist",
+    "P{P} ZeroGrad[i{i}]@default",
     "P{P} WaitBatch[i{i}]@default",
     "P{P} Forward[i{i}]@default",
     "P{P} H2D[i{t}]@memcpy",
@@ -76,13 +77,13 @@ SYNC_STEP = (
     "P{P} Backward[i{i}]@default",
     "P{P} EmbBackward[i{i}]@default",
     "P{P} OptimizerStep[i{i}]@default",
-    "P{P} ZeroGrad[i{i}]@default",
     "P{P} EmbLookup[i{n}]@default",
 )
 
 # Semi-sync: batch i+1 is looked up right after i's forward, before its update.
 SEMI_STEP = (
     "P{P} InputDistStart[i{m}]@data_dist",
+    "P{P} ZeroGrad[i{i}]@default",
     "P{P} WaitBatch[i{i}]@default",
     "P{P} Forward[i{i}]@default",
     "P{P} H2D[i{t}]@memcpy",
@@ -91,7 +92,6 @@ SEMI_STEP = (
     "P{P} Backward[i{i}]@default",
     "P{P} EmbBackward[i{i}]@default",
     "P{P} OptimizerStep[i{i}]@default",
-    "P{P} ZeroGrad[i{i}]@default",
 )
 
 
@@ -111,6 +111,7 @@ def test_drain_spelled_out() -> None:
     assert actions[-22:] == [
         # Call 2: batch 4, the last, is in input_dist; there is nothing left to copy.
         "P2 InputDistStart[i4]@data_dist",
+        "P2 ZeroGrad[i2]@default",
         "P2 WaitBatch[i2]@default",
         "P2 Forward[i2]@default",
         "P2 EmbLookup[i3]@default",
@@ -118,22 +119,21 @@ def test_drain_spelled_out() -> None:
         "P2 Backward[i2]@default",
         "P2 EmbBackward[i2]@default",
         "P2 OptimizerStep[i2]@default",
-        "P2 ZeroGrad[i2]@default",
         # Call 3: two batches left; only the last one's lookup.
+        "P3 ZeroGrad[i3]@default",
         "P3 WaitBatch[i3]@default",
         "P3 Forward[i3]@default",
         "P3 EmbLookup[i4]@default",
         "P3 Backward[i3]@default",
         "P3 EmbBackward[i3]@default",
         "P3 OptimizerStep[i3]@default",
-        "P3 ZeroGrad[i3]@default",
         # Call 4: the last batch trains alone.
+        "P4 ZeroGrad[i4]@default",
         "P4 WaitBatch[i4]@default",
         "P4 Forward[i4]@default",
         "P4 Backward[i4]@default",
         "P4 EmbBackward[i4]@default",
         "P4 OptimizerStep[i4]@default",
-        "P4 ZeroGrad[i4]@default",
     ]
 
 
@@ -173,12 +173,12 @@ def test_short_loaders(n: int, start: int) -> None:
         assert actions == []
     if n == 1:
         assert actions == FILL[:4] + [
+            "P0 ZeroGrad[i0]@default",
             "P0 WaitBatch[i0]@default",
             "P0 Forward[i0]@default",
             "P0 Backward[i0]@default",
             "P0 EmbBackward[i0]@default",
             "P0 OptimizerStep[i0]@default",
-            "P0 ZeroGrad[i0]@default",
         ]
 
 

@@ -79,12 +79,14 @@ SPECS: Dict[str, Spec] = {
         ("InputDistStart", 2, "data_dist"),
     ],
     # The reference lists SemiSync in the declarative tool's stage order
-    # (ZeroGrad first, lookup last). Bit-identical results need upstream's real
-    # order: the dense step and zero_grad close the call, and in synchronous
-    # mode (before start_batch) the lookup of i+1 follows the step, which
-    # must have updated the rows it reads.  Offsets and streams match the table.
+    # (lookup last). Bit-identical results need upstream's real order: in
+    # synchronous mode (before start_batch) the lookup of i+1 follows the step,
+    # which must have updated the rows it reads.  ZeroGrad opens the step (upstream
+    # closes it with zero_grad, which loses a micro-batch under gradient
+    # accumulation).  Offsets and streams match the table.
     "TrainPipelineSemiSync": [
         ("InputDistStart", 2, "data_dist"),
+        ("ZeroGrad", 0, "default"),
         ("WaitBatch", 0, "default"),
         ("Forward", 0, "default"),
         ("H2D", 3, "memcpy"),
@@ -92,7 +94,6 @@ SPECS: Dict[str, Spec] = {
         ("Backward", 0, "default"),
         ("EmbBackward", 0, "default"),
         ("OptimizerStep", 0, "default"),
-        ("ZeroGrad", 0, "default"),
         ("EmbLookup", 1, "default"),
     ],
     # PT2 loads and copies synchronously on the default stream.

@@ -342,5 +342,59 @@ def test_sdd_prefetch_and_lookup_together_is_an_error() -> None:
         SparseDataDistUtil(
             TinyModel(), None, prefetch_stream=CPU_STREAM, embedding_lookup_stream=CPU_STREAM
         )
-    with pytest.raises(ValueError, match="embedding_lookup_stream"):
-        SparseDataDistUtil(TinyModel(), None).start_embedding_lookup_stage()
+    # The same, when one mode comes from a stream and the other from a stage.
+    with pytest.raises(ValueError, match="use one of the two"):
+        SparseDataDistUtil(TinyModel(), None, prefetch_stream=CPU_STREAM).start_embedding_lookup_stage()
+    sdd = SparseDataDistUtil(TinyModel(), None)
+    with pytest.raises(ValueError, match="use one of the two"):
+        StagedTrainPipeline(
+            [
+                PipelineStage("prefetch", sdd.prefetch, None),
+                sdd.start_embedding_lookup_stage(),
+            ]
+        )
+
+
+def test_sdd_modes_come_from_the_stages_when_streams_are_none() -> None:
+    """A CPU user leaves every stream None; the stage list says what runs."""
+    plain = SparseDataDistUtil(TinyModel(), None)
+    StagedTrainPipeline([plain.start_sparse_data_dist_stage()])
+    assert (plain._with_prefetch, plain._with_embedding_lookup, plain._num_contexts) == (False, False, 2)
+
+    prefetching = SparseDataDistUtil(TinyModel(), None)
+    StagedTrainPipeline(
+        [prefetching.start_sparse_data_dist_stage(), PipelineStage("prefetch", prefetching.prefetch, None)]
+    )
+    assert (prefetching._with_prefetch, prefetching._num_contexts) == (True, 3)
+
+    looking_up = SparseDataDistUtil(TinyModel(), None)
+    stage = looking_up.start_embedding_lookup_stage()
+    assert stage.stream is None
+    assert (looking_up._with_embedding_lookup, looking_up._num_contexts) == (True, 3)
+
+    # Not declared (a lambda hides the verb): the error says what to pass.
+    hidden = SparseDataDistUtil(TinyModel(), None)
+    with pytest.raises(RuntimeError, match="prefetch_stream"):
+        hidden.prefetch(object())
+
+
+def test_sdd_prefetch_stage_with_none_streams_matches_plain_loop_and_is_late_declared_error() -> None:
+    batches = make_batches(6)
+    ref_model = TinyModel()
+    ref = plain_loop(ref_model, batches)
+    model = TinyModel()
+    sdd = SparseDataDistUtil(model, data_dist_stream=None)  # every stream None, as on CPU
+    stages = [
+        PipelineStage("h2d", lambda b: b, None),
+        sdd.start_sparse_data_dist_stage(),
+        PipelineStage("prefetch", sdd.prefetch, None),
+    ]
+    ours = train_staged(model, StagedTrainPipeline(stages), batches, optimizer_for(model))
+    assert_same_training(ours, ref, model, ref_model)
+    # A prefetch stage declared once batches have gone through input_dist
+    # would change how many are in flight: refused, with the fix.
+    late = SparseDataDistUtil(TinyModel(), None)
+    first = StagedTrainPipeline([h2d_stage(), late.start_sparse_data_dist_stage()])
+    first.progress(iter(make_batches(3)))
+    with pytest.raises(RuntimeError, match="before the first progress"):
+        StagedTrainPipeline([h2d_stage(), late.start_sparse_data_dist_stage(), PipelineStage("p", late.prefetch, None)])

@@ -36,7 +36,7 @@ from tests.unit.test_stream_protocol import (
     table_updated_in_backward,
 )
 from trec_pipelines import postproc as postproc_module
-from trec_pipelines.args import ArgPath, CallArgs
+from trec_pipelines.args import ArgInfo, CallArgs, Noop
 from trec_pipelines.context import TrainPipelineContext
 from trec_pipelines.postproc import PipelinedPostproc
 from trec_pipelines.pipelines.eval_sparse_dist import EvalPipelineSparseDist
@@ -190,8 +190,8 @@ def _hand_over_directly(without_wait: bool) -> Any:
     with StreamRecorder() as recorder:
         data_dist = recorder.device.Stream(name="data_dist")
         context = TrainPipelineContext(index=0)
-        wrapper = PipelinedPostproc("shift", ShiftIds(), CallArgs((ArgPath(),)), context, data_dist)
-        wrapper.output_for(batch, context)  # the input_dist stage
+        wrapper = PipelinedPostproc(ShiftIds(), "shift", CallArgs([ArgInfo([Noop()])], {}), context, None, data_dist)
+        wrapper.output_for(batch)  # the input_dist stage
         with patch(None) if patch is not None else contextlib.nullcontext():
             output = wrapper(batch)  # the model's call in the forward, on default
         output.dense.sum()
@@ -223,11 +223,13 @@ def test_an_output_record_stream_cannot_reach_is_warned_about_once(caplog: pytes
     batch = make_batches(1)[0]
     with StreamRecorder() as recorder:
         data_dist = recorder.device.Stream(name="data_dist")
-        wrapper = PipelinedPostproc("opaque", ToOpaque(), CallArgs((ArgPath(),)), TrainPipelineContext(), data_dist)
+        wrapper = PipelinedPostproc(
+            ToOpaque(), "opaque", CallArgs([ArgInfo([Noop()])], {}), TrainPipelineContext(), None, data_dist
+        )
         for index in range(2):
             context = TrainPipelineContext(index=index)
-            wrapper.output_for(batch, context)
             wrapper.set_context(context)
+            wrapper.output_for(batch)
             wrapper(batch)
     warnings = [r.getMessage() for r in caplog.records if "record_stream can reach" in r.getMessage()]
     assert len(warnings) == 1 and "postproc 'opaque' returned a Opaque" in warnings[0]

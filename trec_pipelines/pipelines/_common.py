@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Any, Optional
 
 import torch
 
@@ -43,3 +43,12 @@ def check_model_device(model: torch.nn.Module, device: torch.device, pipeline: s
                 f"pipeline with device=torch.device({str(param.device)!r})."
             )
         return
+
+
+def predictions(output: Any) -> Any:
+    """What an eval pipeline returns for one forward: ``pred`` of a ``(loss, pred)``
+    pair (any 2-tuple, as torchrec unpacks it), else the output itself, for a
+    model that returns predictions only in eval mode (a tensor, dict, list)."""
+    if isinstance(output, tuple) and len(output) == 2:
+        return output[1]
+    return output

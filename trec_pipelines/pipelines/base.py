@@ -6,7 +6,7 @@ import logging
 from typing import Any, Callable, Iterator, List, Optional, Tuple
 
 import torch
-from torchrec.distributed.train_pipeline import TrainPipeline
+from torchrec.distributed.train_pipeline import In, Out, TrainPipeline
 
 from trec_pipelines import recorder as rec
 from trec_pipelines.pipelines._common import check_device, check_model_device, check_optimizer
@@ -19,12 +19,13 @@ from trec_pipelines.stages import (
     sync_group_for,
     wait_for_batch,
 )
+from trec_pipelines.step_guard import StepGuard, guarded_step, skip_failed_batch
 from trec_pipelines.streams import make_streams
 
 logger: logging.Logger = logging.getLogger(__name__)
 
 
-class TrainPipelineBase(TrainPipeline[Any, Any], Recordable):
+class TrainPipelineBase(TrainPipeline[In, Out], Recordable):
     """Two batches in flight: batch ``i`` trains while batch ``i+1`` is copied.
 
     ===========  =======  =========================================
@@ -41,7 +42,9 @@ class TrainPipelineBase(TrainPipeline[Any, Any], Recordable):
     ``StopIteration`` (new iterator, or the same one refilled).  The next host
     batch is pulled at the top of ``progress()`` (as torchrec does), so an
     iterator error reaches the caller before any work.  ``sync_exhaustion``
-    works as in :class:`~trec_pipelines.TrainPipelineSparseDist`.
+    works as in :class:`~trec_pipelines.TrainPipelineSparseDist`, and so do a
+    failed step (rolled back; the next call retries its batch, or
+    :meth:`skip_failed_batch` drops it) and ``validate_batches``.
 
     Example::
 
@@ -63,6 +66,7 @@ class TrainPipelineBase(TrainPipeline[Any, Any], Recordable):
         enable_inplace_copy_batch: bool = False,
         *,
         sync_exhaustion: bool = False,
+        validate_batches: bool = True,
     ) -> None:
         super().__init__()
         check_optimizer(optimizer, type(self).__name__)
@@ -73,7 +77,10 @@ class TrainPipelineBase(TrainPipeline[Any, Any], Recordable):
         self._model_fwd: Callable[[Any], Tuple[torch.Tensor, Any]] = custom_model_fwd or model
         self._enable_inplace_copy_batch = enable_inplace_copy_batch
         self._streams = make_streams(device, memcpy=True)
-        self._source = BatchSource(sync_group_for(sync_exhaustion))
+        self._source = BatchSource(
+            sync_group_for(sync_exhaustion), keep_in_flight=True, validate=validate_batches
+        )
+        self._step_guard = StepGuard()
         self._cur_batch: Optional[Any] = None
         self._cur_index = 0
         self._connected = False
@@ -83,7 +90,7 @@ class TrainPipelineBase(TrainPipeline[Any, Any], Recordable):
     def _copy(self, iterator: Iterator[Any]) -> None:
         """Load the next batch and issue its copy on the memcpy stream."""
         batch = self._source.next(iterator)
-        index = self._source.loaded - 1
+        index = self._source.last_index
         if batch is None:
             self._cur_batch = None
             return
@@ -93,12 +100,14 @@ class TrainPipelineBase(TrainPipeline[Any, Any], Recordable):
             )
         self._cur_index = index
 
+    @guarded_step
     def progress(self, dataloader_iter: Iterator[Any]) -> Any:
         self._begin_call()
         self._switch_iterator(dataloader_iter)
         # Pull the host batches this call copies before any work: an iterator
         # error then reaches the caller with the pipeline untouched.
         self._source.fetch_ahead(dataloader_iter, 1 if self._connected else 2)
+        self._step_guard.begin()  # from here a failure is rolled back and retried
         if not self._connected:
             self._copy(dataloader_iter)  # fill: the first batch's copy
             self._connected = True
@@ -143,6 +152,16 @@ class TrainPipelineBase(TrainPipeline[Any, Any], Recordable):
             source.restore(state)
             self._connected = True
 
+    def _drop_in_flight_state(self) -> None:
+        """Forget the in-flight device batch; the step guard gives the host
+        batches back (see :mod:`trec_pipelines.step_guard`)."""
+        self._cur_batch, self._connected = None, False
+
+    def skip_failed_batch(self) -> int:
+        """Drop the batch the last, failed ``progress()`` was training (see
+        :meth:`TrainPipelineSparseDist.skip_failed_batch`); returns its index."""
+        return skip_failed_batch(self)
+
     def _end_epoch(self) -> None:
         self._connected = False
         self._source.end_epoch()
@@ -151,4 +170,6 @@ class TrainPipelineBase(TrainPipeline[Any, Any], Recordable):
         """Forget the in-flight (and parked) batches; the next ``progress()`` starts a new epoch."""
         self._cur_batch = None
         self._parked.clear()
+        self._source.drop_in_flight()
+        self._step_guard.failed = None
         self._end_epoch()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import logging
 from typing import Any, Callable, ContextManager, Dict, Iterator, Optional, Tuple, Type, Union
 
 import torch
@@ -10,12 +11,16 @@ import torch._functorch.config
 import torch._inductor.config
 from torch.nn.parallel import DistributedDataParallel
 from torchrec.distributed import comm_ops
+from torchrec.distributed.train_pipeline import In, Out
 
 from trec_pipelines import recorder as rec
 from trec_pipelines.context import TrainPipelineContext
 from trec_pipelines.pipelines.sparse_dist import TrainPipelineSparseDist
 from trec_pipelines.rewrite import Strategy
+from trec_pipelines.step_guard import guarded_step
 from trec_pipelines.stages import backward
+
+logger: logging.Logger = logging.getLogger(__name__)
 
 # The compiler settings upstream sets for compiled autograd, per config module:
 # reorder the compiled backward so collectives overlap compute, keep views
@@ -73,6 +78,76 @@ def _fresh(value: Any) -> Any:
     return list(value) if isinstance(value, list) else value
 
 
+# [Note: DDP's reducer under compiled autograd]
+# DDP picks its gradient reducer when it is built: the C++ Reducer (default)
+# hooks every parameter's AccumulateGrad node with C++ hooks that compiled
+# autograd refuses to capture; with optimize_ddp="python_reducer" DDP instead
+# registers post-accumulate-grad hooks in Python that divide the gradient by
+# the world size and all-reduce it with functional collectives, which compiled
+# autograd traces into the backward graph.  A model built the usual way has the
+# C++ one, so the pipeline switches each such DDP to the Python hooks: it
+# removes the C++ Reducer's autograd hooks (DDP's own _remove_autograd_hooks),
+# marks the DDP as using the Python reducer (its forward then skips the C++
+# Reducer's per-iteration bookkeeping) and registers the Python hooks (DDP's
+# own _register_accum_grad_hook).  Same arithmetic, so training is unchanged;
+# the switch is kept for the model's life (the C++ hooks cannot be put back)
+# and works in eager backward too.  Global state DDP's constructor would set in
+# that mode is not touched, except that dynamo must inline DDP's module to
+# trace those hooks: that trace rule is held only around the compiled region.
+_DDP_MODULE = "torch.nn.parallel.distributed"
+
+
+def _unsupported_by_python_reducer(ddp: DistributedDataParallel) -> Optional[str]:
+    if getattr(ddp, "_comm_hooks", None):
+        return "it has a communication hook registered on its C++ reducer"
+    if getattr(ddp, "mixed_precision", None) is not None:
+        return "it uses DDP mixed precision"
+    if getattr(ddp, "_delay_all_reduce_params", None):
+        return "it delays the all-reduce of some parameters"
+    if getattr(getattr(ddp, "_bucket_config", None), "per_bucket_bytes_caps", ()):
+        return "it has per-bucket size limits (bucket_cap_mb_list)"
+    return None
+
+
+def use_python_reducer(model: torch.nn.Module, pipeline: str) -> int:
+    """Switch every C++-reducer DDP in ``model`` to DDP's Python reducer hooks;
+    return how many were switched (see [Note: DDP's reducer under compiled autograd])."""
+    switched = 0
+    for name, module in model.named_modules():
+        if not isinstance(module, DistributedDataParallel) or getattr(module, "_use_python_reducer", False):
+            continue
+        reason = _unsupported_by_python_reducer(module)
+        if reason is not None:
+            raise RuntimeError(
+                f"{pipeline}: '{name or type(module).__name__}' is a DistributedDataParallel "
+                f"with the C++ reducer, which compiled autograd cannot run, and {reason}, so "
+                "it cannot be switched to the Python reducer. Build the model (DMP included) "
+                "inside `with torch._dynamo.config.patch(optimize_ddp=\"python_reducer\"):` "
+                "without that option, or use TrainPipelineSparseDist."
+            )
+        module._remove_autograd_hooks()
+        module._use_python_reducer = True
+        module._register_accum_grad_hook()
+        switched += 1
+        logger.info("%s: DDP '%s' now reduces gradients with the Python reducer", pipeline, name)
+    return switched
+
+
+@contextlib.contextmanager
+def _inline_ddp_for_dynamo() -> Iterator[None]:
+    rules = torch._dynamo.trace_rules
+    added = _DDP_MODULE not in rules.LEGACY_MOD_INLINELIST
+    if added:
+        rules.LEGACY_MOD_INLINELIST.add(_DDP_MODULE)
+        rules.get_legacy_mod_inlinelist.cache_clear()
+    try:
+        yield
+    finally:
+        if added:
+            rules.LEGACY_MOD_INLINELIST.discard(_DDP_MODULE)
+            rules.get_legacy_mod_inlinelist.cache_clear()
+
+
 @contextlib.contextmanager
 def sync_collectives() -> Iterator[None]:
     """torchrec's collectives run synchronously (waited where issued) inside the ``with``.
@@ -89,7 +164,7 @@ def sync_collectives() -> Iterator[None]:
         comm_ops.set_use_sync_collectives(previous)
 
 
-class TrainPipelineSparseDistCompAutograd(TrainPipelineSparseDist):
+class TrainPipelineSparseDistCompAutograd(TrainPipelineSparseDist[In, Out]):
     """Three batches in flight, as :class:`TrainPipelineSparseDist`; the backward is compiled.
 
     ==========  =======  ===========================================================
@@ -110,11 +185,13 @@ class TrainPipelineSparseDistCompAutograd(TrainPipelineSparseDist):
     run, the compiler settings of :func:`compiled_autograd_settings` are held
     (inductor reorders the backward so collectives overlap compute).
 
-    A model wrapped in ``DistributedDataParallel`` (DMP wraps its dense part)
-    must have been built with the Python reducer: compiled autograd cannot
-    trace the C++ reducer's hooks, and DDP picks its reducer when it is
-    built.  Build the model inside
-    ``with torch._dynamo.config.patch(optimize_ddp="python_reducer"):``.
+    The model is taken as it is built.  Compiled autograd cannot trace the
+    hooks of DDP's C++ reducer (what ``DistributedModelParallel`` builds for
+    its dense part by default), so the constructor switches each such DDP to
+    DDP's Python reducer, which does the same arithmetic (see [Note: DDP's
+    reducer under compiled autograd]); the switch stays with the model.  A
+    model built under ``torch._dynamo.config.patch(optimize_ddp="python_reducer")``
+    is used as is.  No global dynamo setting is changed.
 
     Differences from torchrec 1.8.0, all fixes:
 
@@ -127,8 +204,8 @@ class TrainPipelineSparseDistCompAutograd(TrainPipelineSparseDist):
       ``fullgraph=True``, because fbgemm's CPU kernels of the embedding
       backward have no fake (meta) implementation to trace.  On CPU the
       default is ``fullgraph=False``: the embedding backward runs eagerly
-      between compiled pieces.  A model with the C++ reducer fails before its
-      first backward, with the fix named.
+      between compiled pieces.  A model with the C++ reducer is switched to
+      the Python one instead of failing in its first backward.
     * The synchronous-collectives flag is restored even when the forward or
       backward raises.
     * Embeddings of a ``DMPCollection`` are synced between replicas after the
@@ -138,8 +215,7 @@ class TrainPipelineSparseDistCompAutograd(TrainPipelineSparseDist):
 
     Example::
 
-        with torch._dynamo.config.patch(optimize_ddp="python_reducer"):
-            model = DistributedModelParallel(module, ...)
+        model = DistributedModelParallel(module, ...)
         pipeline = TrainPipelineSparseDistCompAutograd(model, optimizer, device)
         while True:
             try:
@@ -164,6 +240,7 @@ class TrainPipelineSparseDistCompAutograd(TrainPipelineSparseDist):
         rewrite_strategy: Strategy = "auto",
         on_unpipelined: str = "warn",
         sync_exhaustion: bool = False,
+        validate_batches: bool = True,
     ) -> None:
         super().__init__(
             model,
@@ -179,6 +256,7 @@ class TrainPipelineSparseDistCompAutograd(TrainPipelineSparseDist):
             rewrite_strategy=rewrite_strategy,
             on_unpipelined=on_unpipelined,
             sync_exhaustion=sync_exhaustion,
+            validate_batches=validate_batches,
         )
         default_options: Dict[str, Union[str, bool]] = {
             "backend": "inductor",
@@ -191,7 +269,7 @@ class TrainPipelineSparseDistCompAutograd(TrainPipelineSparseDist):
         self._compiler = torch.compile(**self.compiled_autograd_options)
         # False until the first forward, which runs without compiled autograd.
         self.initialized = False
-        self._reducer_checked = False
+        self.switched_ddp_reducers = use_python_reducer(model, type(self).__name__)
 
     def get_compiled_autograd_ctx(self) -> ContextManager[None]:
         """Compiled autograd plus the compiler settings; nothing on the very first call."""
@@ -202,36 +280,20 @@ class TrainPipelineSparseDistCompAutograd(TrainPipelineSparseDist):
 
     @contextlib.contextmanager
     def _compiled_region(self) -> Iterator[None]:
-        with compiled_autograd_settings():
+        with compiled_autograd_settings(), _inline_ddp_for_dynamo():
             with torch._dynamo.compiled_autograd._enable(self._compiler):
                 yield
-
-    def _check_reducer(self) -> None:
-        if self._reducer_checked:
-            return
-        for name, module in self._model.named_modules():
-            if isinstance(module, DistributedDataParallel) and not getattr(
-                module, "_use_python_reducer", False
-            ):
-                raise RuntimeError(
-                    f"{type(self).__name__}: '{name or type(module).__name__}' is a "
-                    "DistributedDataParallel with the C++ reducer, which compiled "
-                    "autograd cannot run. DDP chooses its reducer when it is built, so "
-                    "build the model (DistributedModelParallel included) inside "
-                    "`with torch._dynamo.config.patch(optimize_ddp=\"python_reducer\"):`."
-                )
-        self._reducer_checked = True
 
     def _compiled_forward(self) -> Tuple[torch.Tensor, Any]:
         with self.get_compiled_autograd_ctx(), sync_collectives():
             return self._forward()
 
     def _compiled_backward(self, losses: torch.Tensor) -> None:
-        self._check_reducer()
         with self.get_compiled_autograd_ctx(), sync_collectives():
             with self._span(rec.BACKWARD, self.contexts[0].index):
                 backward(losses)
 
+    @guarded_step
     def progress(self, dataloader_iter: Iterator[Any]) -> Any:
         self._start_step(dataloader_iter)  # fill, pull host batches, stop at end of data
         training = self._model.training
@@ -259,6 +321,7 @@ class TrainPipelineSparseDistCompAutograd(TrainPipelineSparseDist):
 
 __all__ = [
     "TrainPipelineSparseDistCompAutograd",
+    "use_python_reducer",
     "compiled_autograd_settings",
     "sync_collectives",
     "touched_settings",

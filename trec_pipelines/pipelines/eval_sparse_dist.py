@@ -17,8 +17,10 @@ import threading
 from typing import Any, Callable, Iterator, Optional, Tuple
 
 import torch
+from torchrec.distributed.train_pipeline import In, Out
 
 from trec_pipelines import recorder as rec
+from trec_pipelines.pipelines._common import predictions
 from trec_pipelines.pipelines.sparse_dist import TrainPipelineSparseDist
 from trec_pipelines.rewrite import Strategy
 from trec_pipelines.stages import BatchSource, copy_to_device
@@ -123,17 +125,10 @@ def _load_and_copy(
     batch = source.next(iterator)
     if batch is None:
         return None
-    return copy_to_device(batch, device, stream, inplace), source.loaded - 1
+    return copy_to_device(batch, device, stream, inplace), source.last_index
 
 
-def _predictions(output: Any) -> Any:
-    """The model's predictions: ``pred`` of a ``(loss, pred)`` pair, else the output itself."""
-    if isinstance(output, tuple) and len(output) == 2:
-        return output[1]
-    return output
-
-
-class EvalPipelineSparseDist(TrainPipelineSparseDist):
+class EvalPipelineSparseDist(TrainPipelineSparseDist[In, Out]):
     """Forward only; ``cur`` runs while ``nxt`` is in input_dist and a loader thread copies.
 
     ============  ==========  ================================================
@@ -191,6 +186,7 @@ class EvalPipelineSparseDist(TrainPipelineSparseDist):
     """
 
     _requires_optimizer = False
+    _retries_failed_steps = False
 
     def __init__(
         self,
@@ -206,6 +202,7 @@ class EvalPipelineSparseDist(TrainPipelineSparseDist):
         rewrite_strategy: Strategy = "auto",
         on_unpipelined: str = "warn",
         sync_exhaustion: bool = False,
+        validate_batches: bool = True,
     ) -> None:
         self._loader: Optional[_BatchLoader] = None  # first: __del__ reads it
         self._loader_iter: Optional[Iterator[Any]] = None
@@ -221,6 +218,7 @@ class EvalPipelineSparseDist(TrainPipelineSparseDist):
             rewrite_strategy=rewrite_strategy,
             on_unpipelined=on_unpipelined,
             sync_exhaustion=sync_exhaustion,
+            validate_batches=validate_batches,
         )
 
     # ----------------------------------------------------------- loader thread
@@ -268,10 +266,11 @@ class EvalPipelineSparseDist(TrainPipelineSparseDist):
     def _predict(self) -> Any:
         with self._span(rec.FORWARD, self.contexts[0].index):
             with torch.no_grad():
-                return _predictions(self._model(self.batches[0]))
+                return predictions(self._model(self.batches[0]))
 
     def progress(self, dataloader_iter: Iterator[Any]) -> Any:
         self._begin_call()
+        self._take_over_model()  # from a train pipeline sharing the model, if any
         self._ensure_attached()
         if self._loader is None:
             # fill: a new epoch; cur is copied by the loader, then input_dist

@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Any, Callable, Deque, Iterator, List, Literal, Optional, Tuple
 
 import torch
+from torchrec.distributed.train_pipeline import In, Out
 from torchrec.distributed.types import ShardedModule
 
 from trec_pipelines import lookup
@@ -12,8 +13,10 @@ from trec_pipelines import recorder as rec
 from trec_pipelines.args import CallArgs
 from trec_pipelines.context import EmbeddingTrainPipelineContext
 from trec_pipelines.forwards import BaseForward, InSyncEmbeddingPipelinedForward
+from trec_pipelines.pipelines._common import predictions
 from trec_pipelines.pipelines.sparse_dist import TrainPipelineSparseDist
 from trec_pipelines.rewrite import Strategy
+from trec_pipelines.step_guard import guarded_step
 from trec_pipelines.streams import (
     StreamSet,
     current_stream,
@@ -26,7 +29,7 @@ EmbLookupStream = Literal["data_dist", "new", "current"]
 EMB_LOOKUP_STREAMS: Tuple[str, ...] = ("data_dist", "new", "current")
 
 
-class TrainPipelineFusedSparseDist(TrainPipelineSparseDist):
+class TrainPipelineFusedSparseDist(TrainPipelineSparseDist[In, Out]):
     """Three batches in flight as in SparseDist; ``cur``'s embedding lookup runs first, on its own stream.
 
     ==========  =======  ==================================================
@@ -123,6 +126,7 @@ class TrainPipelineFusedSparseDist(TrainPipelineSparseDist):
         rewrite_strategy: Strategy = "auto",
         on_unpipelined: str = "warn",
         sync_exhaustion: bool = False,
+        validate_batches: bool = True,
     ) -> None:
         if emb_lookup_stream not in EMB_LOOKUP_STREAMS:
             raise ValueError(
@@ -149,6 +153,7 @@ class TrainPipelineFusedSparseDist(TrainPipelineSparseDist):
             rewrite_strategy=rewrite_strategy,
             on_unpipelined=on_unpipelined,
             sync_exhaustion=sync_exhaustion,
+            validate_batches=validate_batches,
         )
         self._strict = strict
         self._embedding_lookup_after_data_dist = embedding_lookup_after_data_dist
@@ -224,6 +229,7 @@ class TrainPipelineFusedSparseDist(TrainPipelineSparseDist):
 
     # --------------------------------------------------------------- schedule
 
+    @guarded_step
     def progress(self, dataloader_iter: Iterator[Any]) -> Any:
         self._start_step(dataloader_iter)  # fill, pull host batches, stop at end of data
         training = self._model.training
@@ -256,6 +262,12 @@ class TrainPipelineFusedSparseDist(TrainPipelineSparseDist):
         self.dequeue_batch()
         return output
 
+    def _drop_in_flight_state(self) -> None:
+        super()._drop_in_flight_state()
+        # The failed step may have stopped anywhere: the next lookup waits for
+        # all the work issued so far.
+        self._weights_ready = None
+
     # ------------------------------------------------------- attach / detach
 
     def detach(self) -> torch.nn.Module:
@@ -270,7 +282,7 @@ class TrainPipelineFusedSparseDist(TrainPipelineSparseDist):
         return super().detach()
 
 
-class EvalPipelineFusedSparseDist(TrainPipelineFusedSparseDist):
+class EvalPipelineFusedSparseDist(TrainPipelineFusedSparseDist[In, Out]):
     """Inference in Fused's order: no backward or step, the forward under ``torch.no_grad()``.
 
     ==========  =======  ==================================================
@@ -311,6 +323,7 @@ class EvalPipelineFusedSparseDist(TrainPipelineFusedSparseDist):
 
     # Nothing is trained: optimizer=None is fine.
     _requires_optimizer: bool = False
+    _retries_failed_steps: bool = False
 
     def __init__(
         self,
@@ -333,6 +346,7 @@ class EvalPipelineFusedSparseDist(TrainPipelineFusedSparseDist):
         rewrite_strategy: Strategy = "auto",
         on_unpipelined: str = "warn",
         sync_exhaustion: bool = False,
+        validate_batches: bool = True,
     ) -> None:
         super().__init__(
             model,
@@ -352,6 +366,7 @@ class EvalPipelineFusedSparseDist(TrainPipelineFusedSparseDist):
             rewrite_strategy=rewrite_strategy,
             on_unpipelined=on_unpipelined,
             sync_exhaustion=sync_exhaustion,
+            validate_batches=validate_batches,
         )
         self._enable_embedding_lookup_prefetch = enable_embedding_lookup_prefetch
 
@@ -363,8 +378,8 @@ class EvalPipelineFusedSparseDist(TrainPipelineFusedSparseDist):
     def _eval_forward(self) -> Any:
         with self._span(rec.FORWARD, self.contexts[0].index):
             with torch.no_grad():
-                _, output = self._model_fwd(self.batches[0])
-        return output
+                # (loss, pred) or predictions only: both model shapes, as EvalPipelineSparseDist.
+                return predictions(self._model_fwd(self.batches[0]))
 
     # --------------------------------------------------------------- schedule
 

@@ -5,15 +5,17 @@ from __future__ import annotations
 from typing import Any, Callable, Iterator, Optional, Tuple
 
 import torch
+from torchrec.distributed.train_pipeline import In, Out
 from torchrec.distributed.types import ShardedModule
 
 from trec_pipelines import recorder as rec
-from trec_pipelines.cache_prefetch import prefetch_embeddings
+from trec_pipelines.cache_prefetch import prefetch_modules
 from trec_pipelines.args import CallArgs
 from trec_pipelines.context import PrefetchTrainPipelineContext
 from trec_pipelines.forwards import BaseForward, PrefetchPipelinedForward
 from trec_pipelines.pipelines.sparse_dist import TrainPipelineSparseDist
 from trec_pipelines.rewrite import Strategy
+from trec_pipelines.step_guard import guarded_step
 from trec_pipelines.stages import wait_for_batch
 from trec_pipelines.streams import (
     StreamSet,
@@ -24,7 +26,7 @@ from trec_pipelines.streams import (
 )
 
 
-class PrefetchTrainPipelineSparseDist(TrainPipelineSparseDist):
+class PrefetchTrainPipelineSparseDist(TrainPipelineSparseDist[In, Out]):
     """Three batches in flight; ``nxt``'s cache prefetch overlaps ``cur``'s backward.
 
     ==========  =======  ==========================================================
@@ -117,6 +119,7 @@ class PrefetchTrainPipelineSparseDist(TrainPipelineSparseDist):
         rewrite_strategy: Strategy = "auto",
         on_unpipelined: str = "warn",
         sync_exhaustion: bool = False,
+        validate_batches: bool = True,
     ) -> None:
         super().__init__(
             model,
@@ -133,6 +136,7 @@ class PrefetchTrainPipelineSparseDist(TrainPipelineSparseDist):
             rewrite_strategy=rewrite_strategy,
             on_unpipelined=on_unpipelined,
             sync_exhaustion=sync_exhaustion,
+            validate_batches=validate_batches,
         )
         # Recorded on the default stream when the last forward was issued;
         # the next prefetch waits for it (see [Note: prefetch ordering]).
@@ -163,7 +167,7 @@ class PrefetchTrainPipelineSparseDist(TrainPipelineSparseDist):
         context.module_input_post_prefetch.clear()
         context.module_contexts_post_prefetch.clear()
         with self._span(rec.EMB_PREFETCH, context.index, "prefetch"):
-            prefetch_embeddings(
+            prefetch_modules(
                 self._rewrite.pipelined,
                 context,
                 dist_stream=self._streams.data_dist,
@@ -217,6 +221,7 @@ class PrefetchTrainPipelineSparseDist(TrainPipelineSparseDist):
             return
         self.start_sparse_data_dist(self.batches[1], self.contexts[1])
 
+    @guarded_step
     def progress(self, dataloader_iter: Iterator[Any]) -> Any:
         self._start_step(dataloader_iter)  # fill, pull host batches, stop at end of data
         training = self._model.training

@@ -7,12 +7,13 @@ from dataclasses import dataclass
 from typing import Any, Callable, ContextManager, Dict, Iterator, Optional
 
 import torch
-from torchrec.distributed.train_pipeline import TrainPipeline
+from torchrec.distributed.train_pipeline import In, Out, TrainPipeline
 from torchrec.pt2.utils import default_pipeline_input_transformer
 
 from trec_pipelines import recorder as rec
 from trec_pipelines.pipelines._common import check_device, check_model_device, check_optimizer
 from trec_pipelines.recorder import Recordable
+from trec_pipelines.step_guard import StepGuard, guarded_step, skip_failed_batch
 from trec_pipelines.stages import BatchSource, copy_to_device, sync_group_for
 
 
@@ -54,7 +55,7 @@ def dynamo_settings() -> ContextManager[None]:
     return torch._dynamo.config.patch(**known)
 
 
-class TrainPipelinePT2(TrainPipeline[Any, Any], Recordable):
+class TrainPipelinePT2(TrainPipeline[In, Out], Recordable):
     """One batch in flight, one stream; the model is compiled on ``compile_on_iter``.
 
     ==========  =======  =========================================================
@@ -72,7 +73,10 @@ class TrainPipelinePT2(TrainPipeline[Any, Any], Recordable):
     Differences from torchrec 1.8.0: the dynamo settings torchrec needs are held
     only while the compiled model runs (upstream changes them globally for good);
     a new epoch starts without ``reset()``; the end of data raises
-    ``StopIteration`` from the pipeline, after which a new iterator may be passed.
+    ``StopIteration`` from the pipeline, after which a new iterator may be passed;
+    a step that raises is rolled back and the next call retries its batch (or
+    :meth:`skip_failed_batch` drops it), as in
+    :class:`~trec_pipelines.TrainPipelineSparseDist`.
 
     Example::
 
@@ -98,6 +102,7 @@ class TrainPipelinePT2(TrainPipeline[Any, Any], Recordable):
         input_transformer: Optional[Callable[[Any], Any]] = None,
         *,
         sync_exhaustion: bool = False,
+        validate_batches: bool = True,
     ) -> None:
         super().__init__()
         check_optimizer(optimizer, type(self).__name__)
@@ -109,7 +114,10 @@ class TrainPipelinePT2(TrainPipeline[Any, Any], Recordable):
         self._pre_compile_fn = pre_compile_fn
         self._post_compile_fn = post_compile_fn
         self._input_transformer = input_transformer or default_pipeline_input_transformer
-        self._source = BatchSource(sync_group_for(sync_exhaustion))
+        self._source = BatchSource(
+            sync_group_for(sync_exhaustion), keep_in_flight=True, validate=validate_batches
+        )
+        self._step_guard = StepGuard()
         self._iter = 0
         self._compiled = False
         self._cur_batch: Optional[Any] = None
@@ -128,13 +136,15 @@ class TrainPipelinePT2(TrainPipeline[Any, Any], Recordable):
     def _compiled_region(self) -> ContextManager[None]:
         return dynamo_settings() if self._compiled else contextlib.nullcontext()
 
+    @guarded_step
     def progress(self, dataloader_iter: Iterator[Any]) -> Any:
         self._begin_call()
         host_batch = self._source.next(dataloader_iter)
         if host_batch is None:
             self._source.end_epoch()
             raise StopIteration
-        i = self._source.loaded - 1
+        self._step_guard.begin()  # from here a failure is rolled back and retried
+        i = self._source.last_index
         with self._span(rec.H2D, i):  # blocking copy on the default stream
             batch = copy_to_device(host_batch, self._device, None, blocking=True)
         self._cur_batch = batch = self._input_transformer(batch)
@@ -157,7 +167,17 @@ class TrainPipelinePT2(TrainPipeline[Any, Any], Recordable):
                 self._optimizer.step()
         return output
 
+    def _drop_in_flight_state(self) -> None:
+        self._cur_batch = None
+
+    def skip_failed_batch(self) -> int:
+        """Drop the batch the last, failed ``progress()`` was training (see
+        :meth:`TrainPipelineSparseDist.skip_failed_batch`); returns its index."""
+        return skip_failed_batch(self)
+
     def reset(self) -> None:
         """Forget the current batch; the next ``progress()`` starts a new epoch."""
         self._cur_batch = None
+        self._source.drop_in_flight()
+        self._step_guard.failed = None
         self._source.end_epoch()

@@ -6,6 +6,7 @@ import logging
 from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple, cast
 
 import torch
+from torchrec.distributed.train_pipeline import In, Out
 from torchrec.distributed.types import ShardedModule
 
 from trec_pipelines import recorder as rec
@@ -16,6 +17,7 @@ from trec_pipelines.input_dist import start_input_dist
 from trec_pipelines.lookup import start_embedding_lookup as run_embedding_lookup
 from trec_pipelines.pipelines.sparse_dist import TrainPipelineSparseDist
 from trec_pipelines.rewrite import Strategy
+from trec_pipelines.step_guard import guarded_step
 from trec_pipelines.stages import BatchSource, backward, wait_for_batch
 from trec_pipelines.streams import (
     current_stream,
@@ -28,16 +30,16 @@ from trec_pipelines.streams import (
 logger: logging.Logger = logging.getLogger(__name__)
 
 
-class TrainPipelineSemiSync(TrainPipelineSparseDist):
+class TrainPipelineSemiSync(TrainPipelineSparseDist[In, Out]):
     """Four batches in flight; once semi-sync, ``nxt`` is looked up before ``cur``'s backward.
 
     ==========  ===========  ======================================================
     stream      slot         work
     ==========  ===========  ======================================================
-    default     ``cur``      wait for the copy, forward on detached embeddings,
-                             backward, embedding backward, step, zero_grad
+    default     ``cur``      zero_grad, wait for the copy, forward on detached
+                             embeddings, backward, embedding backward, step
     default     ``nxt``      embedding lookup: right after ``cur``'s forward once
-                             semi-sync, after ``cur``'s zero_grad before that
+                             semi-sync, after ``cur``'s step before that
     data_dist   ``slot(2)``  input_dist: splits all-to-all, then tensors all-to-all
     memcpy      ``slot(3)``  host-to-device copy
     ==========  ===========  ======================================================
@@ -57,12 +59,16 @@ class TrainPipelineSemiSync(TrainPipelineSparseDist):
     dense gradients instead (none at ``start_batch``: that step is skipped).
 
     The numerics are torchrec 1.8.0's ``TrainPipelineSemiSync``, bit for bit,
-    and so is the order of work within a call.  The recorder shows, per call:
-    ``InputDistStart[i+2] WaitBatch[i] Forward[i] H2D[i+3] EmbLookup[i+1]``
-    (semi-sync) ``InputDistWait[i+2] Backward[i] EmbBackward[i] OptimizerStep
-    ZeroGrad[i] EmbLookup[i+1]`` (synchronous).  The schedule notes
+    and so is the order of work within a call but for ``zero_grad``, issued at
+    the top of the step instead of after the optimizer step (the same with a
+    plain optimizer; with a gradient-accumulating wrapper, whose ``zero_grad``
+    acts only at accumulation boundaries, the order upstream uses erases the
+    first micro-batch's dense gradient).  The recorder shows, per call:
+    ``InputDistStart[i+2] ZeroGrad[i] WaitBatch[i] Forward[i] H2D[i+3]
+    EmbLookup[i+1]`` (semi-sync) ``InputDistWait[i+2] Backward[i] EmbBackward[i]
+    OptimizerStep EmbLookup[i+1]`` (synchronous).  The schedule notes
     (seeds/001, "TrainPipelineSemiSync") have the same tasks, slots and streams
-    but list ``ZeroGrad`` first and ``EmbLookup[i+1]`` after the step in both
+    but list ``EmbLookup[i+1]`` after the step in both
     modes -- in semi-sync mode that order would look up rows batch ``i`` has
     already updated -- and spread the fill over three calls, where here the
     first call fills (lookup of batch 0, input_dist of 1, copy of 2) and
@@ -137,6 +143,7 @@ class TrainPipelineSemiSync(TrainPipelineSparseDist):
         rewrite_strategy: Strategy = "auto",
         on_unpipelined: str = "warn",
         sync_exhaustion: bool = False,
+        validate_batches: bool = True,
     ) -> None:
         super().__init__(
             model,
@@ -154,12 +161,14 @@ class TrainPipelineSemiSync(TrainPipelineSparseDist):
             rewrite_strategy=rewrite_strategy,
             on_unpipelined=on_unpipelined,
             sync_exhaustion=sync_exhaustion,
+            validate_batches=validate_batches,
         )
         self._start_batch = start_batch
         self._stash_gradients = stash_gradients
         self._strict = strict
         # Parameter name -> the gradient of the last batch, applied at the next step.
         self._gradients: Dict[str, torch.Tensor] = {}
+        self._stash_before: Tuple[int, Dict[str, torch.Tensor]] = (-1, {})
         self._warned_unused_features = False
         logger.debug("%s: semi-sync from batch %d", type(self).__name__, start_batch)
 
@@ -313,6 +322,8 @@ class TrainPipelineSemiSync(TrainPipelineSparseDist):
 
     def _grad_swap(self) -> None:
         """Give every parameter the previous batch's gradient and stash this batch's."""
+        # The stash as it was before this step, should the step fail after this.
+        self._stash_before = (self._step_guard.steps, dict(self._gradients))
         for name, param in self._model.named_parameters():
             previous = self._gradients.pop(name, None)
             if param.grad is not None:
@@ -365,6 +376,7 @@ class TrainPipelineSemiSync(TrainPipelineSparseDist):
             self._source.end_epoch()
             raise StopIteration
 
+    @guarded_step
     def progress(self, dataloader_iter: Iterator[Any]) -> Any:
         self._start_step(dataloader_iter)  # fill, pull host batches, stop at end of data
         semi_sync = self.is_semi_sync()
@@ -374,6 +386,11 @@ class TrainPipelineSemiSync(TrainPipelineSparseDist):
         if len(self.batches) >= 3:
             self.start_sparse_data_dist(self.batches[2], self.contexts[2])  # slot(2), data_dist
         batch, context = self.batches[0], self._embedding_context(0)
+        if self._model.training:
+            # At the top, not after the step as upstream: a gradient-accumulating
+            # optimizer wrapper (zero_grad only at accumulation boundaries) then
+            # keeps the first micro-batch's gradient, and a retried step starts clean.
+            self._dense_zero_grad(context)                         # cur, default
         losses, output = self._train_forward(batch, context)       # cur, memcpy -> default
         self.dequeue_batch()  # nxt is now at the front, and the wrappers serve it
         del batch  # cur's input is only held by the autograd graph from here on
@@ -390,11 +407,17 @@ class TrainPipelineSemiSync(TrainPipelineSparseDist):
                 self._model, self._dmp_collection_sync_interval_batches, context
             )
             self._dense_step(context, semi_sync)                   # cur (i-1 stashed), default
-            self._dense_zero_grad(context)                         # cur, default
         if not semi_sync and self.batches:
             # nxt, data_dist -> default: issued after cur's update, so it sees it
             self.start_embedding_lookup(self.batches[0], self._embedding_context(0))
         return output
+
+    def _drop_in_flight_state(self) -> None:
+        super()._drop_in_flight_state()
+        steps, stash = self._stash_before
+        if steps == self._step_guard.steps:
+            # The failed step swapped gradients: its retry must find the previous batch's.
+            self._gradients = stash
 
     def _embedding_context(self, slot: int) -> EmbeddingTrainPipelineContext:
         return cast(EmbeddingTrainPipelineContext, self.contexts[slot])
@@ -404,5 +427,7 @@ class TrainPipelineSemiSync(TrainPipelineSparseDist):
     def reset(self) -> None:
         """Drop the in-flight batches and restart the batch count (synchronous again)."""
         super().reset()
-        self._source = BatchSource()
+        self._source = BatchSource(
+            self._sync_group, keep_in_flight=True, validate=self._validate_batches
+        )
         self._gradients.clear()

@@ -4,13 +4,14 @@ from __future__ import annotations
 
 import logging
 from collections import deque
-from typing import Any, Callable, Deque, Generic, List, Optional, Tuple, TypeVar
+from typing import Any, Callable, Deque, Generic, List, Optional, Tuple
 
 import torch
 from torch.utils.hooks import RemovableHandle
+from torchrec.distributed.train_pipeline import In
 from torchrec.distributed.types import ShardedModule
 
-from trec_pipelines.cache_prefetch import prefetch_embeddings
+from trec_pipelines.cache_prefetch import prefetch_modules
 from trec_pipelines.args import CallArgs
 from trec_pipelines.context import (
     EmbeddingTrainPipelineContext,
@@ -50,8 +51,6 @@ from trec_pipelines.streams import (
 
 logger: logging.Logger = logging.getLogger(__name__)
 
-In = TypeVar("In")
-
 
 class SparseDataDistUtil(Generic[In]):
     """Pipelines a model's sparse ``input_dist`` through :class:`StagedTrainPipeline` stages.
@@ -79,8 +78,10 @@ class SparseDataDistUtil(Generic[In]):
     after input_dist); passing ``embedding_lookup_stream`` runs the lookup as a
     stage (:meth:`start_embedding_lookup`), one batch ahead of the forward, so
     that batch is looked up before the optimizer step of the batch before it
-    (semi-synchronous).  On CPU pass ``torch.Stream(device="cpu")`` to turn
-    either on: the work then runs on the current stream.
+    (semi-synchronous).  Every stream may be ``None`` (on CPU): a
+    :class:`StagedTrainPipeline` given a stage that runs :meth:`prefetch` or
+    :meth:`start_embedding_lookup` turns that mode on (see :meth:`stage_declared`),
+    and the work runs on the current stream.
 
     Differences from torchrec 1.8.0, all fixes:
 
@@ -149,6 +150,13 @@ class SparseDataDistUtil(Generic[In]):
         self.apply_jit = apply_jit
         self.prefetch_stream = prefetch_stream
         self.embedding_lookup_stream = embedding_lookup_stream
+        # The third stage, if any: set by a stream here, or (streams left None,
+        # as on CPU) when a StagedTrainPipeline is given the stage's verb.
+        self._third_stage: Optional[str] = (
+            "prefetch"
+            if prefetch_stream is not None
+            else "start_embedding_lookup" if embedding_lookup_stream is not None else None
+        )
         self.initialized = False
         self.fwd_hook: Optional[RemovableHandle] = None
         self._pipeline_postproc = pipeline_postproc
@@ -176,11 +184,32 @@ class SparseDataDistUtil(Generic[In]):
 
     @property
     def _with_prefetch(self) -> bool:
-        return self.prefetch_stream is not None
+        return self._third_stage == "prefetch"
 
     @property
     def _with_embedding_lookup(self) -> bool:
-        return self.embedding_lookup_stream is not None
+        return self._third_stage == "start_embedding_lookup"
+
+    def stage_declared(self, verb: str) -> None:
+        """Called by :class:`StagedTrainPipeline` for every stage that runs one of
+        this object's verbs, before any batch: a ``prefetch`` or
+        ``start_embedding_lookup`` stage turns that mode on even when its stream
+        is ``None`` (as on CPU), since the number of batches in flight depends on it.
+        """
+        if verb not in ("prefetch", "start_embedding_lookup") or self._third_stage == verb:
+            return
+        if self._third_stage is not None:
+            raise ValueError(
+                f"SparseDataDistUtil: a {verb!r} stage was declared but this object "
+                f"runs a {self._third_stage!r} stage; use one of the two"
+            )
+        if self._contexts:
+            raise RuntimeError(
+                f"SparseDataDistUtil: a {verb!r} stage was declared after batches "
+                "started their input_dist; build the StagedTrainPipeline with all "
+                "its stages before the first progress()"
+            )
+        self._third_stage = verb
 
     @property
     def _num_contexts(self) -> int:
@@ -224,8 +253,9 @@ class SparseDataDistUtil(Generic[In]):
     def _make_postproc(
         self, fqn: str, module: torch.nn.Module, call_args: CallArgs
     ) -> PipelinedPostproc:
-        # Runs in the input_dist stage, on its stream.
-        return PipelinedPostproc(fqn, module, call_args, self._contexts[0], self._dist_stream)
+        # Runs in the input_dist stage, on its stream; read on the stream
+        # current in the forward (default_stream None).
+        return PipelinedPostproc(module, fqn, call_args, self._contexts[0], None, self._dist_stream)
 
     def should_assert_context_invariants(self, ctx: TrainPipelineContext) -> bool:
         """True when ``ctx`` belongs to a real batch and the checks are switched on."""
@@ -378,13 +408,14 @@ class SparseDataDistUtil(Generic[In]):
         """Finish the batch's input_dist and prefetch its rows into the embedding caches."""
         if not self._with_prefetch:
             raise RuntimeError(
-                "SparseDataDistUtil.prefetch needs prefetch_stream; pass one "
-                '(torch.Stream(device="cpu") on CPU) to the constructor'
+                "SparseDataDistUtil.prefetch ran but prefetch is not on: pass "
+                "prefetch_stream to the constructor (may be None on CPU if the "
+                "stage runs in a StagedTrainPipeline, which turns it on)"
             )
         ctx = self._stage_context()
         assert isinstance(ctx, PrefetchTrainPipelineContext)
         assert self._rewrite is not None
-        prefetch_embeddings(
+        prefetch_modules(
             self._rewrite.pipelined,
             ctx,
             dist_stream=self._dist_stream,
@@ -405,8 +436,9 @@ class SparseDataDistUtil(Generic[In]):
         """Run the batch's embedding lookup on ``embedding_lookup_stream``."""
         if not self._with_embedding_lookup:
             raise RuntimeError(
-                "SparseDataDistUtil.start_embedding_lookup needs embedding_lookup_stream; "
-                'pass one (torch.Stream(device="cpu") on CPU) to the constructor'
+                "SparseDataDistUtil.start_embedding_lookup ran but the lookup stage is "
+                "not on: pass embedding_lookup_stream to the constructor, or build the "
+                "stage with start_embedding_lookup_stage() (its stream may be None on CPU)"
             )
         ctx = self._stage_context()
         assert isinstance(ctx, EmbeddingTrainPipelineContext)
@@ -444,12 +476,8 @@ class SparseDataDistUtil(Generic[In]):
         name: str = "start_embedding_lookup",
         runnable: Optional[Callable[[Any], Any]] = None,
     ) -> PipelineStage:
-        """The embedding-lookup stage (needs ``embedding_lookup_stream``)."""
-        if self.embedding_lookup_stream is None:
-            raise ValueError(
-                "start_embedding_lookup_stage needs embedding_lookup_stream; pass one "
-                '(torch.Stream(device="cpu") on CPU) to SparseDataDistUtil'
-            )
+        """The embedding-lookup stage, on ``embedding_lookup_stream`` (``None``: the current stream)."""
+        self.stage_declared("start_embedding_lookup")
         return PipelineStage(
             name=name,
             runnable=runnable or self.start_embedding_lookup,

@@ -8,10 +8,12 @@ from dataclasses import dataclass
 from typing import Any, Callable, Deque, Iterator, List, Optional, Tuple, Type
 
 import torch
-from torchrec.distributed.train_pipeline import TrainPipeline
+from torch.utils.hooks import RemovableHandle
+from torchrec.distributed.train_pipeline import In, Out, TrainPipeline
 from torchrec.distributed.types import ShardedModule
 
 from trec_pipelines import recorder as rec
+from trec_pipelines.backward_hooks import pipeline_hook, register_backward_hook
 from trec_pipelines.context import TrainPipelineContext
 from trec_pipelines.forwards import BaseForward, PipelinedForward
 from trec_pipelines.input_dist import (
@@ -20,6 +22,7 @@ from trec_pipelines.input_dist import (
     release_input_dist_inputs,
     start_input_dist,
     unfuse_kjt_splits,
+    unfuse_left_over,
     wait_input_dist,
 )
 from trec_pipelines.pipelines._common import (
@@ -37,6 +40,7 @@ from trec_pipelines.rewrite import (
     reapply_rewrite,
     restore_model,
     rewrite_model,
+    sharded_modules,
 )
 from trec_pipelines.args import CallArgs
 from trec_pipelines.stages import (
@@ -48,9 +52,35 @@ from trec_pipelines.stages import (
     sync_group_for,
     wait_for_batch,
 )
+from trec_pipelines.step_guard import StepGuard, guarded_step, skip_failed_batch
 from trec_pipelines.streams import StreamSet, make_streams, on_stream
 
 logger: logging.Logger = logging.getLogger(__name__)
+
+
+def _claim(result: RewriteResult, pipeline: Any) -> None:
+    """Tag ``result``'s wrappers with their pipeline and what they replaced."""
+    for module, had_instance_forward, original, _ in result._saved:
+        forward = module.__dict__.get("forward")
+        if isinstance(forward, BaseForward):
+            forward.claim(pipeline)
+            forward.replaced = (had_instance_forward, original)
+
+
+def _strip_orphan(module: ShardedModule) -> None:
+    """Undo what a collected pipeline left on ``module``: its forward wrapper(s)
+    and its splits-only input_dist overrides."""
+    while True:
+        forward = module.__dict__.get("forward")
+        if not isinstance(forward, BaseForward) or forward.owner is not None:
+            break
+        assert forward.replaced is not None, "wrappers are tagged when installed"
+        had_instance_forward, original = forward.replaced
+        if had_instance_forward:
+            module.forward = original  # type: ignore[method-assign]
+        else:
+            module.__dict__.pop("forward", None)
+    unfuse_left_over(module)
 
 
 @dataclass
@@ -62,7 +92,7 @@ class _Parked:
     source: SourceState
 
 
-class TrainPipelineSparseDist(TrainPipeline[Any, Any], Recordable):
+class TrainPipelineSparseDist(TrainPipeline[In, Out], Recordable):
     """Three batches in flight: ``cur`` trains, ``nxt`` is in input_dist, ``new`` is copied.
 
     ==========  =======  ==================================================
@@ -98,6 +128,18 @@ class TrainPipelineSparseDist(TrainPipeline[Any, Any], Recordable):
     ``on_unpipelined`` is "warn" (log each sharded module the rewrite could not
     pipeline, with the reason; the default) or "raise".
 
+    A ``progress()`` that raises (model, loss, backward, optimizer, loader) is
+    rolled back: the exception carries a note naming the batch, and the next
+    ``progress()`` retries that batch from scratch, re-running what the failed
+    attempt consumed (copy, input_dist, lookup, prefetch) from the host copies
+    the pipeline keeps for its in-flight batches; nothing is pulled twice, lost
+    or trained twice.  :meth:`skip_failed_batch` drops a batch that fails every
+    time.  Each host batch's KeyedJaggedTensors are checked as it is pulled
+    (``validate_batches=True``): a malformed one raises ``ValueError`` before any
+    work, and the next call goes on with the next batch.  A pipeline that finds
+    another pipeline's wrappers on its model (an eval pipeline left attached)
+    detaches it and takes the model over; see ``_take_over_model``.
+
     Switching iterators: passing another iterator while batches of the
     previous one are in flight (a train iterator, then an eval pass, then the
     train iterator again) parks those batches, input_dist and all, and
@@ -131,6 +173,9 @@ class TrainPipelineSparseDist(TrainPipeline[Any, Any], Recordable):
     _requires_optimizer: bool = True
     # The stream role input_dist is recorded on; Lite runs it on the default stream.
     _input_dist_role: str = "data_dist"
+    # Training variants roll a failed step back (trec_pipelines.step_guard);
+    # the eval variants, which train nothing, keep no host copies for it.
+    _retries_failed_steps: bool = True
 
     def __init__(
         self,
@@ -151,6 +196,7 @@ class TrainPipelineSparseDist(TrainPipeline[Any, Any], Recordable):
         rewrite_strategy: Strategy = "auto",
         on_unpipelined: str = "warn",
         sync_exhaustion: bool = False,
+        validate_batches: bool = True,
     ) -> None:
         super().__init__()
         if self._requires_optimizer:
@@ -186,7 +232,12 @@ class TrainPipelineSparseDist(TrainPipeline[Any, Any], Recordable):
             logger.warning("apply_jit=True is accepted but not applied by trec_pipelines")
 
         self._streams: StreamSet = self._make_streams()
-        self._source = BatchSource(sync_group_for(sync_exhaustion))
+        self._sync_group = sync_group_for(sync_exhaustion)
+        self._validate_batches = validate_batches
+        self._source = BatchSource(
+            self._sync_group, keep_in_flight=self._retries_failed_steps, validate=validate_batches
+        )
+        self._step_guard = StepGuard()
         self.batches: Deque[Optional[Any]] = deque()
         self.contexts: Deque[TrainPipelineContext] = deque()
         self._rewrite: Optional[RewriteResult] = None
@@ -194,6 +245,8 @@ class TrainPipelineSparseDist(TrainPipeline[Any, Any], Recordable):
         self._parked = ParkedEpochs()
         self._kjt_overrides: Tuple[KJTDistOverride, ...] = ()
         self._model_attached = True
+        # Set when another pipeline detached this one to take the model over.
+        self._taken_over_by: Optional[str] = None
 
     # ------------------------------------------------------------------ setup
 
@@ -217,9 +270,10 @@ class TrainPipelineSparseDist(TrainPipeline[Any, Any], Recordable):
     def _make_postproc(
         self, fqn: str, module: torch.nn.Module, call_args: CallArgs
     ) -> PipelinedPostproc:
-        # Runs where input_dist runs (data_dist; Lite: the default stream).
+        # Runs where input_dist runs (data_dist; Lite: the default stream) and
+        # is read on the stream current in the forward (default_stream None).
         return PipelinedPostproc(
-            fqn, module, call_args, self._current_context(), self._streams.data_dist
+            module, fqn, call_args, self._current_context(), None, self._streams.data_dist
         )
 
     def _make_forward(self, name: str, call_args: CallArgs, module: ShardedModule) -> BaseForward[Any]:
@@ -254,6 +308,7 @@ class TrainPipelineSparseDist(TrainPipeline[Any, Any], Recordable):
 
     def _rewrite_checked(self, batch: Any) -> RewriteResult:
         """Rewrite the model and apply the ``on_unpipelined`` policy."""
+        self._take_over_model()
         result = rewrite_model(
             self._model,
             batch,
@@ -261,6 +316,7 @@ class TrainPipelineSparseDist(TrainPipeline[Any, Any], Recordable):
             self._rewrite_strategy,
             make_postproc=self._make_postproc if self._pipeline_postproc else None,
         )
+        _claim(result, self)
         if result.not_pipelined and self._on_unpipelined == "raise":
             restore_model(result)
             raise RuntimeError(
@@ -291,6 +347,25 @@ class TrainPipelineSparseDist(TrainPipeline[Any, Any], Recordable):
         for postproc in self._pipelined_postprocs:
             postproc.set_context(context)
 
+    def register_backward_hook(self, site: Any, work: Callable[[Any], None]) -> RemovableHandle:
+        """Run ``work(self)`` each training step when the backward reaches ``site``.
+
+        ``site`` is a :class:`~trec_pipelines.backward_hooks.InjectionSite` (or
+        torchrec's): with ``OutputDistTensorFinder`` on a pipelined EBC/EC the
+        work runs while that module's backward all-to-all is in flight (see
+        :mod:`trec_pipelines.backward_hooks`).  Several works at one site run
+        in registration order.  ``site.fqn`` is relative to the user's model.
+        Returns a handle (torchrec returns None); ``handle.remove()`` stops it.
+
+        Example::
+
+            pipeline.register_backward_hook(
+                InjectionSite("ebc", OutputDistTensorFinder(ShardingType.TABLE_WISE)),
+                lambda p: log.append(p),
+            )
+        """
+        return register_backward_hook(site, self._model, pipeline_hook(site, self, work))
+
     # ------------------------------------------------------------------ verbs
 
     def copy_batch_to_gpu(
@@ -303,7 +378,7 @@ class TrainPipelineSparseDist(TrainPipeline[Any, Any], Recordable):
         batch = self._source.next(dataloader_iter)
         if batch is None:
             return None, None
-        context = self._context_type(index=self._source.loaded - 1)
+        context = self._context_type(index=self._source.last_index)
         with self._span(rec.H2D, context.index, "memcpy"):
             batch = copy_to_device(batch, self._device, self._streams.memcpy)
         return batch, context
@@ -315,7 +390,7 @@ class TrainPipelineSparseDist(TrainPipeline[Any, Any], Recordable):
         batch = self._source.next(dataloader_iter)
         if batch is None:
             return None, None
-        context = self._context_type(index=self._source.loaded - 1)
+        context = self._context_type(index=self._source.last_index)
         with self._span(rec.H2D, context.index, "memcpy"):
             batch = copy_to_device(batch, self._device, self._streams.memcpy, inplace=True)
         return batch, context
@@ -398,6 +473,7 @@ class TrainPipelineSparseDist(TrainPipeline[Any, Any], Recordable):
         # One batch in flight and data left: only after an iterator error in the fill.
         self.enqueue_batch(dataloader_iter)
 
+    @guarded_step
     def progress(self, dataloader_iter: Iterator[Any]) -> Any:
         self._start_step(dataloader_iter)  # fill, pull host batches, stop at end of data
         training = self._model.training
@@ -431,9 +507,11 @@ class TrainPipelineSparseDist(TrainPipeline[Any, Any], Recordable):
         epoch when nothing is left (``StopIteration``), and point the forward
         wrappers at ``cur``."""
         self._begin_call()
+        self._take_over_model()
         self._ensure_attached()
         self._switch_iterator(dataloader_iter)
         self._fetch_ahead(dataloader_iter)
+        self._step_guard.begin()  # from here a failure is rolled back and retried
         self.fill_pipeline(dataloader_iter)
         self._stop_if_done()
         self._set_module_context(self.contexts[0])
@@ -472,6 +550,50 @@ class TrainPipelineSparseDist(TrainPipeline[Any, Any], Recordable):
         """Pull every host batch this call will copy, before any work is issued."""
         self._source.fetch_ahead(dataloader_iter, self._depth - len(self.batches))
 
+    def _take_over_model(self) -> None:
+        """Detach any other pipeline whose forward wrappers are on this model.
+
+        Two pipelines share a model (a train pipeline and an eval pipeline left
+        attached when its data ended): the one about to run detaches the other,
+        which gives back exactly what it replaced (this pipeline's wrappers, if
+        it had rewritten the model first), and logs it.  A pipeline detached
+        that way (not by the user) takes the model back the same way at its
+        next ``progress()``, so train and eval pipelines can alternate on one
+        model.  A wrapper whose pipeline was collected is undone from what it
+        recorded it replaced.
+        """
+        if self._taken_over_by is not None:
+            self._taken_over_by = None
+            self.attach()  # detaches the pipeline that took the model, then re-wraps
+            return
+        if not self._model_attached:
+            return
+        for name, module in sharded_modules(self._model).items():
+            forward = module.__dict__.get("forward")
+            if not isinstance(forward, BaseForward) or forward.owner is self:
+                continue
+            other = forward.owner
+            if other is None:
+                logger.warning(
+                    "%s: sharded module '%s' still carried the forward wrapper of a %s "
+                    "that was dropped without detach(); restored its own forward",
+                    type(self).__name__,
+                    name,
+                    forward.owner_name,
+                )
+                _strip_orphan(module)
+                continue
+            logger.warning(
+                "%s: the model is still attached to a %s (its forward wrappers are on "
+                "'%s'); detaching it and taking the model over. Call detach() on a "
+                "pipeline when you are done with it to avoid this.",
+                type(self).__name__,
+                type(other).__name__,
+                name,
+            )
+            other.detach()
+            other._taken_over_by = type(self).__name__
+
     def _ensure_attached(self) -> None:
         """Attach the model again if it was detached (as upstream's ``progress()``)."""
         if not self._model_attached:
@@ -492,9 +614,28 @@ class TrainPipelineSparseDist(TrainPipeline[Any, Any], Recordable):
             )
             self.batches.clear()
             self.contexts.clear()
+            self._source.drop_in_flight()
         if not self.batches:
             self._source.end_epoch()
             raise StopIteration
+
+    def _drop_in_flight_state(self) -> None:
+        """Forget the in-flight device batches and contexts; the step guard gives
+        their host batches back to the source (see :mod:`trec_pipelines.step_guard`)."""
+        self.batches.clear()
+        self.contexts.clear()
+
+    def skip_failed_batch(self) -> int:
+        """Drop the batch the last ``progress()`` failed on instead of retrying it.
+
+        After a ``progress()`` that raised, the next call retries the same batch
+        from scratch.  For a batch that fails every time, call this (on every
+        rank) before the next ``progress()``: the batch is logged and never
+        trained, and training goes on with the one after it.  Returns the
+        skipped batch's index; raises ``RuntimeError`` if the last call did not
+        fail.
+        """
+        return skip_failed_batch(self)
 
     @property
     def unused_batches(self) -> int:
@@ -535,7 +676,9 @@ class TrainPipelineSparseDist(TrainPipeline[Any, Any], Recordable):
             if self.contexts:
                 self._pipeline_model_without_input_dist(self.batches[0])
             return
+        self._take_over_model()
         self._rewrite = reapply_rewrite(self._rewrite, self._make_forward)
+        _claim(self._rewrite, self)
         self._kjt_overrides = fuse_kjt_splits(self._rewrite.modules)
         if self.contexts:
             self._set_module_context(self.contexts[0])
@@ -548,6 +691,7 @@ class TrainPipelineSparseDist(TrainPipeline[Any, Any], Recordable):
     def reset(self) -> None:
         """Drop the in-flight (and parked) batches; the next ``progress()`` starts a new epoch."""
         dropped = len(self.batches) + sum(len(p.batches) for p in self._parked.states())
+        dropped += self._source.rewound
         if dropped:
             logger.warning(
                 "%s.reset() drops %d in-flight batch(es) that were never trained",
@@ -557,4 +701,6 @@ class TrainPipelineSparseDist(TrainPipeline[Any, Any], Recordable):
         self.batches.clear()
         self.contexts.clear()
         self._parked.clear()
+        self._source.drop_in_flight()
+        self._step_guard.failed = None
         self._source.end_epoch()

@@ -5,16 +5,18 @@ from __future__ import annotations
 from typing import Any, Callable, Iterator, Optional, Tuple, Type
 
 import torch
+from torchrec.distributed.train_pipeline import In, Out
 
 from trec_pipelines import recorder as rec
 from trec_pipelines.context import TrainPipelineContext
 from trec_pipelines.pipelines.sparse_dist import TrainPipelineSparseDist
 from trec_pipelines.rewrite import Strategy
+from trec_pipelines.step_guard import guarded_step
 from trec_pipelines.stages import wait_for_batch
 from trec_pipelines.streams import StreamSet, make_streams
 
 
-class TrainPipelineSparseDistLite(TrainPipelineSparseDist):
+class TrainPipelineSparseDistLite(TrainPipelineSparseDist[In, Out]):
     """Two batches in flight: ``cur`` runs input_dist and trains, ``nxt`` is copied.
 
     ==========  =======  ==========================================================
@@ -69,6 +71,7 @@ class TrainPipelineSparseDistLite(TrainPipelineSparseDist):
         rewrite_strategy: Strategy = "auto",
         on_unpipelined: str = "warn",
         sync_exhaustion: bool = False,
+        validate_batches: bool = True,
     ) -> None:
         super().__init__(
             model,
@@ -85,6 +88,7 @@ class TrainPipelineSparseDistLite(TrainPipelineSparseDist):
             rewrite_strategy=rewrite_strategy,
             on_unpipelined=on_unpipelined,
             sync_exhaustion=sync_exhaustion,
+            validate_batches=validate_batches,
         )
 
     def _make_streams(self) -> StreamSet:
@@ -105,6 +109,7 @@ class TrainPipelineSparseDistLite(TrainPipelineSparseDist):
         if not self.batches:
             self.enqueue_batch(dataloader_iter)
 
+    @guarded_step
     def progress(self, dataloader_iter: Iterator[Any]) -> Any:
         self._start_step(dataloader_iter)  # fill, pull host batches, stop at end of data
         cur, ctx = self.batches[0], self.contexts[0]

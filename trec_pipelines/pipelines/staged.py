@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
-from typing import Any, Callable, Iterator, List, Optional
+from typing import Any, Callable, Iterator, List, Optional, Protocol, TypeVar, runtime_checkable
 
 import torch
-from torchrec.distributed.train_pipeline import TrainPipeline
+from torchrec.distributed.train_pipeline import In, TrainPipeline
+from torchrec.streamable import Pipelineable
 
 from trec_pipelines import recorder as rec
 from trec_pipelines.recorder import Recordable
@@ -21,6 +22,9 @@ from trec_pipelines.streams import (
 )
 
 logger: logging.Logger = logging.getLogger(__name__)
+
+# What the last stage hands the caller, for annotating stage callables (torchrec's name).
+StageOut = TypeVar("StageOut", bound=Pipelineable)
 
 
 @dataclass
@@ -45,6 +49,22 @@ class PipelineStage:
     stream: Optional[torch.Stream]
     fill_callback: Optional[Callable[[], None]] = None
     data_exhausted_callback: Optional[Callable[[], None]] = None
+
+
+@runtime_checkable
+class StageAware(Protocol):
+    """An object whose bound methods are stage runnables and which must know,
+    before the first batch, which of them the pipeline runs
+    (:class:`SparseDataDistUtil`: how many batches it keeps in flight)."""
+
+    def stage_declared(self, verb: str) -> None: ...
+
+
+def _declare_stages(stages: List[PipelineStage]) -> None:
+    for stage in stages:
+        owner = getattr(stage.runnable, "__self__", None)
+        if isinstance(owner, StageAware):
+            owner.stage_declared(stage.runnable.__name__)
 
 
 def side_stream(stream: Optional[torch.Stream]) -> Optional[torch.Stream]:
@@ -86,7 +106,7 @@ class _InFlight:
         record_stream(self.value, consumer)
 
 
-class StagedTrainPipeline(TrainPipeline[Any, Optional[Any]], Recordable):
+class StagedTrainPipeline(TrainPipeline[In, Optional[StageOut]], Recordable):
     """N batches in flight, one per stage; the caller trains the batch it returns.
 
     With stages ``s0 .. s(N-1)``, one ``progress()`` call issues, in order:
@@ -158,6 +178,7 @@ class StagedTrainPipeline(TrainPipeline[Any, Optional[Any]], Recordable):
                 "pass e.g. a stage that copies the batch to the device"
             )
         self._pipeline_stages = list(pipeline_stages)
+        _declare_stages(self._pipeline_stages)
         self._debug_mode = debug_mode
         self.on_flush_end = on_flush_end
         self._stage_streams = [side_stream(stage.stream) for stage in self._pipeline_stages]

@@ -1,0 +1,116 @@
+"""What each pipeline holds, measured in separate untimed epochs.
+
+Two measurements per pipeline contender:
+
+* from outside, alike for ours and torchrec's class: after every
+  ``progress()`` the storages reachable from the pipeline object
+  (:func:`trec_pipelines.memory.footprint`, model and optimizer left out),
+  keeping the largest; plus the process's resident memory (VmRSS) sampled at
+  the same moments;
+* for ours only, the per-action memory ledger (schedule recording with
+  ``memory=True``), which also sees what ``progress()`` holds in its locals
+  while it runs, so its peak is at least the outside one.
+
+And, for SparseDist, what the memory options save: a fresh pipeline per
+option set, each measured from outside (``option_sets``).  Every epoch here
+runs on batches made for it alone: the freeing options resize the storage of
+the batch's tensors to zero, which on CPU are the host batches themselves.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any, Dict, Iterator, Optional, Sequence, Tuple
+
+from benchmarks.contenders import Contender
+from trec_pipelines.memory import PeakTracker, footprint, owned_storages, rss_bytes
+
+# The variant whose memory options are measured, and the option sets, baseline first.
+OPTIONS_VARIANT = "TrainPipelineSparseDist"
+OPTION_SETS: Tuple[Tuple[str, Dict[str, Any]], ...] = (
+    ("none", {}),
+    ("enable_inplace_copy_batch", {"enable_inplace_copy_batch": True}),
+    ("free_features_storage_early", {"free_features_storage_early": True}),
+    ("clear_data_dist_inputs", {"clear_data_dist_inputs": True}),
+    (
+        "all three",
+        {"enable_inplace_copy_batch": True, "free_features_storage_early": True, "clear_data_dist_inputs": True},
+    ),
+)
+
+
+@contextlib.contextmanager
+def _after_each_step(contender: Contender, hook: Any) -> Iterator[None]:
+    contender.after_step = hook
+    try:
+        yield
+    finally:
+        contender.after_step = None
+
+
+def held_epoch(contender: Contender, batches: Sequence[Any]) -> Dict[str, Any]:
+    """One epoch measured from outside after each ``progress()`` (see the module docstring)."""
+    pipeline = getattr(contender, "pipeline", None)
+    if pipeline is None:
+        raise RuntimeError(f"{contender.key} has no pipeline object to measure")
+    skip = owned_storages(contender.model, contender.optimizer)
+    tracker = PeakTracker()
+    rss_peak = 0
+
+    def after_step() -> None:
+        nonlocal rss_peak
+        tracker.add(footprint(pipeline, skip))
+        rss_peak = max(rss_peak, rss_bytes() or 0)
+
+    rss_before = rss_bytes()
+    with _after_each_step(contender, after_step):
+        contender.run_epoch(batches)
+    peak = tracker.peak
+    if peak is None:
+        raise RuntimeError(f"{contender.key} made no step to measure")
+    return {
+        "held_peak": peak.total,
+        "held_by_kind": dict(peak.bytes_by_kind),
+        "storages": peak.storages,
+        "max_batches": tracker.max_batches,
+        "truncated": peak.truncated,
+        "rss_before": rss_before,
+        "rss_peak": rss_peak,
+        "steps": tracker.samples,
+    }
+
+
+def ledger_epoch(
+    contender: Contender, batches: Sequence[Any], timeline: Optional[str] = None
+) -> Optional[Dict[str, Any]]:
+    """One epoch of ours with the per-action memory ledger on; None without a recorder.
+
+    ``timeline``: also draw that epoch (calls 1..4) with its memory track to
+    this PNG path.  Its times include the measuring, so it shows the order of
+    work and what is held, not how long each verb takes.
+    """
+    pipeline = getattr(contender, "pipeline", None)
+    if pipeline is None or not hasattr(pipeline, "enable_schedule_recording"):
+        return None
+    pipeline.disable_schedule_recording()
+    pipeline.enable_schedule_recording(memory=True)
+    try:
+        contender.run_epoch(batches)
+        summary = pipeline.memory_ledger()
+        if timeline is not None:
+            pipeline.save_timeline(timeline, calls=(1, min(4, len(batches) - 1)))
+    finally:
+        pipeline.disable_schedule_recording()
+    return {
+        "peak": summary.peak_bytes,
+        "peak_by_kind": dict(summary.peak_by_kind),
+        "peak_at": summary.peak_at,
+        "steady": summary.steady_bytes,
+        "steady_by_kind": dict(summary.steady_by_kind),
+        "max_batches": summary.max_batches,
+        "device_max_allocated": summary.device_max_allocated,
+        "device_max_reserved": summary.device_max_reserved,
+    }
+
+
+__all__ = ["OPTIONS_VARIANT", "OPTION_SETS", "held_epoch", "ledger_epoch"]

@@ -1,0 +1,213 @@
+"""The memory side of the results: columns next to QPS, a table per batch size, the options table.
+
+Raw layout, per throughput block (plain JSON types; see ``benchmarks/memory.py``)::
+
+    block["memory"] = {key: {"status": "ok"|"n/a", "reason": str,
+                             "ranks": [HeldEpoch (+ "ledger" for ours), one per rank]}}
+    block["memory_options"] = [{"side": "ours"|"torchrec", "label": str, "options": {...},
+                                "status", "reason", "ranks": [HeldEpoch, ...]}, ...]
+    raw["peak_rss"] = [bytes per rank]
+
+A number shown for a contender is the largest over its ranks.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Dict, List, Optional, Sequence
+
+from trec_pipelines.memory import KINDS
+
+MiB = float(2**20)
+
+
+def _ok_ranks(entry: Optional[Dict[str, Any]]) -> List[Dict[str, Any]]:
+    if not entry or entry.get("status") != "ok":
+        return []
+    return [r for r in entry.get("ranks") or [] if r]
+
+
+def held_peak(entry: Optional[Dict[str, Any]]) -> Optional[float]:
+    """Peak bytes held after a ``progress()`` (outside measurement), max over ranks."""
+    ranks = _ok_ranks(entry)
+    return max(r["held_peak"] for r in ranks) if ranks else None
+
+
+def rss_peak(entry: Optional[Dict[str, Any]]) -> Optional[float]:
+    """Peak resident memory sampled during the measured epoch, max over ranks."""
+    ranks = _ok_ranks(entry)
+    return max(r["rss_peak"] for r in ranks) if ranks else None
+
+
+def rss_growth(entry: Optional[Dict[str, Any]]) -> Optional[float]:
+    """How far resident memory rose above its level before the measured epoch, max over ranks."""
+    ranks = [r for r in _ok_ranks(entry) if r.get("rss_before")]
+    return max(r["rss_peak"] - r["rss_before"] for r in ranks) if ranks else None
+
+
+def _rank_at_peak(entry: Optional[Dict[str, Any]]) -> Optional[Dict[str, Any]]:
+    ranks = _ok_ranks(entry)
+    return max(ranks, key=lambda r: r["held_peak"]) if ranks else None
+
+
+def ledger(entry: Optional[Dict[str, Any]]) -> Optional[Dict[str, Any]]:
+    """The per-action ledger of the rank with the largest ledger peak (ours only)."""
+    ledgers = [r["ledger"] for r in _ok_ranks(entry) if r.get("ledger")]
+    return max(ledgers, key=lambda d: d["peak"]) if ledgers else None
+
+
+def mib(value: Optional[float]) -> str:
+    return "-" if value is None else f"{value / MiB:,.2f}"
+
+
+def throughput_cells(memory: Dict[str, Any], variant: str) -> List[str]:
+    """The memory columns of a throughput row: held MiB ours / torchrec, RSS MiB ours / torchrec."""
+    ours, theirs = memory.get(f"ours:{variant}"), memory.get(f"torchrec:{variant}")
+    return [mib(held_peak(ours)), mib(held_peak(theirs)), mib(rss_peak(ours)), mib(rss_peak(theirs))]
+
+
+THROUGHPUT_HEADER = ["held MiB ours", "held MiB torchrec", "RSS MiB ours", "RSS MiB torchrec"]
+
+
+def _table(header: Sequence[str], body: Sequence[Sequence[str]]) -> List[str]:
+    widths = [max(len(h), *(len(r[i]) for r in body)) if body else len(h) for i, h in enumerate(header)]
+
+    def line(cells: Sequence[str]) -> str:
+        return "  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(cells, widths))).rstrip()
+
+    return [line(header), line(["-" * w for w in widths])] + [line(r) for r in body]
+
+
+def format_memory(memory: Dict[str, Any], variants: Sequence[str], batch_size: int, world: int) -> str:
+    """Per variant: held at peak (both libraries, by kind for ours), ours' ledger, batches in flight."""
+    body = []
+    for variant in variants:
+        ours, theirs = memory.get(f"ours:{variant}"), memory.get(f"torchrec:{variant}")
+        if ours is None and theirs is None:
+            continue
+        o, t = held_peak(ours), held_peak(theirs)
+        ratio = "-" if o is None or t is None or t == 0 else f"{o / t:.2f}"
+        at_peak = _rank_at_peak(ours)
+        kinds = "/".join(mib(at_peak["held_by_kind"].get(k, 0)) for k in KINDS) if at_peak else "-"
+        theirs_at_peak = _rank_at_peak(theirs)
+        theirs_kinds = (
+            "/".join(mib(theirs_at_peak["held_by_kind"].get(k, 0)) for k in KINDS) if theirs_at_peak else "-"
+        )
+        book = ledger(ours)
+        batches_o = str(at_peak["max_batches"]) if at_peak else "-"
+        batches_t = str(theirs_at_peak["max_batches"]) if theirs_at_peak else "-"
+        body.append(
+            [
+                variant,
+                mib(o) if ours and ours.get("status") == "ok" else "n/a",
+                mib(t) if theirs and theirs.get("status") == "ok" else ("n/a" if theirs else "-"),
+                ratio,
+                kinds,
+                theirs_kinds,
+                f"{batches_o}/{batches_t}",
+                mib(book["peak"]) if book else "-",
+                mib(book["steady"]) if book else "-",
+                str(book["max_batches"]) if book else "-",
+                f"{mib(rss_growth(ours))}/{mib(rss_growth(theirs))}",
+            ]
+        )
+    header = [
+        "variant", "held ours", "held torchrec", "ours/torchrec",
+        "ours " + "/".join(KINDS), "torchrec " + "/".join(KINDS), "batches o/t",
+        "ledger peak", "ledger steady", "ledger batches", "RSS rise o/t",
+    ]
+    title = (
+        f"Pipeline-held memory at batch {batch_size}/rank x {world} ranks (MiB, largest rank): tensor storage "
+        "reachable from the pipeline object after each progress(), model and optimizer excluded, each storage once"
+    )
+    notes = [
+        "  held = the largest over an epoch's steps; by kind at that step; batches = most batches in flight seen "
+        "after a step (ours/torchrec)",
+        "  ledger = ours only, measured after every recorded action, progress()'s local variables included "
+        "(the batch being trained, its losses); its peak is within a step, so it can exceed 'held'",
+        "  RSS rise = resident memory at its peak during the epoch minus before it (ours/torchrec); the RSS "
+        "columns above are the whole process's, every contender's model included",
+    ]
+    return "\n".join([title] + _table(header, body) + notes)
+
+
+def format_options(rows: Sequence[Dict[str, Any]], batch_size: int) -> str:
+    """What each memory option saves on SparseDist, per library, against the same library's baseline."""
+    baseline: Dict[str, Optional[float]] = {}
+    for row in rows:
+        if row["label"] == "none":
+            baseline[row["side"]] = held_peak(row)
+    body = []
+    for row in rows:
+        value = held_peak(row)
+        base = baseline.get(row["side"])
+        saved = "-" if value is None or base is None else mib(base - value)
+        at_peak = _rank_at_peak(row)
+        kinds = "/".join(mib(at_peak["held_by_kind"].get(k, 0)) for k in KINDS) if at_peak else "-"
+        book = ledger(row)
+        body.append(
+            [
+                row["side"],
+                row["label"],
+                mib(value) if row["status"] == "ok" else f"n/a: {row['reason'][:60]}",
+                saved,
+                kinds,
+                mib(book["peak"]) if book else "-",
+                mib(book["steady"]) if book else "-",
+            ]
+        )
+    title = (
+        f"TrainPipelineSparseDist memory options at batch {batch_size}/rank (held MiB at peak, largest rank; "
+        "a fresh pipeline per option set)"
+    )
+    header = ["library", "options", "held", "saved vs none", "/".join(KINDS), "ledger peak", "ledger steady"]
+    note = (
+        "  ledger (ours): measured after every action, so it also sees what is freed and re-filled within a "
+        "step (clear_data_dist_inputs frees the in-flight all-to-all inputs mid-step)"
+    )
+    return "\n".join([title] + _table(header, body) + [note])
+
+
+def peak_rss_line(raw: Dict[str, Any]) -> Optional[str]:
+    peaks = [p for p in raw.get("peak_rss") or [] if p]
+    if not peaks:
+        return None
+    return "process peak RSS per rank (whole run, every contender): " + ", ".join(f"{mib(p)} MiB" for p in peaks)
+
+
+def summary(block: Dict[str, Any], variants: Sequence[str]) -> Dict[str, Any]:
+    """JSON-ready memory numbers of one throughput block."""
+    memory = block.get("memory") or {}
+    out: Dict[str, Any] = {"unit": "bytes", "variants": [], "options": []}
+    for variant in variants:
+        ours, theirs = memory.get(f"ours:{variant}"), memory.get(f"torchrec:{variant}")
+        out["variants"].append(
+            {
+                "variant": variant,
+                "ours_held_peak": held_peak(ours),
+                "torchrec_held_peak": held_peak(theirs),
+                "ours_rss_peak": rss_peak(ours),
+                "torchrec_rss_peak": rss_peak(theirs),
+                "ours_rss_rise": rss_growth(ours),
+                "torchrec_rss_rise": rss_growth(theirs),
+                "ours_ledger": ledger(ours),
+            }
+        )
+    for row in block.get("memory_options") or []:
+        out["options"].append(
+            {"side": row["side"], "label": row["label"], "held_peak": held_peak(row), "ours_ledger": ledger(row)}
+        )
+    return out
+
+
+__all__ = [
+    "THROUGHPUT_HEADER",
+    "format_memory",
+    "format_options",
+    "held_peak",
+    "ledger",
+    "peak_rss_line",
+    "rss_growth",
+    "rss_peak",
+    "summary",
+    "throughput_cells",
+]

@@ -1,0 +1,352 @@
+"""Issue #16 on 2 gloo ranks: a failure never wedges a pipeline.
+
+Every run is compared with the plain loop that sees the same batches: after a
+fault injected at any point of a step, the plain loop retries the batch, and
+the pipeline's next progress() does the same.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from datetime import timedelta
+from typing import Any, List, Optional
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel
+from torchrec.distributed.train_pipeline.gradient_accumulation import (
+    GradientAccumulationConfig,
+    GradientAccumulationWrapper,
+)
+from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
+
+import trec_pipelines
+from tests.distributed.dlrm import (
+    DLRM,
+    FEATURES,
+    Batch,
+    Run,
+    _snapshot,
+    assert_runs_equal,
+    make_batches,
+    make_sharded,
+    plain_loop,
+    run_pipeline,
+    weights,
+)
+
+CPU = torch.device("cpu")
+SEED, DATA_SEED = 1234, 11
+
+
+class Fault(RuntimeError):
+    pass
+
+
+class _FailingBackward(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
+        raise Fault("injected in backward")
+
+
+class FaultyDLRM(DLRM):
+    """DLRM that raises at its forward call number ``at`` (every attempt counts):
+    ``where`` is "before_lookup", "after_lookup" (in the over-arch, once the
+    embeddings arrived) or "backward"; only on ``ranks``."""
+
+    def __init__(self, where: str = "", at: int = -1, ranks: tuple = (0, 1)) -> None:
+        super().__init__()
+        self.where, self.at, self.ranks = where, at, ranks
+        self.calls = 0
+
+    def forward(self, batch: Batch) -> Any:
+        if torch.fx._symbolic_trace.is_fx_tracing():
+            return super().forward(batch)
+        call, self.calls = self.calls, self.calls + 1
+        fail = call == self.at and dist.get_rank() in self.ranks
+        if fail and self.where == "before_lookup":
+            raise Fault("injected before the lookup")
+        pooled = self.ebc(batch.sparse)
+        by_name = pooled.to_dict()  # waits for the embeddings
+        if fail and self.where == "after_lookup":
+            raise Fault("injected in the over-arch")
+        x = torch.cat([self.dense_arch(batch.dense)] + [by_name[f] for f in FEATURES], dim=1)
+        logits = self.over_arch(x).squeeze(-1)
+        if fail and self.where == "backward":
+            logits = _FailingBackward.apply(logits)
+        loss = torch.nn.functional.binary_cross_entropy_with_logits(logits, batch.labels)
+        return loss, logits.detach()
+
+
+class FaultyOptimizer:
+    """Wraps an optimizer; its step number ``at`` raises before stepping."""
+
+    def __init__(self, optimizer: Any, at: int) -> None:
+        self._optimizer, self.at, self.steps = optimizer, at, 0
+
+    def step(self, *args: Any, **kwargs: Any) -> Any:
+        call, self.steps = self.steps, self.steps + 1
+        if call == self.at:
+            raise Fault("injected in the optimizer")
+        return self._optimizer.step(*args, **kwargs)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._optimizer, name)
+
+
+def _build(where: str, at: int, ranks: tuple = (0, 1), pg: Optional[dist.ProcessGroup] = None) -> Any:
+    model_at = at if where != "optimizer" else -1
+    dmp, optimizer = make_sharded(lambda: FaultyDLRM(where, model_at, ranks), "table_wise", seed=SEED, pg=pg)
+    return dmp, FaultyOptimizer(optimizer, at if where == "optimizer" else -1)
+
+
+def plain_loop_with_retry(model: Any, optimizer: Any, batches: List[Any]) -> Run:
+    model.train()
+    outputs = []
+    for batch in batches:
+        while True:
+            try:
+                optimizer.zero_grad()
+                loss, out = model(batch)
+                torch.sum(loss, dim=0).backward()
+                optimizer.step()
+            except Fault:
+                continue
+            outputs.append(_snapshot(out))
+            break
+    return Run(outputs, weights(model))
+
+
+def train_with_retry(pipeline: Any, batches: List[Any], model: Any) -> Run:
+    it = iter(batches)
+    outputs = []
+    failures = 0
+    while True:
+        try:
+            outputs.append(_snapshot(pipeline.progress(it)))
+        except StopIteration:
+            break
+        except Fault as error:
+            failures += 1
+            assert "retries batch" in "".join(error.__notes__)
+    assert failures == 1
+    return Run(outputs, weights(model))
+
+
+def _pipeline(name: str, dmp: Any, optimizer: Any, **kwargs: Any) -> Any:
+    # SemiSync stays synchronous (start_batch past the data): the plain loop is its oracle.
+    extra = {"start_batch": 100} if name == "TrainPipelineSemiSync" else {}
+    return getattr(trec_pipelines, name)(dmp, optimizer, CPU, **extra, **kwargs)
+
+
+VARIANTS = [
+    "TrainPipelineSparseDist",
+    "TrainPipelineSemiSync",
+    "TrainPipelineFusedSparseDist",
+    "PrefetchTrainPipelineSparseDist",
+    "TrainPipelineSparseDistLite",
+    "TrainPipelineBase",
+]
+
+
+@pytest.mark.parametrize("where", ["before_lookup", "after_lookup", "backward", "optimizer"])
+@pytest.mark.parametrize("name", VARIANTS)
+def test_fault_in_a_step_is_retried_and_training_equals_the_plain_loop(name: str, where: str) -> None:
+    batches = make_batches(6, seed=DATA_SEED)
+    ref = plain_loop_with_retry(*_build(where, 3), batches)
+    dmp, optimizer = _build(where, 3)
+    ours = train_with_retry(_pipeline(name, dmp, optimizer), batches, dmp)
+    assert_runs_equal(ref, ours, ("plain loop with retry", name))
+
+
+@pytest.mark.parametrize("name", ["TrainPipelineSparseDist", "TrainPipelineSemiSync"])
+def test_skip_failed_batch_on_every_rank(name: str) -> None:
+    """A batch that fails every time is skipped; training equals the plain loop without it."""
+    batches = make_batches(6, seed=DATA_SEED)
+    ref = plain_loop(*make_sharded(DLRM, "table_wise", seed=SEED), batches[:2] + batches[3:])
+    dmp, optimizer = make_sharded(DLRM, "table_wise", seed=SEED)
+    pipeline = _pipeline(name, dmp, optimizer)
+    poison = batches[2]
+    original_forward = dmp.module.forward
+
+    def forward(batch: Any) -> Any:
+        loss, out = original_forward(batch)
+        if torch.equal(batch.dense, poison.dense):
+            raise Fault("poison batch")
+        return loss, out
+
+    dmp.module.forward = forward
+    it = iter(batches)
+    outputs, skipped = [], []
+    while True:
+        try:
+            outputs.append(_snapshot(pipeline.progress(it)))
+        except StopIteration:
+            break
+        except Fault:
+            skipped.append(pipeline.skip_failed_batch())
+    assert skipped == [2]
+    assert_runs_equal(ref, Run(outputs, weights(dmp)), ("plain loop without batch 2", name))
+
+
+def test_after_an_eval_pipeline_left_attached_training_equals_the_plain_loop() -> None:
+    """Train, an eval pipeline run to its end without detach(), train again: both
+    pipelines take the model over in turn; no misleading "called twice"."""
+    train, evaluation = make_batches(6, seed=DATA_SEED), make_batches(3, seed=DATA_SEED + 1)
+    ref_dmp, ref_optimizer = make_sharded(DLRM, "table_wise", seed=SEED)
+    ref_first = plain_loop(ref_dmp, ref_optimizer, train[:2])
+    ref_dmp.eval()
+    with torch.no_grad():
+        ref_eval = [ref_dmp(b)[1] for b in evaluation]
+    ref_dmp.train()
+    ref_rest = plain_loop(ref_dmp, ref_optimizer, train[2:])
+
+    dmp, optimizer = make_sharded(DLRM, "table_wise", seed=SEED)
+    pipeline = trec_pipelines.TrainPipelineSemiSync(dmp, optimizer, CPU, start_batch=100)
+    it = iter(train)
+    first = [_snapshot(pipeline.progress(it)) for _ in range(2)]
+    dmp.eval()
+    evaluated = run_pipeline(trec_pipelines.EvalPipelineSparseDist(dmp, None, CPU), evaluation, model=dmp)
+    dmp.train()
+    rest = run_pipeline(pipeline, it, model=dmp)
+    for ours, expected in zip(evaluated, ref_eval):
+        assert torch.equal(ours, expected)
+    assert_runs_equal(Run(list(ref_first) + list(ref_rest), ref_rest.weights), Run(first + list(rest), rest.weights))
+
+
+def test_a_new_train_pipeline_takes_over_from_an_eval_pipeline() -> None:
+    train, evaluation = make_batches(4, seed=DATA_SEED), make_batches(2, seed=DATA_SEED + 1)
+    ref = plain_loop(*make_sharded(DLRM, "table_wise", seed=SEED), train)
+    dmp, optimizer = make_sharded(DLRM, "table_wise", seed=SEED)
+    dmp.eval()
+    run_pipeline(trec_pipelines.EvalPipelineSparseDist(dmp, None, CPU), evaluation, model=dmp)
+    dmp.train()
+    ours = run_pipeline(trec_pipelines.TrainPipelineFusedSparseDist(dmp, optimizer, CPU), train, model=dmp)
+    assert_runs_equal(ref, ours, ("plain loop", "Fused after an attached eval pipeline"))
+
+
+# ------------------------------------------------------------- one rank fails
+
+
+def test_a_fault_on_one_rank_ends_the_other_with_an_error_not_a_hang() -> None:
+    """Rank 0 raises in the over-arch of step 2 and stops; rank 1 goes on into the
+    backward's all-reduce, which rank 0 never joins: it gets the process group's
+    timeout error (a short one here), with the pipeline's note, instead of hanging."""
+    rank = dist.get_rank()
+    short = dist.new_group(backend="gloo", timeout=timedelta(seconds=4))
+    store = dist.TCPStore(
+        os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), dist.get_world_size(),
+        is_master=False, timeout=timedelta(seconds=120),
+    )
+    dmp, optimizer = _build("after_lookup", 2, ranks=(0,), pg=short)
+    pipeline = trec_pipelines.TrainPipelineSparseDist(dmp, optimizer, CPU)
+    it = iter(make_batches(6, seed=DATA_SEED))
+    pipeline.progress(it), pipeline.progress(it)
+    with pytest.raises(Exception) as failure:
+        pipeline.progress(it)
+    notes = "".join(getattr(failure.value, "__notes__", []))
+    if rank == 0:
+        assert isinstance(failure.value, Fault)
+        # Keep the group alive until rank 1 has had its error.
+        store.wait(["trec_pipelines_tests/faults/rank1_done"], timedelta(seconds=120))
+    else:
+        store.set("trec_pipelines_tests/faults/rank1_done", "1")
+        assert not isinstance(failure.value, Fault)
+        assert "timed out" in str(failure.value).lower() or "timeout" in str(failure.value).lower(), failure.value
+    assert f"rank {rank}: TrainPipelineSparseDist.progress() raised while training batch 2" in notes
+    assert "other ranks" in notes or "do the same on every rank" in notes
+
+
+# ---------------------------------------------------------------- bad batches
+
+
+def _malformed(batch: Batch, drop: int) -> Batch:
+    kjt = batch.sparse
+    bad = KeyedJaggedTensor(keys=kjt.keys(), values=kjt.values()[: kjt.values().numel() - drop], lengths=kjt.lengths())
+    return Batch(batch.dense, bad, batch.labels)
+
+
+@pytest.mark.parametrize("name", ["TrainPipelineSparseDist", "TrainPipelineSemiSync", "TrainPipelineBase"])
+def test_malformed_kjt_raises_before_training_on_both_ranks(name: str) -> None:
+    batches = make_batches(6, seed=DATA_SEED)
+    good = batches[:2] + batches[3:]
+    batches[2] = _malformed(batches[2], drop=3)
+    ref = plain_loop(*make_sharded(DLRM, "table_wise", seed=SEED), good)
+    dmp, optimizer = make_sharded(DLRM, "table_wise", seed=SEED)
+    pipeline = _pipeline(name, dmp, optimizer)
+    it = iter(batches)
+    outputs = []
+    with pytest.raises(ValueError, match=r"batch 2: KeyedJaggedTensor batch.sparse: key '.*'.*3 missing"):
+        while True:
+            outputs.append(_snapshot(pipeline.progress(it)))
+    outputs += list(run_pipeline(pipeline, it, model=dmp))
+    assert_runs_equal(ref, Run(outputs, weights(dmp)), ("plain loop without batch 2", name))
+
+
+def test_malformed_kjt_on_one_rank_raises_on_both_with_sync_exhaustion() -> None:
+    rank = dist.get_rank()
+    batches = make_batches(6, seed=DATA_SEED)
+    good = batches[:3] + batches[4:]
+    if rank == 0:
+        batches[3] = _malformed(batches[3], drop=batches[3].sparse.values().numel() // 2)
+    ref = plain_loop(*make_sharded(DLRM, "table_wise", seed=SEED), good)
+    dmp, optimizer = make_sharded(DLRM, "table_wise", seed=SEED)
+    pipeline = trec_pipelines.TrainPipelineSparseDist(dmp, optimizer, CPU, sync_exhaustion=True)
+    it = iter(batches)
+    outputs = []
+    expected = r"batch 3: .*missing" if rank == 0 else r"batch 3: .*another rank's is malformed"
+    with pytest.raises(ValueError, match=expected):
+        while True:
+            outputs.append(_snapshot(pipeline.progress(it)))
+    outputs += list(run_pipeline(pipeline, it, model=dmp))
+    assert_runs_equal(ref, Run(outputs, weights(dmp)), ("plain loop without batch 3", "SparseDist"))
+
+
+# ------------------------------------------------------- gradient accumulation
+
+
+def _no_sync(model: torch.nn.Module) -> contextlib.ExitStack:
+    stack = contextlib.ExitStack()
+    for module in model.modules():
+        if isinstance(module, DistributedDataParallel):
+            stack.enter_context(module.no_sync())
+    return stack
+
+
+def plain_accumulation_loop(model: Any, optimizer: Any, batches: List[Any], steps: int) -> Run:
+    """Accumulate ``steps`` micro-batches per optimizer step; gradients are
+    all-reduced on the first micro-batch and on each cycle's last (as torchrec's
+    GradientAccumulationWrapper does with num_warmup_steps=1)."""
+    model.train()
+    outputs = []
+    for i, batch in enumerate(batches):
+        last_of_cycle = (i + 1) % steps == 0
+        with contextlib.nullcontext() if (i == 0 or last_of_cycle) else _no_sync(model):
+            if i % steps == 0:
+                optimizer.zero_grad(set_to_none=True)
+            loss, out = model(batch)
+            torch.sum(loss, dim=0).backward()
+            if last_of_cycle:
+                optimizer.step()
+        outputs.append(_snapshot(out))
+    if len(batches) % steps:
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+    return Run(outputs, weights(model))
+
+
+@pytest.mark.parametrize("name", VARIANTS)
+def test_gradient_accumulation_equals_the_plain_accumulation_loop(name: str) -> None:
+    batches = make_batches(7, seed=DATA_SEED)
+    ref = plain_accumulation_loop(*make_sharded(DLRM, "table_wise", seed=SEED), batches, steps=3)
+    dmp, optimizer = make_sharded(DLRM, "table_wise", seed=SEED)
+    pipeline = _pipeline(name, dmp, optimizer)
+    wrapped = GradientAccumulationWrapper(pipeline, optimizer, dmp, GradientAccumulationConfig(num_steps=3))
+    ours = run_pipeline(wrapped, batches, model=dmp)
+    assert_runs_equal(ref, ours, ("plain accumulation loop", f"{name} under GradientAccumulationWrapper"))

@@ -1,0 +1,110 @@
+"""Malformed KeyedJaggedTensors are refused before anything trains."""
+
+from __future__ import annotations
+
+from typing import Any, Callable, List
+
+import pytest
+import torch
+from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
+
+from tests.unit.fakes import (
+    Batch,
+    TinyModel,
+    assert_same_training,
+    drain,
+    make_batches,
+    optimizer_for,
+    plain_loop,
+)
+import trec_pipelines as tp
+from trec_pipelines.validation import kjt_problem
+
+CPU = torch.device("cpu")
+KEYS = ["f0", "f1"]
+LENGTHS = torch.tensor([1, 2, 0, 3, 1, 2])  # f0: 3 values, f1: 6
+
+
+def _kjt(values: torch.Tensor, lengths: torch.Tensor = LENGTHS, **kwargs: Any) -> KeyedJaggedTensor:
+    return KeyedJaggedTensor(keys=KEYS, values=values, lengths=lengths, **kwargs)
+
+
+GOOD = torch.arange(9)
+MALFORMED = {
+    "3 extra": (lambda: _kjt(torch.arange(12)), r"key 'f1' \(the last\).*add up to 9.*has 12 \(3 extra"),
+    "3 missing": (lambda: _kjt(torch.arange(6)), r"key 'f1'.*add up to 9 values but values has only 6 \(3 missing"),
+    "half missing": (lambda: _kjt(torch.arange(4)), r"key 'f1'.*only 4 \(5 missing"),
+    "f0 short": (lambda: _kjt(torch.arange(2), lengths=torch.tensor([1, 2, 0, 0, 0, 0])), r"key 'f0'.*only 2"),
+    "negative": (lambda: _kjt(GOOD, lengths=torch.tensor([1, 2, 0, 4, -1, 3])), r"key 'f1' has a negative length"),
+    "float ids": (lambda: _kjt(GOOD.float()), r"values has dtype torch.float32"),
+    "weights": (lambda: _kjt(GOOD, weights=torch.ones(8)), r"weights has 8 entries but values has 9"),
+    "offsets": (
+        lambda: KeyedJaggedTensor(keys=KEYS, values=GOOD, lengths=LENGTHS, offsets=torch.tensor([0, 1, 3, 3, 5, 7, 9])),
+        r"offsets are not the running sum of lengths",
+    ),
+    "length_per_key": (
+        lambda: KeyedJaggedTensor(keys=KEYS, values=GOOD, lengths=LENGTHS, length_per_key=[4, 5]),
+        r"key 'f0': length_per_key says 4 values but its lengths add up to 3",
+    ),
+    "stride": (lambda: _kjt(GOOD[:8], lengths=torch.tensor([1, 2, 0, 3, 2]), stride=3), r"5 lengths for 2 keys x stride 3"),
+}
+
+
+def test_well_formed_kjts_pass() -> None:
+    assert kjt_problem(_kjt(GOOD)) is None
+    assert kjt_problem(_kjt(GOOD, weights=torch.ones(9))) is None
+    assert kjt_problem(KeyedJaggedTensor.from_offsets_sync(KEYS, GOOD, torch.tensor([0, 1, 3, 3, 6, 7, 9]))) is None
+    assert kjt_problem(KeyedJaggedTensor.from_lengths_sync(KEYS, GOOD, LENGTHS)) is None
+    assert kjt_problem(_kjt(torch.arange(0), lengths=torch.zeros(6, dtype=torch.long))) is None
+    for batch in make_batches(5):
+        assert kjt_problem(batch.sparse) is None
+
+
+@pytest.mark.parametrize("case", list(MALFORMED))
+def test_each_mismatch_is_named(case: str) -> None:
+    make, message = MALFORMED[case]
+    problem = kjt_problem(make())
+    assert problem is not None and __import__("re").search(message, problem), problem
+
+
+def _with_bad_batch(at: int, make: Callable[[], KeyedJaggedTensor]) -> List[Any]:
+    batches = make_batches(6)
+    good = batches[at]
+    batches[at] = Batch(good.dense, make(), good.labels)
+    return batches
+
+
+TRAINING = ["TrainPipelineBase", "TrainPipelineSparseDist", "TrainPipelineSparseDistLite",
+            "TrainPipelineFusedSparseDist", "PrefetchTrainPipelineSparseDist", "TrainPipelineSemiSync",
+            "TrainPipelinePT2"]
+
+
+def _make(name: str, model: torch.nn.Module, **kwargs: Any) -> Any:
+    extra: dict = {"start_batch": 100} if name == "TrainPipelineSemiSync" else {}
+    if name == "TrainPipelinePT2":
+        extra = {"compile_configs": tp.TorchCompileConfig(compile_on_iter=10**6)}
+    return getattr(tp, name)(model, optimizer_for(model), CPU, **extra, **kwargs)
+
+
+@pytest.mark.parametrize("name", TRAINING)
+@pytest.mark.parametrize("at", [0, 2, 5])
+@pytest.mark.parametrize("case", ["3 extra", "3 missing", "half missing"])
+def test_bad_batch_raises_before_training_and_the_next_call_goes_on(name: str, at: int, case: str) -> None:
+    make, _ = MALFORMED[case]
+    batches = _with_bad_batch(at, make)
+    model, ref = TinyModel(), TinyModel()
+    pipeline = _make(name, model)
+    it = iter(batches)
+    outputs: List[torch.Tensor] = []
+    with pytest.raises(ValueError, match=rf"batch {at}: KeyedJaggedTensor batch.sparse: key 'f1'.*next progress\(\) goes on"):
+        while True:
+            outputs.append(pipeline.progress(it))
+    outputs += drain(pipeline, it)
+    assert_same_training(outputs, plain_loop(ref, batches[:at] + batches[at + 1:]), model, ref)
+    assert pipeline._source.rejected == 1
+
+
+def test_validate_batches_false_turns_the_checks_off() -> None:
+    batches = _with_bad_batch(2, MALFORMED["3 extra"][0])  # extra values: trains without an error
+    model = TinyModel()
+    assert len(drain(_make("TrainPipelineSparseDist", model, validate_batches=False), iter(batches))) == 6

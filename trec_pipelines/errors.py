@@ -1,0 +1,12 @@
+"""Exceptions a pipeline raises that callers may want to catch by type."""
+
+from __future__ import annotations
+
+
+class ModelDetachedException(RuntimeError):
+    """A pipeline was asked to run on a model it is detached from.
+
+    torchrec exports it, so code that catches it keeps importing; our
+    pipelines, like torchrec's, do not raise it from ``progress()`` after
+    :meth:`detach`: they attach the model again and go on.  A ``RuntimeError``.
+    """
