@@ -6,6 +6,7 @@ for ``from trec_pipelines import TrainPipelineSparseDist``.
 
 from trec_pipelines.context import (
     EmbeddingTrainPipelineContext,
+    PECTrainPipelineContext,
     PrefetchTrainPipelineContext,
     TrainPipelineContext,
 )
@@ -15,6 +16,8 @@ from trec_pipelines.pipelines.fused_sparse_dist import (
     EvalPipelineFusedSparseDist,
     TrainPipelineFusedSparseDist,
 )
+from trec_pipelines.forwards import PECPipelinedForward
+from trec_pipelines.pipelines.pec import TrainPipelinePEC
 from trec_pipelines.pipelines.prefetch import PrefetchTrainPipelineSparseDist
 from trec_pipelines.pipelines.comp_autograd import TrainPipelineSparseDistCompAutograd
 from trec_pipelines.pipelines.semi_sync import TrainPipelineSemiSync
@@ -31,6 +34,8 @@ __all__ = [
     "EmbeddingTrainPipelineContext",
     "EvalPipelineFusedSparseDist",
     "EvalPipelineSparseDist",
+    "PECPipelinedForward",
+    "PECTrainPipelineContext",
     "PipelineStage",
     "PrefetchTrainPipelineContext",
     "PrefetchTrainPipelineSparseDist",
@@ -42,6 +47,7 @@ __all__ = [
     "TrainPipelineBase",
     "TrainPipelineContext",
     "TrainPipelineFusedSparseDist",
+    "TrainPipelinePEC",
     "TrainPipelinePT2",
     "TrainPipelineSemiSync",
     "TrainPipelineSparseDist",
