@@ -1,10 +1,16 @@
 """TrainPipelinePEC against the plain loop and, on torchrec >= 1.9, torchrec's class.
 
-The model's sharded modules are EmbeddingBagCollections, so the pipeline runs
-its lookup-ahead schedule with the PEC verbs doing nothing (CPU has no PEC
-module path to compare); every step's output and the final weights must be
-``torch.equal`` across the runs.  torchrec 1.8.0 has no TrainPipelinePEC: the
-plain loop is then the only oracle.
+Two models:
+
+* the DLRM of EmbeddingBagCollections: the PEC verbs do nothing and the
+  pipeline runs its lookup-ahead schedule; every step's output and the final
+  weights must be ``torch.equal`` to the plain loop's and to torchrec's
+  (1.8.0 has no TrainPipelinePEC: the plain loop is then the only oracle);
+* a model of one row-wise ``PECEmbeddingCollection`` (torchrec >= 1.9): every
+  PEC verb runs, and the oracle is torchrec's TrainPipelinePEC.  The plain
+  loop is none here: torchrec's own class departs from it from the second
+  step on (see :func:`test_pec_module_matches_torchrec`).  On 1.8.0 our
+  pipeline refuses a PEC module with an error saying to upgrade.
 
 torchrec 1.9.2's class needs the test shim on CPU, plus CPU stand-ins for the
 two ``torch.cuda.Event`` s it records (recording one on CPU raises).
@@ -20,15 +26,34 @@ import pytest
 import torch
 
 import trec_pipelines
+import torch.distributed as dist
+import torchrec
+from torch import nn
+from torch.distributed.optim import _apply_optimizer_in_backward as apply_optimizer_in_backward
+from torchrec.distributed.model_parallel import DistributedModelParallel
+from torchrec.distributed.pec_embedding import PECEmbeddingCollectionSharder
+from torchrec.distributed.planner import EmbeddingShardingPlanner, ParameterConstraints, Topology
+from torchrec.distributed.types import ShardingEnv
+from torchrec.modules.embedding_configs import EmbeddingConfig
+from torchrec.modules.embedding_modules import EmbeddingCollection
+from torchrec.modules.pec_embedding_modules import PECEmbeddingCollection
+from torchrec.optim.keyed import CombinedOptimizer, KeyedOptimizerWrapper
+from torchrec.optim.optimizers import in_backward_optimizer_filter
+
 from tests.distributed.dlrm import (
+    DENSE_IN,
     DLRM,
+    FEATURES,
     SHARDING_TYPES,
+    TABLE_SPECS,
     NestedDLRM,
     assert_runs_equal,
+    current_group,
     make_batches,
     make_sharded,
     plain_loop,
     run_pipeline,
+    weights,
 )
 from tests.distributed.torchrec_shim import shim_active, torchrec_on_cpu
 
@@ -96,3 +121,96 @@ def test_pec_second_epoch_without_reset() -> None:
     second = run_pipeline(pipeline, batches, model=dmp)
     assert_runs_equal(ref, first, ("plain_loop", "epoch 1"))
     assert_runs_equal(ref2, second, ("plain_loop", "epoch 2"))
+
+
+# ------------------------------------------------------- a real PEC module
+
+PEC_DIM = 8
+
+
+@torch.fx.wrap
+def _sum_per_sample(values: torch.Tensor, lengths: torch.Tensor, dense: torch.Tensor) -> torch.Tensor:
+    """Sum pooling of one feature's sequence embeddings (a leaf for FX tracing)."""
+    rows = torch.repeat_interleave(torch.arange(dense.shape[0]), lengths)
+    return torch.zeros(dense.shape[0], values.shape[1]).index_add(0, rows, values)
+
+
+class PECModel(nn.Module):
+    """One PECEmbeddingCollection over the DLRM's features, sum-pooled, then a linear head."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        tables = [
+            EmbeddingConfig(name=name, feature_names=[feature], num_embeddings=rows, embedding_dim=PEC_DIM)
+            for name, feature, rows, _, _ in TABLE_SPECS
+        ]
+        self.pec = PECEmbeddingCollection(EmbeddingCollection(tables=tables, device=CPU))
+        self.over = nn.Linear(PEC_DIM * len(FEATURES) + DENSE_IN, 1)
+
+    def forward(self, batch: Any) -> Any:
+        embedded = self.pec(batch.sparse)
+        pooled = [_sum_per_sample(embedded[f].values(), embedded[f].lengths(), batch.dense) for f in FEATURES]
+        logits = self.over(torch.cat(pooled + [batch.dense], dim=1)).squeeze(1)
+        loss = nn.functional.binary_cross_entropy_with_logits(logits, batch.labels, reduction="none")
+        return loss, logits.detach()
+
+
+def make_pec_sharded(seed: int = SEED) -> Any:
+    """``(dmp, optimizer)``: the PEC tables row-wise with a fused in-backward SGD, SGD for the rest."""
+    torch.manual_seed(seed)
+    model = PECModel()
+    apply_optimizer_in_backward(torch.optim.SGD, model.pec.parameters(), {"lr": 0.1})
+    sharders = [PECEmbeddingCollectionSharder()]
+    constraints = {
+        name: ParameterConstraints(sharding_types=["row_wise"], compute_kernels=["fused"])
+        for name, *_ in TABLE_SPECS
+    }
+    group = current_group()
+    planner = EmbeddingShardingPlanner(
+        topology=Topology(world_size=dist.get_world_size(group), compute_device="cpu"),
+        constraints=constraints,
+    )
+    dmp = DistributedModelParallel(
+        module=model,
+        env=ShardingEnv.from_process_group(group),
+        device=CPU,
+        plan=planner.collective_plan(model, sharders, group),
+        sharders=sharders,
+    )
+    dense = KeyedOptimizerWrapper(
+        dict(in_backward_optimizer_filter(dmp.named_parameters())),
+        lambda params: torch.optim.SGD(params, lr=0.05),
+    )
+    return dmp, CombinedOptimizer([dmp.fused_optimizer, dense])
+
+
+def _pec_api() -> bool:
+    major, minor = (int(part) for part in torchrec.__version__.split(".")[:2])
+    return (major, minor) >= (1, 9)
+
+
+def test_pec_module_matches_torchrec() -> None:
+    """Every PEC verb runs; torchrec's class is the oracle (see the module docstring).
+
+    Observed on CPU with torchrec 1.9.2: torchrec's TrainPipelinePEC and ours
+    agree bit for bit, and both differ from the plain loop from step 1 on.
+    """
+    batches = make_batches(seed=DATA_SEED)
+    dmp, optimizer = make_pec_sharded()
+    pipeline = trec_pipelines.TrainPipelinePEC(dmp, optimizer, CPU)
+    if not _pec_api():
+        with pytest.raises(RuntimeError, match="need torchrec >= 1.9"):
+            pipeline.progress(iter(batches))
+        return
+    ours = run_pipeline(_OursRunsUnshimmed(pipeline), batches, model=dmp)
+    assert pipeline.rewrite_result is not None
+    assert [p.name for p in pipeline.rewrite_result.pipelined] == ["pec"]
+    assert len(ours) == len(batches)
+    theirs_pipeline = torchrec_pec(*make_pec_sharded())
+    assert theirs_pipeline is not None
+    with torchrec_on_cpu():
+        theirs = run_pipeline(theirs_pipeline, batches)
+    assert_runs_equal(theirs, ours, ("torchrec", "trec_pipelines"))
+    # The PEC tables did train: the final weights are not the initial ones.
+    initial = weights(make_pec_sharded()[0])
+    assert any(not torch.equal(initial[k], ours.weights[k]) for k in ours.weights if "pec" in k)

@@ -35,7 +35,7 @@ from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 from torchrec.streamable import Multistreamable
 
 from tests.unit import test_schedule, test_schedule_fused, test_schedule_lite_eval
-from tests.unit import test_schedule_prefetch, test_schedule_semi_sync
+from tests.unit import test_schedule_pec, test_schedule_prefetch, test_schedule_semi_sync
 from tests.unit.fakes import ROWS, Batch, FakeShardedEBC, TinyModel, drain, make_batches, optimizer_for
 from tests.unit.test_schedule_spec import SPECS
 from trec_pipelines import forwards as forwards_module
@@ -53,6 +53,7 @@ from trec_pipelines.pipelines.fused_sparse_dist import (
     TrainPipelineFusedSparseDist,
 )
 from trec_pipelines.pipelines.prefetch import PrefetchTrainPipelineSparseDist
+from trec_pipelines.pipelines.pec import TrainPipelinePEC
 from trec_pipelines.pipelines.pt2 import TorchCompileConfig, TrainPipelinePT2
 from trec_pipelines.pipelines.semi_sync import TrainPipelineSemiSync
 from trec_pipelines.pipelines.sparse_dist import TrainPipelineSparseDist
@@ -363,6 +364,13 @@ VARIANTS: Dict[str, Variant] = {
         lambda n: exact(
             test_schedule_lite_eval.EVAL_FILL, every(test_schedule_lite_eval.EVAL_STEP), n
         ),
+        ("memcpy", "data_dist"),
+    ),
+    # Lookups on the default stream at the top of the step; PEC verbs empty (no PEC module).
+    "PEC": Variant(
+        StandIn,
+        lambda m: TrainPipelinePEC(m, optimizer_for(m), CPU),
+        test_schedule_pec.pec_schedule,
         ("memcpy", "data_dist"),
     ),
     "EvalFused": eval_fused(prefetch=False),

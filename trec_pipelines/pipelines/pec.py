@@ -66,7 +66,10 @@ class TrainPipelinePEC(TrainPipelineSparseDist):
     upstream: replicas of a ``DMPCollection`` are not synced, and
     ``execute_all_batches=False`` drops the batches in flight at the end of
     the data.  SparseDist's additions hold too (a new epoch without
-    ``reset()``, ``detach()``/``attach()``, ``sync_exhaustion``).
+    ``reset()``, ``detach()``/``attach()``, switching iterators mid-epoch,
+    ``sync_exhaustion``); before the model is used outside the pipeline's
+    order (:meth:`detach`, another iterator) the deferred NOL gradient is
+    applied at once.
 
     Example::
 
@@ -255,6 +258,33 @@ class TrainPipelinePEC(TrainPipelineSparseDist):
         if nxt is None:
             started = self._start_nol_grad(cur, cur.index)         # cur, default: no batch reads it later
             self._apply_nol_grad(started, cur.index)               # cur, default
+
+
+    # ------------------------------------------------------- attach / detach
+
+    def _flush_deferred_nol_grad(self) -> None:
+        """Apply the NOL gradient deferred to the next batch to train, now.
+
+        Deferring it is exact only while that batch's step comes next; before
+        the model is used otherwise (another iterator's batches, the caller
+        after :meth:`detach`) the tables must be up to date.  The next batch
+        does not read those rows, so applying them early changes nothing else.
+        """
+        if not self.contexts or not self.contexts[0].pec_deferred_nol_grad:
+            return
+        carrier = self.contexts[0]
+        batch = _previous(carrier)
+        self._apply_nol_grad(self._start_nol_grad(carrier, batch), batch)  # prv, default
+
+    def _switch_iterator(self, dataloader_iter: Iterator[Any]) -> None:
+        if dataloader_iter is not self._source.iterator:
+            self._flush_deferred_nol_grad()
+        super()._switch_iterator(dataloader_iter)
+
+    def detach(self) -> torch.nn.Module:
+        """As SparseDist's, once the deferred NOL gradient is applied (the caller may read those rows)."""
+        self._flush_deferred_nol_grad()
+        return super().detach()
 
 
 def _previous(carrier: PECTrainPipelineContext) -> Optional[int]:
