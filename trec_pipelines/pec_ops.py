@@ -12,8 +12,8 @@ neighbouring batch's:
   applied in ``i``'s step; the others (NOL) are applied one step later, at
   the start of ``i+1``'s forward, since ``i+1`` never reads them.
 
-Looking up or updating a row a step early or late then gives the same values
-as the plain loop.  The split comes from the *overlap dist* of ``(i+1, i)``: it
+Looking up or updating a row a step early or late is then meant to give the
+same values as the plain loop (row-wise optimizers).  The split comes from the *overlap dist* of ``(i+1, i)``: it
 builds ``i+1``'s forward partition and ``i``'s backward partition (mask
 all-to-alls on the data_dist stream).  The first batch has no backward
 partition made for it by a predecessor and the last batch's comes from a final

@@ -47,6 +47,7 @@ from tests.distributed.dlrm import (
     SHARDING_TYPES,
     TABLE_SPECS,
     NestedDLRM,
+    Run,
     assert_runs_equal,
     current_group,
     make_batches,
@@ -214,3 +215,24 @@ def test_pec_module_matches_torchrec() -> None:
     # The PEC tables did train: the final weights are not the initial ones.
     initial = weights(make_pec_sharded()[0])
     assert any(not torch.equal(initial[k], ours.weights[k]) for k in ours.weights if "pec" in k)
+
+    # detach() mid-epoch applies the NOL gradient deferred to the next step;
+    # after attach() training goes on exactly as torchrec's uninterrupted run.
+    detached = run_with_detach(*make_pec_sharded(), batches, at=3)
+    assert_runs_equal(theirs, detached, ("torchrec", "trec_pipelines with detach/attach"))
+
+
+def run_with_detach(dmp: torch.nn.Module, optimizer: Any, batches: Any, at: int) -> Run:
+    """Train ``batches`` with our pipeline, detaching and re-attaching after ``at`` steps."""
+    pipeline = trec_pipelines.TrainPipelinePEC(dmp, optimizer, CPU)
+    it = iter(batches)
+    outputs = [pipeline.progress(it).detach().clone() for _ in range(at)]
+    assert pipeline.contexts[0].pec_deferred_nol_grad  # batch at-1's NOL gradient
+    pipeline.detach()
+    assert not pipeline.contexts[0].pec_deferred_nol_grad
+    pipeline.attach()
+    while True:
+        try:
+            outputs.append(pipeline.progress(it).detach().clone())
+        except StopIteration:
+            return Run(outputs, weights(dmp))

@@ -45,9 +45,11 @@ class TrainPipelinePEC(TrainPipelineSparseDist):
 
     PEC modules (``ShardedPECEmbeddingCollection``, torchrec >= 1.9) look up
     and update the ids a batch shares with its neighbours in its own step, and
-    the others a step early (lookup) or late (update), which gives the same
-    values as the plain loop: see [Note: PEC, compute ahead] in
-    :mod:`trec_pipelines.pec_ops`.  Every other pipelined module is looked up
+    the others a step early (lookup) or late (update), which is meant to give
+    the same values as the plain loop: see [Note: PEC, compute ahead] in
+    :mod:`trec_pipelines.pec_ops`.  (On CPU with torchrec 1.9.2 the PEC
+    module's own gradient routing departs from the plain loop from the second
+    step on, in torchrec's class as here; ours matches torchrec's bit for bit.)  Every other pipelined module is looked up
     on the default stream at the top of the step, as Fused does with
     ``emb_lookup_stream="current"``, after the previous step's update; its
     forward is an :class:`~trec_pipelines.forwards.PECPipelinedForward`, which
@@ -55,8 +57,8 @@ class TrainPipelinePEC(TrainPipelineSparseDist):
     PEC verbs do nothing and are still recorded, so the schedule keeps its
     shape.
 
-    Differences from torchrec 1.9.2, both fixes: it runs on CPU (upstream
-    records ``torch.cuda.Event`` s there); and the overlap dist records one
+    Differences from torchrec 1.9.2, all fixes: it runs on CPU (upstream
+    records ``torch.cuda.Event`` s there); the overlap dist records one
     event per batch in that batch's context, which WaitBatch, the NOL lookup
     and the OL gradient wait on, instead of one pipeline-wide event recorded
     again by every overlap dist.  WaitBatch waits on that event, issued
@@ -67,9 +69,10 @@ class TrainPipelinePEC(TrainPipelineSparseDist):
     ``execute_all_batches=False`` drops the batches in flight at the end of
     the data.  SparseDist's additions hold too (a new epoch without
     ``reset()``, ``detach()``/``attach()``, switching iterators mid-epoch,
-    ``sync_exhaustion``); before the model is used outside the pipeline's
-    order (:meth:`detach`, another iterator) the deferred NOL gradient is
-    applied at once.
+    ``sync_exhaustion``); and before the model is used outside the
+    pipeline's order (:meth:`detach`, another iterator mid-epoch) the
+    deferred NOL gradient is applied at once, where upstream would leave
+    those rows stale until the next step.
 
     Example::
 
