@@ -36,7 +36,16 @@ from torchrec.streamable import Multistreamable
 
 from tests.unit import test_schedule, test_schedule_fused, test_schedule_lite_eval
 from tests.unit import test_schedule_pec, test_schedule_prefetch, test_schedule_semi_sync
-from tests.unit.fakes import ROWS, Batch, FakeShardedEBC, TinyModel, drain, make_batches, optimizer_for
+from tests.unit.fakes import (
+    ROWS,
+    Batch,
+    FakeShardedEBC,
+    TinyModel,
+    drain,
+    make_batches,
+    optimizer_for,
+    plain_loop,
+)
 from tests.unit.test_schedule_spec import SPECS
 from trec_pipelines import forwards as forwards_module
 from trec_pipelines import lookup as lookup_module
@@ -470,15 +479,22 @@ def test_async_inplace_copy_follows_the_protocol(name: str) -> None:
     memcpy, so that wait covers the copy whatever the worker's timing.
     """
     variant = ASYNC_INPLACE[name]
-    model = variant.model()
+    model, ref = variant.model(), variant.model()
     host = [InplaceBatch(b.dense, b.sparse, b.labels) for b in make_batches(N_BATCHES)]
     with StreamRecorder() as recorder:
         pipeline = recorder.watch(variant.pipeline(model))
         assert pipeline._async_inplace_copy
         outputs = drain(pipeline, iter(host))
         assert len(outputs) == N_BATCHES
-        del pipeline, outputs
+        del pipeline
     assert_clean(recorder, variant)
+    # The batches the worker copied train exactly as the plain loop.  (The
+    # prefetch cache is the pipeline's working state, not a trained weight.)
+    ref_outputs = plain_loop(ref, host)
+    assert len(outputs) == len(ref_outputs)
+    assert all(torch.equal(a, b) for a, b in zip(outputs, ref_outputs))
+    trained = {k: v for k, v in ref.state_dict().items() if not k.endswith("cache")}
+    assert all(torch.equal(model.state_dict()[k], v) for k, v in trained.items())
     worker = [r for r in recorder.records if isinstance(r, OpRecord) and r.where.thread != "main"]
     assert {r.where.thread.startswith(WORKER_THREAD) for r in worker} == {True}
     fills = [r for r in worker if r.op == "aten.copy_.default"]
