@@ -234,7 +234,7 @@ class TrainPipelinePEC(TrainPipelineSparseDist):
         self._overlap_dist(nxt, cur)                               # nxt vs cur, data_dist
         if len(self.batches) >= 3:
             self.start_sparse_data_dist(self.batches[2], self.contexts[2])  # new, data_dist
-        prv = _previous(cur)
+        prv = _previous(cur)  # the batch whose NOL gradient cur carries
         nol_grad = self._start_nol_grad(cur, prv)                  # prv, default
         if training:
             self._zero_grad()                                      # cur, default
@@ -249,7 +249,7 @@ class TrainPipelinePEC(TrainPipelineSparseDist):
             ol_grad = self._start_ol_grad(cur)                     # cur, default
             self._optimizer_step()                                 # cur, default
             self._apply_ol_grad(ol_grad, cur)                      # cur, default
-            self._defer_nol_grad(cur, nxt)
+            self._defer_nol_grad(cur, nxt)                         # cur's NOL gradient -> nxt's step
         self.dequeue_batch()
         return output
 
