@@ -7,6 +7,7 @@ shape independent of the model.  Training must match the plain loop.
 
 from __future__ import annotations
 
+import inspect
 from typing import List
 
 import pytest
@@ -110,3 +111,21 @@ def test_pec_eval_mode_only_looks_up() -> None:
     tasks = {a.task for a in pipeline.schedule_actions}
     assert not tasks & {"Backward", "OLGradStart", "OptimizerStep", "ZeroGrad"}
     assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+
+
+def test_constructor_is_torchrecs() -> None:
+    """torchrec 1.9.2's parameters, in its order, then our keyword-only ones."""
+    params = list(inspect.signature(TrainPipelinePEC.__init__).parameters.values())[1:]
+    assert [(p.name, p.default) for p in params if p.kind is not inspect.Parameter.KEYWORD_ONLY] == [
+        ("model", inspect.Parameter.empty),
+        ("optimizer", inspect.Parameter.empty),
+        ("device", inspect.Parameter.empty),
+        ("execute_all_batches", True),
+        ("apply_jit", False),
+        ("custom_model_fwd", None),
+    ]
+    assert [p.name for p in params if p.kind is inspect.Parameter.KEYWORD_ONLY] == [
+        "rewrite_strategy",
+        "on_unpipelined",
+        "sync_exhaustion",
+    ]
