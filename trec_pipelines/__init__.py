@@ -19,6 +19,7 @@ from trec_pipelines.backward_hooks import (
 from trec_pipelines.cache_prefetch import prefetch_embeddings
 from trec_pipelines.context import (
     EmbeddingTrainPipelineContext,
+    PECTrainPipelineContext,
     PrefetchTrainPipelineContext,
     TrainPipelineContext,
 )
@@ -40,6 +41,8 @@ from trec_pipelines.pipelines.fused_sparse_dist import (
     EvalPipelineFusedSparseDist,
     TrainPipelineFusedSparseDist,
 )
+from trec_pipelines.forwards import PECPipelinedForward
+from trec_pipelines.pipelines.pec import TrainPipelinePEC
 from trec_pipelines.pipelines.prefetch import PrefetchTrainPipelineSparseDist
 from trec_pipelines.pipelines.comp_autograd import TrainPipelineSparseDistCompAutograd
 from trec_pipelines.pipelines.semi_sync import TrainPipelineSemiSync
@@ -74,6 +77,8 @@ __all__ = [
     "ModelDetachedException",
     "Out",
     "OutputDistTensorFinder",
+    "PECPipelinedForward",
+    "PECTrainPipelineContext",
     "PipelineStage",
     "PipelineState",
     "PipelinedForward",
@@ -91,6 +96,7 @@ __all__ = [
     "TrainPipelineBase",
     "TrainPipelineContext",
     "TrainPipelineFusedSparseDist",
+    "TrainPipelinePEC",
     "TrainPipelinePT2",
     "TrainPipelineSemiSync",
     "TrainPipelineSparseDist",
