@@ -31,6 +31,7 @@ from trec_pipelines.forwards import (
     PipelinedForward,
     PrefetchPipelinedForward,
 )
+from trec_pipelines.inplace_copy import AsyncInplaceCopyMixin
 from trec_pipelines.gradient_accumulation import (
     GradientAccumulationConfig,
     GradientAccumulationWrapper,
@@ -58,6 +59,7 @@ from trec_pipelines.tracing import Tracer
 
 __all__ = [
     "Action",
+    "AsyncInplaceCopyMixin",
     "ArgInfo",
     "ArgInfoStepFactory",
     "CallArgs",

@@ -31,9 +31,10 @@ import logging
 import weakref
 from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Any, Optional
+from typing import Any, Generic, Optional
 
 import torch
+from torchrec.distributed.train_pipeline import In
 
 from trec_pipelines.stages import copy_to_device
 from trec_pipelines.streams import current_stream, has_streams, on_stream
@@ -108,6 +109,43 @@ class InplaceCopyWorker:
         self._finalizer()
 
 
+class AsyncInplaceCopyMixin(Generic[In]):
+    """What a pipeline needs for ``async_inplace_copy`` (torchrec 1.9.2's name).
+
+    The pipeline calls :meth:`_make_copy_worker` once its device, streams and
+    ``enable_inplace_copy_batch`` are set, keeps the result in ``_copy_worker``
+    and submits its in-place copies there when it is not None.
+    """
+
+    _device: torch.device
+    _streams: Any
+    _enable_inplace_copy_batch: bool
+    _copy_worker: Optional[InplaceCopyWorker] = None
+
+    def _make_copy_worker(self, async_inplace_copy: bool) -> Optional[InplaceCopyWorker]:
+        """The worker issuing in-place copies for ``async_inplace_copy``, or None.
+
+        See [Note: async in-place copy].
+        """
+        name = type(self).__name__
+        device = async_copy_device(async_inplace_copy, self._device, self._streams.memcpy, name)
+        if device is None or self._streams.memcpy is None:
+            return None
+        if not self._enable_inplace_copy_batch:
+            logger.info(
+                "%s: async_inplace_copy=True copies batches in place, as if "
+                "enable_inplace_copy_batch=True (torchrec ignores it without that flag)",
+                name,
+            )
+            self._enable_inplace_copy_batch = True
+        return InplaceCopyWorker(device, self._streams.memcpy)
+
+    @property
+    def _async_inplace_copy(self) -> bool:
+        """True when in-place copies are issued by the background worker."""
+        return self._copy_worker is not None
+
+
 class BatchQueue(deque):  # type: ignore[type-arg]
     """The pipeline's in-flight batches, where a slot may hold a copy's Future.
 
@@ -137,4 +175,4 @@ class BatchQueue(deque):  # type: ignore[type-arg]
             yield self[index]
 
 
-__all__ = ["BatchQueue", "InplaceCopyWorker", "WORKER_THREAD", "async_copy_device"]
+__all__ = ["AsyncInplaceCopyMixin", "BatchQueue", "InplaceCopyWorker", "WORKER_THREAD", "async_copy_device"]

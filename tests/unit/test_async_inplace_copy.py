@@ -76,7 +76,9 @@ def test_async_inplace_copy_takes_torchrecs_position(name: str) -> None:
         for p in inspect.signature(getattr(tp, name).__init__).parameters.values()
         if p.kind is inspect.Parameter.KEYWORD_ONLY
     ]
-    assert keyword_only == ["rewrite_strategy", "on_unpipelined", "sync_exhaustion"]
+    assert keyword_only == [
+        "rewrite_strategy", "on_unpipelined", "sync_exhaustion", "validate_batches"
+    ]
 
 
 @pytest.mark.parametrize("inplace", [False, True])

@@ -17,7 +17,7 @@ from trec_pipelines.backward_hooks import pipeline_hook, register_backward_hook
 from trec_pipelines.context import TrainPipelineContext
 from trec_pipelines.errors import ModelDetachedException
 from trec_pipelines.forwards import BaseForward, PipelinedForward
-from trec_pipelines.inplace_copy import BatchQueue, InplaceCopyWorker, async_copy_device
+from trec_pipelines.inplace_copy import AsyncInplaceCopyMixin, BatchQueue, InplaceCopyWorker
 from trec_pipelines.input_dist import (
     KJTDistOverride,
     fuse_kjt_splits,
@@ -93,7 +93,7 @@ class _Parked:
     source: SourceState
 
 
-class TrainPipelineSparseDist(TrainPipeline[In, Out], Recordable):
+class TrainPipelineSparseDist(TrainPipeline[In, Out], AsyncInplaceCopyMixin[In], Recordable):
     """Three batches in flight: ``cur`` trains, ``nxt`` is in input_dist, ``new`` is copied.
 
     ==========  =======  ==================================================
@@ -269,29 +269,6 @@ class TrainPipelineSparseDist(TrainPipeline[In, Out], Recordable):
 
     def _make_streams(self) -> StreamSet:
         return make_streams(self._device, memcpy=True, data_dist=True)
-
-    def _make_copy_worker(self, async_inplace_copy: bool) -> Optional[InplaceCopyWorker]:
-        """The worker issuing in-place copies for ``async_inplace_copy``, or None.
-
-        See [Note: async in-place copy] (:mod:`trec_pipelines.inplace_copy`).
-        """
-        name = type(self).__name__
-        device = async_copy_device(async_inplace_copy, self._device, self._streams.memcpy, name)
-        if device is None or self._streams.memcpy is None:
-            return None
-        if not self._enable_inplace_copy_batch:
-            logger.info(
-                "%s: async_inplace_copy=True copies batches in place, as if "
-                "enable_inplace_copy_batch=True (torchrec ignores it without that flag)",
-                name,
-            )
-            self._enable_inplace_copy_batch = True
-        return InplaceCopyWorker(device, self._streams.memcpy)
-
-    @property
-    def _async_inplace_copy(self) -> bool:
-        """True when in-place copies are issued by the background worker."""
-        return self._copy_worker is not None
 
     @property
     def _record_batch(self) -> bool:
