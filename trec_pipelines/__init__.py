@@ -19,6 +19,7 @@ from trec_pipelines.backward_hooks import (
 from trec_pipelines.cache_prefetch import prefetch_embeddings
 from trec_pipelines.context import (
     EmbeddingTrainPipelineContext,
+    PECTrainPipelineContext,
     PrefetchTrainPipelineContext,
     TrainPipelineContext,
 )
@@ -30,6 +31,7 @@ from trec_pipelines.forwards import (
     PipelinedForward,
     PrefetchPipelinedForward,
 )
+from trec_pipelines.inplace_copy import AsyncInplaceCopyMixin
 from trec_pipelines.gradient_accumulation import (
     GradientAccumulationConfig,
     GradientAccumulationWrapper,
@@ -40,6 +42,8 @@ from trec_pipelines.pipelines.fused_sparse_dist import (
     EvalPipelineFusedSparseDist,
     TrainPipelineFusedSparseDist,
 )
+from trec_pipelines.forwards import PECPipelinedForward
+from trec_pipelines.pipelines.pec import TrainPipelinePEC
 from trec_pipelines.pipelines.prefetch import PrefetchTrainPipelineSparseDist
 from trec_pipelines.pipelines.comp_autograd import TrainPipelineSparseDistCompAutograd
 from trec_pipelines.pipelines.semi_sync import TrainPipelineSemiSync
@@ -56,6 +60,7 @@ from trec_pipelines.tracing import Tracer
 
 __all__ = [
     "Action",
+    "AsyncInplaceCopyMixin",
     "ArgInfo",
     "ArgInfoStepFactory",
     "CallArgs",
@@ -75,6 +80,8 @@ __all__ = [
     "ModelDetachedException",
     "Out",
     "OutputDistTensorFinder",
+    "PECPipelinedForward",
+    "PECTrainPipelineContext",
     "PipelineStage",
     "PipelinedPostproc",
     "PipelineState",
@@ -93,6 +100,7 @@ __all__ = [
     "TrainPipelineBase",
     "TrainPipelineContext",
     "TrainPipelineFusedSparseDist",
+    "TrainPipelinePEC",
     "TrainPipelinePT2",
     "TrainPipelineSemiSync",
     "TrainPipelineSparseDist",

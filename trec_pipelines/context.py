@@ -106,3 +106,47 @@ class EmbeddingTrainPipelineContext(TrainPipelineContext):
     embedding_features: List[List[Union[str, List[str]]]] = field(default_factory=list)
     detached_embedding_tensors: List[List[torch.Tensor]] = field(default_factory=list)
     embedding_lookup_event: Optional[torch.Event] = None
+
+
+@dataclass
+class PECTrainPipelineContext(EmbeddingTrainPipelineContext):
+    """Adds the state of PEC (overlap-aware) embedding modules; every dict is keyed by module FQN.
+
+    Non-PEC modules use the inherited lookup fields (``embedding_a2a_requests``).
+    "Overlap dist" below is the verb that compares a batch's ids with the
+    previous batch's (``ShardedPECEmbeddingCollection.overlap_dist``).
+
+    Attributes:
+        pec_dist_inputs: each PEC module's distributed input (one KJT per
+            sharding group).  Written by the overlap dist of this batch; read
+            by the next batch's overlap dist, as its previous input.
+        pec_forward_ctxs: the forward partition (overlapped / not overlapped
+            ids) per sharding group.  Written by the overlap dist of this
+            batch; read by the OL and NOL lookups; popped by the PEC forward.
+        pec_backward_ctxs: the backward partition per sharding group.  Written
+            by the overlap dist of the *next* batch (or the final one); read by
+            the PEC forward, the OL gradient and the NOL gradient deferral.
+        pec_ol_awaitables: output dists of the overlapped lookup (fresh
+            weights).  Written by the OL lookup; popped by the PEC forward.
+        pec_nol_awaitables: output dists of the non-overlapped lookup, run one
+            step ahead.  Written by the NOL lookup; popped by the PEC forward.
+        pec_deferred_nol_grad: the previous batch's NOL gradient inputs,
+            ``(module context, NOL features per group)``.  Written by the
+            previous batch's NOL deferral; read and cleared by the NOL gradient
+            start of this batch's step.
+        overlap_dist_event: recorded on the data_dist stream after the overlap
+            dist that made ``pec_forward_ctxs`` (``None`` on CPU).  Written by
+            that overlap dist; waited by this batch's NOL lookup and WaitBatch.
+        backward_ctx_event: recorded after the overlap dist that made
+            ``pec_backward_ctxs``.  Written by that overlap dist; waited before
+            this batch's OL gradient.
+    """
+
+    pec_dist_inputs: Dict[str, Any] = field(default_factory=dict)
+    pec_forward_ctxs: Dict[str, Any] = field(default_factory=dict)
+    pec_backward_ctxs: Dict[str, Any] = field(default_factory=dict)
+    pec_ol_awaitables: Dict[str, Any] = field(default_factory=dict)
+    pec_nol_awaitables: Dict[str, Any] = field(default_factory=dict)
+    pec_deferred_nol_grad: Dict[str, Tuple[Any, List[Any]]] = field(default_factory=dict)
+    overlap_dist_event: Optional[torch.Event] = None
+    backward_ctx_event: Optional[torch.Event] = None

@@ -13,6 +13,8 @@ wrapper                        takes from the context                      then 
 ``PrefetchPipelinedForward``   ``module_input_post_prefetch`` (ready)      ``compute_and_output_dist``
 ``EmbeddingPipelinedForward``  ``embedding_a2a_requests`` (lookup done)    detaches the embeddings
 ``InSyncEmbeddingPipelinedForward``  ``embedding_a2a_requests``            nothing more
+``PECPipelinedForward``        a PEC module: ``pec_ol_awaitables`` and     merges the two lookups
+                               ``pec_nol_awaitables``; others as InSync
 =============================  ==========================================  ======================
 
 A pipelined module runs once per batch: its input for the batch is consumed by
@@ -25,12 +27,14 @@ import weakref
 from typing import Any, Dict, Generic, Iterable, List, Optional, Tuple, TypeVar, Union
 
 import torch
+from torchrec.distributed.pec_embedding import ShardedPECEmbeddingCollection
 from torchrec.distributed.types import Awaitable, LazyNoWait, ShardedModule
 from torchrec.sparse.jagged_tensor import JaggedTensor, KeyedTensor
 
 from trec_pipelines.args import CallArgs
 from trec_pipelines.context import (
     EmbeddingTrainPipelineContext,
+    PECTrainPipelineContext,
     PrefetchTrainPipelineContext,
     TrainPipelineContext,
 )
@@ -229,6 +233,36 @@ class InSyncEmbeddingPipelinedForward(EmbeddingPipelinedForward):
         # Nothing is detached, but the output was allocated on the lookup stream
         # and the forward and backward read it on this one.
         record_output(embeddings, cur_stream)
+
+
+class PECPipelinedForward(InSyncEmbeddingPipelinedForward):
+    """Returns the lookup the PEC pipeline already ran, attached to autograd.
+
+    A PEC module (``ShardedPECEmbeddingCollection``) was looked up in two
+    partitions, the ids the previous batch also had (overlapped, looked up this
+    step with fresh weights) and the others (looked up one step ahead); the
+    wrapper merges them back into the module's output, and the module's
+    backward then splits the gradient the same way.  Any other module is an
+    :class:`InSyncEmbeddingPipelinedForward`.
+    """
+
+    def __call__(self, *input: Any, **kwargs: Any) -> Any:
+        if not isinstance(self._module, ShardedPECEmbeddingCollection):
+            return super().__call__(*input, **kwargs)
+        context = self._context
+        assert isinstance(context, PECTrainPipelineContext)
+        overlapped = self._take(context.pec_ol_awaitables)
+        not_overlapped = context.pec_nol_awaitables.pop(self._name)
+        forward_ctxs = context.pec_forward_ctxs.pop(self._name)
+        # Still needed after the forward: by the OL gradient and the NOL deferral.
+        backward_ctxs = context.pec_backward_ctxs[self._name]
+        return self._module.merge_partitioned_embeddings(
+            context.module_contexts[self._name],
+            overlapped,
+            not_overlapped,
+            forward_ctxs,
+            backward_ctxs,
+        )
 
 
 def record_output(embeddings: EmbeddingOutput, consumer: Optional[torch.Stream]) -> None:

@@ -15,17 +15,32 @@ FORWARD = "Forward"
 BACKWARD = "Backward"
 EMB_BACKWARD = "EmbBackward"
 OPTIMIZER_STEP = "OptimizerStep"
+# TrainPipelinePEC (see trec_pipelines.pec_ops)
+OVERLAP_DIST = "OverlapDist"
+OL_LOOKUP = "OLLookup"
+NOL_LOOKUP = "NOLLookup"
+OL_GRAD_START = "OLGradStart"
+OL_GRAD_APPLY = "OLGradApply"
+NOL_GRAD_START = "NOLGradStart"
+NOL_GRAD_APPLY = "NOLGradApply"
 
 TASKS: Tuple[str, ...] = (
     EMB_LOOKUP,
+    OL_LOOKUP,
+    NOL_LOOKUP,
     ZERO_GRAD,
     WAIT_BATCH,
     FORWARD,
     BACKWARD,
     EMB_BACKWARD,
+    OL_GRAD_START,
+    OL_GRAD_APPLY,
+    NOL_GRAD_START,
+    NOL_GRAD_APPLY,
     OPTIMIZER_STEP,
     INPUT_DIST_START,
     INPUT_DIST_WAIT,
+    OVERLAP_DIST,
     EMB_PREFETCH,
     H2D,
 )

@@ -58,9 +58,9 @@ class _FailingBackward(torch.autograd.Function):
 class FaultyDLRM(DLRM):
     """DLRM that raises at its forward call number ``at`` (every attempt counts):
     ``where`` is "before_lookup", "after_lookup" (in the over-arch, once the
-    embeddings arrived) or "backward"; only on ``ranks``."""
+    embeddings arrived) or "backward"; only on ``ranks`` (every rank if None)."""
 
-    def __init__(self, where: str = "", at: int = -1, ranks: tuple = (0, 1)) -> None:
+    def __init__(self, where: str = "", at: int = -1, ranks: Optional[tuple] = None) -> None:
         super().__init__()
         self.where, self.at, self.ranks = where, at, ranks
         self.calls = 0
@@ -69,7 +69,7 @@ class FaultyDLRM(DLRM):
         if torch.fx._symbolic_trace.is_fx_tracing():
             return super().forward(batch)
         call, self.calls = self.calls, self.calls + 1
-        fail = call == self.at and dist.get_rank() in self.ranks
+        fail = call == self.at and (self.ranks is None or dist.get_rank() in self.ranks)
         if fail and self.where == "before_lookup":
             raise Fault("injected before the lookup")
         pooled = self.ebc(batch.sparse)
@@ -100,7 +100,7 @@ class FaultyOptimizer:
         return getattr(self._optimizer, name)
 
 
-def _build(where: str, at: int, ranks: tuple = (0, 1), pg: Optional[dist.ProcessGroup] = None) -> Any:
+def _build(where: str, at: int, ranks: Optional[tuple] = None, pg: Optional[dist.ProcessGroup] = None) -> Any:
     model_at = at if where != "optimizer" else -1
     dmp, optimizer = make_sharded(lambda: FaultyDLRM(where, model_at, ranks), "table_wise", seed=SEED, pg=pg)
     return dmp, FaultyOptimizer(optimizer, at if where == "optimizer" else -1)
@@ -235,8 +235,8 @@ def test_a_new_train_pipeline_takes_over_from_an_eval_pipeline() -> None:
 
 
 def test_a_fault_on_one_rank_ends_the_other_with_an_error_not_a_hang() -> None:
-    """Rank 0 raises in the over-arch of step 2 and stops; rank 1 goes on into the
-    backward's all-reduce, which rank 0 never joins: it gets the process group's
+    """Rank 0 raises in the over-arch of step 2 and stops; the other ranks go on into
+    the backward's all-reduce, which rank 0 never joins: they get the process group's
     timeout error (a short one here), with the pipeline's note, instead of hanging."""
     rank = dist.get_rank()
     short = dist.new_group(backend="gloo", timeout=timedelta(seconds=4))
@@ -253,10 +253,11 @@ def test_a_fault_on_one_rank_ends_the_other_with_an_error_not_a_hang() -> None:
     notes = "".join(getattr(failure.value, "__notes__", []))
     if rank == 0:
         assert isinstance(failure.value, Fault)
-        # Keep the group alive until rank 1 has had its error.
-        store.wait(["trec_pipelines_tests/faults/rank1_done"], timedelta(seconds=120))
+        # Keep the group alive until every other rank has had its error.
+        others = range(1, dist.get_world_size())
+        store.wait([f"trec_pipelines_tests/faults/rank{r}_done" for r in others], timedelta(seconds=120))
     else:
-        store.set("trec_pipelines_tests/faults/rank1_done", "1")
+        store.set(f"trec_pipelines_tests/faults/rank{rank}_done", "1")
         assert not isinstance(failure.value, Fault)
         assert "timed out" in str(failure.value).lower() or "timeout" in str(failure.value).lower(), failure.value
     assert f"rank {rank}: TrainPipelineSparseDist.progress() raised while training batch 2" in notes

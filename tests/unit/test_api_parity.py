@@ -30,7 +30,11 @@ included, as long as a class of the pipeline package defines them):
   same defaults; a default that is a pipeline-package class (``context_type=
   TrainPipelineContext``) matches our class of the same name;
 * anything after them is ours, and must be keyword-only, so a positional call
-  written for torchrec lands on the same parameters;
+  written for torchrec lands on the same parameters; the one exception is a
+  parameter a newer torchrec release added at the end of its positional ones
+  (:data:`NEWER_TORCHREC_PARAMETERS`): we offer the newest API on every stack,
+  at that release's position, which an older release's positional call cannot
+  reach;
 * public properties must exist;
 * where torchrec's method only forwards ``*args, **kwargs`` to its parent's
   (``EvalPipelineFusedSparseDist.__init__``), the parent's parameters stand in
@@ -162,6 +166,12 @@ def effective_parameters(func: Callable[..., Any], owner: Optional[type] = None)
     )
 
 
+# Positional parameters a newer torchrec appended to a class (name -> release).
+# Ours takes them on every stack at that release's position, after all of an
+# older release's parameters, so an older positional call never fills them.
+NEWER_TORCHREC_PARAMETERS: Dict[str, str] = {"async_inplace_copy": "1.9.2"}
+
+
 def signature_problems(
     theirs: Callable[..., Any], ours: Callable[..., Any], where: str, owner: Optional[type] = None
 ) -> List[str]:
@@ -192,8 +202,10 @@ def signature_problems(
             theirs_text = "no default" if their.default is _EMPTY else f"default {their.default!r}"
             ours_text = "no default" if our.default is _EMPTY else f"default {our.default!r}"
             problems.append(f"{where}: '{our.name}' has {ours_text}, torchrec's has {theirs_text}")
+    newer = True  # still among a newer torchrec's trailing positional parameters
     for extra in our_params[len(their_params):]:
-        if extra.kind is not _KEYWORD_ONLY:
+        newer = newer and extra.name in NEWER_TORCHREC_PARAMETERS and extra.default is not _EMPTY
+        if extra.kind is not _KEYWORD_ONLY and not newer:
             problems.append(
                 f"{where}: our extra parameter {_describe(extra)} must be keyword-only "
                 "(after a bare '*'), or a positional call written for torchrec would fill it"

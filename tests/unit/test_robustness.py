@@ -55,6 +55,7 @@ TRAINING_VARIANTS = {
     "lite": _variant("TrainPipelineSparseDistLite"),
     "fused": _variant("TrainPipelineFusedSparseDist"),
     "prefetch": _variant("PrefetchTrainPipelineSparseDist"),
+    "pec": _variant("TrainPipelinePEC"),
     # synchronous phase only, so the plain loop is its oracle
     "semi_sync": _variant("TrainPipelineSemiSync", start_batch=100),
 }
@@ -149,6 +150,7 @@ SWITCHING_VARIANTS = {
     "lite": _variant("TrainPipelineSparseDistLite"),
     "fused": _variant("TrainPipelineFusedSparseDist"),
     "prefetch": _variant("PrefetchTrainPipelineSparseDist"),
+    "pec": _variant("TrainPipelinePEC"),
 }
 
 

@@ -35,8 +35,17 @@ from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 from torchrec.streamable import Multistreamable
 
 from tests.unit import test_schedule, test_schedule_fused, test_schedule_lite_eval
-from tests.unit import test_schedule_prefetch, test_schedule_semi_sync
-from tests.unit.fakes import ROWS, FakeShardedEBC, TinyModel, drain, make_batches, optimizer_for
+from tests.unit import test_schedule_pec, test_schedule_prefetch, test_schedule_semi_sync
+from tests.unit.fakes import (
+    ROWS,
+    Batch,
+    FakeShardedEBC,
+    TinyModel,
+    drain,
+    make_batches,
+    optimizer_for,
+    plain_loop,
+)
 from tests.unit.test_schedule_spec import SPECS
 from trec_pipelines import forwards as forwards_module
 from trec_pipelines import lookup as lookup_module
@@ -53,13 +62,16 @@ from trec_pipelines.pipelines.fused_sparse_dist import (
     TrainPipelineFusedSparseDist,
 )
 from trec_pipelines.pipelines.prefetch import PrefetchTrainPipelineSparseDist
+from trec_pipelines.pipelines.pec import TrainPipelinePEC
 from trec_pipelines.pipelines.pt2 import TorchCompileConfig, TrainPipelinePT2
 from trec_pipelines.pipelines.semi_sync import TrainPipelineSemiSync
 from trec_pipelines.pipelines.sparse_dist import TrainPipelineSparseDist
 from trec_pipelines.pipelines.sparse_data_dist_util import SparseDataDistUtil
 from trec_pipelines.pipelines.sparse_dist_lite import TrainPipelineSparseDistLite
 from trec_pipelines.pipelines.staged import PipelineStage, StagedTrainPipeline
+from trec_pipelines.inplace_copy import WORKER_THREAD
 from trec_pipelines.stages import copy_to_device, wait_for_batch
+from trec_pipelines.testing.stream_recorder import OpRecord
 from trec_pipelines.testing import (
     StreamProtocolError,
     StreamRecorder,
@@ -363,6 +375,13 @@ VARIANTS: Dict[str, Variant] = {
         ),
         ("memcpy", "data_dist"),
     ),
+    # Lookups on the default stream at the top of the step; PEC verbs empty (no PEC module).
+    "PEC": Variant(
+        StandIn,
+        lambda m: TrainPipelinePEC(m, optimizer_for(m), CPU),
+        test_schedule_pec.pec_schedule,
+        ("memcpy", "data_dist"),
+    ),
     "EvalFused": eval_fused(prefetch=False),
     "EvalFused-prefetch": eval_fused(prefetch=True),
 }
@@ -402,6 +421,87 @@ def test_semi_sync_lookup_moves_before_the_update_and_stays_ordered() -> None:
     assert order.index(("EmbLookup", 2)) > order.index(("EmbBackward", 1))  # sync
     assert order.index(("EmbLookup", 4)) < order.index(("EmbBackward", 3))  # semi-sync
     assert_clean(recorder, VARIANTS["SemiSync"], n=6)
+
+
+# ------------------------------------------------- async in-place copy
+
+
+@dataclass
+class InplaceBatch(Batch):
+    """A batch whose ``to(..., data_copy_stream=s)`` copies in place, like torchrec's ModelInput.
+
+    The device memory is allocated on the current stream; ``s`` waits for that
+    stream, then fills it.
+    """
+
+    def to(  # type: ignore[override]
+        self, device: torch.device, non_blocking: bool = False, data_copy_stream: Any = None
+    ) -> "InplaceBatch":
+        if data_copy_stream is None:
+            moved = super().to(device, non_blocking)
+            return InplaceBatch(moved.dense, moved.sparse, moved.labels)
+        sources = [self.dense, self.sparse.values(), self.sparse.lengths(), self.labels]
+        allocating = streams.current_stream(device)
+        targets = [torch.empty_like(t, device=device) for t in sources]  # on the current stream
+        with streams.on_stream(data_copy_stream):
+            streams.wait_stream(data_copy_stream, allocating)
+            for target, source in zip(targets, sources):
+                target.copy_(source, non_blocking=non_blocking)
+        dense, values, lengths, labels = targets
+        sparse = KeyedJaggedTensor(keys=self.sparse.keys(), values=values, lengths=lengths)
+        return InplaceBatch(dense, sparse, labels)
+
+
+ASYNC_INPLACE: Dict[str, Variant] = {
+    "SparseDist": sparse_dist_like(
+        TrainPipelineSparseDist, enable_inplace_copy_batch=True, async_inplace_copy=True
+    ),
+    "SparseDistLite": Variant(
+        StandIn,
+        lambda m: TrainPipelineSparseDistLite(m, optimizer_for(m), CPU, async_inplace_copy=True),
+        VARIANTS["SparseDistLite"].schedule,
+        ("memcpy",),
+    ),
+    "Prefetch": Variant(
+        caching_model,
+        lambda m: PrefetchTrainPipelineSparseDist(m, optimizer_for(m), CPU, async_inplace_copy=True),
+        VARIANTS["Prefetch"].schedule,
+        ("memcpy", "data_dist", "prefetch"),
+    ),
+}
+
+
+@pytest.mark.parametrize("name", sorted(ASYNC_INPLACE))
+def test_async_inplace_copy_follows_the_protocol(name: str) -> None:
+    """The worker allocates each batch on the default stream and fills it on memcpy.
+
+    Each slot's Future is resolved before the batch's first consumer waits for
+    memcpy, so that wait covers the copy whatever the worker's timing.
+    """
+    variant = ASYNC_INPLACE[name]
+    model, ref = variant.model(), variant.model()
+    host = [InplaceBatch(b.dense, b.sparse, b.labels) for b in make_batches(N_BATCHES)]
+    with StreamRecorder() as recorder:
+        pipeline = recorder.watch(variant.pipeline(model))
+        assert pipeline._async_inplace_copy
+        outputs = drain(pipeline, iter(host))
+        assert len(outputs) == N_BATCHES
+        del pipeline
+    assert_clean(recorder, variant)
+    # The batches the worker copied train exactly as the plain loop.  (The
+    # prefetch cache is the pipeline's working state, not a trained weight.)
+    ref_outputs = plain_loop(ref, host)
+    assert len(outputs) == len(ref_outputs)
+    assert all(torch.equal(a, b) for a, b in zip(outputs, ref_outputs))
+    trained = {k: v for k, v in ref.state_dict().items() if not k.endswith("cache")}
+    assert all(torch.equal(model.state_dict()[k], v) for k, v in trained.items())
+    worker = [r for r in recorder.records if isinstance(r, OpRecord) and r.where.thread != "main"]
+    assert {r.where.thread.startswith(WORKER_THREAD) for r in worker} == {True}
+    fills = [r for r in worker if r.op == "aten.copy_.default"]
+    allocations = [r for r in worker if r.op.startswith("aten.empty")]
+    assert len(fills) == len(allocations) == 4 * N_BATCHES  # every batch, by the worker
+    assert {r.stream.name for r in fills} == {"memcpy"}
+    assert {r.stream.name for r in allocations} == {"default"}
 
 
 # ------------------------------------------------------------------ staged

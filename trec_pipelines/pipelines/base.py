@@ -123,6 +123,7 @@ class TrainPipelineBase(TrainPipeline[In, Out], Recordable):
             wait_for_batch(cur, self._streams.memcpy, record=not self._enable_inplace_copy_batch)
         with self._span(rec.FORWARD, i):
             losses, output = self._model_fwd(cur)
+        del cur  # from here only autograd holds what it saved of cur's input
         self._copy(dataloader_iter)  # nxt: H2D on memcpy, overlaps backward + step
         if training:
             with self._span(rec.BACKWARD, i):

@@ -90,6 +90,8 @@ class PrefetchTrainPipelineSparseDist(TrainPipelineSparseDist[In, Out]):
     frees a batch's input_dist inputs before the batch's forward, and here the
     prefetch stage has finished that input_dist by then.  Embeddings of a
     ``DMPCollection`` are not synced between replicas, as upstream.
+    ``async_inplace_copy`` issues the in-place copy of ``new`` from a background
+    thread, as in :class:`TrainPipelineSparseDist`.
 
     Example::
 
@@ -115,6 +117,7 @@ class PrefetchTrainPipelineSparseDist(TrainPipelineSparseDist[In, Out]):
         enable_inplace_copy_batch: bool = False,
         free_features_storage_early: bool = False,
         clear_data_dist_inputs: bool = False,
+        async_inplace_copy: bool = False,
         *,
         rewrite_strategy: Strategy = "auto",
         on_unpipelined: str = "warn",
@@ -133,6 +136,7 @@ class PrefetchTrainPipelineSparseDist(TrainPipelineSparseDist[In, Out]):
             enable_inplace_copy_batch=enable_inplace_copy_batch,
             free_features_storage_early=free_features_storage_early,
             clear_data_dist_inputs=clear_data_dist_inputs,
+            async_inplace_copy=async_inplace_copy,
             rewrite_strategy=rewrite_strategy,
             on_unpipelined=on_unpipelined,
             sync_exhaustion=sync_exhaustion,
@@ -180,7 +184,7 @@ class PrefetchTrainPipelineSparseDist(TrainPipelineSparseDist[In, Out]):
         # The prefetch stream waited for data_dist, which waited for memcpy:
         # waiting for prefetch covers the whole chain of this batch.
         with self._span(rec.WAIT_BATCH, self.contexts[0].index):  # prefetch -> default
-            wait_for_batch(self.batches[0], self._streams.prefetch)
+            wait_for_batch(self.batches[0], self._streams.prefetch, self._record_batch)
 
     def _forward(self) -> Tuple[torch.Tensor, Any]:
         losses, output = super()._forward()

@@ -145,6 +145,7 @@ class TrainPipelinePT2(TrainPipeline[In, Out], Recordable):
             raise StopIteration
         self._step_guard.begin()  # from here a failure is rolled back and retried
         i = self._source.last_index
+        self._cur_batch = None  # the previous batch is trained: free it before this copy
         with self._span(rec.H2D, i):  # blocking copy on the default stream
             batch = copy_to_device(host_batch, self._device, None, blocking=True)
         self._cur_batch = batch = self._input_transformer(batch)

@@ -332,8 +332,8 @@ class TrainPipelineSemiSync(TrainPipelineSparseDist[In, Out]):
                 self._gradients[name] = param.grad.clone()
             param.grad = previous
 
-    def _dense_step(self, context: TrainPipelineContext, semi_sync: bool) -> None:
-        index = cast(int, context.index)
+    def _dense_step(self, index: Optional[int], semi_sync: bool) -> None:
+        index = cast(int, index)
         if semi_sync and self._stash_gradients:
             self._grad_swap()
             if index == self._start_batch:
@@ -406,7 +406,9 @@ class TrainPipelineSemiSync(TrainPipelineSparseDist[In, Out]):
             self.sync_embeddings(
                 self._model, self._dmp_collection_sync_interval_batches, context
             )
-            self._dense_step(context, semi_sync)                   # cur (i-1 stashed), default
+            index = context.index
+            del context  # cur's lookup outputs are not needed by the dense step
+            self._dense_step(index, semi_sync)                     # cur (i-1 stashed), default
         if not semi_sync and self.batches:
             # nxt, data_dist -> default: issued after cur's update, so it sees it
             self.start_embedding_lookup(self.batches[0], self._embedding_context(0))

@@ -16,6 +16,7 @@ from trec_pipelines import recorder as rec
 from trec_pipelines.backward_hooks import pipeline_hook, register_backward_hook
 from trec_pipelines.context import TrainPipelineContext
 from trec_pipelines.forwards import BaseForward, PipelinedForward
+from trec_pipelines.inplace_copy import AsyncInplaceCopyMixin, BatchQueue, InplaceCopyWorker
 from trec_pipelines.input_dist import (
     KJTDistOverride,
     fuse_kjt_splits,
@@ -92,7 +93,7 @@ class _Parked:
     source: SourceState
 
 
-class TrainPipelineSparseDist(TrainPipeline[In, Out], Recordable):
+class TrainPipelineSparseDist(TrainPipeline[In, Out], AsyncInplaceCopyMixin[In], Recordable):
     """Three batches in flight: ``cur`` trains, ``nxt`` is in input_dist, ``new`` is copied.
 
     ==========  =======  ==================================================
@@ -139,6 +140,15 @@ class TrainPipelineSparseDist(TrainPipeline[In, Out], Recordable):
     work, and the next call goes on with the next batch.  A pipeline that finds
     another pipeline's wrappers on its model (an eval pipeline left attached)
     detaches it and takes the model over; see ``_take_over_model``.
+
+    ``async_inplace_copy`` (torchrec 1.9.2's flag, on every stack): the
+    in-place copy of ``new`` (memory allocated on the default stream, filled on
+    the memcpy stream) is issued by a background thread, and ``new``'s slot
+    holds its Future until the next step first reads it (see
+    [Note: async in-place copy] in :mod:`trec_pipelines.inplace_copy`).  It
+    implies ``enable_inplace_copy_batch`` (torchrec ignores the flag without
+    it).  On CPU, as torchrec, it is logged and the copy stays synchronous:
+    there is no device copy to issue.
 
     Switching iterators: passing another iterator while batches of the
     previous one are in flight (a train iterator, then an eval pass, then the
@@ -192,6 +202,7 @@ class TrainPipelineSparseDist(TrainPipeline[In, Out], Recordable):
         enable_inplace_copy_batch: bool = False,
         free_features_storage_early: bool = False,
         clear_data_dist_inputs: bool = False,
+        async_inplace_copy: bool = False,
         *,
         rewrite_strategy: Strategy = "auto",
         on_unpipelined: str = "warn",
@@ -238,7 +249,9 @@ class TrainPipelineSparseDist(TrainPipeline[In, Out], Recordable):
             self._sync_group, keep_in_flight=self._retries_failed_steps, validate=validate_batches
         )
         self._step_guard = StepGuard()
-        self.batches: Deque[Optional[Any]] = deque()
+        # A slot may hold the Future of a copy the worker is issuing.
+        self.batches: Deque[Optional[Any]] = BatchQueue()
+        self._copy_worker: Optional[InplaceCopyWorker] = self._make_copy_worker(async_inplace_copy)
         self.contexts: Deque[TrainPipelineContext] = deque()
         self._rewrite: Optional[RewriteResult] = None
         # In-flight batches of iterators set aside by a switch (see _switch_iterator).
@@ -252,6 +265,15 @@ class TrainPipelineSparseDist(TrainPipeline[In, Out], Recordable):
 
     def _make_streams(self) -> StreamSet:
         return make_streams(self._device, memcpy=True, data_dist=True)
+
+    @property
+    def _record_batch(self) -> bool:
+        """Whether the default stream must ``record_stream`` the batch it takes.
+
+        An in-place copy allocates the batch on the default stream itself, where
+        a ``record_stream`` would do nothing.
+        """
+        return not self._enable_inplace_copy_batch
 
     @property
     def rewrite_result(self) -> Optional[RewriteResult]:
@@ -386,13 +408,21 @@ class TrainPipelineSparseDist(TrainPipeline[In, Out], Recordable):
     def inplace_copy_batch_to_gpu(
         self, dataloader_iter: Iterator[Any]
     ) -> Tuple[Optional[Any], Optional[TrainPipelineContext]]:
-        """As :meth:`copy_batch_to_gpu`, allocating on the current stream."""
+        """As :meth:`copy_batch_to_gpu`, allocating on the current stream.
+
+        With ``async_inplace_copy`` the copy is submitted to the worker thread
+        and the batch is a Future until its slot is read (see
+        [Note: async in-place copy]).
+        """
         batch = self._source.next(dataloader_iter)
         if batch is None:
             return None, None
         context = self._context_type(index=self._source.last_index)
         with self._span(rec.H2D, context.index, "memcpy"):
-            batch = copy_to_device(batch, self._device, self._streams.memcpy, inplace=True)
+            if self._copy_worker is not None:
+                batch = self._copy_worker.submit(batch)
+            else:
+                batch = copy_to_device(batch, self._device, self._streams.memcpy, inplace=True)
         return batch, context
 
     def enqueue_batch(self, dataloader_iter: Iterator[Any]) -> bool:
@@ -439,7 +469,7 @@ class TrainPipelineSparseDist(TrainPipeline[In, Out], Recordable):
 
     def _wait_for_batch(self) -> None:
         with self._span(rec.WAIT_BATCH, self.contexts[0].index):  # data_dist -> default
-            wait_for_batch(self.batches[0], self._streams.data_dist)
+            wait_for_batch(self.batches[0], self._streams.data_dist, self._record_batch)
 
     def _backward(self, losses: torch.Tensor) -> None:
         with self._span(rec.BACKWARD, self.contexts[0].index):
@@ -540,7 +570,7 @@ class TrainPipelineSparseDist(TrainPipeline[In, Out], Recordable):
                 type(self).__name__,
                 in_flight,
             )
-            self.batches, self.contexts = deque(), deque()
+            self.batches, self.contexts = BatchQueue(), deque()
         parked = self._parked.resume(dataloader_iter)
         if parked is not None:
             self.batches, self.contexts = parked.batches, parked.contexts

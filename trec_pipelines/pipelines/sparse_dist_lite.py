@@ -39,6 +39,8 @@ class TrainPipelineSparseDistLite(TrainPipelineSparseDist[In, Out]):
     same fixes as that class: a new epoch starts without ``reset()``, a plain
     ``torch.Tensor`` batch works.  ``clear_data_dist_inputs`` is accepted but,
     as upstream, this schedule has no step that releases the inputs early.
+    ``async_inplace_copy`` issues the in-place copy of ``nxt`` from a background
+    thread, as in :class:`TrainPipelineSparseDist`.
 
     Example::
 
@@ -67,6 +69,7 @@ class TrainPipelineSparseDistLite(TrainPipelineSparseDist[In, Out]):
         enable_inplace_copy_batch: bool = False,
         free_features_storage_early: bool = False,
         clear_data_dist_inputs: bool = False,
+        async_inplace_copy: bool = False,
         *,
         rewrite_strategy: Strategy = "auto",
         on_unpipelined: str = "warn",
@@ -85,6 +88,7 @@ class TrainPipelineSparseDistLite(TrainPipelineSparseDist[In, Out]):
             enable_inplace_copy_batch=enable_inplace_copy_batch,
             free_features_storage_early=free_features_storage_early,
             clear_data_dist_inputs=clear_data_dist_inputs,
+            async_inplace_copy=async_inplace_copy,
             rewrite_strategy=rewrite_strategy,
             on_unpipelined=on_unpipelined,
             sync_exhaustion=sync_exhaustion,
@@ -102,7 +106,7 @@ class TrainPipelineSparseDistLite(TrainPipelineSparseDist[In, Out]):
 
     def _wait_for_batch(self) -> None:
         with self._span(rec.WAIT_BATCH, self.contexts[0].index):  # memcpy -> default
-            wait_for_batch(self.batches[0], self._streams.memcpy)
+            wait_for_batch(self.batches[0], self._streams.memcpy, self._record_batch)
 
     def fill_pipeline(self, dataloader_iter: Iterator[Any]) -> None:
         """Load ``cur`` (copy only) when the queue is empty."""

@@ -1,0 +1,297 @@
+"""TrainPipelinePEC: lookups ahead of the forward, PEC modules split by overlap with the next batch."""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Deque, Iterator, List, Optional, Tuple
+
+import torch
+from torchrec.distributed.types import ShardedModule
+
+from trec_pipelines import lookup
+from trec_pipelines import pec_ops
+from trec_pipelines import recorder as rec
+from trec_pipelines.args import CallArgs
+from trec_pipelines.context import PECTrainPipelineContext
+from trec_pipelines.forwards import BaseForward, PECPipelinedForward
+from trec_pipelines.pipelines.sparse_dist import TrainPipelineSparseDist
+from trec_pipelines.rewrite import Strategy
+from trec_pipelines.streams import current_stream, record_stream, wait_event
+
+
+class TrainPipelinePEC(TrainPipelineSparseDist):
+    """Three batches in flight; every lookup of ``cur`` runs before its forward, part of it a step early.
+
+    ==========  =======  ===========================================================
+    stream      slot     work
+    ==========  =======  ===========================================================
+    default     ``cur``  wait, OL lookup (PEC), lookup (other modules), zero_grad,
+                         forward, backward, OL gradient, step
+    default     ``prv``  NOL gradient, deferred from the previous step
+    default     ``nxt``  NOL lookup (PEC), after ``cur``'s forward
+    data_dist   ``nxt``  overlap dist against ``cur`` (PEC mask all-to-alls)
+    data_dist   ``new``  input_dist: splits all-to-all, then tensors all-to-all
+    memcpy      ``new``  host-to-device copy
+    ==========  =======  ===========================================================
+
+    Per ``progress()`` call, in the order issued: wait(cur), copy(new), OL
+    lookup(cur), lookup(cur), overlap dist(nxt vs cur), input_dist start(new),
+    NOL gradient start(prv), zero_grad(cur), forward(cur), input_dist
+    wait(new), NOL gradient apply(prv), NOL lookup(nxt), backward(cur), OL
+    gradient start(cur), step(cur), OL gradient apply(cur); then ``cur``'s NOL
+    gradient is handed to ``nxt``'s step (the last batch applies its own at
+    once, after a final overlap dist with no ``nxt``).  Filling an empty
+    pipeline copies batch 0, distributes it, runs its overlap dist and NOL
+    lookup, then copies batch 1 and distributes it (start and wait).
+
+    PEC modules (``ShardedPECEmbeddingCollection``, torchrec >= 1.9) look up
+    and update the ids a batch shares with its neighbours in its own step, and
+    the others a step early (lookup) or late (update), which is meant to give
+    the same values as the plain loop: see [Note: PEC, compute ahead] in
+    :mod:`trec_pipelines.pec_ops`.  (On CPU with torchrec 1.9.2 the PEC
+    module's own gradient routing departs from the plain loop from the second
+    step on, in torchrec's class as here; ours matches torchrec's bit for bit.)  Every other pipelined module is looked up
+    on the default stream at the top of the step, as Fused does with
+    ``emb_lookup_stream="current"``, after the previous step's update; its
+    forward is an :class:`~trec_pipelines.forwards.PECPipelinedForward`, which
+    hands the output over still attached to autograd.  With no PEC module the
+    PEC verbs do nothing and are still recorded, so the schedule keeps its
+    shape.
+
+    Differences from torchrec 1.9.2, all fixes: it runs on CPU (upstream
+    records ``torch.cuda.Event`` s there); the overlap dist records one
+    event per batch in that batch's context, which WaitBatch, the NOL lookup
+    and the OL gradient wait on, instead of one pipeline-wide event recorded
+    again by every overlap dist.  WaitBatch waits on that event, issued
+    before the step's new data_dist work, so the forward is ordered after
+    ``cur``'s copy without waiting for ``new``'s all-to-alls; upstream only
+    ``record_stream`` s the batch and relies on the lookups' waits.  As
+    upstream: replicas of a ``DMPCollection`` are not synced, and
+    ``execute_all_batches=False`` drops the batches in flight at the end of
+    the data.  SparseDist's additions hold too (a new epoch without
+    ``reset()``, ``detach()``/``attach()``, switching iterators mid-epoch,
+    ``sync_exhaustion``); and before the model is used outside the
+    pipeline's order (:meth:`detach`, another iterator mid-epoch) the
+    deferred NOL gradient is applied at once, where upstream would leave
+    those rows stale until the next step.
+
+    Example::
+
+        pipeline = TrainPipelinePEC(dmp_model, optimizer, torch.device("cuda"))
+        it = iter(dataloader)
+        while True:
+            try:
+                output = pipeline.progress(it)
+            except StopIteration:
+                break
+    """
+
+    contexts: Deque[PECTrainPipelineContext]  # type: ignore[assignment]
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        optimizer: torch.optim.Optimizer,
+        device: torch.device,
+        execute_all_batches: bool = True,
+        apply_jit: bool = False,
+        custom_model_fwd: Optional[Callable[[Optional[Any]], Tuple[torch.Tensor, Any]]] = None,
+        *,
+        rewrite_strategy: Strategy = "auto",
+        on_unpipelined: str = "warn",
+        sync_exhaustion: bool = False,
+    ) -> None:
+        super().__init__(
+            model,
+            optimizer,
+            device,
+            execute_all_batches=execute_all_batches,
+            apply_jit=apply_jit,
+            context_type=PECTrainPipelineContext,
+            custom_model_fwd=custom_model_fwd,
+            rewrite_strategy=rewrite_strategy,
+            on_unpipelined=on_unpipelined,
+            sync_exhaustion=sync_exhaustion,
+        )
+
+    # ------------------------------------------------------------------ setup
+
+    def _make_forward(self, name: str, call_args: CallArgs, module: ShardedModule) -> BaseForward[Any]:
+        # Lookups run on the default stream: nothing to hand over.
+        return PECPipelinedForward(name, call_args, module, self._current_context())  # type: ignore[arg-type]
+
+    def _pipeline_model(self, batch: Any, context: Any) -> None:
+        super()._pipeline_model(batch, context)
+        pec_ops.check_pec_supported(self._pec_modules(), type(self).__name__)
+
+    def _pec_modules(self) -> List[Tuple[str, Any]]:
+        if self._rewrite is None:
+            return []
+        return [(p.name, p.module) for p in self._rewrite.pipelined if pec_ops.is_pec(p.module)]
+
+    def _other_modules(self) -> List[Tuple[str, ShardedModule]]:
+        if self._rewrite is None:
+            return []
+        return [(p.name, p.module) for p in self._rewrite.pipelined if not pec_ops.is_pec(p.module)]
+
+    # ------------------------------------------------------------------ verbs
+
+    def _wait_for_batch(self) -> None:
+        """Order the default stream after ``cur``'s copy and overlap dist.
+
+        The event was recorded on data_dist after ``cur``'s input_dist (which
+        waited for its copy) and overlap dist, and before any later data_dist
+        work, so the forward does not wait for ``new``'s all-to-alls.
+        """
+        context = self.contexts[0]
+        with self._span(rec.WAIT_BATCH, context.index):  # data_dist -> default (event)
+            consumer = current_stream(self._device)
+            wait_event(consumer, context.overlap_dist_event)
+            if self._record_batch:
+                record_stream(self.batches[0], consumer)
+
+    def _overlap_dist(
+        self, current: Optional[PECTrainPipelineContext], previous: Optional[PECTrainPipelineContext]
+    ) -> None:
+        batch = current.index if current is not None else previous.index  # type: ignore[union-attr]
+        with self._span(rec.OVERLAP_DIST, batch, "data_dist"):
+            pec_ops.overlap_dist(
+                self._pec_modules(),
+                current,
+                previous,
+                dist_stream=self._streams.data_dist,
+                compute_stream=current_stream(self._device),
+            )
+
+    def _ol_lookup(self, context: PECTrainPipelineContext) -> None:
+        with self._span(rec.OL_LOOKUP, context.index):
+            pec_ops.partition_lookup(self._pec_modules(), context, overlapped=True)
+
+    def _nol_lookup(self, context: PECTrainPipelineContext) -> None:
+        with self._span(rec.NOL_LOOKUP, context.index):
+            wait_event(current_stream(self._device), context.overlap_dist_event)
+            pec_ops.partition_lookup(self._pec_modules(), context, overlapped=False)
+
+    def _lookup(self, context: PECTrainPipelineContext) -> None:
+        """The other modules' lookup, on the default stream after their tensors all-to-all."""
+        with self._span(rec.EMB_LOOKUP, context.index):
+            lookup.start_embedding_lookup(
+                self._other_modules(),
+                context,
+                dist_stream=self._streams.data_dist,
+                lookup_stream=None,
+                weights_ready=None,
+            )
+
+    def _start_nol_grad(
+        self, carrier: PECTrainPipelineContext, batch: Optional[int]
+    ) -> pec_ops.GradAwaitables:
+        """Start the NOL gradient of ``batch`` that ``carrier`` carries."""
+        with self._span(rec.NOL_GRAD_START, batch):
+            return pec_ops.start_deferred_nol_grad(self._pec_modules(), carrier)
+
+    def _apply_nol_grad(self, started: pec_ops.GradAwaitables, batch: Optional[int]) -> None:
+        with self._span(rec.NOL_GRAD_APPLY, batch):
+            pec_ops.apply_grad(started)
+
+    def _start_ol_grad(self, context: PECTrainPipelineContext) -> pec_ops.GradAwaitables:
+        with self._span(rec.OL_GRAD_START, context.index):
+            return pec_ops.start_ol_grad(self._pec_modules(), context, current_stream(self._device))
+
+    def _apply_ol_grad(self, started: pec_ops.GradAwaitables, context: PECTrainPipelineContext) -> None:
+        with self._span(rec.OL_GRAD_APPLY, context.index):
+            pec_ops.apply_grad(started)
+
+    # --------------------------------------------------------------- schedule
+
+    def fill_pipeline(self, dataloader_iter: Iterator[Any]) -> None:
+        """Fill an empty pipeline: ``cur`` overlap-distributed with its NOL lookup done, ``nxt`` distributed.
+
+        A non-empty pipeline is in steady state or draining and is left alone.
+        """
+        if self.batches:
+            return
+        if not self.enqueue_batch(dataloader_iter):
+            return
+        self._init_input_dist(self.batches[0], self.contexts[0])
+        self.wait_sparse_data_dist(self.contexts[0])
+        self._overlap_dist(self.contexts[0], None)
+        self._nol_lookup(self.contexts[0])
+        if not self.enqueue_batch(dataloader_iter):
+            return
+        self.start_sparse_data_dist(self.batches[1], self.contexts[1])
+        self.wait_sparse_data_dist(self.contexts[1])
+
+    def progress(self, dataloader_iter: Iterator[Any]) -> Any:
+        self._start_step(dataloader_iter)  # fill, pull host batches, stop at end of data
+        training = self._model.training
+        cur = self.contexts[0]
+        nxt = self.contexts[1] if len(self.contexts) >= 2 else None
+
+        self._wait_for_batch()                                     # cur, data_dist -> default (event)
+        self.enqueue_batch(dataloader_iter)                        # new, memcpy
+        self._ol_lookup(cur)                                       # cur, default: fresh weights
+        self._lookup(cur)                                          # cur, default: other modules
+        self._overlap_dist(nxt, cur)                               # nxt vs cur, data_dist
+        if len(self.batches) >= 3:
+            self.start_sparse_data_dist(self.batches[2], self.contexts[2])  # new, data_dist
+        prv = _previous(cur)  # the batch whose NOL gradient cur carries
+        nol_grad = self._start_nol_grad(cur, prv)                  # prv, default
+        if training:
+            self._zero_grad()                                      # cur, default
+        losses, output = self._forward()                           # cur, default
+        if len(self.batches) >= 3:
+            self.wait_sparse_data_dist(self.contexts[2])           # new, data_dist
+        self._apply_nol_grad(nol_grad, prv)                        # prv, default
+        if nxt is not None:
+            self._nol_lookup(nxt)                                  # nxt, default: a step early
+        if training:
+            self._backward(losses)                                 # cur, default
+            ol_grad = self._start_ol_grad(cur)                     # cur, default
+            self._optimizer_step()                                 # cur, default
+            self._apply_ol_grad(ol_grad, cur)                      # cur, default
+            self._defer_nol_grad(cur, nxt)                         # cur's NOL gradient -> nxt's step
+        self.dequeue_batch()
+        return output
+
+    def _defer_nol_grad(
+        self, cur: PECTrainPipelineContext, nxt: Optional[PECTrainPipelineContext]
+    ) -> None:
+        """Hand ``cur``'s NOL gradient to ``nxt``'s step; the last batch applies its own now."""
+        pec_ops.defer_nol_grad(self._pec_modules(), cur, nxt if nxt is not None else cur)
+        if nxt is None:
+            started = self._start_nol_grad(cur, cur.index)         # cur, default: no batch reads it later
+            self._apply_nol_grad(started, cur.index)               # cur, default
+
+
+    # ------------------------------------------------------- attach / detach
+
+    def _flush_deferred_nol_grad(self) -> None:
+        """Apply the NOL gradient deferred to the next batch to train, now.
+
+        Deferring it is exact only while that batch's step comes next; before
+        the model is used otherwise (another iterator's batches, the caller
+        after :meth:`detach`) the tables must be up to date.  The next batch
+        does not read those rows, so applying them early changes nothing else.
+        """
+        if not self.contexts or not self.contexts[0].pec_deferred_nol_grad:
+            return
+        carrier = self.contexts[0]
+        batch = _previous(carrier)
+        self._apply_nol_grad(self._start_nol_grad(carrier, batch), batch)  # prv, default
+
+    def _switch_iterator(self, dataloader_iter: Iterator[Any]) -> None:
+        if dataloader_iter is not self._source.iterator:
+            self._flush_deferred_nol_grad()
+        super()._switch_iterator(dataloader_iter)
+
+    def detach(self) -> torch.nn.Module:
+        """As SparseDist's, once the deferred NOL gradient is applied (the caller may read those rows)."""
+        self._flush_deferred_nol_grad()
+        return super().detach()
+
+
+def _previous(carrier: PECTrainPipelineContext) -> Optional[int]:
+    """The batch whose NOL gradient ``carrier`` carries: the one before it (none for the first)."""
+    if carrier.index is None or carrier.index == 0:
+        return None
+    return carrier.index - 1
