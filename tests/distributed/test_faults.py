@@ -237,7 +237,8 @@ def test_a_new_train_pipeline_takes_over_from_an_eval_pipeline() -> None:
 def test_a_fault_on_one_rank_ends_the_other_with_an_error_not_a_hang() -> None:
     """Rank 0 raises in the over-arch of step 2 and stops; the other ranks go on into
     the backward's all-reduce, which rank 0 never joins: they get the process group's
-    timeout error (a short one here), with the pipeline's note, instead of hanging."""
+    timeout error (a short one here; or, beyond two ranks, a peer's closed
+    connection), with the pipeline's note, instead of hanging."""
     rank = dist.get_rank()
     short = dist.new_group(backend="gloo", timeout=timedelta(seconds=4))
     store = dist.TCPStore(
@@ -259,7 +260,11 @@ def test_a_fault_on_one_rank_ends_the_other_with_an_error_not_a_hang() -> None:
     else:
         store.set(f"trec_pipelines_tests/faults/rank{rank}_done", "1")
         assert not isinstance(failure.value, Fault)
-        assert "timed out" in str(failure.value).lower() or "timeout" in str(failure.value).lower(), failure.value
+        # The ranks waiting on rank 0 time out; with more than two ranks, one
+        # waiting on a peer that has already timed out may see that peer's
+        # connection close first.  Either is an error, not a hang.
+        message = str(failure.value).lower()
+        assert any(s in message for s in ("timed out", "timeout", "closed by peer")), failure.value
     assert f"rank {rank}: TrainPipelineSparseDist.progress() raised while training batch 2" in notes
     assert "other ranks" in notes or "do the same on every rank" in notes
 

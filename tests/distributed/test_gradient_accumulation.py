@@ -59,16 +59,27 @@ NEEDS_SHIM = ("TrainPipelineFusedSparseDist",)
 
 
 def accumulation_loop(
-    model: torch.nn.Module, optimizer: Any, batches: Sequence[Any], num_steps: int, num_warmup: int
+    model: torch.nn.Module,
+    optimizer: Any,
+    batches: Sequence[Any],
+    num_steps: int,
+    num_warmup: int,
+    last_batch_flagged: bool = False,
 ) -> Run:
-    """The non-pipelined reference for the accumulation schedule in the module docstring."""
+    """The non-pipelined reference for the accumulation schedule in the module docstring.
+
+    ``last_batch_flagged``: the caller marks the last batch (``is_last_batch``),
+    whose backward then synchronises like a window's last one (DDP's bucketed
+    all-reduce; with more than two ranks its sum order differs from averaging
+    afterwards, so the reference must take the same path).
+    """
     ddp = [m for m in model.modules() if isinstance(m, DistributedDataParallel)]
     assert ddp, "the model has no DDP module: no_sync would not be exercised"
     model.train()
     optimizer.zero_grad()
     outputs: List[torch.Tensor] = []
     for k, batch in enumerate(batches):
-        ends_window = (k + 1) % num_steps == 0
+        ends_window = (k + 1) % num_steps == 0 or (last_batch_flagged and k == len(batches) - 1)
         all_reduce = k == 0 or k < num_warmup or ends_window
         with contextlib.ExitStack() as stack:
             if not all_reduce:
@@ -81,7 +92,7 @@ def accumulation_loop(
             optimizer.zero_grad()
         outputs.append(out.detach().clone())
     last = len(batches) - 1
-    if len(batches) % num_steps:
+    if len(batches) % num_steps and not last_batch_flagged:
         if not (last == 0 or last < num_warmup):  # the window's grads are still local
             average_over_ranks(ddp)
         optimizer.step()
@@ -168,7 +179,10 @@ def test_accumulation_changes_training() -> None:
 
 def test_is_last_batch_steps_on_the_partial_window() -> None:
     batches = make_batches(4, seed=DATA_SEED)  # one full window, then one batch
-    ref = accumulation_loop(*make_sharded(DLRM, "table_wise", seed=SEED), batches, NUM_STEPS, NUM_WARMUP)
+    ref = accumulation_loop(
+        *make_sharded(DLRM, "table_wise", seed=SEED), batches, NUM_STEPS, NUM_WARMUP,
+        last_batch_flagged=True,
+    )
     dmp, optimizer = make_sharded(DLRM, "table_wise", seed=SEED)
     wrapped = GradientAccumulationWrapper(
         trec_pipelines.TrainPipelineBase(dmp, optimizer, CPU), optimizer, dmp, config()
