@@ -52,6 +52,7 @@ from trec_pipelines.pipelines.staged import PipelineStage, StagedTrainPipeline, 
 from trec_pipelines.pipelines.pt2 import TorchCompileConfig, TrainPipelinePT2
 from trec_pipelines.pipelines.sparse_dist import TrainPipelineSparseDist
 from trec_pipelines.pipelines.sparse_dist_lite import TrainPipelineSparseDistLite
+from trec_pipelines.postproc import PipelinedPostproc, use_context_for_postprocs
 from trec_pipelines.recorder import Action, ScheduleRecorder
 from trec_pipelines.rewrite import RewriteResult, restore_model, rewrite_model
 from trec_pipelines.state import PipelineState
@@ -82,6 +83,7 @@ __all__ = [
     "PECPipelinedForward",
     "PECTrainPipelineContext",
     "PipelineStage",
+    "PipelinedPostproc",
     "PipelineState",
     "PipelinedForward",
     "PrefetchPipelinedForward",
@@ -108,4 +110,5 @@ __all__ = [
     "register_backward_hook",
     "restore_model",
     "rewrite_model",
+    "use_context_for_postprocs",
 ]

@@ -37,6 +37,17 @@ class TrainPipelineContext:
             (or by the prefetch / embedding-lookup verbs).
         events: events the consumer of this batch waits on before using it.
             Written and read by the staged pipeline's stages.
+        postproc_fwd_results: each pipelined postproc module's output for this
+            batch, by module FQN, in the order they ran.  Written by the
+            postproc wrapper when ``start_sparse_data_dist`` builds the
+            input_dist arguments (data_dist stream); read by postprocs that
+            consume it in the same stage and by the model's own call to the
+            postproc in the forward, which gets this output instead of running
+            the module again.  Dropped with the context.
+        postproc_events: recorded on the data_dist stream right after each
+            postproc ran, by FQN (empty on CPU).  Written by the postproc
+            wrapper in the input_dist stage; the forward's call waits on it
+            before reading the cached output.
     """
 
     index: Optional[int] = None
@@ -47,6 +58,8 @@ class TrainPipelineContext:
     )
     input_dist_tensors_requests: Dict[str, Awaitable[Any]] = field(default_factory=dict)
     events: List[torch.Event] = field(default_factory=list)
+    postproc_fwd_results: Dict[str, Any] = field(default_factory=dict)
+    postproc_events: Dict[str, torch.Event] = field(default_factory=dict)
 
 
 @dataclass

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 
 class ModelDetachedException(RuntimeError):
-    """``progress()`` was called on a pipeline whose model is detached.
+    """A pipeline was asked to run on a model it is detached from.
 
-    Raised by the sparse-dist pipelines after :meth:`detach`; call
-    ``attach()`` (optionally with the model) to resume.  A ``RuntimeError``, so
-    code that caught that before keeps working.
+    torchrec exports it, so code that catches it keeps importing; our
+    pipelines, like torchrec's, do not raise it from ``progress()`` after
+    :meth:`detach`: they attach the model again and go on.  A ``RuntimeError``.
     """

@@ -33,6 +33,7 @@ from torchrec.distributed.types import Awaitable, ShardedModule
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from trec_pipelines.context import TrainPipelineContext
+from trec_pipelines.postproc import PipelinedPostproc, postprocs_read_by, use_context_for_postprocs
 
 logger: logging.Logger = logging.getLogger(__name__)
 
@@ -150,16 +151,24 @@ def start_input_dist(
     """Launch the splits phase of every module's ``input_dist`` for ``batch``.
 
     ``modules`` holds ``(name, module, call_args)``; writes ``module_contexts``,
-    ``input_dist_splits_requests`` and ``fused_splits_awaitables``.
+    ``input_dist_splits_requests`` and ``fused_splits_awaitables`` (and, through
+    the postprocs the arguments are read from, ``postproc_fwd_results``).
     """
-    for name, module, call_args in modules:
-        args, kwargs = call_args.build_args_kwargs(batch)
-        args, kwargs = module.preprocess_input(args, kwargs)
-        module_ctx = module.create_context()
-        context.module_contexts[name] = module_ctx
-        context.input_dist_splits_requests[name] = module.input_dist(
-            module_ctx, *args, **kwargs
-        )
+    postprocs: Dict[int, PipelinedPostproc] = {}
+    for _, _, call_args in modules:
+        for postproc in postprocs_read_by(call_args):
+            postprocs.setdefault(id(postproc), postproc)
+    # The postprocs cache their output in the context they hold: this batch's
+    # for the stage, the forward's again after it.
+    with use_context_for_postprocs(list(postprocs.values()), context):
+        for name, module, call_args in modules:
+            args, kwargs = call_args.build_args_kwargs(batch)
+            args, kwargs = module.preprocess_input(args, kwargs)
+            module_ctx = module.create_context()
+            context.module_contexts[name] = module_ctx
+            context.input_dist_splits_requests[name] = module.input_dist(
+                module_ctx, *args, **kwargs
+            )
     _release_early_inputs(context)
     _fuse_splits(context)
 

@@ -15,12 +15,16 @@ Two ways to learn how a module's arguments come out of the batch:
 
 ``"auto"`` (the default) is FX, falling back to direct when the model cannot be
 traced.
+
+With a ``make_postproc`` factory (the pipelines pass one for
+``pipeline_postproc=True``) the FX path also pipelines the *postproc* modules
+between the batch and a sharded module: see :mod:`trec_pipelines.postproc`.
 """
 
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Dict, List, Literal, Optional, Set, Tuple, Union
 
 import torch
@@ -30,6 +34,12 @@ from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from trec_pipelines import tracing
 from trec_pipelines.args import ArgInfo, CallArgs, GetAttr, GetItem
+from trec_pipelines.postproc import (
+    PipelinedPostproc,
+    PostprocFactory,
+    PostprocPlanner,
+    postprocs_read_by,
+)
 
 logger: logging.Logger = logging.getLogger(__name__)
 
@@ -58,15 +68,20 @@ class RewriteResult:
         pipelined: the swapped modules, in forward order.
         not_pipelined: FQN -> why that sharded module keeps its own forward.
         fallback_reason: why "auto" fell back to "direct", if it did.
+        postprocs: the postproc modules run ahead in the input_dist stage,
+            each after those it reads.
+        refused_postprocs: FQN -> why that module, met between the batch and a
+            sharded module, can't run ahead (its sharded modules are then in
+            ``not_pipelined``).
     """
 
     strategy: str
     pipelined: Tuple[PipelinedModule, ...]
     not_pipelined: Tuple[Tuple[str, str], ...]
     fallback_reason: Optional[str] = None
-    _saved: Tuple[Tuple[Any, bool, Any, bool], ...] = field(
-        default=(), repr=False
-    )
+    postprocs: Tuple[PipelinedPostproc, ...] = ()
+    refused_postprocs: Tuple[Tuple[str, str], ...] = ()
+    _saved: Tuple["_Saved", ...] = field(default=(), repr=False)
 
     @property
     def modules(self) -> List[ShardedModule]:
@@ -76,11 +91,19 @@ class RewriteResult:
     def names(self) -> List[str]:
         return [p.name for p in self.pipelined]
 
+    @property
+    def postproc_names(self) -> List[str]:
+        return [p.fqn for p in self.postprocs]
+
     def report(self) -> str:
         """A human-readable account of the rewrite."""
         lines = [f"pipelined ({self.strategy}): {', '.join(self.names) or 'none'}"]
         for name, reason in self.not_pipelined:
             lines.append(f"NOT pipelined: {name}: {reason}")
+        for postproc in self.postprocs:
+            lines.append(f"postproc pipelined: {postproc.fqn}{postproc.args}")
+        for name, reason in self.refused_postprocs:
+            lines.append(f"postproc NOT pipelined: {name}: {reason}")
         if self.fallback_reason:
             lines.append(f"FX tracing failed, used direct KJT binding: {self.fallback_reason}")
         return "\n".join(lines)
@@ -114,6 +137,7 @@ def rewrite_model(
     batch: Any,
     make_forward: ForwardFactory,
     strategy: Strategy = "auto",
+    make_postproc: Optional[PostprocFactory] = None,
 ) -> RewriteResult:
     """Swap the forward of every pipelinable sharded module of ``model``.
 
@@ -123,12 +147,16 @@ def rewrite_model(
             to report what the batch looks like).
         make_forward: builds the wrapper for one module.
         strategy: "auto" (FX, falling back to direct), "fx" or "direct".
+        make_postproc: builds the wrapper for one postproc module; ``None``
+            (``pipeline_postproc=False``) leaves every sharded module fed by
+            another module's output un-pipelined.  FX path only.
     """
     if strategy not in STRATEGIES:
         raise ValueError(f"rewrite strategy must be one of {STRATEGIES}, got {strategy!r}")
     inner = unwrap(model)
     candidates = sharded_modules(inner)
     fallback_reason: Optional[str] = None
+    planner: Optional[PostprocPlanner] = None
     if not candidates:
         plans: List[Tuple[str, Union[CallArgs, str]]] = []
         used = "fx" if strategy != "direct" else "direct"
@@ -136,7 +164,8 @@ def rewrite_model(
         plans, used = _plan_direct(candidates, batch), "direct"
     else:
         try:
-            plans, used = _plan_fx(inner, candidates), "fx"
+            plans, planner = _plan_fx(inner, candidates, make_postproc)
+            used = "fx"
         except Exception as error:  # FX raises many types; all mean "not traceable"
             if strategy == "fx":
                 raise RuntimeError(
@@ -146,7 +175,7 @@ def rewrite_model(
                 ) from error
             fallback_reason = f"{type(error).__name__}: {error}"
             logger.warning("FX tracing failed (%s); binding sharded modules directly", fallback_reason)
-            plans, used = _plan_direct(candidates, batch), "direct"
+            plans, used, planner = _plan_direct(candidates, batch), "direct", None
 
     pipelined: List[PipelinedModule] = []
     not_pipelined: List[Tuple[str, str]] = []
@@ -164,50 +193,81 @@ def rewrite_model(
         if name not in seen:
             not_pipelined.append((name, "not called by the model's forward"))
 
-    result = RewriteResult(used, tuple(pipelined), tuple(not_pipelined), fallback_reason, tuple(saved))
+    # The postprocs the pipelined modules read; those only read by modules
+    # left alone for another reason stay as they are.
+    postprocs: Dict[int, PipelinedPostproc] = {}
+    for entry in pipelined:
+        for postproc in postprocs_read_by(entry.call_args):
+            postprocs.setdefault(id(postproc), postproc)
+    for postproc in postprocs.values():
+        saved.append(_install(postproc.postproc_module, postproc, mark_pipelined=False))
+
+    result = RewriteResult(
+        used,
+        tuple(pipelined),
+        tuple(not_pipelined),
+        fallback_reason,
+        postprocs=tuple(postprocs.values()),
+        refused_postprocs=tuple(planner.refused) if planner is not None else (),
+        _saved=tuple(saved),
+    )
     _log(result)
     return result
 
 
-_Saved = Tuple[ShardedModule, bool, Any, bool]
+# (module, had an instance-level forward, that forward, is_pipelined before or
+# None when the flag is not ours to set).
+_Saved = Tuple[torch.nn.Module, bool, Any, Optional[bool]]
 
 
-def _install(module: ShardedModule, forward: Any) -> _Saved:
-    """Swap ``module.forward`` for ``forward``; return what restoring needs."""
+def _install(module: torch.nn.Module, forward: Any, mark_pipelined: bool = True) -> _Saved:
+    """Swap ``module.forward`` for ``forward``; return what restoring needs.
+
+    ``mark_pipelined`` sets the ``is_pipelined`` flag torchrec's sharded
+    modules read; postproc modules don't get it.
+    """
     saved = (
         module,
         "forward" in module.__dict__,
         module.__dict__.get("forward"),
-        getattr(module, "is_pipelined", False),
+        getattr(module, "is_pipelined", False) if mark_pipelined else None,
     )
-    module.forward = forward  # type: ignore[method-assign]
-    module.is_pipelined = True
+    # Not nn.Module.__setattr__: a PipelinedPostproc is a Module and would be
+    # registered as a child named "forward" (changing state_dict and named_modules).
+    object.__setattr__(module, "forward", forward)
+    if mark_pipelined:
+        module.is_pipelined = True
     return saved
 
 
 def restore_model(result: RewriteResult) -> None:
-    """Give every module back the forward it had before :func:`rewrite_model`."""
-    for module, had_instance_forward, original, was_pipelined in result._saved:
+    """Give every module (sharded and postproc) back the forward it had before
+    :func:`rewrite_model`."""
+    for module, had_instance_forward, original, was_pipelined in reversed(result._saved):
         if had_instance_forward:
-            module.forward = original  # type: ignore[method-assign]
+            object.__setattr__(module, "forward", original)
         else:
             module.__dict__.pop("forward", None)
-        module.is_pipelined = was_pipelined
+        if was_pipelined is not None:
+            module.is_pipelined = was_pipelined
 
 
 def reapply_rewrite(result: RewriteResult, make_forward: ForwardFactory) -> RewriteResult:
-    """Install fresh wrappers on the modules ``result`` pipelined (after a restore)."""
+    """Install fresh wrappers on the modules ``result`` pipelined, and its
+    postproc wrappers again (after a restore)."""
     saved = []
     for entry in result.pipelined:
         saved.append(_install(entry.module, make_forward(entry.name, entry.call_args, entry.module)))
-    return RewriteResult(
-        result.strategy, result.pipelined, result.not_pipelined, result.fallback_reason, tuple(saved)
-    )
+    for postproc in result.postprocs:
+        saved.append(_install(postproc.postproc_module, postproc, mark_pipelined=False))
+    return replace(result, _saved=tuple(saved))
 
 
 def _log(result: RewriteResult) -> None:
     if result.pipelined:
         logger.info("pipelined sharded modules (%s): %s", result.strategy, ", ".join(result.names))
+    if result.postprocs:
+        logger.info("postprocs run in the input_dist stage: %s", ", ".join(result.postproc_names))
     for name, reason in result.not_pipelined:
         logger.warning(
             "sharded module '%s' is NOT pipelined and runs its own input_dist in the "
@@ -215,13 +275,23 @@ def _log(result: RewriteResult) -> None:
             name,
             reason,
         )
+    for name, reason in result.refused_postprocs:
+        logger.warning("postproc '%s' is NOT pipelined: %s", name, reason)
 
 
 def _plan_fx(
-    model: torch.nn.Module, candidates: Dict[str, ShardedModule]
-) -> List[Tuple[str, Union[CallArgs, str]]]:
+    model: torch.nn.Module,
+    candidates: Dict[str, ShardedModule],
+    make_postproc: Optional[PostprocFactory] = None,
+) -> Tuple[List[Tuple[str, Union[CallArgs, str]]], Optional[PostprocPlanner]]:
     graph = tracing.trace(model)
     batch_node = tracing.first_placeholder(graph)
+    planner = (
+        PostprocPlanner(model, graph, batch_node, make_postproc)
+        if make_postproc is not None
+        else None
+    )
+    resolve = planner.resolve if planner is not None else None
     plans: List[Tuple[str, Union[CallArgs, str]]] = []
     calls: Dict[str, int] = {}
     for node in graph.nodes:
@@ -231,14 +301,14 @@ def _plan_fx(
         calls[name] = calls.get(name, 0) + 1
         if calls[name] > 1:
             continue
-        plans.append((name, tracing.call_args_of(node, batch_node)))
+        plans.append((name, tracing.call_args_of(node, batch_node, resolve)))
     twice = {name for name, count in calls.items() if count > 1}
     return [
         (name, f"called {calls[name]} times in the forward; a pipelined module runs once per batch")
         if name in twice
         else (name, plan)
         for name, plan in plans
-    ]
+    ], planner
 
 
 def kjt_fields(batch: Any, max_depth: int = 4) -> List[Tuple[ArgInfo, KeyedJaggedTensor]]:

@@ -144,6 +144,23 @@ def record_stream(obj: Any, stream: Optional[torch.Stream]) -> None:
     obj.record_stream(stream)
 
 
+def record_stream_tree(obj: Any, stream: Optional[torch.Stream]) -> int:
+    """:func:`record_stream` every Tensor / ``Multistreamable`` inside ``obj``,
+    looking into lists, tuples and dicts (a postproc's output: a batch, a list
+    of KJTs, ...); returns how many were recorded.  Anything else is skipped:
+    the caller decides whether that can hide device memory."""
+    if stream is None or obj is None:
+        return 0
+    if isinstance(obj, (list, tuple)):
+        return sum(record_stream_tree(item, stream) for item in obj)
+    if isinstance(obj, dict):
+        return sum(record_stream_tree(item, stream) for item in obj.values())
+    if isinstance(obj, torch.Tensor) or callable(getattr(obj, "record_stream", None)):
+        obj.record_stream(stream)
+        return 1
+    return 0
+
+
 def hand_off(obj: Any, producer: Optional[torch.Stream]) -> None:
     """Hand ``obj``, made on ``producer``, to the current stream (rules 1 and 2)."""
     if producer is None:
@@ -190,6 +207,7 @@ __all__ = [
     "on_stream",
     "record_event",
     "record_stream",
+    "record_stream_tree",
     "use_device_module",
     "wait_event",
     "wait_stream",

@@ -5,18 +5,37 @@ subtree that holds no sharded module (unless it is marked
 ``_is_pytorch_fx_traceable = True``).  Only the glue between the batch and the
 sharded modules is traced, which is all :func:`call_args_of` needs to read
 back how each sharded module's arguments come out of the batch.
+
+A ``call_module`` node met on the way back is another module's output.  With
+no ``resolve`` callback that ends the walk (the input is computed in the
+forward); with one (``pipeline_postproc=True``, see
+:class:`trec_pipelines.postproc.PostprocPlanner`) the callback says whether the
+module can run ahead as a postproc, and the path then starts at its output.
 """
 
 from __future__ import annotations
 
 import operator
-from typing import Any, Dict, List, Optional, Set, Union
+from typing import Any, Callable, Dict, List, Optional, Set, Union
 
 import torch
 import torch.fx
 from torchrec.distributed.types import ShardedModule
 
-from trec_pipelines.args import ArgInfo, ArgStep, CallArgs, GetAttr, GetItem
+from trec_pipelines.args import (
+    ArgInfo,
+    ArgStep,
+    CallArgs,
+    DictOf,
+    GetAttr,
+    GetItem,
+    ListOf,
+    Postproc,
+    RunsAhead,
+)
+
+# A call_module node -> the postproc standing for it, or why it can't be one.
+Resolve = Callable[[torch.fx.Node], Union[RunsAhead, str]]
 
 
 def _contains_sharded(module: torch.nn.Module) -> bool:
@@ -104,11 +123,19 @@ def _describe(node: torch.fx.Node) -> str:
     return f"FX node '{node.name}' ({node.op} {target})"
 
 
-def arg_path_of(arg: Any, batch_node: torch.fx.Node) -> Union[ArgInfo, str]:
-    """How ``arg`` (an FX argument) is read from the batch, or why it can't be."""
+def arg_path_of(
+    arg: Any, batch_node: torch.fx.Node, resolve: Optional[Resolve] = None
+) -> Union[ArgInfo, str]:
+    """How ``arg`` (an FX argument) is read from the batch, or why it can't be.
+
+    With ``resolve``, the path may start at a postproc's output, and a list,
+    tuple or dict built in the forward is read element by element.
+    """
     if not isinstance(arg, torch.fx.Node):
         if isinstance(arg, (list, tuple, dict)) and _has_node(arg):
-            return f"a {type(arg).__name__} built in the forward from traced values"
+            if resolve is None:
+                return f"a {type(arg).__name__} built in the forward from traced values"
+            return _collection_of(arg, batch_node, resolve)
         return ArgInfo.constant(arg)
     steps: List[ArgStep] = []
     node = arg
@@ -117,6 +144,17 @@ def arg_path_of(arg: Any, batch_node: torch.fx.Node) -> Union[ArgInfo, str]:
             return ArgInfo.from_batch(tuple(reversed(steps)))
         if node.op == "placeholder":
             return f"{_describe(node)} is a model input other than the batch"
+        if node.op == "call_module":
+            if resolve is None:
+                return (
+                    f"{_describe(node)}: the input is the output of module '{node.target}'; "
+                    "with pipeline_postproc=True it runs ahead in the input_dist stage "
+                    "if it can (no parameters, input read from the batch)"
+                )
+            source = resolve(node)
+            if isinstance(source, str):
+                return source
+            return ArgInfo([Postproc(source), *reversed(steps)])
         if _is_getattr(node) and isinstance(node.args[1], str):
             steps.append(GetAttr(node.args[1]))
         elif (_is_getitem(node) or _is_dict_get(node)) and isinstance(
@@ -131,6 +169,26 @@ def arg_path_of(arg: Any, batch_node: torch.fx.Node) -> Union[ArgInfo, str]:
         node = parent
 
 
+def _collection_of(
+    value: Union[list, tuple, dict], batch_node: torch.fx.Node, resolve: Resolve
+) -> Union[ArgInfo, str]:
+    """A list, tuple or dict built in the forward: each element's recipe, or
+    why one of them can't be read (constants stay constants)."""
+    items = list(value.values()) if isinstance(value, dict) else list(value)
+    recipes: List[Any] = []
+    for item in items:
+        if not _has_node(item):
+            recipes.append(item)
+            continue
+        recipe = arg_path_of(item, batch_node, resolve)
+        if isinstance(recipe, str):
+            return recipe
+        recipes.append(recipe)
+    if isinstance(value, dict):
+        return ArgInfo([DictOf(dict(zip(value.keys(), recipes)))])
+    return ArgInfo([ListOf(recipes, as_tuple=isinstance(value, tuple))])
+
+
 def _has_node(value: Any) -> bool:
     if isinstance(value, torch.fx.Node):
         return True
@@ -141,21 +199,26 @@ def _has_node(value: Any) -> bool:
     return False
 
 
-def call_args_of(node: torch.fx.Node, batch_node: Optional[torch.fx.Node]) -> Union[CallArgs, str]:
-    """The :class:`CallArgs` of a ``call_module`` node, or the reason there are none."""
+def call_args_of(
+    node: torch.fx.Node, batch_node: Optional[torch.fx.Node], resolve: Optional[Resolve] = None
+) -> Union[CallArgs, str]:
+    """The :class:`CallArgs` of a ``call_module`` node, or the reason there are none.
+
+    ``resolve`` lets arguments come from postprocs (see :func:`arg_path_of`).
+    """
     if batch_node is None:
         return "the model's forward takes no input"
     if not node.args and not node.kwargs:
-        return "the sharded module is called with no arguments"
+        return f"module '{node.target}' is called with no arguments"
     args: List[ArgInfo] = []
     for arg in node.args:
-        path = arg_path_of(arg, batch_node)
+        path = arg_path_of(arg, batch_node, resolve)
         if isinstance(path, str):
             return path
         args.append(path)
     kwargs: Dict[str, ArgInfo] = {}
     for name, arg in node.kwargs.items():
-        path = arg_path_of(arg, batch_node)
+        path = arg_path_of(arg, batch_node, resolve)
         if isinstance(path, str):
             return path
         kwargs[name] = path

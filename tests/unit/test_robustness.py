@@ -76,6 +76,12 @@ def test_iterator_error_reaches_caller_and_nothing_is_lost(at: int, make: Any) -
     assert_same_training(outputs, plain_loop(ref, batches), model, ref)
 
 
+def test_model_detached_exception_is_offered_as_torchrecs() -> None:
+    # torchrec exports it (progress() after detach() attaches instead of raising
+    # it); code catching it, or a RuntimeError, keeps working.
+    assert issubclass(tp.ModelDetachedException, RuntimeError)
+
+
 def test_execute_all_batches_false_drops_the_in_flight_batches(caplog: pytest.LogCaptureFixture) -> None:
     batches = make_batches(5)
     model, ref = TinyModel(), TinyModel()
@@ -96,15 +102,18 @@ def test_on_unpipelined_rejects_unknown_policy() -> None:
         sparse_dist_pipeline(TinyModel(), on_unpipelined="ignore")
 
 
-def test_progress_after_detach_says_to_attach() -> None:
-    pipeline = sparse_dist_pipeline(TinyModel())
-    it = iter(make_batches(4))
-    pipeline.progress(it)
+def test_progress_after_detach_attaches_again_and_trains_every_batch_once() -> None:
+    batches = make_batches(5)
+    model, ref = TinyModel(), TinyModel()
+    pipeline = sparse_dist_pipeline(model)
+    it = iter(batches)
+    outputs = [pipeline.progress(it)]
     pipeline.detach()
-    # torchrec's name for it, still a RuntimeError for code that caught that.
-    with pytest.raises(tp.ModelDetachedException, match=r"attach\(\)") as raised:
-        pipeline.progress(it)
-    assert isinstance(raised.value, RuntimeError)
+    assert "forward" not in model.sparse.__dict__
+    outputs.append(pipeline.progress(it))  # attaches again, as upstream
+    assert "forward" in model.sparse.__dict__
+    outputs += drain(pipeline, it)
+    assert_same_training(outputs, plain_loop(ref, batches), model, ref)
 
 
 @pytest.mark.parametrize("cls", [TrainPipelineBase, TrainPipelineSparseDist])

@@ -271,7 +271,7 @@ class EvalPipelineSparseDist(TrainPipelineSparseDist[In, Out]):
     def progress(self, dataloader_iter: Iterator[Any]) -> Any:
         self._begin_call()
         self._take_over_model()  # from a train pipeline sharing the model, if any
-        self._check_attached()
+        self._ensure_attached()
         if self._loader is None:
             # fill: a new epoch; cur is copied by the loader, then input_dist
             assert not self.batches, "in-flight batches without a loader"

@@ -87,9 +87,8 @@ class TrainPipelineFusedSparseDist(TrainPipelineSparseDist[In, Out]):
 
     ``emb_lookup_stream`` outside the three choices raises ``ValueError``
     (upstream: ``RuntimeError``).  ``strict`` is accepted and, as upstream,
-    unused.  ``pipeline_postproc`` defaults to True as upstream; postproc
-    modules are not pipelined by trec_pipelines, and a sharded module fed by
-    one keeps its own forward (see :attr:`rewrite_result`).
+    unused.  ``pipeline_postproc`` defaults to True as upstream: postproc
+    modules run ahead in the input_dist stage (see :mod:`trec_pipelines.postproc`).
 
     Example::
 
@@ -145,9 +144,7 @@ class TrainPipelineFusedSparseDist(TrainPipelineSparseDist[In, Out]):
             execute_all_batches=execute_all_batches,
             apply_jit=apply_jit,
             context_type=EmbeddingTrainPipelineContext,
-            # Nothing to warn about by default: the rewrite reports any sharded
-            # module it left alone because a postproc feeds it.
-            pipeline_postproc=False,
+            pipeline_postproc=pipeline_postproc,
             custom_model_fwd=custom_model_fwd,
             enqueue_batch_after_forward=enqueue_batch_after_forward,
             enable_inplace_copy_batch=enable_inplace_copy_batch,
@@ -158,7 +155,6 @@ class TrainPipelineFusedSparseDist(TrainPipelineSparseDist[In, Out]):
             sync_exhaustion=sync_exhaustion,
             validate_batches=validate_batches,
         )
-        self._pipeline_postproc = pipeline_postproc
         self._strict = strict
         self._embedding_lookup_after_data_dist = embedding_lookup_after_data_dist
         self._lookup_stream: Optional[torch.Stream]

@@ -33,6 +33,7 @@ from trec_pipelines.input_dist import (
 )
 from trec_pipelines.lookup import start_embedding_lookup
 from trec_pipelines.pipelines.staged import PipelineStage, side_stream
+from trec_pipelines.postproc import PipelinedPostproc
 from trec_pipelines.rewrite import (
     STRATEGIES,
     RewriteResult,
@@ -144,11 +145,6 @@ class SparseDataDistUtil(Generic[In]):
             )
         if apply_jit:
             logger.warning("apply_jit=True is accepted but not applied by trec_pipelines")
-        if pipeline_postproc:
-            logger.warning(
-                "pipeline_postproc=True: postproc modules are not pipelined by "
-                "trec_pipelines; sharded modules fed by one are reported as not pipelined"
-            )
         self.model = model
         self.data_dist_stream = data_dist_stream
         self.apply_jit = apply_jit
@@ -246,6 +242,20 @@ class SparseDataDistUtil(Generic[In]):
     def _set_module_context(self, context: TrainPipelineContext) -> None:
         for module in self._modules():
             module.forward.set_context(context)  # type: ignore[union-attr]
+        for postproc in self._pipelined_postprocs:
+            postproc.set_context(context)
+
+    @property
+    def _pipelined_postprocs(self) -> List[PipelinedPostproc]:
+        """The postproc wrappers installed by the rewrite (``pipeline_postproc=True``)."""
+        return [] if self._rewrite is None else list(self._rewrite.postprocs)
+
+    def _make_postproc(
+        self, fqn: str, module: torch.nn.Module, call_args: CallArgs
+    ) -> PipelinedPostproc:
+        # Runs in the input_dist stage, on its stream; read on the stream
+        # current in the forward (default_stream None).
+        return PipelinedPostproc(module, fqn, call_args, self._contexts[0], None, self._dist_stream)
 
     def should_assert_context_invariants(self, ctx: TrainPipelineContext) -> bool:
         """True when ``ctx`` belongs to a real batch and the checks are switched on."""
@@ -312,7 +322,11 @@ class SparseDataDistUtil(Generic[In]):
             self._add_context()
         if self._rewrite is None:
             self._rewrite = rewrite_model(
-                self.model, batch, self._make_forward, self._rewrite_strategy
+                self.model,
+                batch,
+                self._make_forward,
+                self._rewrite_strategy,
+                make_postproc=self._make_postproc if self._pipeline_postproc else None,
             )
         else:
             self._rewrite = reapply_rewrite(self._rewrite, self._make_forward)

@@ -15,7 +15,6 @@ from torchrec.distributed.types import ShardedModule
 from trec_pipelines import recorder as rec
 from trec_pipelines.backward_hooks import pipeline_hook, register_backward_hook
 from trec_pipelines.context import TrainPipelineContext
-from trec_pipelines.errors import ModelDetachedException
 from trec_pipelines.forwards import BaseForward, PipelinedForward
 from trec_pipelines.inplace_copy import AsyncInplaceCopyMixin, BatchQueue, InplaceCopyWorker
 from trec_pipelines.input_dist import (
@@ -33,6 +32,7 @@ from trec_pipelines.pipelines._common import (
     check_model_device,
     check_optimizer,
 )
+from trec_pipelines.postproc import PipelinedPostproc
 from trec_pipelines.recorder import Recordable
 from trec_pipelines.rewrite import (
     STRATEGIES,
@@ -110,7 +110,10 @@ class TrainPipelineSparseDist(TrainPipeline[In, Out], AsyncInplaceCopyMixin[In],
     ``rewrite_strategy``: "auto" (FX tracing, falling back to binding the
     batch's KeyedJaggedTensor fields directly), "fx" or "direct".  Modules that
     can't be pipelined keep their forward and are logged (see
-    :attr:`rewrite_result`).
+    :attr:`rewrite_result`).  With ``pipeline_postproc=True``, modules between
+    the batch and a sharded module (postprocs without parameters, e.g. a
+    negative sampler) run ahead in the input_dist stage, once per batch, and
+    the forward reuses their output (see :mod:`trec_pipelines.postproc`).
 
     End of data: with ``execute_all_batches=True`` (default) every batch is
     trained; with ``False`` the pipeline stops as soon as the iterator ends,
@@ -160,8 +163,8 @@ class TrainPipelineSparseDist(TrainPipeline[In, Out], AsyncInplaceCopyMixin[In],
     batches' input_dist instead of restarting it; the next host batch is
     pulled at the top of ``progress()``, so an exception raised by the iterator
     reaches the caller before any work is issued and the next call carries on
-    with no batch lost or trained twice; ``progress()`` on a detached pipeline
-    raises instead of silently re-attaching.
+    with no batch lost or trained twice.  As upstream, ``progress()`` on a
+    detached pipeline attaches it again (logged) and carries on.
 
     Example::
 
@@ -236,13 +239,6 @@ class TrainPipelineSparseDist(TrainPipeline[In, Out], AsyncInplaceCopyMixin[In],
         self._clear_data_dist_inputs = clear_data_dist_inputs
         self._rewrite_strategy: Strategy = rewrite_strategy
         self._on_unpipelined = on_unpipelined
-        if pipeline_postproc:
-            # Informational: a sharded module fed by a postproc module still shows
-            # up in the rewrite report (and warns) as not pipelined, with its node.
-            logger.info(
-                "pipeline_postproc=True: postproc modules are not pipelined by "
-                "trec_pipelines; sharded modules fed by one are reported as not pipelined"
-            )
         if apply_jit:
             logger.warning("apply_jit=True is accepted but not applied by trec_pipelines")
 
@@ -288,6 +284,20 @@ class TrainPipelineSparseDist(TrainPipeline[In, Out], AsyncInplaceCopyMixin[In],
     def _pipelined_modules(self) -> List[ShardedModule]:
         return [] if self._rewrite is None else self._rewrite.modules
 
+    @property
+    def _pipelined_postprocs(self) -> List[PipelinedPostproc]:
+        """The postproc wrappers installed by the rewrite (``pipeline_postproc=True``)."""
+        return [] if self._rewrite is None else list(self._rewrite.postprocs)
+
+    def _make_postproc(
+        self, fqn: str, module: torch.nn.Module, call_args: CallArgs
+    ) -> PipelinedPostproc:
+        # Runs where input_dist runs (data_dist; Lite: the default stream) and
+        # is read on the stream current in the forward (default_stream None).
+        return PipelinedPostproc(
+            module, fqn, call_args, self._current_context(), None, self._streams.data_dist
+        )
+
     def _make_forward(self, name: str, call_args: CallArgs, module: ShardedModule) -> BaseForward[Any]:
         return PipelinedForward(
             name,
@@ -321,7 +331,13 @@ class TrainPipelineSparseDist(TrainPipeline[In, Out], AsyncInplaceCopyMixin[In],
     def _rewrite_checked(self, batch: Any) -> RewriteResult:
         """Rewrite the model and apply the ``on_unpipelined`` policy."""
         self._take_over_model()
-        result = rewrite_model(self._model, batch, self._make_forward, self._rewrite_strategy)
+        result = rewrite_model(
+            self._model,
+            batch,
+            self._make_forward,
+            self._rewrite_strategy,
+            make_postproc=self._make_postproc if self._pipeline_postproc else None,
+        )
         _claim(result, self)
         if result.not_pipelined and self._on_unpipelined == "raise":
             restore_model(result)
@@ -347,8 +363,11 @@ class TrainPipelineSparseDist(TrainPipeline[In, Out], AsyncInplaceCopyMixin[In],
         return self.contexts[0] if self.contexts else self._context_type()
 
     def _set_module_context(self, context: TrainPipelineContext) -> None:
+        """Point the forward wrappers and postprocs at the batch whose forward runs next."""
         for module in self._pipelined_modules:
             module.forward.set_context(context)  # type: ignore[union-attr]
+        for postproc in self._pipelined_postprocs:
+            postproc.set_context(context)
 
     def register_backward_hook(self, site: Any, work: Callable[[Any], None]) -> RemovableHandle:
         """Run ``work(self)`` each training step when the backward reaches ``site``.
@@ -519,7 +538,7 @@ class TrainPipelineSparseDist(TrainPipeline[In, Out], AsyncInplaceCopyMixin[In],
         wrappers at ``cur``."""
         self._begin_call()
         self._take_over_model()
-        self._check_attached()
+        self._ensure_attached()
         self._switch_iterator(dataloader_iter)
         self._fetch_ahead(dataloader_iter)
         self._step_guard.begin()  # from here a failure is rolled back and retried
@@ -605,12 +624,13 @@ class TrainPipelineSparseDist(TrainPipeline[In, Out], AsyncInplaceCopyMixin[In],
             other.detach()
             other._taken_over_by = type(self).__name__
 
-    def _check_attached(self) -> None:
+    def _ensure_attached(self) -> None:
+        """Attach the model again if it was detached (as upstream's ``progress()``)."""
         if not self._model_attached:
-            raise ModelDetachedException(
-                f"{type(self).__name__}.progress() was called after detach(); call "
-                "pipeline.attach() (optionally with the model) to resume pipelining"
+            logger.info(
+                "%s.progress() after detach(): attaching the model again", type(self).__name__
             )
+            self.attach()
 
     def _stop_if_done(self) -> None:
         """End the epoch when nothing is in flight, or when the data ran out and
@@ -656,7 +676,8 @@ class TrainPipelineSparseDist(TrainPipeline[In, Out], AsyncInplaceCopyMixin[In],
     # ------------------------------------------------------- attach / detach
 
     def detach(self) -> torch.nn.Module:
-        """Give the model its own forwards back; in-flight batches are kept.
+        """Give the model its own forwards back, sharded modules and postprocs;
+        in-flight batches are kept, with their input_dist and postproc outputs.
 
         Call :meth:`attach` (or just :meth:`progress`) to resume.
         """
@@ -670,7 +691,8 @@ class TrainPipelineSparseDist(TrainPipeline[In, Out], AsyncInplaceCopyMixin[In],
     def attach(self, model: Optional[torch.nn.Module] = None, sparse_dist: bool = True) -> None:
         """Pipeline the model again after :meth:`detach`, or pipeline a new model.
 
-        The in-flight batches keep the input_dist already done for them.
+        The in-flight batches keep the input_dist (and postproc outputs) already
+        done for them; the same modules and postprocs are wrapped again.
         """
         if model is not None and model is not self._model:
             self.detach()
