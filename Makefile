@@ -38,7 +38,7 @@ $(STAMP_LATEST): requirements-latest.txt requirements-torchrec-latest.txt setup.
 test: unit distributed distributed-4
 
 unit: $(STAMP)
-	$(PY) -m pytest -q tests/unit
+	$(PY) -m pytest -q -n $(NPROC) tests/unit
 
 distributed: $(STAMP)
 	$(VENV)/bin/torchrun --standalone --nproc_per_node=$(NPROC) -m pytest -q -p no:cacheprovider tests/distributed
@@ -68,7 +68,7 @@ distributed-4: $(STAMP)
 test-latest: unit-latest distributed-latest distributed-4-latest
 
 unit-latest: $(STAMP_LATEST)
-	$(PY_LATEST) -m pytest -q tests/unit
+	$(PY_LATEST) -m pytest -q -n $(NPROC) tests/unit
 
 distributed-latest: $(STAMP_LATEST)
 	$(VENV_LATEST)/bin/torchrun --standalone --nproc_per_node=$(NPROC) -m pytest -q -p no:cacheprovider tests/distributed

@@ -52,3 +52,14 @@ def predictions(output: Any) -> Any:
     if isinstance(output, tuple) and len(output) == 2:
         return output[1]
     return output
+
+
+def check_apply_jit(apply_jit: bool, pipeline: str) -> None:
+    """Refuse ``apply_jit=True``: ours does not TorchScript the model, and says so."""
+    if apply_jit:
+        raise ValueError(
+            f"{pipeline}: apply_jit=True (TorchScript the model's unsharded modules) is "
+            "not supported by trec_pipelines; TorchScript is deprecated in PyTorch. Pass "
+            "apply_jit=False, and to speed up the dense part compile it instead "
+            "(torch.compile, or TrainPipelinePT2 / TrainPipelineSparseDistCompAutograd)."
+        )

@@ -32,6 +32,7 @@ from trec_pipelines.input_dist import (
     wait_input_dist,
 )
 from trec_pipelines.lookup import start_embedding_lookup
+from trec_pipelines.pipelines._common import check_apply_jit
 from trec_pipelines.pipelines.staged import PipelineStage, side_stream
 from trec_pipelines.postproc import PipelinedPostproc
 from trec_pipelines.rewrite import (
@@ -143,8 +144,7 @@ class SparseDataDistUtil(Generic[In]):
             raise ValueError(
                 f"rewrite_strategy must be one of {STRATEGIES}, got {rewrite_strategy!r}"
             )
-        if apply_jit:
-            logger.warning("apply_jit=True is accepted but not applied by trec_pipelines")
+        check_apply_jit(apply_jit, type(self).__name__)
         self.model = model
         self.data_dist_stream = data_dist_stream
         self.apply_jit = apply_jit

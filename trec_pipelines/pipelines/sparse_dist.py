@@ -28,6 +28,7 @@ from trec_pipelines.input_dist import (
 )
 from trec_pipelines.pipelines._common import (
     UNPIPELINED_POLICIES,
+    check_apply_jit,
     check_device,
     check_model_device,
     check_optimizer,
@@ -239,8 +240,7 @@ class TrainPipelineSparseDist(TrainPipeline[In, Out], AsyncInplaceCopyMixin[In],
         self._clear_data_dist_inputs = clear_data_dist_inputs
         self._rewrite_strategy: Strategy = rewrite_strategy
         self._on_unpipelined = on_unpipelined
-        if apply_jit:
-            logger.warning("apply_jit=True is accepted but not applied by trec_pipelines")
+        check_apply_jit(apply_jit, type(self).__name__)
 
         self._streams: StreamSet = self._make_streams()
         self._sync_group = sync_group_for(sync_exhaustion)
