@@ -14,6 +14,7 @@ from typing import Generic, Iterator, Optional
 import torch
 from torchrec.distributed.train_pipeline import In
 
+from trec_pipelines.handoff import OneSlotHandoff
 from trec_pipelines.streams import device_module, new_stream, on_stream
 
 logger: logging.Logger = logging.getLogger(__name__)
@@ -50,47 +51,28 @@ class DataLoadingThread(threading.Thread, Generic[In]):
         self._memcpy_stream = (
             memcpy_stream if memcpy_stream is not None else new_stream(device, memcpy_stream_priority)
         )
-        self._cond = threading.Condition()
-        self._slot: Optional[In] = None
-        self._error: Optional[BaseException] = None
-        self._finished = False
-        self._stopping = False
+        self._handoff: OneSlotHandoff[In] = OneSlotHandoff()
 
     def run(self) -> None:
         if self._memcpy_stream is not None:
             # A new thread starts on the default device; copy on the caller's.
             device_module(self._device).set_device(self._memcpy_stream.device)
+        self._handoff.produce(self._load_one)
+
+    def _load_one(self) -> Optional[In]:
         try:
-            while True:
-                with self._cond:
-                    while self._slot is not None and not self._stopping:
-                        self._cond.wait()
-                    if self._stopping:
-                        return
-                # Outside the lock: get_next_batch() and stop() must not wait for it.
-                try:
-                    batch = next(self._dataloader_iter)
-                except StopIteration:
-                    return
-                with on_stream(self._memcpy_stream):
-                    on_device = batch.to(self._device, non_blocking=self._non_blocking)
-                with self._cond:
-                    self._slot = on_device
-                    self._cond.notify_all()
+            batch = next(self._dataloader_iter)
+        except StopIteration:
+            return None
         except BaseException as error:  # raised to the consumer by get_next_batch()
             logger.error("DataLoadingThread: loading stopped on %s: %s", type(error).__name__, error)
-            with self._cond:
-                self._error = error
-        finally:
-            with self._cond:
-                self._finished = True
-                self._cond.notify_all()
+            raise
+        with on_stream(self._memcpy_stream):
+            return batch.to(self._device, non_blocking=self._non_blocking)
 
     def stop(self) -> None:
         """Stop loading (the batch it holds is dropped); returns without waiting."""
-        with self._cond:
-            self._stopping = True
-            self._cond.notify_all()
+        self._handoff.stop()
 
     def get_next_batch(self, none_throws: bool = False) -> Optional[In]:
         """The next batch on the device, waiting for it.
@@ -99,16 +81,7 @@ class DataLoadingThread(threading.Thread, Generic[In]):
         ``StopIteration`` with ``none_throws``.  The copy was issued on the
         memcpy stream: on a GPU make your stream wait for it before use.
         """
-        with self._cond:
-            while self._slot is None and not self._finished and not self._stopping:
-                self._cond.wait()
-            batch, self._slot = self._slot, None
-            error = None
-            if batch is None:
-                error, self._error = self._error, None
-            self._cond.notify_all()
-        if error is not None:
-            raise error
+        batch = self._handoff.take()
         if batch is None and none_throws:
             raise StopIteration
         return batch

@@ -20,6 +20,7 @@ import torch
 from torchrec.distributed.train_pipeline import In, Out
 
 from trec_pipelines import recorder as rec
+from trec_pipelines.handoff import OneSlotHandoff
 from trec_pipelines.pipelines._common import predictions
 from trec_pipelines.pipelines.sparse_dist import TrainPipelineSparseDist
 from trec_pipelines.rewrite import Strategy
@@ -47,38 +48,11 @@ class _BatchLoader:
     """
 
     def __init__(self, load: Callable[[], Optional[Loaded]]) -> None:
-        self._load = load
-        self._cond = threading.Condition()
-        self._slot: Optional[Loaded] = None
-        self._error: Optional[BaseException] = None
-        self._finished = False
-        self._stopping = False
-        self._thread = threading.Thread(target=self._run, name="trec_pipelines-loader", daemon=True)
+        self._handoff: OneSlotHandoff[Loaded] = OneSlotHandoff()
+        self._thread = threading.Thread(
+            target=self._handoff.produce, args=(load,), name="trec_pipelines-loader", daemon=True
+        )
         self._thread.start()
-
-    def _run(self) -> None:
-        try:
-            while True:
-                with self._cond:
-                    while self._slot is not None and not self._stopping:
-                        self._cond.wait()
-                    if self._stopping:
-                        return
-                # next() and the copy run outside the lock: take() and stop()
-                # must not wait for them.
-                loaded = self._load()
-                if loaded is None:
-                    return
-                with self._cond:
-                    self._slot = loaded
-                    self._cond.notify_all()
-        except BaseException as error:  # handed to the consumer by take()
-            with self._cond:
-                self._error = error
-        finally:
-            with self._cond:
-                self._finished = True
-                self._cond.notify_all()
 
     def take(self) -> Optional[Loaded]:
         """The next batch, waiting for it; ``None`` once the data has ended.
@@ -86,20 +60,14 @@ class _BatchLoader:
         An exception raised by ``load`` is raised here once, after every batch
         loaded before it has been taken; later calls return ``None``.
         """
-        with self._cond:
-            while self._slot is None and not self._finished:
-                self._cond.wait()
-            loaded, self._slot = self._slot, None
-            error = None
-            if loaded is None:
-                error, self._error = self._error, None
-            self._cond.notify_all()
-        if loaded is not None:
-            return loaded
-        self._thread.join()  # it has finished: this only reaps it
-        if error is not None:
-            raise error
-        return None
+        try:
+            loaded = self._handoff.take()
+        except BaseException:
+            self._thread.join()  # it has finished: this only reaps it
+            raise
+        if loaded is None:
+            self._thread.join()
+        return loaded
 
     def stop(self, wait: bool = True) -> None:
         """End the thread, dropping a batch it holds.
@@ -107,9 +75,7 @@ class _BatchLoader:
         With ``wait`` return only once it has ended, which takes as long as a
         ``next()`` already under way; without, it ends after that call.
         """
-        with self._cond:
-            self._stopping = True
-            self._cond.notify_all()
+        self._handoff.stop()
         if wait and self._thread is not threading.current_thread():
             self._thread.join()
 
