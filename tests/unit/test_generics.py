@@ -65,3 +65,11 @@ def test_subscripted_alias_in_annotations_and_isinstance() -> None:
     assert hints["return"] == alias
     assert issubclass(trec_pipelines.TrainPipelineFusedSparseDist, trec_pipelines.TrainPipelineSparseDist)
     assert issubclass(trec_pipelines.TrainPipelineSparseDist, TrainPipeline)
+
+
+def test_pec_is_generic_over_in_and_out() -> None:
+    """torchrec 1.9.2's PEC pipeline is a ``TrainPipelineSparseDist[In, Out]``; ours too, on every stack."""
+    pec = trec_pipelines.TrainPipelinePEC
+    assert pec.__parameters__ == (In, Out)
+    alias = pec[Any, torch.Tensor]
+    assert typing.get_origin(alias) is pec and typing.get_args(alias) == (Any, torch.Tensor)

@@ -129,3 +129,15 @@ def test_constructor_is_torchrecs() -> None:
         "on_unpipelined",
         "sync_exhaustion",
     ]
+
+
+def test_pec_keeps_no_host_batch_after_its_step() -> None:
+    """A failed PEC step is not retried, so its source must not keep host copies
+    of in-flight batches for a retry (nothing would ever release them)."""
+    batches = make_batches(6)
+    model = TinyModel()
+    pipeline = TrainPipelinePEC(model, optimizer_for(model), CPU)
+    it = iter(batches)
+    for _ in range(len(batches)):
+        pipeline.progress(it)
+        assert len(pipeline._source._in_flight) == 0

@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Any, Callable, Deque, Iterator, List, Optional, Tuple
 
 import torch
+from torchrec.distributed.train_pipeline import In, Out
 from torchrec.distributed.types import ShardedModule
 
 from trec_pipelines import lookup
@@ -18,7 +19,7 @@ from trec_pipelines.rewrite import Strategy
 from trec_pipelines.streams import current_stream, record_stream, wait_event
 
 
-class TrainPipelinePEC(TrainPipelineSparseDist):
+class TrainPipelinePEC(TrainPipelineSparseDist[In, Out]):
     """Three batches in flight; every lookup of ``cur`` runs before its forward, part of it a step early.
 
     ==========  =======  ===========================================================
@@ -84,6 +85,11 @@ class TrainPipelinePEC(TrainPipelineSparseDist):
             except StopIteration:
                 break
     """
+
+    # A failed PEC step is not rolled back and retried (see step_guard): the
+    # NOL gradient one step defers lands in the next step, so undoing a step
+    # would need that deferral undone too.  The exception reaches the caller.
+    _retries_failed_steps: bool = False
 
     contexts: Deque[PECTrainPipelineContext]  # type: ignore[assignment]
 
