@@ -240,6 +240,16 @@ class BatchSource:
     def end_epoch(self) -> None:
         self.exhausted = False
 
+    def restart_count(self) -> None:
+        """Number the next batch 0 again (a pipeline's ``reset()``, as torchrec's).
+
+        Call with nothing in flight: the indices are what ``sync_embeddings``
+        and the records key on.
+        """
+        assert not self._in_flight and not self._rewound, "restart_count() with batches in flight"
+        self.loaded = 0
+        self.last_index = -1
+
     # ----------------------------------------------------- failed-step retry
 
     def retire(self) -> None:

@@ -65,6 +65,20 @@ def test_loader_error_reaches_the_caller_after_the_batches_before_it(cls: Any) -
     thread.stop()
 
 
+@pytest.mark.parametrize("cls", [DataLoadingThread, UpstreamThread], ids=["ours", "torchrec"])
+def test_batches_in_order_then_none_then_stop_iteration(cls: Any) -> None:
+    # torchrec's DataLoadingThreadTest.test_fetch_data: once the data has ended,
+    # it stays ended, whichever way the caller asks for the next batch.
+    thread = cls(CPU, iter([torch.tensor([i]) for i in range(7)]), True)
+    thread.start()
+    assert [thread.get_next_batch().item() for _ in range(7)] == list(range(7))
+    assert thread.get_next_batch(False) is None
+    with pytest.raises(StopIteration):
+        thread.get_next_batch(True)
+    assert thread.get_next_batch() is None
+    thread.stop()
+
+
 def test_stop_ends_the_thread_and_join_returns() -> None:
     # torchrec's thread keeps a bool in Thread._stop, which breaks its join().
     def endless() -> Iterator[torch.Tensor]:

@@ -719,7 +719,8 @@ class TrainPipelineSparseDist(TrainPipeline[In, Out], AsyncInplaceCopyMixin[In],
         self._set_module_context(self.contexts[0])
 
     def reset(self) -> None:
-        """Drop the in-flight (and parked) batches; the next ``progress()`` starts a new epoch."""
+        """Drop the in-flight (and parked) batches; the next ``progress()`` starts a new
+        epoch, its first batch numbered 0."""
         dropped = len(self.batches) + sum(len(p.batches) for p in self._parked.states())
         dropped += self._source.rewound
         if dropped:
@@ -734,3 +735,6 @@ class TrainPipelineSparseDist(TrainPipeline[In, Out], AsyncInplaceCopyMixin[In],
         self._source.drop_in_flight()
         self._step_guard.failed = None
         self._source.end_epoch()
+        # Batch indices start from 0 again, as in torchrec: the DMPCollection
+        # sync every N batches (sync_embeddings) counts from the reset.
+        self._source.restart_count()
