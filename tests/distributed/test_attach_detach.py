@@ -12,7 +12,7 @@ Then the same with the detach at every point of an epoch, for every variant.
 
 from __future__ import annotations
 
-from typing import Any, Callable, List, Optional, Tuple
+from typing import Any, List, Tuple
 
 import pytest
 import torch

@@ -23,6 +23,7 @@ from torchrec.distributed.train_pipeline.gradient_accumulation import (
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 import trec_pipelines
+from tests.fault_injection import FailingBackward, Fault
 from tests.distributed.dlrm import (
     DLRM,
     FEATURES,
@@ -33,26 +34,13 @@ from tests.distributed.dlrm import (
     make_batches,
     make_sharded,
     plain_loop,
+    plain_loop_with_eval_pass,
     run_pipeline,
     weights,
 )
 
 CPU = torch.device("cpu")
 SEED, DATA_SEED = 1234, 11
-
-
-class Fault(RuntimeError):
-    pass
-
-
-class _FailingBackward(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:
-        return x.clone()
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
-        raise Fault("injected in backward")
 
 
 class FaultyDLRM(DLRM):
@@ -79,7 +67,7 @@ class FaultyDLRM(DLRM):
         x = torch.cat([self.dense_arch(batch.dense)] + [by_name[f] for f in FEATURES], dim=1)
         logits = self.over_arch(x).squeeze(-1)
         if fail and self.where == "backward":
-            logits = _FailingBackward.apply(logits)
+            logits = FailingBackward.apply(logits)
         loss = torch.nn.functional.binary_cross_entropy_with_logits(logits, batch.labels)
         return loss, logits.detach()
 
@@ -200,12 +188,7 @@ def test_after_an_eval_pipeline_left_attached_training_equals_the_plain_loop() -
     pipelines take the model over in turn; no misleading "called twice"."""
     train, evaluation = make_batches(6, seed=DATA_SEED), make_batches(3, seed=DATA_SEED + 1)
     ref_dmp, ref_optimizer = make_sharded(DLRM, "table_wise", seed=SEED)
-    ref_first = plain_loop(ref_dmp, ref_optimizer, train[:2])
-    ref_dmp.eval()
-    with torch.no_grad():
-        ref_eval = [ref_dmp(b)[1] for b in evaluation]
-    ref_dmp.train()
-    ref_rest = plain_loop(ref_dmp, ref_optimizer, train[2:])
+    ref_first, ref_eval, ref_rest = plain_loop_with_eval_pass(ref_dmp, ref_optimizer, train, evaluation, 2)
 
     dmp, optimizer = make_sharded(DLRM, "table_wise", seed=SEED)
     pipeline = trec_pipelines.TrainPipelineSemiSync(dmp, optimizer, CPU, start_batch=100)

@@ -13,6 +13,7 @@ from typing import Any, Iterator, List, Optional, Tuple
 import pytest
 import torch
 
+from tests.fault_injection import FailingBackward, Fault
 from tests.unit.fakes import (
     Batch,
     TinyModel,
@@ -26,20 +27,6 @@ import trec_pipelines as tp
 from trec_pipelines.stages import BatchSource
 
 CPU = torch.device("cpu")
-
-
-class Fault(RuntimeError):
-    pass
-
-
-class _FailingBackward(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:
-        return x.clone()
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
-        raise Fault("injected in backward")
 
 
 class FaultyModel(TinyModel):
@@ -64,7 +51,7 @@ class FaultyModel(TinyModel):
             raise Fault("injected after the lookup")
         loss, pred = _head(self, embedded, batch)
         if fail and self.where == "backward":
-            loss = _FailingBackward.apply(loss)
+            loss = FailingBackward.apply(loss)
         return loss, pred
 
 
