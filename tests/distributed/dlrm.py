@@ -19,7 +19,7 @@ Public helpers (see each docstring):
 """
 
 from dataclasses import dataclass
-from typing import Callable, Dict, Iterable, List, Optional, Sequence, Union
+from typing import Callable, Dict, Iterable, List, Optional, Sequence, Tuple, Union
 
 import torch
 import torch.distributed as dist
@@ -416,6 +416,20 @@ def plain_loop(model: nn.Module, optimizer, batches: Iterable) -> Run:
         optimizer.step()
         outputs.append(_snapshot(out))
     return Run(outputs, weights(model))
+
+
+def plain_loop_with_eval_pass(
+    model: nn.Module, optimizer, train: List, evaluation: List, at: int
+) -> Tuple[Run, List[torch.Tensor], Run]:
+    """The plain loop trains ``train[:at]``, evaluates ``evaluation`` in eval mode
+    under ``no_grad``, then trains ``train[at:]``: (first run, eval outputs, rest)."""
+    first = plain_loop(model, optimizer, train[:at])
+    model.eval()
+    with torch.no_grad():
+        evaluated = [model(b)[1] for b in evaluation]
+    model.train()
+    rest = plain_loop(model, optimizer, train[at:])
+    return first, evaluated, rest
 
 
 def run_pipeline(

@@ -9,7 +9,7 @@ import torch
 import torch.distributed as dist
 
 import trec_pipelines
-from tests.distributed.dlrm import DLRM, assert_runs_equal, make_batches, make_sharded, plain_loop, run_pipeline
+from tests.distributed.dlrm import DLRM, assert_runs_equal, make_batches, make_sharded, plain_loop, plain_loop_with_eval_pass, run_pipeline
 
 CPU = torch.device("cpu")
 SEED, DATA_SEED = 1234, 7
@@ -60,12 +60,7 @@ def test_eval_pass_mid_training_with_input_dist_in_flight() -> None:
     """Batches whose input_dist is under way are parked through an eval pass."""
     train, evaluation = make_batches(6, seed=DATA_SEED), make_batches(3, seed=DATA_SEED + 5)
     ref_dmp, ref_optimizer = make_sharded(DLRM, "table_wise", seed=SEED)
-    ref_first = plain_loop(ref_dmp, ref_optimizer, train[:3])
-    ref_dmp.eval()
-    with torch.no_grad():
-        ref_eval = [ref_dmp(b)[1] for b in evaluation]
-    ref_dmp.train()
-    ref_rest = plain_loop(ref_dmp, ref_optimizer, train[3:])
+    ref_first, ref_eval, ref_rest = plain_loop_with_eval_pass(ref_dmp, ref_optimizer, train, evaluation, 3)
 
     dmp, optimizer = make_sharded(DLRM, "table_wise", seed=SEED)
     pipeline = trec_pipelines.TrainPipelineSparseDist(dmp, optimizer, CPU)
