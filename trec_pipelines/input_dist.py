@@ -10,6 +10,12 @@ To fuse, each ``KJTAllToAll`` inside a pipelined module is made to return only
 its splits metadata (:class:`SplitsOnlyKJTAllToAll`) instead of launching its
 own splits collective; ``FusedKJTListSplitsAwaitable`` (torchrec) then launches
 one collective per process group.
+
+A ``KJTAllToAll`` on a one-rank group is left as it is: it has nothing to
+exchange and its own forward already skips the splits collective, so its
+request is waited on its own.  (torchrec's pipelines fuse it anyway and run a
+splits all-to-all of one rank every step; a plain loop over the same model
+never does.)
 """
 
 from __future__ import annotations
@@ -109,6 +115,8 @@ def fuse_kjt_splits(modules: Sequence[ShardedModule]) -> Tuple[KJTDistOverride, 
     """Make every ``KJTAllToAll`` in ``modules`` hand back splits metadata only."""
     overrides = []
     for kjt_dist in _kjt_all_to_alls(modules):
+        if kjt_dist._pg.size() == 1:
+            continue  # nothing to exchange: its own forward skips the splits collective
         overrides.append(
             KJTDistOverride(
                 dist_module=kjt_dist,
@@ -192,13 +200,15 @@ def _process_group_of(request: Awaitable[Any]) -> Optional[dist.ProcessGroup]:
 
 
 def _fuse_splits(context: TrainPipelineContext) -> None:
-    names_per_pg: Dict[Optional[dist.ProcessGroup], List[str]] = defaultdict(list)
+    names_per_pg: Dict[dist.ProcessGroup, List[str]] = defaultdict(list)
     for name, request in context.input_dist_splits_requests.items():
-        if isinstance(request, KJTListSplitsAwaitable):
-            names_per_pg[_process_group_of(request)].append(name)
-        else:
-            # Not a KJT input dist (a custom sharded module): waited on its own.
+        pg = _process_group_of(request) if isinstance(request, KJTListSplitsAwaitable) else None
+        if pg is None:
+            # Nothing to fuse (a one-rank group, or not a KJT input dist, as a
+            # custom sharded module's): waited on its own.
             context.fused_splits_awaitables.append(([name], _Single(request)))
+        else:
+            names_per_pg[pg].append(name)
     for pg, names in names_per_pg.items():
         fused = FusedKJTListSplitsAwaitable(
             requests=[context.input_dist_splits_requests[n] for n in names],

@@ -18,7 +18,7 @@ from tests.unit.fakes import (
     plain_loop,
 )
 import trec_pipelines as tp
-from trec_pipelines.validation import kjt_problem
+from trec_pipelines.validation import _looks_consistent, batch_problem, kjt_problem
 
 CPU = torch.device("cpu")
 KEYS = ["f0", "f1"]
@@ -65,6 +65,65 @@ def test_each_mismatch_is_named(case: str) -> None:
     make, message = MALFORMED[case]
     problem = kjt_problem(make())
     assert problem is not None and __import__("re").search(message, problem), problem
+
+
+def test_the_fast_check_passes_the_usual_host_batch() -> None:
+    # The NumPy path must cover what loaders produce, or every batch pays for the torch path.
+    assert _looks_consistent(_kjt(GOOD))
+    assert _looks_consistent(KeyedJaggedTensor.from_lengths_sync(KEYS, GOOD, LENGTHS))
+    assert _looks_consistent(_kjt(GOOD, offsets=torch.tensor([0, 1, 3, 3, 6, 7, 9])))
+    for batch in make_batches(5):
+        assert _looks_consistent(batch.sparse)
+
+
+@pytest.mark.parametrize("case", list(MALFORMED))
+def test_the_fast_check_never_passes_a_malformed_kjt(case: str) -> None:
+    make, message = MALFORMED[case]
+    assert not _looks_consistent(make())
+    problem = batch_problem(make())
+    assert problem is not None and __import__("re").search(message, problem), problem
+
+
+@pytest.mark.parametrize("large", [False, True], ids=["list path", "numpy path"])
+def test_the_fast_check_agrees_with_the_full_one_on_random_corruptions(large: bool) -> None:
+    # A corruption the fast check lets through would train silently: every
+    # KJT it passes, the torch path must pass too.  Small KJTs take the fast
+    # check's list path, large ones (more than _SMALL lengths) its NumPy path.
+    from trec_pipelines.validation import _SMALL
+
+    g = torch.Generator().manual_seed(3)
+    disagreements = []
+    passed = 0
+    for trial in range(60 if large else 400):
+        keys = ["a", "b", "c"][: 1 + trial % 3]
+        stride = _SMALL + 1 + trial % 5 if large else 1 + trial % 5
+        lengths = torch.randint(0, 4, (len(keys) * stride,), generator=g)
+        values = torch.arange(int(lengths.sum()))
+        kwargs: dict = {}
+        corruption = trial % 6
+        if corruption == 1 and lengths.numel():
+            lengths[int(torch.randint(0, lengths.numel(), (1,), generator=g))] -= 5
+        elif corruption == 2:
+            values = torch.arange(max(0, values.numel() + int(torch.randint(-3, 4, (1,), generator=g))))
+        elif corruption == 3:
+            kwargs["offsets"] = torch.cat([torch.zeros(1, dtype=torch.long), torch.cumsum(lengths, 0)])
+            if trial % 12 == 3 and lengths.numel():
+                kwargs["offsets"][-1] += 1
+        elif corruption == 4:
+            per_key = lengths.view(len(keys), stride).sum(1).tolist()
+            per_key[0] += trial % 2
+            kwargs["length_per_key"] = per_key
+        elif corruption == 5:
+            kwargs["weights"] = torch.ones(values.numel() + trial % 2)
+        kjt = KeyedJaggedTensor(keys=keys, values=values, lengths=lengths, stride=stride, **kwargs)
+        if _looks_consistent(kjt):
+            passed += 1
+            if kjt_problem(kjt) is not None:
+                disagreements.append((trial, kjt_problem(kjt)))
+        if (batch_problem(kjt) is None) != (kjt_problem(kjt) is None):
+            disagreements.append((trial, "batch_problem"))
+    assert not disagreements, disagreements[:5]
+    assert passed > 10  # the fast path did take the well-formed ones
 
 
 def _with_bad_batch(at: int, make: Callable[[], KeyedJaggedTensor]) -> List[Any]:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import logging
 from collections import deque
 from dataclasses import dataclass
-from typing import Any, Callable, Deque, Iterator, List, Optional, Tuple, Type
+from typing import Any, Callable, Deque, Dict, Iterator, List, Optional, Tuple, Type
 
 import torch
 from torch.utils.hooks import RemovableHandle
@@ -260,6 +260,8 @@ class TrainPipelineSparseDist(TrainPipeline[In, Out], AsyncInplaceCopyMixin[In],
         self._model_attached = True
         # Set when another pipeline detached this one to take the model over.
         self._taken_over_by: Optional[str] = None
+        # The model's sharded modules, found once: every step looks at their forwards.
+        self._sharded: Optional[Dict[str, ShardedModule]] = None
 
     # ------------------------------------------------------------------ setup
 
@@ -598,7 +600,9 @@ class TrainPipelineSparseDist(TrainPipeline[In, Out], AsyncInplaceCopyMixin[In],
             return
         if not self._model_attached:
             return
-        for name, module in sharded_modules(self._model).items():
+        if self._sharded is None:
+            self._sharded = sharded_modules(self._model)
+        for name, module in self._sharded.items():
             forward = module.__dict__.get("forward")
             if not isinstance(forward, BaseForward) or forward.owner is self:
                 continue
@@ -699,6 +703,7 @@ class TrainPipelineSparseDist(TrainPipeline[In, Out], AsyncInplaceCopyMixin[In],
             self._model = model
             self._model_fwd = self._custom_model_fwd or model
             self._rewrite = None  # a new model is traced on the next batch
+            self._sharded = None
         if self._model_attached:
             return
         self._model_attached = True

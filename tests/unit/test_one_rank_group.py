@@ -1,0 +1,38 @@
+"""A model sharded over a one-rank group: no splits all-to-all, same training.
+
+With one rank there is nothing to exchange: a ``KJTAllToAll``'s own forward
+skips its splits collective, and our pipelines leave it that way instead of
+fusing it into a splits all-to-all of one rank per step (which torchrec's
+pipelines run).  The run is in a fresh process (one_rank_group.py), so the
+one-rank gloo world never meets this process's state.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+VARIANTS = ["TrainPipelineSparseDist", "TrainPipelineSparseDistLite", "TrainPipelineFusedSparseDist", "TrainPipelineSemiSync"]
+
+
+def test_one_rank_group_skips_the_splits_collective_and_trains_as_before() -> None:
+    done = subprocess.run(
+        [sys.executable, "-m", "tests.unit.one_rank_group", *VARIANTS],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    records = {r["run"]: r for r in map(json.loads, done.stdout.splitlines())}
+    assert records["torchrec"]["matches"], "torchrec's pipeline differs from the plain loop"
+    for name in VARIANTS:
+        record = records[name]
+        assert record["matches"], f"{name} differs from its oracle on a one-rank group"
+        assert record["steps"] > 3
+        assert record["splits_only_overrides"] == 0, record
+        # Every module's splits request is waited on its own: no fused collective.
+        assert record["awaited"] == ["_Single"], record
