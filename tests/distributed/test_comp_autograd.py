@@ -111,11 +111,12 @@ def test_comp_autograd_matches_plain_loop_and_leaves_config_alone() -> None:
     with torch._dynamo.config.patch(optimize_ddp="python_reducer"):
         dmp, optimizer = make_sharded(DLRM, "table_wise", seed=SEED)
 
-    seen: List[Tuple[Dict[str, Any], bool]] = []
+    seen: List[Tuple[Dict[str, Any], bool, bool]] = []
 
     def forward(batch: Any) -> Any:
         # What the pipeline holds while the model runs.
-        seen.append((touched_settings(), comm_ops.USE_SYNC_COLLECTIVES))
+        compiled = torch._dynamo.compiled_autograd.compiled_autograd_enabled
+        seen.append((touched_settings(), comm_ops.USE_SYNC_COLLECTIVES, compiled))
         return dmp(batch)
 
     torch._dynamo.utils.counters.clear()
@@ -153,13 +154,14 @@ def test_comp_autograd_matches_plain_loop_and_leaves_config_alone() -> None:
     assert counters["stats"]["unique_graphs"] >= 1, "nothing reached the compiler"
     _assert_close(ours, ref)
 
-    # The first forward runs without the settings (as upstream), the others
-    # with them, and the backward graphs are compiled under them.
+    # The first forward runs without compiled autograd (as upstream), the
+    # others with it; every forward and the backward graphs' compilation
+    # run under the settings and with synchronous collectives.
     assert len(seen) == NUM_BATCHES
-    assert seen[0] == (before, True)
+    assert [compiled for _, _, compiled in seen] == [False] + [True] * (NUM_BATCHES - 1)
     assert compiled_with, "compiled autograd never called the compiler"
     assert HELD.keys() <= before.keys()
-    for settings, sync in seen[1:] + [(c, True) for c in compiled_with]:
+    for settings, sync in [(s, sync) for s, sync, _ in seen] + [(c, True) for c in compiled_with]:
         assert sync is True
         for key, value in HELD.items():
             assert settings[key] == value, key

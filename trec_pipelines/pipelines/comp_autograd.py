@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from typing import Any, Callable, ContextManager, Dict, Iterator, Optional, Tuple, Type, Union
+from typing import Any, Callable, ContextManager, Dict, Iterator, List, Optional, Tuple, Type, Union
 
 import torch
 import torch._functorch.config
@@ -50,17 +50,40 @@ def _live(config: Any, name: str) -> bool:
     return entry is not None and not getattr(entry, "deprecated", False)
 
 
-@contextlib.contextmanager
-def compiled_autograd_settings() -> Iterator[None]:
+class _HeldSettings:
+    """The compiler settings this PyTorch has, resolved once; :meth:`held` sets
+    them for a ``with`` and puts the previous values back on exit.
+
+    Entered twice per step, so it avoids ``config.patch`` (which builds a
+    context-manager class per call) and looks nothing up per entry.
+    """
+
+    def __init__(self) -> None:
+        self._entries: List[Tuple[Any, str, Any]] = [
+            (config, name, value)
+            for config, settings in _SETTINGS
+            for name, value in settings.items()
+            if _live(config, name)
+        ]
+
+    @contextlib.contextmanager
+    def held(self) -> Iterator[None]:
+        previous = [(config, name, getattr(config, name)) for config, name, _ in self._entries]
+        try:
+            for config, name, value in self._entries:
+                setattr(config, name, _fresh(value))
+            yield
+        finally:
+            for config, name, value in previous:
+                setattr(config, name, value)
+
+
+def compiled_autograd_settings() -> ContextManager[None]:
     """Hold the compiler settings of :class:`TrainPipelineSparseDistCompAutograd` for a ``with``.
 
     On exit every setting is back to what it was.
     """
-    with contextlib.ExitStack() as stack:
-        for config, settings in _SETTINGS:
-            live = {name: _fresh(value) for name, value in settings.items() if _live(config, name)}
-            stack.enter_context(config.patch(**live))
-        yield
+    return _HeldSettings().held()
 
 
 def touched_settings() -> Dict[str, Any]:
@@ -181,9 +204,10 @@ class TrainPipelineSparseDistCompAutograd(TrainPipelineSparseDist[In, Out]):
     ``options`` is ``model._compiled_autograd_options`` when the model has
     it, else ``backend="inductor", dynamic=True`` and ``fullgraph=True`` (on
     CPU ``fullgraph=False``, see below).  As upstream, the first forward runs
-    without compiled autograd and every backward runs with it.  While they
-    run, the compiler settings of :func:`compiled_autograd_settings` are held
-    (inductor reorders the backward so collectives overlap compute).
+    without compiled autograd and every backward runs with it.  From the
+    forward to the end of the backward, the compiler settings of
+    :func:`compiled_autograd_settings` are held (inductor reorders the
+    backward so collectives overlap compute).
 
     The model is taken as it is built.  Compiled autograd cannot trace the
     hooks of DDP's C++ reducer (what ``DistributedModelParallel`` builds for
@@ -267,6 +291,7 @@ class TrainPipelineSparseDistCompAutograd(TrainPipelineSparseDist[In, Out]):
             model, "_compiled_autograd_options", default_options
         )
         self._compiler = torch.compile(**self.compiled_autograd_options)
+        self._settings = _HeldSettings()
         # False until the first forward, which runs without compiled autograd.
         self.initialized = False
         self.switched_ddp_reducers = use_python_reducer(model, type(self).__name__)
@@ -278,11 +303,14 @@ class TrainPipelineSparseDistCompAutograd(TrainPipelineSparseDist[In, Out]):
             return contextlib.nullcontext()
         return self._compiled_region()
 
+    def _compiled_region(self) -> ContextManager[None]:
+        return torch._dynamo.compiled_autograd._enable(self._compiler)
+
     @contextlib.contextmanager
-    def _compiled_region(self) -> Iterator[None]:
-        with compiled_autograd_settings(), _inline_ddp_for_dynamo():
-            with torch._dynamo.compiled_autograd._enable(self._compiler):
-                yield
+    def _compiler_settings(self) -> Iterator[None]:
+        # Held once per step, from the forward to the end of the backward.
+        with self._settings.held(), _inline_ddp_for_dynamo():
+            yield
 
     def _compiled_forward(self) -> Tuple[torch.Tensor, Any]:
         with self.get_compiled_autograd_ctx(), sync_collectives():
@@ -306,11 +334,13 @@ class TrainPipelineSparseDistCompAutograd(TrainPipelineSparseDist[In, Out]):
         if len(self.batches) >= 2:
             self.start_sparse_data_dist(self.batches[1], self.contexts[1])  # nxt, data_dist
         self.enqueue_batch(dataloader_iter)                        # new, memcpy
-        losses, output = self._compiled_forward()                  # cur, default
-        if len(self.batches) >= 2:
-            self.wait_sparse_data_dist(self.contexts[1])           # nxt, data_dist
+        with self._compiler_settings():
+            losses, output = self._compiled_forward()              # cur, default
+            if len(self.batches) >= 2:
+                self.wait_sparse_data_dist(self.contexts[1])       # nxt, data_dist
+            if training:
+                self._compiled_backward(losses)                    # cur, default (compiled)
         if training:
-            self._compiled_backward(losses)                        # cur, default (compiled)
             self.sync_embeddings(
                 self._model, self._dmp_collection_sync_interval_batches, self.contexts[0]
             )
