@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from typing import Any, Callable, ContextManager, Dict, Iterator, List, Optional, Tuple, Type, Union
+from typing import Any, Callable, ContextManager, Dict, Iterator, Optional, Tuple, Type, Union
 
 import torch
 import torch._functorch.config
@@ -14,6 +14,7 @@ from torchrec.distributed import comm_ops
 from torchrec.distributed.train_pipeline import In, Out
 
 from trec_pipelines import recorder as rec
+from trec_pipelines.compiler_settings import HeldSettings
 from trec_pipelines.context import TrainPipelineContext
 from trec_pipelines.pipelines.sparse_dist import TrainPipelineSparseDist
 from trec_pipelines.rewrite import Strategy
@@ -50,32 +51,15 @@ def _live(config: Any, name: str) -> bool:
     return entry is not None and not getattr(entry, "deprecated", False)
 
 
-class _HeldSettings:
-    """The compiler settings this PyTorch has, resolved once; :meth:`held` sets
-    them for a ``with`` and puts the previous values back on exit.
-
-    Entered twice per step, so it avoids ``config.patch`` (which builds a
-    context-manager class per call) and looks nothing up per entry.
-    """
-
-    def __init__(self) -> None:
-        self._entries: List[Tuple[Any, str, Any]] = [
+def _held_settings() -> HeldSettings:
+    return HeldSettings(
+        [
             (config, name, value)
             for config, settings in _SETTINGS
             for name, value in settings.items()
             if _live(config, name)
         ]
-
-    @contextlib.contextmanager
-    def held(self) -> Iterator[None]:
-        previous = [(config, name, getattr(config, name)) for config, name, _ in self._entries]
-        try:
-            for config, name, value in self._entries:
-                setattr(config, name, _fresh(value))
-            yield
-        finally:
-            for config, name, value in previous:
-                setattr(config, name, value)
+    )
 
 
 def compiled_autograd_settings() -> ContextManager[None]:
@@ -83,22 +67,12 @@ def compiled_autograd_settings() -> ContextManager[None]:
 
     On exit every setting is back to what it was.
     """
-    return _HeldSettings().held()
+    return _held_settings().held()
 
 
 def touched_settings() -> Dict[str, Any]:
     """``"module.name" -> current value`` of every setting the pipeline holds (for checks)."""
-    values: Dict[str, Any] = {}
-    for config, settings in _SETTINGS:
-        for name in settings:
-            if _live(config, name):
-                values[f"{config.__name__}.{name}"] = _fresh(getattr(config, name))
-    return values
-
-
-def _fresh(value: Any) -> Any:
-    # A list setting is copied so that nobody's list is shared or mutated.
-    return list(value) if isinstance(value, list) else value
+    return _held_settings().current()
 
 
 # [Note: DDP's reducer under compiled autograd]
@@ -291,7 +265,7 @@ class TrainPipelineSparseDistCompAutograd(TrainPipelineSparseDist[In, Out]):
             model, "_compiled_autograd_options", default_options
         )
         self._compiler = torch.compile(**self.compiled_autograd_options)
-        self._settings = _HeldSettings()
+        self._settings = _held_settings()
         # False until the first forward, which runs without compiled autograd.
         self.initialized = False
         self.switched_ddp_reducers = use_python_reducer(model, type(self).__name__)

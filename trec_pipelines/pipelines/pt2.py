@@ -11,6 +11,7 @@ from torchrec.distributed.train_pipeline import In, Out, TrainPipeline
 from torchrec.pt2.utils import default_pipeline_input_transformer
 
 from trec_pipelines import recorder as rec
+from trec_pipelines.compiler_settings import HeldSettings
 from trec_pipelines.pipelines._common import check_device, check_model_device, check_optimizer
 from trec_pipelines.recorder import Recordable
 from trec_pipelines.step_guard import StepGuard, guarded_step, skip_failed_batch
@@ -45,14 +46,19 @@ _DYNAMO_SETTINGS: Dict[str, Any] = {
 }
 
 
+def _held_dynamo_settings() -> HeldSettings:
+    return HeldSettings(
+        [(torch._dynamo.config, k, v) for k, v in _DYNAMO_SETTINGS.items() if hasattr(torch._dynamo.config, k)]
+    )
+
+
 def dynamo_settings() -> ContextManager[None]:
     """The torchrec dynamo settings, applied for the duration of a ``with``.
 
     Unlike torchrec 1.8.0, which sets them globally for good, the pipeline only
     holds them while its compiled model runs; other code sees the user's config.
     """
-    known = {k: v for k, v in _DYNAMO_SETTINGS.items() if hasattr(torch._dynamo.config, k)}
-    return torch._dynamo.config.patch(**known)
+    return _held_dynamo_settings().held()
 
 
 class TrainPipelinePT2(TrainPipeline[In, Out], Recordable):
@@ -119,6 +125,7 @@ class TrainPipelinePT2(TrainPipeline[In, Out], Recordable):
         )
         self._step_guard = StepGuard()
         self._iter = 0
+        self._dynamo_settings = _held_dynamo_settings()
         self._compiled = False
         self._cur_batch: Optional[Any] = None
 
@@ -134,7 +141,7 @@ class TrainPipelinePT2(TrainPipeline[In, Out], Recordable):
         self._compiled = True
 
     def _compiled_region(self) -> ContextManager[None]:
-        return dynamo_settings() if self._compiled else contextlib.nullcontext()
+        return self._dynamo_settings.held() if self._compiled else contextlib.nullcontext()
 
     @guarded_step
     def progress(self, dataloader_iter: Iterator[Any]) -> Any:
