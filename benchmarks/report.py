@@ -129,14 +129,25 @@ class OverheadRow:
     plain_ms: Optional[float]
     ours_note: str = ""
     torchrec_note: str = ""
+    # ms/step per round (same order for every contender), for the paired overheads.
+    ours_samples: List[float] = field(default_factory=list)
+    torchrec_samples: List[float] = field(default_factory=list)
+    plain_samples: List[float] = field(default_factory=list)
+
+    def _overhead(self, ms: Optional[float], samples: List[float]) -> Optional[float]:
+        # Paired: per round, the contender's ms/step minus the plain loop's in
+        # the same round, then the median; drift between rounds cancels.
+        if samples and len(samples) == len(self.plain_samples):
+            return statistics.median(a - b for a, b in zip(samples, self.plain_samples))
+        return None if ms is None or self.plain_ms is None else ms - self.plain_ms
 
     @property
     def ours_overhead(self) -> Optional[float]:
-        return None if self.ours_ms is None or self.plain_ms is None else self.ours_ms - self.plain_ms
+        return self._overhead(self.ours_ms, self.ours_samples)
 
     @property
     def torchrec_overhead(self) -> Optional[float]:
-        return None if self.torchrec_ms is None or self.plain_ms is None else self.torchrec_ms - self.plain_ms
+        return self._overhead(self.torchrec_ms, self.torchrec_samples)
 
     @property
     def overhead_ratio(self) -> Optional[float]:
@@ -250,11 +261,12 @@ def overhead_table(raw: Dict[str, Any]) -> Optional[OverheadTable]:
     if not block:
         return None
     steps, contenders = block["steps"], block["contenders"]
-    plain = {
-        mode: _measure(contenders.get(f"plain:{mode}"), steps, True, "not run").median
+    plain_measures = {
+        mode: _measure(contenders.get(f"plain:{mode}"), steps, True, "not run")
         for mode in ("train", "eval")
         if f"plain:{mode}" in contenders
     }
+    plain = {mode: m.median for mode, m in plain_measures.items()}
     rows = []
     for variant, mode in _variants(contenders):
         ours = _measure(contenders.get(f"ours:{variant}"), steps, True, "not run")
@@ -268,6 +280,11 @@ def overhead_table(raw: Dict[str, Any]) -> Optional[OverheadTable]:
                 plain_ms=plain.get(_plain_mode(mode)),
                 ours_note="" if ours.median is not None else "n/a",
                 torchrec_note="(shimmed)" if theirs.shimmed else ("" if theirs.median is not None else "n/a"),
+                ours_samples=list(ours.samples),
+                torchrec_samples=list(theirs.samples),
+                plain_samples=list(plain_measures[_plain_mode(mode)].samples)
+                if _plain_mode(mode) in plain_measures
+                else [],
             )
         )
     return OverheadTable(block["batch_size"], steps, rows, plain)
@@ -384,8 +401,9 @@ def format_overhead(table: OverheadTable, repeats: int) -> str:
         )
     plain = ", ".join(f"{mode} {_num(v, 2)} ms" for mode, v in table.plain_ms.items())
     title = (
-        f"Per-step overhead on the tiny model (batch {table.batch_size}/rank, {table.steps}-step epochs, "
-        f"median of {repeats}): ms/step, and overhead = ms/step - plain loop ({plain})"
+        f"Per-step overhead on the tiny model (rank 0 alone on a one-rank group, batch {table.batch_size}, "
+        f"{table.steps}-step epochs, {repeats} rounds): ms/step (median), and overhead = median over rounds "
+        f"of ms/step minus the plain loop's in the same round (plain loop: {plain})"
     )
     return "\n".join(
         [title]
@@ -470,7 +488,7 @@ def summary(raw: Dict[str, Any]) -> Dict[str, Any]:
         out["overhead"] = {
             "batch_size": overhead.batch_size,
             "steps": overhead.steps,
-            "unit": "ms/step; overhead = ms/step - plain loop ms/step",
+            "unit": "ms/step; overhead = median over rounds of (ms/step - plain loop ms/step in that round)",
             "plain_ms": overhead.plain_ms,
             "variants": [
                 {

@@ -1,0 +1,62 @@
+"""The benchmark's per-step overhead: paired within each round, so drift between rounds cancels."""
+
+from __future__ import annotations
+
+from typing import Any, Dict, List
+
+import pytest
+
+from benchmarks import report
+
+STEPS = 100
+
+
+def _entry(side: str, variant: str, mode: str, ms_per_step: List[float]) -> Dict[str, Any]:
+    return {
+        "side": side,
+        "variant": variant,
+        "mode": mode,
+        "status": report.OK,
+        "seconds": [ms * STEPS / 1e3 for ms in ms_per_step],
+    }
+
+
+def _raw(ours: List[float], theirs: List[float], plain: List[float]) -> Dict[str, Any]:
+    return {
+        "overhead": {
+            "batch_size": 32,
+            "steps": STEPS,
+            "contenders": {
+                "ours:TrainPipelineBase": _entry("ours", "TrainPipelineBase", "train", ours),
+                "torchrec:TrainPipelineBase": _entry("torchrec", "TrainPipelineBase", "train", theirs),
+                "plain:train": _entry("plain", "plain", "train", plain),
+            },
+        }
+    }
+
+
+def test_overhead_is_the_median_of_per_round_differences() -> None:
+    # The machine slows down round by round: the three contenders drift together.
+    plain = [1.0, 1.5, 2.0, 2.5, 3.0]
+    ours = [p + 0.1 for p in plain]
+    theirs = [p + 0.4 for p in plain]
+    table = report.overhead_table(_raw(ours, theirs, plain))
+    assert table is not None
+    (row,) = table.rows
+    assert row.ours_overhead == pytest.approx(0.1)
+    assert row.torchrec_overhead == pytest.approx(0.4)
+    assert row.overhead_ratio == pytest.approx(0.25)
+    # One disturbed plain-loop round: the difference of medians goes negative
+    # (3.1 - 4.0), the paired median does not move.
+    noisy_plain = [1.0, 1.5, 9.0, 2.5, 3.0]
+    table = report.overhead_table(_raw(ours, theirs, noisy_plain))
+    assert table is not None
+    assert table.rows[0].ours_ms - table.plain_ms["train"] < 0  # type: ignore[operator]
+    assert table.rows[0].ours_overhead == pytest.approx(0.1)
+
+
+def test_without_aligned_rounds_the_medians_are_compared() -> None:
+    table = report.overhead_table(_raw([1.2, 1.3], [1.5, 1.6], [1.0, 1.1, 1.2]))
+    assert table is not None
+    assert table.rows[0].ours_overhead == pytest.approx(1.25 - 1.1)
+    assert "minus the plain loop's in the same round" in report.format_overhead(table, 3)
