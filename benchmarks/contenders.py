@@ -34,6 +34,7 @@ import torch.distributed as dist
 from torch import nn
 
 from benchmarks import shim
+from benchmarks.report import COMPILED_VARIANTS
 from benchmarks.model import Batch, ModelSpec, make_sharded
 
 CPU = torch.device("cpu")
@@ -54,7 +55,7 @@ KNOWN_ORDER = (
 )
 
 # Variants that compile the model (or its autograd graph) with torch.compile.
-COMPILED = frozenset({"TrainPipelinePT2", "TrainPipelineSparseDistCompAutograd"})
+COMPILED = COMPILED_VARIANTS
 
 # torchrec classes that call CUDA-only stream APIs on CPU; they run under the shim.
 SHIMMED = frozenset(

@@ -49,6 +49,7 @@ class Measure:
     reason: str = ""
     shimmed: bool = False
     samples: List[float] = field(default_factory=list)  # examples/s (or ms/step) per repeat
+    compiles: Optional[int] = None  # graphs compiled during the timed epochs, when counted
 
     @property
     def median(self) -> Optional[float]:
@@ -166,6 +167,10 @@ class OverheadTable:
     plain_ms: Dict[str, Optional[float]]
 
 
+# Variants that compile (their recompilations are reported); as benchmarks.contenders.COMPILED.
+COMPILED_VARIANTS = frozenset({"TrainPipelinePT2", "TrainPipelineSparseDistCompAutograd"})
+
+
 def _ratio(a: Optional[float], b: Optional[float]) -> Optional[float]:
     if a is None or b is None or b == 0:
         return None
@@ -186,7 +191,7 @@ def _measure(entry: Optional[Dict[str, Any]], per_epoch: float, inverse: bool, a
         samples = [1e3 * s / per_epoch for s in entry["seconds"]]
     else:
         samples = [per_epoch / s for s in entry["seconds"]]
-    return Measure(status=OK, shimmed=entry.get("shimmed", False), samples=samples)
+    return Measure(status=OK, shimmed=entry.get("shimmed", False), samples=samples, compiles=entry.get("compiles"))
 
 
 def _plain_mode(mode: str) -> str:
@@ -361,12 +366,24 @@ def format_throughput(table: ThroughputTable, repeats: int) -> str:
         )
     if table.bound is not None:
         lines.append(format_bound(table.bound))
+    lines += format_recompiles(table)
     if table.memory:
         variants = [row.variant for row in table.rows]
         lines += ["", memory_report.format_memory(table.memory, variants, table.batch_size, table.world)]
     if table.memory_options:
         lines += ["", memory_report.format_options(table.memory_options, table.batch_size)]
     return "\n".join(lines)
+
+
+def format_recompiles(table: ThroughputTable) -> List[str]:
+    """For compiled variants: graphs compiled during the timed epochs (0 = no recompilation)."""
+    lines = []
+    for row in table.rows:
+        counts = {side: m.compiles for side, m in (("ours", row.ours), ("torchrec", row.torchrec)) if m.compiles is not None}
+        if row.variant in COMPILED_VARIANTS and counts:
+            shown = ", ".join(f"{side} {n}" for side, n in counts.items())
+            lines.append(f"  {row.variant}: graphs compiled during the timed epochs (after warm-up): {shown}")
+    return lines
 
 
 def format_bound(bound: Bound) -> str:
@@ -439,6 +456,7 @@ def _measure_json(m: Measure) -> Dict[str, Any]:
         "shimmed": m.shimmed,
         "median": m.median,
         "samples": m.samples,
+        "graphs_compiled_in_timed_epochs": m.compiles,
     }
 
 

@@ -94,6 +94,8 @@ class Session:
         # Solo: rank 0 trains alone on a one-rank group, so no step waits for
         # another rank; the other ranks idle (the overhead measurement).
         self.solo = False
+        # Graphs compiled during the last epoch() (the largest over ranks).
+        self.last_compiles = 0
 
     def guarded(self, key: str, fn: Callable[[], Any]) -> Tuple[Optional[str], List[Any]]:
         """Run ``fn`` on every rank (all call this with the same ``key``, in the same order).
@@ -135,22 +137,25 @@ class Session:
     def epoch(self, contender: Contender, batches: Sequence[Any]) -> Tuple[Optional[str], float, Dict[str, float]]:
         """One timed epoch; seconds are the slowest rank's."""
 
-        def do() -> Tuple[float, Dict[str, float]]:
+        def do() -> Tuple[float, Dict[str, float], int]:
             gc.collect()  # nobody pays for the garbage of the contender before
             dist.barrier()
             if not self.active:
-                return 0.0, {}
+                return 0.0, {}, 0
+            compiled_before = graphs_compiled()
             start = time.perf_counter()
             contender.run_epoch(batches)
             seconds = time.perf_counter() - start
             stages = contender.last.as_dict() if isinstance(contender, StageProbe) else {}
-            return seconds, stages
+            return seconds, stages, graphs_compiled() - compiled_before
 
         err, values = self.guarded(contender.key, do)
+        self.last_compiles = 0
         if err is not None:
             return err, 0.0, {}
         seconds = max(v[0] for v in values)
         stages = {k: max(v[1].get(k, 0.0) for v in values) for k in values[0][1]}
+        self.last_compiles = max(v[2] for v in values)
         return None, seconds, stages
 
     def close(self, contenders: Sequence[Contender]) -> None:
@@ -163,6 +168,17 @@ class Session:
         dist.barrier()
 
 
+def graphs_compiled() -> int:
+    """Graphs compiled so far in this process: dynamo's and compiled autograd's captures.
+
+    Measured around each timed epoch: anything above zero there is a
+    recompilation after the warm-up epoch.
+    """
+    from torch._dynamo.utils import counters
+
+    return int(counters["stats"]["unique_graphs"]) + int(counters["compiled_autograd"]["captures"])
+
+
 def _entry(contender: Contender) -> Dict[str, Any]:
     return {
         "variant": contender.variant,
@@ -172,6 +188,7 @@ def _entry(contender: Contender) -> Dict[str, Any]:
         "status": report.OK,
         "reason": "",
         "seconds": [],
+        "compiles": 0,  # graphs compiled during the timed epochs (recompiles)
     }
 
 
@@ -241,6 +258,7 @@ def _phase(
                     drop(contender, f"timed epoch failed: {err}")
                     continue
                 seconds[contender.key].append(elapsed)
+                entries[contender.key]["compiles"] += session.last_compiles
                 if stages:
                     block["stages"].append(stages)
         for key, entry in entries.items():

@@ -60,3 +60,25 @@ def test_without_aligned_rounds_the_medians_are_compared() -> None:
     assert table is not None
     assert table.rows[0].ours_overhead == pytest.approx(1.25 - 1.1)
     assert "minus the plain loop's in the same round" in report.format_overhead(table, 3)
+
+
+def test_compiled_variants_report_their_recompilations() -> None:
+    raw = {
+        "world": 2,
+        "throughput": [
+            {
+                "batch_size": 512,
+                "steps": 4,
+                "stages": [],
+                "contenders": {
+                    "ours:TrainPipelinePT2": dict(_entry("ours", "TrainPipelinePT2", "train", [1.0]), compiles=0),
+                    "torchrec:TrainPipelinePT2": dict(_entry("torchrec", "TrainPipelinePT2", "train", [1.0]), compiles=2),
+                    "ours:TrainPipelineBase": dict(_entry("ours", "TrainPipelineBase", "train", [1.0]), compiles=0),
+                    "plain:train": _entry("plain", "plain", "train", [1.0]),
+                },
+            }
+        ],
+    }
+    (table,) = report.throughput_tables(raw)
+    lines = report.format_recompiles(table)
+    assert lines == ["  TrainPipelinePT2: graphs compiled during the timed epochs (after warm-up): ours 0, torchrec 2"]
