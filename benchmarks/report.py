@@ -10,12 +10,17 @@ Raw layout (plain JSON types only)::
     {"world": 2,
      "throughput": [{"batch_size": 512, "steps": 16,
                      "contenders": {key: Entry, ...},
-                     "stages": [{"h2d": s, "input_dist": s, "compute": s}, ...]}],
+                     "stages": [{"h2d": s, "input_dist": s, "compute": s}, ...],
+                     "validation": {"status": "ok"|"n/a", "reason": str, "passes": 25,
+                                    "batches": 16, "us_per_batch": [[us per pass], ...]}}],
      "overhead": {"batch_size": 32, "steps": 60, "contenders": {key: Entry}} or None}
 
     Entry = {"variant": name or "plain", "side": "ours"|"torchrec"|"plain",
              "mode": "train"|"eval"|"staged", "shimmed": bool,
              "status": "ok"|"n/a", "reason": str, "seconds": [epoch seconds, ...]}
+
+``"validation"`` is ``batch_problem``'s time per batch on the block's epoch
+batches, one list per rank (absent in results from before it was measured).
 
 With ``--memory`` a block also has ``"memory"`` and ``"memory_options"`` and
 the raw results ``"peak_rss"``; their layout and tables are in
@@ -110,6 +115,36 @@ class Bound:
 
 
 @dataclass
+class ValidationCost:
+    """What ``validate_batches=True`` costs per step at one batch size.
+
+    ``us_per_batch`` is ``batch_problem``'s time per batch on the epoch's
+    batches (median over passes, slowest rank); ``step_ms`` ours
+    TrainPipelineSparseDist's ms/step at the same batch size (median over
+    rounds; None when it was not measured), which already includes that cost.
+    """
+
+    status: str
+    reason: str = ""
+    us_per_batch: Optional[float] = None
+    rank_us: List[float] = field(default_factory=list)  # each rank's median
+    passes: int = 0
+    batches: int = 0
+    step_ms: Optional[float] = None
+
+    @property
+    def percent_of_step(self) -> Optional[float]:
+        """``us_per_batch`` in % of ``step_ms`` (one batch per step), or None without both."""
+        if self.us_per_batch is None or not self.step_ms:
+            return None
+        return 100 * (self.us_per_batch / 1e3) / self.step_ms
+
+
+# The issue's target for the cost of batch validation, in % of SparseDist's step.
+VALIDATION_TARGET_PERCENT = 1.0
+
+
+@dataclass
 class ThroughputTable:
     batch_size: int
     steps: int
@@ -119,6 +154,7 @@ class ThroughputTable:
     bound: Optional[Bound]
     memory: Dict[str, Any] = field(default_factory=dict)  # the block's raw "memory"
     memory_options: List[Dict[str, Any]] = field(default_factory=list)
+    validation: Optional[ValidationCost] = None
 
 
 @dataclass
@@ -236,9 +272,26 @@ def throughput_tables(raw: Dict[str, Any]) -> List[ThroughputTable]:
             ThroughputTable(
                 bs, steps, world, rows, plain, bound,
                 memory=block.get("memory") or {}, memory_options=block.get("memory_options") or [],
+                validation=_validation(block),
             )
         )
     return tables
+
+
+def _validation(block: Dict[str, Any]) -> Optional[ValidationCost]:
+    raw = block.get("validation")
+    if raw is None:
+        return None
+    sparse_dist = _measure(block["contenders"].get("ours:TrainPipelineSparseDist"), block["steps"], True, "not run")
+    passes, batches = raw.get("passes", 0), raw.get("batches", 0)
+    ranks = [statistics.median(samples) for samples in raw.get("us_per_batch") or [] if samples]
+    if raw["status"] != OK or not ranks:
+        reason = raw.get("reason", "") or "not measured"
+        return ValidationCost(status=NA, reason=reason, passes=passes, batches=batches, step_ms=sparse_dist.median)
+    return ValidationCost(
+        status=OK, us_per_batch=max(ranks), rank_us=ranks, passes=passes, batches=batches,
+        step_ms=sparse_dist.median,
+    )
 
 
 def _bound(block: Dict[str, Any], rows: Sequence[Row], world: int) -> Optional[Bound]:
@@ -367,6 +420,8 @@ def format_throughput(table: ThroughputTable, repeats: int) -> str:
     if table.bound is not None:
         lines.append(format_bound(table.bound))
     lines += format_recompiles(table)
+    if table.validation is not None:
+        lines.append(format_validation(table.validation, table.world))
     if table.memory:
         variants = [row.variant for row in table.rows]
         lines += ["", memory_report.format_memory(table.memory, variants, table.batch_size, table.world)]
@@ -399,6 +454,26 @@ def format_bound(bound: Bound) -> str:
         f"SparseDist bound: stages per step H2D {ms['h2d']:.2f} ms, input dist {ms['input_dist']:.2f} ms, "
         f"fwd+bwd+opt {ms['compute']:.2f} ms -> 1/max = {_num(bound.bound_qps)} ex/s; "
         f"achieved (of bound): " + ", ".join(parts)
+    )
+
+
+def format_validation(cost: ValidationCost, world: int) -> str:
+    """Batch validation's time per batch and its share of SparseDist's step, then how it was measured."""
+    if cost.us_per_batch is None:
+        return f"batch validation (validate_batches=True): n/a ({cost.reason})"
+    percent = cost.percent_of_step
+    if percent is None:
+        share = " (TrainPipelineSparseDist's step not measured, so no share of it)"
+    else:
+        shown = f"{percent:.2f}%" if percent >= 0.01 else "<0.01%"
+        share = f" = {shown} of TrainPipelineSparseDist's step ({cost.step_ms:.2f} ms)"
+        if percent >= VALIDATION_TARGET_PERCENT:
+            share += f", ABOVE the {VALIDATION_TARGET_PERCENT:g}% target"
+    ranks = f"slowest of {world} ranks" if world > 1 else "one rank"
+    return (
+        f"batch validation (validate_batches=True): {cost.us_per_batch:.1f} us/batch{share}\n"
+        f"  batch_problem alone on the epoch's {cost.batches} batches, median of {cost.passes} "
+        f"passes outside the timed epochs, {ranks}"
     )
 
 
@@ -491,6 +566,18 @@ def summary(raw: Dict[str, Any]) -> Dict[str, Any]:
                 )
                 if table.memory
                 else None,
+                "batch_validation": None
+                if table.validation is None
+                else {
+                    "status": table.validation.status,
+                    "reason": table.validation.reason,
+                    "us_per_batch": table.validation.us_per_batch,
+                    "us_per_batch_per_rank": table.validation.rank_us,
+                    "passes": table.validation.passes,
+                    "batches": table.validation.batches,
+                    "sparse_dist_ms_per_step": table.validation.step_ms,
+                    "percent_of_sparse_dist_step": table.validation.percent_of_step,
+                },
                 "sparse_dist_bound": None
                 if table.bound is None
                 else {

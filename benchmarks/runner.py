@@ -8,8 +8,11 @@ Plan of a run:
    epoch each (compiled variants compile here), then ``repeats`` rounds; each
    round times one epoch of every contender in turn (A B C, A B C, ...), so
    drift of a shared machine hits all of them alike.  The result per
-   contender is the median over rounds.  Then, per variant of ours, a short
-   *recorded* epoch (schedule recording on, never timed) draws its timeline.
+   contender is the median over rounds.  After the rounds, every rank times
+   ``batch_problem`` (what ``validate_batches=True`` runs on each batch) on
+   that batch size's epoch batches, in a loop of its own.  Then, per variant
+   of ours, a short *recorded* epoch (schedule recording on, never timed)
+   draws its timeline.
    With ``memory`` (default), per batch size, every pipeline contender then
    runs untimed epochs measuring what it holds (``benchmarks/memory.py``);
    at the largest batch size SparseDist of both libraries is also built and
@@ -52,9 +55,12 @@ from benchmarks.contenders import (
 )
 from benchmarks.model import ModelSpec, make_batches, tiny_spec
 from trec_pipelines.memory import peak_rss_bytes
+from trec_pipelines.validation import batch_problem
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 LINK_REASON_ENV = "TREC_BENCH_LINK_REASON"
+# Passes over an epoch's batches when timing batch validation; the report takes the median pass.
+VALIDATION_PASSES = 25
 
 
 class Progress:
@@ -214,11 +220,13 @@ def _phase(
     timelines_dir: Optional[str],
     solo: bool = False,
     measure_memory: bool = False,
+    measure_validation: bool = False,
 ) -> Tuple[List[Dict[str, Any]], List[str]]:
     """Build, warm up and time ``contenders`` at each ``(batch_size, steps)``.
 
     ``solo``: rank 0 trains alone on a one-rank group, so no step waits for
-    another rank (the overhead measurement).
+    another rank (the overhead measurement).  ``measure_validation``: after
+    the timed rounds of a batch size, time ``batch_problem`` on its batches.
     """
     cfg, bar = session.cfg, session.bar
     session.solo = solo
@@ -263,6 +271,8 @@ def _phase(
                     block["stages"].append(stages)
         for key, entry in entries.items():
             block["contenders"][key] = dict(entry, seconds=seconds[key] if entry["status"] == report.OK else [])
+        if measure_validation:
+            block["validation"] = _validation(session, batches, batch_size)
         if timelines_dir is not None:
             timelines += _timelines(session, alive, batches, batch_size, timelines_dir)
         if measure_memory:
@@ -280,6 +290,55 @@ def _phase(
         largest = max(range(len(sizes)), key=lambda k: sizes[k][0])
         blocks[largest]["memory_options"] = _memory_options(session, sparse_dist, spec, sizes[largest][0])
     return blocks, timelines
+
+
+def time_batch_validation(batches: Sequence[Any], passes: int = VALIDATION_PASSES) -> List[float]:
+    """Microseconds per batch that ``batch_problem`` takes, one value per pass over ``batches``.
+
+    Each pass is a tight loop over the batches, as ``validate_batches=True``
+    checks them one per ``progress()``; the first, untimed pass also makes
+    sure none is malformed (the time of a batch that fails is not the cost
+    every training step pays).
+    """
+    if not batches or passes < 1:
+        raise ValueError(f"need batches and passes >= 1, got {len(batches)} batches and {passes} passes")
+    for index, batch in enumerate(batches):
+        problem = batch_problem(batch)
+        if problem is not None:
+            raise ValueError(f"benchmark batch {index} is malformed: {problem}")
+    per_batch: List[float] = []
+    for _ in range(passes):
+        start = time.perf_counter()
+        for batch in batches:
+            batch_problem(batch)
+        per_batch.append(1e6 * (time.perf_counter() - start) / len(batches))
+    return per_batch
+
+
+def _validation(session: Session, batches: Sequence[Any], batch_size: int) -> Dict[str, Any]:
+    """Every rank times ``batch_problem`` on its own epoch batches, between timed epochs.
+
+    The batches are the ones the rounds just trained on, in the state the
+    pipelines left them (whatever a pipeline cached on a host KJT, e.g. its
+    offsets, is there in all but the first epoch too).
+    """
+
+    def measure() -> List[float]:
+        gc.collect()  # as before a timed epoch: no garbage of the contenders' to collect meanwhile
+        dist.barrier()  # the ranks time together, as they train together
+        return time_batch_validation(batches)
+
+    err, values = session.guarded(f"validation:b{batch_size}", measure)
+    session.bar.step(f"b{batch_size} batch validation")
+    if err is not None:
+        session.bar.write(f"no batch-validation timing at batch {batch_size}: {err}")
+    return {
+        "status": report.OK if err is None else report.NA,
+        "reason": err or "",
+        "passes": VALIDATION_PASSES,
+        "batches": len(batches),
+        "us_per_batch": values,  # per rank: microseconds per batch, one value per pass
+    }
 
 
 def _memory_batches(session: Session, spec: ModelSpec, batch_size: int, salt: int) -> List[Any]:
@@ -425,7 +484,7 @@ def _quiet(rank: int) -> None:
 
 
 def _total_runs(n_main: int, n_ours: int, n_overhead: int, cfg: BenchConfig, n_pipelines: int = 0) -> int:
-    main = n_main + len(cfg.batch_sizes) * n_main * (1 + cfg.repeats)
+    main = n_main + len(cfg.batch_sizes) * (n_main * (1 + cfg.repeats) + 1)  # + 1: batch validation
     if cfg.timelines:
         main += len(cfg.batch_sizes) * n_ours
     if cfg.memory:
@@ -473,7 +532,9 @@ def worker(cfg: BenchConfig) -> int:
     started = time.time()
 
     sizes = [(bs, cfg.steps_for(bs)) for bs in cfg.batch_sizes]
-    blocks, timelines = _phase(session, cfg.model_spec(), main, sizes, timelines_dir, measure_memory=cfg.memory)
+    blocks, timelines = _phase(
+        session, cfg.model_spec(), main, sizes, timelines_dir, measure_memory=cfg.memory, measure_validation=True
+    )
     raw: Dict[str, Any] = {"world": world, "throughput": blocks, "overhead": None}
     if overhead:
         tiny, _ = _phase(

@@ -53,7 +53,8 @@ from trec_pipelines.pipelines.pt2 import TorchCompileConfig, TrainPipelinePT2
 from trec_pipelines.pipelines.sparse_dist import TrainPipelineSparseDist
 from trec_pipelines.pipelines.sparse_dist_lite import TrainPipelineSparseDistLite
 from trec_pipelines.postproc import PipelinedPostproc, use_context_for_postprocs
-from trec_pipelines.recorder import Action, ScheduleRecorder
+from trec_pipelines.actions import Action
+from trec_pipelines.recorder import ScheduleRecorder
 from trec_pipelines.rewrite import RewriteResult, restore_model, rewrite_model
 from trec_pipelines.state import PipelineState
 from trec_pipelines.tracing import Tracer

@@ -40,7 +40,7 @@ class MemorySample:
     """The pipeline's holdings right after one action.
 
     Attributes:
-        call, task, batch, stream: the action (as in :class:`~trec_pipelines.recorder.Action`).
+        call, task, batch, stream: the action (as in :class:`~trec_pipelines.actions.Action`).
         time: ``perf_counter()`` when measured (the action's end).
         held: what the pipeline held.
         device: the device allocator's counters, on a device that has them.

@@ -34,6 +34,7 @@ from typing import Any, ContextManager, Dict, List, Optional, Tuple
 import torch
 
 from trec_pipelines import schedule_view
+from trec_pipelines.actions import Action  # also importable from here, its former home
 from trec_pipelines.ledger import LedgerSummary, MemoryLedger, MemorySample, summarize
 from trec_pipelines.streams import current_stream, record_event
 from trec_pipelines.tasks import (  # noqa: F401  (re-exported: pipelines use rec.H2D, ...)
@@ -63,36 +64,6 @@ _NO_SPAN: ContextManager[None] = contextlib.nullcontext()
 
 def _profiler_running() -> bool:
     return torch.autograd.profiler._is_profiler_enabled
-
-
-@dataclass
-class Action:
-    """One verb as it ran.
-
-    Attributes:
-        call: which ``progress()`` call issued it (0 for the first, fill included).
-        task: the task name (``H2D``, ``Forward``, ...).
-        batch: the index of the batch it worked on (order of loading, from 0).
-        stream: the stream role it was issued to (``default``, ``memcpy``, ...).
-        thread: "main", or "loader" for work done by a background loading thread.
-        cpu_start, cpu_end: wall-clock seconds the issuing thread spent in it.
-        device_start, device_end: seconds when it ran on its stream, or None
-            until resolved (CUDA events are read once the work has finished).
-    """
-
-    call: int
-    task: str
-    batch: Optional[int]
-    stream: str
-    thread: str = "main"
-    cpu_start: float = 0.0
-    cpu_end: float = 0.0
-    device_start: Optional[float] = None
-    device_end: Optional[float] = None
-
-    def __str__(self) -> str:
-        batch = "--" if self.batch is None else f"i{self.batch}"
-        return f"P{self.call} {self.task}[{batch}]@{self.stream}"
 
 
 @dataclass

@@ -1,6 +1,6 @@
 """Views of recorded actions: the schedule table, traces, timelines, exposed time.
 
-All functions take the list of :class:`~trec_pipelines.recorder.Action`
+All functions take the list of :class:`~trec_pipelines.actions.Action`
 records a pipeline recorded (``pipeline.schedule_actions``).
 """
 
@@ -13,8 +13,8 @@ from typing import TYPE_CHECKING, Any, Dict, List, Optional, Sequence, Tuple
 from trec_pipelines.tasks import TASKS
 
 if TYPE_CHECKING:
+    from trec_pipelines.actions import Action
     from trec_pipelines.ledger import MemorySample
-    from trec_pipelines.recorder import Action
 
 Cell = Optional[Any]  # an int, a tuple of ints, or None
 Row = Tuple[str, str, List[Cell]]

@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Any, Dict, List, Optional
 
 import pytest
+import torch
 
 from benchmarks import netns, report
 from benchmarks.config import BenchConfig, parse_args, to_argv
@@ -259,3 +260,79 @@ def test_rounds_keep_each_pair_back_to_back_and_rotate() -> None:
         assert sorted(order) == sorted(c.key for c in contenders)
         for v in ("TrainPipelineBase", "TrainPipelineSparseDist"):
             assert abs(order.index(f"ours:{v}") - order.index(f"torchrec:{v}")) == 1
+
+
+# --------------------------------------------------------------------------
+# Batch validation's cost
+# --------------------------------------------------------------------------
+
+
+def _with_validation(us_per_batch: List[List[float]], status: str = report.OK, reason: str = "") -> Dict[str, Any]:
+    raw = _raw()
+    raw["throughput"][0]["validation"] = {
+        "status": status, "reason": reason, "passes": 3, "batches": 10, "us_per_batch": us_per_batch,
+    }
+    return raw
+
+
+def _validation_lines(raw: Dict[str, Any]) -> List[str]:
+    lines = report.format_report(raw, repeats=3).splitlines()
+    first = next(i for i, l in enumerate(lines) if l.startswith("batch validation"))
+    return lines[first : first + 2]
+
+
+def test_validation_cost_line_takes_the_slowest_rank_against_sparse_dist_s_step() -> None:
+    # Rank medians 20 and 50 us; ours SparseDist: epochs of 1, 2, 1 s over 10 steps -> 100 ms/step.
+    raw = _with_validation([[10.0, 30.0, 20.0], [40.0, 50.0, 60.0]])
+    (table,) = report.throughput_tables(raw)
+    cost = table.validation
+    assert cost is not None and cost.rank_us == [20.0, 50.0] and cost.us_per_batch == 50.0
+    assert cost.step_ms == pytest.approx(100.0) and cost.percent_of_step == pytest.approx(0.05)
+    line, how = _validation_lines(raw)
+    assert line == (
+        "batch validation (validate_batches=True): 50.0 us/batch = 0.05% of "
+        "TrainPipelineSparseDist's step (100.00 ms)"
+    )
+    assert how == (
+        "  batch_problem alone on the epoch's 10 batches, median of 3 passes outside the timed "
+        "epochs, slowest of 2 ranks"
+    )
+    # Under the throughput table (after its bound line), before the overhead table.
+    text = report.format_report(raw, repeats=3)
+    assert text.index("1/max = ") < text.index("batch validation") < text.index("Per-step overhead")
+    entry = report.summary(raw)["throughput"][0]["batch_validation"]
+    assert entry["us_per_batch"] == 50.0 and entry["us_per_batch_per_rank"] == [20.0, 50.0]
+    assert entry["percent_of_sparse_dist_step"] == pytest.approx(0.05)
+    assert entry["sparse_dist_ms_per_step"] == pytest.approx(100.0)
+    assert (entry["passes"], entry["batches"], entry["status"]) == (3, 10, report.OK)
+
+
+def test_validation_cost_above_target_tiny_missing_or_failed() -> None:
+    above = _validation_lines(_with_validation([[2000.0]]))[0]  # 2 ms of a 100 ms step
+    assert above.endswith("= 2.00% of TrainPipelineSparseDist's step (100.00 ms), ABOVE the 1% target")
+    tiny = _validation_lines(_with_validation([[5.0]]))[0]
+    assert "5.0 us/batch = <0.01% of" in tiny
+    no_step = _with_validation([[5.0]])
+    del no_step["throughput"][0]["contenders"]["ours:TrainPipelineSparseDist"]
+    assert _validation_lines(no_step)[0].endswith(
+        "5.0 us/batch (TrainPipelineSparseDist's step not measured, so no share of it)"
+    )
+    assert report.summary(no_step)["throughput"][0]["batch_validation"]["percent_of_sparse_dist_step"] is None
+    failed = _with_validation([], status=report.NA, reason="ValueError: boom (rank 1)")
+    assert _validation_lines(failed)[0] == "batch validation (validate_batches=True): n/a (ValueError: boom (rank 1))"
+    assert "batch validation" not in report.format_report(_raw(), repeats=3)  # results from before it was measured
+
+
+def test_time_batch_validation_times_good_batches_and_refuses_bad_ones() -> None:
+    from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
+
+    from benchmarks.model import make_batches, tiny_spec
+    from benchmarks.runner import time_batch_validation
+
+    batches = make_batches(tiny_spec(), 3, 4, seed=0, rank=0)
+    per_pass = time_batch_validation(batches, passes=4)
+    assert len(per_pass) == 4 and all(us > 0 for us in per_pass)
+    bad = batches[1]
+    bad.sparse = KeyedJaggedTensor(keys=["f0", "f1"], values=torch.arange(3), lengths=torch.tensor([1, 1, 1, 1]))
+    with pytest.raises(ValueError, match="benchmark batch 1 is malformed: .*1 missing"):
+        time_batch_validation(batches, passes=1)

@@ -1,7 +1,8 @@
 """Check a recorded run against the stream protocol (``[Note: stream protocol]``).
 
 :func:`check_stream_protocol` replays the records of a
-:class:`~trec_pipelines.testing.stream_recorder.StreamRecorder` as a GPU would
+:class:`~trec_pipelines.testing.stream_recorder.StreamRecorder` (any
+:class:`~trec_pipelines.testing.stream_records.Recording`) as a GPU would
 order them and returns every :class:`Violation` of four rules:
 
 (a) **Cross-stream access needs a wait.**  A kernel on stream S that reads a
@@ -45,13 +46,13 @@ from collections import defaultdict
 from dataclasses import dataclass
 from typing import Any, DefaultDict, Dict, Iterable, List, Optional, Sequence, Set, Tuple
 
-from trec_pipelines.testing.stream_recorder import (
+from trec_pipelines.testing.stream_records import (
+    EventLike,
     FreeRecord,
     OpRecord,
     RecordEventRecord,
-    RecordingEvent,
+    Recording,
     RecordStreamRecord,
-    StreamRecorder,
     SyncRecord,
     WaitEventRecord,
     WaitStreamRecord,
@@ -138,7 +139,7 @@ class _Replay:
     before anything issued to S from now on.
     """
 
-    def __init__(self, recorder: StreamRecorder, rules: str, span_streams: bool) -> None:
+    def __init__(self, recorder: Recording, rules: str, span_streams: bool) -> None:
         self._recorder = recorder
         self._rules = rules
         self._span_streams = span_streams
@@ -147,8 +148,8 @@ class _Replay:
         self._count: DefaultDict[Any, int] = defaultdict(int)
         self._clocks: Dict[Any, Clock] = {}
         self._host: Clock = {}
-        self._events: Dict[RecordingEvent, Tuple[Clock, RecordEventRecord]] = {}
-        self._first_record: Dict[RecordingEvent, RecordEventRecord] = {}
+        self._events: Dict[EventLike, Tuple[Clock, RecordEventRecord]] = {}
+        self._first_record: Dict[EventLike, RecordEventRecord] = {}
         self._last_write: Dict[int, Tuple[Any, _Access]] = {}
         self._reads: DefaultDict[int, Dict[Any, _Access]] = defaultdict(dict)
         self._alloc: Dict[int, Tuple[Any, OpRecord]] = {}
@@ -409,7 +410,7 @@ def check_schedule(actual: Sequence[Any], expected: Sequence[Any]) -> List[Viola
 
 
 def check_stream_protocol(
-    recorder: StreamRecorder,
+    recorder: Recording,
     schedule: Optional[Sequence[Any]] = None,
     *,
     rules: str = RULES,
@@ -430,7 +431,7 @@ def check_stream_protocol(
     return violations
 
 
-def summarize(recorder: StreamRecorder) -> ProtocolSummary:
+def summarize(recorder: Recording) -> ProtocolSummary:
     """How much cross-stream traffic the recording holds (see :class:`ProtocolSummary`)."""
     replay = _Replay(recorder, RULES, span_streams=False)
     replay.run()
@@ -438,7 +439,7 @@ def summarize(recorder: StreamRecorder) -> ProtocolSummary:
 
 
 def assert_stream_protocol(
-    recorder: StreamRecorder, schedule: Optional[Sequence[Any]] = None, **options: Any
+    recorder: Recording, schedule: Optional[Sequence[Any]] = None, **options: Any
 ) -> None:
     """Raise :class:`StreamProtocolError` when :func:`check_stream_protocol` finds anything."""
     violations = check_stream_protocol(recorder, schedule, **options)

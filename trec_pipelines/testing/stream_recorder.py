@@ -6,8 +6,9 @@ Inside ``with StreamRecorder() as recorder:`` every stream helper of
 ``torch.cuda`` (``streams.use_device_module``), so a pipeline built there
 creates its side streams even with ``device=torch.device("cpu")``.  Tensors
 stay on the CPU and every kernel runs at once; what is simulated is only the
-ordering a GPU would see.  The recorder writes one :data:`Record` per event,
-in the order the CPU issued them:
+ordering a GPU would see.  The recorder writes one record per event
+(:data:`~trec_pipelines.testing.stream_records.Record`), in the order the CPU
+issued them:
 
 * every aten op, seen by a ``TorchDispatchMode`` in the recording thread and
   in every thread started during the recording, attributed to that thread's
@@ -45,7 +46,7 @@ import contextlib
 import itertools
 import threading
 from dataclasses import dataclass
-from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple, Union
+from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
 
 import torch
 from torch._subclasses.fake_tensor import FakeTensor
@@ -55,143 +56,22 @@ from torch.utils._pytree import tree_leaves
 
 from trec_pipelines import streams
 from trec_pipelines.recorder import ScheduleRecorder
-
-# ------------------------------------------------------------------ records
-
-
-@dataclass(frozen=True)
-class Span:
-    """A schedule-recorder span (one pipeline verb) as the stream record saw it.
-
-    ``role`` is the stream role the pipeline recorded the verb on; ``stream``
-    the stand-in stream that role names in the pipeline's recorder (``None``
-    when the role is not one of the recorder's, e.g. a staged pipeline's
-    stage name).
-    """
-
-    call: int
-    task: str
-    batch: Optional[int]
-    role: str
-    thread: str
-    stream: Optional["RecordingStream"]
-
-    def __str__(self) -> str:
-        batch = "--" if self.batch is None else f"i{self.batch}"
-        return f"P{self.call} {self.task}[{batch}]@{self.role}"
-
-
-@dataclass(frozen=True)
-class Where:
-    """When and where a record was made: its position, thread, span and step."""
-
-    index: int
-    thread: str
-    span: Optional[Span]
-    call: int
-
-    def __str__(self) -> str:
-        if self.span is not None:
-            return f"step {self.span} (progress call {self.span.call}, task {self.span.task})"
-        if self.call < 0:
-            return "before the first progress call"
-        return f"progress call {self.call}, outside any recorded task"
-
-
-@dataclass(frozen=True)
-class TensorInfo:
-    """The first tensor seen on a storage: how a message names it."""
-
-    storage: int
-    shape: Tuple[int, ...]
-    dtype: torch.dtype
-    external: bool
-
-    def __str__(self) -> str:
-        dtype = str(self.dtype).replace("torch.", "")
-        shape = ", ".join(str(s) for s in self.shape)
-        return f"tensor {dtype}[{shape}] (storage #{self.storage})"
-
-
-@dataclass(frozen=True)
-class OpRecord:
-    """A kernel: ``op`` issued on ``stream``, reading, writing and allocating storages."""
-
-    where: Where
-    stream: "RecordingStream"
-    op: str
-    reads: Tuple[int, ...]
-    writes: Tuple[int, ...]
-    allocs: Tuple[int, ...]
-
-
-@dataclass(frozen=True)
-class WaitStreamRecord:
-    """``stream.wait_stream(producer)``: later work on ``stream`` waits for ``producer``'s so far."""
-
-    where: Where
-    stream: "RecordingStream"
-    producer: "RecordingStream"
-
-
-@dataclass(frozen=True)
-class RecordEventRecord:
-    where: Where
-    stream: "RecordingStream"
-    event: "RecordingEvent"
-
-
-@dataclass(frozen=True)
-class WaitEventRecord:
-    where: Where
-    stream: "RecordingStream"
-    event: "RecordingEvent"
-
-
-@dataclass(frozen=True)
-class RecordStreamRecord:
-    """``record_stream(stream)`` on the tensor whose storage is ``storage``."""
-
-    where: Where
-    storage: int
-    stream: Any  # a RecordingStream, or whatever else the caller passed
-
-
-@dataclass(frozen=True)
-class FreeRecord:
-    """The storage was freed by the CPU before the record at ``where.index``."""
-
-    where: Where
-    storage: int
-
-
-@dataclass(frozen=True)
-class SyncRecord:
-    """The CPU waited for ``stream``, ``event``, or (both None) the whole device."""
-
-    where: Where
-    stream: Optional["RecordingStream"]
-    event: Optional["RecordingEvent"]
-
-
-@dataclass(frozen=True)
-class SpanRecord:
-    where: Where
-    span: Span
-    enter: bool
-
-
-Record = Union[
-    OpRecord,
-    WaitStreamRecord,
-    RecordEventRecord,
-    WaitEventRecord,
-    RecordStreamRecord,
+from trec_pipelines.testing.stream_checker import assert_stream_protocol, check_stream_protocol
+# The record types are also importable from here, where they were first defined.
+from trec_pipelines.testing.stream_records import (
     FreeRecord,
-    SyncRecord,
+    OpRecord,
+    Record,
+    RecordEventRecord,
+    RecordStreamRecord,
+    Span,
     SpanRecord,
-]
-
+    SyncRecord,
+    TensorInfo,
+    WaitEventRecord,
+    WaitStreamRecord,
+    Where,
+)
 
 # ---------------------------------------------------------- the stand-in
 
@@ -442,15 +322,10 @@ class StreamRecorder:
 
     def check(self, schedule: Optional[List[Any]] = None, **options: Any) -> List[Any]:
         """The protocol violations of the records (see ``check_stream_protocol``)."""
-        # Imported here: the checker module imports this one for the record types.
-        from trec_pipelines.testing.stream_checker import check_stream_protocol
-
         return check_stream_protocol(self, schedule, **options)
 
     def assert_protocol(self, schedule: Optional[List[Any]] = None, **options: Any) -> None:
         """Raise ``StreamProtocolError`` listing every violation (see ``assert_stream_protocol``)."""
-        from trec_pipelines.testing.stream_checker import assert_stream_protocol
-
         assert_stream_protocol(self, schedule, **options)
 
     # ------------------------------------------------------ enter / exit

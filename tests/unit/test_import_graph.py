@@ -1,0 +1,174 @@
+"""No import circle inside the trec_pipelines package.
+
+The graph is read from the source with :mod:`ast`, without importing
+anything: one node per module of the package, one edge per package-internal
+import, wherever it is written -- at module level, under ``if TYPE_CHECKING:``
+and inside functions alike.  A lazy or type-only import hides a circle from
+the interpreter, not from a reader: both modules still need each other, and
+the fix is to move what both need into a module of its own.
+
+How an import names its target:
+
+* ``import trec_pipelines.a.b`` and ``from trec_pipelines.a.b import x``
+  point at ``trec_pipelines.a.b``; when ``x`` is itself a submodule
+  (``from trec_pipelines import streams``) the edge goes to
+  ``trec_pipelines.streams`` instead, as that is what is used;
+* relative imports (``from .a import x``, ``from .. import b``) are resolved
+  against the importing module's package first;
+* importing ``a.b`` is an edge to ``a.b`` only, not to the packages above it
+  (Python runs their ``__init__`` first, but that is loading, not use).
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+from typing import Dict, List, Optional, Set
+
+PACKAGE = "trec_pipelines"
+# The source next to these tests (not whichever copy an installed package points at).
+ROOT = Path(__file__).resolve().parents[2] / PACKAGE
+
+
+def module_name(path: Path, root: Path = ROOT, package: str = PACKAGE) -> str:
+    """The dotted name of the module at ``path`` (a package's ``__init__.py`` is the package)."""
+    parts = list(path.relative_to(root).with_suffix("").parts)
+    if parts[-1] == "__init__":
+        parts.pop()
+    return ".".join([package, *parts])
+
+
+def package_modules(root: Path = ROOT, package: str = PACKAGE) -> Dict[str, Path]:
+    """Every module of the package: dotted name -> source file."""
+    return {module_name(path, root, package): path for path in sorted(root.rglob("*.py"))}
+
+
+def _resolve_relative(importer: str, is_package: bool, level: int, module: Optional[str]) -> str:
+    """The absolute name that ``from <level dots><module> import ...`` in ``importer`` names."""
+    parts = importer.split(".")
+    # The package the import is relative to: the module itself for an __init__.py.
+    base = parts if is_package else parts[:-1]
+    if level - 1 > 0:
+        base = base[: -(level - 1)]
+    return ".".join(base + ([module] if module else []))
+
+
+def internal_imports(importer: str, path: Path, modules: Set[str], package: str = PACKAGE) -> Set[str]:
+    """The package modules ``importer`` (source at ``path``) imports, anywhere in its body."""
+    tree = ast.parse(path.read_text(), filename=str(path))
+    is_package = path.name == "__init__.py"
+    targets: Set[str] = set()
+
+    def add(name: str) -> None:
+        # The longest package module that ``name`` is or lies inside of.
+        while name and name not in modules:
+            name = name.rpartition(".")[0]
+        if name:
+            targets.add(name)
+
+    for node in ast.walk(tree):  # every node: module level, TYPE_CHECKING blocks, function bodies
+        if isinstance(node, ast.Import):
+            for alias in node.names:
+                if alias.name == package or alias.name.startswith(package + "."):
+                    add(alias.name)
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                source = _resolve_relative(importer, is_package, node.level, node.module)
+            else:
+                source = node.module or ""
+            if source != package and not source.startswith(package + "."):
+                continue
+            for alias in node.names:
+                submodule = f"{source}.{alias.name}"
+                add(submodule if submodule in modules else source)
+    targets.discard(importer)
+    return targets
+
+
+def import_graph(root: Path = ROOT, package: str = PACKAGE) -> Dict[str, Set[str]]:
+    """Module -> the package modules it imports."""
+    modules = package_modules(root, package)
+    names = set(modules)
+    return {name: internal_imports(name, path, names, package) for name, path in modules.items()}
+
+
+def find_cycle(graph: Dict[str, Set[str]]) -> Optional[List[str]]:
+    """A cycle of ``graph`` as ``[a, b, ..., a]``, or None when it has none.
+
+    Depth-first search; a node met again while still on the current path
+    closes a cycle.  Nodes and edges are visited in sorted order, so the
+    cycle reported is the same on every run.
+    """
+    done: Set[str] = set()
+    path: List[str] = []
+    on_path: Set[str] = set()
+
+    def visit(node: str) -> Optional[List[str]]:
+        path.append(node)
+        on_path.add(node)
+        for target in sorted(graph.get(node, ())):
+            if target in on_path:
+                return path[path.index(target) :] + [target]
+            if target not in done:
+                cycle = visit(target)
+                if cycle is not None:
+                    return cycle
+        path.pop()
+        on_path.discard(node)
+        done.add(node)
+        return None
+
+    for start in sorted(graph):
+        if start not in done:
+            cycle = visit(start)
+            if cycle is not None:
+                return cycle
+    return None
+
+
+def test_package_has_no_import_cycle() -> None:
+    graph = import_graph()
+    # The walk must see the package (guards against a wrong ROOT finding nothing).
+    assert f"{PACKAGE}.recorder" in graph and f"{PACKAGE}.testing.stream_checker" in graph
+    cycle = find_cycle(graph)
+    assert cycle is None, "import cycle in the package: " + " -> ".join(cycle or [])
+
+
+def test_find_cycle_reports_a_cycle() -> None:
+    graph = {"a": {"b"}, "b": {"c"}, "c": {"a", "d"}, "d": set(), "e": {"a"}}
+    assert find_cycle(graph) == ["a", "b", "c", "a"]
+    assert find_cycle({"x": {"x"}}) == ["x", "x"]
+
+
+def test_find_cycle_accepts_a_dag() -> None:
+    # A diamond: two paths to one node are not a cycle.
+    assert find_cycle({"a": {"b", "c"}, "b": {"d"}, "c": {"d"}, "d": set()}) is None
+    assert find_cycle({}) is None
+
+
+def test_imports_are_found_everywhere_and_resolved(tmp_path: Path) -> None:
+    root = tmp_path / "pkg"
+    (root / "sub").mkdir(parents=True)
+    (root / "__init__.py").write_text("from pkg.a import A\n")
+    (root / "a.py").write_text(
+        "from typing import TYPE_CHECKING\n"
+        "if TYPE_CHECKING:\n"
+        "    from pkg.b import B\n"
+        "def f():\n"
+        "    from pkg import c\n"
+        "    import pkg.sub.d\n"
+    )
+    (root / "b.py").write_text("from . import a\nfrom .sub import d\n")
+    (root / "c.py").write_text("import os\n")
+    (root / "sub" / "__init__.py").write_text("from .d import D\nfrom .. import c\n")
+    (root / "sub" / "d.py").write_text("from ..c import C\nfrom pkg import A\n")
+    graph = import_graph(root, "pkg")
+    assert graph == {
+        "pkg": {"pkg.a"},
+        "pkg.a": {"pkg.b", "pkg.c", "pkg.sub.d"},
+        "pkg.b": {"pkg.a", "pkg.sub.d"},
+        "pkg.c": set(),
+        "pkg.sub": {"pkg.sub.d", "pkg.c"},
+        "pkg.sub.d": {"pkg.c", "pkg"},
+    }
+    assert find_cycle(graph) == ["pkg.a", "pkg.b", "pkg.a"]
