@@ -4,7 +4,8 @@ Three runs per case on the same seed and batches: torchrec's same-named class,
 ours, and the non-pipelined loop.  Every step's output and the final weights
 must be ``torch.equal`` across all three.  For Eval the plain loop is
 ``model.eval()`` and one ``torch.no_grad()`` forward per batch, and the final
-weights must also equal the weights before the run.
+weights must also equal the weights before the run; ours runs both ways it can
+load: inline (the default on CPU) and on its loader thread (``loader_thread=True``).
 """
 
 from __future__ import annotations
@@ -107,9 +108,11 @@ def test_eval(sharding_type: str) -> None:
     ref = plain_eval(make_sharded(DLRM, sharding_type, seed=SEED)[0], batches)
     theirs = eval_run(UpstreamEval, DLRM, sharding_type, batches)
     ours = eval_run(trec_pipelines.EvalPipelineSparseDist, DLRM, sharding_type, batches)
+    threaded = eval_run(trec_pipelines.EvalPipelineSparseDist, DLRM, sharding_type, batches, loader_thread=True)
     assert len(ref) == len(batches)
     assert_runs_equal(ref, theirs, ("plain_eval", "torchrec"))
     assert_runs_equal(ref, ours, ("plain_eval", "trec_pipelines"))
+    assert_runs_equal(ref, threaded, ("plain_eval", "trec_pipelines, loader thread"))
     # the weights really are the untrained ones
     assert_runs_equal(ref, Run(list(ref), weights(make_sharded(DLRM, sharding_type, seed=SEED)[0])))
 
@@ -135,13 +138,14 @@ def test_eval_predictions_only_model(sharding_type: str) -> None:
     assert_runs_equal(plain_eval(make_sharded(DLRM, sharding_type, seed=SEED)[0], batches), ours)
 
 
+@pytest.mark.parametrize("loader_thread", [None, True], ids=["inline", "thread"])
 @pytest.mark.parametrize("n", [0, 1, 2])
-def test_eval_short_data_then_a_second_epoch(n: int) -> None:
+def test_eval_short_data_then_a_second_epoch(n: int, loader_thread: Any) -> None:
     batches = make_batches(n, seed=DATA_SEED)
     ref = plain_eval(make_sharded(DLRM, "table_wise", seed=SEED)[0], batches + batches)
     dmp, _ = make_sharded(DLRM, "table_wise", seed=SEED)
     dmp.eval()
-    pipeline = trec_pipelines.EvalPipelineSparseDist(dmp, None, CPU)
+    pipeline = trec_pipelines.EvalPipelineSparseDist(dmp, None, CPU, loader_thread=loader_thread)
     first = run_pipeline(pipeline, batches, model=dmp)
     second = run_pipeline(pipeline, batches, model=dmp)  # no reset() needed
     assert_runs_equal(ref, Run(list(first) + list(second), second.weights))

@@ -1,7 +1,8 @@
 """TrainPipelineSparseDistLite and EvalPipelineSparseDist on the fake model.
 
 Exact recorded schedules (fill, steady state, drain), short loaders, epochs,
-and the Eval loader thread: errors, shutdown, no batch lost or duplicated.
+and Eval's loading, inline (the default on CPU) and on its loader thread
+(``loader_thread=True``): errors, shutdown, no batch lost or duplicated.
 """
 
 from __future__ import annotations
@@ -11,7 +12,7 @@ import random
 import threading
 import time
 import weakref
-from typing import Any, List
+from typing import Any, Iterable, List
 
 import pytest
 import torch
@@ -27,6 +28,7 @@ from tests.unit.fakes import (
 )
 from tests.unit.test_loaders import Refillable
 from trec_pipelines import EvalPipelineSparseDist, TrainPipelineSparseDistLite
+from trec_pipelines.pipelines.eval_sparse_dist import LOADER_THREAD_NAME
 
 CPU = torch.device("cpu")
 
@@ -38,6 +40,22 @@ def lite_pipeline(model: nn.Module, **kwargs: Any) -> TrainPipelineSparseDistLit
 def eval_pipeline(model: nn.Module, **kwargs: Any) -> EvalPipelineSparseDist:
     model.eval()
     return EvalPipelineSparseDist(model, None, CPU, **kwargs)
+
+
+def threaded_eval(model: nn.Module, **kwargs: Any) -> EvalPipelineSparseDist:
+    """An Eval pipeline with its loader thread, which CPU does not start by default."""
+    return eval_pipeline(model, loader_thread=True, **kwargs)
+
+
+def loader_threads(besides: Iterable[threading.Thread] = ()) -> List[threading.Thread]:
+    """The live threads of Eval pipelines' loaders, other than ``besides`` (an
+    earlier test's, still ending)."""
+    old = set(besides)
+    return [t for t in threading.enumerate() if t.name == LOADER_THREAD_NAME and t not in old]
+
+
+# Eval's loading modes: the default (inline on CPU) and a loader thread.
+LOADING = pytest.mark.parametrize("loader_thread", [None, True], ids=["inline", "thread"])
 
 
 def plain_eval(model: nn.Module, batches: List[Any]) -> List[Any]:
@@ -111,7 +129,7 @@ EVAL_FILL = [
 ]
 
 EVAL_STEP = (
-    "P{P} H2D[i{n}]@memcpy",  # taken from the loader thread
+    "P{P} H2D[i{n}]@memcpy",  # copied inline, or taken from the loader thread
     "P{P} WaitBatch[i{i}]@default",
     "P{P} InputDistStart[i{n}]@data_dist",
     "P{P} Forward[i{i}]@default",
@@ -119,15 +137,19 @@ EVAL_STEP = (
 )
 
 
-def test_eval_fill_steady_drain() -> None:
-    pipeline = eval_pipeline(TinyModel())
+@LOADING
+def test_eval_fill_steady_drain(loader_thread: Any) -> None:
+    pipeline = eval_pipeline(TinyModel(), loader_thread=loader_thread)
     expected = list(EVAL_FILL)
     for i in range(3):
         expected += steady(i, i, *EVAL_STEP)
     expected += ["P3 WaitBatch[i3]@default", "P3 Forward[i3]@default"]
-    assert recorded(pipeline, 4) == expected
+    assert recorded(pipeline, 4) == expected  # the same in both modes
     threads = [(a.task, a.thread) for a in pipeline.schedule_actions]
-    assert all((thread == "loader") == (task == "H2D") for task, thread in threads)
+    if loader_thread:
+        assert all((thread == "loader") == (task == "H2D") for task, thread in threads)
+    else:
+        assert {thread for _, thread in threads} == {"main"}
 
 
 # ---------------------------------------------------- short loaders, both
@@ -150,11 +172,12 @@ def test_lite_short_loaders_train_exactly_those_batches(n: int) -> None:
         assert actions == ["P0 H2D[i0]@memcpy"] + [a for a in steady(0, 0, *LITE_STEP) if "H2D" not in a]
 
 
+@LOADING
 @pytest.mark.parametrize("n", [0, 1, 2, 3])
-def test_eval_short_loaders_run_exactly_those_batches(n: int) -> None:
+def test_eval_short_loaders_run_exactly_those_batches(n: int, loader_thread: Any) -> None:
     batches = make_batches(n)
     model, ref = TinyModel(), TinyModel()
-    pipeline = eval_pipeline(model)
+    pipeline = eval_pipeline(model, loader_thread=loader_thread)
     pipeline.enable_schedule_recording()
     outputs = drain(pipeline, iter(batches))
     assert_same_training(outputs, plain_eval(ref, batches), model, TinyModel())  # weights unchanged
@@ -166,17 +189,20 @@ def test_eval_short_loaders_run_exactly_those_batches(n: int) -> None:
         assert actions == []
     if n == 1:
         assert actions == EVAL_FILL + ["P0 WaitBatch[i0]@default", "P0 Forward[i0]@default"]
-    assert pipeline._loader is None  # the thread was stopped with the epoch
+    assert pipeline._loader is None  # the loader (thread) was stopped with the epoch
 
 
 # ------------------------------------------------------------ epochs, both
 
 
-@pytest.mark.parametrize("kind", ["lite", "eval"])
+@pytest.mark.parametrize("kind", ["lite", "eval", "eval-thread"])
 def test_new_iterator_and_refilled_iterator_start_new_epochs(kind: str) -> None:
     batches = make_batches(3)
     model, ref = TinyModel(), TinyModel()
-    pipeline = lite_pipeline(model) if kind == "lite" else eval_pipeline(model)
+    if kind == "lite":
+        pipeline: Any = lite_pipeline(model)
+    else:
+        pipeline = eval_pipeline(model, loader_thread=kind == "eval-thread")
     loader = Refillable(batches)
     outputs = drain(pipeline, iter(batches)) + drain(pipeline, loader)
     loader.refill()
@@ -271,6 +297,64 @@ def test_eval_leaves_the_model_mode_alone() -> None:
     assert model.training
 
 
+# ----------------------------------------------- Eval: where it loads
+
+
+class Watching:
+    """Yields ``batches``, noting at each next() the loader threads alive then."""
+
+    def __init__(self, batches: List[Any]) -> None:
+        self._it = iter(batches)
+        self._before = loader_threads()
+        self.seen: List[List[str]] = []
+
+    def __iter__(self) -> "Watching":
+        return self
+
+    def __next__(self) -> Any:
+        self.seen.append([t.name for t in loader_threads(self._before)])
+        return next(self._it)
+
+
+def test_eval_on_cpu_loads_inline_by_default() -> None:
+    batches = make_batches(5)
+    model, ref = TinyModel(), TinyModel()
+    pipeline = eval_pipeline(model)
+    before = loader_threads()
+    loader = Watching(batches)
+    outputs = []
+    while True:
+        assert loader_threads(before) == [], "a loader thread runs during the epoch"
+        try:
+            outputs.append(pipeline.progress(loader))
+        except StopIteration:
+            break
+    assert loader.seen == [[]] * (len(batches) + 1)  # every next(), the end's included
+    assert_same_training(outputs, plain_eval(ref, batches), model, ref)
+    assert calls(model, "compute") == sums(batches)
+
+
+def test_eval_loader_thread_true_on_cpu_starts_the_thread() -> None:
+    batches = make_batches(5)
+    model, ref = TinyModel(), TinyModel()
+    pipeline = threaded_eval(model)
+    before = loader_threads()
+    loader = Watching(batches)
+    outputs = [pipeline.progress(loader)]
+    assert [t.name for t in loader_threads(before)] == [LOADER_THREAD_NAME]
+    outputs += drain(pipeline, loader)
+    assert loader.seen == [[LOADER_THREAD_NAME]] * (len(batches) + 1)  # next() on the thread
+    assert loader_threads(before) == []  # joined at the end of the data
+    assert_same_training(outputs, plain_eval(ref, batches), model, ref)
+    assert calls(model, "compute") == sums(batches)
+
+
+@pytest.mark.parametrize("value", [1, 0, "yes", "thread"])
+def test_eval_refuses_a_loader_thread_that_is_not_a_bool(value: Any) -> None:
+    with pytest.raises(TypeError, match="loader_thread must be None.*True or False"):
+        EvalPipelineSparseDist(TinyModel(), None, CPU, loader_thread=value)
+
+
 # ----------------------------------------------- Eval: the loader thread
 
 
@@ -291,11 +375,12 @@ class Failing:
             raise self.error from None
 
 
+@LOADING
 @pytest.mark.parametrize("k", [0, 1, 2, 3])
-def test_eval_iterator_error_reaches_caller_and_no_batch_is_lost(k: int) -> None:
+def test_eval_iterator_error_reaches_caller_and_no_batch_is_lost(k: int, loader_thread: Any) -> None:
     batches = make_batches(k)
     model, ref = TinyModel(), TinyModel()
-    pipeline = eval_pipeline(model)
+    pipeline = eval_pipeline(model, loader_thread=loader_thread)
     loader = Failing(batches, ValueError("broken shard"))
     outputs, errors = [], []
     for _ in range(10):
@@ -303,8 +388,9 @@ def test_eval_iterator_error_reaches_caller_and_no_batch_is_lost(k: int) -> None
             outputs.append(pipeline.progress(loader))
         except ValueError as error:
             errors.append(error)
-            thread = pipeline._loader._thread  # type: ignore[union-attr]
-            assert not thread.is_alive()
+            if loader_thread:
+                thread = pipeline._loader._thread  # type: ignore[union-attr]
+                assert not thread.is_alive()
         except StopIteration:
             break
     assert errors == [loader.error]  # the iterator's own exception, exactly once
@@ -314,14 +400,15 @@ def test_eval_iterator_error_reaches_caller_and_no_batch_is_lost(k: int) -> None
     assert calls(model, "compute") == sums(batches)
 
 
-def test_eval_bad_batch_error_is_raised_by_progress() -> None:
-    pipeline = eval_pipeline(TinyModel())
+@LOADING
+def test_eval_bad_batch_error_is_raised_by_progress(loader_thread: Any) -> None:
+    pipeline = eval_pipeline(TinyModel(), loader_thread=loader_thread)
     with pytest.raises(TypeError, match="Pipelineable"):
         pipeline.progress(iter([{"dense": torch.zeros(2)}]))
 
 
 def test_eval_thread_ends_with_the_data() -> None:
-    pipeline = eval_pipeline(TinyModel())
+    pipeline = threaded_eval(TinyModel())
     it = iter(make_batches(3))
     pipeline.progress(it)
     thread = pipeline._loader._thread  # type: ignore[union-attr]
@@ -330,15 +417,19 @@ def test_eval_thread_ends_with_the_data() -> None:
     assert not thread.is_alive() and pipeline._loader is None
 
 
-def test_eval_reset_stops_the_thread_and_the_next_epoch_is_whole() -> None:
+@LOADING
+def test_eval_reset_stops_the_loader_and_the_next_epoch_is_whole(loader_thread: Any) -> None:
     batches = make_batches(5)
     model, ref = TinyModel(), TinyModel()
-    pipeline = eval_pipeline(model)
+    pipeline = eval_pipeline(model, loader_thread=loader_thread)
     it = iter(batches)
+    before = loader_threads()
     first = [pipeline.progress(it) for _ in range(2)]
-    thread = pipeline._loader._thread  # type: ignore[union-attr]
+    threads = loader_threads(before)
+    assert len(threads) == (1 if loader_thread else 0)
     pipeline.reset()
-    assert not thread.is_alive() and not pipeline.batches
+    assert not any(t.is_alive() for t in threads) and not pipeline.batches
+    assert pipeline._loader is None
     second = drain(pipeline, iter(batches))
     expected = plain_eval(ref, batches)
     assert_same_training(first + second, expected[:2] + expected, model, ref)
@@ -369,7 +460,7 @@ class Blocking:
 
 def test_eval_reset_waits_for_a_next_under_way_then_never_calls_it_again() -> None:
     loader = Blocking(make_batches(6), block_at=2)
-    pipeline = eval_pipeline(TinyModel())
+    pipeline = threaded_eval(TinyModel())
     pipeline.progress(loader)  # took i0 and i1; the thread is now inside next() for i2
     assert loader.entered.wait(10)
     resetting = threading.Thread(target=pipeline.reset)
@@ -385,7 +476,7 @@ def test_eval_reset_waits_for_a_next_under_way_then_never_calls_it_again() -> No
 
 
 def test_eval_collecting_the_pipeline_stops_its_thread() -> None:
-    pipeline = eval_pipeline(TinyModel())
+    pipeline = threaded_eval(TinyModel())
     pipeline.progress(iter(make_batches(6)))
     thread = pipeline._loader._thread  # type: ignore[union-attr]
     alive = weakref.ref(pipeline)
@@ -415,7 +506,7 @@ class Jittery:
 def test_eval_every_batch_exactly_once_whatever_the_timing(seed: int) -> None:
     batches = make_batches(8, seed=seed + 10)
     model, ref = TinyModel(), TinyModel()
-    pipeline = eval_pipeline(model)
+    pipeline = threaded_eval(model)
     pipeline.enable_schedule_recording()
     rng = random.Random(seed)
     outputs = []
@@ -435,10 +526,12 @@ def test_eval_every_batch_exactly_once_whatever_the_timing(seed: int) -> None:
     assert [str(a) for a in pipeline.schedule_actions] == expected  # the same on every run
 
 
-def test_eval_refuses_a_new_iterator_mid_epoch_and_loses_nothing() -> None:
+@LOADING
+def test_eval_refuses_a_new_iterator_mid_epoch_and_loses_nothing(loader_thread: Any) -> None:
+    """In both modes, so a program behaves the same on every device."""
     batches = make_batches(4)
     model, ref = TinyModel(), TinyModel()
-    pipeline = eval_pipeline(model)
+    pipeline = eval_pipeline(model, loader_thread=loader_thread)
     it = iter(batches)
     outputs = [pipeline.progress(it)]
     with pytest.raises(RuntimeError, match="different iterator.*reset"):

@@ -56,7 +56,7 @@ from trec_pipelines import cache_prefetch as prefetch_module
 from trec_pipelines.pipelines import sparse_dist as sparse_dist_module
 from trec_pipelines.pipelines.base import TrainPipelineBase
 from trec_pipelines.pipelines.comp_autograd import TrainPipelineSparseDistCompAutograd
-from trec_pipelines.pipelines.eval_sparse_dist import EvalPipelineSparseDist
+from trec_pipelines.pipelines.eval_sparse_dist import LOADER_THREAD_NAME, EvalPipelineSparseDist
 from trec_pipelines.pipelines.fused_sparse_dist import (
     EvalPipelineFusedSparseDist,
     TrainPipelineFusedSparseDist,
@@ -367,9 +367,19 @@ VARIANTS: Dict[str, Variant] = {
         ("memcpy", "data_dist", "prefetch"),
     ),
     # The loader thread's copies are recorded too: it issues them on memcpy.
+    # (The default: the stand-in device has streams.)
     "EvalSparseDist": Variant(
         StandIn,
         lambda m: EvalPipelineSparseDist(m.eval(), None, CPU),
+        lambda n: exact(
+            test_schedule_lite_eval.EVAL_FILL, every(test_schedule_lite_eval.EVAL_STEP), n
+        ),
+        ("memcpy", "data_dist"),
+    ),
+    # No loader thread: progress() issues the same copies on memcpy itself.
+    "EvalSparseDist-inline": Variant(
+        StandIn,
+        lambda m: EvalPipelineSparseDist(m.eval(), None, CPU, loader_thread=False),
         lambda n: exact(
             test_schedule_lite_eval.EVAL_FILL, every(test_schedule_lite_eval.EVAL_STEP), n
         ),
@@ -412,6 +422,20 @@ VARIANTS["SparseDistCompAutograd"] = Variant(
 def test_variant_follows_the_stream_protocol(name: str) -> None:
     variant = VARIANTS[name]
     assert_clean(record(variant), variant)
+
+
+@pytest.mark.parametrize("name", ["EvalSparseDist", "EvalSparseDist-inline"])
+def test_eval_loads_on_a_thread_by_default_on_a_device_with_streams(name: str) -> None:
+    """The stand-in device has streams: by default Eval copies on its loader thread;
+    ``loader_thread=False`` copies in the training thread.  The recorded H2D
+    actions say which, and nothing else in the record differs."""
+    recorder = record(VARIANTS[name])
+    thread = LOADER_THREAD_NAME if name == "EvalSparseDist" else "main"
+    copies = [r for r in recorder.records if isinstance(r, OpRecord) and r.stream.name == "memcpy"]
+    assert copies and {r.where.thread for r in copies} == {thread}
+    labels = {s.thread for s in recorder.spans if s.task == rec.H2D}
+    assert labels == {"loader" if name == "EvalSparseDist" else "main"}
+    assert {s.thread for s in recorder.spans if s.task != rec.H2D} == {"main"}
 
 
 def test_semi_sync_lookup_moves_before_the_update_and_stays_ordered() -> None:

@@ -1,20 +1,27 @@
-"""EvalPipelineSparseDist: forward only, with the host-to-device copy on a loader thread.
+"""EvalPipelineSparseDist: forward only, the host-to-device copy on a loader thread or inline.
 
 [Note: recording the loader's copies]
 The schedule recorder is written only by the thread that calls ``progress()``,
-so it needs no lock and its order is that thread's order of calls.  The loader
-thread never touches it: the ``progress()`` call that takes batch ``k`` from
-the loader records ``H2D[ik]@memcpy`` with ``thread="loader"``, just before its
-first action on that batch.  The copy stands where the schedule first depends
-on it, not at the moment the loader issued it, which varies from run to run;
-so the recorded sequence is the same on every run.
+so it needs no lock and its order is that thread's order of calls.  The copy
+of batch ``k`` is recorded as ``H2D[ik]@memcpy`` by the ``progress()`` call
+that takes the batch, just before that call's first action on it:
+
+* inline (no loader thread), around the copy itself, with ``thread="main"``:
+  the training thread issues it there, and the span times it;
+* with a loader thread, which never touches the recorder, as an empty span at
+  the hand-over, with ``thread="loader"``.  The copy stands where the schedule
+  first depends on it, not at the moment the thread issued it, which varies
+  from run to run.
+
+So the recorded sequence is the same on every run and in both modes; only the
+thread label of the ``H2D`` actions tells them apart.
 """
 
 from __future__ import annotations
 
-import functools
 import threading
-from typing import Any, Callable, Iterator, Optional, Tuple
+from dataclasses import dataclass
+from typing import Any, Callable, ContextManager, Iterator, Optional, Tuple, Union
 
 import torch
 from torchrec.distributed.train_pipeline import In, Out
@@ -25,12 +32,46 @@ from trec_pipelines.pipelines._common import predictions
 from trec_pipelines.pipelines.sparse_dist import TrainPipelineSparseDist
 from trec_pipelines.rewrite import Strategy
 from trec_pipelines.stages import BatchSource, copy_to_device
+from trec_pipelines.streams import has_streams
 
 # A loaded batch and its index in the order of loading.
 Loaded = Tuple[Any, int]
 
-# The thread name the loader's copies are recorded under.
+# Opens a schedule-recorder span: (task, batch index, stream role, thread label).
+SpanFactory = Callable[[str, Optional[int], str, str], ContextManager[None]]
+
+# The thread labels the copies are recorded under, and the loader thread's name.
+_MAIN_THREAD = "main"
 _LOADER_THREAD = "loader"
+LOADER_THREAD_NAME = "trec_pipelines-loader"
+
+
+@dataclass(frozen=True)
+class _Load:
+    """One epoch's loading: pull from ``iterator`` through ``source``, copy on ``stream``."""
+
+    source: BatchSource
+    iterator: Iterator[Any]
+    device: torch.device
+    stream: Optional[torch.Stream]
+    inplace: bool
+
+    def pull(self) -> Optional[Loaded]:
+        """The next host batch and its index; ``None`` at the end of the data."""
+        batch = self.source.next(self.iterator)
+        return None if batch is None else (batch, self.source.last_index)
+
+    def copy(self, batch: Any) -> Any:
+        """Issue ``batch``'s host-to-device copy on ``stream``."""
+        return copy_to_device(batch, self.device, self.stream, self.inplace)
+
+    def __call__(self) -> Optional[Loaded]:
+        """The loader thread's work for one batch: pull it, copy it."""
+        pulled = self.pull()
+        if pulled is None:
+            return None
+        batch, index = pulled
+        return self.copy(batch), index
 
 
 class _BatchLoader:
@@ -50,15 +91,17 @@ class _BatchLoader:
     def __init__(self, load: Callable[[], Optional[Loaded]]) -> None:
         self._handoff: OneSlotHandoff[Loaded] = OneSlotHandoff()
         self._thread = threading.Thread(
-            target=self._handoff.produce, args=(load,), name="trec_pipelines-loader", daemon=True
+            target=self._handoff.produce, args=(load,), name=LOADER_THREAD_NAME, daemon=True
         )
         self._thread.start()
 
-    def take(self) -> Optional[Loaded]:
+    def take(self, span: SpanFactory) -> Optional[Loaded]:
         """The next batch, waiting for it; ``None`` once the data has ended.
 
-        An exception raised by ``load`` is raised here once, after every batch
-        loaded before it has been taken; later calls return ``None``.
+        Its copy is recorded through ``span`` at the hand-over (see
+        [Note: recording the loader's copies]).  An exception raised by
+        ``load`` is raised here once, after every batch loaded before it has
+        been taken; later calls return ``None``.
         """
         try:
             loaded = self._handoff.take()
@@ -67,6 +110,9 @@ class _BatchLoader:
             raise
         if loaded is None:
             self._thread.join()
+            return None
+        with span(rec.H2D, loaded[1], "memcpy", _LOADER_THREAD):
+            pass  # issued by the thread already
         return loaded
 
     def stop(self, wait: bool = True) -> None:
@@ -80,64 +126,102 @@ class _BatchLoader:
             self._thread.join()
 
 
-def _load_and_copy(
-    source: BatchSource,
-    iterator: Iterator[Any],
-    device: torch.device,
-    stream: Optional[torch.Stream],
-    inplace: bool,
-) -> Optional[Loaded]:
-    """The loader thread's work for one batch: pull it, copy it on ``stream``."""
-    batch = source.next(iterator)
-    if batch is None:
-        return None
-    return copy_to_device(batch, device, stream, inplace), source.last_index
+class _InlineLoader:
+    """:class:`_BatchLoader`'s contract without a thread: :meth:`take` loads the batch itself.
+
+    Loading ends as the thread's does: at the end of the data, on the first
+    exception (raised by the :meth:`take` that hit it), or on :meth:`stop`;
+    ``load`` is never called again after any of these.
+    """
+
+    def __init__(self, load: _Load) -> None:
+        self._load: Optional[_Load] = load
+
+    def take(self, span: SpanFactory) -> Optional[Loaded]:
+        """Pull the next batch and copy it, recorded through ``span``; ``None``
+        once the data has ended.  An exception propagates, once."""
+        load, self._load = self._load, None  # ended, unless this batch loads
+        if load is None:
+            return None
+        pulled = load.pull()
+        if pulled is None:
+            return None
+        batch, index = pulled
+        with span(rec.H2D, index, "memcpy", _MAIN_THREAD):
+            batch = load.copy(batch)
+        self._load = load
+        return batch, index
+
+    def stop(self, wait: bool = True) -> None:
+        """End loading; ``wait`` is for :class:`_BatchLoader`'s signature (nothing runs)."""
+        self._load = None
+
+
+# Either loader: they share ``take(span)`` and ``stop(wait)``.
+_Loader = Union[_BatchLoader, _InlineLoader]
 
 
 class EvalPipelineSparseDist(TrainPipelineSparseDist[In, Out]):
-    """Forward only; ``cur`` runs while ``nxt`` is in input_dist and a loader thread copies.
+    """Forward only; ``cur`` runs while ``nxt`` is in input_dist, batches copied ahead by a loader.
 
     ============  ==========  ================================================
     stream        slot        work
     ============  ==========  ================================================
     default       ``cur``     wait, forward under ``torch.no_grad()``
     data_dist     ``nxt``     input_dist
-    memcpy        loader      host-to-device copy of the batch after ``nxt``,
-                              issued by the loader thread
+    memcpy        loader      with a loader thread: host-to-device copy of the
+                              batch after ``nxt``, issued by the thread
+    memcpy        ``nxt``     inline: its host-to-device copy, issued at the
+                              top of ``progress()`` just before its input_dist
     ============  ==========  ================================================
 
-    Two batches are in flight in the pipeline (``cur`` and ``nxt``); the
-    loader thread holds at most one more, the one it is loading or has loaded,
-    and starts on the next when ``progress()`` takes it.  There is no
-    zero_grad, backward or optimizer step, and the model's mode is left as the
-    caller set it (call ``model.eval()`` first).  ``optimizer`` is accepted for
-    torchrec compatibility, unused, and may be ``None``.
+    Two batches are in flight in the pipeline (``cur`` and ``nxt``); a loader
+    thread holds at most one more, the one it is loading or has loaded, and
+    starts on the next when ``progress()`` takes it.  There is no zero_grad,
+    backward or optimizer step, and the model's mode is left as the caller set
+    it (call ``model.eval()`` first).  ``optimizer`` is accepted for torchrec
+    compatibility, unused, and may be ``None``.
 
     ``progress()`` returns the model's predictions: for a model returning
     ``(loss, pred)`` (any 2-tuple), ``pred``, as torchrec does; for any other
     output (a tensor, a dict, a list), the output itself.
 
-    Loader thread: started by the first ``progress()`` of an epoch on the
-    iterator passed to it, which it reads until the end (an iterator passed
-    later in the epoch is ignored, with a warning).  An exception the iterator
-    raises reaches the ``progress()`` call that needs the next batch, after
-    every batch before it was returned; the batches in flight then still run
-    on the next calls, which end with ``StopIteration``.  The thread ends at
-    the end of the data, on ``reset()`` (which drops the batches in flight and
-    the one the loader holds) and when the pipeline is collected.  As in the
-    other variants, the next epoch starts without ``reset()``.
+    Where the batches are loaded (``loader_thread``): ``None`` (default) uses
+    a loader thread on a device that runs work on streams (CUDA, MTIA), where
+    the copy it issues overlaps the forward, and loads inline on CPU, where
+    there is no device copy to overlap and the thread's Python work
+    (``next()``, the batch checks) would only compete with ``progress()`` for
+    the GIL.  ``True`` always starts a thread (an iterator whose loading
+    releases the GIL, e.g. reading files), ``False`` never does.  The two
+    modes run the same batches through the same schedule, with the same
+    results and errors; only who issues the copy, and when, differs.
 
-    Schedule recording: the loader's copy of batch ``k`` is recorded as
-    ``H2D[ik]@memcpy`` with ``thread="loader"`` by the ``progress()`` call that
-    takes the batch, just before that call's first action on it (see
-    [Note: recording the loader's copies]).
+    Loading: an epoch starts with the first ``progress()`` on the iterator
+    passed to it, which it reads until the end.  In both modes a different
+    iterator passed mid-epoch raises ``RuntimeError`` (finish the epoch or
+    call ``reset()``), so a program behaves the same on every device (the
+    train variants park the first iterator's batches instead).  An exception
+    raised while loading (the iterator, the batch checks, the copy) reaches
+    the ``progress()`` call that needs that batch, after every batch before it
+    was returned, and ends the loading of the epoch: the batches in flight
+    still run on the next calls, which end with ``StopIteration``.  The loader
+    thread ends at the end of the data, on ``reset()`` (which drops the
+    batches in flight and the one the loader holds) and when the pipeline is
+    collected.  As in the other variants, the next epoch starts without
+    ``reset()``.
 
-    Same constructor as torchrec 1.8.0's ``EvalPipelineSparseDist`` (plus
-    ``rewrite_strategy``).  Differences, all fixes: our own loader thread,
-    which is joined instead of abandoned, hands every batch over exactly once
-    and does not skip batches on retryable errors; forward under ``no_grad``;
-    predictions-only models work; the first batch's input_dist is started once,
-    not twice; a new epoch starts without ``reset()``.
+    Schedule recording: the copy of batch ``k`` is recorded as
+    ``H2D[ik]@memcpy``, with ``thread="loader"`` or ``thread="main"``
+    (inline), by the ``progress()`` call that takes the batch, just before that
+    call's first action on it (see [Note: recording the loader's copies]).
+
+    Same constructor as torchrec 1.8.0's ``EvalPipelineSparseDist``, plus our
+    keyword-only options (``rewrite_strategy``, ..., ``loader_thread``).
+    Differences, all fixes: our own loader thread, which is joined instead of
+    abandoned, hands every batch over exactly once, does not skip batches on
+    retryable errors, and is not started on CPU by default; forward under
+    ``no_grad``; predictions-only models work; the first batch's input_dist is
+    started once, not twice; a new epoch starts without ``reset()``.
 
     Example::
 
@@ -169,9 +253,15 @@ class EvalPipelineSparseDist(TrainPipelineSparseDist[In, Out]):
         on_unpipelined: str = "warn",
         sync_exhaustion: bool = False,
         validate_batches: bool = True,
+        loader_thread: Optional[bool] = None,
     ) -> None:
-        self._loader: Optional[_BatchLoader] = None  # first: __del__ reads it
+        self._loader: Optional[_Loader] = None  # first: __del__ reads it
         self._loader_iter: Optional[Iterator[Any]] = None
+        if loader_thread is not None and not isinstance(loader_thread, bool):
+            raise TypeError(
+                "loader_thread must be None (a loader thread on devices with streams, "
+                f"inline on CPU), True or False, got {loader_thread!r}"
+            )
         super().__init__(
             model,
             optimizer,  # type: ignore[arg-type]
@@ -186,19 +276,26 @@ class EvalPipelineSparseDist(TrainPipelineSparseDist[In, Out]):
             sync_exhaustion=sync_exhaustion,
             validate_batches=validate_batches,
         )
+        # Decided as the streams were made above: a thread where copies overlap.
+        self._loader_thread: bool = (
+            has_streams(self._device) if loader_thread is None else loader_thread
+        )
 
-    # ----------------------------------------------------------- loader thread
+    # ------------------------------------------------------------------ loader
 
-    def _start_loader(self, dataloader_iter: Iterator[Any]) -> _BatchLoader:
+    def _start_loader(self, dataloader_iter: Iterator[Any]) -> _Loader:
         self._loader_iter = dataloader_iter
         device, memcpy = self._device, self._streams.memcpy
+        if not self._loader_thread:
+            return _InlineLoader(
+                _Load(self._source, dataloader_iter, device, memcpy, self._enable_inplace_copy_batch)
+            )
         if device.index is None and memcpy is not None:
             # "cuda" means the current device, and a new thread's is device 0:
             # name the one this thread made the memcpy stream on.
             device = memcpy.device
         return _BatchLoader(
-            functools.partial(
-                _load_and_copy,
+            _Load(
                 self._source,  # the thread's alone until it is stopped
                 dataloader_iter,
                 device,
@@ -214,15 +311,12 @@ class EvalPipelineSparseDist(TrainPipelineSparseDist[In, Out]):
             self._loader_iter = None
 
     def _take_batch(self) -> bool:
-        """Queue the loader's next batch; False once the data has ended."""
+        """Queue the loader's next batch, on the device; False once the data has ended."""
         assert self._loader is not None
-        loaded = self._loader.take()
+        loaded = self._loader.take(self._span)  # records its H2D
         if loaded is None:
             return False
         batch, index = loaded
-        # Recorded at the hand-over, see [Note: recording the loader's copies].
-        with self._span(rec.H2D, index, "memcpy", _LOADER_THREAD):
-            pass
         self.batches.append(batch)
         self.contexts.append(self._context_type(index=index))
         return True
@@ -246,11 +340,12 @@ class EvalPipelineSparseDist(TrainPipelineSparseDist[In, Out]):
                 self._init_input_dist(self.batches[0], self.contexts[0])
                 self.wait_sparse_data_dist(self.contexts[0])
         elif dataloader_iter is not self._loader_iter:
-            # Its loader thread is reading the first iterator: running the new
-            # one's steps on those batches would attribute outputs wrongly.
+            # The epoch reads the first iterator to its end (on a loader thread
+            # possibly): running the new one's steps on those batches would
+            # attribute outputs wrongly.
             raise RuntimeError(
-                f"{type(self).__name__}.progress() got a different iterator mid-epoch "
-                "while its loader thread reads the first one. Pass the same iterator "
+                f"{type(self).__name__}.progress() got a different iterator mid-epoch, "
+                "while the epoch reads the first one to its end. Pass the same iterator "
                 "until StopIteration, or call reset() (dropping the batches in flight) "
                 "to switch now."
             )
