@@ -24,7 +24,7 @@ from trec_pipelines.context import (
     TrainPipelineContext,
 )
 from trec_pipelines.data_loading import DataLoadingThread
-from trec_pipelines.errors import ModelDetachedException
+from trec_pipelines.errors import MalformedBatchError, ModelDetachedException
 from trec_pipelines.forwards import (
     EmbeddingPipelinedForward,
     InSyncEmbeddingPipelinedForward,
@@ -78,6 +78,7 @@ __all__ = [
     "InSyncEmbeddingPipelinedForward",
     "InjectionSite",
     "InjectionTargetType",
+    "MalformedBatchError",
     "ModelDetachedException",
     "Out",
     "OutputDistTensorFinder",

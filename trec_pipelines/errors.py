@@ -10,3 +10,11 @@ class ModelDetachedException(RuntimeError):
     pipelines, like torchrec's, do not raise it from ``progress()`` after
     :meth:`detach`: they attach the model again and go on.  A ``RuntimeError``.
     """
+
+
+class MalformedBatchError(ValueError):
+    """A batch failed ``validate_batches``'s checks; raised before any work on it.
+
+    The batch is dropped and the pipeline goes on with the next one at the
+    next ``progress()``.  A ``ValueError``.
+    """

@@ -8,9 +8,16 @@ and :class:`~trec_pipelines.data_loading.DataLoadingThread` are built on it.
 from __future__ import annotations
 
 import threading
-from typing import Callable, Generic, Optional, TypeVar
+from typing import Callable, Generic, Optional, Tuple, Type, TypeVar, Union
 
 T = TypeVar("T")
+
+
+class _Raised:
+    """A recoverable exception standing in the slot for the item it replaced."""
+
+    def __init__(self, error: BaseException) -> None:
+        self.error = error
 
 
 class OneSlotHandoff(Generic[T]):
@@ -19,12 +26,15 @@ class OneSlotHandoff(Generic[T]):
     The producer thread runs :meth:`produce`; the consumer calls :meth:`take`;
     either may call :meth:`stop`.  An exception raised by the producer's
     ``load`` ends production and is raised by the next :meth:`take`, once,
-    after the item loaded before it has been taken.
+    after the item loaded before it has been taken; one of the ``recoverable``
+    types instead takes that item's place in the slot (the :meth:`take` that
+    would have got the item raises it) and production goes on.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, recoverable: Tuple[Type[BaseException], ...] = ()) -> None:
         self._cond = threading.Condition()
-        self._slot: Optional[T] = None
+        self._recoverable = recoverable
+        self._slot: Optional[Union[T, _Raised]] = None
         self._error: Optional[BaseException] = None
         self._finished = False
         self._stopping = False
@@ -39,7 +49,10 @@ class OneSlotHandoff(Generic[T]):
                     if self._stopping:
                         return
                 # Outside the lock: take() and stop() must not wait for a load.
-                item = load()
+                try:
+                    item: Optional[Union[T, _Raised]] = load()
+                except self._recoverable as error:
+                    item = _Raised(error)
                 if item is None:
                     return
                 with self._cond:
@@ -67,10 +80,12 @@ class OneSlotHandoff(Generic[T]):
             error = None
             if item is None:
                 error, self._error = self._error, None
+            elif isinstance(item, _Raised):
+                item, error = None, item.error
             self._cond.notify_all()
         if error is not None:
             raise error
-        return item
+        return item  # type: ignore[return-value]
 
     def stop(self) -> None:
         """End production (an item in the slot is dropped); returns without waiting."""

@@ -16,6 +16,7 @@ import torch
 import torch.distributed as dist
 from torchrec.streamable import Multistreamable, Pipelineable
 
+from trec_pipelines.errors import MalformedBatchError
 from trec_pipelines.streams import hand_off, on_stream
 from trec_pipelines.validation import batch_problem
 
@@ -188,7 +189,7 @@ class BatchSource:
             batch, problem = self._agree(batch, problem)
         if problem is not None:
             self.rejected += 1
-            raise ValueError(
+            raise MalformedBatchError(
                 f"batch {self.loaded + len(self._held)}: {problem}. It was dropped before "
                 "any work, and the next progress() goes on with the next batch. Fix the "
                 "data, or pass validate_batches=False to turn these checks off."

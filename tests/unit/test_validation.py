@@ -167,3 +167,23 @@ def test_validate_batches_false_turns_the_checks_off() -> None:
     batches = _with_bad_batch(2, MALFORMED["3 extra"][0])  # extra values: trains without an error
     model = TinyModel()
     assert len(drain(_make("TrainPipelineSparseDist", model, validate_batches=False), iter(batches))) == 6
+
+
+@pytest.mark.parametrize("loader_thread", [None, True], ids=["inline", "thread"])
+@pytest.mark.parametrize("at", [0, 2, 5])
+def test_eval_drops_a_bad_batch_and_goes_on_with_the_next(loader_thread: Any, at: int) -> None:
+    # Eval's loader (inline or on its thread) raises the malformed batch's
+    # error once and keeps loading: nothing after it is dropped.
+    from tests.unit.test_schedule_lite_eval import eval_pipeline, plain_eval
+
+    batches = _with_bad_batch(at, MALFORMED["3 missing"][0])
+    model, ref = TinyModel(), TinyModel()
+    pipeline = eval_pipeline(model, loader_thread=loader_thread)
+    it = iter(batches)
+    outputs: List[torch.Tensor] = []
+    with pytest.raises(tp.MalformedBatchError, match=rf"batch {at}: .*next progress\(\) goes on"):
+        while True:
+            outputs.append(pipeline.progress(it))
+    outputs += drain(pipeline, it)
+    assert_same_training(outputs, plain_eval(ref, batches[:at] + batches[at + 1:]), model, ref)
+    assert pipeline._source.rejected == 1

@@ -27,6 +27,7 @@ import torch
 from torchrec.distributed.train_pipeline import In, Out
 
 from trec_pipelines import recorder as rec
+from trec_pipelines.errors import MalformedBatchError
 from trec_pipelines.handoff import OneSlotHandoff
 from trec_pipelines.pipelines._common import predictions
 from trec_pipelines.pipelines.sparse_dist import TrainPipelineSparseDist
@@ -82,14 +83,17 @@ class _BatchLoader:
     slot and loads the next only once :meth:`take` has emptied it, so it holds
     at most one batch.  It ends at the end of the data, on the first exception
     ``load`` raises (kept for :meth:`take`), or when :meth:`stop` is called;
-    it never calls ``load`` again after any of these.
+    it never calls ``load`` again after any of these.  A malformed batch
+    (:class:`~trec_pipelines.errors.MalformedBatchError`) does not end it: the
+    :meth:`take` that would have got that batch raises the error, and the
+    thread goes on with the next one.
 
     ``load`` must not hold the pipeline: the pipeline stops the thread when it
     is collected, which it could not be while the thread kept it alive.
     """
 
     def __init__(self, load: Callable[[], Optional[Loaded]]) -> None:
-        self._handoff: OneSlotHandoff[Loaded] = OneSlotHandoff()
+        self._handoff: OneSlotHandoff[Loaded] = OneSlotHandoff(recoverable=(MalformedBatchError,))
         self._thread = threading.Thread(
             target=self._handoff.produce, args=(load,), name=LOADER_THREAD_NAME, daemon=True
         )
@@ -105,6 +109,8 @@ class _BatchLoader:
         """
         try:
             loaded = self._handoff.take()
+        except MalformedBatchError:
+            raise  # dropped; the thread is loading the next batch
         except BaseException:
             self._thread.join()  # it has finished: this only reaps it
             raise
@@ -130,8 +136,8 @@ class _InlineLoader:
     """:class:`_BatchLoader`'s contract without a thread: :meth:`take` loads the batch itself.
 
     Loading ends as the thread's does: at the end of the data, on the first
-    exception (raised by the :meth:`take` that hit it), or on :meth:`stop`;
-    ``load`` is never called again after any of these.
+    exception (raised by the :meth:`take` that hit it) other than a malformed
+    batch, or on :meth:`stop`; ``load`` is never called again after any of these.
     """
 
     def __init__(self, load: _Load) -> None:
@@ -143,7 +149,11 @@ class _InlineLoader:
         load, self._load = self._load, None  # ended, unless this batch loads
         if load is None:
             return None
-        pulled = load.pull()
+        try:
+            pulled = load.pull()
+        except MalformedBatchError:
+            self._load = load  # dropped; the next take() loads the next batch
+            raise
         if pulled is None:
             return None
         batch, index = pulled
@@ -333,12 +343,8 @@ class EvalPipelineSparseDist(TrainPipelineSparseDist[In, Out]):
         self._take_over_model()  # from a train pipeline sharing the model, if any
         self._ensure_attached()
         if self._loader is None:
-            # fill: a new epoch; cur is copied by the loader, then input_dist
             assert not self.batches, "in-flight batches without a loader"
-            self._loader = self._start_loader(dataloader_iter)
-            if self._take_batch():
-                self._init_input_dist(self.batches[0], self.contexts[0])
-                self.wait_sparse_data_dist(self.contexts[0])
+            self._loader = self._start_loader(dataloader_iter)  # a new epoch
         elif dataloader_iter is not self._loader_iter:
             # The epoch reads the first iterator to its end (on a loader thread
             # possibly): running the new one's steps on those batches would
@@ -349,6 +355,12 @@ class EvalPipelineSparseDist(TrainPipelineSparseDist[In, Out]):
                 "until StopIteration, or call reset() (dropping the batches in flight) "
                 "to switch now."
             )
+        if not self.batches:
+            # fill: cur is copied by the loader, then input_dist (a malformed
+            # first batch raises here, and the next call fills with the next)
+            if self._take_batch():
+                self._init_input_dist(self.batches[0], self.contexts[0])
+                self.wait_sparse_data_dist(self.contexts[0])
         has_nxt = self._take_batch()                               # nxt, copied by the loader
         if not self.batches:
             self._stop_loader()
