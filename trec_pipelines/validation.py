@@ -176,27 +176,34 @@ def kjt_problem(kjt: KeyedJaggedTensor) -> Optional[str]:
     return None
 
 
-def _kjts(value: Any, depth: int = 0) -> Iterator[KeyedJaggedTensor]:
-    """The KJTs :func:`~trec_pipelines.rewrite.kjt_fields` finds, without their paths."""
+def _kjts(value: Any, found: List[KeyedJaggedTensor], depth: int = 0) -> List[KeyedJaggedTensor]:
+    """Add to ``found`` the KJTs :func:`~trec_pipelines.rewrite.kjt_fields` finds, without their paths.
+
+    Leaves (tensors, KJTs) are handled in the caller's loop, so a flat batch
+    costs one call.
+    """
     if isinstance(value, KeyedJaggedTensor):
-        yield value
-    elif depth >= 4 or isinstance(value, torch.Tensor):
-        return
-    elif isinstance(value, dict):
-        for key, item in value.items():
-            if isinstance(key, (str, int)):
-                yield from _kjts(item, depth + 1)
+        found.append(value)
+        return found
+    if isinstance(value, dict):
+        items: Any = (item for key, item in value.items() if isinstance(key, (str, int)))
     elif isinstance(value, (list, tuple)):
-        for item in value:
-            yield from _kjts(item, depth + 1)
-    elif hasattr(value, "__dict__"):
-        for item in vars(value).values():
-            yield from _kjts(item, depth + 1)
+        items = value
+    elif hasattr(value, "__dict__") and not isinstance(value, torch.Tensor):
+        items = vars(value).values()
+    else:
+        return found
+    for item in items:
+        if isinstance(item, KeyedJaggedTensor):
+            found.append(item)
+        elif depth < 3 and not isinstance(item, torch.Tensor):
+            _kjts(item, found, depth + 1)
+    return found
 
 
 def batch_problem(batch: Any) -> Optional[str]:
     """The first inconsistency of any KJT in ``batch`` (where it is, and what), or None."""
-    if all(_looks_consistent(kjt) for kjt in _kjts(batch)):
+    if all(_looks_consistent(kjt) for kjt in _kjts(batch, [])):
         return None
     if isinstance(batch, KeyedJaggedTensor):
         found = [("", batch)]

@@ -187,3 +187,23 @@ def test_eval_drops_a_bad_batch_and_goes_on_with_the_next(loader_thread: Any, at
     outputs += drain(pipeline, it)
     assert_same_training(outputs, plain_eval(ref, batches[:at] + batches[at + 1:]), model, ref)
     assert pipeline._source.rejected == 1
+
+
+def test_the_fast_walk_finds_the_kjts_the_rewrite_finds() -> None:
+    # batch_problem's walk (no paths) must see every KJT kjt_fields sees, nested or not.
+    from types import SimpleNamespace
+
+    from trec_pipelines.rewrite import kjt_fields
+    from trec_pipelines.validation import _kjts
+
+    k = lambda: _kjt(GOOD)  # noqa: E731
+    nested = [
+        k(),
+        {"a": k(), "b": [k(), (k(), torch.zeros(1))], 3: {"c": k()}, ("t",): k()},
+        SimpleNamespace(x=SimpleNamespace(y=[{"z": k()}]), w=torch.ones(2)),
+        [[[[k()]]]],
+        [[[[[k()]]]]],  # deeper than the rewrite looks
+        make_batches(1)[0],
+    ]
+    for batch in nested:
+        assert [id(t) for t in _kjts(batch, [])] == [id(t) for _, t in kjt_fields(batch)], batch
