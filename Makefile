@@ -77,7 +77,7 @@ distributed-4-latest: $(STAMP_LATEST)
 	$(call run_4_ranks,$(VENV_LATEST))
 
 bench: $(STAMP)
-	$(PY) -m benchmarks
+	$(PY) -m benchmarks $(BENCH_ARGS)
 
 # Not in CI (a few minutes): 5,000 steps of SparseDist and SemiSync, RSS sampled.
 soak: $(STAMP)
