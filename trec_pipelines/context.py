@@ -48,6 +48,10 @@ class TrainPipelineContext:
             postproc ran, by FQN (empty on CPU).  Written by the postproc
             wrapper in the input_dist stage; the forward's call waits on it
             before reading the cached output.
+        features_shared_with_loader: the device batch's KJTs use the storage of
+            the batch the loader gave (it was already on the device), so
+            ``free_features_storage_early`` must leave them alone.  Written by
+            the copy verb (only with that option); read by ``start_sparse_data_dist``.
     """
 
     index: Optional[int] = None
@@ -60,6 +64,7 @@ class TrainPipelineContext:
     events: List[torch.Event] = field(default_factory=list)
     postproc_fwd_results: Dict[str, Any] = field(default_factory=dict)
     postproc_events: Dict[str, torch.Event] = field(default_factory=dict)
+    features_shared_with_loader: bool = False
 
 
 @dataclass

@@ -183,12 +183,14 @@ def start_input_dist(
 
 def _release_early_inputs(context: TrainPipelineContext) -> None:
     # With free_features_storage_early, a module lists the batch KJTs it has
-    # finished with; every module has permuted its features by now.
+    # finished with; every module has permuted its features by now.  Storage
+    # the loader's batch still owns (no copy was made) is only forgotten.
     for module_ctx in context.module_contexts.values():
         releasable = getattr(module_ctx, "early_releasable_inputs", None)
         if releasable:
-            for kjt in releasable:
-                kjt.clear_storage()
+            if not context.features_shared_with_loader:
+                for kjt in releasable:
+                    kjt.clear_storage()
             releasable.clear()
 
 

@@ -36,6 +36,20 @@ def check_batch(batch: Any) -> None:
     )
 
 
+def shares_kjt_storage(host: Any, device: Any) -> bool:
+    """True when a ``KeyedJaggedTensor`` of ``device`` (a batch's device copy)
+    still uses the storage of one of ``host``'s (the batch as the loader gave it).
+
+    That is the case when the batch was already on the device (any batch on
+    CPU, a loader that yields device tensors): the "copy" is the loader's own
+    tensors, which ``free_features_storage_early`` must not free.
+    """
+    from trec_pipelines.rewrite import kjt_fields
+
+    owned = {kjt.values().untyped_storage().data_ptr() for _, kjt in kjt_fields(host)}
+    return any(kjt.values().untyped_storage().data_ptr() in owned for _, kjt in kjt_fields(device))
+
+
 def copy_to_device(
     batch: Any,
     device: torch.device,

@@ -85,3 +85,31 @@ def test_sparse_dist_detach_attach_mid_epoch() -> None:
     rest = run_pipeline(pipeline, it, model=dmp)
     ours = Run([o.clone() for o in outputs] + list(rest), rest.weights)
     assert_runs_equal(ref, ours, ("plain_loop", "detach/attach"))
+
+
+@pytest.mark.parametrize(
+    "name", ["TrainPipelineSparseDist", "TrainPipelineFusedSparseDist", "EvalPipelineSparseDist"]
+)
+def test_free_features_storage_early_never_frees_the_loaders_own_batch(name: str) -> None:
+    # On CPU the device "copy" of a batch is the loader's own tensors: freeing
+    # its features after input_dist (torchrec does) destroys the dataset, and
+    # the second epoch over the same batches fails.  Ours frees only storage
+    # the copy made, so both epochs train as the plain loop does.
+    batches = make_batches(seed=DATA_SEED)
+    values_before = [b.sparse.values().clone() for b in batches]
+    dmp, optimizer = make_sharded(DLRM, "table_wise", seed=SEED)
+    ref_dmp, ref_optimizer = make_sharded(DLRM, "table_wise", seed=SEED)
+    if name.startswith("Eval"):
+        dmp.eval()
+        ref_dmp.eval()
+        with torch.no_grad():
+            ref = [ref_dmp(b)[1] for b in batches + batches]
+    else:
+        ref = plain_loop(ref_dmp, ref_optimizer, batches + batches)
+    pipeline = getattr(trec_pipelines, name)(dmp, optimizer, CPU, free_features_storage_early=True)
+    ours = run_pipeline(pipeline, batches, model=dmp) + run_pipeline(pipeline, batches, model=dmp)
+    assert len(ours) == len(ref) == 2 * len(batches)
+    for step, (a, b) in enumerate(zip(ours, ref)):
+        assert torch.equal(a, b), f"step {step}"
+    for batch, before in zip(batches, values_before):
+        assert torch.equal(batch.sparse.values(), before)

@@ -32,11 +32,14 @@ from trec_pipelines.handoff import OneSlotHandoff
 from trec_pipelines.pipelines._common import predictions
 from trec_pipelines.pipelines.sparse_dist import TrainPipelineSparseDist
 from trec_pipelines.rewrite import Strategy
-from trec_pipelines.stages import BatchSource, copy_to_device
+from trec_pipelines.stages import BatchSource, copy_to_device, shares_kjt_storage
 from trec_pipelines.streams import has_streams
 
 # A loaded batch and its index in the order of loading.
 Loaded = Tuple[Any, int]
+# A batch on the device, its index, and whether it still uses the loader's
+# storage (it was on the device already; see shares_kjt_storage).
+Copied = Tuple[Any, int, bool]
 
 # Opens a schedule-recorder span: (task, batch index, stream role, thread label).
 SpanFactory = Callable[[str, Optional[int], str, str], ContextManager[None]]
@@ -56,23 +59,27 @@ class _Load:
     device: torch.device
     stream: Optional[torch.Stream]
     inplace: bool
+    free_features: bool = False  # free_features_storage_early: check for shared storage
 
     def pull(self) -> Optional[Loaded]:
         """The next host batch and its index; ``None`` at the end of the data."""
         batch = self.source.next(self.iterator)
         return None if batch is None else (batch, self.source.last_index)
 
-    def copy(self, batch: Any) -> Any:
-        """Issue ``batch``'s host-to-device copy on ``stream``."""
-        return copy_to_device(batch, self.device, self.stream, self.inplace)
+    def copy(self, host: Any) -> Tuple[Any, bool]:
+        """Issue ``host``'s host-to-device copy on ``stream``: the device batch, and
+        whether it still uses ``host``'s storage."""
+        batch = copy_to_device(host, self.device, self.stream, self.inplace)
+        return batch, self.free_features and shares_kjt_storage(host, batch)
 
-    def __call__(self) -> Optional[Loaded]:
+    def __call__(self) -> Optional[Copied]:
         """The loader thread's work for one batch: pull it, copy it."""
         pulled = self.pull()
         if pulled is None:
             return None
-        batch, index = pulled
-        return self.copy(batch), index
+        host, index = pulled
+        batch, shared = self.copy(host)
+        return batch, index, shared
 
 
 class _BatchLoader:
@@ -92,14 +99,14 @@ class _BatchLoader:
     is collected, which it could not be while the thread kept it alive.
     """
 
-    def __init__(self, load: Callable[[], Optional[Loaded]]) -> None:
-        self._handoff: OneSlotHandoff[Loaded] = OneSlotHandoff(recoverable=(MalformedBatchError,))
+    def __init__(self, load: Callable[[], Optional[Copied]]) -> None:
+        self._handoff: OneSlotHandoff[Copied] = OneSlotHandoff(recoverable=(MalformedBatchError,))
         self._thread = threading.Thread(
             target=self._handoff.produce, args=(load,), name=LOADER_THREAD_NAME, daemon=True
         )
         self._thread.start()
 
-    def take(self, span: SpanFactory) -> Optional[Loaded]:
+    def take(self, span: SpanFactory) -> Optional[Copied]:
         """The next batch, waiting for it; ``None`` once the data has ended.
 
         Its copy is recorded through ``span`` at the hand-over (see
@@ -143,7 +150,7 @@ class _InlineLoader:
     def __init__(self, load: _Load) -> None:
         self._load: Optional[_Load] = load
 
-    def take(self, span: SpanFactory) -> Optional[Loaded]:
+    def take(self, span: SpanFactory) -> Optional[Copied]:
         """Pull the next batch and copy it, recorded through ``span``; ``None``
         once the data has ended.  An exception propagates, once."""
         load, self._load = self._load, None  # ended, unless this batch loads
@@ -156,11 +163,11 @@ class _InlineLoader:
             raise
         if pulled is None:
             return None
-        batch, index = pulled
+        host, index = pulled
         with span(rec.H2D, index, "memcpy", _MAIN_THREAD):
-            batch = load.copy(batch)
+            batch, shared = load.copy(host)
         self._load = load
-        return batch, index
+        return batch, index, shared
 
     def stop(self, wait: bool = True) -> None:
         """End loading; ``wait`` is for :class:`_BatchLoader`'s signature (nothing runs)."""
@@ -298,7 +305,14 @@ class EvalPipelineSparseDist(TrainPipelineSparseDist[In, Out]):
         device, memcpy = self._device, self._streams.memcpy
         if not self._loader_thread:
             return _InlineLoader(
-                _Load(self._source, dataloader_iter, device, memcpy, self._enable_inplace_copy_batch)
+                _Load(
+                    self._source,
+                    dataloader_iter,
+                    device,
+                    memcpy,
+                    self._enable_inplace_copy_batch,
+                    self._free_features_storage_early,
+                )
             )
         if device.index is None and memcpy is not None:
             # "cuda" means the current device, and a new thread's is device 0:
@@ -311,6 +325,7 @@ class EvalPipelineSparseDist(TrainPipelineSparseDist[In, Out]):
                 device,
                 memcpy,
                 self._enable_inplace_copy_batch,
+                self._free_features_storage_early,
             )
         )
 
@@ -326,9 +341,11 @@ class EvalPipelineSparseDist(TrainPipelineSparseDist[In, Out]):
         loaded = self._loader.take(self._span)  # records its H2D
         if loaded is None:
             return False
-        batch, index = loaded
+        batch, index, shared = loaded
+        if shared:
+            self._warn_shared_features()
         self.batches.append(batch)
-        self.contexts.append(self._context_type(index=index))
+        self.contexts.append(self._context_type(index=index, features_shared_with_loader=shared))
         return True
 
     # --------------------------------------------------------------- schedule

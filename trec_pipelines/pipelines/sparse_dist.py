@@ -51,6 +51,7 @@ from trec_pipelines.stages import (
     SourceState,
     backward,
     copy_to_device,
+    shares_kjt_storage,
     sync_group_for,
     wait_for_batch,
 )
@@ -262,6 +263,7 @@ class TrainPipelineSparseDist(TrainPipeline[In, Out], AsyncInplaceCopyMixin[In],
         self._taken_over_by: Optional[str] = None
         # The model's sharded modules, found once: every step looks at their forwards.
         self._sharded: Optional[Dict[str, ShardedModule]] = None
+        self._warned_shared_features = False
 
     # ------------------------------------------------------------------ setup
 
@@ -399,13 +401,32 @@ class TrainPipelineSparseDist(TrainPipeline[In, Out], AsyncInplaceCopyMixin[In],
 
         Returns ``(None, None)`` once the iterator is exhausted.
         """
-        batch = self._source.next(dataloader_iter)
-        if batch is None:
+        host = self._source.next(dataloader_iter)
+        if host is None:
             return None, None
         context = self._context_type(index=self._source.last_index)
         with self._span(rec.H2D, context.index, "memcpy"):
-            batch = copy_to_device(batch, self._device, self._streams.memcpy)
+            batch = copy_to_device(host, self._device, self._streams.memcpy)
+        self._note_shared_features(host, batch, context)
         return batch, context
+
+    def _note_shared_features(self, host: Any, batch: Any, context: TrainPipelineContext) -> None:
+        """With ``free_features_storage_early``: mark a batch whose "copy" kept the
+        loader's storage (it was on the device already), which must not be freed."""
+        if self._free_features_storage_early and shares_kjt_storage(host, batch):
+            context.features_shared_with_loader = True
+            self._warn_shared_features()
+
+    def _warn_shared_features(self) -> None:
+        if not self._warned_shared_features:
+            self._warned_shared_features = True
+            logger.warning(
+                "%s: free_features_storage_early has nothing to free on this batch: it "
+                "was on %s already, so its KeyedJaggedTensors are the loader's own "
+                "tensors (freeing them would destroy the data, e.g. for the next epoch)",
+                type(self).__name__,
+                self._device,
+            )
 
     def inplace_copy_batch_to_gpu(
         self, dataloader_iter: Iterator[Any]
@@ -416,15 +437,19 @@ class TrainPipelineSparseDist(TrainPipeline[In, Out], AsyncInplaceCopyMixin[In],
         and the batch is a Future until its slot is read (see
         [Note: async in-place copy]).
         """
-        batch = self._source.next(dataloader_iter)
-        if batch is None:
+        host = self._source.next(dataloader_iter)
+        if host is None:
             return None, None
         context = self._context_type(index=self._source.last_index)
         with self._span(rec.H2D, context.index, "memcpy"):
             if self._copy_worker is not None:
-                batch = self._copy_worker.submit(batch)
-            else:
-                batch = copy_to_device(batch, self._device, self._streams.memcpy, inplace=True)
+                # Not checked for shared storage: the copy is still to be made.  The
+                # worker copies a host batch into new device memory; a loader that
+                # yields device tensors should not combine async_inplace_copy with
+                # free_features_storage_early.
+                return self._copy_worker.submit(host), context
+            batch = copy_to_device(host, self._device, self._streams.memcpy, inplace=True)
+        self._note_shared_features(host, batch, context)
         return batch, context
 
     def enqueue_batch(self, dataloader_iter: Iterator[Any]) -> bool:
