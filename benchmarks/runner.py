@@ -47,6 +47,7 @@ from benchmarks.contenders import (
     PlainLoop,
     StageProbe,
     Variant,
+    combine_stage_times,
     discover,
     make_contender,
 )
@@ -150,8 +151,7 @@ class Session:
         if err is not None:
             return err, 0.0, {}
         seconds = max(v[0] for v in values)
-        stages = {k: max(v[1].get(k, 0.0) for v in values) for k in values[0][1]}
-        return None, seconds, stages
+        return None, seconds, combine_stage_times([v[1] for v in values])
 
     def close(self, contenders: Sequence[Contender]) -> None:
         for contender in contenders:
