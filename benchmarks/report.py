@@ -1,25 +1,28 @@
 """Turning measured epoch times into the results: console tables, JSON and a chart.
 
 The runner hands over *raw* measurements (seconds per timed epoch, per
-contender); everything derived (examples/s, medians, ratios, the SparseDist
-bound, per-step overhead) is computed here, so it can be tested without
-running anything.
+contender); everything derived (examples/s, medians, ratios, the bound and
+the hidden input dist, per-step overhead) is computed here or in the modules
+it calls, so it can be tested without running anything.
 
 Raw layout (plain JSON types only)::
 
-    {"world": 2,
+    {"world": 2, "cores": 2, "link_gbit": 1.0 or None,
      "throughput": [{"batch_size": 512, "steps": 16,
                      "contenders": {key: Entry, ...},
-                     "stages": [{"h2d": s, "input_dist": s, "compute": s}, ...]}],
+                     "stages": [StageRecord, ...],
+                     "recorded": {variant: [recorded epoch per rank]}}],
      "overhead": {"batch_size": 32, "steps": 60, "contenders": {key: Entry}} or None}
 
     Entry = {"variant": name or "plain", "side": "ours"|"torchrec"|"plain",
              "mode": "train"|"eval"|"staged", "shimmed": bool,
              "status": "ok"|"n/a", "reason": str, "seconds": [epoch seconds, ...]}
 
-With ``--memory`` a block also has ``"memory"`` and ``"memory_options"`` and
-the raw results ``"peak_rss"``; their layout and tables are in
-:mod:`benchmarks.memory_report`.
+``stages`` (the stage probe's epochs) and ``recorded`` (a recorded epoch per
+variant of ours) feed the bound; their layout and lines are in
+:mod:`benchmarks.bound_report`.  With ``--memory`` a block also has
+``"memory"`` and ``"memory_options"`` and the raw results ``"peak_rss"``;
+their layout and tables are in :mod:`benchmarks.memory_report`.
 """
 
 from __future__ import annotations
@@ -31,7 +34,7 @@ import subprocess
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
-from benchmarks import memory_report
+from benchmarks import bound_report, memory_report
 
 OK, NA = "ok", "n/a"
 
@@ -97,25 +100,13 @@ class Row:
 
 
 @dataclass
-class Bound:
-    """SparseDist against ``1 / max(stage time)``, stages measured one at a time."""
-
-    stage_ms: Dict[str, float]  # per step, median over repeats
-    bound_qps: float
-    achieved: Dict[str, Optional[float]]  # side -> examples/s
-
-    def fraction(self, side: str) -> Optional[float]:
-        return _ratio(self.achieved.get(side), self.bound_qps)
-
-
-@dataclass
 class ThroughputTable:
     batch_size: int
     steps: int
     world: int
     rows: List[Row]
     plain: Dict[str, Measure]  # mode -> plain loop
-    bound: Optional[Bound]
+    bound: Optional[bound_report.BoundReport]
     memory: Dict[str, Any] = field(default_factory=dict)  # the block's raw "memory"
     memory_options: List[Dict[str, Any]] = field(default_factory=list)
 
@@ -215,7 +206,11 @@ def throughput_tables(raw: Dict[str, Any]) -> List[ThroughputTable]:
                     plain=plain.get(_plain_mode(mode), _missing("not run")),
                 )
             )
-        bound = _bound(block, rows, world)
+        achieved = [(r.variant, r.mode, r.ours.median, r.torchrec.median) for r in rows]
+        bound = bound_report.bound_report(
+            block, achieved, plain["train"].median if "train" in plain else None, world,
+            raw.get("cores"), raw.get("link_gbit"),
+        )
         tables.append(
             ThroughputTable(
                 bs, steps, world, rows, plain, bound,
@@ -223,26 +218,6 @@ def throughput_tables(raw: Dict[str, Any]) -> List[ThroughputTable]:
             )
         )
     return tables
-
-
-def _bound(block: Dict[str, Any], rows: Sequence[Row], world: int) -> Optional[Bound]:
-    stages = block.get("stages") or []
-    if not stages:
-        return None
-    steps, bs = block["steps"], block["batch_size"]
-    stage_ms = {
-        name: statistics.median(1e3 * s[name] / steps for s in stages)
-        for name in ("h2d", "input_dist", "compute")
-    }
-    slowest = max(stage_ms.values())
-    if slowest <= 0:
-        return None
-    bound_qps = bs * world / (slowest / 1e3)
-    achieved: Dict[str, Optional[float]] = {}
-    for row in rows:
-        if row.variant == "TrainPipelineSparseDist":
-            achieved = {"ours": row.ours.median, "torchrec": row.torchrec.median, "plain": row.plain.median}
-    return Bound(stage_ms=stage_ms, bound_qps=bound_qps, achieved=achieved)
 
 
 def overhead_table(raw: Dict[str, Any]) -> Optional[OverheadTable]:
@@ -343,29 +318,13 @@ def format_throughput(table: ThroughputTable, repeats: int) -> str:
             "RSS MiB = process resident memory at peak during that epoch (see the memory table below)"
         )
     if table.bound is not None:
-        lines.append(format_bound(table.bound))
+        lines += ["", bound_report.format_bound(table.bound, _table)]
     if table.memory:
         variants = [row.variant for row in table.rows]
         lines += ["", memory_report.format_memory(table.memory, variants, table.batch_size, table.world)]
     if table.memory_options:
         lines += ["", memory_report.format_options(table.memory_options, table.batch_size)]
     return "\n".join(lines)
-
-
-def format_bound(bound: Bound) -> str:
-    ms = bound.stage_ms
-    parts = []
-    for side, label in (("ours", "ours"), ("torchrec", "torchrec"), ("plain", "plain loop")):
-        value = bound.achieved.get(side)
-        if value is None:
-            parts.append(f"{label} n/a")
-        else:
-            parts.append(f"{label} {_num(value)} ({100 * bound.fraction(side):.0f}%)")  # type: ignore[operator]
-    return (
-        f"SparseDist bound: stages per step H2D {ms['h2d']:.2f} ms, input dist {ms['input_dist']:.2f} ms, "
-        f"fwd+bwd+opt {ms['compute']:.2f} ms -> 1/max = {_num(bound.bound_qps)} ex/s; "
-        f"achieved (of bound): " + ", ".join(parts)
-    )
 
 
 def format_overhead(table: OverheadTable, repeats: int) -> str:
@@ -455,14 +414,7 @@ def summary(raw: Dict[str, Any]) -> Dict[str, Any]:
                 )
                 if table.memory
                 else None,
-                "sparse_dist_bound": None
-                if table.bound is None
-                else {
-                    "stage_ms_per_step": table.bound.stage_ms,
-                    "bound_qps": table.bound.bound_qps,
-                    "achieved_qps": table.bound.achieved,
-                    "fraction_of_bound": {s: table.bound.fraction(s) for s in table.bound.achieved},
-                },
+                "bound": bound_report.summary(table.bound),
             }
         )
     overhead = overhead_table(raw)
@@ -530,9 +482,9 @@ def write_chart(raw: Dict[str, Any], path: str) -> None:
                     if row.ours_vs_torchrec is not None and row.ours.median is not None:
                         ax.text(x, max(row.ours.median, row.torchrec.median or 0) * 1.02,
                                 f"{row.ours_vs_torchrec:.2f}x", ha="center", va="bottom", fontsize=7)
-        if table.bound is not None:
+        if table.bound is not None and table.bound.bound_qps is not None:
             ax.axhline(table.bound.bound_qps, color="tab:green", linestyle="--", linewidth=1)
-            ax.text(len(xs) - 0.5, table.bound.bound_qps, " SparseDist bound", color="tab:green",
+            ax.text(len(xs) - 0.5, table.bound.bound_qps, " bound (any schedule)", color="tab:green",
                     va="bottom", ha="right", fontsize=7)
         ax.set_xticks(xs)
         ax.set_xticklabels(labels, rotation=20, ha="right", fontsize=8)

@@ -191,9 +191,13 @@ def test_throughput_medians_ratios_and_bound() -> None:
     eval_row = rows["EvalPipelineSparseDist"]
     assert eval_row.plain.median == 2000.0  # compared with the plain eval loop
     assert table.bound is not None
-    assert table.bound.stage_ms == pytest.approx({"h2d": 1.0, "input_dist": 20.0, "compute": 80.0})
+    assert table.bound.costs.stage_ms() == pytest.approx({"h2d": 1.0, "input_dist": 20.0, "compute": 80.0})
+    # Stages only (an old result: no CPU times, no recorded epochs): fwd+bwd+opt binds.
     assert table.bound.bound_qps == pytest.approx(2500.0)  # 200 examples per 80 ms step
-    assert table.bound.fraction("ours") == pytest.approx(0.8)
+    bounds = {v.variant: v for v in table.bound.variants}
+    assert "EvalPipelineSparseDist" not in bounds  # no bound for eval steps
+    assert bounds["TrainPipelineSparseDist"].ours_of_bound == pytest.approx(0.8)
+    assert bounds["TrainPipelineSparseDist"].hidden is None
 
 
 def test_console_tables_show_values_shim_and_reasons() -> None:
@@ -206,7 +210,9 @@ def test_console_tables_show_values_shim_and_reasons() -> None:
     assert "[1] boom on CPU" in text
     assert "EvalPipelineSparseDist (eval)" in text
     assert "plain loop (train)" in text and "plain loop (eval)" in text
-    assert "1/max = 2,500 ex/s" in text and "ours 2,000 (80%)" in text
+    assert "1/max of these = 2,500 ex/s" in text and "-> 2,500 ex/s" in text
+    bound = next(l for l in text.splitlines() if l.startswith("TrainPipelineSparseDist ") and "(fwd+bwd+opt)" in l)
+    assert "2,000 (80%)" in bound and "1,000 (40%)" in bound
     overhead = next(l for l in text.splitlines() if l.startswith("TrainPipelineSparseDist") and "3.00" in l)
     # ms/step 3 and 4, overhead 1 and 2 over the plain loop's 2 ms, ratio 0.5
     assert overhead.split()[1:] == ["3.00", "4.00", "1.00", "2.00", "0.50"]
