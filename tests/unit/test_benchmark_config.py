@@ -7,7 +7,7 @@ from typing import Any, Dict, List, Optional
 import pytest
 
 from benchmarks import netns, report
-from benchmarks.config import BenchConfig, parse_args, to_argv
+from benchmarks.config import PRESETS, BenchConfig, build_parser, parse_args, to_argv
 from benchmarks.contenders import COMPILED, SHIMMED, Variant, discover
 
 
@@ -58,6 +58,24 @@ def test_to_argv_round_trips() -> None:
     assert to_argv(BenchConfig()) == []  # the default run needs no arguments
 
 
+def test_preset_sets_its_fields_and_names_the_run() -> None:
+    cfg = parse_args(["--preset", "pipelining"])
+    assert cfg.preset == "pipelining" and cfg.run_name() == "pipelining"
+    for name, value in PRESETS["pipelining"].items():
+        assert getattr(cfg, name) == value, name
+    assert cfg.link_gbit == 1.0 and len(cfg.dims) == 16 and not cfg.memory and not cfg.overhead
+    assert cfg.torchrec and cfg.timelines and cfg.stages  # what it is for stays on
+    assert parse_args(to_argv(cfg)) == cfg
+    assert "pipelining = --dims 8,8" in " ".join(build_parser().format_help().split())
+
+
+def test_options_next_to_a_preset_win() -> None:
+    cfg = parse_args(["--batch-sizes", "512", "--preset", "pipelining", "--repeats", "1", "--memory", "--name", "mine"])
+    assert cfg.repeats == 1 and cfg.batch_sizes == (512,) and cfg.memory and cfg.run_name() == "mine"
+    assert cfg.pooling == 32 and cfg.steps == (8,)  # the rest from the preset
+    assert parse_args(to_argv(cfg)) == cfg
+
+
 @pytest.mark.parametrize(
     "argv, fragment",
     [
@@ -67,6 +85,7 @@ def test_to_argv_round_trips() -> None:
         (["--batch-sizes", "12,x"], "--batch-sizes takes comma-separated int values"),
         (["--repeats", "0"], "--repeats must be >= 1"),
         (["--timeline-steps", "3"], "--timeline-steps must be >= 6"),
+        (["--preset", "fast"], "--preset must be one of pipelining"),
     ],
 )
 def test_bad_values_exit_with_a_message(argv: List[str], fragment: str, capsys: pytest.CaptureFixture[str]) -> None:
