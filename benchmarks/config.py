@@ -25,16 +25,16 @@ PRESETS: Dict[str, Dict[str, Any]] = {
     # 16 narrow tables (dim 8: little lookup and update work per id) with
     # ~32 ids per sample, so the ids all-to-all (~4.3 MB a step over both
     # ranks) takes ~34 ms over an emulated 1 Gbit/s link, against ~40-90 ms
-    # of fwd+bwd+opt on this 2-core machine.  One batch size, 3 repeats, and
-    # no memory or overhead measurements keep it to a few minutes with
-    # torchrec's classes.  Without root (no emulated link) it runs over the
+    # of fwd+bwd+opt on this 2-core machine.  One batch size, 5 repeats of
+    # 12 steps, and no memory or overhead measurements keep it to a few
+    # minutes with torchrec's classes.  Without root (no emulated link) it runs over the
     # loopback, where the input dist is cheap: the results say so.
     "pipelining": {
         "dims": (8,) * 16,
         "pooling": 32,
         "batch_sizes": (1024,),
-        "steps": (8,),
-        "repeats": 3,
+        "steps": (12,),
+        "repeats": 5,
         "warmup_steps": 3,
         "link_gbit": 1.0,
         "memory": False,

@@ -72,7 +72,7 @@ def test_preset_sets_its_fields_and_names_the_run() -> None:
 def test_options_next_to_a_preset_win() -> None:
     cfg = parse_args(["--batch-sizes", "512", "--preset", "pipelining", "--repeats", "1", "--memory", "--name", "mine"])
     assert cfg.repeats == 1 and cfg.batch_sizes == (512,) and cfg.memory and cfg.run_name() == "mine"
-    assert cfg.pooling == 32 and cfg.steps == (8,)  # the rest from the preset
+    assert cfg.pooling == 32 and cfg.steps == (12,)  # the rest from the preset
     assert parse_args(to_argv(cfg)) == cfg
 
 
