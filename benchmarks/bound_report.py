@@ -14,7 +14,7 @@ Training variants only: an eval step has no backward, so no bound here.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 
 from benchmarks.schedule_bound import (
     LINK_ORDER,
@@ -132,8 +132,11 @@ def _terms(bound: Bound) -> str:
     return ", ".join(f"{name} {value:.2f}" for name, value in bound.terms.items())
 
 
-def format_bound(report: BoundReport, table: Any) -> str:
-    """The bound lines and the per-variant table (``table`` lays out rows, as report's)."""
+TableLayout = Callable[[Sequence[str], Sequence[Sequence[str]]], List[str]]
+
+
+def format_bound(report: BoundReport, table: TableLayout) -> str:
+    """The bound lines and the per-variant table, laid out by ``table`` (report's ``_table``)."""
     c = report.costs
     lines = [
         f"Bound per step (stage probe, each stage alone): H2D {c.h2d_ms:.2f} ms, input dist "
