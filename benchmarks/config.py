@@ -3,6 +3,10 @@
 ``python -m benchmarks --help`` lists the options; each field ``foo_bar``
 becomes ``--foo-bar``.  Tuples take comma-separated values
 (``--batch-sizes 512,4096``), booleans take ``--x`` / ``--no-x``.
+
+``--preset NAME`` sets several fields at once (:data:`PRESETS`); options
+given on the command line still win, and the run is named after the preset
+unless ``--name`` is given.
 """
 
 from __future__ import annotations
@@ -14,6 +18,44 @@ from dataclasses import dataclass, fields
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 from benchmarks.model import SHARDING_TYPES, ModelSpec
+
+# Named sets of field values (``--preset``).  Each says in its comment what it is for.
+PRESETS: Dict[str, Dict[str, Any]] = {
+    # Input dist comparable to compute, so pipelining has something to hide:
+    # 16 narrow tables (dim 8: little lookup and update work per id) with
+    # ~32 ids per sample, so the ids all-to-all (~4.3 MB a step over both
+    # ranks) takes ~34 ms over an emulated 1 Gbit/s link, against ~40-90 ms
+    # of fwd+bwd+opt on this 2-core machine.  One batch size, 5 repeats of
+    # 12 steps, and no memory or overhead measurements keep it to a few
+    # minutes with torchrec's classes.  Without root (no emulated link) it runs over the
+    # loopback, where the input dist is cheap: the results say so.
+    "pipelining": {
+        "dims": (8,) * 16,
+        "pooling": 32,
+        "batch_sizes": (1024,),
+        "steps": (12,),
+        "repeats": 5,
+        "warmup_steps": 3,
+        "link_gbit": 1.0,
+        "memory": False,
+        "memory_options": False,
+        "overhead": False,
+    },
+}
+
+def _as_flags(values: Dict[str, Any]) -> str:
+    """Field values as the command-line options that set them."""
+    flags = []
+    for name, value in values.items():
+        flag = name.replace("_", "-")
+        if isinstance(value, bool):
+            flags.append(f"--{flag}" if value else f"--no-{flag}")
+        elif isinstance(value, tuple):
+            flags.append(f"--{flag} {','.join(str(v) for v in value)}")
+        else:
+            flags.append(f"--{flag} {value:g}" if isinstance(value, float) else f"--{flag} {value}")
+    return " ".join(flags)
+
 
 # Help for each field, shown by --help and kept next to the defaults.
 _HELP: Dict[str, str] = {
@@ -37,9 +79,9 @@ _HELP: Dict[str, str] = {
     "overhead": "measure per-step pipeline overhead on the tiny model",
     "overhead_batch_size": "per-rank batch size of the overhead measurement",
     "overhead_steps": "batches per timed epoch of the overhead measurement",
-    "stages": "measure SparseDist's stages separately (H2D, input dist, fwd+bwd+opt) for its bound",
-    "timelines": "write a schedule timeline PNG per variant of ours (separate recorded run)",
-    "timeline_steps": "batches of the recorded run behind each timeline",
+    "stages": "measure SparseDist's stages separately (H2D, input dist, fwd+bwd+opt; CPU and link bytes) for the bound and the hidden input dist",
+    "timelines": "write a schedule timeline PNG per variant of ours (from its recorded epoch, which also runs with --stages)",
+    "timeline_steps": "batches of the recorded epoch per variant of ours (timeline, hidden input dist, link-order gap)",
     "memory": "measure what each pipeline holds (tensor storage reachable from it, per step; ours also per action) and the RSS, in separate untimed epochs",
     "memory_options": "also measure what SparseDist's enable_inplace_copy_batch / free_features_storage_early / clear_data_dist_inputs save, at the largest batch size (builds a model and pipeline per option set and library)",
     "memory_steps": "batches of each memory-measuring epoch",
@@ -47,7 +89,9 @@ _HELP: Dict[str, str] = {
     "threads": "intra-op threads per rank",
     "seed": "seed of the model weights and the synthetic batches",
     "out_dir": "where results go (a sub-directory per run name)",
-    "name": "run name (default: 'default', or 'link-<G>gbit' with --link-gbit)",
+    "name": "run name (default: the preset's name, else 'link-<G>gbit' with --link-gbit, else 'default')",
+    "preset": "set several options at once (those given on the command line win): "
+    + "; ".join(f"{name} = {_as_flags(values)}" for name, values in PRESETS.items()),
     "progress": "show a progress bar",
     "pg_timeout_s": "seconds before a stuck collective fails (a failing contender then becomes n/a)",
 }
@@ -88,6 +132,7 @@ class BenchConfig:
     seed: int = 0
     out_dir: str = "benchmarks/results"
     name: str = ""
+    preset: str = ""
     progress: bool = True
     pg_timeout_s: float = 120.0
 
@@ -112,6 +157,8 @@ class BenchConfig:
             raise ValueError(f"--link-gbit must be > 0 Gbit/s, got {self.link_gbit}")
         if self.memory_steps < 3:
             raise ValueError(f"--memory-steps must be >= 3 (a pipeline fills with up to 3 batches), got {self.memory_steps}")
+        if self.preset and self.preset not in PRESETS:
+            raise ValueError(f"--preset must be one of {', '.join(PRESETS)}, got {self.preset!r}")
         if self.timeline_steps < 6:
             raise ValueError(f"--timeline-steps must be >= 6 to draw progress() calls 2..5, got {self.timeline_steps}")
 
@@ -137,6 +184,8 @@ class BenchConfig:
     def run_name(self) -> str:
         if self.name:
             return self.name
+        if self.preset:
+            return self.preset
         if self.link_gbit is not None:
             return f"link-{self.link_gbit:g}gbit"
         return "default"
@@ -194,9 +243,19 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def parse_args(argv: Optional[Sequence[str]] = None) -> BenchConfig:
-    """A :class:`BenchConfig` from command-line arguments (errors exit with usage)."""
+    """A :class:`BenchConfig` from command-line arguments (errors exit with usage).
+
+    A ``--preset`` becomes the defaults of a second parse, so any option
+    given next to it overrides what the preset sets.
+    """
     parser = build_parser()
-    namespace = parser.parse_args(list(argv) if argv is not None else None)
+    args = list(argv) if argv is not None else None
+    namespace = parser.parse_args(args)
+    if namespace.preset:
+        if namespace.preset not in PRESETS:
+            parser.error(f"--preset must be one of {', '.join(PRESETS)}, got {namespace.preset!r}")
+        parser.set_defaults(**PRESETS[namespace.preset])
+        namespace = parser.parse_args(args)
     values = {f.name: getattr(namespace, f.name) for f in fields(BenchConfig)}
     try:
         return BenchConfig(**values)
@@ -208,7 +267,8 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> BenchConfig:
 def to_argv(config: BenchConfig) -> List[str]:
     """Command-line arguments that parse back to ``config`` (used to relaunch under torchrun)."""
     argv: List[str] = []
-    defaults = BenchConfig()
+    # What parsing starts from: the dataclass defaults, under the preset's values.
+    defaults = dataclasses.replace(BenchConfig(), **PRESETS.get(config.preset, {}))
     for f in fields(BenchConfig):
         value = getattr(config, f.name)
         if value == getattr(defaults, f.name):
@@ -223,4 +283,4 @@ def to_argv(config: BenchConfig) -> List[str]:
     return argv
 
 
-__all__ = ["BenchConfig", "build_parser", "parse_args", "to_argv"]
+__all__ = ["PRESETS", "BenchConfig", "build_parser", "parse_args", "to_argv"]

@@ -126,6 +126,22 @@ def inside(argv: Sequence[str]) -> int:
     return 0  # unreachable
 
 
+def loopback_tx_bytes() -> int:
+    """Bytes sent so far on the loopback of this process's network namespace.
+
+    Read from ``/proc/net/dev``, which shows the reader's namespace (unlike
+    ``/sys/class/net``, which shows the namespace sysfs was mounted in).
+    Inside the benchmark's namespace every byte the ranks exchange crosses
+    the emulated link once, so differences of this counter are link traffic.
+    """
+    with open("/proc/net/dev") as f:
+        for line in f:
+            name, sep, counters = line.partition(":")
+            if sep and name.strip() == "lo":
+                return int(counters.split()[8])  # receive has 8 columns; transmit bytes come next
+    raise RuntimeError("no 'lo' interface in /proc/net/dev")
+
+
 def qdisc_in_effect() -> Optional[str]:
     """The loopback qdisc the namespace was set up with (None outside one)."""
     return os.environ.get(QDISC_ENV)

@@ -1,16 +1,17 @@
 """Turning measured epoch times into the results: console tables, JSON and a chart.
 
 The runner hands over *raw* measurements (seconds per timed epoch, per
-contender); everything derived (examples/s, medians, ratios, the SparseDist
-bound, per-step overhead) is computed here, so it can be tested without
-running anything.
+contender); everything derived (examples/s, medians, ratios, the bound and
+the hidden input dist, per-step overhead) is computed here or in the modules
+it calls, so it can be tested without running anything.
 
 Raw layout (plain JSON types only)::
 
-    {"world": 2,
+    {"world": 2, "cores": 2, "link_gbit": 1.0 or None,
      "throughput": [{"batch_size": 512, "steps": 16,
                      "contenders": {key: Entry, ...},
-                     "stages": [{"h2d": s, "input_dist": s, "compute": s}, ...],
+                     "stages": [StageRecord, ...],
+                     "recorded": {variant: [recorded epoch per rank]},
                      "validation": {"status": "ok"|"n/a", "reason": str, "passes": 25,
                                     "batches": 16, "us_per_batch": [[us per pass], ...]}}],
      "overhead": {"batch_size": 32, "steps": 60, "contenders": {key: Entry}} or None}
@@ -22,9 +23,11 @@ Raw layout (plain JSON types only)::
 ``"validation"`` is ``batch_problem``'s time per batch on the block's epoch
 batches, one list per rank (absent in results from before it was measured).
 
-With ``--memory`` a block also has ``"memory"`` and ``"memory_options"`` and
-the raw results ``"peak_rss"``; their layout and tables are in
-:mod:`benchmarks.memory_report`.
+``stages`` (the stage probe's epochs) and ``recorded`` (a recorded epoch per
+variant of ours) feed the bound; their layout and lines are in
+:mod:`benchmarks.bound_report`.  With ``--memory`` a block also has
+``"memory"`` and ``"memory_options"`` and the raw results ``"peak_rss"``;
+their layout and tables are in :mod:`benchmarks.memory_report`.
 """
 
 from __future__ import annotations
@@ -36,7 +39,7 @@ import subprocess
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
-from benchmarks import memory_report
+from benchmarks import bound_report, memory_report
 
 OK, NA = "ok", "n/a"
 
@@ -103,17 +106,6 @@ class Row:
 
 
 @dataclass
-class Bound:
-    """SparseDist against ``1 / max(stage time)``, stages measured one at a time."""
-
-    stage_ms: Dict[str, float]  # per step, median over repeats
-    bound_qps: float
-    achieved: Dict[str, Optional[float]]  # side -> examples/s
-
-    def fraction(self, side: str) -> Optional[float]:
-        return _ratio(self.achieved.get(side), self.bound_qps)
-
-
 @dataclass
 class ValidationCost:
     """What ``validate_batches=True`` costs per step at one batch size.
@@ -151,7 +143,7 @@ class ThroughputTable:
     world: int
     rows: List[Row]
     plain: Dict[str, Measure]  # mode -> plain loop
-    bound: Optional[Bound]
+    bound: Optional[bound_report.BoundReport]
     memory: Dict[str, Any] = field(default_factory=dict)  # the block's raw "memory"
     memory_options: List[Dict[str, Any]] = field(default_factory=list)
     validation: Optional[ValidationCost] = None
@@ -267,7 +259,11 @@ def throughput_tables(raw: Dict[str, Any]) -> List[ThroughputTable]:
                     plain=plain.get(_plain_mode(mode), _missing("not run")),
                 )
             )
-        bound = _bound(block, rows, world)
+        achieved = [(r.variant, r.mode, r.ours.median, r.torchrec.median) for r in rows]
+        bound = bound_report.bound_report(
+            block, achieved, plain["train"].median if "train" in plain else None, world,
+            raw.get("cores"), raw.get("link_gbit"),
+        )
         tables.append(
             ThroughputTable(
                 bs, steps, world, rows, plain, bound,
@@ -292,26 +288,6 @@ def _validation(block: Dict[str, Any]) -> Optional[ValidationCost]:
         status=OK, us_per_batch=max(ranks), rank_us=ranks, passes=passes, batches=batches,
         step_ms=sparse_dist.median,
     )
-
-
-def _bound(block: Dict[str, Any], rows: Sequence[Row], world: int) -> Optional[Bound]:
-    stages = block.get("stages") or []
-    if not stages:
-        return None
-    steps, bs = block["steps"], block["batch_size"]
-    stage_ms = {
-        name: statistics.median(1e3 * s[name] / steps for s in stages)
-        for name in ("h2d", "input_dist", "compute")
-    }
-    slowest = max(stage_ms.values())
-    if slowest <= 0:
-        return None
-    bound_qps = bs * world / (slowest / 1e3)
-    achieved: Dict[str, Optional[float]] = {}
-    for row in rows:
-        if row.variant == "TrainPipelineSparseDist":
-            achieved = {"ours": row.ours.median, "torchrec": row.torchrec.median, "plain": row.plain.median}
-    return Bound(stage_ms=stage_ms, bound_qps=bound_qps, achieved=achieved)
 
 
 def overhead_table(raw: Dict[str, Any]) -> Optional[OverheadTable]:
@@ -418,7 +394,7 @@ def format_throughput(table: ThroughputTable, repeats: int) -> str:
             "RSS MiB = process resident memory at peak during that epoch (see the memory table below)"
         )
     if table.bound is not None:
-        lines.append(format_bound(table.bound))
+        lines += ["", bound_report.format_bound(table.bound, _table)]
     lines += format_recompiles(table)
     if table.validation is not None:
         lines.append(format_validation(table.validation, table.world))
@@ -439,22 +415,6 @@ def format_recompiles(table: ThroughputTable) -> List[str]:
             shown = ", ".join(f"{side} {n}" for side, n in counts.items())
             lines.append(f"  {row.variant}: graphs compiled during the timed epochs (after warm-up): {shown}")
     return lines
-
-
-def format_bound(bound: Bound) -> str:
-    ms = bound.stage_ms
-    parts = []
-    for side, label in (("ours", "ours"), ("torchrec", "torchrec"), ("plain", "plain loop")):
-        value = bound.achieved.get(side)
-        if value is None:
-            parts.append(f"{label} n/a")
-        else:
-            parts.append(f"{label} {_num(value)} ({100 * bound.fraction(side):.0f}%)")  # type: ignore[operator]
-    return (
-        f"SparseDist bound: stages per step H2D {ms['h2d']:.2f} ms, input dist {ms['input_dist']:.2f} ms, "
-        f"fwd+bwd+opt {ms['compute']:.2f} ms -> 1/max = {_num(bound.bound_qps)} ex/s; "
-        f"achieved (of bound): " + ", ".join(parts)
-    )
 
 
 def format_validation(cost: ValidationCost, world: int) -> str:
@@ -578,14 +538,7 @@ def summary(raw: Dict[str, Any]) -> Dict[str, Any]:
                     "sparse_dist_ms_per_step": table.validation.step_ms,
                     "percent_of_sparse_dist_step": table.validation.percent_of_step,
                 },
-                "sparse_dist_bound": None
-                if table.bound is None
-                else {
-                    "stage_ms_per_step": table.bound.stage_ms,
-                    "bound_qps": table.bound.bound_qps,
-                    "achieved_qps": table.bound.achieved,
-                    "fraction_of_bound": {s: table.bound.fraction(s) for s in table.bound.achieved},
-                },
+                "bound": bound_report.summary(table.bound),
             }
         )
     overhead = overhead_table(raw)
@@ -653,9 +606,9 @@ def write_chart(raw: Dict[str, Any], path: str) -> None:
                     if row.ours_vs_torchrec is not None and row.ours.median is not None:
                         ax.text(x, max(row.ours.median, row.torchrec.median or 0) * 1.02,
                                 f"{row.ours_vs_torchrec:.2f}x", ha="center", va="bottom", fontsize=7)
-        if table.bound is not None:
+        if table.bound is not None and table.bound.bound_qps is not None:
             ax.axhline(table.bound.bound_qps, color="tab:green", linestyle="--", linewidth=1)
-            ax.text(len(xs) - 0.5, table.bound.bound_qps, " SparseDist bound", color="tab:green",
+            ax.text(len(xs) - 0.5, table.bound.bound_qps, " bound (any schedule)", color="tab:green",
                     va="bottom", ha="right", fontsize=7)
         ax.set_xticks(xs)
         ax.set_xticklabels(labels, rotation=20, ha="right", fontsize=8)

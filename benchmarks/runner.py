@@ -12,7 +12,9 @@ Plan of a run:
    ``batch_problem`` (what ``validate_batches=True`` runs on each batch) on
    that batch size's epoch batches, in a loop of its own.  Then, per variant
    of ours, a short *recorded* epoch (schedule recording on, never timed)
-   draws its timeline.
+   draws its timeline and notes where its input dist went
+   (``benchmarks/recording.py``: the hidden fraction and the link-order gap
+   of the bound).
    With ``memory`` (default), per batch size, every pipeline contender then
    runs untimed epochs measuring what it holds (``benchmarks/memory.py``);
    at the largest batch size SparseDist of both libraries is also built and
@@ -40,7 +42,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 import torch
 import torch.distributed as dist
 
-from benchmarks import memory, netns, report
+from benchmarks import memory, netns, recording, report
 from benchmarks.config import BenchConfig
 from benchmarks.contenders import (
     EVAL,
@@ -50,6 +52,7 @@ from benchmarks.contenders import (
     PlainLoop,
     StageProbe,
     Variant,
+    combine_stage_times,
     discover,
     make_contender,
 )
@@ -160,9 +163,8 @@ class Session:
         if err is not None:
             return err, 0.0, {}
         seconds = max(v[0] for v in values)
-        stages = {k: max(v[1].get(k, 0.0) for v in values) for k in values[0][1]}
         self.last_compiles = max(v[2] for v in values)
-        return None, seconds, stages
+        return None, seconds, combine_stage_times([v[1] for v in values])
 
     def close(self, contenders: Sequence[Contender]) -> None:
         for contender in contenders:
@@ -221,12 +223,15 @@ def _phase(
     solo: bool = False,
     measure_memory: bool = False,
     measure_validation: bool = False,
+    record: bool = False,
 ) -> Tuple[List[Dict[str, Any]], List[str]]:
     """Build, warm up and time ``contenders`` at each ``(batch_size, steps)``.
 
     ``solo``: rank 0 trains alone on a one-rank group, so no step waits for
     another rank (the overhead measurement).  ``measure_validation``: after
     the timed rounds of a batch size, time ``batch_problem`` on its batches.
+    ``record``: a recorded epoch per variant of ours follows the timed rounds
+    (timelines into ``timelines_dir`` when given).
     """
     cfg, bar = session.cfg, session.bar
     session.solo = solo
@@ -273,8 +278,9 @@ def _phase(
             block["contenders"][key] = dict(entry, seconds=seconds[key] if entry["status"] == report.OK else [])
         if measure_validation:
             block["validation"] = _validation(session, batches, batch_size)
-        if timelines_dir is not None:
-            timelines += _timelines(session, alive, batches, batch_size, timelines_dir)
+        if record:
+            pictures, block["recorded"] = _recorded(session, alive, batches, batch_size, timelines_dir)
+            timelines += pictures
         if measure_memory:
             block["memory"] = _memory(session, alive, spec, batch_size, timelines_dir)
             if timelines_dir is not None:
@@ -437,37 +443,40 @@ def _round_order(alive: Sequence[Contender], round_index: int) -> List[Contender
     return order
 
 
-def _timelines(
-    session: Session, contenders: Sequence[Contender], batches: Sequence[Any], batch_size: int, out_dir: str
-) -> List[str]:
-    """A separate recorded epoch per variant of ours, drawn to ``<Variant>_b<batch>.png``."""
+def _recorded(
+    session: Session, contenders: Sequence[Contender], batches: Sequence[Any], batch_size: int,
+    out_dir: Optional[str],
+) -> Tuple[List[str], Dict[str, List[Any]]]:
+    """A separate recorded epoch per variant of ours (``benchmarks/recording.py``).
+
+    Returns the timeline pictures drawn (``<Variant>_b<batch>.png`` in
+    ``out_dir``, when given) and every rank's recorded epoch per variant.
+    """
     written: List[str] = []
+    epochs: Dict[str, List[Any]] = {}
     recorded = batches[: session.cfg.timeline_steps]
     for contender in contenders:
         pipeline = getattr(contender, "pipeline", None)
         if contender.side != "ours" or pipeline is None:
             continue
         if not hasattr(pipeline, "enable_schedule_recording"):
-            session.bar.write(f"no timeline for {contender.variant}: it has no enable_schedule_recording()")
+            session.bar.write(f"no recorded epoch for {contender.variant}: it has no enable_schedule_recording()")
             continue
-        path = os.path.join(out_dir, f"{contender.variant}_b{batch_size}.png")
+        path = os.path.join(out_dir, f"{contender.variant}_b{batch_size}.png") if out_dir is not None else None
 
-        def record() -> None:
-            pipeline.enable_schedule_recording()
-            try:
-                contender.run_epoch(recorded)
-                if session.rank == 0:
-                    pipeline.save_timeline(path, calls=(2, 5))
-            finally:
-                pipeline.disable_schedule_recording()
+        def record() -> Dict[str, Any]:
+            picture = path if session.rank == 0 else None
+            return recording.recorded_epoch(pipeline, contender.model, lambda: contender.run_epoch(recorded), picture)
 
-        err, _ = session.guarded(f"timeline:{contender.key}", record)
-        session.bar.step(f"timeline {contender.variant} b{batch_size}")
+        err, values = session.guarded(f"recorded:{contender.key}", record)
+        session.bar.step(f"recorded {contender.variant} b{batch_size}")
         if err is None:
-            written.append(path)
+            epochs[contender.variant] = values
+            if path is not None:
+                written.append(path)
         else:
-            session.bar.write(f"no timeline for {contender.variant}: {err}")
-    return written
+            session.bar.write(f"no recorded epoch for {contender.variant}: {err}")
+    return written, epochs
 
 
 def _quiet(rank: int) -> None:
@@ -485,7 +494,7 @@ def _quiet(rank: int) -> None:
 
 def _total_runs(n_main: int, n_ours: int, n_overhead: int, cfg: BenchConfig, n_pipelines: int = 0) -> int:
     main = n_main + len(cfg.batch_sizes) * (n_main * (1 + cfg.repeats) + 1)  # + 1: batch validation
-    if cfg.timelines:
+    if cfg.timelines or cfg.stages:
         main += len(cfg.batch_sizes) * n_ours
     if cfg.memory:
         main += len(cfg.batch_sizes) * n_pipelines
@@ -533,9 +542,18 @@ def worker(cfg: BenchConfig) -> int:
 
     sizes = [(bs, cfg.steps_for(bs)) for bs in cfg.batch_sizes]
     blocks, timelines = _phase(
-        session, cfg.model_spec(), main, sizes, timelines_dir, measure_memory=cfg.memory, measure_validation=True
+        session, cfg.model_spec(), main, sizes, timelines_dir,
+        measure_memory=cfg.memory, measure_validation=True, record=cfg.timelines or cfg.stages,
     )
-    raw: Dict[str, Any] = {"world": world, "throughput": blocks, "overhead": None}
+    raw: Dict[str, Any] = {
+        "world": world,
+        # What the bound needs (benchmarks/schedule_bound.py): the cores the
+        # ranks share and the rate of the link, if one was emulated.
+        "cores": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count(),
+        "link_gbit": cfg.link_gbit if netns.qdisc_in_effect() is not None else None,
+        "throughput": blocks,
+        "overhead": None,
+    }
     if overhead:
         tiny, _ = _phase(
             session, tiny_spec(), overhead, [(cfg.overhead_batch_size, cfg.overhead_steps)], None, solo=True

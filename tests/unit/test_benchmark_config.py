@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from benchmarks import netns, report
-from benchmarks.config import BenchConfig, parse_args, to_argv
+from benchmarks.config import PRESETS, BenchConfig, build_parser, parse_args, to_argv
 from benchmarks.contenders import COMPILED, SHIMMED, Variant, discover
 
 
@@ -59,6 +59,24 @@ def test_to_argv_round_trips() -> None:
     assert to_argv(BenchConfig()) == []  # the default run needs no arguments
 
 
+def test_preset_sets_its_fields_and_names_the_run() -> None:
+    cfg = parse_args(["--preset", "pipelining"])
+    assert cfg.preset == "pipelining" and cfg.run_name() == "pipelining"
+    for name, value in PRESETS["pipelining"].items():
+        assert getattr(cfg, name) == value, name
+    assert cfg.link_gbit == 1.0 and len(cfg.dims) == 16 and not cfg.memory and not cfg.overhead
+    assert cfg.torchrec and cfg.timelines and cfg.stages  # what it is for stays on
+    assert parse_args(to_argv(cfg)) == cfg
+    assert "pipelining = --dims 8,8" in " ".join(build_parser().format_help().split())
+
+
+def test_options_next_to_a_preset_win() -> None:
+    cfg = parse_args(["--batch-sizes", "512", "--preset", "pipelining", "--repeats", "1", "--memory", "--name", "mine"])
+    assert cfg.repeats == 1 and cfg.batch_sizes == (512,) and cfg.memory and cfg.run_name() == "mine"
+    assert cfg.pooling == 32 and cfg.steps == (12,)  # the rest from the preset
+    assert parse_args(to_argv(cfg)) == cfg
+
+
 @pytest.mark.parametrize(
     "argv, fragment",
     [
@@ -68,6 +86,7 @@ def test_to_argv_round_trips() -> None:
         (["--batch-sizes", "12,x"], "--batch-sizes takes comma-separated int values"),
         (["--repeats", "0"], "--repeats must be >= 1"),
         (["--timeline-steps", "3"], "--timeline-steps must be >= 6"),
+        (["--preset", "fast"], "--preset must be one of pipelining"),
     ],
 )
 def test_bad_values_exit_with_a_message(argv: List[str], fragment: str, capsys: pytest.CaptureFixture[str]) -> None:
@@ -192,9 +211,13 @@ def test_throughput_medians_ratios_and_bound() -> None:
     eval_row = rows["EvalPipelineSparseDist"]
     assert eval_row.plain.median == 2000.0  # compared with the plain eval loop
     assert table.bound is not None
-    assert table.bound.stage_ms == pytest.approx({"h2d": 1.0, "input_dist": 20.0, "compute": 80.0})
+    assert table.bound.costs.stage_ms() == pytest.approx({"h2d": 1.0, "input_dist": 20.0, "compute": 80.0})
+    # Stages only (an old result: no CPU times, no recorded epochs): fwd+bwd+opt binds.
     assert table.bound.bound_qps == pytest.approx(2500.0)  # 200 examples per 80 ms step
-    assert table.bound.fraction("ours") == pytest.approx(0.8)
+    bounds = {v.variant: v for v in table.bound.variants}
+    assert "EvalPipelineSparseDist" not in bounds  # no bound for eval steps
+    assert bounds["TrainPipelineSparseDist"].ours_of_bound == pytest.approx(0.8)
+    assert bounds["TrainPipelineSparseDist"].hidden is None
 
 
 def test_console_tables_show_values_shim_and_reasons() -> None:
@@ -207,7 +230,9 @@ def test_console_tables_show_values_shim_and_reasons() -> None:
     assert "[1] boom on CPU" in text
     assert "EvalPipelineSparseDist (eval)" in text
     assert "plain loop (train)" in text and "plain loop (eval)" in text
-    assert "1/max = 2,500 ex/s" in text and "ours 2,000 (80%)" in text
+    assert "1/max of these = 2,500 ex/s" in text and "-> 2,500 ex/s" in text
+    bound = next(l for l in text.splitlines() if l.startswith("TrainPipelineSparseDist ") and "(fwd+bwd+opt)" in l)
+    assert "2,000 (80%)" in bound and "1,000 (40%)" in bound
     overhead = next(l for l in text.splitlines() if l.startswith("TrainPipelineSparseDist") and "3.00" in l)
     # ms/step 3 and 4, overhead 1 and 2 over the plain loop's 2 ms, ratio 0.5
     assert overhead.split()[1:] == ["3.00", "4.00", "1.00", "2.00", "0.50"]
