@@ -13,8 +13,10 @@ Two measurements per pipeline contender:
 
 And, for SparseDist, what the memory options save: a fresh pipeline per
 option set, each measured from outside (``option_sets``).  Every epoch here
-runs on batches made for it alone: the freeing options resize the storage of
-the batch's tensors to zero, which on CPU are the host batches themselves.
+runs on batches made for it alone, and the options' batches copy in ``to()``
+as a GPU's host-to-device copy does (``Batch.copying``): on CPU ``to()``
+otherwise hands over the loader's own tensors, which ours never frees
+(torchrec's ``free_features_storage_early`` does, destroying the data).
 """
 
 from __future__ import annotations

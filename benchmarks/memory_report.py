@@ -160,11 +160,15 @@ def format_options(rows: Sequence[Dict[str, Any]], batch_size: int) -> str:
         "a fresh pipeline per option set)"
     )
     header = ["library", "options", "held", "saved vs none", "/".join(KINDS), "ledger peak", "ledger steady"]
-    note = (
+    notes = [
         "  ledger (ours): measured after every action, so it also sees what is freed and re-filled within a "
-        "step (clear_data_dist_inputs frees the in-flight all-to-all inputs mid-step)"
-    )
-    return "\n".join([title] + _table(header, body) + [note])
+        "step (clear_data_dist_inputs frees the in-flight all-to-all inputs mid-step)",
+        "  these batches' to() copies, as a GPU's host-to-device copy does; with a plain CPU batch the device "
+        "batch is the loader's own, which ours never frees (torchrec's free_features_storage_early frees it, "
+        "destroying the data for the next epoch); ours' 'other' here is the loader's batches of the steps in "
+        "flight, kept to retry a failed step from them: host memory on a GPU, not device memory",
+    ]
+    return "\n".join([title] + _table(header, body) + notes)
 
 
 def peak_rss_line(raw: Dict[str, Any]) -> Optional[str]:

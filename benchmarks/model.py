@@ -83,8 +83,23 @@ class Batch(Pipelineable):
     dense: torch.Tensor
     sparse: KeyedJaggedTensor
     labels: torch.Tensor
+    # Make new tensors in to() even for the batch's own device, as a real
+    # host-to-device copy does (the memory-options measurement; see
+    # benchmarks/memory.py).  Off, to() on CPU hands over these very tensors.
+    copying: bool = False
 
     def to(self, device: torch.device, non_blocking: bool = False) -> "Batch":
+        if self.copying:
+            sparse = self.sparse
+            return Batch(
+                dense=self.dense.to(device=device, copy=True),
+                sparse=KeyedJaggedTensor.from_lengths_sync(
+                    keys=sparse.keys(),
+                    values=sparse.values().to(device=device, copy=True),
+                    lengths=sparse.lengths().to(device=device, copy=True),
+                ),
+                labels=self.labels.to(device=device, copy=True),
+            )
         return Batch(
             dense=self.dense.to(device=device, non_blocking=non_blocking),
             sparse=self.sparse.to(device=device, non_blocking=non_blocking),

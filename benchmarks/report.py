@@ -106,7 +106,6 @@ class Row:
 
 
 @dataclass
-@dataclass
 class ValidationCost:
     """What ``validate_batches=True`` costs per step at one batch size.
 

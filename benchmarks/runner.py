@@ -354,6 +354,12 @@ def _memory_batches(session: Session, spec: ModelSpec, batch_size: int, salt: in
     return make_batches(spec, cfg.memory_steps, batch_size, cfg.seed + 100 + salt, session.rank)
 
 
+def _copying(batches: List[Any]) -> List[Any]:
+    for batch in batches:
+        batch.copying = True
+    return batches
+
+
 def _memory(
     session: Session, contenders: Sequence[Contender], spec: ModelSpec, batch_size: int, out_dir: Optional[str]
 ) -> Dict[str, Any]:
@@ -403,8 +409,10 @@ def _memory_options(
             err = session.build(contender, spec)
             values: List[Any] = []
             if err is None:
-                held_batches = _memory_batches(session, spec, batch_size, 0)
-                ledger_batches = _memory_batches(session, spec, batch_size, 1)
+                # Batches whose to() copies, as a GPU's H2D does: what the options
+                # can free is the pipeline's copy, not the loader's own batch.
+                held_batches = _copying(_memory_batches(session, spec, batch_size, 0))
+                ledger_batches = _copying(_memory_batches(session, spec, batch_size, 1))
 
                 def measure() -> Dict[str, Any]:
                     result = memory.held_epoch(contender, held_batches)

@@ -324,7 +324,7 @@ def test_validation_cost_line_takes_the_slowest_rank_against_sparse_dist_s_step(
     )
     # Under the throughput table (after its bound line), before the overhead table.
     text = report.format_report(raw, repeats=3)
-    assert text.index("1/max = ") < text.index("batch validation") < text.index("Per-step overhead")
+    assert text.index("Throughput at batch") < text.index("batch validation") < text.index("Per-step overhead")
     entry = report.summary(raw)["throughput"][0]["batch_validation"]
     assert entry["us_per_batch"] == 50.0 and entry["us_per_batch_per_rank"] == [20.0, 50.0]
     assert entry["percent_of_sparse_dist_step"] == pytest.approx(0.05)
