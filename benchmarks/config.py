@@ -79,6 +79,7 @@ _HELP: Dict[str, str] = {
     "overhead": "measure per-step pipeline overhead on the tiny model",
     "overhead_batch_size": "per-rank batch size of the overhead measurement",
     "overhead_steps": "batches per timed epoch of the overhead measurement",
+    "overhead_repeats": "rounds of the overhead measurement (its differences are small: more rounds than --repeats)",
     "stages": "measure SparseDist's stages separately (H2D, input dist, fwd+bwd+opt; CPU and link bytes) for the bound and the hidden input dist",
     "timelines": "write a schedule timeline PNG per variant of ours (from its recorded epoch, which also runs with --stages)",
     "timeline_steps": "batches of the recorded epoch per variant of ours (timeline, hidden input dist, link-order gap)",
@@ -121,6 +122,7 @@ class BenchConfig:
     overhead: bool = True
     overhead_batch_size: int = 32
     overhead_steps: int = 200
+    overhead_repeats: int = 21
     stages: bool = True
     timelines: bool = True
     timeline_steps: int = 7
@@ -151,6 +153,8 @@ class BenchConfig:
             raise ValueError(f"--steps must be >= 2 (a pipeline needs a few batches), got {self.steps}")
         if self.repeats < 1:
             raise ValueError(f"--repeats must be >= 1, got {self.repeats}")
+        if self.overhead_repeats < 1:
+            raise ValueError(f"--overhead-repeats must be >= 1, got {self.overhead_repeats}")
         if not self.dims or self.pooling < 1 or self.rows < 1:
             raise ValueError("--dims, --pooling and --rows must be non-empty / positive")
         if self.link_gbit is not None and self.link_gbit <= 0:

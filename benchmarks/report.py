@@ -474,7 +474,7 @@ def format_report(raw: Dict[str, Any], repeats: int, header: Sequence[str] = ())
         parts.append(format_throughput(table, repeats))
     overhead = overhead_table(raw)
     if overhead is not None:
-        parts.append(format_overhead(overhead, repeats))
+        parts.append(format_overhead(overhead, raw["overhead"].get("rounds", repeats)))
     return "\n\n".join(parts) + "\n"
 
 

@@ -224,6 +224,7 @@ def _phase(
     measure_memory: bool = False,
     measure_validation: bool = False,
     record: bool = False,
+    repeats: Optional[int] = None,
 ) -> Tuple[List[Dict[str, Any]], List[str]]:
     """Build, warm up and time ``contenders`` at each ``(batch_size, steps)``.
 
@@ -263,10 +264,12 @@ def _phase(
             bar.step(f"b{batch_size} warm-up {contender.key}")
             if err is not None:
                 drop(contender, f"warm-up epoch failed: {err}")
-        for round_index in range(cfg.repeats):
+        rounds = cfg.repeats if repeats is None else repeats
+        block["rounds"] = rounds
+        for round_index in range(rounds):
             for contender in _round_order(alive, round_index):
                 err, elapsed, stages = session.epoch(contender, batches)
-                bar.step(f"b{batch_size} round {round_index + 1}/{cfg.repeats} {contender.key}")
+                bar.step(f"b{batch_size} round {round_index + 1}/{rounds} {contender.key}")
                 if err is not None:
                     drop(contender, f"timed epoch failed: {err}")
                     continue
@@ -508,7 +511,7 @@ def _total_runs(n_main: int, n_ours: int, n_overhead: int, cfg: BenchConfig, n_p
         main += len(cfg.batch_sizes) * n_pipelines
         if cfg.memory_options:
             main += len(memory.OPTION_SETS) * (2 if cfg.torchrec else 1)
-    overhead = n_overhead * (2 + cfg.repeats) if cfg.overhead else 0
+    overhead = n_overhead * (2 + cfg.overhead_repeats) if cfg.overhead else 0
     return main + overhead
 
 
@@ -564,7 +567,8 @@ def worker(cfg: BenchConfig) -> int:
     }
     if overhead:
         tiny, _ = _phase(
-            session, tiny_spec(), overhead, [(cfg.overhead_batch_size, cfg.overhead_steps)], None, solo=True
+            session, tiny_spec(), overhead, [(cfg.overhead_batch_size, cfg.overhead_steps)], None, solo=True,
+            repeats=cfg.overhead_repeats,
         )
         raw["overhead"] = tiny[0]
     bar.close()
