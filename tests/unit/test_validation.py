@@ -153,14 +153,19 @@ def test_bad_batch_raises_before_training_and_the_next_call_goes_on(name: str, a
     batches = _with_bad_batch(at, make)
     model, ref = TinyModel(), TinyModel()
     pipeline = _make(name, model)
-    it = iter(batches)
-    outputs: List[torch.Tensor] = []
-    with pytest.raises(ValueError, match=rf"batch {at}: KeyedJaggedTensor batch.sparse: key 'f1'.*next progress\(\) goes on"):
-        while True:
-            outputs.append(pipeline.progress(it))
-    outputs += drain(pipeline, it)
+    outputs = _raise_then_drain(pipeline, batches, rf"batch {at}: KeyedJaggedTensor batch.sparse: key 'f1'")
     assert_same_training(outputs, plain_loop(ref, batches[:at] + batches[at + 1:]), model, ref)
     assert pipeline._source.rejected == 1
+
+
+def _raise_then_drain(pipeline: Any, batches: List[Any], where: str) -> List[torch.Tensor]:
+    """Outputs until the bad batch's MalformedBatchError (matching ``where``), then the rest."""
+    it = iter(batches)
+    outputs: List[torch.Tensor] = []
+    with pytest.raises(tp.MalformedBatchError, match=rf"{where}.*next progress\(\) goes on"):
+        while True:
+            outputs.append(pipeline.progress(it))
+    return outputs + drain(pipeline, it)
 
 
 def test_validate_batches_false_turns_the_checks_off() -> None:
@@ -179,12 +184,7 @@ def test_eval_drops_a_bad_batch_and_goes_on_with_the_next(loader_thread: Any, at
     batches = _with_bad_batch(at, MALFORMED["3 missing"][0])
     model, ref = TinyModel(), TinyModel()
     pipeline = eval_pipeline(model, loader_thread=loader_thread)
-    it = iter(batches)
-    outputs: List[torch.Tensor] = []
-    with pytest.raises(tp.MalformedBatchError, match=rf"batch {at}: .*next progress\(\) goes on"):
-        while True:
-            outputs.append(pipeline.progress(it))
-    outputs += drain(pipeline, it)
+    outputs = _raise_then_drain(pipeline, batches, rf"batch {at}: ")
     assert_same_training(outputs, plain_eval(ref, batches[:at] + batches[at + 1:]), model, ref)
     assert pipeline._source.rejected == 1
 
