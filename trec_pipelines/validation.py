@@ -18,15 +18,15 @@ batch is pulled from the iterator (``validate_batches=True``, the default).
 
 It runs on every batch, so the common case is kept cheap: a host KJT with
 lengths is checked on Python lists (small batches) or NumPy views of its
-tensors (large ones), with no torch dispatch, and only a KJT that fails that check, or one it doesn't cover
-(offsets only, variable stride, device tensors), takes the torch path, which
-also finds the key to name.
+tensors (large ones), with no torch dispatch.  Only a KJT that fails that
+check, or one it doesn't cover (offsets only, variable stride, device
+tensors), takes the torch path, which also finds the key to name.
 """
 
 from __future__ import annotations
 
 import itertools
-from typing import Any, Iterator, List, Optional, Tuple
+from typing import Any, List, Optional, Tuple
 
 import numpy as np
 import torch
