@@ -15,7 +15,14 @@ import subprocess
 import sys
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-VARIANTS = ["TrainPipelineSparseDist", "TrainPipelineSparseDistLite", "TrainPipelineFusedSparseDist", "TrainPipelineSemiSync"]
+VARIANTS = [
+    "TrainPipelineSparseDist",
+    "TrainPipelineSparseDistLite",
+    "TrainPipelineFusedSparseDist",
+    "TrainPipelineSemiSync",
+    "PrefetchTrainPipelineSparseDist",
+    "TrainPipelinePEC",
+]
 
 
 def test_one_rank_group_skips_the_splits_collective_and_trains_as_before() -> None:
