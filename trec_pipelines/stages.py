@@ -17,6 +17,7 @@ import torch.distributed as dist
 from torchrec.streamable import Multistreamable, Pipelineable
 
 from trec_pipelines.errors import MalformedBatchError
+from trec_pipelines.rewrite import kjts_in
 from trec_pipelines.streams import hand_off, on_stream
 from trec_pipelines.validation import batch_problem
 
@@ -44,10 +45,8 @@ def shares_kjt_storage(host: Any, device: Any) -> bool:
     CPU, a loader that yields device tensors): the "copy" is the loader's own
     tensors, which ``free_features_storage_early`` must not free.
     """
-    from trec_pipelines.rewrite import kjt_fields
-
-    owned = {kjt.values().untyped_storage().data_ptr() for _, kjt in kjt_fields(host)}
-    return any(kjt.values().untyped_storage().data_ptr() in owned for _, kjt in kjt_fields(device))
+    owned = {kjt.values().untyped_storage().data_ptr() for kjt in kjts_in(host)}
+    return any(kjt.values().untyped_storage().data_ptr() in owned for kjt in kjts_in(device))
 
 
 def copy_to_device(

@@ -32,7 +32,7 @@ import numpy as np
 import torch
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
-from trec_pipelines.rewrite import kjt_fields
+from trec_pipelines.rewrite import kjt_fields, kjts_in
 
 
 def _not_integer(tensor: Optional[torch.Tensor]) -> bool:
@@ -176,34 +176,9 @@ def kjt_problem(kjt: KeyedJaggedTensor) -> Optional[str]:
     return None
 
 
-def _kjts(value: Any, found: List[KeyedJaggedTensor], depth: int = 0) -> List[KeyedJaggedTensor]:
-    """Add to ``found`` the KJTs :func:`~trec_pipelines.rewrite.kjt_fields` finds, without their paths.
-
-    Leaves (tensors, KJTs) are handled in the caller's loop, so a flat batch
-    costs one call.
-    """
-    if isinstance(value, KeyedJaggedTensor):
-        found.append(value)
-        return found
-    if isinstance(value, dict):
-        items: Any = (item for key, item in value.items() if isinstance(key, (str, int)))
-    elif isinstance(value, (list, tuple)):
-        items = value
-    elif hasattr(value, "__dict__") and not isinstance(value, torch.Tensor):
-        items = vars(value).values()
-    else:
-        return found
-    for item in items:
-        if isinstance(item, KeyedJaggedTensor):
-            found.append(item)
-        elif depth < 3 and not isinstance(item, torch.Tensor):
-            _kjts(item, found, depth + 1)
-    return found
-
-
 def batch_problem(batch: Any) -> Optional[str]:
     """The first inconsistency of any KJT in ``batch`` (where it is, and what), or None."""
-    if all(_looks_consistent(kjt) for kjt in _kjts(batch, [])):
+    if all(_looks_consistent(kjt) for kjt in kjts_in(batch)):
         return None
     if isinstance(batch, KeyedJaggedTensor):
         found = [("", batch)]

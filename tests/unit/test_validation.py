@@ -193,8 +193,7 @@ def test_the_fast_walk_finds_the_kjts_the_rewrite_finds() -> None:
     # batch_problem's walk (no paths) must see every KJT kjt_fields sees, nested or not.
     from types import SimpleNamespace
 
-    from trec_pipelines.rewrite import kjt_fields
-    from trec_pipelines.validation import _kjts
+    from trec_pipelines.rewrite import kjt_fields, kjts_in
 
     k = lambda: _kjt(GOOD)  # noqa: E731
     nested = [
@@ -206,4 +205,4 @@ def test_the_fast_walk_finds_the_kjts_the_rewrite_finds() -> None:
         make_batches(1)[0],
     ]
     for batch in nested:
-        assert [id(t) for t in _kjts(batch, [])] == [id(t) for _, t in kjt_fields(batch)], batch
+        assert [id(t) for t in kjts_in(batch)] == [id(t) for _, t in kjt_fields(batch)], batch
