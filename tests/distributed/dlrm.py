@@ -18,6 +18,7 @@ Public helpers (see each docstring):
     assert_runs_equal(a, b)
 """
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Callable, Dict, Iterable, List, Optional, Sequence, Tuple, Union
 
@@ -87,6 +88,22 @@ def table_configs() -> List[EmbeddingBagConfig]:
 # --------------------------------------------------------------------------
 # Inputs
 # --------------------------------------------------------------------------
+
+
+class FieldwiseBatch(Pipelineable):
+    """Base of a dataclass batch whose fields are all tensors or KJTs: moved to
+    a device and recorded on a stream field by field (``pin_memory`` is a no-op)."""
+
+    def to(self, device: torch.device, non_blocking: bool = False) -> "FieldwiseBatch":
+        values = (getattr(self, f.name).to(device, non_blocking=non_blocking) for f in dataclasses.fields(self))  # type: ignore[arg-type]
+        return type(self)(*values)
+
+    def record_stream(self, stream: torch.Stream) -> None:
+        for f in dataclasses.fields(self):  # type: ignore[arg-type]
+            getattr(self, f.name).record_stream(stream)
+
+    def pin_memory(self) -> "FieldwiseBatch":
+        return self
 
 
 @dataclass

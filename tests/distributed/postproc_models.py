@@ -33,35 +33,23 @@ from torchrec.distributed.types import ShardingEnv
 from torchrec.optim.apply_optimizer_in_backward import apply_optimizer_in_backward
 from torchrec.optim.keyed import CombinedOptimizer, KeyedOptimizerWrapper
 from torchrec.optim.optimizers import in_backward_optimizer_filter
-from torchrec.streamable import Pipelineable
 
-from tests.distributed.dlrm import Run, current_group, run_pipeline, weights
+from tests.distributed.dlrm import FieldwiseBatch, Run, current_group, run_pipeline, weights
 
 CPU = torch.device("cpu")
 ROWS = 64
 DENSE = 4
 IDS = ["a", "b", "c"]
 SCORED = ["s", "t"]
-FIELDS = ("dense", "ids", "scored", "labels")
 NUM_BATCHES = 7
 
 
 @dataclass
-class Batch(Pipelineable):
+class Batch(FieldwiseBatch):
     dense: torch.Tensor
     ids: KeyedJaggedTensor
     scored: KeyedJaggedTensor  # weighted
     labels: torch.Tensor
-
-    def to(self, device: torch.device, non_blocking: bool = False) -> "Batch":
-        return Batch(*(getattr(self, f).to(device, non_blocking=non_blocking) for f in FIELDS))
-
-    def record_stream(self, stream: torch.Stream) -> None:
-        for f in FIELDS:
-            getattr(self, f).record_stream(stream)
-
-    def pin_memory(self) -> "Batch":
-        return self
 
 
 def make_batches(n: int = NUM_BATCHES, size: int = 8, seed: int = 11) -> List[Batch]:

@@ -32,33 +32,21 @@ from torchrec.distributed.types import ShardingEnv
 from torchrec.optim.apply_optimizer_in_backward import apply_optimizer_in_backward
 from torchrec.optim.keyed import CombinedOptimizer, KeyedOptimizerWrapper
 from torchrec.optim.optimizers import in_backward_optimizer_filter
-from torchrec.streamable import Pipelineable
 
 import trec_pipelines
-from tests.distributed.dlrm import Run, assert_runs_equal, current_group, run_pipeline, weights
+from tests.distributed.dlrm import FieldwiseBatch, Run, assert_runs_equal, current_group, run_pipeline, weights
 from tests.distributed.torchrec_shim import torchrec_on_cpu
 
 CPU = torch.device("cpu")
-FIELDS = ("dense", "user", "item", "seq", "labels")
 
 
 @dataclass
-class Batch(Pipelineable):
+class Batch(FieldwiseBatch):
     dense: torch.Tensor
     user: KeyedJaggedTensor  # weighted
     item: KeyedJaggedTensor
     seq: KeyedJaggedTensor
     labels: torch.Tensor
-
-    def to(self, device: torch.device, non_blocking: bool = False) -> "Batch":
-        return Batch(*(getattr(self, f).to(device, non_blocking=non_blocking) for f in FIELDS))
-
-    def record_stream(self, stream: torch.Stream) -> None:
-        for f in FIELDS:
-            getattr(self, f).record_stream(stream)
-
-    def pin_memory(self) -> "Batch":
-        return self
 
 
 class ThreeTowers(nn.Module):
