@@ -218,10 +218,12 @@ class EvalPipelineSparseDist(TrainPipelineSparseDist[In, Out]):
     iterator passed mid-epoch raises ``RuntimeError`` (finish the epoch or
     call ``reset()``), so a program behaves the same on every device (the
     train variants park the first iterator's batches instead).  An exception
-    raised while loading (the iterator, the batch checks, the copy) reaches
-    the ``progress()`` call that needs that batch, after every batch before it
-    was returned, and ends the loading of the epoch: the batches in flight
-    still run on the next calls, which end with ``StopIteration``.  The loader
+    raised while loading (the iterator, the copy) reaches the ``progress()``
+    call that needs that batch, after every batch before it was returned, and
+    ends the loading of the epoch: the batches in flight still run on the next
+    calls, which end with ``StopIteration``.  A malformed batch
+    (``MalformedBatchError``) is only dropped: that call raises, the next goes
+    on with the next batch.  The loader
     thread ends at the end of the data, on ``reset()`` (which drops the
     batches in flight and the one the loader holds) and when the pipeline is
     collected.  As in the other variants, the next epoch starts without
@@ -303,31 +305,19 @@ class EvalPipelineSparseDist(TrainPipelineSparseDist[In, Out]):
     def _start_loader(self, dataloader_iter: Iterator[Any]) -> _Loader:
         self._loader_iter = dataloader_iter
         device, memcpy = self._device, self._streams.memcpy
-        if not self._loader_thread:
-            return _InlineLoader(
-                _Load(
-                    self._source,
-                    dataloader_iter,
-                    device,
-                    memcpy,
-                    self._enable_inplace_copy_batch,
-                    self._free_features_storage_early,
-                )
-            )
         if device.index is None and memcpy is not None:
             # "cuda" means the current device, and a new thread's is device 0:
             # name the one this thread made the memcpy stream on.
             device = memcpy.device
-        return _BatchLoader(
-            _Load(
-                self._source,  # the thread's alone until it is stopped
-                dataloader_iter,
-                device,
-                memcpy,
-                self._enable_inplace_copy_batch,
-                self._free_features_storage_early,
-            )
+        load = _Load(
+            self._source,  # a loader thread's alone until it is stopped
+            dataloader_iter,
+            device,
+            memcpy,
+            self._enable_inplace_copy_batch,
+            self._free_features_storage_early,
         )
+        return _BatchLoader(load) if self._loader_thread else _InlineLoader(load)
 
     def _stop_loader(self) -> None:
         if self._loader is not None:
