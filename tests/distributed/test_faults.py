@@ -245,9 +245,10 @@ def test_a_fault_on_one_rank_ends_the_other_with_an_error_not_a_hang() -> None:
         assert not isinstance(failure.value, Fault)
         # The ranks waiting on rank 0 time out; with more than two ranks, one
         # waiting on a peer that has already timed out may see that peer's
-        # connection close first.  Either is an error, not a hang.
+        # connection close first (gloo: "closed by peer", or "reset by peer"
+        # when the socket is torn down mid-read).  Either is an error, not a hang.
         message = str(failure.value).lower()
-        assert any(s in message for s in ("timed out", "timeout", "closed by peer")), failure.value
+        assert any(s in message for s in ("timed out", "timeout", "closed by peer", "reset by peer")), message
     assert f"rank {rank}: TrainPipelineSparseDist.progress() raised while training batch 2" in notes
     assert "other ranks" in notes or "do the same on every rank" in notes
 
