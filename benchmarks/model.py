@@ -154,7 +154,13 @@ class DLRM(nn.Module):
     def __init__(self, spec: ModelSpec) -> None:
         super().__init__()
         self.features = spec.features
-        self.ebc = EmbeddingBagCollection(tables=spec.table_configs(), device=torch.device("cpu"))
+        # On the meta device: DistributedModelParallel allocates and initialises
+        # each rank's shards.  Tables built on the CPU stayed alive after
+        # sharding, with the Adagrad state apply_optimizer_in_backward gives
+        # them (torch keeps every such parameter in a map whose values point
+        # back at it): ~230 MB per contender, too much for a 24 GB machine
+        # running every variant in one process.
+        self.ebc = EmbeddingBagCollection(tables=spec.table_configs(), device=torch.device("meta"))
         self.dense_arch = _mlp((spec.dense_in, *spec.dense_arch), last_activation=True)
         over_in = spec.dense_arch[-1] + sum(spec.dims)
         self.over_arch = _mlp((over_in, *spec.over_arch, 1), last_activation=False)
@@ -179,7 +185,9 @@ def make_sharded(
 
     Embeddings train with a fused in-backward Adagrad (the TBE kernel updates
     them inside backward); the dense parameters with an Adagrad stepped by
-    ``optimizer.step()``.
+    ``optimizer.step()``.  The tables are initialised by the sharding (from
+    the table configs, under ``seed``): two calls with one seed build equal
+    models.
     """
     if sharding_type not in SHARDING_TYPES:
         raise ValueError(f"sharding_type must be one of {SHARDING_TYPES}, got {sharding_type!r}")
