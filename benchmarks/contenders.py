@@ -35,7 +35,7 @@ import torch.distributed as dist
 from torch import nn
 
 from benchmarks import netns, shim
-from benchmarks.report import COMPILED_VARIANTS
+from benchmarks.report import COMPILED_PLAIN, COMPILED_VARIANTS
 from benchmarks.model import Batch, ModelSpec, make_sharded
 
 CPU = torch.device("cpu")
@@ -249,6 +249,87 @@ class PlainLoop(Contender):
             losses, _ = model(batch)
             torch.sum(losses, dim=0).backward()
             optimizer.step()
+        return len(batches)
+
+
+class CompiledPlainLoop(PlainLoop):
+    """The plain training loop over the compiled work of one compiled variant.
+
+    Per-step overhead measured against the eager plain loop counts what the
+    compiled code costs per call (guards, compiled autograd's capture of each
+    backward): the same code in both libraries.  Against this loop, which
+    runs that code with nothing around it, what is left is the pipeline's own
+    bookkeeping.
+
+    * ``TrainPipelinePT2``: the model compiled as the pipeline compiles it
+      (default :class:`~trec_pipelines.TorchCompileConfig`, torchrec's dynamo
+      settings held for the whole epoch, as a user sets them once);
+    * ``TrainPipelineSparseDistCompAutograd``: forward and backward under
+      compiled autograd with the pipeline's compiler and settings (held for
+      the epoch), torchrec's collectives synchronous, DDP's Python reducer.
+
+    Compilation happens in the untimed warm-up epoch, as for the pipelines.
+    """
+
+    def __init__(self, variant: str) -> None:
+        super().__init__(TRAIN)
+        self.key = f"plain:{TRAIN}+{COMPILED_PLAIN[variant]}"
+        self.compiles_like = variant
+        self._compiler: Any = None
+
+    def _model_context(self) -> ContextManager[Any]:
+        if self.compiles_like in NEEDS_PYTHON_REDUCER:
+            return torch._dynamo.config.patch(optimize_ddp="python_reducer")
+        return contextlib.nullcontext()
+
+    def _build(self) -> None:
+        if self.compiles_like != "TrainPipelinePT2":
+            self._compiler = torch.compile(backend="inductor", dynamic=True, fullgraph=False)
+        self._steps = 0
+        self.model_compiled = False
+
+    def _compile_model(self) -> None:
+        # As TrainPipelinePT2 does, after compile_on_iter eager steps: DDP's
+        # static graph takes its first steps on a path that does not compile.
+        from trec_pipelines import TorchCompileConfig
+
+        assert self.model is not None
+        config = TorchCompileConfig()
+        torch.ops.import_module("fbgemm_gpu.sparse_ops")
+        self.model.compile(fullgraph=config.fullgraph, dynamic=config.dynamic, backend=config.backend)
+
+    def _run_epoch(self, batches: Sequence[Batch]) -> int:
+        if self.compiles_like != "TrainPipelinePT2":
+            return self._run_compiled_autograd_epoch(batches)
+        from trec_pipelines import TorchCompileConfig
+        from trec_pipelines.pipelines.pt2 import dynamo_settings
+
+        eager = 0 if self.model_compiled else max(0, TorchCompileConfig().compile_on_iter - self._steps)
+        self._steps += len(batches)
+        if eager >= len(batches):  # still before the pipeline's compile_on_iter
+            return super()._run_epoch(batches)
+        if not self.model_compiled:  # eager steps up to compile_on_iter, then compile
+            super()._run_epoch(batches[:eager])
+            self._compile_model()
+            self.model_compiled = True
+        with dynamo_settings():
+            super()._run_epoch(batches[eager:])
+        return len(batches)
+
+    def _run_compiled_autograd_epoch(self, batches: Sequence[Batch]) -> int:
+        from trec_pipelines.pipelines import comp_autograd as ca
+
+        model, optimizer = self.model, self.optimizer
+        assert model is not None and optimizer is not None
+        enable = torch._dynamo.compiled_autograd._enable
+        with ca.compiled_autograd_settings(), ca._inline_ddp_for_dynamo(), ca.sync_collectives():
+            for batch in batches:
+                batch = batch.to(CPU, non_blocking=True)
+                optimizer.zero_grad()
+                with enable(self._compiler):
+                    losses, _ = model(batch)
+                    torch.sum(losses, dim=0).backward()
+                optimizer.step()
         return len(batches)
 
 

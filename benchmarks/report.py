@@ -157,6 +157,9 @@ class OverheadRow:
     plain_ms: Optional[float]
     ours_note: str = ""
     torchrec_note: str = ""
+    # The plain loop the overhead is taken against: "train", "eval", or for a
+    # compiled variant "train+<its compiled work>" (COMPILED_PLAIN).
+    reference: str = "train"
     # ms/step per round (same order for every contender), for the paired overheads.
     ours_samples: List[float] = field(default_factory=list)
     torchrec_samples: List[float] = field(default_factory=list)
@@ -196,6 +199,14 @@ class OverheadTable:
 
 # Variants that compile (their recompilations are reported); as benchmarks.contenders.COMPILED.
 COMPILED_VARIANTS = frozenset({"TrainPipelinePT2", "TrainPipelineSparseDistCompAutograd"})
+
+# The plain loop doing a compiled variant's compiled work, by variant: the
+# overhead phase's second reference for it (benchmarks.contenders.CompiledPlainLoop),
+# raw key "plain:train+<name>".
+COMPILED_PLAIN = {
+    "TrainPipelinePT2": "compiled model",
+    "TrainPipelineSparseDistCompAutograd": "compiled autograd",
+}
 
 
 def _ratio(a: Optional[float], b: Optional[float]) -> Optional[float]:
@@ -294,32 +305,36 @@ def overhead_table(raw: Dict[str, Any]) -> Optional[OverheadTable]:
     if not block:
         return None
     steps, contenders = block["steps"], block["contenders"]
+    # Every plain loop of the phase, by what follows "plain:" in its key.
     plain_measures = {
-        mode: _measure(contenders.get(f"plain:{mode}"), steps, True, "not run")
-        for mode in ("train", "eval")
-        if f"plain:{mode}" in contenders
+        key.split(":", 1)[1]: _measure(entry, steps, True, "not run")
+        for key, entry in contenders.items()
+        if entry["side"] == "plain"
     }
-    plain = {mode: m.median for mode, m in plain_measures.items()}
+    plain = {reference: m.median for reference, m in plain_measures.items()}
     rows = []
     for variant, mode in _variants(contenders):
         ours = _measure(contenders.get(f"ours:{variant}"), steps, True, "not run")
         theirs = _measure(contenders.get(f"torchrec:{variant}"), steps, True, "torchrec has no class of this name")
-        rows.append(
-            OverheadRow(
-                variant=variant,
-                mode=mode,
-                ours_ms=ours.median,
-                torchrec_ms=theirs.median,
-                plain_ms=plain.get(_plain_mode(mode)),
-                ours_note="" if ours.median is not None else "n/a",
-                torchrec_note="(shimmed)" if theirs.shimmed else ("" if theirs.median is not None else "n/a"),
-                ours_samples=list(ours.samples),
-                torchrec_samples=list(theirs.samples),
-                plain_samples=list(plain_measures[_plain_mode(mode)].samples)
-                if _plain_mode(mode) in plain_measures
-                else [],
+        references = [_plain_mode(mode)]
+        if variant in COMPILED_PLAIN and f"train+{COMPILED_PLAIN[variant]}" in plain_measures:
+            references.append(f"train+{COMPILED_PLAIN[variant]}")
+        for reference in references:
+            rows.append(
+                OverheadRow(
+                    variant=variant,
+                    mode=mode,
+                    ours_ms=ours.median,
+                    torchrec_ms=theirs.median,
+                    plain_ms=plain.get(reference),
+                    ours_note="" if ours.median is not None else "n/a",
+                    torchrec_note="(shimmed)" if theirs.shimmed else ("" if theirs.median is not None else "n/a"),
+                    reference=reference,
+                    ours_samples=list(ours.samples),
+                    torchrec_samples=list(theirs.samples),
+                    plain_samples=list(plain_measures[reference].samples) if reference in plain_measures else [],
+                )
             )
-        )
     return OverheadTable(block["batch_size"], steps, rows, plain)
 
 
@@ -436,6 +451,11 @@ def format_validation(cost: ValidationCost, world: int) -> str:
     )
 
 
+def _reference_cell(reference: str) -> str:
+    """A plain loop's name in the overhead table: "train", "eval", "train, compiled autograd"."""
+    return reference.replace("+", ", ")
+
+
 def format_overhead(table: OverheadTable, repeats: int) -> str:
     body = []
     for row in table.rows:
@@ -445,21 +465,25 @@ def format_overhead(table: OverheadTable, repeats: int) -> str:
                 row.variant + (" (eval)" if row.mode == "eval" else ""),
                 _num(row.ours_ms, 2) + (f" {row.ours_note}" if row.ours_note else ""),
                 _num(row.torchrec_ms, 2) + (f" {row.torchrec_note}" if row.torchrec_note else ""),
+                _reference_cell(row.reference),
                 _num(row.ours_overhead, 2),
                 _num(row.torchrec_overhead, 2),
                 "-" if ratio is None else f"{ratio:.2f}",
             ]
         )
-    plain = ", ".join(f"{mode} {_num(v, 2)} ms" for mode, v in table.plain_ms.items())
+    plain = ", ".join(f"{_reference_cell(mode)} {_num(v, 2)} ms" for mode, v in table.plain_ms.items())
     title = (
         f"Per-step overhead on the tiny model (rank 0 alone on a one-rank group, batch {table.batch_size}, "
         f"{table.steps}-step epochs, {repeats} rounds): ms/step (median), and overhead = median over rounds "
-        f"of ms/step minus the plain loop's in the same round (plain loop: {plain})"
+        f"of ms/step minus the plain loop's in the same round (plain loops: {plain}). A compiled variant "
+        "has a second row against the plain loop running the same compiled code, which leaves the "
+        "pipeline's own work"
     )
     return "\n".join(
         [title]
         + _table(
-            ["variant", "ours ms/step", "torchrec ms/step", "ours overhead", "torchrec overhead", "ours/torchrec"],
+            ["variant", "ours ms/step", "torchrec ms/step", "against", "ours overhead", "torchrec overhead",
+             "ours/torchrec"],
             body,
         )
     )
@@ -553,6 +577,7 @@ def summary(raw: Dict[str, Any]) -> Dict[str, Any]:
                     "mode": r.mode,
                     "ours_ms": r.ours_ms,
                     "torchrec_ms": r.torchrec_ms,
+                    "against_plain_loop": r.reference,
                     "ours_overhead_ms": r.ours_overhead,
                     "torchrec_overhead_ms": r.torchrec_overhead,
                     "ours_over_torchrec_overhead": r.overhead_ratio,

@@ -5,8 +5,10 @@ Plan of a run:
 1. Throughput.  Every contender (each variant of ours, torchrec's same-named
    class, the plain loops, the SparseDist stage probe) is built once, on its
    own model and its own process group.  Per batch size: one untimed warm-up
-   epoch each (compiled variants compile here), then ``repeats`` rounds; each
-   round times one epoch of every contender in turn (A B C, A B C, ...), so
+   epoch each (compiled variants compile here, and then also run the timed
+   batches once, untimed, so their shapes recompile nothing later), then
+   ``repeats`` rounds; each round times one epoch of every contender in
+   turn (A B C, A B C, ...), so
    drift of a shared machine hits all of them alike.  The result per
    contender is the median over rounds.  After the rounds, every rank times
    ``batch_problem`` (what ``validate_batches=True`` runs on each batch) on
@@ -45,8 +47,10 @@ import torch.distributed as dist
 from benchmarks import memory, netns, recording, report
 from benchmarks.config import BenchConfig
 from benchmarks.contenders import (
+    COMPILED_PLAIN,
     EVAL,
     TRAIN,
+    CompiledPlainLoop,
     Contender,
     PipelineContender,
     PlainLoop,
@@ -214,6 +218,11 @@ def _contenders(variants: Sequence[Variant], cfg: BenchConfig, probe: bool) -> L
     return out
 
 
+def _compiles(contender: Contender) -> bool:
+    """A contender running compiled code: a compiled variant, or the plain loop doing its compiled work."""
+    return contender.variant in report.COMPILED_VARIANTS or isinstance(contender, CompiledPlainLoop)
+
+
 def _phase(
     session: Session,
     spec: ModelSpec,
@@ -261,6 +270,12 @@ def _phase(
         seconds: Dict[str, List[float]] = {c.key: [] for c in contenders}
         for contender in list(alive):
             err, _, _ = session.epoch(contender, warmup)
+            if err is None and _compiles(contender):
+                # Dynamo's caches are per code object, shared by every model
+                # of the run: an epoch over the timed batches lets the shapes
+                # they bring turn dynamic here, not in the first timed round
+                # of whichever contender happens to run first.
+                err, _, _ = session.epoch(contender, batches)
             bar.step(f"b{batch_size} warm-up {contender.key}")
             if err is not None:
                 drop(contender, f"warm-up epoch failed: {err}")
@@ -538,6 +553,9 @@ def worker(cfg: BenchConfig) -> int:
     variants, notes = discover(cfg.variants, cfg.include_compiled)
     main = _contenders(variants, cfg, probe=True)
     overhead = _contenders(variants, cfg, probe=False) if cfg.overhead else []
+    if overhead:
+        # Compiled variants get a second reference there: the plain loop doing their compiled work.
+        overhead += [CompiledPlainLoop(v.name) for v in variants if v.name in COMPILED_PLAIN]
     n_ours = sum(1 for c in main if c.side == "ours")
     n_pipelines = sum(1 for c in main if c.side in ("ours", "torchrec"))
     bar = Progress(cfg.progress and rank == 0, _total_runs(len(main), n_ours, len(overhead), cfg, n_pipelines))

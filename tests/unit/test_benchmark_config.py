@@ -235,7 +235,7 @@ def test_console_tables_show_values_shim_and_reasons() -> None:
     assert "2,000 (80%)" in bound and "1,000 (40%)" in bound
     overhead = next(l for l in text.splitlines() if l.startswith("TrainPipelineSparseDist") and "3.00" in l)
     # ms/step 3 and 4, overhead 1 and 2 over the plain loop's 2 ms, ratio 0.5
-    assert overhead.split()[1:] == ["3.00", "4.00", "1.00", "2.00", "0.50"]
+    assert overhead.split()[1:] == ["3.00", "4.00", "train", "1.00", "2.00", "0.50"]
 
 
 def test_shimmed_values_are_marked() -> None:

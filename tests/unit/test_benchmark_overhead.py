@@ -82,3 +82,33 @@ def test_compiled_variants_report_their_recompilations() -> None:
     (table,) = report.throughput_tables(raw)
     lines = report.format_recompiles(table)
     assert lines == ["  TrainPipelinePT2: graphs compiled during the timed epochs (after warm-up): ours 0, torchrec 2"]
+
+
+def test_a_compiled_variant_is_also_measured_against_the_loop_running_its_compiled_code() -> None:
+    """Against the eager plain loop, the compiled code's own per-call cost (the
+    same in both libraries) is counted as overhead; a second row takes it
+    against the plain loop over the same compiled model, leaving the pipeline's work."""
+    compiled_plain = "plain:train+" + report.COMPILED_PLAIN["TrainPipelinePT2"]
+    raw = {
+        "overhead": {
+            "batch_size": 32,
+            "steps": STEPS,
+            "contenders": {
+                "ours:TrainPipelinePT2": _entry("ours", "TrainPipelinePT2", "train", [1.30, 1.40]),
+                "torchrec:TrainPipelinePT2": _entry("torchrec", "TrainPipelinePT2", "train", [1.40, 1.50]),
+                "plain:train": _entry("plain", "plain", "train", [1.0, 1.1]),
+                compiled_plain: _entry("plain", "plain", "train", [1.2, 1.3]),
+            },
+        }
+    }
+    table = report.overhead_table(raw)
+    assert table is not None
+    eager, compiled = table.rows
+    assert (eager.reference, compiled.reference) == ("train", "train+compiled model")
+    assert eager.ours_overhead == pytest.approx(0.3) and eager.torchrec_overhead == pytest.approx(0.4)
+    assert compiled.ours_overhead == pytest.approx(0.1) and compiled.torchrec_overhead == pytest.approx(0.2)
+    assert compiled.overhead_ratio == pytest.approx(0.5)
+    text = report.format_overhead(table, 2)
+    assert any(line.startswith("TrainPipelinePT2") and "train, compiled model" in line for line in text.splitlines())
+    # Base has no compiled reference: one row.
+    assert len(report.overhead_table(_raw([1.1], [1.2], [1.0])).rows) == 1  # type: ignore[union-attr]
