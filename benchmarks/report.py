@@ -32,6 +32,7 @@ their layout and tables are in :mod:`benchmarks.memory_report`.
 
 from __future__ import annotations
 
+import itertools
 import os
 import platform
 import statistics
@@ -200,6 +201,9 @@ class OverheadTable:
 # Variants that compile (their recompilations are reported); as benchmarks.contenders.COMPILED.
 COMPILED_VARIANTS = frozenset({"TrainPipelinePT2", "TrainPipelineSparseDistCompAutograd"})
 
+# Key suffix of our pipeline run with validate_batches=False (the overhead phase only).
+UNVALIDATED = "+unvalidated"
+
 # The plain loop doing a compiled variant's compiled work, by variant: the
 # overhead phase's second reference for it (benchmarks.contenders.CompiledPlainLoop),
 # raw key "plain:train+<name>".
@@ -319,10 +323,14 @@ def overhead_table(raw: Dict[str, Any]) -> Optional[OverheadTable]:
         references = [_plain_mode(mode)]
         if variant in COMPILED_PLAIN and f"train+{COMPILED_PLAIN[variant]}" in plain_measures:
             references.append(f"train+{COMPILED_PLAIN[variant]}")
-        for reference in references:
+        unvalidated = contenders.get(f"ours:{variant}{UNVALIDATED}")
+        runs = [(variant, ours)]
+        if unvalidated is not None:
+            runs.append((f"{variant}, validate_batches=False", _measure(unvalidated, steps, True, "not run")))
+        for (label, ours), reference in itertools.product(runs, references):
             rows.append(
                 OverheadRow(
-                    variant=variant,
+                    variant=label,
                     mode=mode,
                     ours_ms=ours.median,
                     torchrec_ms=theirs.median,

@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import datetime
 import gc
+import inspect
 import json
 import logging
 import os
@@ -216,6 +217,26 @@ def _contenders(variants: Sequence[Variant], cfg: BenchConfig, probe: bool) -> L
     if probe and cfg.stages and any(v.name == "TrainPipelineSparseDist" for v in variants):
         out.append(StageProbe())
     return out
+
+
+def _unvalidated_twins(contenders: Sequence[Contender]) -> List[Contender]:
+    """Each of our pipelines that validates batches, again with ``validate_batches=False``.
+
+    The overhead table then shows what the check (on by default) costs per
+    step next to everything else the pipeline does; key ``<key>+unvalidated``.
+    """
+    twins: List[Contender] = []
+    for contender in contenders:
+        if not isinstance(contender, PipelineContender) or contender.side != "ours":
+            continue
+        if "validate_batches" not in inspect.signature(contender.cls).parameters:
+            continue
+        twin = make_contender(contender.info, "ours")
+        assert isinstance(twin, PipelineContender)
+        twin.key += report.UNVALIDATED
+        twin.extra_kwargs = {"validate_batches": False}
+        twins.append(twin)
+    return twins
 
 
 def _compiles(contender: Contender) -> bool:
@@ -556,6 +577,7 @@ def worker(cfg: BenchConfig) -> int:
     if overhead:
         # Compiled variants get a second reference there: the plain loop doing their compiled work.
         overhead += [CompiledPlainLoop(v.name) for v in variants if v.name in COMPILED_PLAIN]
+        overhead += _unvalidated_twins(overhead)
     n_ours = sum(1 for c in main if c.side == "ours")
     n_pipelines = sum(1 for c in main if c.side in ("ours", "torchrec"))
     bar = Progress(cfg.progress and rank == 0, _total_runs(len(main), n_ours, len(overhead), cfg, n_pipelines))

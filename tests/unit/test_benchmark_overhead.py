@@ -112,3 +112,20 @@ def test_a_compiled_variant_is_also_measured_against_the_loop_running_its_compil
     assert any(line.startswith("TrainPipelinePT2") and "train, compiled model" in line for line in text.splitlines())
     # Base has no compiled reference: one row.
     assert len(report.overhead_table(_raw([1.1], [1.2], [1.0])).rows) == 1  # type: ignore[union-attr]
+
+
+def test_our_pipeline_without_batch_validation_is_a_row_of_its_own() -> None:
+    """validate_batches=True (the default) does work torchrec's classes do not: the
+    twin run with it off shows the pipeline's other work against the same torchrec run."""
+    raw = _raw([1.3, 1.3], [1.4, 1.4], [1.0, 1.0])
+    raw["overhead"]["contenders"]["ours:TrainPipelineBase" + report.UNVALIDATED] = _entry(
+        "ours", "TrainPipelineBase", "train", [1.1, 1.1]
+    )
+    table = report.overhead_table(raw)
+    assert table is not None
+    validated, unvalidated = table.rows
+    assert validated.variant == "TrainPipelineBase" and validated.overhead_ratio == pytest.approx(0.75)
+    assert unvalidated.variant == "TrainPipelineBase, validate_batches=False"
+    assert unvalidated.ours_overhead == pytest.approx(0.1)
+    assert unvalidated.torchrec_overhead == pytest.approx(0.4)
+    assert unvalidated.overhead_ratio == pytest.approx(0.25)
