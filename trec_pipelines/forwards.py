@@ -131,7 +131,6 @@ class BaseForward(Generic[C]):
             "pipeline.attach() to resume."
         )
 
-
     def _runs_again(self, store: Dict[str, Any]) -> bool:
         """True when this call must redo the module's input_dist: :attr:`direct`,
         or the batch's input was used up by an earlier, failed forward."""
