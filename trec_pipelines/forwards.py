@@ -19,6 +19,14 @@ wrapper                        takes from the context                      then 
 
 A pipelined module runs once per batch: its input for the batch is consumed by
 the first call, and a second call in the same forward raises with the fix.
+
+A pipeline whose caller runs the model's forward (``SparseDataDistUtil``) counts
+the forward calls in :attr:`BaseForward.attempt`; a call in a later forward than
+the one that used the batch's input up (the caller retries a batch whose forward
+raised) runs the module's ``input_dist`` again on the arguments it was given
+(:func:`~trec_pipelines.input_dist.run_input_dist`).  So does every call while
+:attr:`BaseForward.direct` is set (the batch's forward already finished: the
+context has moved on to the next batch).
 """
 
 from __future__ import annotations
@@ -38,6 +46,7 @@ from trec_pipelines.context import (
     PrefetchTrainPipelineContext,
     TrainPipelineContext,
 )
+from trec_pipelines.input_dist import run_input_dist
 from trec_pipelines.streams import current_stream, hand_off, on_stream, record_stream, wait_event
 
 C = TypeVar("C", bound=TrainPipelineContext)
@@ -62,6 +71,11 @@ class BaseForward(Generic[C]):
         # The context whose input this wrapper consumed last: a second call on
         # the same context is the "called twice in one forward" mistake.
         self._consumed: Optional[C] = None
+        # Set by the owning pipeline before each model forward (see the module
+        # docstring); pipelines that never set them keep the once-per-batch rule.
+        self.attempt = 0
+        self.direct = False
+        self._consumed_in = 0  # the attempt that consumed ``_consumed``
         # The pipeline that installed this wrapper (see claim()).
         self._owner: Optional[weakref.ReferenceType[Any]] = None
         self.owner_name = "a pipeline"
@@ -101,7 +115,7 @@ class BaseForward(Generic[C]):
     def _take(self, store: Dict[str, Any]) -> Any:
         """Pop this module's entry from ``store`` or explain why it is missing."""
         if self._name in store:
-            self._consumed = self._context
+            self._consumed, self._consumed_in = self._context, self.attempt
             return store.pop(self._name)
         if self._consumed is self._context:
             raise RuntimeError(
@@ -116,6 +130,20 @@ class BaseForward(Generic[C]):
             "Call pipeline.detach() before using the model directly, and "
             "pipeline.attach() to resume."
         )
+
+    def _runs_again(self, store: Dict[str, Any]) -> bool:
+        """True when this call must redo the module's input_dist: :attr:`direct`,
+        or the batch's input was used up by an earlier, failed forward."""
+        return self.direct or (
+            self._name not in store
+            and self._consumed is self._context
+            and self._consumed_in != self.attempt
+        )
+
+    def _forward_again(self, input: Tuple[Any, ...], kwargs: Dict[str, Any]) -> Any:
+        """The module's own forward on this call's arguments: input_dist, then the rest."""
+        module_ctx, data = run_input_dist(self._module, input, kwargs)
+        return self._module.compute_and_output_dist(module_ctx, data)
 
 
 class PipelinedForward(BaseForward[TrainPipelineContext]):
@@ -137,6 +165,8 @@ class PipelinedForward(BaseForward[TrainPipelineContext]):
         self._wait_stream = None if wait_on_current_stream else stream
 
     def __call__(self, *input: Any, **kwargs: Any) -> Awaitable[Any]:
+        if self._runs_again(self._context.input_dist_tensors_requests):
+            return self._forward_again(input, kwargs)
         request = self._take(self._context.input_dist_tensors_requests)
         with on_stream(self._wait_stream):
             data = request.wait()
@@ -163,6 +193,8 @@ class PrefetchPipelinedForward(BaseForward[PrefetchTrainPipelineContext]):
         super().__init__(name, args, module, context, prefetch_stream)
 
     def __call__(self, *input: Any, **kwargs: Any) -> Awaitable[Any]:
+        if self._runs_again(self._context.module_input_post_prefetch):
+            return self._forward_again(input, kwargs)
         data = self._take(self._context.module_input_post_prefetch)
         module_ctx = self._context.module_contexts_post_prefetch.pop(self._name)
         hand_off(data, self._stream)
@@ -181,6 +213,9 @@ class EmbeddingPipelinedForward(BaseForward[EmbeddingTrainPipelineContext]):
     """
 
     def __call__(self, *input: Any, **kwargs: Any) -> Any:
+        if self._runs_again(self._context.embedding_a2a_requests):
+            # The lookup ran ahead and cannot be replayed: look up afresh.
+            return self._forward_again(input, kwargs)
         awaitable = self._take(self._context.embedding_a2a_requests)
         module_ctx = self._context.module_contexts.pop(self._name)
         # Wait for this batch's lookup only (see [Note: lookup ordering on streams]).

@@ -243,6 +243,27 @@ def wait_input_dist(context: TrainPipelineContext) -> None:
     context.fused_splits_awaitables.clear()
 
 
+def run_input_dist(
+    module: ShardedModule, args: Tuple[Any, ...], kwargs: Dict[str, Any]
+) -> Tuple[Any, Any]:
+    """One module's whole ``input_dist`` on the arguments it was called with, now,
+    on the current stream: ``(module_ctx, distributed input)``.
+
+    For a forward that must run again after the pipelined input was used up (a
+    retried batch); it issues the collectives the pipeline would have, through the
+    same splits-only path, so the result is the pipelined one bit for bit.
+    """
+    name = "module"
+    context = TrainPipelineContext()
+    args, kwargs = module.preprocess_input(args, kwargs)
+    module_ctx = module.create_context()
+    context.module_contexts[name] = module_ctx
+    context.input_dist_splits_requests[name] = module.input_dist(module_ctx, *args, **kwargs)
+    _fuse_splits(context)
+    wait_input_dist(context)
+    return module_ctx, context.input_dist_tensors_requests[name].wait()
+
+
 def release_input_dist_inputs(context: TrainPipelineContext) -> None:
     """Free the input storage of in-flight tensors all-to-alls (``clear_data_dist_inputs``)."""
     for request in context.input_dist_tensors_requests.values():

@@ -116,6 +116,9 @@ class PipelinedPostproc(torch.nn.Module):
             forward = forward._forward
         self._forward = forward
         self._warned_untracked = False
+        # Set by SparseDataDistUtil while the caller repeats a forward whose batch
+        # the context has moved past: the module runs on the arguments given.
+        self.direct = False
 
     @property
     def fqn(self) -> str:
@@ -157,7 +160,7 @@ class PipelinedPostproc(torch.nn.Module):
     def forward(self, *input: Any, **kwargs: Any) -> Any:
         """The model's call in the forward: the output cached for this batch."""
         context = self._context
-        if self._fqn not in context.postproc_fwd_results:
+        if self.direct or self._fqn not in context.postproc_fwd_results:
             # Not run ahead for this batch (its input_dist stage predates the
             # rewrite): the module's own forward on the arguments given.
             return self._forward(*input, **kwargs)

@@ -14,6 +14,7 @@ from tests.unit.fakes import (
     optimizer_for,
     plain_loop,
 )
+from tests.unit.fakes import _head as fakes_head
 from trec_pipelines.pipelines.sparse_data_dist_util import SparseDataDistUtil
 from trec_pipelines.pipelines.staged import PipelineStage, StagedTrainPipeline
 
@@ -398,3 +399,164 @@ def test_sdd_prefetch_stage_with_none_streams_matches_plain_loop_and_is_late_dec
     first.progress(iter(make_batches(3)))
     with pytest.raises(RuntimeError, match="before the first progress"):
         StagedTrainPipeline([h2d_stage(), late.start_sparse_data_dist_stage(), PipelineStage("p", late.prefetch, None)])
+
+
+# ------------------------------------------------------- failures (issue #16)
+
+
+class FailOnce:
+    """Raises RuntimeError("injected") on call number ``at`` of ``run``, before running it."""
+
+    def __init__(self, run: Callable[[Any], Any], at: int) -> None:
+        self._run, self._at, self.calls = run, at, 0
+
+    def __call__(self, batch: Any) -> Any:
+        call, self.calls = self.calls, self.calls + 1
+        if call == self._at:
+            raise RuntimeError("injected")
+        return self._run(batch)
+
+
+def progress_until_none(pipeline: StagedTrainPipeline, it: Iterator[Any]) -> Tuple[List[Any], int]:
+    """Call progress() until None, again after each RuntimeError: (batches, errors)."""
+    out, errors = [], 0
+    for _ in range(100):
+        try:
+            batch = pipeline.progress(it)
+        except RuntimeError:
+            errors += 1
+            continue
+        if batch is None:
+            return out, errors
+        out.append(batch)
+    raise AssertionError("no None after 100 calls")
+
+
+@pytest.mark.parametrize("at", [0, 1, 2, 3, 4])
+@pytest.mark.parametrize("failing", ["a", "b", "c"])
+def test_a_stage_that_raises_runs_again_on_the_same_batch(failing: str, at: int) -> None:
+    log, pipeline = three_stages()
+    stage = pipeline._pipeline_stages["abc".index(failing)]
+    stage.runnable = FailOnce(stage.runnable, at)
+    it = Counting([f"b{i}" for i in range(5)])
+    out, errors = progress_until_none(pipeline, it)
+    assert errors == 1
+    assert out == [f"b{i}>a>b>c" for i in range(5)]
+    assert it.taken == 5
+    runs = [e for e in log.events if "(" in e]
+    assert sorted(runs) == sorted(f"{s}(b{i})" for s in "abc" for i in range(5))
+    # Each fill callback ran once, after its stage.
+    assert log.events.count("a.fill") == 3 and log.events.count("c.fill") == 1
+
+
+class FlakyIterator:
+    """Iterates ``items``; ``next()`` number ``at`` raises and takes nothing."""
+
+    def __init__(self, items: List[Any], at: int) -> None:
+        self._it = iter(items)
+        self._at, self.calls = at, 0
+
+    def __iter__(self) -> "FlakyIterator":
+        return self
+
+    def __next__(self) -> Any:
+        call, self.calls = self.calls, self.calls + 1
+        if call == self._at:
+            raise RuntimeError("injected")
+        return next(self._it)
+
+
+@pytest.mark.parametrize("at", [0, 2, 3, 5])
+def test_an_iterator_that_raises_loses_and_repeats_no_batch(at: int) -> None:
+    log, pipeline = three_stages()
+    out, errors = progress_until_none(pipeline, FlakyIterator([f"b{i}" for i in range(5)], at))
+    assert errors == 1
+    assert out == [f"b{i}>a>b>c" for i in range(5)]
+    assert log.events.count("a(b0)") == 1
+
+
+class FaultyTinyModel(TinyModel):
+    """Raises on forward call ``at`` after the sparse module ran (every attempt counts)."""
+
+    def __init__(self, at: int) -> None:
+        super().__init__()
+        self.at, self.calls = at, 0
+
+    def forward(self, batch: Any) -> Tuple[torch.Tensor, torch.Tensor]:
+        if torch.fx._symbolic_trace.is_fx_tracing():
+            return super().forward(batch)
+        call, self.calls = self.calls, self.calls + 1
+        embedded = self.sparse(batch.sparse).values()
+        if call == self.at:
+            raise RuntimeError("injected after the lookup")
+        return fakes_head(self, embedded, batch)
+
+
+def train_staged_on_failure(
+    model: TinyModel, pipeline: StagedTrainPipeline, batches: List[Any], retry: bool, repeat: int = 0
+) -> List[torch.Tensor]:
+    """The caller's loop: a failed forward is retried or left behind; the forward
+    of batch ``repeat`` runs twice (as after a backward that raised)."""
+    optimizer = optimizer_for(model)
+    it = iter(batches)
+    outputs = []
+    while (batch := pipeline.progress(it)) is not None:
+        optimizer.zero_grad()
+        if len(outputs) == repeat:
+            model(batch)
+        try:
+            loss, pred = model(batch)
+        except RuntimeError:
+            if not retry:
+                continue
+            loss, pred = model(batch)
+        torch.sum(loss, dim=0).backward()
+        optimizer.step()
+        outputs.append(pred)
+    return outputs
+
+
+@pytest.mark.parametrize("third_stage", [None, "prefetch"])
+@pytest.mark.parametrize("at", [0, 2, 4])
+def test_sdd_retried_forward_redoes_the_input_dist_and_matches_plain_loop(at: int, third_stage: Optional[str]) -> None:
+    batches = make_batches(5)
+    ref_model = TinyModel()
+    ref = plain_loop(ref_model, batches)
+    model = FaultyTinyModel(at)
+    sdd = SparseDataDistUtil(model, data_dist_stream=None)
+    stages = [h2d_stage(), sdd.start_sparse_data_dist_stage()]
+    if third_stage == "prefetch":
+        stages.append(PipelineStage("prefetch", sdd.prefetch, None))
+    ours = train_staged_on_failure(model, StagedTrainPipeline(stages), batches, retry=True, repeat=-1)
+    assert_same_training(ours, ref, model, ref_model)
+    kinds = [kind for kind, _ in model.log]
+    # The retry ran the failed batch's input_dist and lookup once more.
+    assert kinds.count("input_dist") == kinds.count("compute") == len(batches) + 1
+
+
+@pytest.mark.parametrize("repeat", [0, 3, 4])
+def test_sdd_forward_repeated_after_it_finished_reads_its_own_batch(repeat: int) -> None:
+    batches = make_batches(5)
+    ref_model = TinyModel()
+    ref = plain_loop(ref_model, batches)
+    model = TinyModel()
+    sdd = SparseDataDistUtil(model, data_dist_stream=None)
+    pipeline = StagedTrainPipeline([h2d_stage(), sdd.start_sparse_data_dist_stage()])
+    ours = train_staged_on_failure(model, pipeline, batches, retry=True, repeat=repeat)
+    assert_same_training(ours, ref, model, ref_model)
+
+
+@pytest.mark.parametrize("third_stage", [None, "prefetch"])
+@pytest.mark.parametrize("at", [0, 2, 4])
+def test_sdd_skipped_batch_matches_plain_loop_without_it(at: int, third_stage: Optional[str]) -> None:
+    batches = make_batches(5)
+    ref_model = TinyModel()
+    ref = plain_loop(ref_model, batches[:at] + batches[at + 1 :])
+    model = FaultyTinyModel(at)
+    sdd = SparseDataDistUtil(model, data_dist_stream=None)
+    stages = [h2d_stage(), sdd.start_sparse_data_dist_stage()]
+    if third_stage == "prefetch":
+        stages.append(PipelineStage("prefetch", sdd.prefetch, None))
+    ours = train_staged_on_failure(model, StagedTrainPipeline(stages), batches, retry=False, repeat=-1)
+    assert_same_training(ours, ref, model, ref_model)
+

@@ -84,6 +84,18 @@ class SparseDataDistUtil(Generic[In]):
     :meth:`start_embedding_lookup` turns that mode on (see :meth:`stage_declared`),
     and the work runs on the current stream.
 
+    [Note: a failed forward in the caller's loop]
+    The forward hook moves the contexts on only when a forward finishes.  A
+    forward pre-hook counts the forward calls; a sharded module called in a
+    later call than the one that used its pipelined input up (the caller
+    retries a batch whose forward raised after the lookup), or in any call
+    after the batch's forward finished and before the next ``progress()``
+    (the caller retries after its backward or optimizer step raised), runs
+    its ``input_dist`` again on the arguments it is given and the hook leaves
+    the contexts alone.  The input_dist stage counts the forwards between two
+    ``progress()`` calls: if the batch handed out last never finished its
+    forward (the caller skipped it), it does the hook's work first.
+
     Differences from torchrec 1.8.0, all fixes:
 
     * It runs on CPU (streams may be ``None`` or CPU streams).
@@ -106,6 +118,9 @@ class SparseDataDistUtil(Generic[In]):
       reads them.  Upstream orders neither.
     * ``wait_sdd_fill_callback`` with nothing started (empty data) does
       nothing instead of raising ``IndexError``.
+    * A batch whose forward raised can be trained again or skipped (see the
+      note above); upstream reads the next batch's input on a second forward,
+      or raises, and a skipped batch shifts every later batch's input by one.
 
     Example::
 
@@ -159,6 +174,7 @@ class SparseDataDistUtil(Generic[In]):
         )
         self.initialized = False
         self.fwd_hook: Optional[RemovableHandle] = None
+        self._pre_hook: Optional[RemovableHandle] = None
         self._pipeline_postproc = pipeline_postproc
         self._rewrite_strategy: Strategy = rewrite_strategy
 
@@ -181,6 +197,13 @@ class SparseDataDistUtil(Generic[In]):
         self._splits_fused = False
         # Set when a stage first found no batch; only relaxes the context checks.
         self._exhausting_mode = False
+        # Between two input_dist-stage calls (one progress() each, see
+        # [Note: a failed forward in the caller's loop]): did a forward of the
+        # model finish, and did the contexts move on (a forward or the fill)?
+        self._trained_since_tick = False
+        self._advanced_since_tick = False
+        # The index of the last batch whose input_dist started.
+        self._last_started = -1
 
     @property
     def _with_prefetch(self) -> bool:
@@ -235,6 +258,7 @@ class SparseDataDistUtil(Generic[In]):
 
     def _advance_context(self) -> None:
         """The forward's batch is done: every batch moves one context down."""
+        self._advanced_since_tick = True
         self._contexts.popleft()
         self._add_context()
         self._set_module_context(self._forward_context())
@@ -334,11 +358,31 @@ class SparseDataDistUtil(Generic[In]):
             self._forward_done = record_event(self._compute_stream)
         self._set_module_context(self._forward_context())
         self.fwd_hook = self.model.register_forward_hook(self._after_forward)
+        self._pre_hook = self.model.register_forward_pre_hook(self._before_forward)
         self.initialized = True
+
+    def _before_forward(self, module: torch.nn.Module, input: Any) -> None:
+        # Once this batch's forward has finished, the contexts hold the next
+        # batch's input: a repeated forward (the caller retries after its
+        # backward or optimizer step raised) must redo its own input_dist.
+        direct = self._trained_since_tick
+        for sharded in self._modules():
+            forward: Any = sharded.forward
+            forward.direct = direct
+            forward.attempt += 1
+        for postproc in self._pipelined_postprocs:
+            postproc.direct = direct
 
     def _after_forward(self, module: torch.nn.Module, input: Any, output: Any) -> None:
         # Every read of this batch's prefetched cache rows is issued by now.
         self._forward_done = record_event(self._compute_stream)
+        if self._trained_since_tick:
+            return  # a repeated forward: the contexts moved on after the first
+        self._trained_since_tick = True
+        self._next_batch()
+
+    def _next_batch(self) -> None:
+        """Make the next batch the one the forward reads."""
         # The next batch's input must be distributed before its forward, and
         # the contexts move on only after that wait and before the next start.
         self.wait_sparse_data_dist()
@@ -359,6 +403,9 @@ class SparseDataDistUtil(Generic[In]):
             assert self.fwd_hook is not None and self._rewrite is not None
             self.fwd_hook.remove()
             self.fwd_hook = None
+            if self._pre_hook is not None:
+                self._pre_hook.remove()
+                self._pre_hook = None
             if self._splits_fused:
                 unfuse_kjt_splits(self._kjt_overrides)
                 self._kjt_overrides = ()
@@ -375,10 +422,14 @@ class SparseDataDistUtil(Generic[In]):
             self._initialize_or_reattach(batch)
         assert self._rewrite is not None
         self._exhausting_mode = False
+        self._drop_untrained_batch()
         ctx = self._dist_context()
         modules = [(p.name, p.module, p.call_args) for p in self._rewrite.pipelined]
         with on_stream(self._dist_stream):
             start_input_dist(modules, batch, ctx)
+        assert ctx.index is not None
+        self._last_started = ctx.index
+        self._end_tick()
         if not self._splits_fused:
             # The modules build their all-to-alls on their first input_dist.
             self._kjt_overrides = fuse_kjt_splits(self._rewrite.modules)
@@ -403,6 +454,28 @@ class SparseDataDistUtil(Generic[In]):
     def data_exhausted_callback(self) -> None:
         """The input_dist stage's ``data_exhausted_callback``."""
         self._exhausting_mode = True
+        if self._contexts:
+            self._drop_untrained_batch()
+        self._end_tick()
+
+    def _drop_untrained_batch(self) -> None:
+        """Catch up if the caller moved on without finishing the forward of the
+        batch it was handed (it skipped a batch whose forward raised)."""
+        ctx = self._contexts[0]
+        handed_out = ctx.index is not None and 0 <= ctx.index <= self._last_started
+        if self._advanced_since_tick or not handed_out:
+            return
+        logger.warning(
+            "SparseDataDistUtil: batch %s was not trained (its forward never finished); "
+            "moving on to the next batch",
+            ctx.index,
+        )
+        self._next_batch()
+
+    def _end_tick(self) -> None:
+        """The input_dist stage is done for this progress(): count anew."""
+        self._trained_since_tick = False
+        self._advanced_since_tick = False
 
     def prefetch(self, batch: In) -> In:
         """Finish the batch's input_dist and prefetch its rows into the embedding caches."""

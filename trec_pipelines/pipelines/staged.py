@@ -4,7 +4,17 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
-from typing import Any, Callable, Iterator, List, Optional, Protocol, TypeVar, runtime_checkable
+from typing import (
+    Any,
+    Callable,
+    Iterator,
+    List,
+    Optional,
+    Protocol,
+    Tuple,
+    TypeVar,
+    runtime_checkable,
+)
 
 import torch
 from torchrec.distributed.train_pipeline import In, TrainPipeline
@@ -74,6 +84,10 @@ def side_stream(stream: Optional[torch.Stream]) -> Optional[torch.Stream]:
     return stream
 
 
+# One unit of a fill or a step: (stage index, slot, is the stage's fill_callback).
+_Work = Tuple[int, int, bool]
+
+
 @dataclass
 class _InFlight:
     """A batch between two stages.
@@ -134,6 +148,27 @@ class StagedTrainPipeline(TrainPipeline[In, Optional[StageOut]], Recordable):
     again from the same iterator, in the same ``progress()`` call.  Use
     :class:`~trec_pipelines.pipelines.sparse_data_dist_util.SparseDataDistUtil`
     to put the sparse ``input_dist`` among the stages; it must come last.
+
+    Failures (issue #16) never wedge it; each case ends as the plain loop
+    that does the same over the same batches:
+
+    * A stage, a fill callback or the data iterator raises inside
+      ``progress()``: the exception reaches the caller and the next
+      ``progress()`` resumes at the unit of work that raised (the same stage
+      on the same batch; ``next()`` again for the iterator).  Work done before
+      it is kept: no batch is loaded twice, lost, or reordered.  A stage is
+      re-run from its start, so it should raise before leaving half its work
+      done.
+    * The caller's forward, loss, backward or optimizer step raises.  Retry:
+      train the same batch again; with :class:`SparseDataDistUtil` a sharded
+      module whose pipelined input the failed attempt used up (or whose batch's
+      forward had already finished) runs its ``input_dist`` again on the
+      arguments it is given, which gives the pipelined result bit for bit (with
+      a lookup stage the batch is looked up again, with the current weights).
+      Skip: call ``progress()`` again without finishing the batch's forward;
+      the pipeline moves on to the next batch.  What the failed attempt did to
+      the model stays done, as in a plain loop.  With several ranks, retry or
+      skip on every rank.
 
     Differences from torchrec 1.8.0, all fixes:
 
@@ -203,6 +238,12 @@ class StagedTrainPipeline(TrainPipeline[In, Optional[StageOut]], Recordable):
         self._iterator: Optional[Iterator[Any]] = None
         self._exhausted = False
         self._loaded = 0
+        # A fill or step that raised resumes at the unit that raised (see
+        # [Note: a stage or the iterator raises]): how many units of the
+        # current one are done, and the batch the current step returns.
+        self._done_units = 0
+        self._ready: Optional[_InFlight] = None
+        self._mid_step = False
 
     @property
     def num_stages(self) -> int:
@@ -240,12 +281,14 @@ class StagedTrainPipeline(TrainPipeline[In, Optional[StageOut]], Recordable):
                 value = stage.runnable(item.value)
                 return _InFlight(value, runs_on, record_event(runs_on), item.index)
 
-    def _run_stage(
-        self, stage_idx: int, slot: int, dataloader_iter: Iterator[Any], fill: bool = False
-    ) -> None:
+    def _run_stage(self, stage_idx: int, slot: int, dataloader_iter: Iterator[Any]) -> None:
         """Stage ``stage_idx`` takes the batch in ``slot`` (stage 0 loads one) and puts it back."""
         stage = self._pipeline_stages[stage_idx]
-        item = self._load(dataloader_iter) if stage_idx == 0 else self._slots[slot]
+        if stage_idx == 0 and self._slots[slot] is None:
+            # Kept in the slot before stage 0 runs: if it raises, the retry
+            # runs it on this batch instead of loading another.
+            self._slots[slot] = self._load(dataloader_iter)
+        item = self._slots[slot]
         if item is None:
             if self._debug_mode:
                 logger.info("stage %d (%s): no batch, skipped", stage_idx, stage.name)
@@ -256,8 +299,11 @@ class StagedTrainPipeline(TrainPipeline[In, Optional[StageOut]], Recordable):
             if self._debug_mode:
                 logger.info("stage %d (%s): batch %d", stage_idx, stage.name, item.index)
             self._slots[slot] = self._run(stage_idx, item)
-        if fill and stage.fill_callback is not None:
-            stage.fill_callback()
+
+    def _fill_callback(self, stage_idx: int) -> None:
+        callback = self._pipeline_stages[stage_idx].fill_callback
+        if callback is not None:
+            callback()
 
     def _hand_to_compute(self, item: _InFlight) -> Any:
         with self._span(rec.WAIT_BATCH, item.index):  # last stage -> compute
@@ -266,12 +312,53 @@ class StagedTrainPipeline(TrainPipeline[In, Optional[StageOut]], Recordable):
 
     # --------------------------------------------------------------- schedule
 
+    # [Note: a stage or the iterator raises]
+    # A fill or a step is a fixed list of units (run stage s on slot k, or a
+    # stage's fill callback), done in order; ``_done_units`` counts those that
+    # returned.  A unit that raises is not counted, so the next progress()
+    # carries on with it.  Stage 0 puts the batch it loads into its slot before
+    # running, so a retry runs it on that batch; a step takes its ready batch
+    # out once (``_mid_step``) and hands it over when its last unit is done.
+
+    def _fill_units(self) -> List[_Work]:
+        """Batch ``k`` runs stages ``0 .. N-1-k``, each followed by its fill callback."""
+        n = self.num_stages
+        return [
+            (stage_idx, slot, callback)
+            for slot in range(n)
+            for stage_idx in range(n - slot)
+            for callback in (False, True)
+        ]
+
+    def _step_units(self) -> List[_Work]:
+        """Newest batch first: stage ``s`` works on slot ``N-1-s``."""
+        n = self.num_stages
+        return [(stage_idx, n - 1 - stage_idx, False) for stage_idx in range(n)]
+
+    def _run_units(self, units: List[_Work], dataloader_iter: Iterator[Any]) -> None:
+        """Run ``units`` from the first one not yet done; one that raises stays undone."""
+        while self._done_units < len(units):
+            stage_idx, slot, callback = units[self._done_units]
+            if callback:
+                self._fill_callback(stage_idx)
+            else:
+                self._run_stage(stage_idx, slot, dataloader_iter)
+            self._done_units += 1
+        self._done_units = 0
+
     def _fill_pipeline(self, dataloader_iter: Iterator[Any]) -> None:
-        """Batch ``k`` runs stages ``0 .. N-1-k``: all N for the first, one for the last."""
-        for slot in range(self.num_stages):
-            for stage_idx in range(self.num_stages - slot):
-                self._run_stage(stage_idx, slot, dataloader_iter, fill=True)
+        self._run_units(self._fill_units(), dataloader_iter)
         self._filled = True
+
+    def _step(self, dataloader_iter: Iterator[Any]) -> Optional[_InFlight]:
+        """Take the ready batch out and move every other one a stage on; returns the ready one."""
+        if not self._mid_step:
+            self._ready = self._slots.pop(0)  # through every stage: trained by the caller next
+            self._slots.append(None)
+            self._mid_step = True
+        self._run_units(self._step_units(), dataloader_iter)
+        ready, self._ready, self._mid_step = self._ready, None, False
+        return ready
 
     def progress(self, dataloader_iter: Iterator[Any]) -> Optional[Any]:
         """Advance every in-flight batch by one stage; return the one that is ready.
@@ -282,11 +369,7 @@ class StagedTrainPipeline(TrainPipeline[In, Optional[StageOut]], Recordable):
         self._begin_call()
         if not self._filled:
             self._fill_pipeline(dataloader_iter)
-        ready = self._slots.pop(0)  # through every stage: trained by the caller next
-        self._slots.append(None)
-        for stage_idx in range(self.num_stages):
-            # Newest batch first: stage s works on slot N-1-s.
-            self._run_stage(stage_idx, self.num_stages - 1 - stage_idx, dataloader_iter)
+        ready = self._step(dataloader_iter)
         if ready is None:
             if any(slot is not None for slot in self._slots):
                 # A gap left by a flush called off before it drained: skip it.

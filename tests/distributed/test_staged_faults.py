@@ -1,0 +1,209 @@
+"""Issue #16 for StagedTrainPipeline on 2 gloo ranks: a failure never wedges it.
+
+The pipeline only prepares batches; the caller's loop trains them.  When the
+caller's forward, backward or optimizer step raises, the caller either trains
+the same batch again or moves on to the next ``progress()``; when a stage or
+the data iterator raises inside ``progress()``, the caller calls it again.
+Each run is compared with the plain loop that does the same over the same
+batches: outputs at every step and the final weights, ``torch.equal``.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Iterator, List, Optional, Tuple
+
+import pytest
+import torch
+
+from tests.distributed.dlrm import (
+    DLRM,
+    Run,
+    _snapshot,
+    assert_runs_equal,
+    make_batches,
+    make_sharded,
+    plain_loop,
+    weights,
+)
+from tests.distributed.test_faults import FaultyDLRM, FaultyOptimizer, plain_loop_with_retry
+from tests.fault_injection import Fault
+from trec_pipelines.pipelines.sparse_data_dist_util import SparseDataDistUtil
+from trec_pipelines.pipelines.staged import PipelineStage, StagedTrainPipeline
+
+CPU = torch.device("cpu")
+SEED, DATA_SEED = 1234, 11
+FAULT_POINTS = ["before_lookup", "after_lookup", "backward", "optimizer"]
+
+
+def _faulty(where: str, at: int) -> Tuple[Any, Any]:
+    """A sharded FaultyDLRM and a FaultyOptimizer: one of them raises at call ``at``."""
+    model_at = -1 if where == "optimizer" else at
+    dmp, optimizer = make_sharded(lambda: FaultyDLRM(where, model_at), "table_wise", seed=SEED)
+    return dmp, FaultyOptimizer(optimizer, at if where == "optimizer" else -1)
+
+
+def _staged(
+    dmp: Any,
+    third_stage: Optional[str] = None,
+    wrap: Optional[Callable[[str, Callable[[Any], Any]], Callable[[Any], Any]]] = None,
+) -> StagedTrainPipeline:
+    """h2d, input_dist and an optional prefetch stage, every stream None (CPU);
+    ``wrap(name, runnable)`` may replace a stage's runnable."""
+    wrap = wrap or (lambda name, runnable: runnable)
+    sdd = SparseDataDistUtil(dmp, data_dist_stream=None)
+    stages = [
+        PipelineStage("h2d", wrap("h2d", lambda batch: batch.to(CPU, non_blocking=True)), None),
+        sdd.start_sparse_data_dist_stage(runnable=wrap("input_dist", sdd.start_sparse_data_dist)),
+    ]
+    if third_stage == "prefetch":
+        sdd.stage_declared("prefetch")  # a wrapped runnable hides whose prefetch it is
+        stages.append(PipelineStage("prefetch", wrap("prefetch", sdd.prefetch), None))
+    return StagedTrainPipeline(stages)
+
+
+def _train_step(model: Any, optimizer: Any, batch: Any) -> torch.Tensor:
+    optimizer.zero_grad()
+    loss, out = model(batch)
+    torch.sum(loss, dim=0).backward()
+    optimizer.step()
+    return _snapshot(out)
+
+
+def train_staged(pipeline: StagedTrainPipeline, model: Any, optimizer: Any, batches: List[Any], retry: bool) -> Run:
+    """The caller's loop; a failed step is trained again (``retry``) or left behind."""
+    it = iter(batches)
+    outputs, failures = [], 0
+    while (batch := pipeline.progress(it)) is not None:
+        while True:
+            try:
+                outputs.append(_train_step(model, optimizer, batch))
+            except Fault:
+                failures += 1
+                if retry:
+                    continue
+            break
+    assert failures == 1
+    return Run(outputs, weights(model))
+
+
+def plain_loop_with_skip(model: Any, optimizer: Any, batches: List[Any]) -> Run:
+    """The plain loop that moves on to the next batch when a step raises."""
+    model.train()
+    outputs = []
+    for batch in batches:
+        try:
+            outputs.append(_train_step(model, optimizer, batch))
+        except Fault:
+            continue
+    return Run(outputs, weights(model))
+
+
+# --------------------------------------------------- faults in the caller's loop
+
+
+@pytest.mark.parametrize("third_stage", [None, "prefetch"])
+@pytest.mark.parametrize("at", [0, 3])
+@pytest.mark.parametrize("where", FAULT_POINTS)
+def test_retrying_the_failed_batch_equals_the_plain_loop_with_retry(
+    where: str, at: int, third_stage: Optional[str]
+) -> None:
+    batches = make_batches(6, seed=DATA_SEED)
+    ref = plain_loop_with_retry(*_faulty(where, at), batches)
+    dmp, optimizer = _faulty(where, at)
+    ours = train_staged(_staged(dmp, third_stage), dmp, optimizer, batches, retry=True)
+    assert_runs_equal(ref, ours, ("plain loop with retry", f"staged, {where} at {at}, {third_stage}"))
+
+
+@pytest.mark.parametrize("third_stage", [None, "prefetch"])
+@pytest.mark.parametrize("at", [3, 5])
+@pytest.mark.parametrize("where", FAULT_POINTS)
+def test_skipping_the_failed_batch_equals_the_plain_loop_that_skips_it(
+    where: str, at: int, third_stage: Optional[str]
+) -> None:
+    """Batch 5 is the last: its skip is caught up while the pipeline drains."""
+    batches = make_batches(6, seed=DATA_SEED)
+    ref = plain_loop_with_skip(*_faulty(where, at), batches)
+    dmp, optimizer = _faulty(where, at)
+    ours = train_staged(_staged(dmp, third_stage), dmp, optimizer, batches, retry=False)
+    assert_runs_equal(ref, ours, ("plain loop with skip", f"staged, {where} at {at}, {third_stage}"))
+
+
+# ------------------------------------------------- faults inside progress()
+
+
+class RaisesOnce:
+    """Wraps a stage runnable; its call number ``at`` raises before running it."""
+
+    def __init__(self, runnable: Callable[[Any], Any], at: int) -> None:
+        self._runnable, self._at, self.calls = runnable, at, 0
+
+    def __call__(self, batch: Any) -> Any:
+        call, self.calls = self.calls, self.calls + 1
+        if call == self._at:
+            raise Fault(f"injected in a stage, call {call}")
+        return self._runnable(batch)
+
+
+class FlakyIterator:
+    """Iterates ``items``; its ``next()`` number ``at`` raises and takes nothing."""
+
+    def __init__(self, items: List[Any], at: int) -> None:
+        self._it: Iterator[Any] = iter(items)
+        self._at, self.calls = at, 0
+
+    def __iter__(self) -> "FlakyIterator":
+        return self
+
+    def __next__(self) -> Any:
+        call, self.calls = self.calls, self.calls + 1
+        if call == self._at:
+            raise Fault("injected in the data iterator")
+        return next(self._it)
+
+
+def train_calling_progress_again(pipeline: StagedTrainPipeline, model: Any, optimizer: Any, it: Iterator[Any]) -> Run:
+    outputs, failures = [], 0
+    while True:
+        try:
+            batch = pipeline.progress(it)
+        except Fault:
+            failures += 1
+            continue
+        if batch is None:
+            break
+        outputs.append(_train_step(model, optimizer, batch))
+    assert failures == 1
+    return Run(outputs, weights(model))
+
+
+# (the stage that raises, the third stage): prefetch raises only where there is one.
+STAGE_FAULTS = [("h2d", None), ("input_dist", None), ("h2d", "prefetch"), ("input_dist", "prefetch"), ("prefetch", "prefetch")]
+
+
+@pytest.mark.parametrize("at", [0, 1, 4])
+@pytest.mark.parametrize("stage,third_stage", STAGE_FAULTS)
+def test_a_stage_that_raises_is_run_again_and_training_equals_the_plain_loop(
+    stage: str, third_stage: Optional[str], at: int
+) -> None:
+    """Calls 0 and 1 are in the fill, 4 in the steady state."""
+    batches = make_batches(6, seed=DATA_SEED)
+    ref = plain_loop(*make_sharded(DLRM, "table_wise", seed=SEED), batches)
+    dmp, optimizer = make_sharded(DLRM, "table_wise", seed=SEED)
+
+    def wrap(name: str, runnable: Callable[[Any], Any]) -> Callable[[Any], Any]:
+        return RaisesOnce(runnable, at) if name == stage else runnable
+
+    ours = train_calling_progress_again(_staged(dmp, third_stage, wrap), dmp, optimizer, iter(batches))
+    assert_runs_equal(ref, ours, ("plain loop", f"staged, {stage} raised at call {at}"))
+
+
+@pytest.mark.parametrize("third_stage", [None, "prefetch"])
+@pytest.mark.parametrize("at", [0, 2, 4])
+def test_an_iterator_that_raises_loses_and_repeats_nothing(at: int, third_stage: Optional[str]) -> None:
+    """The plain loop over such an iterator just skips the exception: same batches."""
+    batches = make_batches(6, seed=DATA_SEED)
+    ref = plain_loop(*make_sharded(DLRM, "table_wise", seed=SEED), batches)
+    dmp, optimizer = make_sharded(DLRM, "table_wise", seed=SEED)
+    it = FlakyIterator(batches, at)
+    ours = train_calling_progress_again(_staged(dmp, third_stage), dmp, optimizer, it)
+    assert_runs_equal(ref, ours, ("plain loop", f"staged, iterator raised at call {at}"))
