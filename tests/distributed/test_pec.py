@@ -227,9 +227,9 @@ def run_with_detach(dmp: torch.nn.Module, optimizer: Any, batches: Any, at: int)
     pipeline = trec_pipelines.TrainPipelinePEC(dmp, optimizer, CPU)
     it = iter(batches)
     outputs = [pipeline.progress(it).detach().clone() for _ in range(at)]
-    assert pipeline.contexts[0].pec_deferred_nol_grad  # batch at-1's NOL gradient
+    assert pipeline._deferred_nol_grad.pending  # batch at-1's NOL gradient
     pipeline.detach()
-    assert not pipeline.contexts[0].pec_deferred_nol_grad
+    assert not pipeline._deferred_nol_grad.pending
     pipeline.attach()
     while True:
         try:

@@ -131,13 +131,13 @@ def test_constructor_is_torchrecs() -> None:
     ]
 
 
-def test_pec_keeps_no_host_batch_after_its_step() -> None:
-    """A failed PEC step is not retried, so its source must not keep host copies
-    of in-flight batches for a retry (nothing would ever release them)."""
+def test_pec_keeps_host_copies_of_its_in_flight_batches_only() -> None:
+    """A failed PEC step is retried from host copies: the source keeps one per
+    batch in flight, and releases each once its step returned."""
     batches = make_batches(6)
     model = TinyModel()
     pipeline = TrainPipelinePEC(model, optimizer_for(model), CPU)
     it = iter(batches)
     for _ in range(len(batches)):
         pipeline.progress(it)
-        assert len(pipeline._source._in_flight) == 0
+        assert len(pipeline._source._in_flight) == len(pipeline.batches)
