@@ -135,10 +135,6 @@ class PECTrainPipelineContext(EmbeddingTrainPipelineContext):
             weights).  Written by the OL lookup; popped by the PEC forward.
         pec_nol_awaitables: output dists of the non-overlapped lookup, run one
             step ahead.  Written by the NOL lookup; popped by the PEC forward.
-        pec_deferred_nol_grad: the previous batch's NOL gradient inputs,
-            ``(module context, NOL features per group)``.  Written by the
-            previous batch's NOL deferral; read and cleared by the NOL gradient
-            start of this batch's step.
         overlap_dist_event: recorded on the data_dist stream after the overlap
             dist that made ``pec_forward_ctxs`` (``None`` on CPU).  Written by
             that overlap dist; waited by this batch's NOL lookup and WaitBatch.
@@ -152,6 +148,5 @@ class PECTrainPipelineContext(EmbeddingTrainPipelineContext):
     pec_backward_ctxs: Dict[str, Any] = field(default_factory=dict)
     pec_ol_awaitables: Dict[str, Any] = field(default_factory=dict)
     pec_nol_awaitables: Dict[str, Any] = field(default_factory=dict)
-    pec_deferred_nol_grad: Dict[str, Tuple[Any, List[Any]]] = field(default_factory=dict)
     overlap_dist_event: Optional[torch.Event] = None
     backward_ctx_event: Optional[torch.Event] = None

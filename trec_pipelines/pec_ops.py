@@ -29,6 +29,7 @@ list per group): :func:`check_pec_supported` says so.
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
@@ -163,50 +164,82 @@ def start_ol_grad(
     return started
 
 
-def defer_nol_grad(
-    modules: PECModules, trained: PECTrainPipelineContext, carrier: PECTrainPipelineContext
-) -> None:
-    """Hand ``trained``'s NOL gradient inputs to ``carrier`` (the next batch, or itself at the end).
+@dataclass
+class DeferredNolGrad:
+    """A trained batch's NOL gradient, held by the pipeline until it is applied.
 
-    The carrier keeps the module context (which holds the gradient appliers the
-    backward made) alive after ``trained`` is dequeued.
+    Written by :func:`defer_nol_grad` at the end of the batch's step; started
+    by :func:`start_nol_grad` and applied by :func:`apply_grad` in the next
+    step (or at once, before the model is used out of order).  It lives on the
+    pipeline, not in a batch's context, so a rolled-back step forgets its
+    contexts without losing it (see [Note: PEC, retrying a step] in
+    :mod:`trec_pipelines.pipelines.pec`).  Each module's entry moves from
+    ``inputs`` to ``started`` as its all-to-all is started, and leaves
+    ``started`` once applied: a failure half-way leaves exactly what is still
+    owed, and nothing is applied twice.
     """
+
+    batch: Optional[int] = None  # the batch the gradient comes from, for the recorder
+    # Not started: each module's context (holding the appliers its backward made)
+    # and NOL features per sharding group.
+    inputs: Dict[str, Tuple[Any, List[Any]]] = field(default_factory=dict)
+    started: GradAwaitables = field(default_factory=dict)  # started, not applied
+
+    @property
+    def pending(self) -> bool:
+        return bool(self.inputs or self.started)
+
+
+def defer_nol_grad(
+    modules: PECModules, trained: PECTrainPipelineContext, deferred: DeferredNolGrad
+) -> None:
+    """Hand ``trained``'s NOL gradient inputs to ``deferred`` (the last one is applied)."""
+    assert not deferred.pending, f"batch {deferred.batch}'s NOL gradient was never applied"
+    deferred.batch = trained.index
     for name, _ in modules:
         backward_ctxs = trained.pec_backward_ctxs.get(name)
         if backward_ctxs is None:
             continue
-        carrier.pec_deferred_nol_grad[name] = (
+        deferred.inputs[name] = (
             trained.module_contexts[name],
             [bc.nol_features for bc in backward_ctxs],
         )
 
 
-def start_deferred_nol_grad(
-    modules: PECModules, context: PECTrainPipelineContext
-) -> GradAwaitables:
-    """Start the NOL gradient all-to-all ``context`` carries (the previous batch's)."""
+def start_nol_grad(modules: PECModules, deferred: DeferredNolGrad) -> None:
+    """Start the NOL gradient all-to-alls of ``deferred`` not started yet."""
     by_name = dict(modules)
-    started: GradAwaitables = {}
-    for name, (module_ctx, nol_features) in context.pec_deferred_nol_grad.items():
-        started[name] = by_name[name].grad_dist(module_ctx, KJTList(nol_features), is_overlapped=False)
-    context.pec_deferred_nol_grad.clear()
-    return started
+    for name in list(deferred.inputs):
+        module_ctx, nol_features = deferred.inputs[name]
+        deferred.started[name] = by_name[name].grad_dist(
+            module_ctx, KJTList(nol_features), is_overlapped=False
+        )
+        del deferred.inputs[name]
 
 
 def apply_grad(started: GradAwaitables) -> None:
-    """Finish the gradient all-to-alls and apply them to the tables."""
-    for awaitables in started.values():
-        for awaitable in awaitables:
-            awaitable.wait()
+    """Finish the gradient all-to-alls and apply them to the tables.
+
+    Each awaitable leaves ``started`` once waited: an applier fires once only
+    (torchrec's ``PECGradientApply.apply`` forgets its all-to-all), so after a
+    failure half-way only the rest may be waited again.
+    """
+    for name in list(started):
+        awaitables = started[name]
+        while awaitables:
+            awaitables[0].wait()
+            awaitables.pop(0)
+        del started[name]
 
 
 __all__ = [
+    "DeferredNolGrad",
     "apply_grad",
     "check_pec_supported",
     "defer_nol_grad",
     "is_pec",
     "overlap_dist",
     "partition_lookup",
-    "start_deferred_nol_grad",
+    "start_nol_grad",
     "start_ol_grad",
 ]

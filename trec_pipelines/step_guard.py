@@ -19,7 +19,10 @@ batch is pulled twice from the iterator, none is lost, none is trained twice
 What the failed attempt already did to the model stays done, as in a plain
 loop that retries: a fused (in-backward) embedding update that ran before the
 optimizer raised is not undone; the dense gradients are cleared by the retry's
-``zero_grad``.
+``zero_grad``.  (A PEC module's update is not made in the backward, and
+TrainPipelinePEC keeps a gradient one step defers to the next across a
+rollback: see [Note: PEC, retrying a step] in
+:mod:`trec_pipelines.pipelines.pec`.)
 
 :func:`guarded_step` wraps each variant's ``progress()`` (one decorator line,
 so ``progress()`` stays a literal timeline) and :class:`StepGuard` holds the

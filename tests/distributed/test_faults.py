@@ -140,6 +140,7 @@ VARIANTS = [
     "PrefetchTrainPipelineSparseDist",
     "TrainPipelineSparseDistLite",
     "TrainPipelineBase",
+    "TrainPipelinePEC",  # a DLRM of EmbeddingBagCollections: its PEC verbs do nothing
 ]
 
 
@@ -153,7 +154,7 @@ def test_fault_in_a_step_is_retried_and_training_equals_the_plain_loop(name: str
     assert_runs_equal(ref, ours, ("plain loop with retry", name))
 
 
-@pytest.mark.parametrize("name", ["TrainPipelineSparseDist", "TrainPipelineSemiSync"])
+@pytest.mark.parametrize("name", ["TrainPipelineSparseDist", "TrainPipelineSemiSync", "TrainPipelinePEC"])
 def test_skip_failed_batch_on_every_rank(name: str) -> None:
     """A batch that fails every time is skipped; training equals the plain loop without it."""
     batches = make_batches(6, seed=DATA_SEED)

@@ -8,13 +8,15 @@ shape independent of the model.  Training must match the plain loop.
 from __future__ import annotations
 
 import inspect
-from typing import List
+from typing import Any, List, Optional, Tuple
 
 import pytest
 import torch
 
+from tests.fault_injection import Fault
 from tests.unit.fakes import TinyModel, assert_same_training, drain, make_batches, optimizer_for, plain_loop
-from trec_pipelines import TrainPipelinePEC
+from tests.unit.test_step_guard import FaultyModel, FaultyOptimizer, plain_loop_with_retry
+from trec_pipelines import TrainPipelinePEC, pec_ops
 
 CPU = torch.device("cpu")
 
@@ -131,13 +133,131 @@ def test_constructor_is_torchrecs() -> None:
     ]
 
 
-def test_pec_keeps_no_host_batch_after_its_step() -> None:
-    """A failed PEC step is not retried, so its source must not keep host copies
-    of in-flight batches for a retry (nothing would ever release them)."""
+def test_pec_keeps_host_copies_of_its_in_flight_batches_only() -> None:
+    """A failed PEC step is retried from host copies: the source keeps one per
+    batch in flight, and releases each once its step returned."""
     batches = make_batches(6)
     model = TinyModel()
     pipeline = TrainPipelinePEC(model, optimizer_for(model), CPU)
     it = iter(batches)
     for _ in range(len(batches)):
         pipeline.progress(it)
-        assert len(pipeline._source._in_flight) == 0
+        assert len(pipeline._source._in_flight) == len(pipeline.batches)
+
+
+# ------------------------------------------------- a failed step, retried
+
+
+class _GradUpdate:
+    """Stands in for a PEC gradient awaitable: waiting it fires the applier, once."""
+
+    def __init__(self, log: List[Tuple[str, Optional[int]]], kind: str, batch: Optional[int]) -> None:
+        self._log, self._kind, self._batch = log, kind, batch
+        self._fired = False
+
+    def wait(self) -> None:
+        assert not self._fired, f"{self._kind} gradient of batch {self._batch} applied twice"
+        self._fired = True
+        self._log.append((f"{self._kind} apply", self._batch))
+
+
+class FakePECGradients:
+    """The gradient half of a PEC module, logging each all-to-all start and apply;
+    its module context is the batch index."""
+
+    def __init__(self) -> None:
+        self.log: List[Tuple[str, Optional[int]]] = []
+
+    def grad_dist(self, module_ctx: Optional[int], features: Any, is_overlapped: bool) -> List[_GradUpdate]:
+        kind = "OL" if is_overlapped else "NOL"
+        self.log.append((f"{kind} start", module_ctx))
+        return [_GradUpdate(self.log, kind, module_ctx)]
+
+
+def _with_fake_pec_gradients(pipeline: TrainPipelinePEC, monkeypatch: pytest.MonkeyPatch) -> FakePECGradients:
+    """Give ``pipeline`` one PEC module whose partitions are empty and whose
+    gradients are logged; the deferral and the NOL start/apply are the real verbs."""
+    fake = FakePECGradients()
+    monkeypatch.setattr(pipeline, "_pec_modules", lambda: [("pec", fake)])
+    monkeypatch.setattr(pec_ops, "check_pec_supported", lambda modules, name: None)
+    monkeypatch.setattr(pec_ops, "partition_lookup", lambda modules, context, overlapped: None)
+
+    def overlap_dist(modules: Any, current: Any, previous: Any, **streams: Any) -> None:
+        if previous is not None:  # previous's backward partition: what defer_nol_grad reads
+            previous.pec_backward_ctxs["pec"] = []
+            previous.module_contexts["pec"] = previous.index
+
+    def start_ol_grad(modules: Any, context: Any, consumer: Any) -> pec_ops.GradAwaitables:
+        return {"pec": fake.grad_dist(context.index, None, is_overlapped=True)}
+
+    monkeypatch.setattr(pec_ops, "overlap_dist", overlap_dist)
+    monkeypatch.setattr(pec_ops, "start_ol_grad", start_ol_grad)
+    return fake
+
+
+# The retry of batch 3 (progress call 4) refills the pipeline as FILL does, from batch 3;
+# batch 2's NOL gradient, if still owed, is applied before it.
+RETRY_FILL = [
+    "P4 H2D[i3]@memcpy",
+    "P4 InputDistStart[i3]@data_dist",
+    "P4 InputDistWait[i3]@data_dist",
+    "P4 OverlapDist[i3]@data_dist",
+    "P4 NOLLookup[i3]@default",
+    "P4 H2D[i4]@memcpy",
+    "P4 InputDistStart[i4]@data_dist",
+    "P4 InputDistWait[i4]@data_dist",
+]
+
+
+@pytest.mark.parametrize(
+    "where, owed",
+    [("before_lookup", True), ("after_lookup", True), ("backward", False), ("optimizer", False)],
+)
+def test_pec_retry_applies_the_previous_batchs_nol_gradient_once(
+    where: str, owed: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Batch 3's step fails.  A fault in the forward leaves batch 2's NOL gradient
+    started and not applied: the rollback keeps it on the pipeline, and the retry
+    applies it before refilling.  Later faults find it applied.  Either way every
+    batch's NOL and OL gradients are applied once, in order; the failed attempt's
+    own OL gradient (started before the optimizer raised) is dropped."""
+    batches = make_batches(6)
+    at = 3
+    model, ref = FaultyModel(where, at if where != "optimizer" else -1), TinyModel()
+    pipeline = TrainPipelinePEC(model, FaultyOptimizer(model.parameters(), at if where == "optimizer" else -1), CPU)
+    fake = _with_fake_pec_gradients(pipeline, monkeypatch)
+    pipeline.enable_schedule_recording()
+    it = iter(batches)
+    outputs = [pipeline.progress(it) for _ in range(at)]
+    with pytest.raises(Fault):
+        pipeline.progress(it)
+    deferred = pipeline._deferred_nol_grad
+    assert (deferred.pending, deferred.batch) == ((True, 2) if owed else (False, None))
+    if owed:
+        assert not deferred.inputs and list(deferred.started) == ["pec"]  # started, not applied
+    assert not pipeline.batches and not pipeline.contexts
+
+    outputs += drain(pipeline, it)
+    retry = [str(a) for a in pipeline.schedule_actions if str(a).startswith("P4 ")]
+    owed_actions = ["P4 NOLGradStart[i2]@default", "P4 NOLGradApply[i2]@default"] if owed else []
+    assert retry[: len(owed_actions) + len(RETRY_FILL)] == owed_actions + RETRY_FILL
+    applied = [(kind, batch) for kind, batch in fake.log if kind.endswith("apply")]
+    assert [b for k, b in applied if k == "NOL apply"] == list(range(6))
+    assert [b for k, b in applied if k == "OL apply"] == list(range(6))
+    ol_starts = [b for k, b in fake.log if k == "OL start"]
+    assert ol_starts == [0, 1, 2, 3, 3, 4, 5] if where == "optimizer" else list(range(6))
+    ref_outputs = plain_loop_with_retry(ref, optimizer_for(ref), batches)
+    assert_same_training(outputs, ref_outputs, model, ref)
+
+
+def test_pec_reset_applies_the_deferred_nol_gradient(monkeypatch: pytest.MonkeyPatch) -> None:
+    """reset() drops the batches in flight, not the NOL gradient of one already trained."""
+    model = TinyModel()
+    pipeline = TrainPipelinePEC(model, optimizer_for(model), CPU)
+    fake = _with_fake_pec_gradients(pipeline, monkeypatch)
+    it = iter(make_batches(6))
+    pipeline.progress(it), pipeline.progress(it)
+    assert pipeline._deferred_nol_grad.pending
+    pipeline.reset()
+    assert not pipeline._deferred_nol_grad.pending
+    assert [b for k, b in fake.log if k == "NOL apply"] == [0, 1]

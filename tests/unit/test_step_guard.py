@@ -138,6 +138,7 @@ TRAIN_VARIANTS = [
     "PrefetchTrainPipelineSparseDist",
     "TrainPipelineSemiSync",
     "TrainPipelinePT2",
+    "TrainPipelinePEC",
 ]
 
 

@@ -1,4 +1,35 @@
-"""TrainPipelinePEC: lookups ahead of the forward, PEC modules split by overlap with the next batch."""
+"""TrainPipelinePEC: lookups ahead of the forward, PEC modules split by overlap with the next batch.
+
+[Note: PEC, retrying a step]
+A failed ``progress()`` is rolled back as in every train variant (see
+[Note: retrying a failed step] in :mod:`trec_pipelines.step_guard`), with one
+more thing to keep: the NOL gradient of the last trained batch ``i-1``, which
+its step left to ``i``'s.  It is held by the pipeline, not by a batch's
+context (:class:`~trec_pipelines.pec_ops.DeferredNolGrad`), so forgetting the
+contexts does not lose it, and the rollback issues nothing.  Whatever of it the
+failed step had not applied (not started, or started and not waited) is
+applied first thing by the retry, after the step guard's ``begin()`` and
+before the refill, so the refilled batch's lookups read up-to-date rows; each
+all-to-all started once, each applier fired once.  ``detach()``, switching
+iterators and ``reset()`` apply it too (batch ``i-1`` was trained).
+
+The failed step's own PEC update is discarded: a PEC module applies its
+gradient after the optimizer step (OL) or in the next step (NOL), so a step
+that raised in its forward, backward or optimizer step has updated no PEC
+table, and an OL gradient all-to-all started before the optimizer raised is
+dropped unwaited.  (A failure after the optimizer step, while applying the
+PEC gradient itself, leaves what it applied applied, as a plain loop that
+retries keeps what a failed attempt did; a NOL gradient it had already
+deferred is applied before the retry.)  Other modules' fused (in-backward)
+updates stay done, as in every variant.
+
+The retried batch ``i`` is refilled as the first of a pipeline: its overlap
+dist has no predecessor, so all its ids are looked up as NOL, after ``i-1``'s
+whole update.  They read the values the uninterrupted run reads (its NOL ids
+are untouched by ``i-1``, its OL ids are read after ``i-1``'s update either
+way), and ``i``'s backward partition against ``i+1`` is unchanged: training is
+that of the run that never failed, bit for bit (tests/distributed/test_pec.py).
+"""
 
 from __future__ import annotations
 
@@ -16,6 +47,7 @@ from trec_pipelines.context import PECTrainPipelineContext
 from trec_pipelines.forwards import BaseForward, PECPipelinedForward
 from trec_pipelines.pipelines.sparse_dist import TrainPipelineSparseDist
 from trec_pipelines.rewrite import Strategy
+from trec_pipelines.step_guard import guarded_step
 from trec_pipelines.streams import current_stream, record_stream, wait_event
 
 
@@ -70,10 +102,14 @@ class TrainPipelinePEC(TrainPipelineSparseDist[In, Out]):
     ``execute_all_batches=False`` drops the batches in flight at the end of
     the data.  SparseDist's additions hold too (a new epoch without
     ``reset()``, ``detach()``/``attach()``, switching iterators mid-epoch,
-    ``sync_exhaustion``); and before the model is used outside the
-    pipeline's order (:meth:`detach`, another iterator mid-epoch) the
-    deferred NOL gradient is applied at once, where upstream would leave
-    those rows stale until the next step.
+    ``sync_exhaustion``, retrying a failed step); before the model is used
+    outside the pipeline's order (:meth:`detach`, another iterator
+    mid-epoch, :meth:`reset`) the deferred NOL gradient is applied at once,
+    where upstream would leave those rows stale until the next step (or, on
+    ``reset()``, drop them).  A ``progress()`` that raises is rolled back and
+    the next one retries its batch, the deferred NOL gradient of the batch
+    before it applied exactly once and the failed attempt's own PEC update
+    discarded: see [Note: PEC, retrying a step].
 
     Example::
 
@@ -85,11 +121,6 @@ class TrainPipelinePEC(TrainPipelineSparseDist[In, Out]):
             except StopIteration:
                 break
     """
-
-    # A failed PEC step is not rolled back and retried (see step_guard): the
-    # NOL gradient one step defers lands in the next step, so undoing a step
-    # would need that deferral undone too.  The exception reaches the caller.
-    _retries_failed_steps: bool = False
 
     contexts: Deque[PECTrainPipelineContext]  # type: ignore[assignment]
 
@@ -118,6 +149,9 @@ class TrainPipelinePEC(TrainPipelineSparseDist[In, Out]):
             on_unpipelined=on_unpipelined,
             sync_exhaustion=sync_exhaustion,
         )
+        # The last trained batch's NOL gradient, applied in the next step: on the
+        # pipeline, so a rolled-back step keeps it (see [Note: PEC, retrying a step]).
+        self._deferred_nol_grad = pec_ops.DeferredNolGrad()
 
     # ------------------------------------------------------------------ setup
 
@@ -188,16 +222,17 @@ class TrainPipelinePEC(TrainPipelineSparseDist[In, Out]):
                 weights_ready=None,
             )
 
-    def _start_nol_grad(
-        self, carrier: PECTrainPipelineContext, batch: Optional[int]
-    ) -> pec_ops.GradAwaitables:
-        """Start the NOL gradient of ``batch`` that ``carrier`` carries."""
-        with self._span(rec.NOL_GRAD_START, batch):
-            return pec_ops.start_deferred_nol_grad(self._pec_modules(), carrier)
+    def _start_nol_grad(self) -> None:
+        """Start the deferred NOL gradient (the previous batch's, if any)."""
+        deferred = self._deferred_nol_grad
+        with self._span(rec.NOL_GRAD_START, deferred.batch):
+            pec_ops.start_nol_grad(self._pec_modules(), deferred)
 
-    def _apply_nol_grad(self, started: pec_ops.GradAwaitables, batch: Optional[int]) -> None:
-        with self._span(rec.NOL_GRAD_APPLY, batch):
-            pec_ops.apply_grad(started)
+    def _apply_nol_grad(self) -> None:
+        deferred = self._deferred_nol_grad
+        with self._span(rec.NOL_GRAD_APPLY, deferred.batch):
+            pec_ops.apply_grad(deferred.started)
+        deferred.batch = None
 
     def _start_ol_grad(self, context: PECTrainPipelineContext) -> pec_ops.GradAwaitables:
         with self._span(rec.OL_GRAD_START, context.index):
@@ -213,9 +248,12 @@ class TrainPipelinePEC(TrainPipelineSparseDist[In, Out]):
         """Fill an empty pipeline: ``cur`` overlap-distributed with its NOL lookup done, ``nxt`` distributed.
 
         A non-empty pipeline is in steady state or draining and is left alone.
+        Any NOL gradient still owed (a failed step's retry) is applied first, so
+        the refilled batches' lookups read up-to-date rows.
         """
         if self.batches:
             return
+        self._flush_deferred_nol_grad()
         if not self.enqueue_batch(dataloader_iter):
             return
         self._init_input_dist(self.batches[0], self.contexts[0])
@@ -227,6 +265,7 @@ class TrainPipelinePEC(TrainPipelineSparseDist[In, Out]):
         self.start_sparse_data_dist(self.batches[1], self.contexts[1])
         self.wait_sparse_data_dist(self.contexts[1])
 
+    @guarded_step
     def progress(self, dataloader_iter: Iterator[Any]) -> Any:
         self._start_step(dataloader_iter)  # fill, pull host batches, stop at end of data
         training = self._model.training
@@ -240,14 +279,13 @@ class TrainPipelinePEC(TrainPipelineSparseDist[In, Out]):
         self._overlap_dist(nxt, cur)                               # nxt vs cur, data_dist
         if len(self.batches) >= 3:
             self.start_sparse_data_dist(self.batches[2], self.contexts[2])  # new, data_dist
-        prv = _previous(cur)  # the batch whose NOL gradient cur carries
-        nol_grad = self._start_nol_grad(cur, prv)                  # prv, default
+        self._start_nol_grad()                                     # prv, default: deferred to this step
         if training:
             self._zero_grad()                                      # cur, default
         losses, output = self._forward()                           # cur, default
         if len(self.batches) >= 3:
             self.wait_sparse_data_dist(self.contexts[2])           # new, data_dist
-        self._apply_nol_grad(nol_grad, prv)                        # prv, default
+        self._apply_nol_grad()                                     # prv, default
         if nxt is not None:
             self._nol_lookup(nxt)                                  # nxt, default: a step early
         if training:
@@ -255,35 +293,34 @@ class TrainPipelinePEC(TrainPipelineSparseDist[In, Out]):
             ol_grad = self._start_ol_grad(cur)                     # cur, default
             self._optimizer_step()                                 # cur, default
             self._apply_ol_grad(ol_grad, cur)                      # cur, default
-            self._defer_nol_grad(cur, nxt)                         # cur's NOL gradient -> nxt's step
+            self._defer_nol_grad(cur, nxt)                         # cur's NOL gradient, kept for nxt's step
         self.dequeue_batch()
         return output
 
     def _defer_nol_grad(
         self, cur: PECTrainPipelineContext, nxt: Optional[PECTrainPipelineContext]
     ) -> None:
-        """Hand ``cur``'s NOL gradient to ``nxt``'s step; the last batch applies its own now."""
-        pec_ops.defer_nol_grad(self._pec_modules(), cur, nxt if nxt is not None else cur)
+        """Keep ``cur``'s NOL gradient for ``nxt``'s step; the last batch applies its own now."""
+        pec_ops.defer_nol_grad(self._pec_modules(), cur, self._deferred_nol_grad)
         if nxt is None:
-            started = self._start_nol_grad(cur, cur.index)         # cur, default: no batch reads it later
-            self._apply_nol_grad(started, cur.index)               # cur, default
-
+            self._start_nol_grad()                                 # cur, default: no batch reads it later
+            self._apply_nol_grad()                                 # cur, default
 
     # ------------------------------------------------------- attach / detach
 
     def _flush_deferred_nol_grad(self) -> None:
-        """Apply the NOL gradient deferred to the next batch to train, now.
+        """Apply the deferred NOL gradient now, what of it is not applied yet.
 
-        Deferring it is exact only while that batch's step comes next; before
-        the model is used otherwise (another iterator's batches, the caller
-        after :meth:`detach`) the tables must be up to date.  The next batch
-        does not read those rows, so applying them early changes nothing else.
+        Deferring it is exact only while the next batch's step comes next;
+        before the model is used otherwise (another iterator's batches, the
+        caller after :meth:`detach` or :meth:`reset`, a retried step's refill)
+        the tables must be up to date.  The next batch does not read those
+        rows, so applying them early changes nothing else.
         """
-        if not self.contexts or not self.contexts[0].pec_deferred_nol_grad:
+        if not self._deferred_nol_grad.pending:
             return
-        carrier = self.contexts[0]
-        batch = _previous(carrier)
-        self._apply_nol_grad(self._start_nol_grad(carrier, batch), batch)  # prv, default
+        self._start_nol_grad()                                     # prv, default (the rest of it)
+        self._apply_nol_grad()                                     # prv, default
 
     def _switch_iterator(self, dataloader_iter: Iterator[Any]) -> None:
         if dataloader_iter is not self._source.iterator:
@@ -295,9 +332,8 @@ class TrainPipelinePEC(TrainPipelineSparseDist[In, Out]):
         self._flush_deferred_nol_grad()
         return super().detach()
 
-
-def _previous(carrier: PECTrainPipelineContext) -> Optional[int]:
-    """The batch whose NOL gradient ``carrier`` carries: the one before it (none for the first)."""
-    if carrier.index is None or carrier.index == 0:
-        return None
-    return carrier.index - 1
+    def reset(self) -> None:
+        """As SparseDist's, once the deferred NOL gradient is applied: its batch was
+        trained, only the batches still in flight are dropped."""
+        self._flush_deferred_nol_grad()
+        super().reset()
