@@ -135,7 +135,7 @@ def _with_bad_batch(at: int, make: Callable[[], KeyedJaggedTensor]) -> List[Any]
 
 TRAINING = ["TrainPipelineBase", "TrainPipelineSparseDist", "TrainPipelineSparseDistLite",
             "TrainPipelineFusedSparseDist", "PrefetchTrainPipelineSparseDist", "TrainPipelineSemiSync",
-            "TrainPipelinePT2"]
+            "TrainPipelinePT2", "TrainPipelinePEC"]
 
 
 def _make(name: str, model: torch.nn.Module, **kwargs: Any) -> Any:
@@ -168,10 +168,11 @@ def _raise_then_drain(pipeline: Any, batches: List[Any], where: str) -> List[tor
     return outputs + drain(pipeline, it)
 
 
-def test_validate_batches_false_turns_the_checks_off() -> None:
+@pytest.mark.parametrize("name", TRAINING)
+def test_validate_batches_false_turns_the_checks_off(name: str) -> None:
     batches = _with_bad_batch(2, MALFORMED["3 extra"][0])  # extra values: trains without an error
     model = TinyModel()
-    assert len(drain(_make("TrainPipelineSparseDist", model, validate_batches=False), iter(batches))) == 6
+    assert len(drain(_make(name, model, validate_batches=False), iter(batches))) == 6
 
 
 @pytest.mark.parametrize("loader_thread", [None, True], ids=["inline", "thread"])

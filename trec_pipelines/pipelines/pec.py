@@ -136,6 +136,7 @@ class TrainPipelinePEC(TrainPipelineSparseDist[In, Out]):
         rewrite_strategy: Strategy = "auto",
         on_unpipelined: str = "warn",
         sync_exhaustion: bool = False,
+        validate_batches: bool = True,
     ) -> None:
         super().__init__(
             model,
@@ -148,6 +149,7 @@ class TrainPipelinePEC(TrainPipelineSparseDist[In, Out]):
             rewrite_strategy=rewrite_strategy,
             on_unpipelined=on_unpipelined,
             sync_exhaustion=sync_exhaustion,
+            validate_batches=validate_batches,
         )
         # The last trained batch's NOL gradient, applied in the next step: on the
         # pipeline, so a rolled-back step keeps it (see [Note: PEC, retrying a step]).
