@@ -141,6 +141,11 @@ class PECTrainPipelineContext(EmbeddingTrainPipelineContext):
         backward_ctx_event: recorded after the overlap dist that made
             ``pec_backward_ctxs``.  Written by that overlap dist; waited before
             this batch's OL gradient.
+        pec_deferred_nol_grad: torchrec's field for the previous batch's NOL
+            gradient, carried by the next batch's context.  Kept so code that
+            reads it finds it; our pipeline leaves it empty and holds that
+            gradient itself (``pec_ops.DeferredNolGrad``), where a rolled-back
+            step cannot lose it.
     """
 
     pec_dist_inputs: Dict[str, Any] = field(default_factory=dict)
@@ -150,3 +155,4 @@ class PECTrainPipelineContext(EmbeddingTrainPipelineContext):
     pec_nol_awaitables: Dict[str, Any] = field(default_factory=dict)
     overlap_dist_event: Optional[torch.Event] = None
     backward_ctx_event: Optional[torch.Event] = None
+    pec_deferred_nol_grad: Dict[str, Any] = field(default_factory=dict)

@@ -130,6 +130,7 @@ def test_constructor_is_torchrecs() -> None:
         "rewrite_strategy",
         "on_unpipelined",
         "sync_exhaustion",
+        "validate_batches",
     ]
 
 
