@@ -235,7 +235,9 @@ class StagedTrainPipeline(TrainPipeline[In, Optional[StageOut]], Recordable):
     :class:`~trec_pipelines.errors.MalformedBatchError` naming the batch
     index, where the KJT is, the key and the mismatch; it is dropped before
     any stage sees it, and the next ``progress()`` goes on with the next
-    batch.  ``validate_batches=False`` turns the checks off.
+    batch.  ``validate_batches=False`` turns the checks off.  The ranks do
+    not agree on it (there is no ``sync_exhaustion`` here): a batch that is
+    malformed on one rank only leaves the ranks out of step.
 
     Differences from torchrec 1.8.0, all fixes:
 
