@@ -25,8 +25,9 @@ from tests.distributed.dlrm import (
     plain_loop,
     weights,
 )
-from tests.distributed.test_faults import FaultyDLRM, FaultyOptimizer, plain_loop_with_retry
+from tests.distributed.test_faults import FaultyDLRM, FaultyOptimizer, _malformed, plain_loop_with_retry
 from tests.fault_injection import Fault
+from trec_pipelines.errors import MalformedBatchError
 from trec_pipelines.pipelines.sparse_data_dist_util import SparseDataDistUtil
 from trec_pipelines.pipelines.staged import PipelineStage, StagedTrainPipeline
 
@@ -207,3 +208,77 @@ def test_an_iterator_that_raises_loses_and_repeats_nothing(at: int, third_stage:
     it = FlakyIterator(batches, at)
     ours = train_calling_progress_again(_staged(dmp, third_stage), dmp, optimizer, it)
     assert_runs_equal(ref, ours, ("plain loop", f"staged, iterator raised at call {at}"))
+
+
+# --------------------------------------- poison and malformed batches
+
+
+class Poisoned:
+    """Wraps a stage runnable; raises every time it is given the batch whose
+    dense features are ``poison``'s (on every rank), runs it on the others."""
+
+    def __init__(self, runnable: Callable[[Any], Any], poison: Any) -> None:
+        self._runnable, self._dense, self.raised = runnable, poison.dense, 0
+
+    def __call__(self, batch: Any) -> Any:
+        if torch.equal(batch.dense, self._dense):
+            self.raised += 1
+            raise Fault(f"poison batch, attempt {self.raised}")
+        return self._runnable(batch)
+
+
+@pytest.mark.parametrize("at", [0, 1, 3, 5])
+@pytest.mark.parametrize("stage,third_stage", [("input_dist", None), ("input_dist", "prefetch"), ("prefetch", "prefetch")])
+def test_a_poison_batch_skipped_after_retrying_equals_the_plain_loop_without_it(
+    stage: str, third_stage: Optional[str], at: int
+) -> None:
+    """0 and 1 fail in the fill (prefetch: 0 only), 3 in the steady state, 5 is the last batch."""
+    batches = make_batches(6, seed=DATA_SEED)
+    ref = plain_loop(*make_sharded(DLRM, "table_wise", seed=SEED), batches[:at] + batches[at + 1 :])
+    dmp, optimizer = make_sharded(DLRM, "table_wise", seed=SEED)
+    poisoned: List[Poisoned] = []
+
+    def wrap(name: str, runnable: Callable[[Any], Any]) -> Callable[[Any], Any]:
+        if name != stage:
+            return runnable
+        poisoned.append(Poisoned(runnable, batches[at]))
+        return poisoned[0]
+
+    pipeline = _staged(dmp, third_stage, wrap)
+    it = iter(batches)
+    outputs, skipped = [], []
+    while True:
+        try:
+            batch = pipeline.progress(it)
+        except Fault:
+            if poisoned[0].raised < 2:
+                continue  # the retry fails again: a poison batch
+            skipped.append(pipeline.skip_failed_batch())
+            continue
+        if batch is None:
+            break
+        outputs.append(_train_step(dmp, optimizer, batch))
+    assert skipped == [at] and poisoned[0].raised == 2
+    assert_runs_equal(ref, Run(outputs, weights(dmp)), ("plain loop without the poison batch", f"staged, {stage} at {at}"))
+
+
+@pytest.mark.parametrize("third_stage", [None, "prefetch"])
+@pytest.mark.parametrize("at", [0, 2, 5])
+def test_a_malformed_batch_raises_before_any_stage_and_training_equals_the_plain_loop_without_it(
+    at: int, third_stage: Optional[str]
+) -> None:
+    batches = make_batches(6, seed=DATA_SEED)
+    good = batches[:at] + batches[at + 1 :]
+    batches[at] = _malformed(batches[at], drop=3)
+    ref = plain_loop(*make_sharded(DLRM, "table_wise", seed=SEED), good)
+    dmp, optimizer = make_sharded(DLRM, "table_wise", seed=SEED)
+    pipeline = _staged(dmp, third_stage)
+    it = iter(batches)
+    outputs = []
+    with pytest.raises(MalformedBatchError, match=rf"batch {at}: KeyedJaggedTensor batch.sparse: key '.*'.*3 missing"):
+        while (batch := pipeline.progress(it)) is not None:
+            outputs.append(_train_step(dmp, optimizer, batch))
+    while (batch := pipeline.progress(it)) is not None:
+        outputs.append(_train_step(dmp, optimizer, batch))
+    assert pipeline.rejected == 1
+    assert_runs_equal(ref, Run(outputs, weights(dmp)), ("plain loop without the malformed batch", f"staged, at {at}"))

@@ -6,6 +6,7 @@ from typing import Any, Callable, Iterator, List, Optional, Tuple
 
 import pytest
 import torch
+from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from tests.unit.fakes import (
     TinyModel,
@@ -15,6 +16,7 @@ from tests.unit.fakes import (
     plain_loop,
 )
 from tests.unit.fakes import _head as fakes_head
+from trec_pipelines.errors import MalformedBatchError
 from trec_pipelines.pipelines.sparse_data_dist_util import SparseDataDistUtil
 from trec_pipelines.pipelines.staged import PipelineStage, StagedTrainPipeline
 
@@ -560,3 +562,280 @@ def test_sdd_skipped_batch_matches_plain_loop_without_it(at: int, third_stage: O
     ours = train_staged_on_failure(model, StagedTrainPipeline(stages), batches, retry=False, repeat=-1)
     assert_same_training(ours, ref, model, ref_model)
 
+
+
+# ------------------------------------ malformed and poison batches (issue #16)
+
+
+class Seen:
+    """A stage runnable that passes the batch on and lists the batches it saw."""
+
+    def __init__(self) -> None:
+        self.batches: List[Any] = []
+
+    def __call__(self, batch: Any) -> Any:
+        self.batches.append(batch)
+        return batch
+
+
+def seen_stages(n: int = 3) -> Tuple[List[Seen], StagedTrainPipeline]:
+    seen = [Seen() for _ in range(n)]
+    return seen, StagedTrainPipeline([PipelineStage(f"s{i}", s, None) for i, s in enumerate(seen)])
+
+
+def malformed_copy(batch: Any) -> Any:
+    """``batch`` with 3 values of its KJT cut off (its lengths no longer add up)."""
+    from tests.unit.fakes import Batch
+
+    kjt = batch.sparse
+    bad = KeyedJaggedTensor(keys=kjt.keys(), values=kjt.values()[:-3], lengths=kjt.lengths())
+    return Batch(batch.dense, bad, batch.labels)
+
+
+def progress_through_malformed(pipeline: StagedTrainPipeline, batches: List[Any], at: int) -> List[Any]:
+    """Everything progress() returns, with the MalformedBatchError of batch ``at`` on the way."""
+    it = iter(batches)
+    out: List[Any] = []
+    with pytest.raises(MalformedBatchError, match=rf"batch {at}: KeyedJaggedTensor batch.sparse: key 'f1'.*3 missing.*next progress\(\) goes on"):
+        while True:
+            batch = pipeline.progress(it)
+            assert batch is not None, "the data ended before the malformed batch raised"
+            out.append(batch)
+    return out + drain_staged(pipeline, it)
+
+
+@pytest.mark.parametrize("at", [0, 1, 3, 5])
+def test_a_malformed_batch_raises_before_stage_0_and_the_rest_comes_out(at: int) -> None:
+    """0 and 1 are loaded in the fill, 3 in the steady state, 5 last."""
+    batches = make_batches(6)
+    for batch in batches:  # every other batch has its f1 values past 3
+        assert batch.sparse.values().numel() >= 3
+    batches[at] = malformed_copy(batches[at])
+    good = batches[:at] + batches[at + 1 :]
+    seen, pipeline = seen_stages()
+    out = progress_through_malformed(pipeline, batches, at)
+    assert [id(b) for b in out] == [id(b) for b in good]
+    for stage in seen:  # no stage ever saw it, and each saw the others once, in order
+        assert [id(b) for b in stage.batches] == [id(b) for b in good]
+    assert pipeline.rejected == 1
+    with pytest.raises(RuntimeError, match="no stage failed"):
+        pipeline.skip_failed_batch()
+
+
+def test_a_malformed_batch_then_skip_says_it_is_already_dropped() -> None:
+    batches = make_batches(3)
+    batches[1] = malformed_copy(batches[1])
+    _, pipeline = seen_stages()
+    with pytest.raises(MalformedBatchError):
+        pipeline.progress(iter(batches))
+    with pytest.raises(RuntimeError, match="batch 1 was malformed and is already dropped"):
+        pipeline.skip_failed_batch()
+
+
+@pytest.mark.parametrize("at", [0, 2, 4])
+def test_sdd_malformed_batch_training_equals_the_plain_loop_without_it(at: int) -> None:
+    batches = make_batches(5)
+    batches[at] = malformed_copy(batches[at])
+    ref_model = TinyModel()
+    ref = plain_loop(ref_model, batches[:at] + batches[at + 1 :])
+    model = TinyModel()
+    sdd = SparseDataDistUtil(model, data_dist_stream=None)
+    pipeline = StagedTrainPipeline([h2d_stage(), sdd.start_sparse_data_dist_stage()])
+    optimizer = optimizer_for(model)
+    it = iter(batches)
+    ours: List[torch.Tensor] = []
+    for _ in range(20):
+        try:
+            batch = pipeline.progress(it)
+        except MalformedBatchError:
+            continue
+        if batch is None:
+            break
+        optimizer.zero_grad()
+        loss, pred = model(batch)
+        torch.sum(loss, dim=0).backward()
+        optimizer.step()
+        ours.append(pred)
+    assert_same_training(ours, ref, model, ref_model)
+    assert pipeline.rejected == 1
+
+
+def test_validate_batches_false_lets_a_malformed_batch_through() -> None:
+    batches = make_batches(4)
+    batches[2] = malformed_copy(batches[2])
+    seen = Seen()
+    pipeline = StagedTrainPipeline([PipelineStage("s0", seen, None)], validate_batches=False)
+    out = drain_staged(pipeline, iter(batches))
+    assert [id(b) for b in out] == [id(b) for b in batches]
+    assert [id(b) for b in seen.batches] == [id(b) for b in batches]
+    assert pipeline.rejected == 0
+
+
+def test_batches_without_kjts_pass_validation() -> None:
+    _, pipeline = three_stages()  # strings: nothing to check
+    assert drain_staged(pipeline, iter(["x", "y"])) == ["x>a>b>c", "y>a>b>c"]
+
+
+class Poisoned:
+    """A stage runnable that raises RuntimeError("poison") every time it gets a
+    batch ``is_poison`` picks, and runs ``run`` on every other one."""
+
+    def __init__(self, run: Callable[[Any], Any], is_poison: Callable[[Any], bool]) -> None:
+        self._run, self._is_poison, self.raised = run, is_poison, 0
+
+    def __call__(self, batch: Any) -> Any:
+        if self._is_poison(batch):
+            self.raised += 1
+            raise RuntimeError("poison")
+        return self._run(batch)
+
+
+def progress_skipping(pipeline: StagedTrainPipeline, it: Iterator[Any], retries: int = 1) -> Tuple[List[Any], List[int]]:
+    """Call progress() until None; after a RuntimeError, call it again ``retries``
+    times (the stage fails again), then skip: (batches, the skipped indices)."""
+    out: List[Any] = []
+    skipped: List[int] = []
+    failures = 0
+    for _ in range(100):
+        try:
+            batch = pipeline.progress(it)
+        except RuntimeError as error:
+            assert "poison" in str(error)
+            failures += 1
+            if failures > retries:
+                skipped.append(pipeline.skip_failed_batch())
+                failures = 0
+            continue
+        if batch is None:
+            return out, skipped
+        out.append(batch)
+    raise AssertionError("no None after 100 calls")
+
+
+@pytest.mark.parametrize("at", [0, 1, 2, 4, 5])
+@pytest.mark.parametrize("failing", ["a", "b", "c"])
+def test_skip_failed_batch_drops_a_poison_batch_and_the_rest_comes_out(failing: str, at: int) -> None:
+    """Batch 0 goes through every stage in the fill, 2 only through a; 4 and 5 in the steady state."""
+    log, pipeline = three_stages()
+    stage = pipeline._pipeline_stages["abc".index(failing)]
+    poison = f"b{at}"
+    stage.runnable = Poisoned(stage.runnable, lambda batch: batch.split(">")[0] == poison)
+    it = Counting([f"b{i}" for i in range(6)])
+    out, skipped = progress_skipping(pipeline, it)
+    assert skipped == [at]
+    assert out == [f"b{i}>a>b>c" for i in range(6) if i != at]
+    assert stage.runnable.raised == 2  # tried, retried once, skipped
+    assert it.taken == 6
+    runs = [e for e in log.events if "(" in e]
+    # Each stage ran once on every other batch; the stages before the failing one
+    # also ran on the poison batch, the ones after it never saw it.
+    before = "abc"[: "abc".index(failing)]
+    assert sorted(runs) == sorted(
+        [f"{s}(b{i})" for s in "abc" for i in range(6) if i != at] + [f"{s}({poison})" for s in before]
+    )
+    # Batch k runs stages 0 .. 2-k in the fill; a skip there runs the stages
+    # before the failed one, fill callbacks included, on the next batch too.
+    in_fill = at + "abc".index(failing) <= 2
+    for i, s in enumerate("abc"):
+        assert log.events.count(f"{s}.fill") == 3 - i + (in_fill and s in before)
+
+
+def test_skip_failed_batch_with_one_stage_and_two_poison_batches() -> None:
+    log = Log()
+    stage = log.stage("a")
+    stage.runnable = Poisoned(stage.runnable, lambda batch: batch in ("b1", "b2"))
+    pipeline = StagedTrainPipeline([stage])
+    out, skipped = progress_skipping(pipeline, iter([f"b{i}" for i in range(4)]), retries=0)
+    assert skipped == [1, 2]
+    assert out == ["b0>a", "b3>a"]
+
+
+def test_skip_failed_batch_when_nothing_failed_in_a_stage_is_an_error() -> None:
+    _, pipeline = three_stages()
+    with pytest.raises(RuntimeError, match="did not raise, so no stage failed on a batch"):
+        pipeline.skip_failed_batch()  # before any progress()
+    it = FlakyIterator([f"b{i}" for i in range(5)], at=4)
+    assert pipeline.progress(it) == "b0>a>b>c"
+    with pytest.raises(RuntimeError, match="did not raise"):
+        pipeline.skip_failed_batch()
+    with pytest.raises(RuntimeError, match="injected"):
+        pipeline.progress(it)  # the iterator raises: no batch yet
+    with pytest.raises(RuntimeError, match="the data iterator raised .*injected.* none to skip"):
+        pipeline.skip_failed_batch()
+    assert drain_staged(pipeline, it) == [f"b{i}>a>b>c" for i in range(1, 5)]
+
+
+def test_skip_failed_batch_twice_is_an_error_and_a_fill_callback_has_no_batch() -> None:
+    log, pipeline = three_stages()
+    stage = pipeline._pipeline_stages[1]
+    stage.runnable = Poisoned(stage.runnable, lambda batch: batch.startswith("b1"))
+    it = iter([f"b{i}" for i in range(4)])
+    with pytest.raises(RuntimeError, match="poison"):
+        pipeline.progress(it)
+    assert pipeline.skip_failed_batch() == 1
+    with pytest.raises(RuntimeError, match="did not raise"):
+        pipeline.skip_failed_batch()  # the failure it was about is handled
+
+    calls = []
+
+    def fill_callback() -> None:
+        calls.append(1)
+        if len(calls) == 1:
+            raise RuntimeError("callback")
+
+    _, other = three_stages()
+    other._pipeline_stages[0].fill_callback = fill_callback
+    other_it = iter(["x0", "x1"])
+    with pytest.raises(RuntimeError, match="callback"):
+        other.progress(other_it)
+    with pytest.raises(RuntimeError, match="stage 'a''s fill_callback raised .*none to skip"):
+        other.skip_failed_batch()
+    assert drain_staged(other, other_it) == ["x0>a>b>c", "x1>a>b>c"]
+    assert drain_staged(pipeline, it) == ["b0>a>b>c", "b2>a>b>c", "b3>a>b>c"]
+
+
+def _is_batch(poison: Any) -> Callable[[Any], bool]:
+    return lambda batch: torch.equal(batch.dense, poison.dense)
+
+
+@pytest.mark.parametrize("at", [0, 1, 3, 4])
+@pytest.mark.parametrize("failing,third_stage", [("h2d", None), ("input_dist", None), ("input_dist", "prefetch"), ("prefetch", "prefetch")])
+def test_sdd_poison_batch_skipped_training_equals_the_plain_loop_without_it(
+    failing: str, third_stage: Optional[str], at: int
+) -> None:
+    batches = make_batches(5)
+    ref_model = TinyModel()
+    ref = plain_loop(ref_model, batches[:at] + batches[at + 1 :])
+    model = TinyModel()
+    sdd = SparseDataDistUtil(model, data_dist_stream=None)
+    poisoned = _is_batch(batches[at])
+    stages = [h2d_stage(), sdd.start_sparse_data_dist_stage()]
+    if third_stage == "prefetch":
+        sdd.stage_declared("prefetch")  # a wrapped runnable hides whose prefetch it is
+        stages.append(PipelineStage("prefetch", sdd.prefetch, None))
+    stage = stages[["h2d", "input_dist", "prefetch"].index(failing)]
+    stage.runnable = Poisoned(stage.runnable, poisoned)
+    pipeline = StagedTrainPipeline(stages)
+    optimizer = optimizer_for(model)
+    it = iter(batches)
+    ours: List[torch.Tensor] = []
+    skipped: List[int] = []
+    for _ in range(30):
+        try:
+            batch = pipeline.progress(it)
+        except RuntimeError as error:
+            assert "poison" in str(error)
+            skipped.append(pipeline.skip_failed_batch())
+            continue
+        if batch is None:
+            break
+        optimizer.zero_grad()
+        loss, pred = model(batch)
+        torch.sum(loss, dim=0).backward()
+        optimizer.step()
+        ours.append(pred)
+    assert skipped == [at]
+    assert_same_training(ours, ref, model, ref_model)
+    kinds = [kind for kind, _ in model.log]
+    # The skipped batch's lookup never ran; its input_dist only if a later stage failed.
+    assert kinds.count("compute") == len(batches) - 1

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import logging
 from collections import deque
-from typing import Any, Callable, Deque, Generic, List, Optional, Tuple
+from typing import Any, Callable, Deque, Generic, List, Optional, Set, Tuple
 
 import torch
 from torch.utils.hooks import RemovableHandle
@@ -192,6 +192,11 @@ class SparseDataDistUtil(Generic[In]):
 
         self._contexts: Deque[TrainPipelineContext] = deque()
         self._next_index = 0
+        # The context the last advance dropped (a skip in the fill takes it back),
+        # and the indices of contexts no batch will be trained from: a batch
+        # the pipeline skipped, or no batch at all (see batch_skipped).
+        self._last_dropped: Optional[TrainPipelineContext] = None
+        self._holes: Set[int] = set()
         self._rewrite: Optional[RewriteResult] = None
         self._kjt_overrides: Tuple[KJTDistOverride, ...] = ()
         self._splits_fused = False
@@ -259,7 +264,8 @@ class SparseDataDistUtil(Generic[In]):
     def _advance_context(self) -> None:
         """The forward's batch is done: every batch moves one context down."""
         self._advanced_since_tick = True
-        self._contexts.popleft()
+        self._last_dropped = self._contexts.popleft()
+        self._holes.discard(self._index_of(self._last_dropped))
         self._add_context()
         self._set_module_context(self._forward_context())
 
@@ -289,7 +295,13 @@ class SparseDataDistUtil(Generic[In]):
             and not self._exhausting_mode
             and ctx.index is not None
             and ctx.index >= 0
+            and ctx.index not in self._holes
         )
+
+    @staticmethod
+    def _index_of(ctx: TrainPipelineContext) -> int:
+        assert ctx.index is not None, "every context here is made with an index"
+        return ctx.index
 
     def _forward_context(self) -> TrainPipelineContext:
         ctx = self._contexts[0]
@@ -424,6 +436,7 @@ class SparseDataDistUtil(Generic[In]):
         self._exhausting_mode = False
         self._drop_untrained_batch()
         ctx = self._dist_context()
+        self._holes.discard(self._index_of(ctx))  # e.g. after a flush: a batch again
         modules = [(p.name, p.module, p.call_args) for p in self._rewrite.pipelined]
         with on_stream(self._dist_stream):
             start_input_dist(modules, batch, ctx)
@@ -455,8 +468,41 @@ class SparseDataDistUtil(Generic[In]):
         """The input_dist stage's ``data_exhausted_callback``."""
         self._exhausting_mode = True
         if self._contexts:
+            # No input_dist starts in this context now (end of data, a flush,
+            # or a batch the pipeline skipped): no batch is trained from it.
+            self._holes.add(self._index_of(self._dist_context()))
             self._drop_untrained_batch()
         self._end_tick()
+
+    def batch_skipped(self, passed: bool, filling: bool) -> None:
+        """Called by :meth:`StagedTrainPipeline.skip_failed_batch` when it drops a
+        batch a stage raised on (see :class:`~trec_pipelines.pipelines.staged.SkipAware`).
+
+        ``passed``: the batch had started its input_dist, and the stage after
+        it (prefetch or lookup) raised.  Otherwise its input_dist raised (what
+        it left in the context is forgotten) or an earlier stage did.
+        ``filling``: the pipeline is filling, and the next batch takes the
+        dropped one's place; otherwise the dropped batch's context stays a
+        gap that the next input_dist stage passes over, as for a batch the
+        caller skipped.
+        """
+        if not self._contexts:
+            return  # it raised before the first batch set anything up
+        if not passed:
+            ctx = self._dist_context()
+            self._contexts[-1] = self._new_context(self._index_of(ctx))
+            return
+        assert self._third_stage is not None, "only prefetch or lookup runs after input_dist"
+        dropped = self._contexts[1]
+        if filling:
+            # Undo the fill callback's advance: the next batch starts its
+            # input_dist in the newest context and advances once more.
+            assert self._last_dropped is not None
+            del self._contexts[1]
+            self._contexts.appendleft(self._last_dropped)
+            self._last_dropped = None
+        else:
+            self._holes.add(self._index_of(dropped))
 
     def _drop_untrained_batch(self) -> None:
         """Catch up if the caller moved on without finishing the forward of the
@@ -464,6 +510,10 @@ class SparseDataDistUtil(Generic[In]):
         ctx = self._contexts[0]
         handed_out = ctx.index is not None and 0 <= ctx.index <= self._last_started
         if self._advanced_since_tick or not handed_out:
+            return
+        if self._index_of(ctx) in self._holes:
+            logger.debug("SparseDataDistUtil: passing over batch %s, which the pipeline skipped", ctx.index)
+            self._next_batch()
             return
         logger.warning(
             "SparseDataDistUtil: batch %s was not trained (its forward never finished); "

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from dataclasses import dataclass
 from typing import (
@@ -21,6 +22,7 @@ from torchrec.distributed.train_pipeline import In, TrainPipeline
 from torchrec.streamable import Pipelineable
 
 from trec_pipelines import recorder as rec
+from trec_pipelines.errors import MalformedBatchError
 from trec_pipelines.recorder import Recordable
 from trec_pipelines.streams import (
     current_stream,
@@ -30,6 +32,7 @@ from trec_pipelines.streams import (
     record_stream,
     wait_event,
 )
+from trec_pipelines.validation import batch_problem
 
 logger: logging.Logger = logging.getLogger(__name__)
 
@@ -51,7 +54,9 @@ class PipelineStage:
         fill_callback: called after this stage while the pipeline fills
             (also when the stage had no batch to work on).
         data_exhausted_callback: called each time this stage finds no batch
-            because the data ran out or the pipeline is flushing.
+            because the data ran out, the pipeline is flushing, or the batch
+            it would have worked on was dropped by
+            :meth:`StagedTrainPipeline.skip_failed_batch`.
     """
 
     name: str
@@ -70,11 +75,33 @@ class StageAware(Protocol):
     def stage_declared(self, verb: str) -> None: ...
 
 
+@runtime_checkable
+class SkipAware(Protocol):
+    """An object whose stages keep state per batch, told when
+    :meth:`StagedTrainPipeline.skip_failed_batch` drops one
+    (:class:`SparseDataDistUtil`: the batch's context)."""
+
+    def batch_skipped(self, passed: bool, filling: bool) -> None: ...
+
+
 def _declare_stages(stages: List[PipelineStage]) -> None:
     for stage in stages:
         owner = getattr(stage.runnable, "__self__", None)
         if isinstance(owner, StageAware):
             owner.stage_declared(stage.runnable.__name__)
+
+
+def _skip_aware_owners(stages: List[PipelineStage]) -> List[Tuple[int, SkipAware]]:
+    """Each :class:`SkipAware` object behind the stages' callables (a wrapped
+    runnable hides its owner, the callbacks may still show it), with the
+    index of its first stage."""
+    found: List[Tuple[int, SkipAware]] = []
+    for stage_idx, stage in enumerate(stages):
+        for part in (stage.runnable, stage.fill_callback, stage.data_exhausted_callback):
+            owner = getattr(part, "__self__", None)
+            if isinstance(owner, SkipAware) and all(owner is not o for _, o in found):
+                found.append((stage_idx, owner))
+    return found
 
 
 def side_stream(stream: Optional[torch.Stream]) -> Optional[torch.Stream]:
@@ -120,6 +147,26 @@ class _InFlight:
         record_stream(self.value, consumer)
 
 
+@dataclass(frozen=True)
+class _Failure:
+    """Where the last ``progress()`` raised, for :meth:`StagedTrainPipeline.skip_failed_batch`.
+
+    Attributes:
+        where: what raised, for messages ("stage 'h2d'", "the data iterator", ...).
+        slot: the slot of the batch a stage raised on; ``None`` when no stage
+            was working on a batch (the iterator, a callback, validation).
+        index: that batch's index (for validation: the dropped batch's).
+        error: the exception's type and message, for logs.
+        stage: the index of the stage that raised on the batch.
+    """
+
+    where: str
+    slot: Optional[int]
+    index: Optional[int]
+    error: str
+    stage: Optional[int] = None
+
+
 class StagedTrainPipeline(TrainPipeline[In, Optional[StageOut]], Recordable):
     """N batches in flight, one per stage; the caller trains the batch it returns.
 
@@ -158,7 +205,17 @@ class StagedTrainPipeline(TrainPipeline[In, Optional[StageOut]], Recordable):
       on the same batch; ``next()`` again for the iterator).  Work done before
       it is kept: no batch is loaded twice, lost, or reordered.  A stage is
       re-run from its start, so it should raise before leaving half its work
-      done.
+      done.  For a batch a stage fails on every time, call
+      :meth:`skip_failed_batch` before the next ``progress()``: the batch is
+      dropped (logged) and goes through no later stage.  While the pipeline
+      fills, the next batch takes its place from stage 0 on (the stages
+      before the failed one, and their fill callbacks, run again, on it);
+      once it is full, stage 0 loads the next batch in its place if stage 0
+      failed, and otherwise the later stages find no batch there and call
+      their ``data_exhausted_callback``, and ``progress()`` moves past the
+      gap.  A stage's owner that keeps state per batch learns of the skip
+      (:class:`SkipAware`; :class:`SparseDataDistUtil` forgets the batch's
+      context).  The run equals the plain loop over the batches without it.
     * The caller's forward, loss, backward or optimizer step raises.  Retry:
       train the same batch again; with :class:`SparseDataDistUtil` a sharded
       module whose pipelined input the failed attempt used up (or whose batch's
@@ -169,6 +226,18 @@ class StagedTrainPipeline(TrainPipeline[In, Optional[StageOut]], Recordable):
       the pipeline moves on to the next batch.  What the failed attempt did to
       the model stays done, as in a plain loop.  With several ranks, retry or
       skip on every rank.
+
+    Batch validation (``validate_batches=True``, the default): each batch
+    the data iterator yields is checked by
+    :func:`~trec_pipelines.validation.batch_problem` before stage 0 runs on
+    it (its ``KeyedJaggedTensor`` objects, wherever they are in the batch; a
+    batch holding none passes).  A malformed one raises
+    :class:`~trec_pipelines.errors.MalformedBatchError` naming the batch
+    index, where the KJT is, the key and the mismatch; it is dropped before
+    any stage sees it, and the next ``progress()`` goes on with the next
+    batch.  ``validate_batches=False`` turns the checks off.  The ranks do
+    not agree on it (there is no ``sync_exhaustion`` here): a batch that is
+    malformed on one rank only leaves the ranks out of step.
 
     Differences from torchrec 1.8.0, all fixes:
 
@@ -205,6 +274,8 @@ class StagedTrainPipeline(TrainPipeline[In, Optional[StageOut]], Recordable):
         debug_mode: bool = False,
         compute_stream: Optional[torch.Stream] = None,
         on_flush_end: Optional[Callable[[], None]] = None,
+        *,
+        validate_batches: bool = True,
     ) -> None:
         super().__init__()
         if not pipeline_stages:
@@ -237,7 +308,11 @@ class StagedTrainPipeline(TrainPipeline[In, Optional[StageOut]], Recordable):
         self._flushing = False
         self._iterator: Optional[Iterator[Any]] = None
         self._exhausted = False
-        self._loaded = 0
+        self._loaded = 0  # batches handed to stage 0 so far: the next one's index
+        self._validate_batches = validate_batches
+        self.rejected = 0  # malformed batches dropped (``validate_batches``)
+        # Where the last progress() raised, if it did (see skip_failed_batch).
+        self._failure: Optional[_Failure] = None
         # A fill or step that raised resumes at the unit that raised (see
         # [Note: a stage or the iterator raises]): how many units of the
         # current one are done, and the batch the current step returns.
@@ -258,13 +333,50 @@ class StagedTrainPipeline(TrainPipeline[In, Optional[StageOut]], Recordable):
             self._exhausted = False
         if self._exhausted or self._flushing:
             return None
-        batch = next(dataloader_iter, None)
+        with self._noting_failure("the data iterator"):
+            batch = next(dataloader_iter, None)
         if batch is None:
             # Not asked again this epoch: some loaders block when they are.
             self._exhausted = True
             return None
+        if self._validate_batches:
+            self._reject_if_malformed(batch)
         self._loaded += 1
         return _InFlight(batch, None, None, self._loaded - 1)
+
+    def _reject_if_malformed(self, batch: Any) -> None:
+        """Raise :class:`MalformedBatchError` if ``batch``'s KJTs are inconsistent.
+
+        Nothing is kept of the batch: the next load pulls the one after it,
+        which takes this one's index, as in the other pipelines.
+        """
+        problem = batch_problem(batch)
+        if problem is None:
+            return
+        self.rejected += 1
+        self._failure = _Failure("validation", None, self._loaded, problem)
+        raise MalformedBatchError(
+            f"batch {self._loaded}: {problem}. It was dropped before any stage ran on "
+            "it, and the next progress() goes on with the next batch. Fix the data, "
+            "or pass validate_batches=False to turn these checks off."
+        )
+
+    @contextlib.contextmanager
+    def _noting_failure(
+        self,
+        where: str,
+        slot: Optional[int] = None,
+        item: Optional[_InFlight] = None,
+        stage_idx: Optional[int] = None,
+    ) -> Iterator[None]:
+        """Remember ``where`` (and stage ``stage_idx``'s batch ``item`` in ``slot``) if the body raises."""
+        try:
+            yield
+        except BaseException as error:
+            index = None if item is None else item.index
+            message = f"{type(error).__name__}: {error}"
+            self._failure = _Failure(where, slot, index, message, stage_idx)
+            raise
 
     def _stage_stream(self, stage_idx: int) -> Optional[torch.Stream]:
         """Where stage ``stage_idx`` runs: its own stream or the current one."""
@@ -293,17 +405,20 @@ class StagedTrainPipeline(TrainPipeline[In, Optional[StageOut]], Recordable):
             if self._debug_mode:
                 logger.info("stage %d (%s): no batch, skipped", stage_idx, stage.name)
             if stage.data_exhausted_callback is not None:
-                stage.data_exhausted_callback()
+                with self._noting_failure(f"stage {stage.name!r}'s data_exhausted_callback"):
+                    stage.data_exhausted_callback()
             self._slots[slot] = None
         else:
             if self._debug_mode:
                 logger.info("stage %d (%s): batch %d", stage_idx, stage.name, item.index)
-            self._slots[slot] = self._run(stage_idx, item)
+            with self._noting_failure(f"stage {stage.name!r}", slot, item, stage_idx):
+                self._slots[slot] = self._run(stage_idx, item)
 
     def _fill_callback(self, stage_idx: int) -> None:
-        callback = self._pipeline_stages[stage_idx].fill_callback
-        if callback is not None:
-            callback()
+        stage = self._pipeline_stages[stage_idx]
+        if stage.fill_callback is not None:
+            with self._noting_failure(f"stage {stage.name!r}'s fill_callback"):
+                stage.fill_callback()
 
     def _hand_to_compute(self, item: _InFlight) -> Any:
         with self._span(rec.WAIT_BATCH, item.index):  # last stage -> compute
@@ -367,6 +482,7 @@ class StagedTrainPipeline(TrainPipeline[In, Optional[StageOut]], Recordable):
         out; calling again then starts a new epoch.
         """
         self._begin_call()
+        self._failure = None
         if not self._filled:
             self._fill_pipeline(dataloader_iter)
         ready = self._step(dataloader_iter)
@@ -380,6 +496,61 @@ class StagedTrainPipeline(TrainPipeline[In, Optional[StageOut]], Recordable):
             self._end_epoch()
             return None
         return self._hand_to_compute(ready)
+
+    def skip_failed_batch(self) -> int:
+        """Drop the batch a stage raised on in the last ``progress()``; return its index.
+
+        Call it before the next ``progress()``, instead of letting that call
+        run the stage on the batch again (on every rank, with several).  The
+        batch goes through no later stage and never comes out; the next
+        ``progress()`` finishes the interrupted fill or step without it (see
+        the class docstring).  Raises ``RuntimeError`` when the last
+        ``progress()`` did not raise in a stage's runnable: then no batch is
+        half way through a stage.
+        """
+        failure = self._failure
+        if failure is None or failure.slot is None:
+            raise RuntimeError(self._nothing_to_skip(failure))
+        item = self._slots[failure.slot]
+        assert item is not None and item.index == failure.index, (item, failure)
+        assert failure.stage is not None
+        self._slots[failure.slot] = None
+        self._failure = None
+        filling = not self._filled
+        if filling:
+            # Nothing newer is loaded yet: the slot starts over with the next batch.
+            self._done_units = self._fill_units().index((0, failure.slot, False))
+        for first_stage, owner in _skip_aware_owners(self._pipeline_stages):
+            owner.batch_skipped(passed=failure.stage > first_stage, filling=filling)
+        logger.warning(
+            "StagedTrainPipeline: batch %d skipped after %s raised on it (%s); "
+            "it goes through no later stage and is not returned",
+            item.index,
+            failure.where,
+            failure.error,
+        )
+        return item.index
+
+    @staticmethod
+    def _nothing_to_skip(failure: Optional[_Failure]) -> str:
+        """Why :meth:`skip_failed_batch` has no batch to drop after ``failure``."""
+        head = "StagedTrainPipeline.skip_failed_batch(): "
+        if failure is None:
+            return head + (
+                "the last progress() did not raise, so no stage failed on a batch "
+                "(if your forward, backward or optimizer step raised, call progress() "
+                "again to move on to the next batch, or train the same one again). "
+                "Call it right after a progress() that raised in a stage."
+            )
+        if failure.where == "validation":
+            return head + (
+                f"batch {failure.index} was malformed and is already dropped; the "
+                "next progress() goes on with the next batch"
+            )
+        return head + (
+            f"{failure.where} raised ({failure.error}) while no stage was working on "
+            "a batch, so there is none to skip; the next progress() calls it again"
+        )
 
     def set_flush(self, flush: bool) -> None:
         """Stop (``True``) or resume (``False``) loading new batches.
@@ -408,4 +579,4 @@ class StagedTrainPipeline(TrainPipeline[In, Optional[StageOut]], Recordable):
         self._exhausted = False
 
 
-__all__ = ["PipelineStage", "StagedTrainPipeline", "side_stream"]
+__all__ = ["PipelineStage", "SkipAware", "StagedTrainPipeline", "side_stream"]
