@@ -358,9 +358,13 @@ def _collect_kjts(value: Any, found: List[KeyedJaggedTensor], depth: int) -> Lis
     for item in items:
         if isinstance(item, KeyedJaggedTensor):
             found.append(item)
-        elif depth < 3 and not isinstance(item, torch.Tensor):
+        elif depth < 3 and not isinstance(item, _LEAVES):
             _collect_kjts(item, found, depth + 1)
     return found
+
+
+# What holds no KJT: skipped without a call (a batch's tensors, flags and counts).
+_LEAVES = (torch.Tensor, bool, int, float, str, bytes, type(None))
 
 
 def _feature_names(module: ShardedModule) -> Set[str]:

@@ -57,17 +57,25 @@ _SMALL = 2048
 
 
 def _plain_host(tensor: Optional[torch.Tensor]) -> bool:
-    return tensor is not None and type(tensor) is torch.Tensor and tensor.device.type == "cpu"
+    return tensor is not None and type(tensor) is torch.Tensor and tensor.is_cpu
 
 
-def _sums_and_min(lengths: torch.Tensor, rows: int) -> Tuple[List[int], int]:
-    """Per-row sums of ``lengths`` viewed as ``rows`` equal rows, and its minimum."""
+def _total_and_min(lengths: torch.Tensor) -> Tuple[int, int]:
+    """The sum and the minimum of ``lengths`` (0 and 0 when empty)."""
+    if lengths.numel() <= _SMALL:
+        flat = lengths.tolist()
+        return sum(flat), min(flat, default=0)
+    array = lengths.numpy()
+    return (int(array.sum()), int(array.min())) if array.size else (0, 0)
+
+
+def _row_sums(lengths: torch.Tensor, rows: int) -> List[int]:
+    """Sums of ``lengths`` viewed as ``rows`` equal rows (per key, for a fixed stride)."""
     if lengths.numel() <= _SMALL:
         flat = lengths.tolist()
         width = len(flat) // rows
-        return [sum(flat[r * width : (r + 1) * width]) for r in range(rows)], min(flat, default=0)
-    array = lengths.numpy()
-    return array.reshape(rows, -1).sum(axis=1).tolist(), int(array.min())
+        return [sum(flat[r * width : (r + 1) * width]) for r in range(rows)]
+    return lengths.numpy().reshape(rows, -1).sum(axis=1).tolist()
 
 
 def _running_sum_matches(offsets: torch.Tensor, lengths: torch.Tensor) -> bool:
@@ -104,11 +112,13 @@ def _looks_consistent(kjt: KeyedJaggedTensor) -> bool:
         return False
     if lengths.numel() != len(keys) * kjt.stride():
         return False
-    per_key, smallest = _sums_and_min(lengths, len(keys))
-    if smallest < 0 or sum(per_key) != n:
+    # With no negative length and the right total, the lengths split the values
+    # among the keys; per-key sums are only needed to compare a cached length_per_key.
+    total, smallest = _total_and_min(lengths)
+    if smallest < 0 or total != n:
         return False
     cached = kjt.length_per_key_or_none()
-    if cached is not None and list(cached) != per_key:
+    if cached is not None and list(cached) != _row_sums(lengths, len(keys)):
         return False
     if offsets is not None and not (_plain_host(offsets) and _running_sum_matches(offsets, lengths)):
         return False
