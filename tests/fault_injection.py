@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Iterator, List
 
 import torch
 
@@ -21,3 +21,20 @@ class FailingBackward(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
         raise Fault("injected in backward")
+
+
+class FlakyIterator:
+    """Iterates ``items``; ``next()`` number ``at`` raises :class:`Fault` and takes nothing."""
+
+    def __init__(self, items: List[Any], at: int) -> None:
+        self._it: Iterator[Any] = iter(items)
+        self._at, self.calls = at, 0
+
+    def __iter__(self) -> "FlakyIterator":
+        return self
+
+    def __next__(self) -> Any:
+        call, self.calls = self.calls, self.calls + 1
+        if call == self._at:
+            raise Fault("injected in the data iterator")
+        return next(self._it)

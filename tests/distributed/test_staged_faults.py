@@ -26,7 +26,7 @@ from tests.distributed.dlrm import (
     weights,
 )
 from tests.distributed.test_faults import FaultyDLRM, FaultyOptimizer, _malformed, plain_loop_with_retry
-from tests.fault_injection import Fault
+from tests.fault_injection import Fault, FlakyIterator
 from trec_pipelines.errors import MalformedBatchError
 from trec_pipelines.pipelines.sparse_data_dist_util import SparseDataDistUtil
 from trec_pipelines.pipelines.staged import PipelineStage, StagedTrainPipeline
@@ -143,23 +143,6 @@ class RaisesOnce:
         if call == self._at:
             raise Fault(f"injected in a stage, call {call}")
         return self._runnable(batch)
-
-
-class FlakyIterator:
-    """Iterates ``items``; its ``next()`` number ``at`` raises and takes nothing."""
-
-    def __init__(self, items: List[Any], at: int) -> None:
-        self._it: Iterator[Any] = iter(items)
-        self._at, self.calls = at, 0
-
-    def __iter__(self) -> "FlakyIterator":
-        return self
-
-    def __next__(self) -> Any:
-        call, self.calls = self.calls, self.calls + 1
-        if call == self._at:
-            raise Fault("injected in the data iterator")
-        return next(self._it)
 
 
 def train_calling_progress_again(pipeline: StagedTrainPipeline, model: Any, optimizer: Any, it: Iterator[Any]) -> Run:

@@ -8,6 +8,7 @@ import pytest
 import torch
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
+from tests.fault_injection import FlakyIterator
 from tests.unit.fakes import (
     TinyModel,
     assert_same_training,
@@ -451,23 +452,6 @@ def test_a_stage_that_raises_runs_again_on_the_same_batch(failing: str, at: int)
     assert log.events.count("a.fill") == 3 and log.events.count("c.fill") == 1
 
 
-class FlakyIterator:
-    """Iterates ``items``; ``next()`` number ``at`` raises and takes nothing."""
-
-    def __init__(self, items: List[Any], at: int) -> None:
-        self._it = iter(items)
-        self._at, self.calls = at, 0
-
-    def __iter__(self) -> "FlakyIterator":
-        return self
-
-    def __next__(self) -> Any:
-        call, self.calls = self.calls, self.calls + 1
-        if call == self._at:
-            raise RuntimeError("injected")
-        return next(self._it)
-
-
 @pytest.mark.parametrize("at", [0, 2, 3, 5])
 def test_an_iterator_that_raises_loses_and_repeats_no_batch(at: int) -> None:
     log, pipeline = three_stages()
@@ -561,7 +545,6 @@ def test_sdd_skipped_batch_matches_plain_loop_without_it(at: int, third_stage: O
         stages.append(PipelineStage("prefetch", sdd.prefetch, None))
     ours = train_staged_on_failure(model, StagedTrainPipeline(stages), batches, retry=False, repeat=-1)
     assert_same_training(ours, ref, model, ref_model)
-
 
 
 # ------------------------------------ malformed and poison batches (issue #16)
