@@ -9,7 +9,9 @@ import torch
 from torch import nn
 from torchrec import EmbeddingBagCollection, EmbeddingBagConfig
 
+from tests.fault_injection import FailingBackward, Fault
 from tests.unit.fakes import FEATURES, drain, make_batches
+from tests.unit.test_step_guard import FaultyOptimizer, plain_loop_with_retry, train_with_retry
 from trec_pipelines.pipelines.pt2 import TorchCompileConfig, TrainPipelinePT2
 
 # Inductor fuses the dense ops and reorders float32 reductions (bias-gradient
@@ -93,3 +95,53 @@ def test_pt2_eager_before_compile_is_exact_and_stops_cleanly() -> None:
     assert all(torch.equal(a, b) for a, b in zip(outputs, ref_outputs)) and len(outputs) == 3
     with pytest.raises(StopIteration):
         pipeline.progress(iter([]))
+
+
+class FaultyUnsharded(Unsharded):
+    """Unsharded that raises at forward call ``at`` (every attempt counts): before
+    the lookup, after it (in the head), or in the backward."""
+
+    def __init__(self, where: str, at: int) -> None:
+        super().__init__()
+        self.where, self.at, self.calls = where, at, 0
+
+    def forward(self, batch: Any) -> Tuple[torch.Tensor, torch.Tensor]:
+        call, self.calls = self.calls, self.calls + 1
+        fail = call == self.at
+        if fail and self.where == "before_lookup":
+            raise Fault("injected before the lookup")
+        embedded = self.ebc(batch.sparse).values()
+        if fail and self.where == "after_lookup":
+            raise Fault("injected after the lookup")
+        logits = self.over(torch.cat([embedded, self.dense(batch.dense)], dim=1)).squeeze(1)
+        if fail and self.where == "backward":
+            logits = FailingBackward.apply(logits)
+        loss = nn.functional.binary_cross_entropy_with_logits(logits, batch.labels, reduction="none")
+        return loss, logits.detach()
+
+
+@pytest.mark.parametrize("where", ["before_lookup", "after_lookup", "backward", "optimizer"])
+def test_a_compiled_step_that_raises_is_retried_like_the_plain_loop(where: str) -> None:
+    """Issue #16 with the compiled model: step 3 (compiled from step 2) raises once;
+    the next progress() retries its batch, as the plain loop with retry does."""
+    torch._dynamo.reset()
+    batches = make_batches(6)
+    at = 3 if where != "optimizer" else -1
+    step_at = 3 if where == "optimizer" else -1
+    ref = FaultyUnsharded(where, at)
+    ref_outputs = plain_loop_with_retry(ref, FaultyOptimizer(ref.parameters(), step_at), batches)
+    model = FaultyUnsharded(where, at)
+    pipeline = TrainPipelinePT2(
+        model,
+        FaultyOptimizer(model.parameters(), step_at),
+        torch.device("cpu"),
+        compile_configs=TorchCompileConfig(compile_on_iter=2),
+    )
+    outputs, failures = train_with_retry(pipeline, iter(batches))
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] > 0, "nothing was compiled"
+    assert failures == 1
+    assert len(outputs) == len(ref_outputs) == len(batches)
+    for step, (ours, expected) in enumerate(zip(outputs, ref_outputs)):
+        torch.testing.assert_close(ours, expected, atol=ATOL, rtol=RTOL, msg=f"step {step}")
+    for (name, ours), (_, expected) in zip(model.state_dict().items(), ref.state_dict().items()):
+        torch.testing.assert_close(ours, expected, atol=ATOL, rtol=RTOL, msg=name)
