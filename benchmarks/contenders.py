@@ -415,7 +415,9 @@ class StagedContender(PipelineContender):
             ),
         ]
         # torchrec would otherwise ask torch.cpu for a "current stream" that has no .device.
-        self.pipeline = self.cls(pipeline_stages=stages, compute_stream=torch.Stream(device="cpu"))
+        self.pipeline = self.cls(
+            pipeline_stages=stages, compute_stream=torch.Stream(device="cpu"), **self.extra_kwargs
+        )
 
     def _run_epoch(self, batches: Sequence[Batch]) -> int:
         model, optimizer, pipeline = self.model, self.optimizer, self.pipeline

@@ -361,3 +361,29 @@ def test_time_batch_validation_times_good_batches_and_refuses_bad_ones() -> None
     bad.sparse = KeyedJaggedTensor(keys=["f0", "f1"], values=torch.arange(3), lengths=torch.tensor([1, 1, 1, 1]))
     with pytest.raises(ValueError, match="benchmark batch 1 is malformed: .*1 missing"):
         time_batch_validation(batches, passes=1)
+
+
+def test_the_overhead_phase_adds_an_unvalidated_twin_of_each_of_our_pipelines() -> None:
+    from benchmarks.contenders import PlainLoop, make_contender
+    from benchmarks.runner import _unvalidated_twins
+
+    variants, _ = discover(["TrainPipelineBase", "StagedTrainPipeline"])
+    contenders = [make_contender(v, side) for v in variants for side in ("ours", "torchrec")]
+    contenders.append(PlainLoop("train"))
+    twins = _unvalidated_twins(contenders)
+    assert [t.key for t in twins] == [
+        "ours:TrainPipelineBase" + report.UNVALIDATED,
+        "ours:StagedTrainPipeline" + report.UNVALIDATED,
+    ]
+    assert all(t.extra_kwargs == {"validate_batches": False} and t.side == "ours" for t in twins)
+
+
+def test_staged_contender_passes_its_extra_arguments_to_the_pipeline() -> None:
+    from benchmarks.contenders import make_contender
+
+    (variant,), _ = discover(["StagedTrainPipeline"])
+    contender = make_contender(variant, "ours")
+    contender.extra_kwargs = {"validate_batches": False}
+    contender.model = torch.nn.Linear(1, 1)  # nothing sharded: the rewrite finds no module
+    contender._build()
+    assert contender.pipeline is not None and contender.pipeline._validate_batches is False
