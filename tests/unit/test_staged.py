@@ -420,14 +420,21 @@ class FailOnce:
         return self._run(batch)
 
 
-def progress_until_none(pipeline: StagedTrainPipeline, it: Iterator[Any]) -> Tuple[List[Any], int]:
-    """Call progress() until None, again after each RuntimeError: (batches, errors)."""
+def progress_until_none(
+    pipeline: StagedTrainPipeline,
+    it: Iterator[Any],
+    on_error: Optional[Callable[[RuntimeError], None]] = None,
+) -> Tuple[List[Any], int]:
+    """Call progress() until None, again after each RuntimeError (passed to
+    ``on_error`` first, if given): (batches, errors)."""
     out, errors = [], 0
     for _ in range(100):
         try:
             batch = pipeline.progress(it)
-        except RuntimeError:
+        except RuntimeError as error:
             errors += 1
+            if on_error is not None:
+                on_error(error)
             continue
         if batch is None:
             return out, errors
@@ -676,23 +683,19 @@ class Poisoned:
 def progress_skipping(pipeline: StagedTrainPipeline, it: Iterator[Any], retries: int = 1) -> Tuple[List[Any], List[int]]:
     """Call progress() until None; after a RuntimeError, call it again ``retries``
     times (the stage fails again), then skip: (batches, the skipped indices)."""
-    out: List[Any] = []
     skipped: List[int] = []
     failures = 0
-    for _ in range(100):
-        try:
-            batch = pipeline.progress(it)
-        except RuntimeError as error:
-            assert "poison" in str(error)
-            failures += 1
-            if failures > retries:
-                skipped.append(pipeline.skip_failed_batch())
-                failures = 0
-            continue
-        if batch is None:
-            return out, skipped
-        out.append(batch)
-    raise AssertionError("no None after 100 calls")
+
+    def on_error(error: RuntimeError) -> None:
+        nonlocal failures
+        assert "poison" in str(error)
+        failures += 1
+        if failures > retries:
+            skipped.append(pipeline.skip_failed_batch())
+            failures = 0
+
+    out, _ = progress_until_none(pipeline, it, on_error)
+    return out, skipped
 
 
 @pytest.mark.parametrize("at", [0, 1, 2, 4, 5])
