@@ -262,3 +262,20 @@ def test_pec_reset_applies_the_deferred_nol_gradient(monkeypatch: pytest.MonkeyP
     pipeline.reset()
     assert not pipeline._deferred_nol_grad.pending
     assert [b for k, b in fake.log if k == "NOL apply"] == [0, 1]
+
+
+def test_pec_epoch_cut_short_applies_the_last_trained_batchs_nol_gradient(monkeypatch: pytest.MonkeyPatch) -> None:
+    """execute_all_batches=False: the end of data drops the batches in flight, and the
+    model must still hold every update of the batches that were trained."""
+    model = TinyModel()
+    pipeline = TrainPipelinePEC(model, optimizer_for(model), CPU, execute_all_batches=False)
+    fake = _with_fake_pec_gradients(pipeline, monkeypatch)
+    it = iter(make_batches(4))
+    trained = 0
+    with pytest.raises(StopIteration):
+        while True:
+            pipeline.progress(it)
+            trained += 1
+    assert trained == 2  # batches 2 and 3 were in flight when the data ended
+    assert not pipeline._deferred_nol_grad.pending
+    assert [b for k, b in fake.log if k == "NOL apply"] == [0, 1]

@@ -100,7 +100,8 @@ class TrainPipelinePEC(TrainPipelineSparseDist[In, Out]):
     ``record_stream`` s the batch and relies on the lookups' waits.  As
     upstream: replicas of a ``DMPCollection`` are not synced, and
     ``execute_all_batches=False`` drops the batches in flight at the end of
-    the data.  SparseDist's additions hold too (a new epoch without
+    the data (ours after applying the NOL gradient of the last batch it
+    trained).  SparseDist's additions hold too (a new epoch without
     ``reset()``, ``detach()``/``attach()``, switching iterators mid-epoch,
     ``sync_exhaustion``, retrying a failed step); before the model is used
     outside the pipeline's order (:meth:`detach`, another iterator
@@ -323,6 +324,16 @@ class TrainPipelinePEC(TrainPipelineSparseDist[In, Out]):
             return
         self._start_nol_grad()                                     # prv, default (the rest of it)
         self._apply_nol_grad()                                     # prv, default
+
+    def _stop_if_done(self) -> None:
+        """As SparseDist's; an epoch that ends with batches dropped untrained
+        (``execute_all_batches=False``) first applies the NOL gradient of the
+        last batch it did train, which no later step will carry."""
+        try:
+            super()._stop_if_done()
+        except StopIteration:
+            self._flush_deferred_nol_grad()
+            raise
 
     def _switch_iterator(self, dataloader_iter: Iterator[Any]) -> None:
         if dataloader_iter is not self._source.iterator:
