@@ -171,14 +171,23 @@ def start_input_dist(
     with use_context_for_postprocs(list(postprocs.values()), context):
         for name, module, call_args in modules:
             args, kwargs = call_args.build_args_kwargs(batch)
-            args, kwargs = module.preprocess_input(args, kwargs)
-            module_ctx = module.create_context()
-            context.module_contexts[name] = module_ctx
-            context.input_dist_splits_requests[name] = module.input_dist(
-                module_ctx, *args, **kwargs
-            )
+            _start_module_input_dist(name, module, args, kwargs, context)
     _release_early_inputs(context)
     _fuse_splits(context)
+
+
+def _start_module_input_dist(
+    name: str,
+    module: ShardedModule,
+    args: Tuple[Any, ...],
+    kwargs: Dict[str, Any],
+    context: TrainPipelineContext,
+) -> None:
+    """Start ``module``'s ``input_dist`` on its call arguments, as ``name`` in ``context``."""
+    args, kwargs = module.preprocess_input(args, kwargs)
+    module_ctx = module.create_context()
+    context.module_contexts[name] = module_ctx
+    context.input_dist_splits_requests[name] = module.input_dist(module_ctx, *args, **kwargs)
 
 
 def _release_early_inputs(context: TrainPipelineContext) -> None:
@@ -255,13 +264,10 @@ def run_input_dist(
     """
     name = "module"
     context = TrainPipelineContext()
-    args, kwargs = module.preprocess_input(args, kwargs)
-    module_ctx = module.create_context()
-    context.module_contexts[name] = module_ctx
-    context.input_dist_splits_requests[name] = module.input_dist(module_ctx, *args, **kwargs)
+    _start_module_input_dist(name, module, args, kwargs, context)
     _fuse_splits(context)
     wait_input_dist(context)
-    return module_ctx, context.input_dist_tensors_requests[name].wait()
+    return context.module_contexts[name], context.input_dist_tensors_requests[name].wait()
 
 
 def release_input_dist_inputs(context: TrainPipelineContext) -> None:
