@@ -18,3 +18,12 @@ class MalformedBatchError(ValueError):
     The batch is dropped and the pipeline goes on with the next one at the
     next ``progress()``.  A ``ValueError``.
     """
+
+    @classmethod
+    def dropped(cls, index: int, problem: str) -> "MalformedBatchError":
+        """The error for batch ``index`` with ``problem``, saying what happened and what to do."""
+        return cls(
+            f"batch {index}: {problem}. It was dropped before any work, and the next "
+            "progress() goes on with the next batch. Fix the data, or pass "
+            "validate_batches=False to turn these checks off."
+        )

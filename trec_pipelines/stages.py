@@ -202,11 +202,7 @@ class BatchSource:
             batch, problem = self._agree(batch, problem)
         if problem is not None:
             self.rejected += 1
-            raise MalformedBatchError(
-                f"batch {self.loaded + len(self._held)}: {problem}. It was dropped before "
-                "any work, and the next progress() goes on with the next batch. Fix the "
-                "data, or pass validate_batches=False to turn these checks off."
-            )
+            raise MalformedBatchError.dropped(self.loaded + len(self._held), problem)
         if batch is None:
             self.exhausted = True
             return None

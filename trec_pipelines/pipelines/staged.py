@@ -355,11 +355,7 @@ class StagedTrainPipeline(TrainPipeline[In, Optional[StageOut]], Recordable):
             return
         self.rejected += 1
         self._failure = _Failure("validation", None, self._loaded, problem)
-        raise MalformedBatchError(
-            f"batch {self._loaded}: {problem}. It was dropped before any stage ran on "
-            "it, and the next progress() goes on with the next batch. Fix the data, "
-            "or pass validate_batches=False to turn these checks off."
-        )
+        raise MalformedBatchError.dropped(self._loaded, problem)
 
     @contextlib.contextmanager
     def _noting_failure(
