@@ -493,7 +493,6 @@ class SparseDataDistUtil(Generic[In]):
             self._contexts[-1] = self._new_context(self._index_of(ctx))
             return
         assert self._third_stage is not None, "only prefetch or lookup runs after input_dist"
-        dropped = self._contexts[1]
         if filling:
             # Undo the fill callback's advance: the next batch starts its
             # input_dist in the newest context and advances once more.
@@ -502,7 +501,7 @@ class SparseDataDistUtil(Generic[In]):
             self._contexts.appendleft(self._last_dropped)
             self._last_dropped = None
         else:
-            self._holes.add(self._index_of(dropped))
+            self._holes.add(self._index_of(self._contexts[1]))
 
     def _drop_untrained_batch(self) -> None:
         """Catch up if the caller moved on without finishing the forward of the
@@ -513,13 +512,12 @@ class SparseDataDistUtil(Generic[In]):
             return
         if self._index_of(ctx) in self._holes:
             logger.debug("SparseDataDistUtil: passing over batch %s, which the pipeline skipped", ctx.index)
-            self._next_batch()
-            return
-        logger.warning(
-            "SparseDataDistUtil: batch %s was not trained (its forward never finished); "
-            "moving on to the next batch",
-            ctx.index,
-        )
+        else:
+            logger.warning(
+                "SparseDataDistUtil: batch %s was not trained (its forward never finished); "
+                "moving on to the next batch",
+                ctx.index,
+            )
         self._next_batch()
 
     def _end_tick(self) -> None:
