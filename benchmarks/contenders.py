@@ -231,6 +231,11 @@ class Contender:
         self.model = self.optimizer = None
 
 
+# Entered around every step's forward and backward of the plain loops: one
+# reusable object, not one built per step.
+_NOTHING: ContextManager[None] = contextlib.nullcontext()
+
+
 class PlainLoop(Contender):
     """No pipeline: per batch, copy, zero_grad, forward, backward, step (train) or forward (eval)."""
 
@@ -246,10 +251,15 @@ class PlainLoop(Contender):
                 model(batch)
                 continue
             optimizer.zero_grad()
-            losses, _ = model(batch)
-            torch.sum(losses, dim=0).backward()
+            with self._forward_backward():
+                losses, _ = model(batch)
+                torch.sum(losses, dim=0).backward()
             optimizer.step()
         return len(batches)
+
+    def _forward_backward(self) -> ContextManager[Any]:
+        """What a training step's forward and backward run under (nothing here)."""
+        return _NOTHING
 
 
 class CompiledPlainLoop(PlainLoop):
@@ -276,6 +286,8 @@ class CompiledPlainLoop(PlainLoop):
         self.key = f"plain:{TRAIN}+{COMPILED_PLAIN[variant]}"
         self.compiles_like = variant
         self._compiler: Any = None
+        self._steps = 0  # steps run so far (PT2 compiles after compile_on_iter of them)
+        self.model_compiled = False
 
     def _model_context(self) -> ContextManager[Any]:
         if self.compiles_like in NEEDS_PYTHON_REDUCER:
@@ -285,8 +297,6 @@ class CompiledPlainLoop(PlainLoop):
     def _build(self) -> None:
         if self.compiles_like != "TrainPipelinePT2":
             self._compiler = torch.compile(backend="inductor", dynamic=True, fullgraph=False)
-        self._steps = 0
-        self.model_compiled = False
 
     def _compile_model(self) -> None:
         # As TrainPipelinePT2 does, after compile_on_iter eager steps: DDP's
@@ -319,18 +329,13 @@ class CompiledPlainLoop(PlainLoop):
     def _run_compiled_autograd_epoch(self, batches: Sequence[Batch]) -> int:
         from trec_pipelines.pipelines import comp_autograd as ca
 
-        model, optimizer = self.model, self.optimizer
-        assert model is not None and optimizer is not None
-        enable = torch._dynamo.compiled_autograd._enable
         with ca.compiled_autograd_settings(), ca._inline_ddp_for_dynamo(), ca.sync_collectives():
-            for batch in batches:
-                batch = batch.to(CPU, non_blocking=True)
-                optimizer.zero_grad()
-                with enable(self._compiler):
-                    losses, _ = model(batch)
-                    torch.sum(losses, dim=0).backward()
-                optimizer.step()
-        return len(batches)
+            return super()._run_epoch(batches)
+
+    def _forward_backward(self) -> ContextManager[Any]:
+        if self._compiler is None:  # PT2: the model itself is compiled
+            return _NOTHING
+        return torch._dynamo.compiled_autograd._enable(self._compiler)
 
 
 class PipelineContender(Contender):

@@ -8,15 +8,14 @@ Plan of a run:
    epoch each (compiled variants compile here, and then also run the timed
    batches once, untimed, so their shapes recompile nothing later), then
    ``repeats`` rounds; each round times one epoch of every contender in
-   turn (A B C, A B C, ...), so
-   drift of a shared machine hits all of them alike.  The result per
-   contender is the median over rounds.  After the rounds, every rank times
-   ``batch_problem`` (what ``validate_batches=True`` runs on each batch) on
-   that batch size's epoch batches, in a loop of its own.  Then, per variant
-   of ours, a short *recorded* epoch (schedule recording on, never timed)
-   draws its timeline and notes where its input dist went
-   (``benchmarks/recording.py``: the hidden fraction and the link-order gap
-   of the bound).
+   turn (A B C, A B C, ...), so drift of a shared machine hits all of them
+   alike.  The result per contender is the median over rounds.  After the
+   rounds, every rank times ``batch_problem`` (what ``validate_batches=True``
+   runs on each batch) on that batch size's epoch batches, in a loop of its
+   own.  Then, per variant of ours, a short *recorded* epoch (schedule
+   recording on, never timed) draws its timeline and notes where its input
+   dist went (``benchmarks/recording.py``: the hidden fraction and the
+   link-order gap of the bound).
    With ``memory`` (default), per batch size, every pipeline contender then
    runs untimed epochs measuring what it holds (``benchmarks/memory.py``);
    at the largest batch size SparseDist of both libraries is also built and
