@@ -217,10 +217,23 @@ def train_staged(
     batches: List[Any],
     optimizer: torch.optim.Optimizer,
     between: Optional[Callable[[int], None]] = None,
+    on_error: Optional[Callable[[Exception], None]] = None,
 ) -> List[torch.Tensor]:
+    """The caller's loop over the batches the pipeline hands out; a progress()
+    that raises goes to ``on_error`` (which fails on what it does not expect)
+    and the loop calls progress() again."""
     it = iter(batches)
     outputs = []
-    while (batch := pipeline.progress(it)) is not None:
+    for _ in range(4 * len(batches) + 10):
+        try:
+            batch = pipeline.progress(it)
+        except Exception as error:
+            if on_error is None:
+                raise
+            on_error(error)
+            continue
+        if batch is None:
+            return outputs
         optimizer.zero_grad()
         loss, pred = model(batch)
         torch.sum(loss, dim=0).backward()
@@ -228,7 +241,7 @@ def train_staged(
         outputs.append(pred)
         if between is not None:
             between(len(outputs))
-    return outputs
+    raise AssertionError("progress() never returned None")
 
 
 @pytest.mark.parametrize("n", [0, 1, 2, 7])
@@ -631,21 +644,9 @@ def test_sdd_malformed_batch_training_equals_the_plain_loop_without_it(at: int) 
     model = TinyModel()
     sdd = SparseDataDistUtil(model, data_dist_stream=None)
     pipeline = StagedTrainPipeline([h2d_stage(), sdd.start_sparse_data_dist_stage()])
-    optimizer = optimizer_for(model)
-    it = iter(batches)
-    ours: List[torch.Tensor] = []
-    for _ in range(20):
-        try:
-            batch = pipeline.progress(it)
-        except MalformedBatchError:
-            continue
-        if batch is None:
-            break
-        optimizer.zero_grad()
-        loss, pred = model(batch)
-        torch.sum(loss, dim=0).backward()
-        optimizer.step()
-        ours.append(pred)
+    rejected: List[Exception] = []
+    ours = train_staged(model, pipeline, batches, optimizer_for(model), on_error=rejected.append)
+    assert [type(error) for error in rejected] == [MalformedBatchError]
     assert_same_training(ours, ref, model, ref_model)
     assert pipeline.rejected == 1
 
@@ -802,24 +803,13 @@ def test_sdd_poison_batch_skipped_training_equals_the_plain_loop_without_it(
     stage = stages[["h2d", "input_dist", "prefetch"].index(failing)]
     stage.runnable = Poisoned(stage.runnable, poisoned)
     pipeline = StagedTrainPipeline(stages)
-    optimizer = optimizer_for(model)
-    it = iter(batches)
-    ours: List[torch.Tensor] = []
     skipped: List[int] = []
-    for _ in range(30):
-        try:
-            batch = pipeline.progress(it)
-        except RuntimeError as error:
-            assert "poison" in str(error)
-            skipped.append(pipeline.skip_failed_batch())
-            continue
-        if batch is None:
-            break
-        optimizer.zero_grad()
-        loss, pred = model(batch)
-        torch.sum(loss, dim=0).backward()
-        optimizer.step()
-        ours.append(pred)
+
+    def skip(error: Exception) -> None:
+        assert isinstance(error, RuntimeError) and "poison" in str(error), error
+        skipped.append(pipeline.skip_failed_batch())
+
+    ours = train_staged(model, pipeline, batches, optimizer_for(model), on_error=skip)
     assert skipped == [at]
     assert_same_training(ours, ref, model, ref_model)
     kinds = [kind for kind, _ in model.log]
