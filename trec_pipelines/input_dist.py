@@ -11,6 +11,11 @@ its splits metadata (:class:`SplitsOnlyKJTAllToAll`) instead of launching its
 own splits collective; ``FusedKJTListSplitsAwaitable`` (torchrec) then launches
 one collective per process group.
 
+The splits-only forward may run on another process group of the same ranks
+than the module's own (``input_dist_group="dedicated"``, see
+``[Note: a dedicated input-dist group]`` in :mod:`trec_pipelines.input_dist_group`):
+both all-to-alls then go there, through the group the metadata names.
+
 A ``KJTAllToAll`` on a one-rank group is left as it is: it has nothing to
 exchange and its own forward already skips the splits collective, so its
 request is waited on its own.  (torchrec's pipelines fuse it anyway and run a
@@ -24,7 +29,7 @@ import itertools
 import logging
 from collections import defaultdict
 from dataclasses import dataclass
-from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
@@ -39,6 +44,7 @@ from torchrec.distributed.types import Awaitable, ShardedModule
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from trec_pipelines.context import TrainPipelineContext
+from trec_pipelines.input_dist_group import InputDistGroup, dedicated_groups
 from trec_pipelines.postproc import PipelinedPostproc, postprocs_read_by, use_context_for_postprocs
 
 logger: logging.Logger = logging.getLogger(__name__)
@@ -111,8 +117,20 @@ def _kjt_all_to_alls(modules: Sequence[ShardedModule]) -> List[KJTAllToAll]:
     return found
 
 
-def fuse_kjt_splits(modules: Sequence[ShardedModule]) -> Tuple[KJTDistOverride, ...]:
-    """Make every ``KJTAllToAll`` in ``modules`` hand back splits metadata only."""
+def kjt_process_groups(modules: Sequence[ShardedModule]) -> List[dist.ProcessGroup]:
+    """The distinct process groups the ``KJTAllToAll``s in ``modules`` run on."""
+    return list(dict.fromkeys(kjt_dist._pg for kjt_dist in _kjt_all_to_alls(modules)))
+
+
+def fuse_kjt_splits(
+    modules: Sequence[ShardedModule],
+    groups: Optional[Mapping[dist.ProcessGroup, dist.ProcessGroup]] = None,
+) -> Tuple[KJTDistOverride, ...]:
+    """Make every ``KJTAllToAll`` in ``modules`` hand back splits metadata only.
+
+    ``groups`` maps a module's process group to the one its input_dist runs on
+    instead (the dedicated groups); a group not in it is used as it is.
+    """
     overrides = []
     for kjt_dist in _kjt_all_to_alls(modules):
         if kjt_dist._pg.size() == 1:
@@ -124,7 +142,8 @@ def fuse_kjt_splits(modules: Sequence[ShardedModule]) -> Tuple[KJTDistOverride, 
                 original_forward=kjt_dist.__dict__.get("forward"),
             )
         )
-        splits_only = SplitsOnlyKJTAllToAll(kjt_dist._pg, kjt_dist._splits, kjt_dist._stagger)
+        pg = (groups or {}).get(kjt_dist._pg, kjt_dist._pg)
+        splits_only = SplitsOnlyKJTAllToAll(pg, kjt_dist._splits, kjt_dist._stagger)
         splits_only.replaced = overrides[-1]
         kjt_dist.forward = splits_only  # type: ignore[method-assign]
     return tuple(overrides)
@@ -149,6 +168,46 @@ def unfuse_kjt_splits(overrides: Sequence[KJTDistOverride]) -> None:
             override.dist_module.forward = override.original_forward  # type: ignore[method-assign]
         else:
             override.dist_module.__dict__.pop("forward", None)
+
+
+class SplitsFusion:
+    """The splits-only overrides a pipeline installs on its modules, and the
+    process groups their input_dist runs on (``input_dist_group``).
+
+    The dedicated groups are resolved at the first :meth:`fuse` after a
+    rewrite, a collective every rank reaches at the same ``progress()`` (see
+    :func:`~trec_pipelines.input_dist_group.dedicated_groups`), and reused
+    when the same rewrite is fused again (``attach()`` after ``detach()``),
+    which then issues no collective.  :meth:`new_rewrite` forgets them.
+    """
+
+    def __init__(self, input_dist_group: InputDistGroup) -> None:
+        self.input_dist_group: InputDistGroup = input_dist_group
+        self._groups: Optional[Dict[dist.ProcessGroup, dist.ProcessGroup]] = None
+        self.overrides: Tuple[KJTDistOverride, ...] = ()
+        self.fused = False
+
+    def fuse(self, modules: Sequence[ShardedModule]) -> None:
+        """Install the overrides on ``modules`` (whose input_dists exist by now)."""
+        if self.input_dist_group == "dedicated" and self._groups is None:
+            self._groups = dedicated_groups(kjt_process_groups(modules))
+        self.overrides = fuse_kjt_splits(modules, self._groups)
+        self.fused = True
+
+    def unfuse(self) -> None:
+        """Give every ``KJTAllToAll`` its own forward back."""
+        unfuse_kjt_splits(self.overrides)
+        self.overrides = ()
+        self.fused = False
+
+    def new_rewrite(self) -> None:
+        """The next :meth:`fuse` is of another rewrite: resolve its groups again."""
+        self._groups = None
+
+    @property
+    def groups(self) -> Dict[dist.ProcessGroup, dist.ProcessGroup]:
+        """Each module group -> the group its input_dist runs on, where they differ."""
+        return dict(self._groups or {})
 
 
 def start_input_dist(

@@ -16,6 +16,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from trec_pipelines.input_dist_group import release_input_dist_groups
+
 # A collective that never completes (e.g. one rank failed an assert before an
 # all-to-all) turns into an error after this long instead of hanging CI.
 # Override with TREC_TEST_PG_TIMEOUT=<seconds>.
@@ -125,6 +127,9 @@ def per_test_group(process_group, request):
     if torchrec_shim.shim_entries() > shim_entries_before:
         _shimmed_tests.append(request.node.nodeid)
     dlrm.set_current_group(None)
+    # The dedicated input_dist groups made for it go with it (else every test
+    # would leave one more set of gloo pairs open).
+    release_input_dist_groups(group)
     dist.destroy_process_group(group)
 
 

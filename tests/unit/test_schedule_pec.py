@@ -131,6 +131,7 @@ def test_constructor_is_torchrecs() -> None:
         "on_unpipelined",
         "sync_exhaustion",
         "validate_batches",
+        "input_dist_group",
     ]
 
 

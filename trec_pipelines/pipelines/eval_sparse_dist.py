@@ -34,6 +34,7 @@ from trec_pipelines.pipelines.sparse_dist import TrainPipelineSparseDist
 from trec_pipelines.rewrite import Strategy
 from trec_pipelines.stages import BatchSource, copy_to_device, shares_kjt_storage
 from trec_pipelines.streams import has_streams
+from trec_pipelines.input_dist_group import DEFAULT_INPUT_DIST_GROUP, InputDistGroup
 
 # A loaded batch and its index in the order of loading.
 Loaded = Tuple[Any, int]
@@ -273,6 +274,7 @@ class EvalPipelineSparseDist(TrainPipelineSparseDist[In, Out]):
         sync_exhaustion: bool = False,
         validate_batches: bool = True,
         loader_thread: Optional[bool] = None,
+        input_dist_group: InputDistGroup = DEFAULT_INPUT_DIST_GROUP,
     ) -> None:
         self._loader: Optional[_Loader] = None  # first: __del__ reads it
         self._loader_iter: Optional[Iterator[Any]] = None
@@ -294,6 +296,7 @@ class EvalPipelineSparseDist(TrainPipelineSparseDist[In, Out]):
             on_unpipelined=on_unpipelined,
             sync_exhaustion=sync_exhaustion,
             validate_batches=validate_batches,
+            input_dist_group=input_dist_group,
         )
         # Decided as the streams were made above: a thread where copies overlap.
         self._loader_thread: bool = (

@@ -24,6 +24,7 @@ from trec_pipelines.streams import (
     record_event,
     wait_stream,
 )
+from trec_pipelines.input_dist_group import DEFAULT_INPUT_DIST_GROUP, InputDistGroup
 
 EmbLookupStream = Literal["data_dist", "new", "current"]
 EMB_LOOKUP_STREAMS: Tuple[str, ...] = ("data_dist", "new", "current")
@@ -127,6 +128,7 @@ class TrainPipelineFusedSparseDist(TrainPipelineSparseDist[In, Out]):
         on_unpipelined: str = "warn",
         sync_exhaustion: bool = False,
         validate_batches: bool = True,
+        input_dist_group: InputDistGroup = DEFAULT_INPUT_DIST_GROUP,
     ) -> None:
         if emb_lookup_stream not in EMB_LOOKUP_STREAMS:
             raise ValueError(
@@ -154,6 +156,7 @@ class TrainPipelineFusedSparseDist(TrainPipelineSparseDist[In, Out]):
             on_unpipelined=on_unpipelined,
             sync_exhaustion=sync_exhaustion,
             validate_batches=validate_batches,
+            input_dist_group=input_dist_group,
         )
         self._strict = strict
         self._embedding_lookup_after_data_dist = embedding_lookup_after_data_dist
@@ -347,6 +350,7 @@ class EvalPipelineFusedSparseDist(TrainPipelineFusedSparseDist[In, Out]):
         on_unpipelined: str = "warn",
         sync_exhaustion: bool = False,
         validate_batches: bool = True,
+        input_dist_group: InputDistGroup = DEFAULT_INPUT_DIST_GROUP,
     ) -> None:
         super().__init__(
             model,
@@ -367,6 +371,7 @@ class EvalPipelineFusedSparseDist(TrainPipelineFusedSparseDist[In, Out]):
             on_unpipelined=on_unpipelined,
             sync_exhaustion=sync_exhaustion,
             validate_batches=validate_batches,
+            input_dist_group=input_dist_group,
         )
         self._enable_embedding_lookup_prefetch = enable_embedding_lookup_prefetch
 

@@ -49,6 +49,7 @@ from trec_pipelines.pipelines.sparse_dist import TrainPipelineSparseDist
 from trec_pipelines.rewrite import Strategy
 from trec_pipelines.step_guard import guarded_step
 from trec_pipelines.streams import current_stream, record_stream, wait_event
+from trec_pipelines.input_dist_group import DEFAULT_INPUT_DIST_GROUP, InputDistGroup
 
 
 class TrainPipelinePEC(TrainPipelineSparseDist[In, Out]):
@@ -138,6 +139,7 @@ class TrainPipelinePEC(TrainPipelineSparseDist[In, Out]):
         on_unpipelined: str = "warn",
         sync_exhaustion: bool = False,
         validate_batches: bool = True,
+        input_dist_group: InputDistGroup = DEFAULT_INPUT_DIST_GROUP,
     ) -> None:
         super().__init__(
             model,
@@ -151,6 +153,7 @@ class TrainPipelinePEC(TrainPipelineSparseDist[In, Out]):
             on_unpipelined=on_unpipelined,
             sync_exhaustion=sync_exhaustion,
             validate_batches=validate_batches,
+            input_dist_group=input_dist_group,
         )
         # The last trained batch's NOL gradient, applied in the next step: on the
         # pipeline, so a rolled-back step keeps it (see [Note: PEC, retrying a step]).

@@ -24,6 +24,7 @@ from trec_pipelines.streams import (
     record_event,
     wait_stream,
 )
+from trec_pipelines.input_dist_group import DEFAULT_INPUT_DIST_GROUP, InputDistGroup
 
 
 class PrefetchTrainPipelineSparseDist(TrainPipelineSparseDist[In, Out]):
@@ -123,6 +124,7 @@ class PrefetchTrainPipelineSparseDist(TrainPipelineSparseDist[In, Out]):
         on_unpipelined: str = "warn",
         sync_exhaustion: bool = False,
         validate_batches: bool = True,
+        input_dist_group: InputDistGroup = DEFAULT_INPUT_DIST_GROUP,
     ) -> None:
         super().__init__(
             model,
@@ -141,6 +143,7 @@ class PrefetchTrainPipelineSparseDist(TrainPipelineSparseDist[In, Out]):
             on_unpipelined=on_unpipelined,
             sync_exhaustion=sync_exhaustion,
             validate_batches=validate_batches,
+            input_dist_group=input_dist_group,
         )
         # Recorded on the default stream when the last forward was issued;
         # the next prefetch waits for it (see [Note: prefetch ordering]).

@@ -26,6 +26,7 @@ from trec_pipelines.streams import (
     record_stream,
     wait_event,
 )
+from trec_pipelines.input_dist_group import DEFAULT_INPUT_DIST_GROUP, InputDistGroup
 
 logger: logging.Logger = logging.getLogger(__name__)
 
@@ -144,6 +145,7 @@ class TrainPipelineSemiSync(TrainPipelineSparseDist[In, Out]):
         on_unpipelined: str = "warn",
         sync_exhaustion: bool = False,
         validate_batches: bool = True,
+        input_dist_group: InputDistGroup = DEFAULT_INPUT_DIST_GROUP,
     ) -> None:
         super().__init__(
             model,
@@ -162,6 +164,7 @@ class TrainPipelineSemiSync(TrainPipelineSparseDist[In, Out]):
             on_unpipelined=on_unpipelined,
             sync_exhaustion=sync_exhaustion,
             validate_batches=validate_batches,
+            input_dist_group=input_dist_group,
         )
         self._start_batch = start_batch
         self._stash_gradients = stash_gradients

@@ -24,12 +24,11 @@ from trec_pipelines.forwards import (
     PipelinedForward,
     PrefetchPipelinedForward,
 )
-from trec_pipelines.input_dist import (
-    KJTDistOverride,
-    fuse_kjt_splits,
-    start_input_dist,
-    unfuse_kjt_splits,
-    wait_input_dist,
+from trec_pipelines.input_dist import SplitsFusion, start_input_dist, wait_input_dist
+from trec_pipelines.input_dist_group import (
+    DEFAULT_INPUT_DIST_GROUP,
+    InputDistGroup,
+    check_input_dist_group,
 )
 from trec_pipelines.lookup import start_embedding_lookup
 from trec_pipelines.pipelines._common import check_apply_jit
@@ -83,6 +82,10 @@ class SparseDataDistUtil(Generic[In]):
     :class:`StagedTrainPipeline` given a stage that runs :meth:`prefetch` or
     :meth:`start_embedding_lookup` turns that mode on (see :meth:`stage_declared`),
     and the work runs on the current stream.
+
+    ``input_dist_group`` (keyword-only, "dedicated" by default): the process
+    group the input_dist runs on, as in
+    :class:`~trec_pipelines.pipelines.sparse_dist.TrainPipelineSparseDist`.
 
     [Note: a failed forward in the caller's loop]
     The forward hook moves the contexts on only when a forward finishes.  A
@@ -149,6 +152,7 @@ class SparseDataDistUtil(Generic[In]):
         embedding_lookup_stream: Optional[torch.Stream] = None,
         *,
         rewrite_strategy: Strategy = "auto",
+        input_dist_group: InputDistGroup = DEFAULT_INPUT_DIST_GROUP,
     ) -> None:
         if prefetch_stream is not None and embedding_lookup_stream is not None:
             raise ValueError(
@@ -198,8 +202,7 @@ class SparseDataDistUtil(Generic[In]):
         self._last_dropped: Optional[TrainPipelineContext] = None
         self._holes: Set[int] = set()
         self._rewrite: Optional[RewriteResult] = None
-        self._kjt_overrides: Tuple[KJTDistOverride, ...] = ()
-        self._splits_fused = False
+        self._fusion = SplitsFusion(check_input_dist_group(input_dist_group, type(self).__name__))
         # Set when a stage first found no batch; only relaxes the context checks.
         self._exhausting_mode = False
         # Between two input_dist-stage calls (one progress() each, see
@@ -418,10 +421,8 @@ class SparseDataDistUtil(Generic[In]):
             if self._pre_hook is not None:
                 self._pre_hook.remove()
                 self._pre_hook = None
-            if self._splits_fused:
-                unfuse_kjt_splits(self._kjt_overrides)
-                self._kjt_overrides = ()
-                self._splits_fused = False
+            if self._fusion.fused:
+                self._fusion.unfuse()
             restore_model(self._rewrite)
         self.initialized = False
         return self.model
@@ -443,10 +444,9 @@ class SparseDataDistUtil(Generic[In]):
         assert ctx.index is not None
         self._last_started = ctx.index
         self._end_tick()
-        if not self._splits_fused:
+        if not self._fusion.fused:
             # The modules build their all-to-alls on their first input_dist.
-            self._kjt_overrides = fuse_kjt_splits(self._rewrite.modules)
-            self._splits_fused = True
+            self._fusion.fuse(self._rewrite.modules)
         return batch
 
     def wait_sparse_data_dist(self) -> None:

@@ -18,13 +18,16 @@ from trec_pipelines.context import TrainPipelineContext
 from trec_pipelines.forwards import BaseForward, PipelinedForward
 from trec_pipelines.inplace_copy import AsyncInplaceCopyMixin, BatchQueue, InplaceCopyWorker
 from trec_pipelines.input_dist import (
-    KJTDistOverride,
-    fuse_kjt_splits,
+    SplitsFusion,
     release_input_dist_inputs,
     start_input_dist,
-    unfuse_kjt_splits,
     unfuse_left_over,
     wait_input_dist,
+)
+from trec_pipelines.input_dist_group import (
+    DEFAULT_INPUT_DIST_GROUP,
+    InputDistGroup,
+    check_input_dist_group,
 )
 from trec_pipelines.pipelines._common import (
     UNPIPELINED_POLICIES,
@@ -143,6 +146,15 @@ class TrainPipelineSparseDist(TrainPipeline[In, Out], AsyncInplaceCopyMixin[In],
     another pipeline's wrappers on its model (an eval pipeline left attached)
     detaches it and takes the model over; see ``_take_over_model``.
 
+    ``input_dist_group`` (keyword-only): "dedicated" (the default) runs the
+    pipelined input_dist on a process group of the same ranks that carries
+    nothing else, made once per sharding group at the first rewrite and
+    shared by every pipeline; "shared" keeps it on the model's group, as
+    torchrec does, where the next batch's ids queue ahead of this batch's
+    embedding all-to-alls.  Results are bit-identical either way; see
+    ``[Note: a dedicated input-dist group]`` in
+    :mod:`trec_pipelines.input_dist_group`.
+
     ``async_inplace_copy`` (torchrec 1.9.2's flag, on every stack): the
     in-place copy of ``new`` (memory allocated on the default stream, filled on
     the memcpy stream) is issued by a background thread, and ``new``'s slot
@@ -188,6 +200,9 @@ class TrainPipelineSparseDist(TrainPipeline[In, Out], AsyncInplaceCopyMixin[In],
     # Training variants roll a failed step back (trec_pipelines.step_guard);
     # the eval variants, which train nothing, keep no host copies for it.
     _retries_failed_steps: bool = True
+    # Whether a batch's input_dist starts in an earlier step than its forward
+    # (False for Lite): then it may run on a dedicated group (input_dist_group).
+    _input_dist_ahead: bool = True
 
     def __init__(
         self,
@@ -210,6 +225,7 @@ class TrainPipelineSparseDist(TrainPipeline[In, Out], AsyncInplaceCopyMixin[In],
         on_unpipelined: str = "warn",
         sync_exhaustion: bool = False,
         validate_batches: bool = True,
+        input_dist_group: InputDistGroup = DEFAULT_INPUT_DIST_GROUP,
     ) -> None:
         super().__init__()
         if self._requires_optimizer:
@@ -257,7 +273,10 @@ class TrainPipelineSparseDist(TrainPipeline[In, Out], AsyncInplaceCopyMixin[In],
         self._rewrite: Optional[RewriteResult] = None
         # In-flight batches of iterators set aside by a switch (see _switch_iterator).
         self._parked = ParkedEpochs()
-        self._kjt_overrides: Tuple[KJTDistOverride, ...] = ()
+        check_input_dist_group(input_dist_group, type(self).__name__)
+        # Lite starts a batch's input_dist in the step that trains it: nothing
+        # queues behind it, so it stays on the model's group.
+        self._fusion = SplitsFusion(input_dist_group if self._input_dist_ahead else "shared")
         self._model_attached = True
         # Set when another pipeline detached this one to take the model over.
         self._taken_over_by: Optional[str] = None
@@ -322,7 +341,8 @@ class TrainPipelineSparseDist(TrainPipeline[In, Out], AsyncInplaceCopyMixin[In],
         self._set_module_context(context)
         self.start_sparse_data_dist(batch, context)
         # input_dists exist only after the first input_dist call.
-        self._kjt_overrides = fuse_kjt_splits(self._rewrite.modules)
+        self._fusion.new_rewrite()
+        self._fusion.fuse(self._rewrite.modules)
 
     def _init_input_dist(self, batch: Any, context: TrainPipelineContext) -> None:
         """Start ``batch``'s input_dist, rewriting the model first if not done yet."""
@@ -711,9 +731,8 @@ class TrainPipelineSparseDist(TrainPipeline[In, Out], AsyncInplaceCopyMixin[In],
         Call :meth:`attach` (or just :meth:`progress`) to resume.
         """
         if self._rewrite is not None and self._model_attached:
-            unfuse_kjt_splits(self._kjt_overrides)
+            self._fusion.unfuse()
             restore_model(self._rewrite)
-            self._kjt_overrides = ()
         self._model_attached = False
         return self._model
 
@@ -739,13 +758,14 @@ class TrainPipelineSparseDist(TrainPipeline[In, Out], AsyncInplaceCopyMixin[In],
         self._take_over_model()
         self._rewrite = reapply_rewrite(self._rewrite, self._make_forward)
         _claim(self._rewrite, self)
-        self._kjt_overrides = fuse_kjt_splits(self._rewrite.modules)
+        self._fusion.fuse(self._rewrite.modules)
         if self.contexts:
             self._set_module_context(self.contexts[0])
 
     def _pipeline_model_without_input_dist(self, batch: Any) -> None:
         self._rewrite = self._rewrite_checked(batch)
-        self._kjt_overrides = fuse_kjt_splits(self._rewrite.modules)
+        self._fusion.new_rewrite()
+        self._fusion.fuse(self._rewrite.modules)
         self._set_module_context(self.contexts[0])
 
     def reset(self) -> None:

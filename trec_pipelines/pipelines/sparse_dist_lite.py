@@ -56,6 +56,7 @@ class TrainPipelineSparseDistLite(TrainPipelineSparseDist[In, Out]):
     _depth = 2
 
     _input_dist_role = "default"
+    _input_dist_ahead = False
 
     def __init__(
         self,
