@@ -43,7 +43,7 @@ def launch(cfg: BenchConfig) -> int:
     env.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
     command = torchrun_command(cfg)
     if cfg.link_gbit is not None:
-        link = netns.plan(cfg.link_gbit)
+        link = netns.plan(cfg.link_gbit, cfg.link_socket_queue_kb * 1024)
         try:
             netns.check(link)
         except netns.LinkUnavailable as why:
@@ -53,8 +53,10 @@ def launch(cfg: BenchConfig) -> int:
         else:
             env[netns.HOST_NETNS_ENV] = str(netns.netns_inode())
             command = netns.wrap(command, link)
-            print(f"emulated interconnect: {cfg.link_gbit:g} Gbit/s (tbf, burst {link.burst_bytes} B) "
-                  "on the loopback of a private network namespace", flush=True)
+            queue = (f"{cfg.link_socket_queue_kb} KiB queued per socket" if link.socket_queue_bytes
+                     else "the kernel's socket queue limit")
+            print(f"emulated interconnect: {cfg.link_gbit:g} Gbit/s (tbf, burst {link.burst_bytes} B, "
+                  f"{queue}) on the loopback of a private network namespace", flush=True)
     print(f"launching {cfg.nproc} ranks under torchrun: {' '.join(command)}", flush=True)
     return subprocess.run(command, env=env, cwd=REPO).returncode
 

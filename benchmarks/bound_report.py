@@ -96,7 +96,11 @@ def bound_report(
             continue
         ranks = recorded.get(variant) or []
         facts = schedule_facts(ranks) if ranks else None
-        bound = schedule_bound(costs, facts.gap_ms if facts else None, facts.on_chain if facts else False)
+        ours_entry = (block.get("contenders") or {}).get(f"ours:{variant}") or {}
+        bound = schedule_bound(
+            costs, facts.gap_ms if facts else None, facts.on_chain if facts else False,
+            dedicated=ours_entry.get("input_dist_group") == "dedicated",
+        )
         out.variants.append(
             VariantBound(
                 variant=variant,
@@ -168,6 +172,11 @@ def format_bound(report: BoundReport, table: TableLayout) -> str:
             f"  link order, per variant: fwd+bwd+opt + max(0, input-dist link {c.link_input_dist_ms:.2f} ms - gap), "
             "gap = from the input dist's ids all-to-all to the step's next all-to-all (one gloo group: a FIFO link)"
         )
+        if c.link_compute_ms is not None:
+            lines.append(
+                f"  link share, input dist on a dedicated group: fwd+bwd+opt + min(fwd+bwd+opt link "
+                f"{c.link_compute_ms:.2f} ms, max(0, input-dist link - gap)) (two groups share the link's rate)"
+            )
     body = []
     for v in report.variants:
         facts = v.facts

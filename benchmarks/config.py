@@ -37,6 +37,9 @@ PRESETS: Dict[str, Dict[str, Any]] = {
         "repeats": 5,
         "warmup_steps": 3,
         "link_gbit": 1.0,
+        # Ours with the input dist on a dedicated group (the default) and on the
+        # model's group, each next to torchrec (always the model's group).
+        "input_dist_groups": ("dedicated", "shared"),
         "memory": False,
         "memory_options": False,
         "overhead": False,
@@ -87,6 +90,11 @@ _HELP: Dict[str, str] = {
     "memory_options": "also measure what SparseDist's enable_inplace_copy_batch / free_features_storage_early / clear_data_dist_inputs save, at the largest batch size (builds a model and pipeline per option set and library)",
     "memory_steps": "batches of each memory-measuring epoch",
     "link_gbit": "emulate an interconnect of this many Gbit/s (private network namespace, tbf on its loopback)",
+    "link_socket_queue_kb": "KiB each TCP socket may queue for the emulated link (tcp_limit_output_bytes in the namespace; "
+    "0 keeps the kernel's default, a queue deep enough for one all-to-all to hold up every other flow: "
+    "see [Note: the link's queue] in benchmarks/netns.py)",
+    "input_dist_groups": "input_dist_group settings each of our pipelines that takes the option runs with "
+    "(the first with its plain key, the others as their own rows, e.g. 'TrainPipelineSparseDist [shared]')",
     "threads": "intra-op threads per rank",
     "seed": "seed of the model weights and the synthetic batches",
     "out_dir": "where results go (a sub-directory per run name)",
@@ -130,6 +138,8 @@ class BenchConfig:
     memory_options: bool = True
     memory_steps: int = 8
     link_gbit: Optional[float] = None
+    link_socket_queue_kb: int = 64
+    input_dist_groups: Tuple[str, ...] = ("dedicated",)
     threads: int = 1
     seed: int = 0
     out_dir: str = "benchmarks/results"
@@ -159,6 +169,15 @@ class BenchConfig:
             raise ValueError("--dims, --pooling and --rows must be non-empty / positive")
         if self.link_gbit is not None and self.link_gbit <= 0:
             raise ValueError(f"--link-gbit must be > 0 Gbit/s, got {self.link_gbit}")
+        if self.link_socket_queue_kb < 0:
+            raise ValueError(f"--link-socket-queue-kb must be >= 0 (0: the kernel's default), got {self.link_socket_queue_kb}")
+        if not self.input_dist_groups or not set(self.input_dist_groups) <= {"dedicated", "shared"} or len(
+            set(self.input_dist_groups)
+        ) != len(self.input_dist_groups):
+            raise ValueError(
+                "--input-dist-groups takes 'dedicated' and/or 'shared', each once, got "
+                f"{','.join(self.input_dist_groups) or '(none)'}"
+            )
         if self.memory_steps < 3:
             raise ValueError(f"--memory-steps must be >= 3 (a pipeline fills with up to 3 batches), got {self.memory_steps}")
         if self.preset and self.preset not in PRESETS:

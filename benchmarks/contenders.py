@@ -188,6 +188,11 @@ class Contender:
         self.after_step: Optional[Callable[[], None]] = None
 
     # The shim is on for torchrec's shimmed classes and nothing else.
+    @property
+    def base_variant(self) -> str:
+        """The pipeline class name behind :attr:`variant` (a row label for a twin)."""
+        return self.variant
+
     def _context(self) -> ContextManager[None]:
         if self.shimmed:
             return shim.torchrec_on_cpu()
@@ -212,7 +217,7 @@ class Contender:
     def _model_context(self) -> ContextManager[Any]:
         # Compiled autograd can't run DDP's C++ reducer, and DDP picks its
         # reducer when it is built: both libraries need the model built so.
-        if self.variant in NEEDS_PYTHON_REDUCER:
+        if self.base_variant in NEEDS_PYTHON_REDUCER:
             return torch._dynamo.config.patch(optimize_ddp="python_reducer")
         return contextlib.nullcontext()
 
@@ -349,11 +354,23 @@ class PipelineContender(Contender):
         self.info = variant
         self.cls: type = cls
         self.pipeline: Any = None
-        # Constructor arguments on top of VARIANT_KWARGS (the memory options runs).
+        # Constructor arguments on top of VARIANT_KWARGS (the memory options runs, twins).
         self.extra_kwargs: Dict[str, Any] = {}
 
+    @property
+    def base_variant(self) -> str:
+        return self.info.name
+
+    @property
+    def input_dist_group(self) -> Optional[str]:
+        """The input_dist_group it runs with (None: the class has no such option)."""
+        if not takes_input_dist_group(self):
+            return None
+        default = "dedicated" if self.side == "ours" else "shared"  # torchrec: the model's group
+        return str(self.extra_kwargs.get("input_dist_group", default))
+
     def _build(self) -> None:
-        kwargs = {**VARIANT_KWARGS.get(self.variant, {}), **self.extra_kwargs}
+        kwargs = {**VARIANT_KWARGS.get(self.base_variant, {}), **self.extra_kwargs}
         self.pipeline = self.cls(self.model, self.optimizer, CPU, **kwargs)
 
     def _run_epoch(self, batches: Sequence[Batch]) -> int:
@@ -409,7 +426,10 @@ class StagedContender(PipelineContender):
         stage_cls, util_cls = self._helpers()
         # A CPU "stream": a real torch.Stream object, so code that reads .device works.
         copy_stream = torch.Stream(device="cpu")
-        self._sdd = util_cls(model=self.model, data_dist_stream=torch.Stream(device="cpu"))
+        # input_dist_group is SparseDataDistUtil's option; the rest go to the pipeline.
+        util_kwargs = {k: v for k, v in self.extra_kwargs.items() if k == "input_dist_group"}
+        pipeline_kwargs = {k: v for k, v in self.extra_kwargs.items() if k not in util_kwargs}
+        self._sdd = util_cls(model=self.model, data_dist_stream=torch.Stream(device="cpu"), **util_kwargs)
         stages = [
             stage_cls(name="data_copy", runnable=_to_cpu, stream=copy_stream),
             stage_cls(
@@ -421,7 +441,7 @@ class StagedContender(PipelineContender):
         ]
         # torchrec would otherwise ask torch.cpu for a "current stream" that has no .device.
         self.pipeline = self.cls(
-            pipeline_stages=stages, compute_stream=torch.Stream(device="cpu"), **self.extra_kwargs
+            pipeline_stages=stages, compute_stream=torch.Stream(device="cpu"), **pipeline_kwargs
         )
 
     def _run_epoch(self, batches: Sequence[Batch]) -> int:
@@ -484,6 +504,27 @@ def make_contender(variant: Variant, side: str) -> Contender:
     if variant.mode == STAGED:
         return StagedContender(variant, side)
     return PipelineContender(variant, side)
+
+
+def takes_input_dist_group(contender: "PipelineContender") -> bool:
+    """Whether ``contender``'s class (Staged: its SparseDataDistUtil) has ``input_dist_group``."""
+    if contender.side != "ours":
+        return False
+    cls = contender.cls
+    if isinstance(contender, StagedContender):
+        cls = contender._helpers()[1]
+    return "input_dist_group" in inspect.signature(cls).parameters
+
+
+def group_twin(contender: "PipelineContender", group: str) -> "PipelineContender":
+    """Our ``contender`` again with ``input_dist_group=group``, as its own row
+    (variant label ``"<Variant> [<group>]"``, key ``"ours:<label>"``)."""
+    twin = make_contender(contender.info, "ours")
+    assert isinstance(twin, PipelineContender)
+    twin.variant = f"{contender.info.name} [{group}]"
+    twin.key = f"ours:{twin.variant}"
+    twin.extra_kwargs = {"input_dist_group": group}
+    return twin
 
 
 # --------------------------------------------------------------------------

@@ -11,6 +11,23 @@ network namespace differs from the one the launcher started in.
 Needs root (to create the namespace), ``unshare``, and ``ip``/``tc`` from
 iproute2; a missing iproute2 is installed with apt-get, with a message.
 ``tbf`` is used because ``netem`` is not available in every kernel.
+
+[Note: the link's queue]
+tbf holds what waits for the link in one FIFO, and how much of it one TCP
+socket may fill is the kernel's ``tcp_limit_output_bytes`` (TCP small
+queues; 4 MiB on this kernel): a socket sending an all-to-all of 2 MiB puts
+all of it in the queue at once, and a packet of any other connection, a
+collective of another process group included, waits behind the whole of it.
+A host NIC does not behave so: its default qdisc (``fq`` / ``fq_codel``,
+absent from this kernel) serves flows in turn, and the NIC's byte queue
+limits keep its own queue to a few packets, so flows share the link's rate.
+The namespace therefore sets ``tcp_limit_output_bytes`` to
+``socket_queue_bytes`` (64 KiB, about half a millisecond at 1 Gbit/s, the
+size of tbf's bucket): each socket keeps at most that much in the queue and
+the flows interleave, as they would share a real link.  ``0`` keeps the
+kernel's default: the deep FIFO the results before 2026-11-25 were measured
+on (``--link-socket-queue-kb 0``).  Connections of one process group are
+still served in issue order by gloo itself (one pair of sockets per peer).
 """
 
 from __future__ import annotations
@@ -37,10 +54,16 @@ class LinkUnavailable(RuntimeError):
     """The emulated link can't be set up here; the message says why."""
 
 
+# The namespace's TCP small-queue limit (see [Note: the link's queue]).
+TSQ_SYSCTL = "/proc/sys/net/ipv4/tcp_limit_output_bytes"
+DEFAULT_SOCKET_QUEUE_BYTES = 64 * 1024
+
+
 @dataclass(frozen=True)
 class LinkPlan:
     gbit: float
     burst_bytes: int
+    socket_queue_bytes: int = DEFAULT_SOCKET_QUEUE_BYTES  # 0: the kernel's default
 
     def tc_args(self) -> List[str]:
         return [
@@ -51,10 +74,10 @@ class LinkPlan:
         ]
 
 
-def plan(gbit: float) -> LinkPlan:
+def plan(gbit: float, socket_queue_bytes: int = DEFAULT_SOCKET_QUEUE_BYTES) -> LinkPlan:
     # About half a millisecond of traffic, but never less than two loopback packets.
     burst = max(_MIN_BURST_BYTES, int(gbit * 1e9 / 8 * 0.0005))
-    return LinkPlan(gbit=gbit, burst_bytes=burst)
+    return LinkPlan(gbit=gbit, burst_bytes=burst, socket_queue_bytes=socket_queue_bytes)
 
 
 def netns_inode() -> int:
@@ -96,17 +119,21 @@ def wrap(command: Sequence[str], link: LinkPlan) -> List[str]:
     return [
         "unshare", "-n", "--",
         sys.executable, "-m", "benchmarks.netns",
-        f"{link.gbit:g}", str(link.burst_bytes), "--", *command,
+        f"{link.gbit:g}", str(link.burst_bytes), str(link.socket_queue_bytes), "--", *command,
     ]
 
 
 def inside(argv: Sequence[str]) -> int:
     """Entry point inside the namespace: rate-limit this namespace's loopback, then exec ``command``."""
     if "--" not in argv or len(argv) < 4:
-        print("usage: python -m benchmarks.netns GBIT BURST_BYTES -- COMMAND ...", file=sys.stderr)
+        print(
+            "usage: python -m benchmarks.netns GBIT BURST_BYTES [SOCKET_QUEUE_BYTES] -- COMMAND ...",
+            file=sys.stderr,
+        )
         return 2
     split = list(argv).index("--")
     gbit, burst = float(argv[0]), int(argv[1])
+    socket_queue = int(argv[2]) if split > 2 else 0
     command = list(argv[split + 1:])
     host = os.environ.get(HOST_NETNS_ENV)
     if host is None or int(host) == netns_inode():
@@ -116,10 +143,15 @@ def inside(argv: Sequence[str]) -> int:
             file=sys.stderr,
         )
         return 3
-    link = LinkPlan(gbit=gbit, burst_bytes=burst)
+    link = LinkPlan(gbit=gbit, burst_bytes=burst, socket_queue_bytes=socket_queue)
     for cmd in (["ip", "link", "set", "lo", "up"], link.tc_args()):
         subprocess.run(cmd, check=True)
+    if link.socket_queue_bytes:
+        with open(TSQ_SYSCTL, "w") as f:  # this namespace's own copy of the setting
+            f.write(str(link.socket_queue_bytes))
     shown = subprocess.run(["tc", "qdisc", "show", "dev", "lo"], capture_output=True, text=True).stdout.strip()
+    with open(TSQ_SYSCTL) as f:
+        shown += f"; tcp_limit_output_bytes {f.read().strip()}"
     env = dict(os.environ)
     env[QDISC_ENV] = shown
     os.execvpe(command[0], command, env)

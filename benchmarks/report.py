@@ -248,6 +248,12 @@ def _variants(contenders: Dict[str, Dict[str, Any]]) -> List[Tuple[str, str]]:
     return list(seen.items())
 
 
+def _base(contenders: Dict[str, Dict[str, Any]], variant: str) -> str:
+    """The class name behind a row label (a twin row "<Variant> [shared]" is <Variant>'s)."""
+    entry = contenders.get(f"ours:{variant}") or {}
+    return str(entry.get("base_variant") or variant)
+
+
 def throughput_tables(raw: Dict[str, Any]) -> List[ThroughputTable]:
     world = raw["world"]
     tables = []
@@ -267,7 +273,7 @@ def throughput_tables(raw: Dict[str, Any]) -> List[ThroughputTable]:
                     mode=mode,
                     ours=_measure(contenders.get(f"ours:{variant}"), per_epoch, False, "not run"),
                     torchrec=_measure(
-                        contenders.get(f"torchrec:{variant}"), per_epoch, False,
+                        contenders.get(f"torchrec:{_base(contenders, variant)}"), per_epoch, False,
                         "torchrec has no class of this name",
                     ),
                     plain=plain.get(_plain_mode(mode), _missing("not run")),

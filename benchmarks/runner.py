@@ -58,7 +58,9 @@ from benchmarks.contenders import (
     Variant,
     combine_stage_times,
     discover,
+    group_twin,
     make_contender,
+    takes_input_dist_group,
 )
 from benchmarks.model import ModelSpec, make_batches, tiny_spec
 from trec_pipelines.memory import peak_rss_bytes
@@ -194,6 +196,8 @@ def graphs_compiled() -> int:
 def _entry(contender: Contender) -> Dict[str, Any]:
     return {
         "variant": contender.variant,
+        "base_variant": contender.base_variant,
+        "input_dist_group": getattr(contender, "input_dist_group", None),
         "side": contender.side,
         "mode": contender.mode,
         "shimmed": contender.shimmed,
@@ -207,15 +211,32 @@ def _entry(contender: Contender) -> Dict[str, Any]:
 def _contenders(variants: Sequence[Variant], cfg: BenchConfig, probe: bool) -> List[Contender]:
     out: List[Contender] = []
     for variant in variants:
-        out.append(make_contender(variant, "ours"))
+        ours = make_contender(variant, "ours")
+        out.append(ours)
         if cfg.torchrec and variant.theirs is not None:
             out.append(make_contender(variant, "torchrec"))
+        if probe:  # the throughput phase: each input_dist_group setting asked for
+            out += _group_settings(ours, cfg.input_dist_groups)
     out.append(PlainLoop(TRAIN))
     if any(v.plain_mode == EVAL for v in variants):
         out.append(PlainLoop(EVAL))
     if probe and cfg.stages and any(v.name == "TrainPipelineSparseDist" for v in variants):
         out.append(StageProbe())
     return out
+
+
+def _group_settings(ours: Contender, groups: Sequence[str]) -> List[Contender]:
+    """Set ``ours`` to the first of ``groups``; a twin row for each other one.
+
+    Only for our pipelines that take ``input_dist_group``; the twin's key is
+    ``ours:<Variant> [<group>]``.
+    """
+    if not isinstance(ours, PipelineContender) or not takes_input_dist_group(ours):
+        return []
+    first, *others = groups
+    if first != "dedicated":
+        ours.extra_kwargs = {**ours.extra_kwargs, "input_dist_group": first}
+    return [group_twin(ours, group) for group in others]
 
 
 def _unvalidated_twins(contenders: Sequence[Contender]) -> List[Contender]:
@@ -240,7 +261,7 @@ def _unvalidated_twins(contenders: Sequence[Contender]) -> List[Contender]:
 
 def _compiles(contender: Contender) -> bool:
     """A contender running compiled code: a compiled variant, or the plain loop doing its compiled work."""
-    return contender.variant in report.COMPILED_VARIANTS or isinstance(contender, CompiledPlainLoop)
+    return contender.base_variant in report.COMPILED_VARIANTS or isinstance(contender, CompiledPlainLoop)
 
 
 def _phase(
@@ -508,7 +529,8 @@ def _recorded(
         if not hasattr(pipeline, "enable_schedule_recording"):
             session.bar.write(f"no recorded epoch for {contender.variant}: it has no enable_schedule_recording()")
             continue
-        path = os.path.join(out_dir, f"{contender.variant}_b{batch_size}.png") if out_dir is not None else None
+        picture_name = contender.variant.replace(" [", "_").replace("]", "")  # "X [shared]" -> "X_shared"
+        path = os.path.join(out_dir, f"{picture_name}_b{batch_size}.png") if out_dir is not None else None
 
         def record() -> Dict[str, Any]:
             picture = path if session.rank == 0 else None

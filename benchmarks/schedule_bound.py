@@ -53,6 +53,14 @@ schedule adds what it makes serial, read from its recorded epoch:
   assumes the link was idle when the input dist was issued (a busy link
   only delays it more) and ignores DDP's all-reduce, which the recording
   can't see (issued from C++).
+* ``link share`` (emulated link, the input dist on a dedicated process group,
+  ``input_dist_group="dedicated"``), instead of ``link order``:
+  ``fwd+bwd+opt + min(fwd+bwd+opt link time, max(0, input-dist link time - gap))``.
+  The step's own collectives no longer queue behind the ids (two groups,
+  two sets of connections), but they share the link's rate with them while
+  both are on it (the namespace's link serves flows in turn: [Note: the
+  link's queue] in ``benchmarks/netns.py``): each gets half, so the chain's
+  collectives take longer by the overlap, at most their own link time.
 
 Over the plain loopback (no ``--link-gbit``) there is no link term and no
 link-order term: the loopback is taken to move bytes at memory speed, so
@@ -89,7 +97,8 @@ INPUT_DIST = "input dist"
 H2D = "H2D"
 LINK_ORDER = "link order"
 ON_CHAIN = "input dist on the chain"
-TERM_ORDER = (ON_CHAIN, LINK_ORDER, FWD_BWD_OPT, TRAINING_THREAD, LINK, CORES, INPUT_DIST, H2D)
+LINK_SHARE = "link share"
+TERM_ORDER = (ON_CHAIN, LINK_ORDER, LINK_SHARE, FWD_BWD_OPT, TRAINING_THREAD, LINK, CORES, INPUT_DIST, H2D)
 
 Interval = Tuple[float, float]
 
@@ -194,20 +203,27 @@ def any_schedule_bound(costs: StepCosts) -> Bound:
     return Bound({name: terms[name] for name in TERM_ORDER if name in terms})
 
 
-def schedule_bound(costs: StepCosts, gap_ms: Optional[float], on_chain: bool = False) -> Bound:
+def schedule_bound(
+    costs: StepCosts, gap_ms: Optional[float], on_chain: bool = False, dedicated: bool = False
+) -> Bound:
     """:func:`any_schedule_bound` plus what a schedule makes serial.
 
     ``on_chain``: it runs a batch's input dist in the step that trains that
     batch, before the forward that needs it (Base, Lite), so a step is at
     least input dist + fwd+bwd+opt.  ``gap_ms``: it issues the input dist
-    that long before the step's next collective (the link-order term; only
-    with an emulated link).
+    that long before the step's next collective (only with an emulated
+    link): on the model's group the link-order term, on a ``dedicated``
+    group the link-share term.
     """
     terms = dict(any_schedule_bound(costs).terms)
     if on_chain:
         terms[ON_CHAIN] = costs.input_dist_ms + costs.compute_ms
     if gap_ms is not None and costs.link_input_dist_ms is not None:
-        terms[LINK_ORDER] = costs.compute_ms + max(0.0, costs.link_input_dist_ms - gap_ms)
+        left = max(0.0, costs.link_input_dist_ms - gap_ms)  # ids still on the link
+        if not dedicated:
+            terms[LINK_ORDER] = costs.compute_ms + left
+        elif costs.link_compute_ms is not None:
+            terms[LINK_SHARE] = costs.compute_ms + min(costs.link_compute_ms, left)
     return Bound({name: terms[name] for name in TERM_ORDER if name in terms})
 
 

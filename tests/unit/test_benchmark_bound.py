@@ -341,3 +341,33 @@ def test_recorded_epochs_of_our_pipelines(make: Any, on_chain: bool) -> None:
     assert sb.input_dist_on_chain(epoch) is on_chain
     assert sb.exposed_input_dist_ms(epoch) is not None
     assert pipeline.schedule_actions == []  # recording is off again
+
+
+def test_a_dedicated_group_trades_link_order_for_link_share() -> None:
+    costs = sb.StepCosts(0.1, 35.0, 100.0, 2.0, 120.0, 2, link_input_dist_ms=30.0, link_compute_ms=20.0)
+    # 25 ms of ids still on the link when the chain's collectives start: they
+    # share its rate, so the chain's 20 ms of link time takes 20 ms longer.
+    bound = sb.schedule_bound(costs, gap_ms=5.0, dedicated=True)
+    assert "link order" not in bound.terms
+    assert bound.terms["link share"] == pytest.approx(120.0)
+    # Fewer ids left than the chain's own link time: delayed by what is left.
+    assert sb.schedule_bound(costs, gap_ms=22.0, dedicated=True).terms["link share"] == pytest.approx(108.0)
+
+
+def test_a_twin_row_is_held_to_its_group_s_bound_next_to_torchrec_s_class() -> None:
+    raw = _raw()
+    block = raw["throughput"][0]
+    sd = "TrainPipelineSparseDist"
+    twin = f"{sd} [shared]"
+    block["contenders"][f"ours:{sd}"]["input_dist_group"] = "dedicated"
+    block["contenders"][f"ours:{twin}"] = dict(
+        _entry(twin, "ours", [1.6]), base_variant=sd, input_dist_group="shared"
+    )
+    block["recorded"][twin] = block["recorded"][sd]
+    (table,) = report.throughput_tables(raw)
+    rows = {r.variant: r for r in table.rows}
+    # The twin's torchrec column is the same-named class's (1250 ex/s).
+    assert rows[twin].torchrec.median == pytest.approx(1250) and rows[twin].ours.median == pytest.approx(1250)
+    bounds = {v.variant: v.bound for v in table.bound.variants}
+    assert bounds[sd].terms["link share"] == pytest.approx(120.0)  # 100 + min(20, 30 - 4)
+    assert bounds[twin].terms["link order"] == pytest.approx(126.0)

@@ -387,3 +387,21 @@ def test_staged_contender_passes_its_extra_arguments_to_the_pipeline() -> None:
     contender.model = torch.nn.Linear(1, 1)  # nothing sharded: the rewrite finds no module
     contender._build()
     assert contender.pipeline is not None and contender.pipeline._validate_batches is False
+
+
+def test_the_link_queues_little_per_socket_unless_told_otherwise() -> None:
+    plan = netns.plan(1)
+    assert plan.socket_queue_bytes == 64 * 1024
+    command = netns.wrap(["torchrun", "x"], plan)
+    assert command[-6:] == ["1", str(plan.burst_bytes), str(64 * 1024), "--", "torchrun", "x"]
+    assert netns.plan(1, 0).socket_queue_bytes == 0
+
+
+def test_input_dist_groups_are_checked_and_the_pipelining_preset_runs_both() -> None:
+    assert parse_args(["--preset", "pipelining"]).input_dist_groups == ("dedicated", "shared")
+    assert parse_args([]).input_dist_groups == ("dedicated",)
+    for bad in (["--input-dist-groups", "own"], ["--input-dist-groups", "shared,shared"]):
+        with pytest.raises(SystemExit):
+            parse_args(bad)
+    with pytest.raises(SystemExit):
+        parse_args(["--link-socket-queue-kb", "-1"])
