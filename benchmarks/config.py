@@ -138,7 +138,7 @@ class BenchConfig:
     memory_options: bool = True
     memory_steps: int = 8
     link_gbit: Optional[float] = None
-    link_socket_queue_kb: int = 64
+    link_socket_queue_kb: int = 256
     input_dist_groups: Tuple[str, ...] = ("dedicated",)
     threads: int = 1
     seed: int = 0

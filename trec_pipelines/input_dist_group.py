@@ -23,7 +23,10 @@ between the same ranks in the same order, so results are bit-identical.
   list: one ``all_gather_object`` over the world when a pipeline first
   rewrites a model, then every rank makes the groups missing on any rank in
   one global order (2D / ``DMPCollection`` sharding groups, whose members
-  differ from rank to rank, included).
+  differ from rank to rank, included).  So every rank of the world must
+  reach its pipeline's first batch; a pipeline that only some ranks run,
+  over a group of more than one rank, needs ``input_dist_group="shared"``
+  (one over a one-rank group has nothing to duplicate and runs no collective).
 * Only the ``KJTAllToAll`` forwards the pipeline already overrides to fuse the
   splits are pointed at the dedicated group
   (:class:`~trec_pipelines.input_dist.SplitsOnlyKJTAllToAll`); the model's
@@ -109,6 +112,11 @@ def dedicated_groups(
     if not dist.is_initialized() or dist.get_world_size() == 1:
         return {}
     mine = [pg for pg in dict.fromkeys(groups) if pg.size() > 1]
+    if not mine:
+        # Only one-rank groups (a pipeline one rank runs on its own, as the
+        # bench's overhead phase): nothing to duplicate, and no collective,
+        # which the other ranks would not join.
+        return {}
     missing = sorted({_key(pg) for pg in mine if not _has_live_dedicated(pg)})
     gathered: List[Optional[List[GroupKey]]] = [None] * dist.get_world_size()
     dist.all_gather_object(gathered, missing)

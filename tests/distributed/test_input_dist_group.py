@@ -235,3 +235,22 @@ def test_two_sharding_groups_each_get_their_own_dedicated_group() -> None:
     finally:
         idg.release_input_dist_groups(mine)
         dist.destroy_process_group(mine)
+
+
+def test_a_pipeline_one_rank_runs_alone_makes_no_world_collective() -> None:
+    """Rank 0 trains on a one-rank group while the others do not build a pipeline
+    at all (the bench's overhead phase): nothing to duplicate, so no collective
+    the others would have to join; every rank then meets at a barrier."""
+    solo = dist.new_group(ranks=[0], backend="gloo")
+    try:
+        if dist.get_rank() == 0:
+            batches = make_batches(4, seed=DATA_SEED)
+            ref = plain_loop(*make_sharded(DLRM, "table_wise", seed=SEED, pg=solo), batches)
+            dmp, optimizer = make_sharded(DLRM, "table_wise", seed=SEED, pg=solo)
+            pipeline = trec_pipelines.TrainPipelineSparseDist(dmp, optimizer, CPU)
+            assert_runs_equal(ref, run_pipeline(pipeline, batches, model=dmp), ("plain loop", "solo"))
+            assert pipeline._fusion.groups == {}
+        dist.barrier(group=current_group())
+    finally:
+        if dist.get_rank() == 0:
+            dist.destroy_process_group(solo)

@@ -391,9 +391,9 @@ def test_staged_contender_passes_its_extra_arguments_to_the_pipeline() -> None:
 
 def test_the_link_queues_little_per_socket_unless_told_otherwise() -> None:
     plan = netns.plan(1)
-    assert plan.socket_queue_bytes == 64 * 1024
+    assert plan.socket_queue_bytes == 256 * 1024
     command = netns.wrap(["torchrun", "x"], plan)
-    assert command[-6:] == ["1", str(plan.burst_bytes), str(64 * 1024), "--", "torchrun", "x"]
+    assert command[-6:] == ["1", str(plan.burst_bytes), str(256 * 1024), "--", "torchrun", "x"]
     assert netns.plan(1, 0).socket_queue_bytes == 0
 
 
