@@ -16,11 +16,11 @@ from torchrec.distributed.train_pipeline import In, Out
 from trec_pipelines import recorder as rec
 from trec_pipelines.compiler_settings import HeldSettings
 from trec_pipelines.context import TrainPipelineContext
+from trec_pipelines.input_dist_group import DEFAULT_INPUT_DIST_GROUP, InputDistGroup
 from trec_pipelines.pipelines.sparse_dist import TrainPipelineSparseDist
 from trec_pipelines.rewrite import Strategy
 from trec_pipelines.step_guard import guarded_step
 from trec_pipelines.stages import backward
-from trec_pipelines.input_dist_group import DEFAULT_INPUT_DIST_GROUP, InputDistGroup
 
 logger: logging.Logger = logging.getLogger(__name__)
 

@@ -29,12 +29,12 @@ from torchrec.distributed.train_pipeline import In, Out
 from trec_pipelines import recorder as rec
 from trec_pipelines.errors import MalformedBatchError
 from trec_pipelines.handoff import OneSlotHandoff
+from trec_pipelines.input_dist_group import DEFAULT_INPUT_DIST_GROUP, InputDistGroup
 from trec_pipelines.pipelines._common import predictions
 from trec_pipelines.pipelines.sparse_dist import TrainPipelineSparseDist
 from trec_pipelines.rewrite import Strategy
 from trec_pipelines.stages import BatchSource, copy_to_device, shares_kjt_storage
 from trec_pipelines.streams import has_streams
-from trec_pipelines.input_dist_group import DEFAULT_INPUT_DIST_GROUP, InputDistGroup
 
 # A loaded batch and its index in the order of loading.
 Loaded = Tuple[Any, int]

@@ -13,6 +13,7 @@ from trec_pipelines import recorder as rec
 from trec_pipelines.args import CallArgs
 from trec_pipelines.context import EmbeddingTrainPipelineContext
 from trec_pipelines.forwards import BaseForward, InSyncEmbeddingPipelinedForward
+from trec_pipelines.input_dist_group import DEFAULT_INPUT_DIST_GROUP, InputDistGroup
 from trec_pipelines.pipelines._common import predictions
 from trec_pipelines.pipelines.sparse_dist import TrainPipelineSparseDist
 from trec_pipelines.rewrite import Strategy
@@ -24,7 +25,6 @@ from trec_pipelines.streams import (
     record_event,
     wait_stream,
 )
-from trec_pipelines.input_dist_group import DEFAULT_INPUT_DIST_GROUP, InputDistGroup
 
 EmbLookupStream = Literal["data_dist", "new", "current"]
 EMB_LOOKUP_STREAMS: Tuple[str, ...] = ("data_dist", "new", "current")

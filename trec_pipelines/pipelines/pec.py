@@ -45,11 +45,11 @@ from trec_pipelines import recorder as rec
 from trec_pipelines.args import CallArgs
 from trec_pipelines.context import PECTrainPipelineContext
 from trec_pipelines.forwards import BaseForward, PECPipelinedForward
+from trec_pipelines.input_dist_group import DEFAULT_INPUT_DIST_GROUP, InputDistGroup
 from trec_pipelines.pipelines.sparse_dist import TrainPipelineSparseDist
 from trec_pipelines.rewrite import Strategy
 from trec_pipelines.step_guard import guarded_step
 from trec_pipelines.streams import current_stream, record_stream, wait_event
-from trec_pipelines.input_dist_group import DEFAULT_INPUT_DIST_GROUP, InputDistGroup
 
 
 class TrainPipelinePEC(TrainPipelineSparseDist[In, Out]):

@@ -13,6 +13,7 @@ from trec_pipelines.cache_prefetch import prefetch_modules
 from trec_pipelines.args import CallArgs
 from trec_pipelines.context import PrefetchTrainPipelineContext
 from trec_pipelines.forwards import BaseForward, PrefetchPipelinedForward
+from trec_pipelines.input_dist_group import DEFAULT_INPUT_DIST_GROUP, InputDistGroup
 from trec_pipelines.pipelines.sparse_dist import TrainPipelineSparseDist
 from trec_pipelines.rewrite import Strategy
 from trec_pipelines.step_guard import guarded_step
@@ -24,7 +25,6 @@ from trec_pipelines.streams import (
     record_event,
     wait_stream,
 )
-from trec_pipelines.input_dist_group import DEFAULT_INPUT_DIST_GROUP, InputDistGroup
 
 
 class PrefetchTrainPipelineSparseDist(TrainPipelineSparseDist[In, Out]):

@@ -14,6 +14,7 @@ from trec_pipelines.args import CallArgs
 from trec_pipelines.context import EmbeddingTrainPipelineContext, TrainPipelineContext
 from trec_pipelines.forwards import BaseForward, EmbeddingPipelinedForward
 from trec_pipelines.input_dist import start_input_dist
+from trec_pipelines.input_dist_group import DEFAULT_INPUT_DIST_GROUP, InputDistGroup
 from trec_pipelines.lookup import start_embedding_lookup as run_embedding_lookup
 from trec_pipelines.pipelines.sparse_dist import TrainPipelineSparseDist
 from trec_pipelines.rewrite import Strategy
@@ -26,7 +27,6 @@ from trec_pipelines.streams import (
     record_stream,
     wait_event,
 )
-from trec_pipelines.input_dist_group import DEFAULT_INPUT_DIST_GROUP, InputDistGroup
 
 logger: logging.Logger = logging.getLogger(__name__)
 
