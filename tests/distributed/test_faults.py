@@ -341,3 +341,44 @@ def test_gradient_accumulation_equals_the_plain_accumulation_loop(name: str) -> 
     wrapped = GradientAccumulationWrapper(pipeline, optimizer, dmp, GradientAccumulationConfig(num_steps=3))
     ours = run_pipeline(wrapped, batches, model=dmp)
     assert_runs_equal(ref, ours, ("plain accumulation loop", f"{name} under GradientAccumulationWrapper"))
+
+
+def _unrewriting(name: str, dmp: Any, optimizer: Any) -> Any:
+    """Base, or PT2 kept eager (compile_on_iter past the data: the hand-over
+    happens before anything would compile, and compiling is slow here)."""
+    if name == "TrainPipelinePT2":
+        config = trec_pipelines.TorchCompileConfig(compile_on_iter=1000)
+        return trec_pipelines.TrainPipelinePT2(dmp, optimizer, CPU, compile_configs=config)
+    return trec_pipelines.TrainPipelineBase(dmp, optimizer, CPU)
+
+
+@pytest.mark.parametrize("eval_name", ["EvalPipelineSparseDist", "EvalPipelineFusedSparseDist"])
+@pytest.mark.parametrize("name", ["TrainPipelineBase", "TrainPipelinePT2"])
+def test_base_and_pt2_take_the_model_over_from_an_eval_pipeline(name: str, eval_name: str) -> None:
+    """An eval pipeline left attached, then Base / PT2 (which run the model's own
+    forward) train, then the eval pipeline runs again: each takes the model over
+    in turn; no "called twice in one forward", results as the plain loop's."""
+    train, evaluation = make_batches(5, seed=DATA_SEED), make_batches(2, seed=DATA_SEED + 1)
+    ref_dmp, ref_optimizer = make_sharded(DLRM, "table_wise", seed=SEED)
+    ref_dmp.eval()
+    with torch.no_grad():
+        ref_before = [ref_dmp(b)[1] for b in evaluation]
+    ref_dmp.train()
+    ref = plain_loop(ref_dmp, ref_optimizer, train)
+    ref_dmp.eval()
+    with torch.no_grad():
+        ref_after = [ref_dmp(b)[1] for b in evaluation]
+
+    dmp, optimizer = make_sharded(DLRM, "table_wise", seed=SEED)
+    evaluator = getattr(trec_pipelines, eval_name)(dmp, None, CPU)
+    dmp.eval()
+    with torch.no_grad():
+        before = run_pipeline(evaluator, evaluation, model=dmp)
+    dmp.train()
+    ours = run_pipeline(_unrewriting(name, dmp, optimizer), train, model=dmp)
+    dmp.eval()
+    with torch.no_grad():
+        after = run_pipeline(evaluator, evaluation, model=dmp)
+    assert_runs_equal(ref, ours, ("plain loop", f"{name} after an attached {eval_name}"))
+    for step, (want, got) in enumerate(zip(ref_before + ref_after, list(before) + list(after))):
+        assert torch.equal(want, got), f"eval step {step} differs from the plain forward"

@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import logging
-from typing import Any, Callable, Iterator, List, Optional, Tuple
+from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
 
 import torch
 from torchrec.distributed.train_pipeline import In, Out, TrainPipeline
+from torchrec.distributed.types import ShardedModule
 
 from trec_pipelines import recorder as rec
 from trec_pipelines.pipelines._common import check_device, check_model_device, check_optimizer
@@ -21,6 +22,7 @@ from trec_pipelines.stages import (
 )
 from trec_pipelines.step_guard import StepGuard, guarded_step, skip_failed_batch
 from trec_pipelines.streams import make_streams
+from trec_pipelines.takeover import take_model_over
 
 logger: logging.Logger = logging.getLogger(__name__)
 
@@ -86,6 +88,8 @@ class TrainPipelineBase(TrainPipeline[In, Out], Recordable):
         self._connected = False
         # The in-flight batch of an iterator set aside by a switch.
         self._parked = ParkedEpochs()
+        # The model's sharded modules, found once (see _take_over_model).
+        self._sharded: Optional[Dict[str, ShardedModule]] = None
 
     def _copy(self, iterator: Iterator[Any]) -> None:
         """Load the next batch and issue its copy on the memcpy stream."""
@@ -103,6 +107,7 @@ class TrainPipelineBase(TrainPipeline[In, Out], Recordable):
     @guarded_step
     def progress(self, dataloader_iter: Iterator[Any]) -> Any:
         self._begin_call()
+        self._take_over_model()
         self._switch_iterator(dataloader_iter)
         # Pull the host batches this call copies before any work: an iterator
         # error then reaches the caller with the pipeline untouched.
@@ -157,6 +162,12 @@ class TrainPipelineBase(TrainPipeline[In, Out], Recordable):
         """Forget the in-flight device batch; the step guard gives the host
         batches back (see :mod:`trec_pipelines.step_guard`)."""
         self._cur_batch, self._connected = None, False
+
+    def _take_over_model(self) -> None:
+        """Detach any pipeline left attached to the model (an eval pipeline whose
+        data ended): its forward wrappers would otherwise take this step's forward
+        for one of its batches (see :mod:`trec_pipelines.takeover`)."""
+        self._sharded = take_model_over(self, self._model, self._sharded)
 
     def skip_failed_batch(self) -> int:
         """Drop the batch the last, failed ``progress()`` was training (see

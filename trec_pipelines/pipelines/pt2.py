@@ -8,6 +8,7 @@ from typing import Any, Callable, ContextManager, Dict, Iterator, Optional
 
 import torch
 from torchrec.distributed.train_pipeline import In, Out, TrainPipeline
+from torchrec.distributed.types import ShardedModule
 from torchrec.pt2.utils import default_pipeline_input_transformer
 
 from trec_pipelines import recorder as rec
@@ -16,6 +17,7 @@ from trec_pipelines.pipelines._common import check_device, check_model_device, c
 from trec_pipelines.recorder import Recordable
 from trec_pipelines.step_guard import StepGuard, guarded_step, skip_failed_batch
 from trec_pipelines.stages import BatchSource, copy_to_device, sync_group_for
+from trec_pipelines.takeover import take_model_over
 
 
 @dataclass
@@ -128,6 +130,8 @@ class TrainPipelinePT2(TrainPipeline[In, Out], Recordable):
         self._dynamo_settings = _held_dynamo_settings()
         self._compiled = False
         self._cur_batch: Optional[Any] = None
+        # The model's sharded modules, found once (see _take_over_model).
+        self._sharded: Optional[Dict[str, ShardedModule]] = None
 
     def _compile(self) -> None:
         config = self._compile_configs
@@ -146,6 +150,7 @@ class TrainPipelinePT2(TrainPipeline[In, Out], Recordable):
     @guarded_step
     def progress(self, dataloader_iter: Iterator[Any]) -> Any:
         self._begin_call()
+        self._take_over_model()
         host_batch = self._source.next(dataloader_iter)
         if host_batch is None:
             self._source.end_epoch()
@@ -177,6 +182,12 @@ class TrainPipelinePT2(TrainPipeline[In, Out], Recordable):
 
     def _drop_in_flight_state(self) -> None:
         self._cur_batch = None
+
+    def _take_over_model(self) -> None:
+        """Detach any pipeline left attached to the model (an eval pipeline whose
+        data ended): its forward wrappers would otherwise take this step's forward
+        for one of its batches (see :mod:`trec_pipelines.takeover`)."""
+        self._sharded = take_model_over(self, self._model, self._sharded)
 
     def skip_failed_batch(self) -> int:
         """Drop the batch the last, failed ``progress()`` was training (see

@@ -21,7 +21,6 @@ from trec_pipelines.input_dist import (
     SplitsFusion,
     release_input_dist_inputs,
     start_input_dist,
-    unfuse_left_over,
     wait_input_dist,
 )
 from trec_pipelines.input_dist_group import (
@@ -45,7 +44,6 @@ from trec_pipelines.rewrite import (
     reapply_rewrite,
     restore_model,
     rewrite_model,
-    sharded_modules,
 )
 from trec_pipelines.args import CallArgs
 from trec_pipelines.stages import (
@@ -59,6 +57,7 @@ from trec_pipelines.stages import (
     wait_for_batch,
 )
 from trec_pipelines.step_guard import StepGuard, guarded_step, skip_failed_batch
+from trec_pipelines.takeover import take_model_over
 from trec_pipelines.streams import StreamSet, make_streams, on_stream
 
 logger: logging.Logger = logging.getLogger(__name__)
@@ -71,22 +70,6 @@ def _claim(result: RewriteResult, pipeline: Any) -> None:
         if isinstance(forward, BaseForward):
             forward.claim(pipeline)
             forward.replaced = (had_instance_forward, original)
-
-
-def _strip_orphan(module: ShardedModule) -> None:
-    """Undo what a collected pipeline left on ``module``: its forward wrapper(s)
-    and its splits-only input_dist overrides."""
-    while True:
-        forward = module.__dict__.get("forward")
-        if not isinstance(forward, BaseForward) or forward.owner is not None:
-            break
-        assert forward.replaced is not None, "wrappers are tagged when installed"
-        had_instance_forward, original = forward.replaced
-        if had_instance_forward:
-            module.forward = original  # type: ignore[method-assign]
-        else:
-            module.__dict__.pop("forward", None)
-    unfuse_left_over(module)
 
 
 @dataclass
@@ -645,33 +628,7 @@ class TrainPipelineSparseDist(TrainPipeline[In, Out], AsyncInplaceCopyMixin[In],
             return
         if not self._model_attached:
             return
-        if self._sharded is None:
-            self._sharded = sharded_modules(self._model)
-        for name, module in self._sharded.items():
-            forward = module.__dict__.get("forward")
-            if not isinstance(forward, BaseForward) or forward.owner is self:
-                continue
-            other = forward.owner
-            if other is None:
-                logger.warning(
-                    "%s: sharded module '%s' still carried the forward wrapper of a %s "
-                    "that was dropped without detach(); restored its own forward",
-                    type(self).__name__,
-                    name,
-                    forward.owner_name,
-                )
-                _strip_orphan(module)
-                continue
-            logger.warning(
-                "%s: the model is still attached to a %s (its forward wrappers are on "
-                "'%s'); detaching it and taking the model over. Call detach() on a "
-                "pipeline when you are done with it to avoid this.",
-                type(self).__name__,
-                type(other).__name__,
-                name,
-            )
-            other.detach()
-            other._taken_over_by = type(self).__name__
+        self._sharded = take_model_over(self, self._model, self._sharded)
 
     def _ensure_attached(self) -> None:
         """Attach the model again if it was detached (as upstream's ``progress()``)."""
