@@ -104,6 +104,10 @@ class EmbeddingTrainPipelineContext(TrainPipelineContext):
         embedding_lookup_event: recorded on the lookup stream right after the
             lookup (``None`` on CPU).  Written by the embedding-lookup verb; the
             embedding forward makes the consuming stream wait on it.
+        restored_embeddings: per module, the values the dense part must see
+            in place of the lookup's (a batch resumed from a checkpoint whose
+            lookup read older weights; see ``[Note: exact resume]``).  Written
+            by SemiSync after the batch's lookup; popped by the embedding forward.
     """
 
     embedding_a2a_requests: Dict[str, Any] = field(default_factory=dict)
@@ -111,6 +115,7 @@ class EmbeddingTrainPipelineContext(TrainPipelineContext):
     embedding_features: List[List[Union[str, List[str]]]] = field(default_factory=list)
     detached_embedding_tensors: List[List[torch.Tensor]] = field(default_factory=list)
     embedding_lookup_event: Optional[torch.Event] = None
+    restored_embeddings: Dict[str, List[torch.Tensor]] = field(default_factory=dict)
 
 
 @dataclass

@@ -239,9 +239,13 @@ class EmbeddingPipelinedForward(BaseForward[EmbeddingTrainPipelineContext]):
         record_output(embeddings, cur_stream)
         originals: List[torch.Tensor] = []
         leaves: List[torch.Tensor] = []
+        # A resumed batch's dense part sees the values its lookup had before the
+        # checkpoint; the backward still goes into this lookup's outputs.
+        restored = self._context.restored_embeddings.pop(self._name, None)
+        seen = _Restored(self._name, restored)
         if isinstance(embeddings, KeyedTensor):
             original = embeddings.values()
-            leaf = _detached_leaf(original)
+            leaf = _detached_leaf(seen.values(0, original))
             embeddings._values = leaf
             originals.append(original)
             leaves.append(leaf)
@@ -249,9 +253,9 @@ class EmbeddingPipelinedForward(BaseForward[EmbeddingTrainPipelineContext]):
             features: List[Union[str, List[str]]] = [list(embeddings.keys())]
         else:
             features = []
-            for key, jt in embeddings.items():
+            for position, (key, jt) in enumerate(embeddings.items()):
                 original = jt.values()
-                leaf = _detached_leaf(original)
+                leaf = _detached_leaf(seen.values(position, original))
                 jt._values = leaf
                 originals.append(original)
                 leaves.append(leaf)
@@ -308,6 +312,27 @@ def record_output(embeddings: EmbeddingOutput, consumer: Optional[torch.Stream])
     else:
         for jt in embeddings.values():
             record_stream(jt, consumer)
+
+
+class _Restored:
+    """The values a resumed batch's lookup had, for one module (or none)."""
+
+    def __init__(self, name: str, values: Optional[List[torch.Tensor]]) -> None:
+        self._name, self._values = name, values
+
+    def values(self, position: int, looked_up: torch.Tensor) -> torch.Tensor:
+        """What the dense part sees at ``position``: the restored values, else ``looked_up``."""
+        if self._values is None:
+            return looked_up
+        restored = self._values[position]
+        if restored.shape != looked_up.shape or restored.dtype != looked_up.dtype:
+            raise ValueError(
+                f"module {self._name!r}: the checkpoint's looked-up embeddings have shape "
+                f"{tuple(restored.shape)} ({restored.dtype}) where this batch's lookup gives "
+                f"{tuple(looked_up.shape)} ({looked_up.dtype}): the pipeline state was "
+                "saved with another model or sharding"
+            )
+        return restored.to(looked_up.device)
 
 
 def _detached_leaf(tensor: torch.Tensor) -> torch.Tensor:

@@ -87,6 +87,12 @@ class OneSlotHandoff(Generic[T]):
             raise error
         return item  # type: ignore[return-value]
 
+    def settle(self) -> None:
+        """Wait until the producer is idle: its item is in the slot, or it has ended."""
+        with self._cond:
+            while self._slot is None and not self._finished and not self._stopping:
+                self._cond.wait()
+
     def stop(self) -> None:
         """End production (an item in the slot is dropped); returns without waiting."""
         with self._cond:

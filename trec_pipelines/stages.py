@@ -145,6 +145,11 @@ class BatchSource:
     def _switch_to(self, iterator: Iterator[Any]) -> None:
         if iterator is self._iterator:
             return
+        if self._iterator is None:
+            # The first iterator: batches given back by resume() are its own.
+            self._iterator = iterator
+            self.exhausted = False
+            return
         if self._rewound:
             logger.warning(
                 "%d batch(es) of a failed step were dropped: a new iterator was passed "
@@ -308,6 +313,36 @@ class BatchSource:
     def holding(self) -> int:
         """Batches fetched ahead (or given back by :meth:`rewind`) and not handed out yet."""
         return len(self._held) + len(self._rewound)
+
+    # ------------------------------------------------------ checkpoint / resume
+
+    def unfinished(self) -> Tuple[List[Tuple[int, Any]], int]:
+        """Every batch pulled and not trained, ``(index, host batch)`` oldest first,
+        and the index the next batch pulled from the iterator will take.
+
+        Needs ``keep_in_flight``: the batches handed out are only listed then.
+        """
+        assert self._keep_in_flight, "unfinished() needs keep_in_flight=True"
+        batches = list(self._in_flight) + list(self._rewound)
+        batches += [(self.loaded + k, batch) for k, batch in enumerate(self._held)]
+        return batches, self.loaded + len(self._held)
+
+    def is_fresh(self) -> bool:
+        """Nothing pulled and nothing held: a new source, or one after ``restart_count()``."""
+        return (
+            self.loaded == 0
+            and not self._in_flight
+            and not self._rewound
+            and not self._held
+        )
+
+    def resume(self, batches: List[Tuple[int, Any]], next_index: int) -> None:
+        """Serve ``batches`` (``(index, host batch)``, from :meth:`unfinished`) first,
+        as a failed step's are, then number new batches from ``next_index``."""
+        assert self.is_fresh(), "resume() on a source that has pulled batches"
+        self._rewound = deque(batches)
+        self.loaded = next_index
+        self._iterator = None  # the next iterator passed continues these batches
 
     def save(self) -> "SourceState":
         """Set this iterator's epoch aside (see :meth:`restore`); start afresh."""

@@ -12,6 +12,7 @@ from torchrec.distributed.types import ShardedModule
 from trec_pipelines import recorder as rec
 from trec_pipelines.pipelines._common import check_device, check_model_device, check_optimizer
 from trec_pipelines.recorder import Recordable
+from trec_pipelines.resume import Resumable
 from trec_pipelines.stages import (
     BatchSource,
     ParkedEpochs,
@@ -27,7 +28,7 @@ from trec_pipelines.takeover import take_model_over
 logger: logging.Logger = logging.getLogger(__name__)
 
 
-class TrainPipelineBase(TrainPipeline[In, Out], Recordable):
+class TrainPipelineBase(TrainPipeline[In, Out], Recordable, Resumable):
     """Two batches in flight: batch ``i`` trains while batch ``i+1`` is copied.
 
     ===========  =======  =========================================

@@ -129,6 +129,10 @@ class _BatchLoader:
             pass  # issued by the thread already
         return loaded
 
+    def settle(self) -> None:
+        """Wait until the thread is idle: it holds its next batch, or it has ended."""
+        self._handoff.settle()
+
     def stop(self, wait: bool = True) -> None:
         """End the thread, dropping a batch it holds.
 
@@ -169,6 +173,9 @@ class _InlineLoader:
             batch, shared = load.copy(host)
         self._load = load
         return batch, index, shared
+
+    def settle(self) -> None:
+        """Nothing runs between calls (see :meth:`_BatchLoader.settle`)."""
 
     def stop(self, wait: bool = True) -> None:
         """End loading; ``wait`` is for :class:`_BatchLoader`'s signature (nothing runs)."""
@@ -256,7 +263,6 @@ class EvalPipelineSparseDist(TrainPipelineSparseDist[In, Out]):
     """
 
     _requires_optimizer = False
-    _retries_failed_steps = False
 
     def __init__(
         self,
@@ -387,9 +393,16 @@ class EvalPipelineSparseDist(TrainPipelineSparseDist[In, Out]):
         if has_nxt:
             self.wait_sparse_data_dist(self.contexts[1])           # nxt, data_dist
         self.dequeue_batch()
+        self._source.retire()  # cur's host copy: a checkpoint from here goes on with nxt
         return output
 
     # ------------------------------------------------------------ lifecycle
+
+    def _settle(self) -> None:
+        """Let the loader thread finish the pull it may be in, so every batch it
+        took from the iterator is listed in the source for a checkpoint."""
+        if self._loader is not None:
+            self._loader.settle()
 
     def reset(self) -> None:
         """Stop the loader and drop the batches in flight; the next ``progress()`` starts an epoch."""

@@ -326,7 +326,6 @@ class EvalPipelineFusedSparseDist(TrainPipelineFusedSparseDist[In, Out]):
 
     # Nothing is trained: optimizer=None is fine.
     _requires_optimizer: bool = False
-    _retries_failed_steps: bool = False
 
     def __init__(
         self,
@@ -407,8 +406,11 @@ class EvalPipelineFusedSparseDist(TrainPipelineFusedSparseDist[In, Out]):
     def progress(self, dataloader_iter: Iterator[Any]) -> Any:
         self._start_step(dataloader_iter)  # fill, pull host batches, stop at end of data
         if self._enable_embedding_lookup_prefetch:
-            return self._progress_prefetch(dataloader_iter)
-        return self._progress_in_order(dataloader_iter)
+            output = self._progress_prefetch(dataloader_iter)
+        else:
+            output = self._progress_in_order(dataloader_iter)
+        self._source.retire()  # cur's host copy: a checkpoint from here goes on with nxt
+        return output
 
     def _progress_in_order(self, dataloader_iter: Iterator[Any]) -> Any:
         """``cur``'s lookup, then its forward (the Fused training order without the update)."""

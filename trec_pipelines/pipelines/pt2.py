@@ -15,6 +15,7 @@ from trec_pipelines import recorder as rec
 from trec_pipelines.compiler_settings import HeldSettings
 from trec_pipelines.pipelines._common import check_device, check_model_device, check_optimizer
 from trec_pipelines.recorder import Recordable
+from trec_pipelines.resume import Resumable
 from trec_pipelines.step_guard import StepGuard, guarded_step, skip_failed_batch
 from trec_pipelines.stages import BatchSource, copy_to_device, sync_group_for
 from trec_pipelines.takeover import take_model_over
@@ -63,7 +64,7 @@ def dynamo_settings() -> ContextManager[None]:
     return _held_dynamo_settings().held()
 
 
-class TrainPipelinePT2(TrainPipeline[In, Out], Recordable):
+class TrainPipelinePT2(TrainPipeline[In, Out], Recordable, Resumable):
     """One batch in flight, one stream; the model is compiled on ``compile_on_iter``.
 
     ==========  =======  =========================================================

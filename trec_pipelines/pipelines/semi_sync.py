@@ -8,6 +8,7 @@ from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple, cast
 import torch
 from torchrec.distributed.train_pipeline import In, Out
 from torchrec.distributed.types import ShardedModule
+from torchrec.sparse.jagged_tensor import KeyedTensor
 
 from trec_pipelines import recorder as rec
 from trec_pipelines.args import CallArgs
@@ -173,6 +174,8 @@ class TrainPipelineSemiSync(TrainPipelineSparseDist[In, Out]):
         self._gradients: Dict[str, torch.Tensor] = {}
         self._stash_before: Tuple[int, Dict[str, torch.Tensor]] = (-1, {})
         self._warned_unused_features = False
+        # A resumed batch's looked-up values, from the checkpoint (load_state_dict).
+        self._restored_lookup: Optional[Tuple[int, Dict[str, List[torch.Tensor]]]] = None
         logger.debug("%s: semi-sync from batch %d", type(self).__name__, start_batch)
 
     # ------------------------------------------------------------------ setup
@@ -270,6 +273,9 @@ class TrainPipelineSemiSync(TrainPipelineSparseDist[In, Out]):
                 lookup_stream=current_stream(self._device),
                 weights_ready=None,
             )
+        if self._restored_lookup is not None and self._restored_lookup[0] == context.index:
+            context.restored_embeddings = self._restored_lookup[1]
+            self._restored_lookup = None
 
     def _train_forward(
         self, batch: Any, context: TrainPipelineContext
@@ -424,6 +430,43 @@ class TrainPipelineSemiSync(TrainPipelineSparseDist[In, Out]):
             # The failed step swapped gradients: its retry must find the previous batch's.
             self._gradients = stash
 
+    # ------------------------------------------------------------ checkpoint
+
+    def _extra_state(self) -> Dict[str, Any]:
+        """``nxt``'s looked-up embeddings and the stashed gradients.
+
+        Once semi-sync, ``nxt`` was looked up before ``cur``'s update: a resumed
+        pipeline, looking it up again from the checkpointed tables, would read
+        rows one update newer.  So its lookup is finished here (the output
+        all-to-all already issued) and the values its dense part will see are
+        kept; the resumed pipeline gives its dense part these values and sends
+        the gradients into its own lookup, whose table gradient does not
+        depend on the rows' values.  With ``stash_gradients``, the dense
+        gradients of the last batch, which the next step applies, are kept too.
+        Size: ``nxt``'s pooled embeddings (batch x summed embedding dims) and,
+        stashing, one gradient per dense parameter.
+        """
+        extra: Dict[str, Any] = {}
+        if self._gradients:
+            extra["semi_sync_stashed_gradients"] = dict(self._gradients)
+        if self.contexts and self._embedding_context(0).embedding_a2a_requests:
+            context = self._embedding_context(0)
+            extra["semi_sync_lookup"] = (context.index, _finish_lookup(context))
+        return extra
+
+    def _load_extra_state(self, extra: Dict[str, Any], variant: str) -> None:
+        extra = dict(extra)
+        gradients = extra.pop("semi_sync_stashed_gradients", None)
+        if gradients is not None and self._stash_gradients:
+            devices = {name: p.device for name, p in self._model.named_parameters()}
+            self._gradients = {name: g.to(devices[name]) for name, g in gradients.items()}
+        elif gradients is not None:
+            extra["semi_sync_stashed_gradients"] = gradients  # reported as unused below
+        lookup = extra.pop("semi_sync_lookup", None)
+        if lookup is not None:
+            self._restored_lookup = lookup
+        super()._load_extra_state(extra, variant)
+
     def _embedding_context(self, slot: int) -> EmbeddingTrainPipelineContext:
         return cast(EmbeddingTrainPipelineContext, self.contexts[slot])
 
@@ -436,3 +479,33 @@ class TrainPipelineSemiSync(TrainPipelineSparseDist[In, Out]):
             self._sync_group, keep_in_flight=True, validate=self._validate_batches
         )
         self._gradients.clear()
+        self._restored_lookup = None
+
+
+class _Done:
+    """An awaitable already waited: ``wait()`` gives its result again."""
+
+    def __init__(self, result: Any) -> None:
+        self._result = result
+
+    def wait(self) -> Any:
+        return self._result
+
+
+def _finish_lookup(context: EmbeddingTrainPipelineContext) -> Dict[str, List[torch.Tensor]]:
+    """Wait for ``context``'s embedding all-to-alls, leaving their results in place,
+    and return each module's looked-up values in the order the forward detaches them."""
+    values: Dict[str, List[torch.Tensor]] = {}
+    for name, request in list(context.embedding_a2a_requests.items()):
+        if isinstance(request, tuple):  # managed collisions: (embeddings, remapped ids)
+            results = tuple(r.wait() for r in request)
+            context.embedding_a2a_requests[name] = tuple(_Done(r) for r in results)
+            embeddings = results[0]
+        else:
+            embeddings = request.wait()
+            context.embedding_a2a_requests[name] = _Done(embeddings)
+        if isinstance(embeddings, KeyedTensor):
+            values[name] = [embeddings.values().detach()]
+        else:
+            values[name] = [jt.values().detach() for jt in embeddings.values()]
+    return values

@@ -37,6 +37,7 @@ from trec_pipelines.pipelines._common import (
 )
 from trec_pipelines.postproc import PipelinedPostproc
 from trec_pipelines.recorder import Recordable
+from trec_pipelines.resume import Resumable
 from trec_pipelines.rewrite import (
     STRATEGIES,
     RewriteResult,
@@ -81,7 +82,9 @@ class _Parked:
     source: SourceState
 
 
-class TrainPipelineSparseDist(TrainPipeline[In, Out], AsyncInplaceCopyMixin[In], Recordable):
+class TrainPipelineSparseDist(
+    TrainPipeline[In, Out], AsyncInplaceCopyMixin[In], Recordable, Resumable
+):
     """Three batches in flight: ``cur`` trains, ``nxt`` is in input_dist, ``new`` is copied.
 
     ==========  =======  ==================================================
@@ -180,9 +183,6 @@ class TrainPipelineSparseDist(TrainPipeline[In, Out], AsyncInplaceCopyMixin[In],
     _requires_optimizer: bool = True
     # The stream role input_dist is recorded on; Lite runs it on the default stream.
     _input_dist_role: str = "data_dist"
-    # Training variants roll a failed step back (trec_pipelines.step_guard);
-    # the eval variants, which train nothing, keep no host copies for it.
-    _retries_failed_steps: bool = True
     # Whether a batch's input_dist starts in an earlier step than its forward
     # (False for Lite): then it may run on a dedicated group (input_dist_group).
     _input_dist_ahead: bool = True
@@ -245,9 +245,9 @@ class TrainPipelineSparseDist(TrainPipeline[In, Out], AsyncInplaceCopyMixin[In],
         self._streams: StreamSet = self._make_streams()
         self._sync_group = sync_group_for(sync_exhaustion)
         self._validate_batches = validate_batches
-        self._source = BatchSource(
-            self._sync_group, keep_in_flight=self._retries_failed_steps, validate=validate_batches
-        )
+        # The host copies of the in-flight batches: what a failed step is
+        # retried from, and what a checkpoint holds (trec_pipelines.resume).
+        self._source = BatchSource(self._sync_group, keep_in_flight=True, validate=validate_batches)
         self._step_guard = StepGuard()
         # A slot may hold the Future of a copy the worker is issuing.
         self.batches: Deque[Optional[Any]] = BatchQueue()
