@@ -318,3 +318,32 @@ def test_pec_module_failed_step_is_retried_as_if_it_never_failed(where: str) -> 
     ours = train_with_retry(pipeline, batches, dmp)
     assert_runs_equal(ref, ours, ("TrainPipelinePEC without the fault", f"with a fault ({where}) retried"))
     assert not pipeline._deferred_nol_grad.pending
+
+
+@pytest.mark.skipif(
+    not _pec_api(), reason="PEC modules need torchrec >= 1.9 (the current stack); on 1.8 test_pec_module_matches_torchrec checks the refusal"
+)
+@pytest.mark.parametrize("k", [1, 3, 5])
+def test_pec_module_resumed_from_a_checkpoint_equals_the_run_that_never_stopped(k: int) -> None:
+    """The checkpoint applies the NOL gradient deferred to the next step (the
+    model's state is read after the pipeline's); the resumed pipeline refills
+    from cur as a retried step does, so training is the uninterrupted run's."""
+    batches = make_batches(seed=DATA_SEED)
+    dmp, optimizer = make_pec_sharded()
+    ref = run_pipeline(_OursRunsUnshimmed(trec_pipelines.TrainPipelinePEC(dmp, optimizer, CPU)), batches, model=dmp)
+
+    dmp, optimizer = make_pec_sharded()
+    pipeline = trec_pipelines.TrainPipelinePEC(dmp, optimizer, CPU)
+    it = iter(batches)
+    outputs = [pipeline.progress(it).detach().clone() for _ in range(k)]
+    state = pipeline.state_dict()  # first: it applies batch k-1's NOL gradient
+    model_state = {key: value for key, value in dmp.state_dict().items()}
+    optimizer_state = optimizer.state_dict()
+    dmp2, optimizer2 = make_pec_sharded(seed=SEED + 1)
+    dmp2.load_state_dict(model_state)
+    optimizer2.load_state_dict(optimizer_state)
+    resumed = trec_pipelines.TrainPipelinePEC(dmp2, optimizer2, CPU)
+    resumed.load_state_dict(state)
+    position = k + resumed._source.rewound  # what the loader had yielded
+    rest = run_pipeline(_OursRunsUnshimmed(resumed), batches[position:], model=dmp2)
+    assert_runs_equal(ref, Run(outputs + list(rest), rest.weights), ("uninterrupted", f"resumed after {k}"))

@@ -343,6 +343,16 @@ class TrainPipelinePEC(TrainPipelineSparseDist[In, Out]):
             self._flush_deferred_nol_grad()
         super()._switch_iterator(dataloader_iter)
 
+    def _settle(self) -> None:
+        """Apply the deferred NOL gradient before a checkpoint: it belongs to the
+        model's state (batch ``i-1`` was trained), which the caller reads next.
+
+        Take the pipeline's state before reading the model's (see the README's
+        "Checkpoint and resume").  The resumed pipeline refills from ``cur`` as
+        a retried step does, which is exact (see [Note: PEC, retrying a step]).
+        """
+        self._flush_deferred_nol_grad()
+
     def detach(self) -> torch.nn.Module:
         """As SparseDist's, once the deferred NOL gradient is applied (the caller may read those rows)."""
         self._flush_deferred_nol_grad()
