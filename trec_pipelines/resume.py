@@ -135,7 +135,9 @@ class Resumable:
 
     A pipeline provides ``_source`` (with ``keep_in_flight=True``) and may
     override :meth:`_settle`, :meth:`_extra_state`, :meth:`_load_extra_state`
-    and :meth:`_resume_blocker`.
+    and :meth:`_resume_blocker`; one that pulls batches its own way
+    (StagedTrainPipeline) overrides :meth:`_unfinished`, :meth:`_is_fresh`
+    and :meth:`_resume` instead of providing ``_source``.
     """
 
     _source: BatchSource
@@ -157,7 +159,7 @@ class Resumable:
             raise RuntimeError(f"{name}.state_dict(): {blocker}")
         self._settle()
         rank, world = _rank_and_world()
-        batches, next_index = self._source.unfinished()
+        batches, next_index = self._unfinished()
         saved = SavedPipeline(
             format=FORMAT,
             variant=name,
@@ -195,7 +197,7 @@ class Resumable:
                 "in-flight batches are its share of the data: resume on as many ranks "
                 "as saved, or start the epoch afresh without load_state_dict()."
             )
-        if not self._source.is_fresh():
+        if not self._is_fresh():
             raise RuntimeError(
                 f"{name}.load_state_dict() on a pipeline that has already pulled "
                 "batches: build a new pipeline (or call reset()) and load the state "
@@ -205,7 +207,7 @@ class Resumable:
         if blocker is not None:
             raise RuntimeError(f"{name}.load_state_dict(): {blocker}")
         self._load_extra_state(saved.extra, saved.variant)
-        self._source.resume(saved.batches, saved.next_index)
+        self._resume(saved.batches, saved.next_index)
         if saved.batches:
             logger.info(
                 "%s: resuming with %d batch(es) in flight from a %s checkpoint "
@@ -218,6 +220,18 @@ class Resumable:
             )
 
     # ------------------------------------------------------------- variants
+
+    def _unfinished(self) -> Tuple[List[Tuple[int, Any]], int]:
+        """``(index, host batch)`` pulled and not trained, oldest first; the next index."""
+        return self._source.unfinished()
+
+    def _is_fresh(self) -> bool:
+        """Nothing pulled yet (or since ``reset()``): the state may be loaded."""
+        return self._source.is_fresh()
+
+    def _resume(self, batches: List[Tuple[int, Any]], next_index: int) -> None:
+        """Serve ``batches`` first, then number new ones from ``next_index``."""
+        self._source.resume(batches, next_index)
 
     def _settle(self) -> None:
         """Finish whatever is still pulling batches (a loader thread) before the state is read."""

@@ -160,3 +160,44 @@ def test_lookup_stage_matches_torchrec_semi_sync_from_batch_0(stream: Optional[t
     assert_runs_equal(theirs, ours, ("torchrec SemiSync", "staged + lookup"))
     ref = plain_loop(*make_sharded(DLRM, "table_wise", seed=SEED), batches)
     assert not torch.equal(ref[1], ours[1]), "the lookup stage ran synchronously"
+
+
+@pytest.mark.parametrize("k", [0, 2, 5])
+def test_resumed_from_a_checkpoint_equals_the_plain_loop(k: int) -> None:
+    """After ``k`` trained batches: the stages' in-flight batches (their host
+    copies) are in the pipeline's state; a new pipeline over a freshly built
+    model (loaded from the checkpoint) runs every stage on them again first."""
+    batches = make_batches(seed=DATA_SEED)
+    ref = plain_loop(*make_sharded(DLRM, "table_wise", seed=SEED), batches)
+
+    def build(seed: int) -> Any:
+        dmp, optimizer = make_sharded(DLRM, "table_wise", seed=seed)
+        sdd = SparseDataDistUtil(dmp, data_dist_stream=CPU_STREAM)
+        stages = [
+            PipelineStage("h2d", lambda batch: batch.to(CPU, non_blocking=True), CPU_STREAM),
+            sdd.start_sparse_data_dist_stage(),
+        ]
+        return dmp, optimizer, StagedTrainPipeline(stages)
+
+    def train(dmp: Any, optimizer: Any, pipeline: Any, it: Any, steps: int) -> List[torch.Tensor]:
+        outputs = []
+        while len(outputs) < steps and (batch := pipeline.progress(it)) is not None:
+            optimizer.zero_grad()
+            loss, pred = dmp(batch)
+            torch.sum(loss, dim=0).backward()
+            optimizer.step()
+            outputs.append(pred.detach().clone())
+        return outputs
+
+    dmp, optimizer, pipeline = build(SEED)
+    it = Counting(batches)
+    outputs = train(dmp, optimizer, pipeline, it, k)
+    state = pipeline.state_dict()
+    dmp2, optimizer2, resumed = build(SEED + 1)
+    dmp2.load_state_dict(dmp.state_dict())
+    optimizer2.load_state_dict(optimizer.state_dict())
+    resumed.load_state_dict(state)
+    if 0 < k:
+        assert resumed._resumed, "nothing was in flight: the test resumes nothing"
+    outputs += train(dmp2, optimizer2, resumed, iter(batches[it.taken :]), len(batches))
+    assert_runs_equal(ref, Run(outputs, weights(dmp2)), ("plain loop", f"staged resumed after {k}"))

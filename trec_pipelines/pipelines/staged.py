@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import contextlib
 import logging
+from collections import deque
 from dataclasses import dataclass
 from typing import (
     Any,
     Callable,
+    Deque,
     Iterator,
     List,
     Optional,
@@ -24,6 +26,7 @@ from torchrec.streamable import Pipelineable
 from trec_pipelines import recorder as rec
 from trec_pipelines.errors import MalformedBatchError
 from trec_pipelines.recorder import Recordable
+from trec_pipelines.resume import Resumable
 from trec_pipelines.streams import (
     current_stream,
     has_streams,
@@ -125,12 +128,15 @@ class _InFlight:
         event: recorded on ``stream`` after the last stage (``None`` on CPU);
             a consumer on another stream waits on it.
         index: the batch's position in loading order (for recording and logs).
+        host: the batch as the iterator gave it, for a checkpoint (see
+            ``[Note: exact resume]`` in :mod:`trec_pipelines.resume`).
     """
 
     value: Any
     stream: Optional[torch.Stream]
     event: Optional[torch.Event]
     index: int
+    host: Any = None
 
     def hand_to(self, consumer: Optional[torch.Stream], consumer_name: str) -> None:
         """Make ``consumer`` wait for the last stage and keep ``value`` alive for it."""
@@ -167,7 +173,7 @@ class _Failure:
     stage: Optional[int] = None
 
 
-class StagedTrainPipeline(TrainPipeline[In, Optional[StageOut]], Recordable):
+class StagedTrainPipeline(TrainPipeline[In, Optional[StageOut]], Recordable, Resumable):
     """N batches in flight, one per stage; the caller trains the batch it returns.
 
     With stages ``s0 .. s(N-1)``, one ``progress()`` call issues, in order:
@@ -319,6 +325,8 @@ class StagedTrainPipeline(TrainPipeline[In, Optional[StageOut]], Recordable):
         self._done_units = 0
         self._ready: Optional[_InFlight] = None
         self._mid_step = False
+        # Batches a checkpointed pipeline had in flight, loaded before the iterator's.
+        self._resumed: Deque[Tuple[int, Any]] = deque()
 
     @property
     def num_stages(self) -> int:
@@ -331,6 +339,9 @@ class StagedTrainPipeline(TrainPipeline[In, Optional[StageOut]], Recordable):
         if dataloader_iter is not self._iterator:
             self._iterator = dataloader_iter
             self._exhausted = False
+        if self._resumed:  # in flight when the checkpoint was taken: first, as they were
+            index, host = self._resumed.popleft()
+            return _InFlight(host, None, None, index, host)
         if self._exhausted or self._flushing:
             return None
         with self._noting_failure("the data iterator"):
@@ -342,7 +353,7 @@ class StagedTrainPipeline(TrainPipeline[In, Optional[StageOut]], Recordable):
         if self._validate_batches:
             self._reject_if_malformed(batch)
         self._loaded += 1
-        return _InFlight(batch, None, None, self._loaded - 1)
+        return _InFlight(batch, None, None, self._loaded - 1, batch)
 
     def _reject_if_malformed(self, batch: Any) -> None:
         """Raise :class:`MalformedBatchError` if ``batch``'s KJTs are inconsistent.
@@ -387,7 +398,7 @@ class StagedTrainPipeline(TrainPipeline[In, Optional[StageOut]], Recordable):
                 runs_on = self._stage_stream(stage_idx)
                 item.hand_to(runs_on, f"stage {stage.name!r}")
                 value = stage.runnable(item.value)
-                return _InFlight(value, runs_on, record_event(runs_on), item.index)
+                return _InFlight(value, runs_on, record_event(runs_on), item.index, item.host)
 
     def _run_stage(self, stage_idx: int, slot: int, dataloader_iter: Iterator[Any]) -> None:
         """Stage ``stage_idx`` takes the batch in ``slot`` (stage 0 loads one) and puts it back."""
@@ -569,6 +580,30 @@ class StagedTrainPipeline(TrainPipeline[In, Optional[StageOut]], Recordable):
         self._filled = False
         if self.on_flush_end is not None:
             self.on_flush_end()
+
+    # ------------------------------------------------------------ checkpoint
+
+    # The state is the host copies of the batches in the stages (and of the one a
+    # failed step was about to return), not their stage outputs: a resumed
+    # pipeline runs every stage on them again, as a fresh fill would.
+
+    def _unfinished(self) -> Tuple[List[Tuple[int, Any]], int]:
+        items = [self._ready] + self._slots
+        held = sorted((item.index, item.host) for item in items if item is not None)
+        held += list(self._resumed)
+        return held, self._loaded
+
+    def _is_fresh(self) -> bool:
+        return (
+            self._loaded == 0
+            and self._ready is None
+            and all(slot is None for slot in self._slots)
+            and not self._resumed
+        )
+
+    def _resume(self, batches: List[Tuple[int, Any]], next_index: int) -> None:
+        self._resumed = deque(batches)
+        self._loaded = next_index
 
     def _end_epoch(self) -> None:
         self._filled = False
