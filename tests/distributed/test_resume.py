@@ -313,3 +313,51 @@ def test_a_state_from_another_rank_or_world_is_refused() -> None:
         fresh.load_state_dict(other)
     with pytest.raises(RuntimeError, match="already pulled"):
         pipeline.load_state_dict(state)
+
+
+class _Batches(torch.utils.data.Dataset):
+    """A map-style dataset of this rank's batches (one item is one batch)."""
+
+    def __init__(self, batches: List[Any]) -> None:
+        self._batches = batches
+
+    def __len__(self) -> int:
+        return len(self._batches)
+
+    def __getitem__(self, index: int) -> Any:
+        return self._batches[index]
+
+
+@pytest.mark.parametrize("name", ["TrainPipelineSparseDist", "TrainPipelineSemiSync"])
+@pytest.mark.parametrize("workers", [0, 2])
+def test_stateful_data_loader_resumes_with_the_pipeline(name: str, workers: int) -> None:
+    """torchdata's StatefulDataLoader (worker processes too): its state says what
+    it yielded, the pipeline's what of that is not trained; together, exact."""
+    from torchdata.stateful_dataloader import StatefulDataLoader
+
+    batches = make_batches(N, seed=DATA_SEED)
+    ref = _reference(batches)
+
+    def loader() -> Any:
+        return StatefulDataLoader(_Batches(batches), batch_size=None, num_workers=workers)
+
+    dmp, optimizer = make_sharded(DLRM, "table_wise", seed=SEED)
+    pipeline = _pipeline(name, dmp, optimizer)
+    data = loader()
+    it = iter(data)
+    outputs = _train(pipeline, it, 3)
+    checkpoint = {
+        "pipeline": _save_load_per_rank(pipeline.state_dict()),
+        "loader": data.state_dict(),
+    }
+    del it, pipeline
+
+    dmp2, optimizer2 = make_sharded(DLRM, "table_wise", seed=OTHER_SEED)
+    dmp2.load_state_dict(dmp.state_dict())
+    optimizer2.load_state_dict(optimizer.state_dict())
+    resumed = _pipeline(name, dmp2, optimizer2)
+    resumed.load_state_dict(checkpoint["pipeline"])
+    data2 = loader()
+    data2.load_state_dict(checkpoint["loader"])
+    outputs += _train(resumed, iter(data2))
+    assert_runs_equal(ref, Run(outputs, weights(dmp2)), ("plain loop", f"{name} resumed, {workers} workers"))
