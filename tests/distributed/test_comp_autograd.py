@@ -239,3 +239,32 @@ def test_a_fault_in_a_step_is_retried_and_training_equals_the_plain_loop(where: 
     pipeline = TrainPipelineSparseDistCompAutograd(dmp, optimizer, CPU)
     ours = train_with_retry(pipeline, batches, dmp)
     _assert_close(ours, ref)
+
+
+def test_resumed_from_a_checkpoint_equals_the_plain_loop() -> None:
+    """Issue #22 for CompAutograd: 3 steps, a checkpoint (the pipeline's in-flight
+    batches), a new model and pipeline loaded from it, then the rest: the plain
+    loop's outputs and weights, within the compile tolerance."""
+    from tests.distributed.test_resume import Counting
+
+    batches = make_batches(NUM_BATCHES, seed=SEED + 5)
+    ref = plain_loop(*make_sharded(DLRM, "table_wise", seed=SEED), batches)
+    dmp, optimizer = make_sharded(DLRM, "table_wise", seed=SEED)
+    pipeline = TrainPipelineSparseDistCompAutograd(dmp, optimizer, CPU)
+    it = Counting(batches)
+    outputs = [pipeline.progress(it).clone() for _ in range(3)]
+    state = pipeline.state_dict()
+    pipeline.detach()
+    dmp2, optimizer2 = make_sharded(DLRM, "table_wise", seed=SEED + 1)
+    dmp2.load_state_dict(dmp.state_dict())
+    optimizer2.load_state_dict(optimizer.state_dict())
+    resumed = TrainPipelineSparseDistCompAutograd(dmp2, optimizer2, CPU)
+    resumed.load_state_dict(state)
+    rest = Counting(batches, it.yielded)
+    while True:
+        try:
+            outputs.append(resumed.progress(rest).clone())
+        except StopIteration:
+            break
+    assert len(outputs) == len(batches)
+    _assert_close(Run(outputs, weights(dmp2)), ref)
