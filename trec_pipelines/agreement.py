@@ -42,13 +42,17 @@ trains with this one), is made by the pipeline's constructor with
 ``torch.distributed.new_group`` (so every rank of the world constructs its
 pipeline at the same point, as it builds the sharded model), and gets the
 timeout of the model's process group, so a peer that never comes fails the
-agreement as soon as it would fail the model's own collectives.
+agreement as soon as it would fail the model's own collectives.  It is
+destroyed when its pipeline is collected: a program that builds a pipeline
+per eval pass would otherwise keep a gloo group (threads, sockets) per pass.
 """
 
 from __future__ import annotations
 
+import contextlib
+import weakref
 from dataclasses import dataclass
-from typing import List, Optional
+from typing import Any, List, Optional
 
 import torch
 import torch.distributed as dist
@@ -80,11 +84,11 @@ def _model_groups(model: torch.nn.Module) -> List[Optional[dist.ProcessGroup]]:
 
 
 def agreement_group(
-    model: torch.nn.Module, sync_exhaustion: bool, validate: bool
+    pipeline: Any, model: torch.nn.Module, sync_exhaustion: bool, validate: bool
 ) -> Optional[dist.ProcessGroup]:
-    """The gloo group a pipeline's :class:`~trec_pipelines.stages.BatchSource`
-    agrees on each pull over, or None when it agrees on nothing
-    (see ``[Note: agreeing on each batch]``)."""
+    """The gloo group ``pipeline``'s :class:`~trec_pipelines.stages.BatchSource`
+    agrees on each pull over, destroyed with ``pipeline``, or None when it
+    agrees on nothing (see ``[Note: agreeing on each batch]``)."""
     initialized = dist.is_available() and dist.is_initialized()
     if sync_exhaustion and not initialized:
         raise RuntimeError(
@@ -97,7 +101,16 @@ def agreement_group(
     if not sync_exhaustion and not (validate and peers):
         return None
     timeouts = [_timeout_of(pg) for pg in groups if pg is not None]
-    return dist.new_group(backend="gloo", timeout=next(filter(None, timeouts), None))
+    group = dist.new_group(backend="gloo", timeout=next(filter(None, timeouts), None))
+    # Not at interpreter exit: the process is going away, and torch may be too.
+    weakref.finalize(pipeline, _destroy, group).atexit = False
+    return group
+
+
+def _destroy(group: dist.ProcessGroup) -> None:
+    if dist.is_initialized():
+        with contextlib.suppress(ValueError):  # destroyed already
+            dist.destroy_process_group(group)
 
 
 def agree(group: dist.ProcessGroup, ended: bool, malformed: bool) -> Agreed:

@@ -80,7 +80,7 @@ class TrainPipelineBase(TrainPipeline[In, Out], Recordable):
         self._enable_inplace_copy_batch = enable_inplace_copy_batch
         self._streams = make_streams(device, memcpy=True)
         self._source = BatchSource(
-            agreement_group(model, sync_exhaustion, validate_batches),
+            agreement_group(self, model, sync_exhaustion, validate_batches),
             keep_in_flight=True,
             validate=validate_batches,
         )

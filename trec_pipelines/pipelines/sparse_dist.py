@@ -247,7 +247,7 @@ class TrainPipelineSparseDist(TrainPipeline[In, Out], AsyncInplaceCopyMixin[In],
         check_apply_jit(apply_jit, type(self).__name__)
 
         self._streams: StreamSet = self._make_streams()
-        self._sync_group = agreement_group(model, sync_exhaustion, validate_batches)
+        self._sync_group = agreement_group(self, model, sync_exhaustion, validate_batches)
         self._validate_batches = validate_batches
         self._source = BatchSource(
             self._sync_group, keep_in_flight=self._retries_failed_steps, validate=validate_batches
