@@ -284,7 +284,9 @@ def test_malformed_kjt_raises_before_training_on_both_ranks(name: str) -> None:
     assert_runs_equal(ref, Run(outputs, weights(dmp)), ("plain loop without batch 2", name))
 
 
-EVAL_VARIANTS = ["EvalPipelineSparseDist", "EvalPipelineFusedSparseDist"]
+# "+thread": EvalPipelineSparseDist loading on its thread (CPU loads inline by default),
+# which then runs the agreement.
+EVAL_VARIANTS = ["EvalPipelineSparseDist", "EvalPipelineSparseDist+thread", "EvalPipelineFusedSparseDist"]
 
 
 @pytest.mark.parametrize("sync_exhaustion", [False, True], ids=["default", "sync_exhaustion"])
@@ -308,7 +310,8 @@ def test_malformed_kjt_on_one_rank_raises_on_every_rank_in_the_same_step(name: s
         dmp.eval()
         with torch.no_grad():
             ref = Run([ref_dmp(b)[1] for b in good], weights(ref_dmp))
-        pipeline = getattr(trec_pipelines, name)(dmp, None, CPU, sync_exhaustion=sync_exhaustion)
+        cls_name, thread = name.split("+")[0], {"loader_thread": True} if name.endswith("+thread") else {}
+        pipeline = getattr(trec_pipelines, cls_name)(dmp, None, CPU, sync_exhaustion=sync_exhaustion, **thread)
     else:
         ref = plain_loop(ref_dmp, ref_optimizer, good)
         pipeline = _pipeline(name, dmp, optimizer, sync_exhaustion=sync_exhaustion)
