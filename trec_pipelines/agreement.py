@@ -22,15 +22,16 @@ knows every rank's outcome.
 * Otherwise, when any rank's data ended, the epoch ends on every rank (a
   rank that had a batch counts it in ``unused_batches``).
 
-When it runs: with ``sync_exhaustion=True``, always (a one-element-per-rank
-all-reduce that pipeline already paid for; the malformed slot value costs
-nothing more).  Without it, by default: whenever ``validate_batches=True``
+When it runs: with ``sync_exhaustion=True``, always (the all-reduce that
+option pays for carries the malformed flag at no extra cost).  Without it,
+by default: whenever ``validate_batches=True``
 (the default) and the model's sharded modules run collectives with other
 ranks.  torchrec has no such agreement, and a malformed batch is rare, but
 without it the only sign the healthy ranks get is the process group's
-timeout (30 minutes by default), after which the job is lost; a few tens of
-microseconds per step buy an error on every rank in the same step and a
-job that carries on.  So the checks and their agreement go together:
+timeout (30 minutes by default), after which the job is lost; one gloo
+round trip per batch (a few hundred microseconds on a busy 2-core machine,
+see the README) buys an error on every rank in the same step and a job
+that carries on.  So the checks and their agreement go together:
 ``validate_batches=False`` turns both off (torchrec's behaviour, no
 collective), and a model sharded over one-rank groups only (or a job of one
 rank), which cannot hang on a peer, makes no group and agrees on nothing.
