@@ -43,8 +43,10 @@ trains with this one), is made by the pipeline's constructor with
 ``torch.distributed.new_group`` (so every rank of the world constructs its
 pipeline at the same point, as it builds the sharded model), and gets the
 timeout of the model's process group, so a peer that never comes fails the
-agreement as soon as it would fail the model's own collectives.  It is
-destroyed when its pipeline is collected: a program that builds a pipeline
+agreement as soon as it would fail the model's own collectives.  Once its
+pipeline is collected it is destroyed, by the next pipeline's constructor
+(not inside the garbage collector, which may run in the middle of
+``torch.distributed``'s own bookkeeping): a program that builds a pipeline
 per eval pass would otherwise keep a gloo group (threads, sockets) per pass.
 """
 
@@ -63,6 +65,9 @@ from trec_pipelines.rewrite import sharded_modules
 
 # What a rank reports for one pull; MIN over the ranks is slot by slot.
 ENDED, MALFORMED, FINE = 0, 1, 2
+
+# Groups whose pipeline was collected, destroyed by the next agreement_group().
+_orphaned: List[dist.ProcessGroup] = []
 
 
 @dataclass(frozen=True)
@@ -88,8 +93,10 @@ def agreement_group(
     pipeline: Any, model: torch.nn.Module, sync_exhaustion: bool, validate: bool
 ) -> Optional[dist.ProcessGroup]:
     """The gloo group ``pipeline``'s :class:`~trec_pipelines.stages.BatchSource`
-    agrees on each pull over, destroyed with ``pipeline``, or None when it
-    agrees on nothing (see ``[Note: agreeing on each batch]``)."""
+    agrees on each pull over, or None when it agrees on nothing (see
+    ``[Note: agreeing on each batch]``).  Once ``pipeline`` is collected, the
+    next call destroys the group."""
+    _destroy_orphans()
     initialized = dist.is_available() and dist.is_initialized()
     if sync_exhaustion and not initialized:
         raise RuntimeError(
@@ -104,14 +111,17 @@ def agreement_group(
     timeouts = [_timeout_of(pg) for pg in groups if pg is not None]
     group = dist.new_group(backend="gloo", timeout=next(filter(None, timeouts), None))
     # Not at interpreter exit: the process is going away, and torch may be too.
-    weakref.finalize(pipeline, _destroy, group).atexit = False
+    weakref.finalize(pipeline, _orphaned.append, group).atexit = False
     return group
 
 
-def _destroy(group: dist.ProcessGroup) -> None:
-    if dist.is_initialized():
-        with contextlib.suppress(ValueError):  # destroyed already
-            dist.destroy_process_group(group)
+def _destroy_orphans() -> None:
+    """Destroy the groups of the pipelines collected since the last call."""
+    while _orphaned:
+        orphan = _orphaned.pop()
+        if dist.is_available() and dist.is_initialized():
+            with contextlib.suppress(ValueError):  # destroyed already, with its world
+                dist.destroy_process_group(orphan)
 
 
 def agree(group: dist.ProcessGroup, ended: bool, malformed: bool) -> Agreed:

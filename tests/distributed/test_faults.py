@@ -338,8 +338,8 @@ def test_malformed_kjt_on_one_rank_raises_on_every_rank_in_the_same_step(name: s
 
 def test_the_ranks_agree_only_where_a_rank_could_wait_on_a_peer() -> None:
     """validate_batches=True on a sharded model agrees on each pull (on a gloo group
-    of its own, destroyed with the pipeline); without validation, or without a
-    sharded module, nothing is agreed."""
+    of its own, destroyed once the pipeline is collected); without validation, or
+    without a sharded module, nothing is agreed."""
     dmp, optimizer = make_sharded(DLRM, "table_wise", seed=SEED)
     pipeline = trec_pipelines.TrainPipelineSparseDist(dmp, optimizer, CPU)
     agreed = pipeline._source._sync_group
@@ -347,12 +347,13 @@ def test_the_ranks_agree_only_where_a_rank_could_wait_on_a_peer() -> None:
     run_pipeline(pipeline, make_batches(3, seed=DATA_SEED), model=dmp)
     del pipeline
     gc.collect()
-    with pytest.raises((KeyError, ValueError, RuntimeError)):
-        dist.get_process_group_ranks(agreed)
     assert trec_pipelines.TrainPipelineBase(dmp, optimizer, CPU, validate_batches=False)._source._sync_group is None
     dense = torch.nn.Linear(4, 1)
     plain = trec_pipelines.TrainPipelineBase(dense, torch.optim.SGD(dense.parameters(), lr=0.1), CPU)
     assert plain._source._sync_group is None
+    # The next pipeline's constructor destroyed the collected pipeline's group.
+    with pytest.raises((KeyError, ValueError, RuntimeError)):
+        dist.get_process_group_ranks(agreed)
 
 
 # ------------------------------------------------------- gradient accumulation
