@@ -16,6 +16,7 @@ import torch
 import torch.distributed as dist
 from torchrec.streamable import Multistreamable, Pipelineable
 
+from trec_pipelines.agreement import agree
 from trec_pipelines.errors import MalformedBatchError
 from trec_pipelines.rewrite import kjts_in
 from trec_pipelines.streams import hand_off, on_stream
@@ -107,11 +108,13 @@ class BatchSource:
       the call will need, before any work is issued: an exception raised by
       the iterator then reaches the caller with the pipeline untouched, and the
       next call carries on.  :meth:`next` hands the held batches out in order.
-    * With ``sync_group`` every pull is agreed across ranks (a one-element
-      all-reduce): once any rank's iterator ends, every rank treats its own as
-      ended at the same step, so no rank waits in a collective for a batch the
-      others will never send.  Batches a rank pulled but could not use are
-      counted in :attr:`unused`.
+    * With ``sync_group`` every pull is agreed across ranks (one all-reduce,
+      see ``[Note: agreeing on each batch]`` in :mod:`trec_pipelines.agreement`):
+      a batch malformed on any rank is dropped on every rank, each raising
+      ``MalformedBatchError``; once any rank's iterator ends, every rank treats
+      its own as ended at the same step, so no rank waits in a collective for
+      a batch the others will never send.  Batches a rank pulled but could not
+      use are counted in :attr:`unused`.
     * With ``keep_in_flight`` every batch handed out stays listed, host copy
       and index, until the pipeline marks it trained (:meth:`retire`) or drops it.
       :meth:`rewind` gives the listed batches back, in order and with their
@@ -138,7 +141,7 @@ class BatchSource:
         self._rewound: Deque[Tuple[int, Any]] = deque()
         self.unused = 0  # batches pulled but dropped because another rank ran out
         self._validate = validate
-        self.rejected = 0  # malformed batches pulled and dropped (``validate``)
+        self.rejected = 0  # batches dropped as malformed (here, or on another rank: ``sync_group``)
         # The iterator that last raised StopIteration, and its yield count then.
         self._spent: Optional[Tuple[Iterator[Any], Optional[int]]] = None
 
@@ -203,11 +206,12 @@ class BatchSource:
                 batch = None
                 self._spent = (iterator, getattr(iterator, "_num_yielded", None))
         problem = batch_problem(batch) if self._validate and batch is not None else None
+        malformed_on: Optional[List[int]] = None
         if self._sync_group is not None:
-            batch, problem = self._agree(batch, problem)
+            batch, problem, malformed_on = self._agree(batch, problem)
         if problem is not None:
             self.rejected += 1
-            raise MalformedBatchError.dropped(self.loaded + len(self._held), problem)
+            raise MalformedBatchError.dropped(self.loaded + len(self._held), problem, malformed_on)
         if batch is None:
             self.exhausted = True
             return None
@@ -229,19 +233,16 @@ class BatchSource:
 
     def _agree(
         self, batch: Optional[Any], problem: Optional[str]
-    ) -> Tuple[Optional[Any], Optional[str]]:
-        """Every rank's (batch, problem) after agreeing: ended if any rank's data
-        ended, malformed if any rank's batch is (so all drop it in step)."""
-        mine = 0 if batch is None else (1 if problem is not None else 2)
-        flag = torch.tensor([mine], dtype=torch.int32)
-        dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=self._sync_group)
-        agreed = int(flag.item())
-        if agreed == 1:
-            return None, problem or (
-                "this rank's batch is fine but another rank's is malformed (see its "
-                "error); dropped here too so the ranks stay in step"
-            )
-        if batch is not None and agreed == 0:
+    ) -> Tuple[Optional[Any], Optional[str], Optional[List[int]]]:
+        """Every rank's (batch, problem, ranks it is malformed on) after agreeing:
+        malformed if any rank's batch is (so all drop it in step), else ended if
+        any rank's data ended."""
+        agreed = agree(self._sync_group, batch is None, problem is not None)
+        if agreed.malformed_on:
+            here = "this rank's data has ended" if batch is None else "this rank's batch is fine"
+            problem = problem or f"{here}; the error raised there says what is wrong"
+            return None, problem, agreed.malformed_on
+        if batch is not None and agreed.ended:
             self.unused += 1
             logger.warning(
                 "rank %d: another rank's data ended; stopping here in step with it "
@@ -249,8 +250,8 @@ class BatchSource:
                 dist.get_rank(),
                 self.unused,
             )
-            return None, None
-        return batch, None
+            return None, None, None
+        return batch, None, None
 
     def end_epoch(self) -> None:
         self.exhausted = False
@@ -369,18 +370,6 @@ class SourceState:
     exhausted: bool
     in_flight: Deque[Tuple[int, Any]] = field(default_factory=deque)
     rewound: Deque[Tuple[int, Any]] = field(default_factory=deque)
-
-
-def sync_group_for(sync_exhaustion: bool) -> Optional[Any]:
-    """A gloo group for :class:`BatchSource` agreement, or None when not asked for."""
-    if not sync_exhaustion:
-        return None
-    if not dist.is_available() or not dist.is_initialized():
-        raise RuntimeError(
-            "sync_exhaustion=True agrees on the end of data across ranks and needs "
-            "torch.distributed initialised first (dist.init_process_group(...))"
-        )
-    return dist.new_group(backend="gloo")
 
 
 class ParkedEpochs:

@@ -8,6 +8,7 @@ the pipeline's next progress() does the same.
 from __future__ import annotations
 
 import contextlib
+import gc
 import os
 from datetime import timedelta
 from typing import Any, List, Optional
@@ -31,6 +32,7 @@ from tests.distributed.dlrm import (
     Run,
     _snapshot,
     assert_runs_equal,
+    current_group,
     make_batches,
     make_sharded,
     plain_loop,
@@ -273,30 +275,85 @@ def test_malformed_kjt_raises_before_training_on_both_ranks(name: str) -> None:
     pipeline = _pipeline(name, dmp, optimizer)
     it = iter(batches)
     outputs = []
-    with pytest.raises(ValueError, match=r"batch 2: KeyedJaggedTensor batch.sparse: key '.*'.*3 missing"):
+    # Malformed on every rank: each says so, with its own problem.
+    expected = r"batch 2: malformed on ranks [0-9, ]+, dropped on every rank .*: KeyedJaggedTensor batch.sparse: key '.*'.*3 missing"
+    with pytest.raises(ValueError, match=expected):
         while True:
             outputs.append(_snapshot(pipeline.progress(it)))
     outputs += list(run_pipeline(pipeline, it, model=dmp))
     assert_runs_equal(ref, Run(outputs, weights(dmp)), ("plain loop without batch 2", name))
 
 
-def test_malformed_kjt_on_one_rank_raises_on_both_with_sync_exhaustion() -> None:
-    rank = dist.get_rank()
+# "+thread": EvalPipelineSparseDist loading on its thread (CPU loads inline by default),
+# which then runs the agreement.
+EVAL_VARIANTS = ["EvalPipelineSparseDist", "EvalPipelineSparseDist+thread", "EvalPipelineFusedSparseDist"]
+
+
+@pytest.mark.parametrize("sync_exhaustion", [False, True], ids=["default", "sync_exhaustion"])
+@pytest.mark.parametrize("name", VARIANTS + EVAL_VARIANTS)
+def test_malformed_kjt_on_one_rank_raises_on_every_rank_in_the_same_step(name: str, sync_exhaustion: bool) -> None:
+    """Batch 3 is malformed on the last rank only.  Every rank raises for it in the
+    same progress() call, naming that rank and the batch, and goes on in step:
+    training (or evaluation) equals the plain loop over the batches without it.
+    The model's group times out after 20 s (PG_TIMEOUT: 120 s), so a rank left
+    waiting in a collective fails the test quickly instead of hanging it."""
+    rank, bad = dist.get_rank(), dist.get_world_size() - 1
+    short = dist.new_group(backend="gloo", timeout=timedelta(seconds=20))
     batches = make_batches(6, seed=DATA_SEED)
     good = batches[:3] + batches[4:]
-    if rank == 0:
+    if rank == bad:
         batches[3] = _malformed(batches[3], drop=batches[3].sparse.values().numel() // 2)
-    ref = plain_loop(*make_sharded(DLRM, "table_wise", seed=SEED), good)
-    dmp, optimizer = make_sharded(DLRM, "table_wise", seed=SEED)
-    pipeline = trec_pipelines.TrainPipelineSparseDist(dmp, optimizer, CPU, sync_exhaustion=True)
+    ref_dmp, ref_optimizer = make_sharded(DLRM, "table_wise", seed=SEED, pg=short)
+    dmp, optimizer = make_sharded(DLRM, "table_wise", seed=SEED, pg=short)
+    if name in EVAL_VARIANTS:
+        ref_dmp.eval()
+        dmp.eval()
+        with torch.no_grad():
+            ref = Run([ref_dmp(b)[1] for b in good], weights(ref_dmp))
+        cls_name, thread = name.split("+")[0], {"loader_thread": True} if name.endswith("+thread") else {}
+        pipeline = getattr(trec_pipelines, cls_name)(dmp, None, CPU, sync_exhaustion=sync_exhaustion, **thread)
+    else:
+        ref = plain_loop(ref_dmp, ref_optimizer, good)
+        pipeline = _pipeline(name, dmp, optimizer, sync_exhaustion=sync_exhaustion)
     it = iter(batches)
-    outputs = []
-    expected = r"batch 3: .*missing" if rank == 0 else r"batch 3: .*another rank's is malformed"
-    with pytest.raises(ValueError, match=expected):
-        while True:
+    outputs: List[torch.Tensor] = []
+    errors: List[Any] = []
+    while True:
+        try:
             outputs.append(_snapshot(pipeline.progress(it)))
-    outputs += list(run_pipeline(pipeline, it, model=dmp))
-    assert_runs_equal(ref, Run(outputs, weights(dmp)), ("plain loop without batch 3", "SparseDist"))
+        except StopIteration:
+            break
+        except trec_pipelines.MalformedBatchError as error:
+            errors.append((len(outputs), str(error)))
+    assert len(errors) == 1, errors
+    at, message = errors[0]
+    assert f"batch 3: malformed on rank {bad}, dropped on every rank" in message, message
+    assert ("missing" if rank == bad else "this rank's batch is fine") in message, message
+    steps: List[Optional[int]] = [None] * dist.get_world_size()
+    dist.all_gather_object(steps, at, group=short)
+    assert steps == [at] * len(steps), f"the ranks raised after different steps: {steps}"
+    assert pipeline._source.rejected == 1
+    assert_runs_equal(ref, Run(outputs, weights(dmp)), ("plain loop without batch 3", name))
+
+
+def test_the_ranks_agree_only_where_a_rank_could_wait_on_a_peer() -> None:
+    """validate_batches=True on a sharded model agrees on each pull (on a gloo group
+    of its own, destroyed once the pipeline is collected); without validation, or
+    without a sharded module, nothing is agreed."""
+    dmp, optimizer = make_sharded(DLRM, "table_wise", seed=SEED)
+    pipeline = trec_pipelines.TrainPipelineSparseDist(dmp, optimizer, CPU)
+    agreed = pipeline._source._sync_group
+    assert agreed is not None and agreed is not current_group() and dist.get_backend(agreed) == "gloo"
+    run_pipeline(pipeline, make_batches(3, seed=DATA_SEED), model=dmp)
+    del pipeline
+    gc.collect()
+    assert trec_pipelines.TrainPipelineBase(dmp, optimizer, CPU, validate_batches=False)._source._sync_group is None
+    dense = torch.nn.Linear(4, 1)
+    plain = trec_pipelines.TrainPipelineBase(dense, torch.optim.SGD(dense.parameters(), lr=0.1), CPU)
+    assert plain._source._sync_group is None
+    # The next pipeline's constructor destroyed the collected pipeline's group.
+    with pytest.raises((KeyError, ValueError, RuntimeError)):
+        dist.get_process_group_ranks(agreed)
 
 
 # ------------------------------------------------------- gradient accumulation

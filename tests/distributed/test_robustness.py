@@ -42,6 +42,18 @@ def test_sync_exhaustion_with_uneven_data(name: str) -> None:
     assert pipeline._source.unused == (1 if rank == 0 else 0)
 
 
+def test_uneven_data_stops_in_step_with_validation_alone() -> None:
+    """validate_batches=True (the default) on a sharded model agrees on each pull
+    ([Note: agreeing on each batch]), the end of the data included."""
+    rank = dist.get_rank()
+    batches = make_batches(6 if rank == 0 else 4, seed=DATA_SEED)
+    ref = plain_loop(*make_sharded(DLRM, "table_wise", seed=SEED), batches[:4])
+    dmp, optimizer = make_sharded(DLRM, "table_wise", seed=SEED)
+    pipeline = trec_pipelines.TrainPipelineSparseDist(dmp, optimizer, CPU)
+    assert_runs_equal(ref, run_pipeline(pipeline, batches, model=dmp), ("plain_loop[:4]", "SparseDist"))
+    assert pipeline.unused_batches == (1 if rank == 0 else 0)
+
+
 def test_sync_exhaustion_next_epoch_carries_on() -> None:
     rank = dist.get_rank()
     first = make_batches(5 if rank == 0 else 3, seed=DATA_SEED)

@@ -10,6 +10,7 @@ from torchrec.distributed.train_pipeline import In, Out, TrainPipeline
 from torchrec.distributed.types import ShardedModule
 
 from trec_pipelines import recorder as rec
+from trec_pipelines.agreement import agreement_group
 from trec_pipelines.pipelines._common import check_device, check_model_device, check_optimizer
 from trec_pipelines.recorder import Recordable
 from trec_pipelines.resume import Resumable
@@ -18,7 +19,6 @@ from trec_pipelines.stages import (
     ParkedEpochs,
     backward,
     copy_to_device,
-    sync_group_for,
     wait_for_batch,
 )
 from trec_pipelines.step_guard import StepGuard, guarded_step, skip_failed_batch
@@ -81,7 +81,9 @@ class TrainPipelineBase(TrainPipeline[In, Out], Recordable, Resumable):
         self._enable_inplace_copy_batch = enable_inplace_copy_batch
         self._streams = make_streams(device, memcpy=True)
         self._source = BatchSource(
-            sync_group_for(sync_exhaustion), keep_in_flight=True, validate=validate_batches
+            agreement_group(self, model, sync_exhaustion, validate_batches),
+            keep_in_flight=True,
+            validate=validate_batches,
         )
         self._step_guard = StepGuard()
         self._cur_batch: Optional[Any] = None

@@ -12,12 +12,13 @@ from torchrec.distributed.types import ShardedModule
 from torchrec.pt2.utils import default_pipeline_input_transformer
 
 from trec_pipelines import recorder as rec
+from trec_pipelines.agreement import agreement_group
 from trec_pipelines.compiler_settings import HeldSettings
 from trec_pipelines.pipelines._common import check_device, check_model_device, check_optimizer
 from trec_pipelines.recorder import Recordable
 from trec_pipelines.resume import Resumable
 from trec_pipelines.step_guard import StepGuard, guarded_step, skip_failed_batch
-from trec_pipelines.stages import BatchSource, copy_to_device, sync_group_for
+from trec_pipelines.stages import BatchSource, copy_to_device
 from trec_pipelines.takeover import take_model_over
 
 
@@ -124,7 +125,9 @@ class TrainPipelinePT2(TrainPipeline[In, Out], Recordable, Resumable):
         self._post_compile_fn = post_compile_fn
         self._input_transformer = input_transformer or default_pipeline_input_transformer
         self._source = BatchSource(
-            sync_group_for(sync_exhaustion), keep_in_flight=True, validate=validate_batches
+            agreement_group(self, model, sync_exhaustion, validate_batches),
+            keep_in_flight=True,
+            validate=validate_batches,
         )
         self._step_guard = StepGuard()
         self._iter = 0

@@ -13,6 +13,7 @@ from torchrec.distributed.train_pipeline import In, Out, TrainPipeline
 from torchrec.distributed.types import ShardedModule
 
 from trec_pipelines import recorder as rec
+from trec_pipelines.agreement import agreement_group
 from trec_pipelines.backward_hooks import pipeline_hook, register_backward_hook
 from trec_pipelines.context import TrainPipelineContext
 from trec_pipelines.forwards import BaseForward, PipelinedForward
@@ -54,7 +55,6 @@ from trec_pipelines.stages import (
     backward,
     copy_to_device,
     shares_kjt_storage,
-    sync_group_for,
     wait_for_batch,
 )
 from trec_pipelines.step_guard import StepGuard, guarded_step, skip_failed_batch
@@ -110,12 +110,14 @@ class TrainPipelineSparseDist(
     trained; with ``False`` the pipeline stops as soon as the iterator ends,
     dropping (and logging) the batches still in flight, as torchrec does (it
     trains N-2 of N batches).  With ``sync_exhaustion=True`` the ranks agree on
-    the end of data through a one-element all-reduce per batch on a gloo
-    group, so uneven data stops every rank at the same step instead of leaving
-    the others waiting in the all-to-all; :attr:`unused_batches` counts what a
-    rank pulled but could not use.  Without it, a rank whose data ends first
-    stops while the others wait in their next input_dist until the process
-    group times out.
+    each pull through an all-reduce of one int32 per rank on a gloo group, so
+    uneven data stops every rank at the same step instead of leaving the
+    others waiting in the all-to-all; :attr:`unused_batches` counts what a
+    rank pulled but could not use.  ``validate_batches=True`` on a model
+    sharded over several ranks runs the same agreement (see
+    ``[Note: agreeing on each batch]`` in :mod:`trec_pipelines.agreement`).
+    With neither, a rank whose data ends first stops while the others wait in
+    their next input_dist until the process group times out.
 
     ``on_unpipelined`` is "warn" (log each sharded module the rewrite could not
     pipeline, with the reason; the default) or "raise".
@@ -128,9 +130,11 @@ class TrainPipelineSparseDist(
     or trained twice.  :meth:`skip_failed_batch` drops a batch that fails every
     time.  Each host batch's KeyedJaggedTensors are checked as it is pulled
     (``validate_batches=True``): a malformed one raises ``ValueError`` before any
-    work, and the next call goes on with the next batch.  A pipeline that finds
-    another pipeline's wrappers on its model (an eval pipeline left attached)
-    detaches it and takes the model over; see ``_take_over_model``.
+    work, on every rank when the model is sharded over several (the ranks
+    agree on each pull, and all drop the batch), and the next call goes on
+    with the next batch.  A pipeline that finds another pipeline's wrappers on
+    its model (an eval pipeline left attached) detaches it and takes the model
+    over; see ``_take_over_model``.
 
     ``input_dist_group`` (keyword-only): "dedicated" (the default) runs the
     pipelined input_dist on a process group of the same ranks that carries
@@ -243,7 +247,7 @@ class TrainPipelineSparseDist(
         check_apply_jit(apply_jit, type(self).__name__)
 
         self._streams: StreamSet = self._make_streams()
-        self._sync_group = sync_group_for(sync_exhaustion)
+        self._sync_group = agreement_group(self, model, sync_exhaustion, validate_batches)
         self._validate_batches = validate_batches
         # The host copies of the in-flight batches: what a failed step is
         # retried from, and what a checkpoint holds (trec_pipelines.resume).

@@ -1,0 +1,134 @@
+"""Ranks agreeing on each batch they pull: the end of the data, and a malformed batch.
+
+[Note: agreeing on each batch]
+A step's collectives pair up only if every rank is at the same batch index.
+Two things a rank learns alone, as it pulls a host batch, break that: its
+data ended while the others' did not, or its batch is malformed
+(``validate_batches``) while the others' are fine.  A rank that stops, or
+drops the batch, on its own leaves the others in the step's next collective
+until the process group times out; if it then goes on, it trains batch
+``k + 1`` against the others' ``k``, and the ranks stay out of step (at the
+end of the data one rank runs a step alone, and hangs).
+
+So each pull is agreed before the step issues any work: one all-reduce (MIN)
+of one int32 per rank on a gloo group of its own, each rank writing its own
+slot (:data:`ENDED`, :data:`MALFORMED` or :data:`FINE`); every rank then
+knows every rank's outcome.
+
+* A batch malformed on any rank is dropped on every rank, and every rank
+  raises ``MalformedBatchError`` for it, naming the batch and the ranks it was
+  malformed on (there the error also says what is wrong).  This goes first,
+  so the error is seen even when another rank's data ended at that pull.
+* Otherwise, when any rank's data ended, the epoch ends on every rank (a
+  rank that had a batch counts it in ``unused_batches``).
+
+When it runs: with ``sync_exhaustion=True``, always (the all-reduce that
+option pays for carries the malformed flag at no extra cost).  Without it,
+by default: whenever ``validate_batches=True``
+(the default) and the model's sharded modules run collectives with other
+ranks.  torchrec has no such agreement, and a malformed batch is rare, but
+without it the only sign the healthy ranks get is the process group's
+timeout (30 minutes by default), after which the job is lost; one gloo
+round trip per batch (a few hundred microseconds on a busy 2-core machine,
+see the README) buys an error on every rank in the same step and a job
+that carries on.  So the checks and their agreement go together:
+``validate_batches=False`` turns both off (torchrec's behaviour, no
+collective), and a model sharded over one-rank groups only (or a job of one
+rank), which cannot hang on a peer, makes no group and agrees on nothing.
+
+The group: gloo, so the flags are CPU tensors (no device synchronisation on
+any backend), and a group of its own, so the all-reduce never queues behind
+the model's all-to-alls in flight.  It spans the world (every rank that
+trains with this one), is made by the pipeline's constructor with
+``torch.distributed.new_group`` (so every rank of the world constructs its
+pipeline at the same point, as it builds the sharded model), and gets the
+timeout of the model's process group, so a peer that never comes fails the
+agreement as soon as it would fail the model's own collectives.  Once its
+pipeline is collected it is destroyed, by the next pipeline's constructor
+(not inside the garbage collector, which may run in the middle of
+``torch.distributed``'s own bookkeeping): a program that builds a pipeline
+per eval pass would otherwise keep a gloo group (threads, sockets) per pass.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import weakref
+from dataclasses import dataclass
+from typing import Any, List, Optional
+
+import torch
+import torch.distributed as dist
+
+from trec_pipelines.input_dist_group import _timeout_of
+from trec_pipelines.rewrite import sharded_modules
+
+# What a rank reports for one pull; MIN over the ranks is slot by slot.
+ENDED, MALFORMED, FINE = 0, 1, 2
+
+# Groups whose pipeline was collected, destroyed by the next agreement_group().
+_orphaned: List[dist.ProcessGroup] = []
+
+
+@dataclass(frozen=True)
+class Agreed:
+    """One pull, as every rank saw it."""
+
+    malformed_on: List[int]  # the (global) ranks whose batch is malformed
+    ended: bool  # some rank's data ended
+
+
+def _model_groups(model: torch.nn.Module) -> List[Optional[dist.ProcessGroup]]:
+    """The process group of each of the model's sharded modules (None where a
+    module does not say which it runs on)."""
+    groups: List[Optional[dist.ProcessGroup]] = []
+    for module in sharded_modules(model).values():
+        pg = getattr(getattr(module, "_env", None), "process_group", None)
+        if pg not in groups:
+            groups.append(pg)
+    return groups
+
+
+def agreement_group(
+    pipeline: Any, model: torch.nn.Module, sync_exhaustion: bool, validate: bool
+) -> Optional[dist.ProcessGroup]:
+    """The gloo group ``pipeline``'s :class:`~trec_pipelines.stages.BatchSource`
+    agrees on each pull over, or None when it agrees on nothing (see
+    ``[Note: agreeing on each batch]``).  Once ``pipeline`` is collected, the
+    next call destroys the group."""
+    _destroy_orphans()
+    initialized = dist.is_available() and dist.is_initialized()
+    if sync_exhaustion and not initialized:
+        raise RuntimeError(
+            "sync_exhaustion=True agrees on the end of data across ranks and needs "
+            "torch.distributed initialised first (dist.init_process_group(...))"
+        )
+    groups = _model_groups(model) if initialized else []
+    # A sharded module that names no group is taken to run over the world.
+    peers = any(dist.get_world_size() > 1 if pg is None else pg.size() > 1 for pg in groups)
+    if not sync_exhaustion and not (validate and peers):
+        return None
+    timeouts = [_timeout_of(pg) for pg in groups if pg is not None]
+    group = dist.new_group(backend="gloo", timeout=next(filter(None, timeouts), None))
+    # Not at interpreter exit: the process is going away, and torch may be too.
+    weakref.finalize(pipeline, _orphaned.append, group).atexit = False
+    return group
+
+
+def _destroy_orphans() -> None:
+    """Destroy the groups of the pipelines collected since the last call."""
+    while _orphaned:
+        orphan = _orphaned.pop()
+        if dist.is_available() and dist.is_initialized():
+            with contextlib.suppress(ValueError):  # destroyed already, with its world
+                dist.destroy_process_group(orphan)
+
+
+def agree(group: dist.ProcessGroup, ended: bool, malformed: bool) -> Agreed:
+    """Tell every rank of ``group`` how this rank's pull went; learn theirs."""
+    flags = torch.full((group.size(),), FINE, dtype=torch.int32)
+    flags[group.rank()] = ENDED if ended else MALFORMED if malformed else FINE
+    dist.all_reduce(flags, op=dist.ReduceOp.MIN, group=group)
+    outcomes = flags.tolist()
+    ranks = dist.get_process_group_ranks(group)
+    return Agreed([r for r, o in zip(ranks, outcomes) if o == MALFORMED], ENDED in outcomes)
