@@ -14,7 +14,7 @@ VENV_LATEST := .venv-latest
 PY_LATEST := $(VENV_LATEST)/bin/python
 STAMP_LATEST := $(VENV_LATEST)/.installed
 
-.PHONY: test unit distributed distributed-4 test-latest unit-latest distributed-latest distributed-4-latest bench soak clean
+.PHONY: test unit distributed distributed-4 test-latest unit-latest distributed-latest distributed-4-latest bench bench-agreement soak clean
 
 # $(call build_stack,venv,requirements,torchrec requirements): torch and
 # torchrec's runtime deps first, then torchrec with --no-deps (its metadata asks
@@ -78,6 +78,10 @@ distributed-4-latest: $(STAMP_LATEST)
 
 bench: $(STAMP)
 	$(PY) -m benchmarks $(BENCH_ARGS)
+
+# What the ranks' agreement on each batch costs a SparseDist step (a minute or two).
+bench-agreement: $(STAMP)
+	$(VENV)/bin/torchrun --standalone --nproc_per_node=$(NPROC) -m benchmarks.agreement_cost
 
 # Not in CI (a few minutes): 5,000 steps of SparseDist and SemiSync, RSS sampled.
 soak: $(STAMP)

@@ -29,12 +29,26 @@ by default: whenever ``validate_batches=True``
 ranks.  torchrec has no such agreement, and a malformed batch is rare, but
 without it the only sign the healthy ranks get is the process group's
 timeout (30 minutes by default), after which the job is lost; one gloo
-round trip per batch (a few hundred microseconds on a busy 2-core machine,
-see the README) buys an error on every rank in the same step and a job
+all-reduce per batch buys an error on every rank in the same step and a job
 that carries on.  So the checks and their agreement go together:
 ``validate_batches=False`` turns both off (torchrec's behaviour, no
 collective), and a model sharded over one-rank groups only (or a job of one
 rank), which cannot hang on a peer, makes no group and agrees on nothing.
+
+One pull ahead: waiting for the all-reduce where the batch is pulled would
+put a gloo round trip (a few hundred microseconds on this 2-core machine) in
+every step.  So :meth:`BatchSource.fetch_ahead
+<trec_pipelines.stages.BatchSource.fetch_ahead>`, at the top of each
+``progress()``, first takes the batches the call needs, whose agreements
+were started by the previous call and have had a whole step to finish, then
+pulls one more and starts its all-reduce (``async_op``), left under way for
+the next call.  The wait is then normally already over; a malformed batch
+still raises before its step issues any work, on every rank; every rank
+starts the same pulls in the same order, so the all-reduces pair up.  The
+price: one more host batch pulled from the iterator and held (also in a
+checkpoint, see ``[Note: exact resume]``).  A pipeline that only calls
+:meth:`~trec_pipelines.stages.BatchSource.next` (an eval loader thread)
+agrees on each pull as it makes it, inside its own thread.
 
 The group: gloo, so the flags are CPU tensors (no device synchronisation on
 any backend), and a group of its own, so the all-reduce never queues behind
@@ -124,11 +138,27 @@ def _destroy_orphans() -> None:
                 dist.destroy_process_group(orphan)
 
 
+class Agreement:
+    """One pull's agreement, under way: :meth:`result` waits for it."""
+
+    def __init__(self, group: dist.ProcessGroup, ended: bool, malformed: bool) -> None:
+        self._group = group
+        self._flags = torch.full((group.size(),), FINE, dtype=torch.int32)
+        self._flags[group.rank()] = ENDED if ended else MALFORMED if malformed else FINE
+        self._work = dist.all_reduce(
+            self._flags, op=dist.ReduceOp.MIN, group=group, async_op=True
+        )
+
+    def result(self) -> Agreed:
+        """Every rank's outcome of this pull (waits for the all-reduce)."""
+        if self._work is not None:
+            self._work.wait()
+            self._work = None
+        outcomes = self._flags.tolist()
+        ranks = dist.get_process_group_ranks(self._group)
+        return Agreed([r for r, o in zip(ranks, outcomes) if o == MALFORMED], ENDED in outcomes)
+
+
 def agree(group: dist.ProcessGroup, ended: bool, malformed: bool) -> Agreed:
     """Tell every rank of ``group`` how this rank's pull went; learn theirs."""
-    flags = torch.full((group.size(),), FINE, dtype=torch.int32)
-    flags[group.rank()] = ENDED if ended else MALFORMED if malformed else FINE
-    dist.all_reduce(flags, op=dist.ReduceOp.MIN, group=group)
-    outcomes = flags.tolist()
-    ranks = dist.get_process_group_ranks(group)
-    return Agreed([r for r, o in zip(ranks, outcomes) if o == MALFORMED], ENDED in outcomes)
+    return Agreement(group, ended, malformed).result()

@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 from torchrec.streamable import Multistreamable, Pipelineable
 
-from trec_pipelines.agreement import agree
+from trec_pipelines.agreement import Agreed, Agreement
 from trec_pipelines.errors import MalformedBatchError
 from trec_pipelines.rewrite import kjts_in
 from trec_pipelines.streams import hand_off, on_stream
@@ -92,6 +92,15 @@ def backward(losses: torch.Tensor) -> None:
     torch.sum(losses, dim=0).backward()
 
 
+@dataclass
+class _Pending:
+    """A pulled batch (None: this rank's data ended) while the ranks agree on it."""
+
+    batch: Optional[Any]
+    problem: Optional[str]  # why it is malformed here, if it is
+    agreement: Agreement
+
+
 class BatchSource:
     """Pulls batches from the user's iterator, one epoch at a time.
 
@@ -122,6 +131,10 @@ class BatchSource:
       host copies (see :mod:`trec_pipelines.step_guard`).
     """
 
+    # Start the next pull's agreement a call early (see [Note: agreeing on each
+    # batch]); False agrees on each pull as it is made (benchmarks/agreement_cost.py).
+    agree_ahead: bool = True
+
     def __init__(
         self,
         sync_group: Optional[Any] = None,
@@ -142,6 +155,8 @@ class BatchSource:
         self.unused = 0  # batches pulled but dropped because another rank ran out
         self._validate = validate
         self.rejected = 0  # batches dropped as malformed (here, or on another rank: ``sync_group``)
+        # Pulls whose agreement is under way (sync_group), oldest first: after _held.
+        self._pending: Deque[_Pending] = deque()
         # The iterator that last raised StopIteration, and its yield count then.
         self._spent: Optional[Tuple[Iterator[Any], Optional[int]]] = None
 
@@ -153,6 +168,7 @@ class BatchSource:
             self._iterator = iterator
             self.exhausted = False
             return
+        self.settle()  # the previous iterator's pulls under way join its held batches
         if self._rewound:
             logger.warning(
                 "%d batch(es) of a failed step were dropped: a new iterator was passed "
@@ -187,36 +203,86 @@ class BatchSource:
         return batch
 
     def fetch_ahead(self, iterator: Iterator[Any], count: int = 1) -> None:
-        """Hold ``count`` batches (fewer at the end of data) for :meth:`next`."""
+        """Hold ``count`` batches (fewer at the end of data) for :meth:`next`.
+
+        With ``sync_group``, one more pull is then started, its agreement left
+        under way for the next call (see ``[Note: agreeing on each batch]``).
+        """
         self._switch_to(iterator)
         while self.holding < count and not self.exhausted:
             batch = self._pull(iterator)
             if batch is not None:
                 self._held.append(batch)
+        if self.agree_ahead and self._sync_group is not None and not self.exhausted and not self._pending:
+            self._launch(iterator)
 
     def _pull(self, iterator: Iterator[Any]) -> Optional[Any]:
+        """The next batch, agreed with the other ranks when there is a ``sync_group``."""
         if self.exhausted:
             return None
+        if self._sync_group is None:
+            batch = self._next_from(iterator)
+            problem = batch_problem(batch) if self._validate and batch is not None else None
+            return self._accept(batch, problem, None)
+        if not self._pending:
+            self._launch(iterator)
+        return self._resolve()
+
+    def _next_from(self, iterator: Iterator[Any]) -> Optional[Any]:
+        """``next(iterator)``, or None once it has ended (and was not refilled)."""
         if self._is_spent(iterator):
-            batch = None  # it ended before and was not refilled: don't call next()
-        else:
-            try:
-                batch = next(iterator)
-            except StopIteration:
-                batch = None
-                self._spent = (iterator, getattr(iterator, "_num_yielded", None))
+            return None  # it ended before and was not refilled: don't call next()
+        try:
+            return next(iterator)
+        except StopIteration:
+            self._spent = (iterator, getattr(iterator, "_num_yielded", None))
+            return None
+
+    def _launch(self, iterator: Iterator[Any]) -> None:
+        """Pull and check one batch, and start agreeing on it with the other ranks."""
+        batch = self._next_from(iterator)
         problem = batch_problem(batch) if self._validate and batch is not None else None
-        malformed_on: Optional[List[int]] = None
-        if self._sync_group is not None:
-            batch, problem, malformed_on = self._agree(batch, problem)
+        agreement = Agreement(self._sync_group, batch is None, problem is not None)
+        self._pending.append(_Pending(batch, problem, agreement))
+
+    def _resolve(self) -> Optional[Any]:
+        """The oldest pull under agreement, agreed: its batch, or None at the end."""
+        pending = self._pending.popleft()
+        outcome = self._agreed(pending.batch, pending.problem, pending.agreement.result())
+        return self._accept(*outcome)
+
+    def _accept(
+        self, batch: Optional[Any], problem: Optional[str], malformed_on: Optional[List[int]]
+    ) -> Optional[Any]:
         if problem is not None:
             self.rejected += 1
             raise MalformedBatchError.dropped(self.loaded + len(self._held), problem, malformed_on)
         if batch is None:
             self.exhausted = True
+            self._drop_pending()
             return None
         check_batch(batch)
         return batch
+
+    def _drop_pending(self) -> None:
+        """Pulls started after the one where the data ended: agreed, and not used."""
+        while self._pending:
+            pending = self._pending.popleft()
+            pending.agreement.result()
+            if pending.batch is not None:
+                self.unused += 1
+
+    def settle(self) -> None:
+        """Finish agreeing on the pulls under way, holding their batches (a checkpoint,
+        parking an epoch).  A batch found malformed is dropped and logged."""
+        while self._pending and not self.exhausted:
+            try:
+                batch = self._resolve()
+            except MalformedBatchError as error:
+                logger.warning("%s", error)
+                continue
+            if batch is not None:
+                self._held.append(batch)
 
     def _is_spent(self, iterator: Iterator[Any]) -> bool:
         """True for the iterator that already raised StopIteration, unless it shows
@@ -231,13 +297,12 @@ class BatchSource:
             return False
         return True
 
-    def _agree(
-        self, batch: Optional[Any], problem: Optional[str]
+    def _agreed(
+        self, batch: Optional[Any], problem: Optional[str], agreed: Agreed
     ) -> Tuple[Optional[Any], Optional[str], Optional[List[int]]]:
         """Every rank's (batch, problem, ranks it is malformed on) after agreeing:
         malformed if any rank's batch is (so all drop it in step), else ended if
         any rank's data ended."""
-        agreed = agree(self._sync_group, batch is None, problem is not None)
         if agreed.malformed_on:
             here = "this rank's data has ended" if batch is None else "this rank's batch is fine"
             problem = problem or f"{here}; the error raised there says what is wrong"
@@ -324,6 +389,7 @@ class BatchSource:
         Needs ``keep_in_flight``: the batches handed out are only listed then.
         """
         assert self._keep_in_flight, "unfinished() needs keep_in_flight=True"
+        self.settle()
         batches = list(self._in_flight) + list(self._rewound)
         batches += [(self.loaded + k, batch) for k, batch in enumerate(self._held)]
         return batches, self.loaded + len(self._held)
@@ -335,6 +401,7 @@ class BatchSource:
             and not self._in_flight
             and not self._rewound
             and not self._held
+            and not self._pending
         )
 
     def resume(self, batches: List[Tuple[int, Any]], next_index: int) -> None:
@@ -347,6 +414,7 @@ class BatchSource:
 
     def save(self) -> "SourceState":
         """Set this iterator's epoch aside (see :meth:`restore`); start afresh."""
+        self.settle()
         state = SourceState(
             self._iterator, self._held, self.exhausted, self._in_flight, self._rewound
         )

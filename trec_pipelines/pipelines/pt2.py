@@ -155,6 +155,9 @@ class TrainPipelinePT2(TrainPipeline[In, Out], Recordable, Resumable):
     def progress(self, dataloader_iter: Iterator[Any]) -> Any:
         self._begin_call()
         self._take_over_model()
+        # Held first: with several ranks, the next pull's agreement then runs
+        # during this step (see [Note: agreeing on each batch]).
+        self._source.fetch_ahead(dataloader_iter, 1)
         host_batch = self._source.next(dataloader_iter)
         if host_batch is None:
             self._source.end_epoch()
