@@ -14,7 +14,7 @@ VENV_LATEST := .venv-latest
 PY_LATEST := $(VENV_LATEST)/bin/python
 STAMP_LATEST := $(VENV_LATEST)/.installed
 
-.PHONY: test unit distributed distributed-4 test-latest unit-latest distributed-latest distributed-4-latest bench bench-agreement soak clean
+.PHONY: test unit distributed distributed-4 test-latest unit-latest distributed-latest distributed-4-latest bench bench-agreement wheel soak clean
 
 # $(call build_stack,venv,requirements,torchrec requirements): torch and
 # torchrec's runtime deps first, then torchrec with --no-deps (its metadata asks
@@ -75,6 +75,21 @@ distributed-latest: $(STAMP_LATEST)
 
 distributed-4-latest: $(STAMP_LATEST)
 	$(call run_4_ranks,$(VENV_LATEST))
+
+# A wheel and an sdist in dist/, then the wheel installed alone (no deps, into a
+# scratch directory) and imported by each stack's Python from outside the repo:
+# what a user's `pip install` gets, not the editable checkout.
+wheel: $(STAMP) $(STAMP_LATEST)
+	rm -rf dist
+	$(PY) -m build --no-isolation --sdist --wheel --outdir dist .
+	@for venv in $(VENV) $(VENV_LATEST); do \
+		scratch=$$(mktemp -d); \
+		$$venv/bin/python -m pip install --quiet --no-deps --target $$scratch dist/*.whl || exit 1; \
+		(cd $$scratch && PYTHONPATH=$$scratch $(CURDIR)/$$venv/bin/python -c \
+			"import sys, trec_pipelines as t; assert t.__file__.startswith(sys.argv[1]), t.__file__; \
+			print('$$venv: wheel imports', t.__version__, 'from', t.__file__)" $$scratch) || exit 1; \
+		rm -rf $$scratch; \
+	done
 
 bench: $(STAMP)
 	$(PY) -m benchmarks $(BENCH_ARGS)

@@ -7,6 +7,8 @@ for ``from trec_pipelines import TrainPipelineSparseDist``.
 # torchrec's own interface: a pipeline of ours is a torchrec ``TrainPipeline``.
 from torchrec.distributed.train_pipeline import In, Out, TrainPipeline
 
+from trec_pipelines._version import __version__
+
 from trec_pipelines.args import ArgInfo, ArgInfoStepFactory, CallArgs
 from trec_pipelines.backward_hooks import (
     FirstGradTensorFinder,
