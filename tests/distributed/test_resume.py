@@ -30,6 +30,7 @@ from tests.distributed.dlrm import (
     plain_loop,
     weights,
 )
+from tests.elastic.train_with_checkpoints import Batches
 
 CPU = torch.device("cpu")
 SEED, OTHER_SEED, DATA_SEED = 1234, 99, 11
@@ -364,19 +365,6 @@ def test_a_state_from_another_rank_or_world_is_refused() -> None:
         pipeline.load_state_dict(state)
 
 
-class _Batches(torch.utils.data.Dataset):
-    """A map-style dataset of this rank's batches (one item is one batch)."""
-
-    def __init__(self, batches: List[Any]) -> None:
-        self._batches = batches
-
-    def __len__(self) -> int:
-        return len(self._batches)
-
-    def __getitem__(self, index: int) -> Any:
-        return self._batches[index]
-
-
 @pytest.mark.parametrize(
     "name,workers",
     [("TrainPipelineSparseDist", 0), ("TrainPipelineSemiSync", 0), ("TrainPipelineSparseDist", 2)],
@@ -394,7 +382,7 @@ def test_stateful_data_loader_resumes_with_the_pipeline(name: str, workers: int)
         # (at 4 ranks on 2 cores, a fork-started job hung in its first all-to-all).
         context = "spawn" if workers else None
         return StatefulDataLoader(
-            _Batches(batches), batch_size=None, num_workers=workers, multiprocessing_context=context
+            Batches(batches), batch_size=None, num_workers=workers, multiprocessing_context=context
         )
 
     dmp, optimizer = make_sharded(DLRM, "table_wise", seed=SEED)
