@@ -22,18 +22,18 @@ knows every rank's outcome.
 * Otherwise, when any rank's data ended, the epoch ends on every rank (a
   rank that had a batch counts it in ``unused_batches``).
 
-When it runs: with ``sync_exhaustion=True``, always (the all-reduce that
-option pays for carries the malformed flag at no extra cost).  Without it,
-by default: whenever ``validate_batches=True``
-(the default) and the model's sharded modules run collectives with other
-ranks.  torchrec has no such agreement, and a malformed batch is rare, but
-without it the only sign the healthy ranks get is the process group's
-timeout (30 minutes by default), after which the job is lost; one gloo
-all-reduce per batch buys an error on every rank in the same step and a job
-that carries on.  So the checks and their agreement go together:
-``validate_batches=False`` turns both off (torchrec's behaviour, no
-collective), and a model sharded over one-rank groups only (or a job of one
-rank), which cannot hang on a peer, makes no group and agrees on nothing.
+When it runs: with ``sync_exhaustion=True``.  torchrec has no such
+agreement, and without it a rank whose batch is fine, when another rank's
+is malformed, sees nothing until the process group times out (30 minutes by
+default).  It is not on by default because it is not free: on the 2-core
+machine of the benchmarks the all-reduce's CPU (gloo's threads) comes out of
+the ranks' steps, +0.55-0.83 ms on a 6-10 ms step (``make bench-agreement``),
+and the default preset's batch-512 rows fell from 1.01-1.08x torchrec to
+0.92-1.02x with it on; one more host batch is also held (see below).  A job
+for which one rank's bad batch must not cost the others their timeout
+passes ``sync_exhaustion=True``; ``validate_batches`` then also agrees.  A
+pipeline without it validates alone: the malformed batch is dropped on its
+rank only, with the error, as before.
 
 One pull ahead: waiting for the all-reduce where the batch is pulled would
 put a gloo round trip (a few hundred microseconds on this 2-core machine) in
@@ -104,7 +104,7 @@ def _model_groups(model: torch.nn.Module) -> List[Optional[dist.ProcessGroup]]:
 
 
 def agreement_group(
-    pipeline: Any, model: torch.nn.Module, sync_exhaustion: bool, validate: bool
+    pipeline: Any, model: torch.nn.Module, sync_exhaustion: bool
 ) -> Optional[dist.ProcessGroup]:
     """The gloo group ``pipeline``'s :class:`~trec_pipelines.stages.BatchSource`
     agrees on each pull over, or None when it agrees on nothing (see
@@ -117,11 +117,9 @@ def agreement_group(
             "sync_exhaustion=True agrees on the end of data across ranks and needs "
             "torch.distributed initialised first (dist.init_process_group(...))"
         )
-    groups = _model_groups(model) if initialized else []
-    # A sharded module that names no group is taken to run over the world.
-    peers = any(dist.get_world_size() > 1 if pg is None else pg.size() > 1 for pg in groups)
-    if not sync_exhaustion and not (validate and peers):
+    if not sync_exhaustion:
         return None
+    groups = _model_groups(model)
     timeouts = [_timeout_of(pg) for pg in groups if pg is not None]
     group = dist.new_group(backend="gloo", timeout=next(filter(None, timeouts), None))
     # Not at interpreter exit: the process is going away, and torch may be too.

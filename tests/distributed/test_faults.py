@@ -275,8 +275,8 @@ def test_malformed_kjt_raises_before_training_on_both_ranks(name: str) -> None:
     pipeline = _pipeline(name, dmp, optimizer)
     it = iter(batches)
     outputs = []
-    # Malformed on every rank: each says so, with its own problem.
-    expected = r"batch 2: malformed on ranks [0-9, ]+, dropped on every rank .*: KeyedJaggedTensor batch.sparse: key '.*'.*3 missing"
+    # Malformed on every rank: each rank's own check says so (no agreement by default).
+    expected = r"batch 2: KeyedJaggedTensor batch.sparse: key '.*'.*3 missing"
     with pytest.raises(ValueError, match=expected):
         while True:
             outputs.append(_snapshot(pipeline.progress(it)))
@@ -289,10 +289,10 @@ def test_malformed_kjt_raises_before_training_on_both_ranks(name: str) -> None:
 EVAL_VARIANTS = ["EvalPipelineSparseDist", "EvalPipelineSparseDist+thread", "EvalPipelineFusedSparseDist"]
 
 
-@pytest.mark.parametrize("sync_exhaustion", [False, True], ids=["default", "sync_exhaustion"])
 @pytest.mark.parametrize("name", VARIANTS + EVAL_VARIANTS)
-def test_malformed_kjt_on_one_rank_raises_on_every_rank_in_the_same_step(name: str, sync_exhaustion: bool) -> None:
-    """Batch 3 is malformed on the last rank only.  Every rank raises for it in the
+def test_malformed_kjt_on_one_rank_raises_on_every_rank_in_the_same_step(name: str) -> None:
+    """With sync_exhaustion=True, the ranks agree on each batch ([Note: agreeing on
+    each batch]): batch 3 is malformed on the last rank only.  Every rank raises for it in the
     same progress() call, naming that rank and the batch, and goes on in step:
     training (or evaluation) equals the plain loop over the batches without it.
     The model's group times out after 20 s (PG_TIMEOUT: 120 s), so a rank left
@@ -311,10 +311,10 @@ def test_malformed_kjt_on_one_rank_raises_on_every_rank_in_the_same_step(name: s
         with torch.no_grad():
             ref = Run([ref_dmp(b)[1] for b in good], weights(ref_dmp))
         cls_name, thread = name.split("+")[0], {"loader_thread": True} if name.endswith("+thread") else {}
-        pipeline = getattr(trec_pipelines, cls_name)(dmp, None, CPU, sync_exhaustion=sync_exhaustion, **thread)
+        pipeline = getattr(trec_pipelines, cls_name)(dmp, None, CPU, sync_exhaustion=True, **thread)
     else:
         ref = plain_loop(ref_dmp, ref_optimizer, good)
-        pipeline = _pipeline(name, dmp, optimizer, sync_exhaustion=sync_exhaustion)
+        pipeline = _pipeline(name, dmp, optimizer, sync_exhaustion=True)
     it = iter(batches)
     outputs: List[torch.Tensor] = []
     errors: List[Any] = []
@@ -336,21 +336,19 @@ def test_malformed_kjt_on_one_rank_raises_on_every_rank_in_the_same_step(name: s
     assert_runs_equal(ref, Run(outputs, weights(dmp)), ("plain loop without batch 3", name))
 
 
-def test_the_ranks_agree_only_where_a_rank_could_wait_on_a_peer() -> None:
-    """validate_batches=True on a sharded model agrees on each pull (on a gloo group
-    of its own, destroyed once the pipeline is collected); without validation, or
-    without a sharded module, nothing is agreed."""
+def test_the_ranks_agree_only_with_sync_exhaustion() -> None:
+    """sync_exhaustion=True agrees on each pull (on a gloo group of its own,
+    destroyed once the pipeline is collected); by default nothing is agreed, and
+    no group is made (see [Note: agreeing on each batch] for why)."""
     dmp, optimizer = make_sharded(DLRM, "table_wise", seed=SEED)
-    pipeline = trec_pipelines.TrainPipelineSparseDist(dmp, optimizer, CPU)
+    assert trec_pipelines.TrainPipelineSparseDist(dmp, optimizer, CPU)._source._sync_group is None
+    pipeline = trec_pipelines.TrainPipelineSparseDist(dmp, optimizer, CPU, sync_exhaustion=True)
     agreed = pipeline._source._sync_group
     assert agreed is not None and agreed is not current_group() and dist.get_backend(agreed) == "gloo"
     run_pipeline(pipeline, make_batches(3, seed=DATA_SEED), model=dmp)
     del pipeline
     gc.collect()
-    assert trec_pipelines.TrainPipelineBase(dmp, optimizer, CPU, validate_batches=False)._source._sync_group is None
-    dense = torch.nn.Linear(4, 1)
-    plain = trec_pipelines.TrainPipelineBase(dense, torch.optim.SGD(dense.parameters(), lr=0.1), CPU)
-    assert plain._source._sync_group is None
+    assert trec_pipelines.TrainPipelineBase(dmp, optimizer, CPU)._source._sync_group is None
     # The next pipeline's constructor destroyed the collected pipeline's group.
     with pytest.raises((KeyError, ValueError, RuntimeError)):
         dist.get_process_group_ranks(agreed)

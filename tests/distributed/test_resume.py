@@ -35,10 +35,10 @@ from tests.elastic.train_with_checkpoints import Batches
 CPU = torch.device("cpu")
 SEED, OTHER_SEED, DATA_SEED = 1234, 99, 11
 N = 7
-# One batch more than a variant's schedule holds: the pull the ranks are still
-# agreeing on (validate_batches on a model sharded over several ranks; see
-# [Note: agreeing on each batch]), also in the checkpoint.
-AGREEING = 1
+# One batch more than a variant's schedule holds with sync_exhaustion=True: the
+# pull the ranks are still agreeing on ([Note: agreeing on each batch]).  The
+# pipelines here run without it; test_resume_with_the_ranks_agreeing runs with it.
+AGREEING = 0
 
 TRAIN_VARIANTS = [
     "TrainPipelineBase",
@@ -219,6 +219,19 @@ def test_semi_sync_resumes_bit_for_bit_once_semi_sync(k: int, stash_gradients: b
     )
     assert held == min(3 + AGREEING, N - k)
     assert_resumed_equal(ref, ours, ("SemiSync", f"SemiSync resumed after {k} steps"))
+
+
+@pytest.mark.parametrize("name", ["TrainPipelineSparseDist", "TrainPipelineSemiSync", "TrainPipelinePT2"])
+def test_resume_with_the_ranks_agreeing(name: str) -> None:
+    """sync_exhaustion=True: the pull under agreement is in the checkpoint too (one
+    more batch than the schedule holds), and the resumed run is still exact."""
+    batches = make_batches(N, seed=DATA_SEED)
+    ref = _reference(batches, 3)
+    agreeing = {"sync_exhaustion": True}
+    ours, held = _interrupted(name, name, batches, 3, agreeing, agreeing)
+    _, held_alone = _interrupted(name, name, batches, 3)
+    assert held == held_alone + 1, (held, held_alone)
+    assert_resumed_equal(ref, ours, ("plain loop", f"{name} resumed, ranks agreeing"))
 
 
 def test_in_flight_count_is_what_each_variant_pulls_ahead() -> None:

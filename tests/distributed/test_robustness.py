@@ -42,14 +42,14 @@ def test_sync_exhaustion_with_uneven_data(name: str) -> None:
     assert pipeline._source.unused == (1 if rank == 0 else 0)
 
 
-def test_uneven_data_stops_in_step_with_validation_alone() -> None:
-    """validate_batches=True (the default) on a sharded model agrees on each pull
-    ([Note: agreeing on each batch]), the end of the data included."""
+def test_uneven_data_stops_in_step_with_the_agreement_one_pull_ahead() -> None:
+    """sync_exhaustion=True agrees on each pull one pull ahead ([Note: agreeing on
+    each batch]): the rank that pulled a batch past the other's end counts it unused."""
     rank = dist.get_rank()
     batches = make_batches(6 if rank == 0 else 4, seed=DATA_SEED)
     ref = plain_loop(*make_sharded(DLRM, "table_wise", seed=SEED), batches[:4])
     dmp, optimizer = make_sharded(DLRM, "table_wise", seed=SEED)
-    pipeline = trec_pipelines.TrainPipelineSparseDist(dmp, optimizer, CPU)
+    pipeline = trec_pipelines.TrainPipelineSparseDist(dmp, optimizer, CPU, sync_exhaustion=True)
     assert_runs_equal(ref, run_pipeline(pipeline, batches, model=dmp), ("plain_loop[:4]", "SparseDist"))
     assert pipeline.unused_batches == (1 if rank == 0 else 0)
 

@@ -81,7 +81,7 @@ class TrainPipelineBase(TrainPipeline[In, Out], Recordable, Resumable):
         self._enable_inplace_copy_batch = enable_inplace_copy_batch
         self._streams = make_streams(device, memcpy=True)
         self._source = BatchSource(
-            agreement_group(self, model, sync_exhaustion, validate_batches),
+            agreement_group(self, model, sync_exhaustion),
             keep_in_flight=True,
             validate=validate_batches,
         )

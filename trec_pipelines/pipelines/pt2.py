@@ -125,7 +125,7 @@ class TrainPipelinePT2(TrainPipeline[In, Out], Recordable, Resumable):
         self._post_compile_fn = post_compile_fn
         self._input_transformer = input_transformer or default_pipeline_input_transformer
         self._source = BatchSource(
-            agreement_group(self, model, sync_exhaustion, validate_batches),
+            agreement_group(self, model, sync_exhaustion),
             keep_in_flight=True,
             validate=validate_batches,
         )

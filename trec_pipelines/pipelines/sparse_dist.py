@@ -113,10 +113,10 @@ class TrainPipelineSparseDist(
     each pull through an all-reduce of one int32 per rank on a gloo group, so
     uneven data stops every rank at the same step instead of leaving the
     others waiting in the all-to-all; :attr:`unused_batches` counts what a
-    rank pulled but could not use.  ``validate_batches=True`` on a model
-    sharded over several ranks runs the same agreement (see
+    rank pulled but could not use; with ``validate_batches`` the same
+    all-reduce carries each rank's verdict on its batch (see
     ``[Note: agreeing on each batch]`` in :mod:`trec_pipelines.agreement`).
-    With neither, a rank whose data ends first stops while the others wait in
+    Without it, a rank whose data ends first stops while the others wait in
     their next input_dist until the process group times out.
 
     ``on_unpipelined`` is "warn" (log each sharded module the rewrite could not
@@ -130,9 +130,9 @@ class TrainPipelineSparseDist(
     or trained twice.  :meth:`skip_failed_batch` drops a batch that fails every
     time.  Each host batch's KeyedJaggedTensors are checked as it is pulled
     (``validate_batches=True``): a malformed one raises ``ValueError`` before any
-    work, on every rank when the model is sharded over several (the ranks
-    agree on each pull, and all drop the batch), and the next call goes on
-    with the next batch.  A pipeline that finds another pipeline's wrappers on
+    work (on every rank with ``sync_exhaustion=True``: the ranks agree on each
+    pull, and all drop the batch), and the next call goes on with the next
+    batch.  A pipeline that finds another pipeline's wrappers on
     its model (an eval pipeline left attached) detaches it and takes the model
     over; see ``_take_over_model``.
 
@@ -247,7 +247,7 @@ class TrainPipelineSparseDist(
         check_apply_jit(apply_jit, type(self).__name__)
 
         self._streams: StreamSet = self._make_streams()
-        self._sync_group = agreement_group(self, model, sync_exhaustion, validate_batches)
+        self._sync_group = agreement_group(self, model, sync_exhaustion)
         self._validate_batches = validate_batches
         # The host copies of the in-flight batches: what a failed step is
         # retried from, and what a checkpoint holds (trec_pipelines.resume).
