@@ -35,10 +35,6 @@ from tests.elastic.train_with_checkpoints import Batches
 CPU = torch.device("cpu")
 SEED, OTHER_SEED, DATA_SEED = 1234, 99, 11
 N = 7
-# One batch more than a variant's schedule holds with sync_exhaustion=True: the
-# pull the ranks are still agreeing on ([Note: agreeing on each batch]).  The
-# pipelines here run without it; test_resume_with_the_ranks_agreeing runs with it.
-AGREEING = 0
 
 TRAIN_VARIANTS = [
     "TrainPipelineBase",
@@ -176,12 +172,8 @@ def test_resume_equals_the_run_that_never_stopped(name: str, k: int) -> None:
     ours, held = _interrupted(name, name, batches, k)
     assert_runs_equal(ref, ours, ("plain loop", f"{name} resumed after {k} steps"))
     if 0 < k < N:
-        # PT2 trains the batch it pulls in the same call: only the one being agreed on is held.
-        left = N - k
-        if name == "TrainPipelinePT2":
-            assert held == min(AGREEING, left), held
-        else:
-            assert held >= min(1 + AGREEING, left), held
+        # PT2 trains the batch it pulls in the same call: nothing is in flight between calls.
+        assert (held == 0) if name == "TrainPipelinePT2" else (held >= 1), held
 
 
 @pytest.mark.parametrize(
@@ -217,7 +209,7 @@ def test_semi_sync_resumes_bit_for_bit_once_semi_sync(k: int, stash_gradients: b
     ours, held = _interrupted(
         "TrainPipelineSemiSync", "TrainPipelineSemiSync", batches, k, options, options
     )
-    assert held == min(3 + AGREEING, N - k)
+    assert held == min(3, N - k)
     assert_resumed_equal(ref, ours, ("SemiSync", f"SemiSync resumed after {k} steps"))
 
 
@@ -236,7 +228,7 @@ def test_resume_with_the_ranks_agreeing(name: str) -> None:
 
 def test_in_flight_count_is_what_each_variant_pulls_ahead() -> None:
     """The batches the issue counted lost (Base 1, SparseDist 2, SemiSync 3) are
-    exactly those the state holds, with their indices (and the pull being agreed on)."""
+    exactly those the state holds, with their indices."""
     batches = make_batches(N, seed=DATA_SEED)
     expected = {"TrainPipelineBase": 1, "TrainPipelineSparseDist": 2, "TrainPipelineSemiSync": 3}
     for name, count in expected.items():
@@ -247,7 +239,6 @@ def test_in_flight_count_is_what_each_variant_pulls_ahead() -> None:
         state = pipeline.state_dict()
         assert list(state) == [f"rank_{dist.get_rank()}"]
         saved = trec_pipelines.resume.decode(state[f"rank_{dist.get_rank()}"])
-        count += AGREEING
         assert [index for index, _ in saved.batches] == list(range(3, 3 + count)), name
         assert saved.next_index == it.yielded == 3 + count, name
         # The host copies are the batches the loader gave, not device copies.
