@@ -1,10 +1,9 @@
 """Issue #22, item 4: a rank killed mid-epoch under torchrun; the restarted job resumes exactly.
 
-Two runs of tests/elastic/train_with_checkpoints.py on 2 gloo ranks (under
-``torchrun --max-restarts``): one that
-never stops, and one whose rank 1 dies (``os._exit``) before step 5, after the
-checkpoint of step 3.  torchrun (``--max-restarts=1``) restarts both ranks,
-which load the last checkpoint and train to the end.  The final weights must
+Two runs of tests/elastic/train_with_checkpoints.py on 2 gloo ranks under
+``torchrun --max-restarts``: one that never stops, and one whose rank 1 dies
+(``os._exit``) before step 5, after the checkpoint of step 3.  torchrun
+restarts both ranks, which load the last checkpoint and train to the end.  The final weights must
 be the uninterrupted run's, bit for bit, and the restarted attempt must train
 exactly the steps from the checkpoint on.
 """
