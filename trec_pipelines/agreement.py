@@ -156,7 +156,3 @@ class Agreement:
         ranks = dist.get_process_group_ranks(self._group)
         return Agreed([r for r, o in zip(ranks, outcomes) if o == MALFORMED], ENDED in outcomes)
 
-
-def agree(group: dist.ProcessGroup, ended: bool, malformed: bool) -> Agreed:
-    """Tell every rank of ``group`` how this rank's pull went; learn theirs."""
-    return Agreement(group, ended, malformed).result()

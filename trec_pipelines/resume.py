@@ -98,13 +98,13 @@ def to_host(value: Any) -> Any:
     """``value`` with its tensors on the host (a batch, a tensor, a list or dict of them)."""
     if isinstance(value, torch.Tensor):
         return value.detach().to(_CPU)
+    to = getattr(value, "to", None)
+    if callable(to):  # a Pipelineable batch (before tuple: it may be a NamedTuple)
+        return to(device=_CPU, non_blocking=False)
     if isinstance(value, dict):
         return {k: to_host(v) for k, v in value.items()}
     if isinstance(value, (list, tuple)):
         return type(value)(to_host(v) for v in value)
-    to = getattr(value, "to", None)
-    if callable(to):  # a Pipelineable batch
-        return to(device=_CPU, non_blocking=False)
     return value
 
 

@@ -213,7 +213,8 @@ class BatchSource:
             batch = self._pull(iterator)
             if batch is not None:
                 self._held.append(batch)
-        if self.agree_ahead and self._sync_group is not None and not self.exhausted and not self._pending:
+        ahead = self.agree_ahead and self._sync_group is not None
+        if ahead and not self.exhausted and not self._pending:
             self._launch(iterator)
 
     def _pull(self, iterator: Iterator[Any]) -> Optional[Any]:
