@@ -9,6 +9,7 @@ from torchrec.distributed.train_pipeline import In, Out, TrainPipeline
 
 from trec_pipelines._version import __version__
 
+from trec_pipelines.advise import Advice, advise
 from trec_pipelines.args import ArgInfo, ArgInfoStepFactory, CallArgs
 from trec_pipelines.backward_hooks import (
     FirstGradTensorFinder,
@@ -63,6 +64,7 @@ from trec_pipelines.tracing import Tracer
 
 __all__ = [
     "Action",
+    "Advice",
     "AsyncInplaceCopyMixin",
     "ArgInfo",
     "ArgInfoStepFactory",
@@ -110,6 +112,7 @@ __all__ = [
     "TrainPipelineSparseDist",
     "TrainPipelineSparseDistCompAutograd",
     "TrainPipelineSparseDistLite",
+    "advise",
     "prefetch_embeddings",
     "register_backward_hook",
     "restore_model",

@@ -1,0 +1,202 @@
+"""The command line of advise: ``python -m trec_pipelines.advise --build pkg.module:function``.
+
+Run directly, it launches itself under torchrun (``--nproc`` ranks) as
+``make bench`` does; under torchrun (``RANK`` set) it is one rank: it starts
+the process group, imports ``build``, runs :func:`~trec_pipelines.advise`,
+and rank 0 prints the table and writes ``advice.json`` and ``advice.png``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import importlib
+import os
+import subprocess
+import sys
+from typing import Any, Callable, List, Optional, Sequence
+
+DESCRIPTION = """\
+Which pipeline for my model?  Builds your model once per variant and round
+(never two at once), trains each applicable train variant of trec_pipelines
+and a plain loop on the same batches, and recommends the fastest whose
+pipeline-held memory fits --memory-budget (within the measured noise, the one
+holding less; never one that left a sharded module unpipelined when another
+did not).
+
+--build names a function of yours, importable from the current directory,
+that takes no arguments and returns (model, optimizer, batches): a
+DMP-sharded model whose forward returns (loss, output), its optimizer, and a
+list (or a DataLoader) of at least warmup + steps batches for this rank.  It
+runs on every rank, inside the process group this command starts.
+
+Output: a table (QPS, ratio to the plain loop, bytes the pipeline holds by
+its memory ledger, peak resident and device memory, how much of the input
+dist each hides, modules left unpipelined, failures), the recommendation in
+one sentence, and advice.json + advice.png (QPS vs held memory, the budget as
+a line) in --out.
+"""
+
+EXAMPLES = """\
+examples:
+  python -m trec_pipelines.advise --build mymodels.dlrm:build
+  python -m trec_pipelines.advise --build mymodels.dlrm:build --memory-budget 64MiB --rounds 5
+  python -m trec_pipelines.advise --build benchmarks.advise_build:build   # the bench's DLRM, from the repo
+"""
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="python -m trec_pipelines.advise", description=DESCRIPTION, epilog=EXAMPLES,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument("--build", required=True, metavar="MODULE:FUNCTION",
+                   help="your factory: a function of no arguments returning (model, optimizer, batches)")
+    p.add_argument("--steps", type=int, default=20, help="batches per timed epoch (default 20)")
+    p.add_argument("--warmup", type=int, default=5, help="untimed batches before it, same model (default 5)")
+    p.add_argument("--rounds", type=int, default=3,
+                   help="times every contender is built and timed; the result is the median (default 3; the noise band needs 2)")
+    p.add_argument("--memory-budget", default=None, metavar="BYTES",
+                   help="most a pipeline may hold beyond model and optimizer, e.g. 64MiB, 1.5GiB, 500MB (default: no budget)")
+    p.add_argument("--variants", default=None, metavar="NAME,NAME",
+                   help="class names to time, comma-separated (default: every applicable one)")
+    p.add_argument("--include-compiled", action="store_true",
+                   help="also time TrainPipelinePT2 and TrainPipelineSparseDistCompAutograd (they compile: minutes)")
+    p.add_argument("--nproc", type=int, default=2, help="ranks to launch (default 2)")
+    p.add_argument("--backend", default="gloo", help="the process group's backend (default gloo; nccl on GPUs)")
+    p.add_argument("--device", default=None,
+                   help="where the model trains (default: its first parameter's device; 'cuda' means cuda:<LOCAL_RANK>)")
+    p.add_argument("--threads", type=int, default=1, help="torch threads per rank (default 1)")
+    p.add_argument("--out", default=None,
+                   help="directory for advice.json and advice.png (default advise-results/<UTC time>)")
+    p.add_argument("--no-plot", action="store_true", help="no PNG (it needs matplotlib)")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    return p
+
+
+def load_build(spec: str) -> Callable[[], Any]:
+    """The function ``module:function`` names, with an error that says what went wrong."""
+    module_name, _, function = spec.partition(":")
+    if not module_name or not function:
+        raise SystemExit(f"--build {spec!r}: give it as module.path:function, e.g. mymodels.dlrm:build")
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as exc:
+        raise SystemExit(
+            f"--build {spec!r}: cannot import {module_name!r} ({exc}); run from the directory that holds it, "
+            "or put it on PYTHONPATH"
+        ) from exc
+    build = getattr(module, function, None)
+    if not callable(build):
+        raise SystemExit(f"--build {spec!r}: {module_name} has no function {function!r}")
+    return build
+
+
+def launch(argv: Sequence[str], nproc: int, threads: int) -> int:
+    """This command again, under torchrun, with the current directory importable."""
+    env = dict(os.environ)
+    cwd = os.getcwd()
+    env["PYTHONPATH"] = cwd + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+    env.setdefault("OMP_NUM_THREADS", str(threads))
+    env.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
+               "-m", "trec_pipelines.advise", *_without_nproc(argv)]
+    print(f"launching {nproc} ranks under torchrun: {' '.join(command)}", flush=True)
+    return subprocess.run(command, env=env, cwd=cwd).returncode
+
+
+def _without_nproc(argv: Sequence[str]) -> List[str]:
+    """``argv`` less ``--nproc``: torchrun would take it for its own ``--nproc-per-node``."""
+    out: List[str] = []
+    skip = False
+    for arg in argv:
+        if skip:
+            skip = False
+        elif arg == "--nproc":
+            skip = True
+        elif not arg.startswith("--nproc="):
+            out.append(arg)
+    return out
+
+
+class _Bar:
+    """A tqdm bar on rank 0 (tqdm comes with torchrec); silent elsewhere."""
+
+    def __init__(self, enabled: bool) -> None:
+        self.bar: Any = None
+        if enabled:
+            from tqdm import tqdm
+
+            self.bar = tqdm(total=1, unit="run", dynamic_ncols=True)
+
+    def __call__(self, label: str, done: int, total: int) -> None:
+        if self.bar is not None:
+            self.bar.total = total
+            self.bar.set_description(label[:48], refresh=False)
+            self.bar.update(done - self.bar.n)
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+
+
+def worker(args: argparse.Namespace) -> int:
+    import logging
+    import warnings
+
+    import torch
+    import torch.distributed as dist
+
+    from trec_pipelines.advise.run import advise
+
+    torch.set_num_threads(args.threads)
+    rank = int(os.environ["RANK"])
+    if rank != 0:
+        logging.getLogger("trec_pipelines").setLevel(logging.ERROR)
+    for category in (FutureWarning, UserWarning, DeprecationWarning):
+        warnings.filterwarnings("ignore", category=category)
+    for name in ("torchrec", "torch", "fbgemm_gpu"):
+        logging.getLogger(name).setLevel(logging.ERROR)
+    device = None
+    if args.device is not None:
+        device = torch.device(args.device)
+        if device.type != "cpu" and device.index is None:
+            device = torch.device(device.type, int(os.environ.get("LOCAL_RANK", "0")))
+            torch.get_device_module(device).set_device(device)
+    dist.init_process_group(backend=args.backend)
+    build = load_build(args.build)
+    variants = [v.strip() for v in args.variants.split(",") if v.strip()] if args.variants else None
+    bar = _Bar(rank == 0 and not args.no_progress)
+    try:
+        advice = advise(
+            build, steps=args.steps, warmup=args.warmup, rounds=args.rounds, memory_budget=args.memory_budget,
+            variants=variants, include_compiled=args.include_compiled, device=device, progress=bar,
+        )
+    finally:
+        bar.close()
+    if rank == 0:
+        out = args.out or os.path.join(
+            "advise-results", datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d_%H%M%S")
+        )
+        os.makedirs(out, exist_ok=True)
+        print("\n" + advice.table(), flush=True)
+        advice.write_json(os.path.join(out, "advice.json"), extra={"build": args.build, "argv": sys.argv[1:]})
+        written = ["advice.json"]
+        if not args.no_plot:
+            advice.save_plot(os.path.join(out, "advice.png"))
+            written.append("advice.png")
+        print(f"results: {out}/ ({', '.join(written)})", flush=True)
+    dist.barrier()
+    dist.destroy_process_group()
+    return 0
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    arguments: List[str] = list(sys.argv[1:] if argv is None else argv)
+    args = parser().parse_args(arguments)
+    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
+        return worker(args)
+    return launch(arguments, args.nproc, args.threads)
+
+
+__all__ = ["launch", "load_build", "main", "parser", "worker"]

@@ -1,0 +1,301 @@
+"""One contender (the plain loop or one variant) measured for one round, on this rank.
+
+A round of a contender: ``build()`` a fresh model, train ``warmup`` batches
+(untimed), then time one epoch of the next ``steps`` batches -- fill and drain
+included, as the bench times an epoch -- and, in the first round only, two
+more untimed epochs over the same batches: one with the memory ledger on
+(what the pipeline holds after every verb; resident and device memory
+sampled after every step) and one with the input dist tapped (the training
+thread's input-dist time per steady step).  Then everything is dropped
+before the next contender is built.
+
+Nothing here talks to the other ranks but the model's own collectives;
+:mod:`trec_pipelines.advise.run` gathers what each rank measured.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+import itertools
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterable, Iterator, List, Optional, Tuple
+
+import torch
+from torch import nn
+
+from trec_pipelines.advise.variants import Variant, examples_per_batch, iterable_problem
+from trec_pipelines.input_dist_tap import tap_input_dist
+from trec_pipelines.memory import device_memory, rss_bytes
+
+Build = Callable[[], Tuple[nn.Module, Any, Iterable[Any]]]
+PLAIN = "plain loop"
+
+
+class BuildError(Exception):
+    """``build()`` raised or returned something advise can't use (the user's to fix, not a variant's failure)."""
+
+
+@dataclass
+class RoundResult:
+    """What one rank measured of one contender in one round.
+
+    Attributes:
+        seconds: the timed epoch, wall seconds on this rank.
+        steps: the steps it made (``progress()`` calls that returned).
+        examples_per_step: samples of this rank's first timed batch (None: no KJT in it).
+        unpipelined: the sharded modules the variant's rewrite left alone, and why.
+        held_peak, held_steady: the memory ledger's peak and steady bytes
+            (None: the class has no ledger, or not the first round).
+        rss_peak: the largest resident memory sampled after a step of the
+            measured epochs (None: not the first round, or no ``/proc``).
+        device_peak: the device allocator's max allocated bytes over the round
+            (None on CPU).
+        exposed_input_dist: training-thread input-dist seconds per steady step
+            (None: not the first round, or no steady step).
+    """
+
+    seconds: float
+    steps: int
+    examples_per_step: Optional[int] = None
+    unpipelined: Tuple[Tuple[str, str], ...] = ()
+    held_peak: Optional[int] = None
+    held_steady: Optional[int] = None
+    rss_peak: Optional[int] = None
+    device_peak: Optional[int] = None
+    exposed_input_dist: Optional[float] = None
+
+
+@dataclass
+class _Built:
+    model: nn.Module
+    optimizer: Any
+    batches: Iterable[Any]
+    pipeline: Any = None
+    after_step: List[Callable[[], None]] = field(default_factory=list)
+
+
+def call_build(build: Build) -> Tuple[nn.Module, Any, Iterable[Any]]:
+    """``build()``, checked: raises :class:`BuildError` saying what is wrong and what to return."""
+    try:
+        built = build()
+    except Exception as exc:
+        raise BuildError(
+            f"build() raised {type(exc).__name__}: {exc}. advise calls build() once per variant and round; "
+            "it must return (model, optimizer, batches) as you would build them for training"
+        ) from exc
+    if not isinstance(built, tuple) or len(built) != 3:
+        raise BuildError(
+            f"build() returned {type(built).__name__}{'' if not isinstance(built, tuple) else f' of {len(built)}'}; "
+            "it must return a tuple (model, optimizer, batches)"
+        )
+    model, optimizer, batches = built
+    if not isinstance(model, nn.Module):
+        raise BuildError(f"build()'s model is a {type(model).__name__}; it must be an nn.Module (a DMP-sharded model)")
+    if not (hasattr(optimizer, "step") and hasattr(optimizer, "zero_grad")):
+        raise BuildError(f"build()'s optimizer is a {type(optimizer).__name__}, with no step()/zero_grad()")
+    problem = iterable_problem(batches)
+    if problem is not None:
+        raise BuildError(problem)
+    return model, optimizer, batches
+
+
+def take(batches: Iterable[Any], start: int, count: int, what: str) -> List[Any]:
+    """Batches ``start .. start+count`` of a fresh pass over ``batches``; a short pass is a BuildError."""
+    got = list(itertools.islice(iter(batches), start, start + count))
+    if len(got) < count:
+        raise BuildError(
+            f"batches gave {len(got)} of the {count} {what} batches (items {start}..{start + count - 1} of a pass): "
+            "advise needs warmup + steps batches on every pass, and walks batches several times per build; "
+            "give more batches, lower steps/warmup, or return a list or an iterable that restarts on each iter()"
+        )
+    return got
+
+
+def _run_epoch(built: _Built, batches: List[Any], device: torch.device) -> int:
+    """Train ``batches`` once: the plain loop, or ``progress()`` until StopIteration."""
+    if built.pipeline is None:
+        model, optimizer = built.model, built.optimizer
+        for batch in batches:
+            batch = batch.to(device, non_blocking=True)
+            optimizer.zero_grad()
+            losses, _ = model(batch)
+            torch.sum(losses, dim=0).backward()
+            optimizer.step()
+            for hook in built.after_step:
+                hook()
+        return len(batches)
+    pipeline = built.pipeline
+    it = iter(batches)
+    steps = 0
+    limit = len(batches) + 8  # a pipeline that never stops is a failure, not a hang
+    while True:
+        try:
+            pipeline.progress(it)
+        except StopIteration:
+            break
+        steps += 1
+        for hook in built.after_step:
+            hook()
+        if steps > limit:
+            raise RuntimeError(f"{type(pipeline).__name__} did not raise StopIteration after {limit} steps")
+    if hasattr(pipeline, "reset"):
+        pipeline.reset()  # nothing in flight between epochs (torchrec-style classes need it)
+    if steps != len(batches):
+        raise RuntimeError(f"{type(pipeline).__name__} made {steps} steps over {len(batches)} batches")
+    return steps
+
+
+@contextlib.contextmanager
+def _sampling(built: _Built, device: torch.device) -> Iterator[List[Optional[int]]]:
+    """Samples resident memory (and the device's allocation) after every step of the block."""
+    peaks: List[Optional[int]] = [None, None]
+
+    def sample() -> None:
+        rss = rss_bytes()
+        if rss is not None:
+            peaks[0] = max(peaks[0] or 0, rss)
+        dev = device_memory(device)
+        if dev is not None:
+            peaks[1] = max(peaks[1] or 0, dev.max_allocated)
+
+    built.after_step.append(sample)
+    try:
+        yield peaks
+    finally:
+        built.after_step.remove(sample)
+
+
+def _exposed_per_step(intervals: List[Tuple[str, float, float]], call_starts: List[float], end: float) -> Optional[float]:
+    """Mean tapped input-dist seconds per steady call.
+
+    Steady: every call after the first (the fill) that issues an input dist,
+    as the bench counts them ([Note: the hidden fraction] in benchmarks/schedule_bound.py).
+    """
+    windows = [(s, call_starts[k + 1] if k + 1 < len(call_starts) else end) for k, s in enumerate(call_starts)]
+    issues = [start for kind, start, _ in intervals if kind == "issue"]
+    steady = [(lo, hi) for k, (lo, hi) in enumerate(windows) if k >= 1 and any(lo <= t < hi for t in issues)]
+    if not steady:
+        return None
+    spans = sorted((start, stop) for _, start, stop in intervals)
+    merged: List[List[float]] = []
+    for start, stop in spans:
+        if merged and start <= merged[-1][1]:
+            merged[-1][1] = max(merged[-1][1], stop)
+        else:
+            merged.append([start, stop])
+    covered = [sum(max(0.0, min(b, hi) - max(a, lo)) for a, b in merged) for lo, hi in steady]
+    return sum(covered) / len(covered)
+
+
+def _tapped_epoch(built: _Built, batches: List[Any], device: torch.device) -> Optional[float]:
+    call_starts: List[float] = []
+    built.after_step.insert(0, lambda: call_starts.append(time.perf_counter()))
+    try:
+        with tap_input_dist(built.model) as tap:
+            start = time.perf_counter()
+            _run_epoch(built, batches, device)
+            end = time.perf_counter()
+    finally:
+        built.after_step.pop(0)
+    # A call starts where the one before it returned.
+    starts = [start] + call_starts[:-1]
+    return _exposed_per_step(tap.intervals, starts, end)
+
+
+def measure_round(
+    build: Build,
+    variant: Optional[Variant],
+    device: torch.device,
+    warmup: int,
+    steps: int,
+    detailed: bool,
+    barrier: Callable[[], None],
+    agree: Callable[[Optional[str]], None],
+) -> RoundResult:
+    """One round of ``variant`` (None: the plain loop) on this rank; see the module docstring.
+
+    ``barrier`` meets the other ranks right before the timed epoch, so each
+    rank's clock starts together; ``agree`` is called on every rank with this
+    rank's build error (or None) and raises :class:`BuildError` on all of them
+    if any rank's build failed, before any rank trains (a rank that trained
+    alone would wait in the model's collectives).  Raises :class:`BuildError` for what
+    ``build()`` did wrong, anything else for the variant's own failure.
+    """
+    gc.collect()  # nobody pays for the garbage of the contender before
+    context = variant.build_context() if variant is not None else contextlib.nullcontext()
+    prepared: Any
+    try:
+        with context:
+            model, optimizer, batches = call_build(build)
+        # Every pass the round makes, taken now: a short or one-shot iterable
+        # fails here, on every rank, before any rank trains.
+        warm = take(batches, 0, warmup, "warm-up") if warmup else []
+        timed = take(batches, warmup, steps, "timed")
+        measured = take(batches, warmup, steps, "measured") if detailed else []
+        prepared = (model, optimizer, batches)
+    except BuildError as exc:
+        prepared = exc
+    agree(str(prepared) if isinstance(prepared, BuildError) else None)
+    if isinstance(prepared, BuildError):
+        raise prepared
+    model, optimizer, batches = prepared
+    del prepared
+    built = _Built(model, optimizer, batches)
+    try:
+        if device.type != "cpu":
+            module = getattr(torch, device.type, None)
+            if module is not None and hasattr(module, "reset_peak_memory_stats"):
+                module.reset_peak_memory_stats(device)
+        if variant is not None:
+            built.pipeline = variant.cls(model, optimizer, device, **variant.kwargs)
+        if warm:
+            _run_epoch(built, warm, device)
+        result = _timed(built, timed, device, barrier)
+        rewrite = getattr(built.pipeline, "rewrite_result", None)
+        if rewrite is not None:
+            result.unpipelined = tuple(rewrite.not_pipelined)
+        result.examples_per_step = examples_per_batch(timed[0])
+        if detailed:
+            _detail(built, result, measured, device)
+        return result
+    finally:
+        pipeline, built.pipeline = built.pipeline, None
+        if pipeline is not None and hasattr(pipeline, "reset"):
+            with contextlib.suppress(Exception):
+                pipeline.reset()
+        del pipeline, built, model, optimizer, batches
+        gc.collect()
+
+
+def _timed(built: _Built, batches: List[Any], device: torch.device, barrier: Callable[[], None]) -> RoundResult:
+    barrier()
+    start = time.perf_counter()
+    made = _run_epoch(built, batches, device)
+    return RoundResult(seconds=time.perf_counter() - start, steps=made)
+
+
+def _detail(built: _Built, result: RoundResult, batches: List[Any], device: torch.device) -> None:
+    """The first round's untimed epochs: memory (ledger, RSS, device), then the tapped input dist."""
+    pipeline = built.pipeline
+    ledger = pipeline is not None and hasattr(pipeline, "enable_schedule_recording")
+    with _sampling(built, device) as peaks:
+        if ledger:
+            pipeline.disable_schedule_recording()
+            pipeline.enable_schedule_recording(memory=True)
+            try:
+                _run_epoch(built, batches, device)
+                summary = pipeline.memory_ledger()
+            finally:
+                pipeline.disable_schedule_recording()
+            result.held_peak, result.held_steady = summary.peak_bytes, summary.steady_bytes
+        else:
+            _run_epoch(built, batches, device)
+            if pipeline is None:
+                result.held_peak = result.held_steady = 0  # the plain loop keeps nothing between steps
+    result.rss_peak, result.device_peak = peaks
+    result.exposed_input_dist = _tapped_epoch(built, batches, device)
+
+
+__all__ = ["PLAIN", "Build", "BuildError", "RoundResult", "call_build", "measure_round", "take"]

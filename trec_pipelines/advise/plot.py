@@ -1,0 +1,53 @@
+"""The advice as a picture: QPS against pipeline-held memory, one point per variant.
+
+matplotlib is not a dependency of the package (it never replaces a user's
+stack); without it :func:`save_plot` says how to get it.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from trec_pipelines.advise.advice import Advice
+
+MIB = 2**20
+
+
+def save_plot(advice: "Advice", path: str) -> None:
+    """Write ``advice`` to the PNG ``path``: held MiB on x, QPS on y, the budget and the plain loop as lines."""
+    if importlib.util.find_spec("matplotlib") is None:
+        raise RuntimeError(
+            "advise: the PNG needs matplotlib, which is not installed; `pip install matplotlib`, "
+            "or leave the picture out (--no-plot; the table and the JSON have every number)"
+        )
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(8, 5))
+    for row in advice.variants:
+        if not row.ran or row.qps is None or row.held_peak is None:
+            continue
+        picked = row.name == advice.recommended
+        ax.scatter([row.held_peak / MIB], [row.qps], s=80 if picked else 40,
+                   marker="*" if picked else "o", color="tab:red" if picked else "tab:blue", zorder=3)
+        label = row.name.replace("TrainPipeline", "").replace("PipelineSparseDist", "") or row.name
+        ax.annotate(label, (row.held_peak / MIB, row.qps), textcoords="offset points", xytext=(5, 4), fontsize=8)
+    if advice.plain.qps is not None:
+        ax.axhline(advice.plain.qps, color="gray", linestyle=":", label="plain loop")
+    if advice.memory_budget is not None:
+        ax.axvline(advice.memory_budget / MIB, color="tab:red", linestyle="--", label="memory budget")
+    ax.set_xlabel("held by the pipeline (memory ledger peak), MiB")
+    ax.set_ylabel(advice.qps_unit)
+    ax.set_title(f"advise: {advice.recommended or 'no recommendation'}", fontsize=10)
+    ax.grid(True, alpha=0.3)
+    ax.legend(loc="lower right", fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+__all__ = ["save_plot"]

@@ -1,0 +1,312 @@
+"""``advise(build, ...)``: time a user's own model under every applicable variant.
+
+[Note: fresh models in paired rounds]
+The bench keeps every contender alive and interleaves their epochs (A B C,
+A B C, ...), so the drift of a shared machine hits all alike.  advise may not
+keep two models alive (a user's model may fill the device alone), so a
+*round* here builds each contender in turn from ``build()`` -- the plain loop
+first, then each variant -- trains ``warmup`` batches untimed, times one
+epoch of ``steps`` batches, and frees it before the next is built.  Rounds
+repeat (the order rotated each round, as the bench's), and each contender's
+result is its median over rounds; its ratio to the plain loop is the ratio of
+the medians, the bench's ``x plain``.  The per-round ratio to the plain loop
+of the same round measures the noise ([Note: the recommendation rule] in
+:mod:`trec_pipelines.advise.advice`).  Building costs time between epochs
+but is never timed; the price against the bench is that a round's
+contenders are minutes apart rather than seconds on a large model, so
+``rounds`` should grow with the noise of the machine.
+
+Memory and the input dist are measured once per contender, in the first
+round, in untimed epochs of their own (:mod:`trec_pipelines.advise.measure`).
+
+Every rank runs the same contenders in the same order; after each one the
+ranks exchange what they measured (an ``all_gather_object`` on a gloo group
+of advise's own), so all agree on which failed and all compute the same
+advice.  A variant that raises on every rank is reported and the others are
+still measured; one that raises on some ranks only can leave the others in a
+collective of the model's process group, which then ends at that group's
+timeout.
+"""
+
+from __future__ import annotations
+
+import datetime
+import traceback
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Union
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from trec_pipelines.advise.advice import Advice, VariantReport, median, noise_band, recommend
+from trec_pipelines.advise.measure import PLAIN, Build, BuildError, RoundResult, call_build, measure_round
+from trec_pipelines.advise.variants import Variant, VariantSpec, not_applicable, resolve
+
+# Progress callback: (what just finished, contenders done, contenders in all).
+Progress = Callable[[str, int, int], None]
+
+_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "kib": 2**10, "mib": 2**20, "gib": 2**30}
+
+
+def parse_bytes(value: Union[int, float, str, None]) -> Optional[int]:
+    """``64MiB``, ``1.5 GiB``, ``500MB`` or a number of bytes; None stays None."""
+    if value is None:
+        return None
+    if isinstance(value, (int, float)):
+        if value < 0:
+            raise ValueError(f"memory_budget must be >= 0 bytes, got {value}")
+        return int(value)
+    text = value.strip().lower().replace(" ", "")
+    number = text.rstrip("abcdefghijklmnopqrstuvwxyz")
+    unit = text[len(number):]
+    if unit not in _UNITS or not number:
+        raise ValueError(
+            f"memory_budget={value!r}: give bytes as a number, or with a unit: B, KiB, MiB, GiB, KB, MB, GB (e.g. '64MiB')"
+        )
+    return parse_bytes(float(number) * _UNITS[unit])
+
+
+def _device_of(model: nn.Module) -> torch.device:
+    for p in model.parameters():
+        if p.device.type != "meta":
+            return p.device
+    return torch.device("cpu")
+
+
+class _Ranks:
+    """advise's own gloo group: the ranks agree on every outcome through it."""
+
+    def __init__(self, timeout: Optional[datetime.timedelta]) -> None:
+        if not dist.is_available() or not dist.is_initialized():
+            raise RuntimeError(
+                "advise() runs inside an initialized process group, called by every rank: "
+                "torch.distributed.init_process_group(...) first, under torchrun "
+                "(or use `python -m trec_pipelines.advise --build module:function`, which launches the ranks)"
+            )
+        kwargs: Dict[str, Any] = {"backend": "gloo"}
+        if timeout is not None:
+            kwargs["timeout"] = timeout
+        self.group = dist.new_group(**kwargs)
+        self.rank = dist.get_rank()
+        self.world = dist.get_world_size()
+
+    def barrier(self) -> None:
+        dist.barrier(group=self.group)
+
+    def gather(self, value: Any) -> List[Any]:
+        out: List[Any] = [None] * self.world
+        dist.all_gather_object(out, value, group=self.group)
+        return out
+
+    def agree(self, error: Optional[str]) -> None:
+        """Raise :class:`BuildError` on every rank when ``build()`` failed on any."""
+        for rank, err in enumerate(self.gather(error)):
+            if err is not None:
+                raise BuildError(err if err.startswith("on rank") else f"on rank {rank}: {err}")
+
+    def close(self) -> None:
+        dist.destroy_process_group(self.group)
+
+
+def _first_error(gathered: Sequence[Tuple[Optional[Tuple[str, str, bool]], Any]]) -> Optional[Tuple[int, str, str, bool]]:
+    for rank, (err, _) in enumerate(gathered):
+        if err is not None:
+            return (rank, *err)
+    return None
+
+
+def _round_order(names: Sequence[str], round_index: int) -> List[str]:
+    """Each round starts one contender further on and alternates direction, as the bench's."""
+    shift = round_index % max(len(names), 1)
+    order = list(names[shift:]) + list(names[:shift])
+    return order if round_index % 2 == 0 else order[::-1]
+
+
+def advise(
+    build: Build,
+    *,
+    steps: int = 20,
+    warmup: int = 5,
+    rounds: int = 3,
+    memory_budget: Union[int, float, str, None] = None,
+    variants: Optional[Sequence[VariantSpec]] = None,
+    include_compiled: bool = False,
+    device: Optional[torch.device] = None,
+    timeout: Optional[datetime.timedelta] = None,
+    progress: Optional[Progress] = None,
+) -> Advice:
+    """Measure the model ``build()`` makes under every applicable variant, and recommend one.
+
+    Call it on every rank of an initialized process group.  ``build()``
+    returns ``(model, optimizer, batches)`` as you build them to train: a
+    DMP-sharded model whose forward returns ``(loss, output)``, its
+    optimizer, and an iterable of this rank's batches that restarts on each
+    ``iter()`` (a list, a DataLoader) with at least ``warmup + steps``
+    batches.  It is called once per contender and round, and only one model
+    is alive at a time ([Note: fresh models in paired rounds]).
+
+    Args:
+        steps: batches in each timed epoch.
+        warmup: batches trained untimed before it, on the same model.
+        rounds: how many times every contender is built and timed (>= 1;
+            the noise band needs 2).
+        memory_budget: most bytes a pipeline may hold (its memory ledger's
+            peak, model and optimizer excluded): an int, or ``"64MiB"``.
+        variants: class names of the package or pipeline classes (your own
+            subclass too); default every variant, with those that do not
+            apply listed with the reason.
+        include_compiled: also time PT2 and CompAutograd.
+        device: where the model trains; default its first parameter's device.
+        timeout: of advise's own gloo group (default the process group's).
+        progress: called after each contender's round as ``(label, done, total)``.
+
+    Returns:
+        an :class:`~trec_pipelines.advise.advice.Advice`, equal on every rank.
+
+    Raises:
+        RuntimeError: ``build()`` raised or returned something unusable (on
+            any rank: every rank raises), or no process group.
+        ValueError: bad arguments, or batches that can't be walked again.
+    """
+    if steps < 1 or warmup < 0 or rounds < 1:
+        raise ValueError(f"advise: need steps >= 1, warmup >= 0 and rounds >= 1, got {steps}, {warmup}, {rounds}")
+    budget = parse_bytes(memory_budget)
+    asked = resolve(variants)
+    ranks = _Ranks(timeout)
+    try:
+        return _advise(build, ranks, asked, steps, warmup, rounds, budget, include_compiled, device, progress)
+    finally:
+        ranks.close()
+
+
+def _advise(
+    build: Build, ranks: _Ranks, asked: List[Variant], steps: int, warmup: int, rounds: int,
+    budget: Optional[int], include_compiled: bool, device: Optional[torch.device], progress: Optional[Progress],
+) -> Advice:
+    # A first build decides what applies (the model is dropped right after).
+    error: Optional[str] = None
+    reasons: Dict[str, Optional[str]] = {}
+    try:
+        model, _, _ = call_build(build)
+        train_device = device if device is not None else _device_of(model)
+        reasons = {v.name: not_applicable(v, model, include_compiled) for v in asked}
+        del model
+    except BuildError as exc:
+        error, train_device = str(exc), torch.device("cpu")
+    _raise_build_errors(ranks, ranks.gather(error))
+    timed = [v for v in asked if reasons[v.name] is None]
+    contenders: Dict[str, Optional[Variant]] = {PLAIN: None, **{v.name: v for v in timed}}
+
+    results: Dict[str, List[List[RoundResult]]] = {name: [] for name in contenders}
+    failures: Dict[str, str] = {}
+    total, done = rounds * len(contenders), 0
+    for round_index in range(rounds):
+        for name in _round_order(list(contenders), round_index):
+            if name in failures:
+                done += 1
+                continue
+            outcome: Tuple[Optional[Tuple[str, str, bool]], Optional[RoundResult]]
+            try:
+                value = measure_round(build, contenders[name], train_device, warmup, steps,
+                                      detailed=round_index == 0, barrier=ranks.barrier, agree=ranks.agree)
+                outcome = (None, value)
+            except BuildError as exc:
+                outcome = ((str(exc), traceback.format_exc(), True), None)
+            except Exception as exc:  # the variant's failure: reported, the others go on
+                message = f"{type(exc).__name__}: {exc}".splitlines()[0][:300]
+                outcome = ((message, traceback.format_exc(), False), None)
+            gathered = ranks.gather(outcome)
+            first = _first_error(gathered)
+            done += 1
+            if first is not None:
+                rank, message, _, is_build = first
+                if is_build:
+                    prefix = "" if message.startswith("on rank") else f"on rank {rank}: "
+                    raise RuntimeError(f"advise: {prefix}{message}")
+                if name == PLAIN:
+                    raise RuntimeError(
+                        f"advise: the plain loop (zero_grad, forward, sum(loss).backward(), step) failed on rank "
+                        f"{rank}: {message}; the model must train without a pipeline first"
+                    )
+                failures[name] = f"{message} (rank {rank}, round {round_index + 1})"
+            else:
+                results[name].append([value for _, value in gathered])
+            if progress is not None:
+                progress(f"round {round_index + 1}/{rounds} {name}", done, total)
+
+    return _compose(asked, reasons, results, failures, budget, rounds, warmup, steps, ranks.world)
+
+
+def _raise_build_errors(ranks: _Ranks, errors: Sequence[Optional[str]]) -> None:
+    for rank, err in enumerate(errors):
+        if err is not None:
+            raise RuntimeError(f"advise: on rank {rank}: {err}")
+
+
+def _row(name: str, per_round: List[List[RoundResult]], plain_seconds: Sequence[float],
+         examples: Optional[int]) -> VariantReport:
+    """A contender's row from every rank's result of every round."""
+    seconds = tuple(max(r.seconds for r in ranks) for ranks in per_round)
+    steps = per_round[0][0].steps
+    first = per_round[0]
+    per_epoch = (examples if examples is not None else 1) * steps
+    qps = median([per_epoch / s for s in seconds])
+    paired = tuple(p / s for p, s in zip(plain_seconds, seconds))
+
+    def largest(values: Sequence[Optional[int]]) -> Optional[int]:
+        known = [v for v in values if v is not None]
+        return max(known) if len(known) == len(values) and known else None
+
+    return VariantReport(
+        name=name, ran=True, seconds=seconds, steps=steps, qps=qps, paired=paired,
+        held_peak=largest([r.held_peak for r in first]),
+        held_steady=largest([r.held_steady for r in first]),
+        rss_peak=largest([r.rss_peak for r in first]),
+        device_peak=largest([r.device_peak for r in first]),
+        unpipelined=first[0].unpipelined,
+    )
+
+
+def _hidden(row: VariantReport, exposed: List[Optional[float]], plain: List[Optional[float]]) -> Optional[float]:
+    fractions = [
+        min(1.0, max(0.0, 1.0 - e / p)) for e, p in zip(exposed, plain) if e is not None and p
+    ]
+    return sum(fractions) / len(fractions) if fractions and len(fractions) == len(exposed) else None
+
+
+def _compose(
+    asked: List[Variant], reasons: Dict[str, Optional[str]], results: Dict[str, List[List[RoundResult]]],
+    failures: Dict[str, str], budget: Optional[int], rounds: int, warmup: int, steps: int, world: int,
+) -> Advice:
+    import dataclasses
+
+    plain_runs = results[PLAIN]
+    counts = [r.examples_per_step for r in plain_runs[0]]
+    examples = sum(c for c in counts if c is not None) if all(c is not None for c in counts) else None
+    plain_seconds = [max(r.seconds for r in ranks) for ranks in plain_runs]
+    plain = _row(PLAIN, plain_runs, plain_seconds, examples)
+    plain = dataclasses.replace(plain, vs_plain=1.0, within_budget=None if budget is None else True)
+    plain_exposed = [r.exposed_input_dist for r in plain_runs[0]]
+    rows: List[VariantReport] = []
+    for variant in asked:
+        name = variant.name
+        if reasons.get(name) is not None:
+            rows.append(VariantReport(name=name, applicable=False, reason=str(reasons[name])))
+        elif name in failures:
+            rows.append(VariantReport(name=name, error=failures[name]))
+        else:
+            row = _row(name, results[name], plain_seconds, examples)
+            vs_plain = row.qps / plain.qps if row.qps and plain.qps else None
+            within = None if budget is None else (row.held_peak is not None and row.held_peak <= budget)
+            hidden = _hidden(row, [r.exposed_input_dist for r in results[name][0]], plain_exposed)
+            rows.append(dataclasses.replace(row, vs_plain=vs_plain, within_budget=within, hidden_input_dist=hidden))
+    noise = noise_band(rows)
+    recommended, reason = recommend(rows, budget, noise)
+    return Advice(
+        recommended=recommended, reason=reason, variants=tuple(rows), plain=plain, memory_budget=budget,
+        noise=noise, rounds=rounds, warmup=warmup, steps=steps, world_size=world,
+        qps_unit="examples/s" if examples is not None else "steps/s",
+    )
+
+
+__all__ = ["Progress", "advise", "parse_bytes"]
