@@ -21,7 +21,7 @@ from __future__ import annotations
 import contextlib
 import inspect
 from dataclasses import dataclass, field
-from typing import Any, ContextManager, Dict, Iterable, List, Optional, Sequence, Tuple, Union
+from typing import Any, ContextManager, Dict, Iterable, Iterator, List, Optional, Sequence, Tuple, Union
 
 import torch
 from torch import nn
@@ -185,7 +185,7 @@ def iterable_problem(batches: Any) -> Optional[str]:
     """Why ``batches`` can't be iterated once per epoch (None: it can, as far as one can tell)."""
     if not isinstance(batches, Iterable):
         return f"batches is a {type(batches).__name__}, not an iterable of batches"
-    if iter(batches) is batches:
+    if isinstance(batches, Iterator):  # (not iter(batches) is batches: that would start a one-shot iterable)
         return (
             f"batches is an iterator ({type(batches).__name__}): it can be walked once, and advise walks it "
             "several times per build (warm-up, timed and measured epochs); return a list, or an iterable "

@@ -1,0 +1,224 @@
+"""``trec_pipelines.advise`` on 2 gloo ranks: what it measures, what it refuses, what it recommends.
+
+Nothing here is timed: the assertions are on what the machinery decides
+(applicability, unpipelined modules against the rewrite's own report, the
+budget rule, failures, errors) and on numbers that are exact (the memory
+ledger's bytes against the bench's measurement; the ratio to the plain loop
+against the bench's arithmetic on the same seconds).  Tiny models, a few
+steps, one or two rounds.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Iterator, List, Tuple
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from benchmarks import memory as bench_memory
+from benchmarks import report as bench_report
+from benchmarks.contenders import Variant as BenchVariant
+from benchmarks.contenders import make_contender
+from benchmarks.model import make_batches as bench_batches
+from benchmarks.model import make_sharded as bench_sharded
+from benchmarks.model import tiny_spec
+from tests.distributed import postproc_models as pm
+from tests.distributed.dlrm import current_group
+from trec_pipelines import (
+    Advice,
+    TrainPipelineBase,
+    TrainPipelineFusedSparseDist,
+    TrainPipelineSemiSync,
+    TrainPipelineSparseDist,
+    TrainPipelineSparseDistLite,
+    advise,
+)
+
+CPU = torch.device("cpu")
+SMALL = {"steps": 4, "warmup": 1, "rounds": 1}
+
+
+def same_on_every_rank(advice: Advice) -> None:
+    gathered: List[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, advice.to_dict())
+    assert all(g == gathered[0] for g in gathered)
+
+
+def two_towers(layout: str):
+    def build() -> Tuple[nn.Module, Any, List[pm.Batch]]:
+        dmp, optimizer = pm.build(layout)
+        return dmp, optimizer, pm.make_batches()
+
+    return build
+
+
+def bench_tiny(batch_size: int = 16, n: int = 6):
+    spec = tiny_spec()
+
+    def build() -> Tuple[nn.Module, Any, List[Any]]:
+        model, optimizer = bench_sharded(spec, "table_wise", current_group(), 0)
+        return model, optimizer, bench_batches(spec, n, batch_size, 0, dist.get_rank())
+
+    return build
+
+
+def test_a_postproc_blocks_some_variants_and_every_rank_gets_the_same_advice() -> None:
+    # "shared": an AddNegatives postproc feeds both towers.  SparseDist and
+    # Lite do not run postprocs ahead by default (pipeline_postproc=False), so
+    # their rewrite leaves both towers alone; Fused does, and pipelines both.
+    variants = [TrainPipelineSparseDist, TrainPipelineSparseDistLite, TrainPipelineFusedSparseDist]
+    advice = advise(two_towers("shared"), variants=variants, **SMALL)
+    same_on_every_rank(advice)
+    for cls in variants:  # the reference: the variant's own rewrite report on a fresh model
+        dmp, optimizer = pm.build("shared")
+        pipeline = cls(dmp, optimizer, CPU)
+        pm.run_pipeline(pipeline, pm.make_batches()[:2], model=dmp)
+        expected = tuple(pipeline.rewrite_result.not_pipelined)
+        assert advice[cls.__name__].unpipelined == expected
+        assert advice[cls.__name__].ran and advice[cls.__name__].qps > 0
+    assert [m for m, _ in advice["TrainPipelineSparseDist"].unpipelined] == ["ebc", "webc"]
+    assert advice["TrainPipelineFusedSparseDist"].unpipelined == ()
+    # Never a variant that left a module unpipelined when another did not.
+    assert advice.recommended == "TrainPipelineFusedSparseDist"
+    assert advice.reason.startswith("TrainPipelineFusedSparseDist: ")
+    assert "TrainPipelineSparseDist: ebc not pipelined: " in advice.table()
+
+
+def test_a_budget_excludes_the_largest_holder_and_names_it() -> None:
+    variants = [TrainPipelineBase, TrainPipelineSparseDist, TrainPipelineSemiSync]
+    free = advise(bench_tiny(), variants=variants, **SMALL)
+    held = {r.name: r.held_peak for r in free.variants}
+    assert all(isinstance(b, int) and b > 0 for b in held.values())
+    # One batch, two batches + an input-dist output, more again: the documented order.
+    assert held["TrainPipelineBase"] < held["TrainPipelineSparseDist"] < held["TrainPipelineSemiSync"]
+    budget = held["TrainPipelineSparseDist"]
+    limited = advise(bench_tiny(), variants=variants, memory_budget=budget, **SMALL)
+    same_on_every_rank(limited)
+    # Held bytes do not depend on timing: the same in both runs.
+    assert {r.name: r.held_peak for r in limited.variants} == held
+    assert limited["TrainPipelineSemiSync"].within_budget is False
+    assert limited["TrainPipelineSparseDist"].within_budget is True
+    assert limited.recommended in ("TrainPipelineBase", "TrainPipelineSparseDist")
+    fastest = max(limited.variants, key=lambda r: r.vs_plain or 0.0)
+    if fastest.name == "TrainPipelineSemiSync":
+        over = held["TrainPipelineSemiSync"] - budget
+        assert "TrainPipelineSemiSync is" in limited.reason and "exceeds the budget by" in limited.reason
+        from trec_pipelines.memory import format_bytes
+
+        assert format_bytes(over) in limited.reason
+    # A budget nothing fits: no recommendation, and the reason says what would.
+    none_fit = advise(bench_tiny(), variants=[TrainPipelineBase], memory_budget=1, **SMALL)
+    assert none_fit.recommended is None and "no variant holds within the budget" in none_fit.reason
+
+
+class CrashingSparseDist(TrainPipelineSparseDist):
+    """SparseDist that raises on its third progress() call, on every rank."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.calls = 0
+
+    def progress(self, dataloader_iter: Iterator[Any]) -> Any:
+        self.calls += 1
+        if self.calls == 3:
+            raise RuntimeError("crashed on purpose in progress() 3")
+        return super().progress(dataloader_iter)
+
+
+def test_a_variant_that_crashes_is_reported_and_the_others_are_still_measured() -> None:
+    advice = advise(bench_tiny(), variants=[CrashingSparseDist, TrainPipelineSparseDist, TrainPipelineBase],
+                    steps=4, warmup=1, rounds=2)
+    same_on_every_rank(advice)
+    crashed = advice["CrashingSparseDist"]
+    assert not crashed.ran and crashed.applicable and crashed.status == "failed"
+    assert "crashed on purpose in progress() 3" in crashed.error and "round 1" in crashed.error
+    for name in ("TrainPipelineSparseDist", "TrainPipelineBase"):
+        row = advice[name]
+        assert row.ran and len(row.seconds) == 2 and row.steps == 4 and row.held_peak
+    assert advice.recommended in ("TrainPipelineSparseDist", "TrainPipelineBase")
+    assert "CrashingSparseDist: failed: RuntimeError: crashed on purpose" in advice.table()
+
+
+def test_a_build_that_raises_is_a_clear_error_on_every_rank() -> None:
+    def build() -> Any:
+        raise FileNotFoundError("no such table file: tables.bin")
+
+    with pytest.raises(RuntimeError, match=r"build\(\) raised FileNotFoundError: no such table file.*return \(model, optimizer, batches\)"):
+        advise(build, variants=[TrainPipelineSparseDist], **SMALL)
+
+    def bad_shape() -> Any:
+        model, optimizer, _ = bench_tiny()()
+        return model, optimizer
+
+    with pytest.raises(RuntimeError, match=r"must return a tuple \(model, optimizer, batches\)"):
+        advise(bad_shape, variants=[TrainPipelineSparseDist], **SMALL)
+
+
+class OneShot:
+    """An iterable (not an iterator) that yields its batches on the first pass only."""
+
+    def __init__(self, batches: List[Any]) -> None:
+        self.batches = list(batches)
+
+    def __iter__(self) -> Iterator[Any]:
+        batches, self.batches = self.batches, []
+        return iter(batches)
+
+
+def test_batches_that_cannot_be_walked_again_are_a_clear_error() -> None:
+    def iterator() -> Any:
+        model, optimizer, batches = bench_tiny()()
+        return model, optimizer, iter(batches)
+
+    with pytest.raises(RuntimeError, match=r"batches is an iterator.*return a list"):
+        advise(iterator, variants=[TrainPipelineSparseDist], **SMALL)
+
+    def one_shot() -> Any:
+        model, optimizer, batches = bench_tiny()()
+        return model, optimizer, OneShot(batches)
+
+    with pytest.raises(RuntimeError, match=r"batches gave 0 of the 4 timed batches.*walks batches several times"):
+        advise(one_shot, variants=[TrainPipelineSparseDist], **SMALL)
+
+    with pytest.raises(RuntimeError, match=r"batches gave 2 of the 4 timed batches"):
+        advise(bench_tiny(n=3), variants=[TrainPipelineSparseDist], **SMALL)
+
+
+def test_its_numbers_are_the_benchs_on_the_bench_dlrm() -> None:
+    """The bench's machinery on advise's measurements: the same ratio, the same bytes.
+
+    * ratio to the plain loop: the bench's ``Row.ours_vs_plain`` over
+      advise's per-round seconds equals advise's ``vs_plain``, and its QPS median advise's ``qps``;
+    * held bytes: the bench's ledger epoch (``benchmarks/memory.py``) of the
+      same variant on the same model and batches equals advise's ``held_peak``.
+    """
+    batch_size, steps, warmup = 16, 4, 1
+    variants = [TrainPipelineBase, TrainPipelineSparseDist]
+    advice = advise(bench_tiny(batch_size), variants=variants, steps=steps, warmup=warmup, rounds=2)
+    world = dist.get_world_size()
+    per_epoch = float(steps * batch_size * world)
+
+    def entry(seconds: Tuple[float, ...]) -> dict:
+        return {"status": bench_report.OK, "seconds": list(seconds), "shimmed": False}
+
+    plain = bench_report._measure(entry(advice.plain.seconds), per_epoch, False, "not run")
+    assert advice.qps_unit == "examples/s"
+    assert advice.plain.qps == pytest.approx(plain.median, rel=1e-12)
+    spec = tiny_spec()
+    batches = bench_batches(spec, warmup + steps, batch_size, 0, dist.get_rank())[warmup:]
+    for cls in variants:
+        row = advice[cls.__name__]
+        ours = bench_report._measure(entry(row.seconds), per_epoch, False, "not run")
+        bench_row = bench_report.Row(cls.__name__, "train", ours, bench_report._missing("-"), plain)
+        assert row.qps == pytest.approx(ours.median, rel=1e-12)
+        assert row.vs_plain == pytest.approx(bench_row.ours_vs_plain, rel=1e-12)
+        contender = make_contender(BenchVariant(cls.__name__, cls, None), "ours")
+        contender.build(spec, "table_wise", current_group(), 0, 0.05, 0.01)
+        contender.run_epoch(batches)  # as advise's timed epoch before its ledger epoch
+        measured = bench_memory.ledger_epoch(contender, batches)
+        contender.close()
+        peaks: List[Any] = [None] * world
+        dist.all_gather_object(peaks, measured["peak"])
+        assert row.held_peak == max(peaks)
