@@ -7,16 +7,15 @@ stack); without it :func:`save_plot` says how to get it.
 from __future__ import annotations
 
 import importlib.util
-from typing import TYPE_CHECKING
-
-if TYPE_CHECKING:
-    from trec_pipelines.advise.advice import Advice
+from typing import Any
 
 MIB = 2**20
 
 
-def save_plot(advice: "Advice", path: str) -> None:
-    """Write ``advice`` to the PNG ``path``: held MiB on x, QPS on y, the budget and the plain loop as lines."""
+def save_plot(advice: Any, path: str) -> None:
+    """Write ``advice`` (an :class:`~trec_pipelines.advise.advice.Advice`, which calls this;
+    typed loosely so this module needs nothing of that one) to the PNG ``path``:
+    held MiB on x, QPS on y, the budget and the plain loop as lines."""
     if importlib.util.find_spec("matplotlib") is None:
         raise RuntimeError(
             "advise: the PNG needs matplotlib, which is not installed; `pip install matplotlib`, "

@@ -1,0 +1,225 @@
+"""advise without a process group: the recommendation rule, the helpers, the table, the PNG, the CLI."""
+
+from __future__ import annotations
+
+import os
+from typing import Any, List, Optional, Tuple
+
+import pytest
+
+from trec_pipelines.advise.advice import Advice, VariantReport, noise_band, recommend
+from trec_pipelines.advise.cli import _without_nproc, load_build, parser
+from trec_pipelines.advise.measure import BuildError, _exposed_per_step, call_build, take
+from trec_pipelines.advise.run import _round_order, parse_bytes
+from trec_pipelines.advise.variants import Variant, iterable_problem, not_applicable, resolve
+from trec_pipelines.memory import format_bytes
+
+MIB = 2**20
+
+
+def row(name: str, vs_plain: float, held: int, unpipelined: Tuple[Tuple[str, str], ...] = (),
+        paired: Tuple[float, ...] = (), ran: bool = True) -> VariantReport:
+    return VariantReport(name=name, ran=ran, vs_plain=vs_plain, qps=1000 * vs_plain, held_peak=held,
+                         unpipelined=unpipelined, paired=paired or (vs_plain,))
+
+
+def test_fastest_without_a_budget() -> None:
+    rows = [row("A", 1.10, 5 * MIB), row("B", 1.31, 9 * MIB), row("C", 0.95, 1 * MIB)]
+    name, reason = recommend(rows, None, 0.0)
+    assert name == "B"
+    assert reason == "B: 1.31x plain, +9.0 MiB held; the fastest."
+
+
+def test_a_budget_excludes_the_fastest_and_the_reason_says_by_how_much() -> None:
+    rows = [row("Fused", 1.31, int(9.2 * MIB)), row("SemiSync", 1.34, int(49.2 * MIB)), row("Base", 1.0, MIB)]
+    name, reason = recommend(rows, 10 * MIB, 0.0)
+    assert name == "Fused"
+    over = int(49.2 * MIB) - 10 * MIB
+    assert reason == (
+        f"Fused: 1.31x plain, +9.2 MiB held; SemiSync is 2% faster but exceeds the budget by {format_bytes(over)}."
+    )
+
+
+def test_within_the_noise_the_one_holding_less() -> None:
+    rows = [row("Big", 1.30, 20 * MIB), row("Small", 1.27, 4 * MIB), row("Slow", 1.10, MIB)]
+    name, reason = recommend(rows, None, 0.05)
+    assert name == "Small"
+    assert "Big is 2% faster, within the noise (±0.05), and holds 16.0 MiB more" in reason
+    # Outside the noise, the fastest.
+    assert recommend(rows, None, 0.01)[0] == "Big"
+
+
+def test_never_one_that_left_a_module_unpipelined_when_another_did_not() -> None:
+    rows = [row("Sparse", 1.40, MIB, unpipelined=(("ebc", "postproc"),)), row("Fused", 1.05, 2 * MIB)]
+    name, reason = recommend(rows, None, 0.0)
+    assert name == "Fused" and "Sparse is 33% faster but leaves ebc unpipelined" in reason
+    # When every variant left one, the rule falls back to speed.
+    both = [row("Sparse", 1.40, MIB, unpipelined=(("ebc", "x"),)), row("Lite", 1.05, MIB, unpipelined=(("ebc", "x"),))]
+    assert recommend(both, None, 0.0)[0] == "Sparse"
+
+
+def test_nothing_fits_or_nothing_ran() -> None:
+    rows = [row("A", 1.1, 5 * MIB), row("B", 1.2, 3 * MIB)]
+    name, reason = recommend(rows, MIB, 0.0)
+    assert name is None and "the least is B with 3.0 MiB" in reason
+    assert recommend([row("A", 1.0, 0, ran=False)], None, 0.0)[0] is None
+
+
+def test_noise_band_is_the_largest_half_range_of_per_round_ratios() -> None:
+    rows = [row("A", 1.0, 0, paired=(1.0, 1.2, 1.1)), row("B", 1.0, 0, paired=(0.9, 0.95)), row("C", 1.0, 0)]
+    assert noise_band(rows) == pytest.approx(0.1)
+    assert noise_band([row("A", 1.0, 0)]) == 0.0
+
+
+def test_parse_bytes() -> None:
+    assert parse_bytes("64MiB") == 64 * MIB
+    assert parse_bytes("1.5 GiB") == int(1.5 * 2**30)
+    assert parse_bytes("500MB") == 500 * 10**6
+    assert parse_bytes(1234) == 1234 and parse_bytes(None) is None
+    with pytest.raises(ValueError, match="give bytes as a number, or with a unit"):
+        parse_bytes("64 parsecs")
+    with pytest.raises(ValueError, match=">= 0"):
+        parse_bytes(-1)
+
+
+def test_round_order_rotates_and_alternates() -> None:
+    names = ["plain", "A", "B"]
+    assert _round_order(names, 0) == ["plain", "A", "B"]
+    assert _round_order(names, 1) == ["plain", "B", "A"]
+    assert _round_order(names, 2) == ["B", "plain", "A"]
+
+
+def test_resolve_names_and_classes() -> None:
+    from trec_pipelines import TrainPipelineSemiSync, TrainPipelineSparseDist
+
+    class Mine(TrainPipelineSparseDist):
+        pass
+
+    variants = resolve(["TrainPipelineSemiSync", Mine])
+    assert [v.name for v in variants] == ["TrainPipelineSemiSync", "Mine"]
+    assert variants[0].kwargs == {"start_batch": 0} and variants[0].cls is TrainPipelineSemiSync
+    with pytest.raises(ValueError, match="not a pipeline of trec_pipelines"):
+        resolve(["TrainPipelineNope"])
+    with pytest.raises(ValueError, match="listed twice"):
+        resolve(["TrainPipelineSemiSync", TrainPipelineSemiSync])
+
+
+def test_not_applicable_reasons_without_a_sharded_model() -> None:
+    import torch
+
+    model = torch.nn.Linear(2, 2)
+    reasons = {v.name: not_applicable(v, model, include_compiled=False) for v in resolve(None)}
+    assert reasons["TrainPipelineSparseDist"] is None
+    assert "prefetchable cache" in str(reasons["PrefetchTrainPipelineSparseDist"])
+    assert "no PEC module" in str(reasons["TrainPipelinePEC"])
+    assert "include_compiled=True" in str(reasons["TrainPipelinePT2"])
+    assert "eval pipeline" in str(reasons["EvalPipelineSparseDist"])
+    assert "stages are declared" in str(reasons["StagedTrainPipeline"])
+    pt2 = next(v for v in resolve(None) if v.name == "TrainPipelinePT2")
+    assert not_applicable(pt2, model, include_compiled=True) is None
+
+
+class OneShot:
+    def __init__(self) -> None:
+        self.items: List[int] = [1, 2, 3]
+
+    def __iter__(self) -> Any:
+        items, self.items = self.items, []
+        return iter(items)
+
+
+def test_batches_checks() -> None:
+    assert "iterator" in str(iterable_problem(iter([1, 2])))
+    assert "not an iterable" in str(iterable_problem(5))
+    one_shot = OneShot()
+    assert iterable_problem(one_shot) is None and one_shot.items == [1, 2, 3]  # checking did not start it
+    assert take([1, 2, 3, 4], 1, 2, "timed") == [2, 3]
+    take(one_shot, 0, 3, "warm-up")
+    with pytest.raises(BuildError, match="batches gave 0 of the 2 timed batches"):
+        take(one_shot, 0, 2, "timed")
+
+
+def test_call_build_says_what_to_return() -> None:
+    import torch
+
+    def raising() -> Any:
+        raise KeyError("tables")
+
+    with pytest.raises(BuildError, match=r"build\(\) raised KeyError: 'tables'"):
+        call_build(raising)
+    with pytest.raises(BuildError, match=r"returned tuple of 2; it must return a tuple \(model, optimizer, batches\)"):
+        call_build(lambda: (1, 2))  # type: ignore[arg-type,return-value]
+    with pytest.raises(BuildError, match="must be an nn.Module"):
+        call_build(lambda: ("model", None, []))  # type: ignore[arg-type,return-value]
+    model = torch.nn.Linear(2, 2)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    assert call_build(lambda: (model, optimizer, [1]))[0] is model
+
+
+def test_exposed_input_dist_counts_steady_calls_only() -> None:
+    # Three calls starting at 0, 10, 20 (end 30); issues in calls 0 and 1 only.
+    intervals = [("issue", 1.0, 3.0), ("wait", 2.0, 4.0), ("issue", 11.0, 12.0), ("wait", 15.0, 16.0),
+                 ("wait", 21.0, 22.0)]
+    # Call 0 is the fill; call 2 issues nothing: only call 1 counts (1 + 1 seconds).
+    assert _exposed_per_step(intervals, [0.0, 10.0, 20.0], 30.0) == pytest.approx(2.0)
+    assert _exposed_per_step([("issue", 1.0, 2.0)], [0.0], 5.0) is None
+
+
+def advice(recommended: Optional[str] = "B", budget: Optional[int] = 4 * MIB) -> Advice:
+    plain = VariantReport(name="plain loop", ran=True, qps=1000.0, vs_plain=1.0, held_peak=0)
+    rows = (
+        row("A", 1.1, 2 * MIB),
+        row("B", 1.2, 3 * MIB, unpipelined=(("ebc", "postproc 'neg' modifies its input"),)),
+        VariantReport(name="C", applicable=False, reason="needs a cache"),
+        VariantReport(name="D", error="RuntimeError: boom (rank 1, round 1)"),
+    )
+    return Advice(recommended, "B: why.", rows, plain, budget, 0.02, 2, 1, 4, 2)
+
+
+def test_table_and_json(tmp_path: Any) -> None:
+    a = advice()
+    text = a.table()
+    assert "* B" in text and "recommended: B: why." in text
+    assert "C: not applicable: needs a cache" in text and "D: failed: RuntimeError: boom" in text
+    assert "B: ebc not pipelined: postproc 'neg' modifies its input" in text
+    assert a["A"].held_peak == 2 * MIB and a["plain loop"].qps == 1000.0
+    with pytest.raises(KeyError, match="no variant 'Z'"):
+        a["Z"]
+    path = os.path.join(tmp_path, "advice.json")
+    a.write_json(path, extra={"build": "x:y"})
+    import json
+
+    loaded = json.load(open(path))
+    assert loaded["recommended"] == "B" and loaded["build"] == "x:y" and len(loaded["variants"]) == 4
+
+
+def test_plot_is_a_png(tmp_path: Any) -> None:
+    path = os.path.join(tmp_path, "advice.png")
+    advice().save_plot(path)
+    with open(path, "rb") as f:
+        assert f.read(8) == b"\x89PNG\r\n\x1a\n"
+
+
+def test_cli_help_and_arguments() -> None:
+    text = parser().format_help()
+    for option in ("--build", "--memory-budget", "--variants", "--include-compiled", "--rounds", "--nproc", "--out"):
+        assert option in text
+    assert _without_nproc(["--build", "a:b", "--nproc", "4", "--nproc=3", "--steps", "2"]) == ["--build", "a:b", "--steps", "2"]
+    with pytest.raises(SystemExit, match="module.path:function"):
+        load_build("nocolon")
+    with pytest.raises(SystemExit, match="cannot import"):
+        load_build("no_such_module_here:build")
+    with pytest.raises(SystemExit, match="has no function"):
+        load_build("os:no_such_function")
+    assert load_build("os.path:join") is os.path.join
+
+
+def test_variant_build_context_for_compiled_autograd() -> None:
+    from trec_pipelines import TrainPipelineSparseDist, TrainPipelineSparseDistCompAutograd
+
+    import torch
+
+    with Variant("x", TrainPipelineSparseDistCompAutograd).build_context():
+        assert torch._dynamo.config.optimize_ddp == "python_reducer"
+    with Variant("y", TrainPipelineSparseDist).build_context():
+        assert torch._dynamo.config.optimize_ddp != "python_reducer"
