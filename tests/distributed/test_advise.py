@@ -28,6 +28,7 @@ from tests.distributed import postproc_models as pm
 from tests.distributed.dlrm import current_group
 from trec_pipelines import (
     Advice,
+    StagedTrainPipeline,
     TrainPipelineBase,
     TrainPipelineFusedSparseDist,
     TrainPipelineSemiSync,
@@ -128,16 +129,17 @@ class CrashingSparseDist(TrainPipelineSparseDist):
 
 
 def test_a_variant_that_crashes_is_reported_and_the_others_are_still_measured() -> None:
-    advice = advise(bench_tiny(), variants=[CrashingSparseDist, TrainPipelineSparseDist, TrainPipelineBase],
+    advice = advise(bench_tiny(), variants=[CrashingSparseDist, TrainPipelineSparseDist, StagedTrainPipeline],
                     steps=4, warmup=1, rounds=2)
     same_on_every_rank(advice)
     crashed = advice["CrashingSparseDist"]
     assert not crashed.ran and crashed.applicable and crashed.status == "failed"
     assert "crashed on purpose in progress() 3" in crashed.error and "round 1" in crashed.error
-    for name in ("TrainPipelineSparseDist", "TrainPipelineBase"):
+    for name in ("TrainPipelineSparseDist", "StagedTrainPipeline"):  # Staged: the bench's two stages
         row = advice[name]
         assert row.ran and len(row.seconds) == 2 and row.steps == 4 and row.held_peak
-    assert advice.recommended in ("TrainPipelineSparseDist", "TrainPipelineBase")
+        assert row.unpipelined == ()
+    assert advice.recommended in ("TrainPipelineSparseDist", "StagedTrainPipeline")
     assert "CrashingSparseDist: failed: RuntimeError: crashed on purpose" in advice.table()
 
 

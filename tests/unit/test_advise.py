@@ -114,7 +114,7 @@ def test_not_applicable_reasons_without_a_sharded_model() -> None:
     assert "no PEC module" in str(reasons["TrainPipelinePEC"])
     assert "include_compiled=True" in str(reasons["TrainPipelinePT2"])
     assert "eval pipeline" in str(reasons["EvalPipelineSparseDist"])
-    assert "stages are declared" in str(reasons["StagedTrainPipeline"])
+    assert reasons["StagedTrainPipeline"] is None  # timed with the bench's two stages
     pt2 = next(v for v in resolve(None) if v.name == "TrainPipelinePT2")
     assert not_applicable(pt2, model, include_compiled=True) is None
 

@@ -28,6 +28,9 @@ from torch import nn
 from trec_pipelines.advise.variants import Variant, examples_per_batch, iterable_problem
 from trec_pipelines.input_dist_tap import tap_input_dist
 from trec_pipelines.memory import device_memory, rss_bytes
+from trec_pipelines.pipelines.sparse_data_dist_util import SparseDataDistUtil
+from trec_pipelines.pipelines.staged import PipelineStage
+from trec_pipelines.streams import new_stream
 
 Build = Callable[[], Tuple[nn.Module, Any, Iterable[Any]]]
 PLAIN = "plain loop"
@@ -69,11 +72,39 @@ class RoundResult:
 
 @dataclass
 class _Built:
+    """One contender's objects for a round (``pipeline`` None: the plain loop)."""
+
     model: nn.Module
     optimizer: Any
     batches: Iterable[Any]
     pipeline: Any = None
+    staged: bool = False  # the pipeline returns batches; the loop trains them
+    rewrite: Any = None  # what holds the rewrite_result (the pipeline, or Staged's SparseDataDistUtil)
     after_step: List[Callable[[], None]] = field(default_factory=list)
+
+
+def _train_step(model: nn.Module, optimizer: Any, batch: Any) -> None:
+    optimizer.zero_grad()
+    losses, _ = model(batch)
+    torch.sum(losses, dim=0).backward()
+    optimizer.step()
+
+
+def _make_pipeline(built: _Built, variant: Variant, device: torch.device) -> None:
+    """``variant``'s pipeline over ``built``'s model; Staged with the bench's two stages."""
+    if not variant.staged:
+        built.pipeline = variant.cls(built.model, built.optimizer, device, **variant.kwargs)
+        built.rewrite = built.pipeline
+        return
+    util = SparseDataDistUtil(model=built.model, data_dist_stream=new_stream(device))
+    stages = [
+        PipelineStage(name="data_copy", runnable=lambda batch: batch.to(device, non_blocking=True),
+                      stream=new_stream(device)),
+        PipelineStage(name="start_sparse_data_dist", runnable=util.start_sparse_data_dist,
+                      stream=util.data_dist_stream, fill_callback=util.wait_sdd_fill_callback),
+    ]
+    built.pipeline = variant.cls(pipeline_stages=stages, **variant.kwargs)
+    built.staged, built.rewrite = True, util
 
 
 def call_build(build: Build) -> Tuple[nn.Module, Any, Iterable[Any]]:
@@ -116,16 +147,13 @@ def take(batches: Iterable[Any], start: int, count: int, what: str) -> List[Any]
 def _run_epoch(built: _Built, batches: List[Any], device: torch.device) -> int:
     """Train ``batches`` once: the plain loop, or ``progress()`` until StopIteration."""
     if built.pipeline is None:
-        model, optimizer = built.model, built.optimizer
         for batch in batches:
-            batch = batch.to(device, non_blocking=True)
-            optimizer.zero_grad()
-            losses, _ = model(batch)
-            torch.sum(losses, dim=0).backward()
-            optimizer.step()
+            _train_step(built.model, built.optimizer, batch.to(device, non_blocking=True))
             for hook in built.after_step:
                 hook()
         return len(batches)
+    if built.staged:
+        return _run_staged_epoch(built, batches)
     pipeline = built.pipeline
     it = iter(batches)
     steps = 0
@@ -142,6 +170,24 @@ def _run_epoch(built: _Built, batches: List[Any], device: torch.device) -> int:
             raise RuntimeError(f"{type(pipeline).__name__} did not raise StopIteration after {limit} steps")
     if hasattr(pipeline, "reset"):
         pipeline.reset()  # nothing in flight between epochs (torchrec-style classes need it)
+    if steps != len(batches):
+        raise RuntimeError(f"{type(pipeline).__name__} made {steps} steps over {len(batches)} batches")
+    return steps
+
+
+def _run_staged_epoch(built: _Built, batches: List[Any]) -> int:
+    """StagedTrainPipeline: each batch it returns is trained by this loop; None ends the epoch."""
+    pipeline = built.pipeline
+    it = iter(batches)
+    steps = 0
+    while steps <= len(batches) + 8:
+        batch = pipeline.progress(it)
+        if batch is None:
+            break
+        _train_step(built.model, built.optimizer, batch)
+        steps += 1
+        for hook in built.after_step:
+            hook()
     if steps != len(batches):
         raise RuntimeError(f"{type(pipeline).__name__} made {steps} steps over {len(batches)} batches")
     return steps
@@ -249,11 +295,11 @@ def measure_round(
             if module is not None and hasattr(module, "reset_peak_memory_stats"):
                 module.reset_peak_memory_stats(device)
         if variant is not None:
-            built.pipeline = variant.cls(model, optimizer, device, **variant.kwargs)
+            _make_pipeline(built, variant, device)
         if warm:
             _run_epoch(built, warm, device)
         result = _timed(built, timed, device, barrier)
-        rewrite = getattr(built.pipeline, "rewrite_result", None)
+        rewrite = getattr(built.rewrite, "rewrite_result", None)
         if rewrite is not None:
             result.unpipelined = tuple(rewrite.not_pipelined)
         result.examples_per_step = examples_per_batch(timed[0])
@@ -265,6 +311,7 @@ def measure_round(
         if pipeline is not None and hasattr(pipeline, "reset"):
             with contextlib.suppress(Exception):
                 pipeline.reset()
+        built.rewrite = None
         del pipeline, built, model, optimizer, batches
         gc.collect()
 

@@ -1,11 +1,12 @@
 """Which pipeline variants ``advise`` can time on a model, and how each is built and driven.
 
-A *variant* here is a pipeline class trained through ``progress(it)`` until
-``StopIteration``: every training class of the package but
-``StagedTrainPipeline`` (its stages are declared by the user's loop, so
-there is no one schedule to time), or a user's own class with the same
-constructor ``(model, optimizer, device, **kwargs)``.  Whether a variant
-applies is decided from the model alone, before anything is timed:
+A *variant* here is a training pipeline class of the package, or a user's
+own class with the same constructor ``(model, optimizer, device, **kwargs)``,
+trained through ``progress(it)`` until ``StopIteration``.
+``StagedTrainPipeline`` is timed as the bench runs it: two stages (the copy
+to the device, then ``SparseDataDistUtil``'s input dist), the loop doing
+zero_grad, forward, backward and step on each batch it returns.  Whether a
+variant applies is decided from the model alone, before anything is timed:
 
 * eval pipelines never train (no backward, no optimizer step);
 * compiled variants (PT2, CompAutograd) compile the model, which takes
@@ -48,11 +49,12 @@ TRAIN_VARIANTS: Tuple[type, ...] = (
     TrainPipelineSemiSync,
     PrefetchTrainPipelineSparseDist,
     TrainPipelinePEC,
+    StagedTrainPipeline,
     TrainPipelinePT2,
     TrainPipelineSparseDistCompAutograd,
 )
 # Listed in the advice with the reason they are not timed.
-OTHER_VARIANTS: Tuple[type, ...] = (StagedTrainPipeline, EvalPipelineSparseDist, EvalPipelineFusedSparseDist)
+OTHER_VARIANTS: Tuple[type, ...] = (EvalPipelineSparseDist, EvalPipelineFusedSparseDist)
 COMPILED: Tuple[type, ...] = (TrainPipelinePT2, TrainPipelineSparseDistCompAutograd)
 
 # Constructor arguments advise gives a variant (as the bench does): SemiSync's
@@ -82,6 +84,11 @@ class Variant:
     @property
     def compiled(self) -> bool:
         return issubclass(self.cls, COMPILED)
+
+    @property
+    def staged(self) -> bool:
+        """Driven as StagedTrainPipeline: it returns batches and the loop trains them."""
+        return issubclass(self.cls, StagedTrainPipeline)
 
     def build_context(self) -> ContextManager[Any]:
         """What ``build()`` runs under for this variant.
@@ -156,8 +163,6 @@ def not_applicable(variant: Variant, model: nn.Module, include_compiled: bool) -
     cls = variant.cls
     if issubclass(cls, (EvalPipelineSparseDist, EvalPipelineFusedSparseDist)):
         return "an eval pipeline (no backward, no optimizer step); advise times training"
-    if issubclass(cls, StagedTrainPipeline):
-        return "its stages are declared by your training loop (StagedTrainPipeline(pipeline_stages=...)), so there is no one schedule to time"
     if variant.compiled and not include_compiled:
         return "compiles the model with torch.compile (minutes, and it changes what is timed); pass include_compiled=True (--include-compiled) to time it"
     if issubclass(cls, PrefetchTrainPipelineSparseDist):
