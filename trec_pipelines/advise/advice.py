@@ -11,10 +11,12 @@ Among the variants that ran (on every rank, every round):
    unless another is within the measured noise of it and holds less: then
    the one holding least among those within the noise.
 
-The noise is the largest half-range, over variants, of the per-round ratio
-to the plain loop measured in the same round (each round builds and trains
-every contender once, so a ratio within one round shares the machine's
-state).  With one round there is no noise figure and rule 3 is plain "fastest".
+The noise is the median, over variants, of the half-range of each one's
+per-round ratio to the plain loop of the same round (each round builds and
+trains every contender once, so a ratio within one round shares the
+machine's state).  The median, not the largest: one variant hit by a stall
+would otherwise make every other one "within the noise".  With one round
+there is no noise figure and rule 3 is plain "fastest".
 """
 
 from __future__ import annotations
@@ -25,6 +27,10 @@ from dataclasses import asdict, dataclass
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 from trec_pipelines.memory import format_bytes
+
+
+# A noise band this wide (a tenth of the plain loop's speed) is flagged in the table.
+NOISY = 0.10
 
 
 @dataclass(frozen=True)
@@ -147,6 +153,7 @@ class Advice:
         lines.append(
             f"{self.world_size} ranks, {self.rounds} round(s) of warm-up {self.warmup} + {self.steps} timed steps; "
             f"memory budget {budget}; noise band ±{self.noise:.3f}"
+            + (" (noisy: more --rounds or --steps narrow it)" if self.noise >= NOISY else "")
         )
         lines.append(f"recommended: {self.reason}")
         for r in self.variants:
@@ -217,9 +224,9 @@ def recommend(
 
 
 def noise_band(rows: Sequence[VariantReport]) -> float:
-    """The largest half-range of a variant's per-round ratios to the plain loop (0 with one round)."""
+    """The median over variants of the half-range of their per-round ratios to the plain loop (0 with one round)."""
     spreads = [(max(r.paired) - min(r.paired)) / 2 for r in rows if r.ran and len(r.paired) >= 2]
-    return max(spreads, default=0.0)
+    return statistics.median(spreads) if spreads else 0.0
 
 
 def median(values: Sequence[float]) -> Optional[float]:
