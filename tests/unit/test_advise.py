@@ -163,6 +163,9 @@ def test_exposed_input_dist_counts_steady_calls_only() -> None:
                  ("wait", 21.0, 22.0)]
     # Call 0 is the fill; call 2 issues nothing: only call 1 counts (1 + 1 seconds).
     assert _exposed_per_step(intervals, [0.0, 10.0, 20.0], 30.0) == pytest.approx(2.0)
+    # The median over steady calls: one stalled call does not move it.
+    steady = [("issue", 11.0, 12.0), ("issue", 21.0, 29.0), ("issue", 31.0, 32.0), ("issue", 1.0, 2.0)]
+    assert _exposed_per_step(steady, [0.0, 10.0, 20.0, 30.0], 40.0) == pytest.approx(1.0)
     assert _exposed_per_step([("issue", 1.0, 2.0)], [0.0], 5.0) is None
 
 

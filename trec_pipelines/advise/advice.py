@@ -55,7 +55,8 @@ class VariantReport:
             epochs, largest rank (the whole process, model included).
         device_peak: the device allocator's max allocated, largest rank (None on CPU).
         hidden_input_dist: 1 - its training-thread input-dist time per steady
-            step / the plain loop's, clipped to [0, 1], mean over ranks.
+            step / the plain loop's (each the median over steps, then over
+            rounds), clipped to [0, 1], mean over ranks.
         unpipelined: sharded modules its rewrite left unpipelined, and why.
         within_budget: whether ``held_peak`` fits the budget (None: no budget).
     """

@@ -2,12 +2,12 @@
 
 A round of a contender: ``build()`` a fresh model, train ``warmup`` batches
 (untimed), then time one epoch of the next ``steps`` batches -- fill and drain
-included, as the bench times an epoch -- and, in the first round only, two
-more untimed epochs over the same batches: one with the memory ledger on
-(what the pipeline holds after every verb; resident and device memory
-sampled after every step) and one with the input dist tapped (the training
-thread's input-dist time per steady step).  Then everything is dropped
-before the next contender is built.
+included, as the bench times an epoch -- then an untimed epoch over the same
+batches with the input dist tapped (the training thread's input-dist time,
+median over the steady steps; every round, as one epoch of it is noisy), and
+in the first round one more with the memory ledger on (what the pipeline
+holds after every verb; resident and device memory sampled after every
+step).  Then everything is dropped before the next contender is built.
 
 Nothing here talks to the other ranks but the model's own collectives;
 :mod:`trec_pipelines.advise.run` gathers what each rank measured.
@@ -18,6 +18,7 @@ from __future__ import annotations
 import contextlib
 import gc
 import itertools
+import statistics
 import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Iterator, List, Optional, Tuple
@@ -55,8 +56,8 @@ class RoundResult:
             measured epochs (None: not the first round, or no ``/proc``).
         device_peak: the device allocator's max allocated bytes over the round
             (None on CPU).
-        exposed_input_dist: training-thread input-dist seconds per steady step
-            (None: not the first round, or no steady step).
+        exposed_input_dist: training-thread input-dist seconds per steady step,
+            the median over the steady steps of the tapped epoch (None: no steady step).
     """
 
     seconds: float
@@ -214,7 +215,7 @@ def _sampling(built: _Built, device: torch.device) -> Iterator[List[Optional[int
 
 
 def _exposed_per_step(intervals: List[Tuple[str, float, float]], call_starts: List[float], end: float) -> Optional[float]:
-    """Mean tapped input-dist seconds per steady call.
+    """Median tapped input-dist seconds per steady call.
 
     Steady: every call after the first (the fill) that issues an input dist,
     as the bench counts them ([Note: the hidden fraction] in benchmarks/schedule_bound.py).
@@ -232,7 +233,7 @@ def _exposed_per_step(intervals: List[Tuple[str, float, float]], call_starts: Li
         else:
             merged.append([start, stop])
     covered = [sum(max(0.0, min(b, hi) - max(a, lo)) for a, b in merged) for lo, hi in steady]
-    return sum(covered) / len(covered)
+    return statistics.median(covered)
 
 
 def _tapped_epoch(built: _Built, batches: List[Any], device: torch.device) -> Optional[float]:
@@ -279,7 +280,7 @@ def measure_round(
         # fails here, on every rank, before any rank trains.
         warm = take(batches, 0, warmup, "warm-up") if warmup else []
         timed = take(batches, warmup, steps, "timed")
-        measured = take(batches, warmup, steps, "measured") if detailed else []
+        measured = take(batches, warmup, steps, "measured")
         prepared = (model, optimizer, batches)
     except BuildError as exc:
         prepared = exc
@@ -305,6 +306,7 @@ def measure_round(
         result.examples_per_step = examples_per_batch(timed[0])
         if detailed:
             _detail(built, result, measured, device)
+        result.exposed_input_dist = _tapped_epoch(built, measured, device)
         return result
     finally:
         pipeline, built.pipeline = built.pipeline, None
@@ -324,7 +326,7 @@ def _timed(built: _Built, batches: List[Any], device: torch.device, barrier: Cal
 
 
 def _detail(built: _Built, result: RoundResult, batches: List[Any], device: torch.device) -> None:
-    """The first round's untimed epochs: memory (ledger, RSS, device), then the tapped input dist."""
+    """The first round's untimed memory epoch: the ledger, resident and device memory."""
     pipeline = built.pipeline
     ledger = pipeline is not None and hasattr(pipeline, "enable_schedule_recording")
     with _sampling(built, device) as peaks:
@@ -342,7 +344,6 @@ def _detail(built: _Built, result: RoundResult, batches: List[Any], device: torc
             if pipeline is None:
                 result.held_peak = result.held_steady = 0  # the plain loop keeps nothing between steps
     result.rss_peak, result.device_peak = peaks
-    result.exposed_input_dist = _tapped_epoch(built, batches, device)
 
 
 __all__ = ["PLAIN", "Build", "BuildError", "RoundResult", "call_build", "measure_round", "take"]

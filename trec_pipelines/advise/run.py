@@ -16,8 +16,8 @@ but is never timed; the price against the bench is that a round's
 contenders are minutes apart rather than seconds on a large model, so
 ``rounds`` should grow with the noise of the machine.
 
-Memory and the input dist are measured once per contender, in the first
-round, in untimed epochs of their own (:mod:`trec_pipelines.advise.measure`).
+The input dist is tapped in an untimed epoch after every timed one, memory
+in one more in the first round only (:mod:`trec_pipelines.advise.measure`).
 
 Every rank runs the same contenders in the same order; after each one the
 ranks exchange what they measured (an ``all_gather_object`` on a gloo group
@@ -267,7 +267,18 @@ def _row(name: str, per_round: List[List[RoundResult]], plain_seconds: Sequence[
     )
 
 
-def _hidden(row: VariantReport, exposed: List[Optional[float]], plain: List[Optional[float]]) -> Optional[float]:
+def _exposed(per_round: List[List[RoundResult]]) -> List[Optional[float]]:
+    """Per rank: the median over rounds of its exposed input-dist seconds per step."""
+    out: List[Optional[float]] = []
+    for rank in range(len(per_round[0])):
+        values = [ranks[rank].exposed_input_dist for ranks in per_round]
+        known = [v for v in values if v is not None]
+        out.append(median(known) if known else None)
+    return out
+
+
+def _hidden(exposed: List[Optional[float]], plain: List[Optional[float]]) -> Optional[float]:
+    """1 - exposed / the plain loop's, clipped to [0, 1], per rank; the mean over ranks."""
     fractions = [
         min(1.0, max(0.0, 1.0 - e / p)) for e, p in zip(exposed, plain) if e is not None and p
     ]
@@ -286,7 +297,7 @@ def _compose(
     plain_seconds = [max(r.seconds for r in ranks) for ranks in plain_runs]
     plain = _row(PLAIN, plain_runs, plain_seconds, examples)
     plain = dataclasses.replace(plain, vs_plain=1.0, within_budget=None if budget is None else True)
-    plain_exposed = [r.exposed_input_dist for r in plain_runs[0]]
+    plain_exposed = _exposed(plain_runs)
     rows: List[VariantReport] = []
     for variant in asked:
         name = variant.name
@@ -298,7 +309,7 @@ def _compose(
             row = _row(name, results[name], plain_seconds, examples)
             vs_plain = row.qps / plain.qps if row.qps and plain.qps else None
             within = None if budget is None else (row.held_peak is not None and row.held_peak <= budget)
-            hidden = _hidden(row, [r.exposed_input_dist for r in results[name][0]], plain_exposed)
+            hidden = _hidden(_exposed(results[name]), plain_exposed)
             rows.append(dataclasses.replace(row, vs_plain=vs_plain, within_budget=within, hidden_input_dist=hidden))
     noise = noise_band(rows)
     recommended, reason = recommend(rows, budget, noise)
