@@ -58,6 +58,13 @@ def test_never_one_that_left_a_module_unpipelined_when_another_did_not() -> None
     assert recommend(both, None, 0.0)[0] == "Sparse"
 
 
+def test_slower_than_the_plain_loop_is_said() -> None:
+    rows = [row("A", 0.70, MIB), row("B", 0.85, 2 * MIB)]
+    name, reason = recommend(rows, None, 0.05)
+    assert name == "B" and "no variant beat the plain loop here beyond the noise" in reason
+    assert "plain loop" not in recommend(rows, None, 0.2)[1]  # within the noise of it: not said
+
+
 def test_nothing_fits_or_nothing_ran() -> None:
     rows = [row("A", 1.1, 5 * MIB), row("B", 1.2, 3 * MIB)]
     name, reason = recommend(rows, MIB, 0.0)

@@ -11,6 +11,11 @@ Among the variants that ran (on every rank, every round):
    unless another is within the measured noise of it and holds less: then
    the one holding least among those within the noise.
 
+The sentence says what the faster variants left out would cost (over the
+budget by how much, which modules they leave unpipelined, how much more they
+hold), and says so when even the pick is slower than the plain loop beyond
+the noise.
+
 The noise is the median, over variants, of the half-range of each one's
 per-round ratio to the plain loop of the same round (each round builds and
 trains every contender once, so a ratio within one round shares the
@@ -221,6 +226,8 @@ def recommend(
         )
     elif len(pool) > 1:
         sentence += "; the fastest" + (" within the budget" if budget is not None else "")
+    if pick.vs_plain < 1.0 - noise:
+        sentence += "; no variant beat the plain loop here beyond the noise, so a pipeline buys nothing on this model"
     return pick.name, sentence + "."
 
 
