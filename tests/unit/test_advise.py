@@ -62,7 +62,7 @@ def test_slower_than_the_plain_loop_is_said() -> None:
     rows = [row("A", 0.70, MIB), row("B", 0.85, 2 * MIB)]
     name, reason = recommend(rows, None, 0.05)
     assert name == "B" and "no variant beat the plain loop here beyond the noise" in reason
-    assert "plain loop" not in recommend(rows, None, 0.2)[1]  # within the noise of it: not said
+    assert "plain loop" not in recommend(rows, None, 0.35)[1]  # within the noise of it: not said
 
 
 def test_nothing_fits_or_nothing_ran() -> None:
