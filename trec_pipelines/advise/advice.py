@@ -182,7 +182,9 @@ class Advice:
 
 
 def _pct(a: float, b: float) -> str:
-    return f"{100 * (a / b - 1):.0f}%"
+    """How much faster ``a`` is than ``b``: whole percent, one decimal under 1%."""
+    percent = 100 * (a / b - 1)
+    return f"{percent:.1f}%" if abs(percent) < 1 else f"{percent:.0f}%"
 
 
 def recommend(
