@@ -224,3 +224,26 @@ def test_its_numbers_are_the_benchs_on_the_bench_dlrm() -> None:
         peaks: List[Any] = [None] * world
         dist.all_gather_object(peaks, measured["peak"])
         assert row.held_peak == max(peaks)
+
+
+def test_every_variant_by_default_and_what_does_not_apply() -> None:
+    # 4 steps: a steady step (after the fill, issuing an input dist) for every schedule, SemiSync's included.
+    advice = advise(bench_tiny(n=5), steps=4, warmup=1, rounds=1)
+    same_on_every_rank(advice)
+    skipped = {r.name: r.reason for r in advice.variants if not r.applicable}
+    # The bench model: fused kernels (no cache to prefetch into), no PEC module, nothing compiled unless asked.
+    assert set(skipped) == {
+        "PrefetchTrainPipelineSparseDist", "TrainPipelinePEC", "TrainPipelinePT2",
+        "TrainPipelineSparseDistCompAutograd", "EvalPipelineSparseDist", "EvalPipelineFusedSparseDist",
+    }
+    assert "this model's: fused" in skipped["PrefetchTrainPipelineSparseDist"]
+    assert "include_compiled=True" in skipped["TrainPipelinePT2"]
+    ran = [r.name for r in advice.variants if r.ran]
+    assert ran == [
+        "TrainPipelineBase", "TrainPipelineSparseDist", "TrainPipelineSparseDistLite",
+        "TrainPipelineFusedSparseDist", "TrainPipelineSemiSync", "StagedTrainPipeline",
+    ]
+    for name in ran:
+        row = advice[name]
+        assert row.steps == 4 and row.held_peak and row.unpipelined == () and row.hidden_input_dist is not None
+    assert advice.recommended in ran and advice.plain.held_peak == 0

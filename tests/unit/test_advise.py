@@ -234,3 +234,30 @@ def test_variant_build_context_for_compiled_autograd() -> None:
         assert torch._dynamo.config.optimize_ddp == "python_reducer"
     with Variant("y", TrainPipelineSparseDist).build_context():
         assert torch._dynamo.config.optimize_ddp != "python_reducer"
+
+
+def test_the_command_line_end_to_end(tmp_path: Any) -> None:
+    """``python -m trec_pipelines.advise`` launches 2 ranks, prints the table, writes the JSON and the PNG."""
+    import json
+    import subprocess
+    import sys
+
+    repo = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    env = dict(os.environ, TREC_ADVISE_BATCHES="3", PYTHONPATH=repo)
+    for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        env.pop(var, None)
+    out = os.path.join(tmp_path, "out")
+    done = subprocess.run(
+        [sys.executable, "-m", "trec_pipelines.advise", "--build", "benchmarks.advise_build:tiny", "--steps", "2",
+         "--warmup", "1", "--rounds", "1", "--variants", "TrainPipelineSparseDist,TrainPipelineBase",
+         "--memory-budget", "1GiB", "--out", out, "--no-progress", "--nproc", "2"],
+        cwd=repo, env=env, capture_output=True, text=True, timeout=300,
+    )
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    assert "recommended: TrainPipeline" in done.stdout and "memory budget 1.0 GiB" in done.stdout
+    document = json.load(open(os.path.join(out, "advice.json")))
+    assert document["build"] == "benchmarks.advise_build:tiny" and document["memory_budget"] == 2**30
+    assert [v["name"] for v in document["variants"]] == ["TrainPipelineSparseDist", "TrainPipelineBase"]
+    assert document["recommended"] in ("TrainPipelineSparseDist", "TrainPipelineBase")
+    with open(os.path.join(out, "advice.png"), "rb") as f:
+        assert f.read(8) == b"\x89PNG\r\n\x1a\n"
