@@ -106,16 +106,4 @@ def tap_input_dist(model: nn.Module) -> Iterator[InputDistTap]:
         yield tap
 
 
-def merged_seconds(intervals: List[Tuple[str, float, float]]) -> float:
-    """Seconds covered by ``intervals`` (``(kind, start, end)``), overlaps counted once."""
-    total = 0.0
-    reach = float("-inf")
-    for _, start, end in sorted(intervals, key=lambda i: (i[1], i[2])):
-        if end <= reach:
-            continue
-        total += end - max(start, reach)
-        reach = end
-    return total
-
-
-__all__ = ["INPUT_DIST_AWAITABLES", "InputDistTap", "merged_seconds", "tap_input_dist"]
+__all__ = ["INPUT_DIST_AWAITABLES", "InputDistTap", "tap_input_dist"]
