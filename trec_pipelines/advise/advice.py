@@ -57,7 +57,10 @@ class VariantReport:
         held_peak, held_steady: the memory ledger's peak and steady bytes
             held by the pipeline (model and optimizer excluded), largest rank.
         rss_peak: largest resident memory after a step of its measured
-            epochs, largest rank (the whole process, model included).
+            epochs, largest rank (the whole process, model included).  The
+            contenders run one after another in one process and freed memory
+            seldom leaves it, so a later contender's figure includes what
+            earlier ones left behind: compare variants by ``held_peak``.
         device_peak: the device allocator's max allocated, largest rank (None on CPU).
         hidden_input_dist: 1 - its training-thread input-dist time per steady
             step / the plain loop's (each the median over steps, then over
