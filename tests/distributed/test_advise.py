@@ -10,6 +10,8 @@ steps, one or two rounds.
 
 from __future__ import annotations
 
+import gc
+import weakref
 from typing import Any, Iterator, List, Tuple
 
 import pytest
@@ -129,8 +131,23 @@ class CrashingSparseDist(TrainPipelineSparseDist):
 
 
 def test_a_variant_that_crashes_is_reported_and_the_others_are_still_measured() -> None:
-    advice = advise(bench_tiny(), variants=[CrashingSparseDist, TrainPipelineSparseDist, StagedTrainPipeline],
+    # Never two models alive at once, a crash's path included: whenever build()
+    # is called, every model it made before is gone.
+    made: List[weakref.ref] = []
+    alive_at_build: List[int] = []
+    inner = bench_tiny()
+
+    def build() -> Tuple[nn.Module, Any, List[Any]]:
+        gc.collect()
+        alive_at_build.append(sum(ref() is not None for ref in made))
+        model, optimizer, batches = inner()
+        made.append(weakref.ref(model))
+        return model, optimizer, batches
+
+    advice = advise(build, variants=[CrashingSparseDist, TrainPipelineSparseDist, StagedTrainPipeline],
                     steps=4, warmup=1, rounds=2)
+    assert len(made) == 1 + 2 * 4 - 1  # the applicability build, 2 rounds of 4 contenders, less the crashed one's 2nd
+    assert alive_at_build == [0] * len(made)
     same_on_every_rank(advice)
     crashed = advice["CrashingSparseDist"]
     assert not crashed.ran and crashed.applicable and crashed.status == "failed"
