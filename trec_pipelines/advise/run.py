@@ -164,9 +164,12 @@ def advise(
         an :class:`~trec_pipelines.advise.advice.Advice`, equal on every rank.
 
     Raises:
-        RuntimeError: ``build()`` raised or returned something unusable (on
-            any rank: every rank raises), or no process group.
-        ValueError: bad arguments, or batches that can't be walked again.
+        RuntimeError: on every rank, when ``build()`` raised or returned
+            something unusable on any rank -- not a 3-tuple, not a module,
+            batches that are an iterator, a one-shot iterable or shorter than
+            ``warmup + steps`` -- or the plain loop failed; or when there is
+            no process group.
+        ValueError: bad arguments (steps, rounds, budget, variant names).
     """
     if steps < 1 or warmup < 0 or rounds < 1:
         raise ValueError(f"advise: need steps >= 1, warmup >= 0 and rounds >= 1, got {steps}, {warmup}, {rounds}")
