@@ -264,3 +264,26 @@ def test_every_variant_by_default_and_what_does_not_apply() -> None:
         row = advice[name]
         assert row.steps == 4 and row.held_peak and row.unpipelined == () and row.hidden_input_dist is not None
     assert advice.recommended in ran and advice.plain.held_peak == 0
+
+
+def test_pec_applies_to_a_model_with_pec_modules() -> None:
+    """Timed on torchrec >= 1.9; on 1.8 listed as not applicable, with the upgrade to make."""
+    import torchrec
+
+    from tests.distributed.test_pec import make_pec_sharded
+    from tests.distributed.dlrm import make_batches
+    from trec_pipelines import TrainPipelinePEC
+
+    def build() -> Tuple[nn.Module, Any, List[Any]]:
+        dmp, optimizer = make_pec_sharded()
+        return dmp, optimizer, make_batches(n=5, seed=5)
+
+    advice = advise(build, variants=[TrainPipelinePEC, TrainPipelineBase], steps=3, warmup=1, rounds=1)
+    same_on_every_rank(advice)
+    pec = advice["TrainPipelinePEC"]
+    major, minor = (int(part) for part in torchrec.__version__.split(".")[:2])
+    if (major, minor) >= (1, 9):
+        assert pec.applicable and pec.ran and pec.unpipelined == () and pec.held_peak, pec
+    else:
+        assert not pec.applicable and "need torchrec >= 1.9" in pec.reason
+    assert advice["TrainPipelineBase"].ran

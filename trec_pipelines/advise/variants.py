@@ -14,7 +14,8 @@ variant applies is decided from the model alone, before anything is timed:
 * Prefetch needs a table whose lookup prefetches into a cache (compute
   kernel ``fused_uvm_caching`` or ``key_value``); elsewhere its prefetch
   does nothing and it is SparseDist with one more stream;
-* PEC needs PEC modules (``ShardedPECEmbeddingCollection``).
+* PEC needs PEC modules (``ShardedPECEmbeddingCollection``), and torchrec
+  >= 1.9 to pipeline them.
 """
 
 from __future__ import annotations
@@ -152,10 +153,18 @@ def compute_kernels(model: nn.Module) -> List[str]:
     return kernels
 
 
-def _has_pec_modules(model: nn.Module) -> bool:
-    from trec_pipelines.pec_ops import is_pec
+def _pec_problem(model: nn.Module, pipeline: str) -> Optional[str]:
+    """Why PEC has nothing to do on ``model``, or can't on this torchrec (None: it applies)."""
+    from trec_pipelines.pec_ops import check_pec_supported, is_pec
 
-    return any(isinstance(m, ShardedModule) and is_pec(m) for m in model.modules())
+    modules = [(name, m) for name, m in model.named_modules() if isinstance(m, ShardedModule) and is_pec(m)]
+    if not modules:
+        return "the model has no PEC module (ShardedPECEmbeddingCollection), so PEC has nothing of its own to do"
+    try:
+        check_pec_supported(modules, pipeline)
+    except RuntimeError as exc:  # the torchrec installed has the old PEC API
+        return str(exc)
+    return None
 
 
 def not_applicable(variant: Variant, model: nn.Module, include_compiled: bool) -> Optional[str]:
@@ -173,8 +182,8 @@ def not_applicable(variant: Variant, model: nn.Module, include_compiled: bool) -
                 f"no table has a prefetchable cache (compute kernel {' or '.join(sorted(PREFETCH_KERNELS))}; "
                 f"this model's: {found}), so its prefetch would do nothing"
             )
-    if issubclass(cls, TrainPipelinePEC) and not _has_pec_modules(model):
-        return "the model has no PEC module (ShardedPECEmbeddingCollection), so PEC has nothing of its own to do"
+    if issubclass(cls, TrainPipelinePEC):
+        return _pec_problem(model, variant.name)
     return None
 
 
