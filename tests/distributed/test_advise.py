@@ -89,7 +89,7 @@ def test_a_postproc_blocks_some_variants_and_every_rank_gets_the_same_advice() -
     assert "TrainPipelineSparseDist: ebc not pipelined: " in advice.table()
 
 
-def test_a_budget_excludes_the_largest_holder_and_names_it() -> None:
+def test_a_budget_excludes_the_fastest_and_the_largest_holder() -> None:
     variants = [TrainPipelineBase, TrainPipelineSparseDist, TrainPipelineSemiSync]
     free = advise(bench_tiny(), variants=variants, **SMALL)
     held = {r.name: r.held_peak for r in free.variants}
@@ -111,6 +111,16 @@ def test_a_budget_excludes_the_largest_holder_and_names_it() -> None:
         from trec_pipelines.memory import format_bytes
 
         assert format_bytes(over) in limited.reason
+    # The same measurements against a budget just under what the fastest holds:
+    # it is left out, and the reason names it and by how much it is over.
+    fastest = max((r for r in free.variants if r.ran), key=lambda r: r.vs_plain or 0.0)
+    below = free.for_budget(fastest.held_peak - 1)
+    assert below.recommended != fastest.name and below[fastest.name].within_budget is False
+    if below.recommended is None:  # the fastest was also the one holding least
+        assert "no variant holds within the budget" in below.reason
+    else:
+        assert f"{fastest.name} is " in below.reason and "exceeds the budget by 1 B" in below.reason
+        assert below[below.recommended].held_peak < fastest.held_peak
     # A budget nothing fits: no recommendation, and the reason says what would.
     none_fit = advise(bench_tiny(), variants=[TrainPipelineBase], memory_budget=1, **SMALL)
     assert none_fit.recommended is None and "no variant holds within the budget" in none_fit.reason

@@ -10,7 +10,8 @@ import pytest
 from trec_pipelines.advise.advice import Advice, VariantReport, noise_band, recommend
 from trec_pipelines.advise.cli import _without_nproc, load_build, parser
 from trec_pipelines.advise.measure import BuildError, _exposed_per_step, call_build, take
-from trec_pipelines.advise.run import _round_order, parse_bytes
+from trec_pipelines.advise.advice import parse_bytes
+from trec_pipelines.advise.run import _round_order
 from trec_pipelines.advise.variants import Variant, iterable_problem, not_applicable, resolve
 from trec_pipelines.memory import format_bytes
 
@@ -185,6 +186,14 @@ def advice(recommended: Optional[str] = "B", budget: Optional[int] = 4 * MIB) ->
         VariantReport(name="D", error="RuntimeError: boom (rank 1, round 1)"),
     )
     return Advice(recommended, "B: why.", rows, plain, budget, 0.02, 2, 1, 4, 2)
+
+
+def test_for_budget_judges_the_same_measurements_again() -> None:
+    a = advice(recommended="B", budget=None)
+    tight = a.for_budget("2.5MiB")
+    assert tight.recommended == "A" and tight["B"].within_budget is False and tight["A"].within_budget is True
+    assert tight["C"].within_budget is None and tight["A"].qps == a["A"].qps
+    assert a.for_budget(None)["A"].within_budget is None
 
 
 def test_table_and_json(tmp_path: Any) -> None:

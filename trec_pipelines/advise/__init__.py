@@ -7,7 +7,7 @@ rounds and the ranks' agreement), ``advice`` (the result and the rule),
 ``plot`` (the PNG), ``cli`` (the command line).
 """
 
-from trec_pipelines.advise.advice import Advice, VariantReport
-from trec_pipelines.advise.run import advise, parse_bytes
+from trec_pipelines.advise.advice import Advice, VariantReport, parse_bytes
+from trec_pipelines.advise.run import advise
 
 __all__ = ["Advice", "VariantReport", "advise", "parse_bytes"]

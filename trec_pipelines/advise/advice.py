@@ -28,10 +28,31 @@ from __future__ import annotations
 
 import json
 import statistics
-from dataclasses import asdict, dataclass
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from dataclasses import asdict, dataclass, replace
+from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
 
 from trec_pipelines.memory import format_bytes
+
+
+_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "kib": 2**10, "mib": 2**20, "gib": 2**30}
+
+
+def parse_bytes(value: Union[int, float, str, None]) -> Optional[int]:
+    """``64MiB``, ``1.5 GiB``, ``500MB`` or a number of bytes; None stays None."""
+    if value is None:
+        return None
+    if isinstance(value, (int, float)):
+        if value < 0:
+            raise ValueError(f"memory_budget must be >= 0 bytes, got {value}")
+        return int(value)
+    text = value.strip().lower().replace(" ", "")
+    number = text.rstrip("abcdefghijklmnopqrstuvwxyz")
+    unit = text[len(number):]
+    if unit not in _UNITS or not number:
+        raise ValueError(
+            f"memory_budget={value!r}: give bytes as a number, or with a unit: B, KiB, MiB, GiB, KB, MB, GB (e.g. '64MiB')"
+        )
+    return parse_bytes(float(number) * _UNITS[unit])
 
 
 # A noise band this wide (a tenth of the plain loop's speed) is flagged in the table.
@@ -127,6 +148,19 @@ class Advice:
             if row.name == name:
                 return row
         raise KeyError(f"no variant {name!r} in this advice (has {', '.join(r.name for r in self.variants)})")
+
+    def for_budget(self, memory_budget: Union[int, float, str, None]) -> "Advice":
+        """The same measurements judged against another budget (bytes or ``"64MiB"``; None: none), without re-measuring."""
+        memory_budget = parse_bytes(memory_budget)
+        rows = tuple(
+            replace(r, within_budget=None if memory_budget is None or not r.ran
+                    else (r.held_peak is not None and r.held_peak <= memory_budget))
+            for r in self.variants
+        )
+        recommended, reason = recommend(rows, memory_budget, self.noise)
+        plain = replace(self.plain, within_budget=None if memory_budget is None else True)
+        return replace(self, variants=rows, plain=plain, memory_budget=memory_budget,
+                       recommended=recommended, reason=reason)
 
     def to_dict(self) -> Dict[str, Any]:
         """Plain JSON types: what ``write_json`` writes."""
@@ -246,4 +280,4 @@ def median(values: Sequence[float]) -> Optional[float]:
     return statistics.median(values) if values else None
 
 
-__all__ = ["Advice", "VariantReport", "median", "noise_band", "recommend"]
+__all__ = ["Advice", "VariantReport", "median", "noise_band", "parse_bytes", "recommend"]

@@ -38,33 +38,12 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from trec_pipelines.advise.advice import Advice, VariantReport, median, noise_band, recommend
+from trec_pipelines.advise.advice import Advice, VariantReport, median, noise_band, parse_bytes, recommend
 from trec_pipelines.advise.measure import PLAIN, Build, BuildError, RoundResult, call_build, measure_round
 from trec_pipelines.advise.variants import Variant, VariantSpec, not_applicable, resolve
 
 # Progress callback: (what just finished, contenders done, contenders in all).
 Progress = Callable[[str, int, int], None]
-
-_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "kib": 2**10, "mib": 2**20, "gib": 2**30}
-
-
-def parse_bytes(value: Union[int, float, str, None]) -> Optional[int]:
-    """``64MiB``, ``1.5 GiB``, ``500MB`` or a number of bytes; None stays None."""
-    if value is None:
-        return None
-    if isinstance(value, (int, float)):
-        if value < 0:
-            raise ValueError(f"memory_budget must be >= 0 bytes, got {value}")
-        return int(value)
-    text = value.strip().lower().replace(" ", "")
-    number = text.rstrip("abcdefghijklmnopqrstuvwxyz")
-    unit = text[len(number):]
-    if unit not in _UNITS or not number:
-        raise ValueError(
-            f"memory_budget={value!r}: give bytes as a number, or with a unit: B, KiB, MiB, GiB, KB, MB, GB (e.g. '64MiB')"
-        )
-    return parse_bytes(float(number) * _UNITS[unit])
-
 
 def _device_of(model: nn.Module) -> torch.device:
     for p in model.parameters():
