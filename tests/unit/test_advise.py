@@ -234,6 +234,22 @@ def test_cli_help_and_arguments() -> None:
     assert load_build("os.path:join") is os.path.join
 
 
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--memory-budget", "lots"], "--memory-budget 'lots': give bytes as a number"),
+        (["--variants", "TrainPipelineSparseDist,Nope"], "--variants 'Nope' is not a pipeline of trec_pipelines"),
+        (["--rounds", "0"], "need --steps >= 1, --warmup >= 0, --rounds >= 1"),
+    ],
+)
+def test_cli_refuses_bad_options_before_launching(argv: List[str], message: str, capsys: Any) -> None:
+    from trec_pipelines.advise.cli import main
+
+    with pytest.raises(SystemExit) as stop:
+        main(["--build", "x:y", *argv])
+    assert stop.value.code == 2 and message in capsys.readouterr().err
+
+
 def test_variant_build_context_for_compiled_autograd() -> None:
     from trec_pipelines import TrainPipelineSparseDist, TrainPipelineSparseDistCompAutograd
 

@@ -191,12 +191,30 @@ def worker(args: argparse.Namespace) -> int:
     return 0
 
 
+def check(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """Bad options end here, before any rank is launched."""
+    from trec_pipelines.advise.advice import parse_bytes
+    from trec_pipelines.advise.variants import resolve
+
+    try:
+        parse_bytes(args.memory_budget)
+        if args.variants:
+            resolve([v.strip() for v in args.variants.split(",") if v.strip()])
+    except ValueError as exc:
+        p.error(str(exc).replace("memory_budget=", "--memory-budget ").replace("variants=", "--variants "))
+    if args.steps < 1 or args.warmup < 0 or args.rounds < 1 or args.nproc < 1:
+        p.error(f"need --steps >= 1, --warmup >= 0, --rounds >= 1 and --nproc >= 1 "
+                f"(got {args.steps}, {args.warmup}, {args.rounds}, {args.nproc})")
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
     arguments: List[str] = list(sys.argv[1:] if argv is None else argv)
-    args = parser().parse_args(arguments)
+    p = parser()
+    args = p.parse_args(arguments)
+    check(p, args)
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
         return worker(args)
     return launch(arguments, args.nproc, args.threads)
 
 
-__all__ = ["launch", "load_build", "main", "parser", "worker"]
+__all__ = ["check", "launch", "load_build", "main", "parser", "worker"]
