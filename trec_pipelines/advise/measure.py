@@ -31,7 +31,7 @@ from trec_pipelines.input_dist_tap import tap_input_dist
 from trec_pipelines.memory import device_memory, rss_bytes
 from trec_pipelines.pipelines.sparse_data_dist_util import SparseDataDistUtil
 from trec_pipelines.pipelines.staged import PipelineStage
-from trec_pipelines.streams import new_stream
+from trec_pipelines.streams import device_module, has_streams, new_stream
 
 Build = Callable[[], Tuple[nn.Module, Any, Iterable[Any]]]
 PLAIN = "plain loop"
@@ -291,10 +291,8 @@ def measure_round(
     del prepared
     built = _Built(model, optimizer, batches)
     try:
-        if device.type != "cpu":
-            module = getattr(torch, device.type, None)
-            if module is not None and hasattr(module, "reset_peak_memory_stats"):
-                module.reset_peak_memory_stats(device)
+        if has_streams(device) and hasattr(device_module(device), "reset_peak_memory_stats"):
+            device_module(device).reset_peak_memory_stats(device)
         if variant is not None:
             _make_pipeline(built, variant, device)
         if warm:
@@ -318,10 +316,18 @@ def measure_round(
         gc.collect()
 
 
+def _synchronize(device: torch.device) -> None:
+    """Wait for the device's queued work (nothing to wait for on CPU), so the clock sees it."""
+    if has_streams(device):
+        device_module(device).synchronize(device)
+
+
 def _timed(built: _Built, batches: List[Any], device: torch.device, barrier: Callable[[], None]) -> RoundResult:
+    _synchronize(device)  # the warm-up's kernels are not this epoch's
     barrier()
     start = time.perf_counter()
     made = _run_epoch(built, batches, device)
+    _synchronize(device)
     return RoundResult(seconds=time.perf_counter() - start, steps=made)
 
 
