@@ -23,9 +23,9 @@ import torch
 import torch.distributed as dist
 
 import trec_pipelines
+from tests.distributed.dlrm import DLRM, make_batches, make_sharded
 from trec_pipelines.pipelines import sparse_dist
 from trec_pipelines.stages import BatchSource
-from tests.distributed.dlrm import DLRM, make_batches, make_sharded
 
 CPU = torch.device("cpu")
 SETTINGS = ("none", "at pull", "ahead")
@@ -78,9 +78,11 @@ def main() -> None:
             for setting in SETTINGS:
                 step = statistics.median(times[setting]) * 1e3
                 extra = statistics.median(
-                    (t - n) * 1e3 for t, n in zip(times[setting], times["none"])
+                    (t - n) * 1e3 for t, n in zip(times[setting], times["none"], strict=True)
                 )
-                print(f"  {setting:8s} {step:7.3f} ms/step  {extra:+.3f} ms vs none ({extra / base:+.1%})")
+                print(
+                    f"  {setting:8s} {step:7.3f} ms/step  {extra:+.3f} ms vs none ({extra / base:+.1%})"
+                )
     dist.destroy_process_group()
 
 

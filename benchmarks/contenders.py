@@ -35,8 +35,8 @@ import torch.distributed as dist
 from torch import nn
 
 from benchmarks import netns, shim
-from benchmarks.report import COMPILED_PLAIN, COMPILED_VARIANTS
 from benchmarks.model import Batch, ModelSpec, make_sharded
+from benchmarks.report import COMPILED_PLAIN, COMPILED_VARIANTS
 
 CPU = torch.device("cpu")
 
@@ -129,7 +129,9 @@ def torchrec_class(name: str) -> Optional[type]:
     return None
 
 
-def discover(names: Sequence[str] = (), include_compiled: bool = False) -> Tuple[List[Variant], List[str]]:
+def discover(
+    names: Sequence[str] = (), include_compiled: bool = False
+) -> Tuple[List[Variant], List[str]]:
     """The variants to benchmark and notes on what was left out.
 
     Every pipeline class in ``trec_pipelines.__all__`` is a variant (classes
@@ -148,8 +150,13 @@ def discover(names: Sequence[str] = (), include_compiled: bool = False) -> Tuple
             f"--variants {', '.join(unknown)}: not a pipeline class exported by trec_pipelines "
             f"(exported: {', '.join(sorted(pipelines))})"
         )
-    chosen = list(names) if names else sorted(
-        pipelines, key=lambda n: (KNOWN_ORDER.index(n) if n in KNOWN_ORDER else len(KNOWN_ORDER), n)
+    chosen = (
+        list(names)
+        if names
+        else sorted(
+            pipelines,
+            key=lambda n: (KNOWN_ORDER.index(n) if n in KNOWN_ORDER else len(KNOWN_ORDER), n),
+        )
     )
     variants: List[Variant] = []
     for name in chosen:
@@ -203,12 +210,21 @@ class Contender:
     def _grad_context(self) -> ContextManager[None]:
         return torch.no_grad() if self.mode == EVAL else contextlib.nullcontext()
 
-    def build(self, spec: ModelSpec, sharding_type: str, pg: dist.ProcessGroup, seed: int,
-              emb_lr: float, dense_lr: float) -> None:
+    def build(
+        self,
+        spec: ModelSpec,
+        sharding_type: str,
+        pg: dist.ProcessGroup,
+        seed: int,
+        emb_lr: float,
+        dense_lr: float,
+    ) -> None:
         """Build the sharded model and whatever drives it."""
         self.pg = pg
         with self._model_context():
-            self.model, self.optimizer = make_sharded(spec, sharding_type, pg, seed, emb_lr, dense_lr)
+            self.model, self.optimizer = make_sharded(
+                spec, sharding_type, pg, seed, emb_lr, dense_lr
+            )
         if self.mode == EVAL:
             self.model.eval()
         with self._context():
@@ -311,7 +327,9 @@ class CompiledPlainLoop(PlainLoop):
         assert self.model is not None
         config = TorchCompileConfig()
         torch.ops.import_module("fbgemm_gpu.sparse_ops")
-        self.model.compile(fullgraph=config.fullgraph, dynamic=config.dynamic, backend=config.backend)
+        self.model.compile(
+            fullgraph=config.fullgraph, dynamic=config.dynamic, backend=config.backend
+        )
 
     def _run_epoch(self, batches: Sequence[Batch]) -> int:
         if self.compiles_like != "TrainPipelinePT2":
@@ -319,7 +337,9 @@ class CompiledPlainLoop(PlainLoop):
         from trec_pipelines import TorchCompileConfig
         from trec_pipelines.pipelines.pt2 import dynamo_settings
 
-        eager = 0 if self.model_compiled else max(0, TorchCompileConfig().compile_on_iter - self._steps)
+        eager = (
+            0 if self.model_compiled else max(0, TorchCompileConfig().compile_on_iter - self._steps)
+        )
         self._steps += len(batches)
         if eager >= len(batches):  # still before the pipeline's compile_on_iter
             return super()._run_epoch(batches)
@@ -410,7 +430,10 @@ class StagedContender(PipelineContender):
 
     def _helpers(self) -> Tuple[Any, Any]:
         if self.side == "torchrec":
-            from torchrec.distributed.train_pipeline.pipeline_stage import PipelineStage, SparseDataDistUtil
+            from torchrec.distributed.train_pipeline.pipeline_stage import (
+                PipelineStage,
+                SparseDataDistUtil,
+            )
 
             return PipelineStage, SparseDataDistUtil
         stage = _ours("PipelineStage", self.cls.__module__)
@@ -429,7 +452,9 @@ class StagedContender(PipelineContender):
         # input_dist_group is SparseDataDistUtil's option; the rest go to the pipeline.
         util_kwargs = {k: v for k, v in self.extra_kwargs.items() if k == "input_dist_group"}
         pipeline_kwargs = {k: v for k, v in self.extra_kwargs.items() if k not in util_kwargs}
-        self._sdd = util_cls(model=self.model, data_dist_stream=torch.Stream(device="cpu"), **util_kwargs)
+        self._sdd = util_cls(
+            model=self.model, data_dist_stream=torch.Stream(device="cpu"), **util_kwargs
+        )
         stages = [
             stage_cls(name="data_copy", runnable=_to_cpu, stream=copy_stream),
             stage_cls(
@@ -484,7 +509,9 @@ def _ours(name: str, home_module: str) -> Any:
 
     import trec_pipelines.pipelines as package
 
-    candidates = [home_module] + [f"{package.__name__}.{m.name}" for m in pkgutil.iter_modules(package.__path__)]
+    candidates = [home_module] + [
+        f"{package.__name__}.{m.name}" for m in pkgutil.iter_modules(package.__path__)
+    ]
     for module_name in candidates:
         try:
             module = importlib.import_module(module_name)

@@ -99,7 +99,9 @@ def _patched(owner: Any, name: str, make: Callable[[Any], Any]) -> Iterator[None
 def tap_input_dist(model: nn.Module) -> Iterator[InputDistTap]:
     """Note the calling thread's input-dist time and all-to-all issues in ``model``'s steps."""
     tap = InputDistTap()
-    module_types = sorted({type(m) for m in model.modules() if isinstance(m, ShardedModule)}, key=repr)
+    module_types = sorted(
+        {type(m) for m in model.modules() if isinstance(m, ShardedModule)}, key=repr
+    )
     with contextlib.ExitStack() as stack:
         for cls in module_types:
             stack.enter_context(_patched(cls, "input_dist", lambda fn: tap.timed("issue", fn)))
@@ -131,9 +133,9 @@ def recorded_epoch(
     return {
         "call_starts": [t - origin for t in call_starts],
         "actions": [
-            [a.call, a.task, a.batch, a.thread, a.cpu_start - origin, a.cpu_end - origin] for a in actions
+            [a.call, a.task, a.batch, a.thread, a.cpu_start - origin, a.cpu_end - origin]
+            for a in actions
         ],
         "input_dist": [[kind, start - origin, end - origin] for kind, start, end in tap.intervals],
         "all_to_alls": [[t - origin, nbytes] for t, nbytes in tap.all_to_alls],
     }
-

@@ -143,9 +143,7 @@ class Agreement:
         self._group = group
         self._flags = torch.full((group.size(),), FINE, dtype=torch.int32)
         self._flags[group.rank()] = ENDED if ended else MALFORMED if malformed else FINE
-        self._work = dist.all_reduce(
-            self._flags, op=dist.ReduceOp.MIN, group=group, async_op=True
-        )
+        self._work = dist.all_reduce(self._flags, op=dist.ReduceOp.MIN, group=group, async_op=True)
 
     def result(self) -> Agreed:
         """Every rank's outcome of this pull (waits for the all-reduce)."""
@@ -154,5 +152,6 @@ class Agreement:
             self._work = None
         outcomes = self._flags.tolist()
         ranks = dist.get_process_group_ranks(self._group)
-        return Agreed([r for r, o in zip(ranks, outcomes) if o == MALFORMED], ENDED in outcomes)
-
+        return Agreed(
+            [r for r, o in zip(ranks, outcomes, strict=True) if o == MALFORMED], ENDED in outcomes
+        )

@@ -43,7 +43,9 @@ def prefetch_modules(
     # The tensors all-to-alls belong to the data_dist stream; waiting there
     # keeps any stream work the wait enqueues there too.
     with on_stream(dist_stream):
-        dist_inputs = {p.name: context.input_dist_tensors_requests.pop(p.name).wait() for p in modules}
+        dist_inputs = {
+            p.name: context.input_dist_tensors_requests.pop(p.name).wait() for p in modules
+        }
     with on_stream(prefetch_stream):
         wait_event(prefetch_stream, forward_done)
         # Everything of this batch so far (copy, input_dist) is now behind the
@@ -56,7 +58,9 @@ def prefetch_modules(
             # Made on data_dist, read here: keep them alive for this stream.
             record_stream(dist_input, prefetch_stream)
             record_stream(module_ctx, prefetch_stream)
-            pipelined.module.prefetch(dist_input=dist_input, forward_stream=forward_stream, ctx=module_ctx)
+            pipelined.module.prefetch(
+                dist_input=dist_input, forward_stream=forward_stream, ctx=module_ctx
+            )
             context.module_input_post_prefetch[name] = dist_input
             context.module_contexts_post_prefetch[name] = module_ctx
 

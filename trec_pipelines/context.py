@@ -57,9 +57,7 @@ class TrainPipelineContext:
     index: Optional[int] = None
     module_contexts: Dict[str, Multistreamable] = field(default_factory=dict)
     input_dist_splits_requests: Dict[str, Awaitable[Any]] = field(default_factory=dict)
-    fused_splits_awaitables: List[Tuple[List[str], Awaitable[Any]]] = field(
-        default_factory=list
-    )
+    fused_splits_awaitables: List[Tuple[List[str], Awaitable[Any]]] = field(default_factory=list)
     input_dist_tensors_requests: Dict[str, Awaitable[Any]] = field(default_factory=dict)
     events: List[torch.Event] = field(default_factory=list)
     postproc_fwd_results: Dict[str, Any] = field(default_factory=dict)
@@ -81,9 +79,7 @@ class PrefetchTrainPipelineContext(TrainPipelineContext):
     module_input_post_prefetch: Dict[str, Union[Multistreamable, torch.Tensor]] = field(
         default_factory=dict
     )
-    module_contexts_post_prefetch: Dict[str, Multistreamable] = field(
-        default_factory=dict
-    )
+    module_contexts_post_prefetch: Dict[str, Multistreamable] = field(default_factory=dict)
 
 
 @dataclass

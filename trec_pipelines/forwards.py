@@ -233,7 +233,9 @@ class EmbeddingPipelinedForward(BaseForward[EmbeddingTrainPipelineContext]):
         self.detach_embeddings(embeddings, consumer)
         return LazyNoWait(embeddings)
 
-    def detach_embeddings(self, embeddings: EmbeddingOutput, cur_stream: Optional[torch.Stream]) -> None:
+    def detach_embeddings(
+        self, embeddings: EmbeddingOutput, cur_stream: Optional[torch.Stream]
+    ) -> None:
         """Hand the lookup output to ``cur_stream`` (the forward's) and cut it from
         autograd, keeping both sides in the context for ``embedding_backward``."""
         record_output(embeddings, cur_stream)
@@ -268,7 +270,9 @@ class EmbeddingPipelinedForward(BaseForward[EmbeddingTrainPipelineContext]):
 class InSyncEmbeddingPipelinedForward(EmbeddingPipelinedForward):
     """Returns the lookup the pipeline already ran, still attached to autograd."""
 
-    def detach_embeddings(self, embeddings: EmbeddingOutput, cur_stream: Optional[torch.Stream]) -> None:
+    def detach_embeddings(
+        self, embeddings: EmbeddingOutput, cur_stream: Optional[torch.Stream]
+    ) -> None:
         # Nothing is detached, but the output was allocated on the lookup stream
         # and the forward and backward read it on this one.
         record_output(embeddings, cur_stream)

@@ -96,7 +96,9 @@ class AccumulatingOptimizer:
     (``param_groups``, ``state_dict`` ...) is the real optimizer's.
     """
 
-    def __init__(self, optimizer: torch.optim.Optimizer, config: GradientAccumulationConfig) -> None:
+    def __init__(
+        self, optimizer: torch.optim.Optimizer, config: GradientAccumulationConfig
+    ) -> None:
         self._optimizer = optimizer
         self._config = config
         self._current_step = 0
@@ -171,7 +173,9 @@ def data_parallel_modules(model: torch.nn.Module) -> List[Any]:
     if hasattr(root, "no_sync"):
         found.append(root)
     if isinstance(root, torch.nn.Module):
-        found += [m for m in root.modules() if m is not root and isinstance(m, DistributedDataParallel)]
+        found += [
+            m for m in root.modules() if m is not root and isinstance(m, DistributedDataParallel)
+        ]
     return found
 
 

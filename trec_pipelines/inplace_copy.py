@@ -90,8 +90,7 @@ class InplaceCopyWorker:
         """Issue ``batch``'s in-place copy on the worker; returns the device batch's future."""
         if self._executor is None:
             raise RuntimeError(
-                "the async in-place copy worker was shut down; build a new pipeline "
-                "to train again"
+                "the async in-place copy worker was shut down; build a new pipeline to train again"
             )
         # Read on the training thread: the stream the batch's memory belongs to.
         alloc_stream = current_stream(self._device)
@@ -175,4 +174,10 @@ class BatchQueue(deque):  # type: ignore[type-arg]
             yield self[index]
 
 
-__all__ = ["AsyncInplaceCopyMixin", "BatchQueue", "InplaceCopyWorker", "WORKER_THREAD", "async_copy_device"]
+__all__ = [
+    "AsyncInplaceCopyMixin",
+    "BatchQueue",
+    "InplaceCopyWorker",
+    "WORKER_THREAD",
+    "async_copy_device",
+]

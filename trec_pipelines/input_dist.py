@@ -152,7 +152,7 @@ def fuse_kjt_splits(
 def unfuse_left_over(module: ShardedModule) -> None:
     """Undo the splits-only overrides a collected pipeline left in ``module``
     (each remembers what it replaced), as :func:`unfuse_kjt_splits` would have."""
-    for fqn, child in module.named_modules():
+    for child in module.modules():
         for input_dist in getattr(child, "_input_dists", None) or []:
             kjt_dist = getattr(input_dist, "_dist", None)
             if not isinstance(kjt_dist, KJTAllToAll):
@@ -305,7 +305,7 @@ def wait_input_dist(context: TrainPipelineContext) -> None:
     Reads ``fused_splits_awaitables``; writes ``input_dist_tensors_requests``.
     """
     for names, awaitable in context.fused_splits_awaitables:
-        for name, request in zip(names, awaitable.wait()):
+        for name, request in zip(names, awaitable.wait(), strict=True):
             context.input_dist_tensors_requests[name] = request
     context.input_dist_splits_requests.clear()
     context.fused_splits_awaitables.clear()

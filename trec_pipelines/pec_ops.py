@@ -100,7 +100,9 @@ def overlap_dist(
             for result in results:
                 forward_ctx, backward_ctx = result.wait()
                 if forward_ctx is not None:
-                    _hand_over(forward_ctx, ("ol_features", "nol_features", "permute"), compute_stream)
+                    _hand_over(
+                        forward_ctx, ("ol_features", "nol_features", "permute"), compute_stream
+                    )
                     forward_ctxs.append(forward_ctx)
                 if backward_ctx is not None:
                     _hand_over(

@@ -247,7 +247,7 @@ def use_context_for_postprocs(
     try:
         yield
     finally:
-        for postproc, context in zip(pipelined_postprocs, held):
+        for postproc, context in zip(pipelined_postprocs, held, strict=True):
             postproc.set_context(context)
 
 
@@ -310,7 +310,9 @@ class PostprocPlanner:
                     return self._planned[fqn]
                 if self._blocked_by is not None:
                     # Its own reason is listed with it; don't repeat it here.
-                    reason = f"it reads the output of module '{self._blocked_by}', which can't run ahead"
+                    reason = (
+                        f"it reads the output of module '{self._blocked_by}', which can't run ahead"
+                    )
                 else:
                     reason = f"its input can't be read from the batch: {args}"
             self._refused[fqn] = reason

@@ -88,9 +88,7 @@ class ScheduleRecorder:
         self.call += 1
         self.call_starts.append(time.perf_counter())
 
-    def span(
-        self, task: str, batch: Optional[int], stream: str, thread: str = "main"
-    ) -> "_Span":
+    def span(self, task: str, batch: Optional[int], stream: str, thread: str = "main") -> "_Span":
         """Record ``task`` for ``batch`` on ``stream`` around the enclosed work."""
         action = Action(max(self.call, 0), task, batch, stream, thread)
         self.actions.append(action)
@@ -130,7 +128,9 @@ class _Span:
 
     __slots__ = ("_recorder", "_action", "_stream", "_start_event", "_label")
 
-    def __init__(self, recorder: ScheduleRecorder, action: Action, stream: Optional[torch.Stream]) -> None:
+    def __init__(
+        self, recorder: ScheduleRecorder, action: Action, stream: Optional[torch.Stream]
+    ) -> None:
         self._recorder = recorder
         self._action = action
         self._stream = stream
@@ -223,7 +223,11 @@ class Recordable:
         """Draw the recorded timeline (streams x time) to a PNG, with a memory
         track when the memory ledger is on."""
         schedule_view.draw_timeline(
-            self.schedule_actions, path, calls=calls, title=type(self).__name__, memory=self.memory_samples
+            self.schedule_actions,
+            path,
+            calls=calls,
+            title=type(self).__name__,
+            memory=self.memory_samples,
         )
 
     @property
@@ -247,7 +251,9 @@ class Recordable:
     def exposed_time(self) -> Dict[str, float]:
         """Seconds the training thread spent in each task, plus ``"step"``: the total."""
         recorder = self._recorder
-        return schedule_view.exposed_time(self.schedule_actions, [] if recorder is None else recorder.call_starts)
+        return schedule_view.exposed_time(
+            self.schedule_actions, [] if recorder is None else recorder.call_starts
+        )
 
     def _begin_call(self) -> None:
         if self._recorder is not None:

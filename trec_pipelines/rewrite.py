@@ -174,7 +174,9 @@ def rewrite_model(
                     "batch's KeyedJaggedTensor fields without tracing."
                 ) from error
             fallback_reason = f"{type(error).__name__}: {error}"
-            logger.warning("FX tracing failed (%s); binding sharded modules directly", fallback_reason)
+            logger.warning(
+                "FX tracing failed (%s); binding sharded modules directly", fallback_reason
+            )
             plans, used, planner = _plan_direct(candidates, batch), "direct", None
 
     pipelined: List[PipelinedModule] = []
@@ -257,7 +259,9 @@ def reapply_rewrite(result: RewriteResult, make_forward: ForwardFactory) -> Rewr
     postproc wrappers again (after a restore)."""
     saved = []
     for entry in result.pipelined:
-        saved.append(_install(entry.module, make_forward(entry.name, entry.call_args, entry.module)))
+        saved.append(
+            _install(entry.module, make_forward(entry.name, entry.call_args, entry.module))
+        )
     for postproc in result.postprocs:
         saved.append(_install(postproc.postproc_module, postproc, mark_pipelined=False))
     return replace(result, _saved=tuple(saved))
@@ -270,8 +274,7 @@ def _log(result: RewriteResult) -> None:
         logger.info("postprocs run in the input_dist stage: %s", ", ".join(result.postproc_names))
     for name, reason in result.not_pipelined:
         logger.warning(
-            "sharded module '%s' is NOT pipelined and runs its own input_dist in the "
-            "forward: %s",
+            "sharded module '%s' is NOT pipelined and runs its own input_dist in the forward: %s",
             name,
             reason,
         )
@@ -342,7 +345,9 @@ def kjts_in(batch: Any) -> List[KeyedJaggedTensor]:
     return _collect_kjts(batch, [], 0)
 
 
-def _collect_kjts(value: Any, found: List[KeyedJaggedTensor], depth: int) -> List[KeyedJaggedTensor]:
+def _collect_kjts(
+    value: Any, found: List[KeyedJaggedTensor], depth: int
+) -> List[KeyedJaggedTensor]:
     # Leaves (tensors, KJTs) are handled in the loop, so a flat batch costs one call.
     if isinstance(value, KeyedJaggedTensor):
         found.append(value)
@@ -382,7 +387,9 @@ def _plan_direct(
     plans: List[Tuple[str, Union[CallArgs, str]]] = []
     for name, module in candidates.items():
         if not fields:
-            plans.append((name, f"the batch ({type(batch).__name__}) has no KeyedJaggedTensor field"))
+            plans.append(
+                (name, f"the batch ({type(batch).__name__}) has no KeyedJaggedTensor field")
+            )
             continue
         wanted = _feature_names(module)
         matching = [path for path, kjt in fields if wanted and wanted <= set(kjt.keys())]
@@ -393,6 +400,9 @@ def _plan_direct(
         else:
             options = ", ".join(str(path) for path, _ in fields)
             plans.append(
-                (name, f"cannot tell which KeyedJaggedTensor it reads among {options}; use FX tracing")
+                (
+                    name,
+                    f"cannot tell which KeyedJaggedTensor it reads among {options}; use FX tracing",
+                )
             )
     return plans

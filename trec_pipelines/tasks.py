@@ -44,4 +44,3 @@ TASKS: Tuple[str, ...] = (
     EMB_PREFETCH,
     H2D,
 )
-

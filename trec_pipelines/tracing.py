@@ -74,7 +74,9 @@ class Tracer(torch.fx.Tracer):
     # Models that write to buffers in forward break when buffers are proxied.
     proxy_buffer_attributes = False
 
-    def __init__(self, leaf_modules: Optional[List[str]] = None, extend_leaf_fqn: bool = False) -> None:
+    def __init__(
+        self, leaf_modules: Optional[List[str]] = None, extend_leaf_fqn: bool = False
+    ) -> None:
         super().__init__()
         self._leaf_modules: Set[str] = set(leaf_modules or ())
         self._extend_leaf_fqn = extend_leaf_fqn
@@ -96,9 +98,7 @@ class Tracer(torch.fx.Tracer):
 def _is_fsdp(module: torch.nn.Module) -> bool:
     from torch.distributed.fsdp import FullyShardedDataParallel
 
-    return isinstance(module, FullyShardedDataParallel) or type(module).__name__.startswith(
-        "FSDP"
-    )
+    return isinstance(module, FullyShardedDataParallel) or type(module).__name__.startswith("FSDP")
 
 
 def trace(model: torch.nn.Module) -> torch.fx.Graph:
@@ -157,9 +157,7 @@ def arg_path_of(
             return ArgInfo([Postproc(source), *reversed(steps)])
         if _is_getattr(node) and isinstance(node.args[1], str):
             steps.append(GetAttr(node.args[1]))
-        elif (_is_getitem(node) or _is_dict_get(node)) and isinstance(
-            node.args[1], (str, int)
-        ):
+        elif (_is_getitem(node) or _is_dict_get(node)) and isinstance(node.args[1], (str, int)):
             steps.append(GetItem(node.args[1]))
         else:
             return f"{_describe(node)} modifies the input before the sharded module"
@@ -185,7 +183,7 @@ def _collection_of(
             return recipe
         recipes.append(recipe)
     if isinstance(value, dict):
-        return ArgInfo([DictOf(dict(zip(value.keys(), recipes)))])
+        return ArgInfo([DictOf(dict(zip(value.keys(), recipes, strict=True)))])
     return ArgInfo([ListOf(recipes, as_tuple=isinstance(value, tuple))])
 
 

@@ -34,8 +34,7 @@ _LAUNCH_HINT = (
 def process_group():
     """Initialise the default gloo process group from torchrun's env vars."""
     missing = [
-        v for v in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
-        if v not in os.environ
+        v for v in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT") if v not in os.environ
     ]
     if missing:
         pytest.fail(

@@ -95,7 +95,10 @@ class FieldwiseBatch(Pipelineable):
     a device and recorded on a stream field by field (``pin_memory`` is a no-op)."""
 
     def to(self, device: torch.device, non_blocking: bool = False) -> "FieldwiseBatch":
-        values = (getattr(self, f.name).to(device, non_blocking=non_blocking) for f in dataclasses.fields(self))  # type: ignore[arg-type]
+        values = (
+            getattr(self, f.name).to(device, non_blocking=non_blocking)
+            for f in dataclasses.fields(self)
+        )  # type: ignore[arg-type]
         return type(self)(*values)
 
     def record_stream(self, stream: torch.Stream) -> None:
@@ -156,8 +159,7 @@ class NestedBatch(Pipelineable):
         return NestedBatch(
             dense=self.dense.to(device=device, non_blocking=non_blocking),
             features={
-                k: v.to(device=device, non_blocking=non_blocking)
-                for k, v in self.features.items()
+                k: v.to(device=device, non_blocking=non_blocking) for k, v in self.features.items()
             },
             labels=self.labels.to(device=device, non_blocking=non_blocking),
         )
@@ -312,7 +314,7 @@ def _copy_into(dst_state: Dict[str, object], src_state: Dict[str, torch.Tensor])
                 idx = tuple(
                     slice(off, off + size)
                     for off, size in zip(
-                        shard.metadata.shard_offsets, shard.metadata.shard_sizes
+                        shard.metadata.shard_offsets, shard.metadata.shard_sizes, strict=True
                     )
                 )
                 shard.tensor.copy_(src[idx])
@@ -364,9 +366,7 @@ def make_sharded(
     model = model_factory()
     reference_state = {k: v.detach().clone() for k, v in model.state_dict().items()}
 
-    apply_optimizer_in_backward(
-        emb_optimizer, model.ebc.parameters(), {"lr": emb_lr}
-    )
+    apply_optimizer_in_backward(emb_optimizer, model.ebc.parameters(), {"lr": emb_lr})
 
     kernel = "dense" if sharding_type == "data_parallel" else "fused"
     constraints = {
@@ -512,20 +512,16 @@ def assert_runs_equal(a: Run, b: Run, names: Sequence[str] = ("a", "b")) -> None
     weights ``torch.equal``; the message names the first difference."""
     rank = _rank()
     na, nb = names
-    for step, (x, y) in enumerate(zip(a, b)):
+    for step, (x, y) in enumerate(zip(a, b, strict=True)):
         if x.shape != y.shape or not torch.equal(x, y):
             detail = (
                 f"shapes {tuple(x.shape)} vs {tuple(y.shape)}"
                 if x.shape != y.shape
                 else f"max abs diff {(x.double() - y.double()).abs().max().item():.3g}"
             )
-            raise AssertionError(
-                f"[rank {rank}] step {step}: output of {na} != {nb} ({detail})"
-            )
+            raise AssertionError(f"[rank {rank}] step {step}: output of {na} != {nb} ({detail})")
     if len(a) != len(b):
-        raise AssertionError(
-            f"[rank {rank}] {na} ran {len(a)} steps, {nb} ran {len(b)}"
-        )
+        raise AssertionError(f"[rank {rank}] {na} ran {len(a)} steps, {nb} ran {len(b)}")
     problem = _first_tensor_difference(a.weights, b.weights)
     if problem:
         raise AssertionError(f"[rank {rank}] final weights {na} vs {nb}: {problem}")

@@ -60,8 +60,16 @@ def log(monkeypatch: pytest.MonkeyPatch) -> Iterator[List[str]]:
         return staticmethod(backward)
 
     # Wait.backward starts the backward all-to-all; Req.backward waits for it.
-    monkeypatch.setattr(comm_ops.All2All_Pooled_Wait, "backward", marking(comm_ops.All2All_Pooled_Wait.backward, "launch"))
-    monkeypatch.setattr(comm_ops.All2All_Pooled_Req, "backward", marking(comm_ops.All2All_Pooled_Req.backward, "wait"))
+    monkeypatch.setattr(
+        comm_ops.All2All_Pooled_Wait,
+        "backward",
+        marking(comm_ops.All2All_Pooled_Wait.backward, "launch"),
+    )
+    monkeypatch.setattr(
+        comm_ops.All2All_Pooled_Req,
+        "backward",
+        marking(comm_ops.All2All_Pooled_Req.backward, "wait"),
+    )
     yield entries
 
 
@@ -105,7 +113,9 @@ def test_work_runs_during_the_output_dist_backward(cls: Any, log: List[str]) -> 
 def test_torchrec_records_the_same_sequence_and_accepts_its_own_site(log: List[str]) -> None:
     """torchrec's site types work with ours; torchrec's pipeline makes the same log."""
     batches = make_batches(N, seed=DATA_SEED)
-    site = UpstreamSite(fqn="ebc", tensor_finder=UpstreamFinder(sharding_type=ShardingType.TABLE_WISE))
+    site = UpstreamSite(
+        fqn="ebc", tensor_finder=UpstreamFinder(sharding_type=ShardingType.TABLE_WISE)
+    )
     runs, logs = [], []
     for cls in (UpstreamSparseDist, trec_pipelines.TrainPipelineSparseDist):
         log.clear()
@@ -140,12 +150,19 @@ def test_param_grad_site_on_a_dense_module(cls: Any) -> None:
         pipeline = cls(dmp, optimizer, CPU)
         grads: List[torch.Tensor] = []
         if with_hook:
-            site = InjectionSite("over_arch", FirstGradTensorFinder(), target_type=InjectionTargetType.PARAM_GRAD, hook_position=0.0)
+            site = InjectionSite(
+                "over_arch",
+                FirstGradTensorFinder(),
+                target_type=InjectionTargetType.PARAM_GRAD,
+                hook_position=0.0,
+            )
             layer = dmp.module.over_arch[0].weight
 
-            def work(p: Any) -> None:
-                assert p is pipeline
-                grads.append(layer.grad.detach().clone())
+            def work(
+                p: Any, mine: Any = pipeline, sink: List[Any] = grads, weight: Any = layer
+            ) -> None:
+                assert p is mine
+                sink.append(weight.grad.detach().clone())
 
             pipeline.register_backward_hook(site, work)
         runs.append(run_pipeline(pipeline, batches, model=dmp))
@@ -160,15 +177,24 @@ def test_bad_sites_say_what_to_do() -> None:
     dmp, optimizer = make_sharded(DLRM, "table_wise", seed=SEED)
     pipeline = trec_pipelines.TrainPipelineSparseDist(dmp, optimizer, CPU)
     with pytest.raises(ValueError, match="no module 'nope'"):
-        pipeline.register_backward_hook(InjectionSite("nope", FirstGradTensorFinder()), lambda p: None)
+        pipeline.register_backward_hook(
+            InjectionSite("nope", FirstGradTensorFinder()), lambda p: None
+        )
     with pytest.raises(ValueError, match="can take a gradient hook"):
         # Sharded tables are updated in fbgemm's fused backward: no hook fires there.
         pipeline.register_backward_hook(
-            InjectionSite("ebc", FirstGradTensorFinder(), target_type=InjectionTargetType.PARAM_GRAD), lambda p: None
+            InjectionSite(
+                "ebc", FirstGradTensorFinder(), target_type=InjectionTargetType.PARAM_GRAD
+            ),
+            lambda p: None,
         )
     # torchrec's enum is read by value.
     pipeline.register_backward_hook(
-        UpstreamSite(fqn="dense_arch", tensor_finder=FirstGradTensorFinder(), target_type=UpstreamTargetType.PARAM_GRAD),
+        UpstreamSite(
+            fqn="dense_arch",
+            tensor_finder=FirstGradTensorFinder(),
+            target_type=UpstreamTargetType.PARAM_GRAD,
+        ),
         lambda p: None,
     ).remove()
     # A Fused pipeline's EBC returns embeddings looked up outside its forward: no output-dist token.
@@ -180,7 +206,9 @@ def test_bad_sites_say_what_to_do() -> None:
 
 
 @pytest.mark.parametrize(
-    "cls", [trec_pipelines.EvalPipelineSparseDist, trec_pipelines.EvalPipelineFusedSparseDist], ids=lambda c: c.__name__
+    "cls",
+    [trec_pipelines.EvalPipelineSparseDist, trec_pipelines.EvalPipelineFusedSparseDist],
+    ids=lambda c: c.__name__,
 )
 def test_eval_pipelines_accept_a_hook_that_never_runs(cls: Any, log: List[str]) -> None:
     """No backward in eval: registering is allowed (as upstream) and changes nothing."""
@@ -192,10 +220,14 @@ def test_eval_pipelines_accept_a_hook_that_never_runs(cls: Any, log: List[str]) 
     dmp, optimizer = make_sharded(DLRM, "table_wise", seed=SEED)
     dmp.eval()
     pipeline = cls(dmp, optimizer, CPU)
-    site = output_dist_site() if cls is trec_pipelines.EvalPipelineSparseDist else InjectionSite(
-        "over_arch", FirstGradTensorFinder(), target_type=InjectionTargetType.PARAM_GRAD
+    site = (
+        output_dist_site()
+        if cls is trec_pipelines.EvalPipelineSparseDist
+        else InjectionSite(
+            "over_arch", FirstGradTensorFinder(), target_type=InjectionTargetType.PARAM_GRAD
+        )
     )
     pipeline.register_backward_hook(site, lambda p: log.append("work"))
     ours = run_pipeline(pipeline, batches, model=dmp)
-    assert len(ours) == N and all(torch.equal(a, b) for a, b in zip(ref, ours))
+    assert len(ours) == N and all(torch.equal(a, b) for a, b in zip(ref, ours, strict=True))
     assert log == []

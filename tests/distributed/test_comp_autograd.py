@@ -80,17 +80,23 @@ def undo_python_reducer_side_effects() -> Iterator[None]:
 
 def _assert_close(ours: Run, ref: Run) -> None:
     assert len(ours) == len(ref)
-    for step, (a, b) in enumerate(zip(ours, ref)):
-        torch.testing.assert_close(a, b, atol=ATOL, rtol=RTOL, msg=lambda m: f"step {step}: {m}")
+    for step, (a, b) in enumerate(zip(ours, ref, strict=True)):
+        torch.testing.assert_close(
+            a, b, atol=ATOL, rtol=RTOL, msg=lambda m, step=step: f"step {step}: {m}"
+        )
     assert ours.weights.keys() == ref.weights.keys()
     for key in ref.weights:
         torch.testing.assert_close(
-            ours.weights[key], ref.weights[key], atol=ATOL, rtol=RTOL, msg=lambda m: f"{key}: {m}"
+            ours.weights[key],
+            ref.weights[key],
+            atol=ATOL,
+            rtol=RTOL,
+            msg=lambda m, key=key: f"{key}: {m}",
         )
 
 
 def _max_difference(a: Run, b: Run) -> float:
-    outputs = max((x - y).abs().max().item() for x, y in zip(a, b))
+    outputs = max((x - y).abs().max().item() for x, y in zip(a, b, strict=True))
     weights = max((a.weights[k] - b.weights[k]).abs().max().item() for k in a.weights)
     return max(outputs, weights)
 
@@ -201,7 +207,9 @@ def test_normally_built_dmp_matches_plain_loop_and_keeps_training_eagerly() -> N
     assert pipeline.switched_ddp_reducers == len(ddps)
     hook_calls: List[int] = []
     hook = pipeline.register_backward_hook(
-        InjectionSite("over_arch", FirstGradTensorFinder(), target_type=InjectionTargetType.PARAM_GRAD),
+        InjectionSite(
+            "over_arch", FirstGradTensorFinder(), target_type=InjectionTargetType.PARAM_GRAD
+        ),
         lambda p: hook_calls.append(len(hook_calls)),
     )
     outputs: List[torch.Tensor] = []
@@ -222,7 +230,6 @@ def test_normally_built_dmp_matches_plain_loop_and_keeps_training_eagerly() -> N
     assert len(ours) == len(ref)
     _assert_close(ours, ref)
     assert global_state() == before
-
 
 
 @pytest.mark.parametrize("where", ["before_lookup", "after_lookup", "backward", "optimizer"])

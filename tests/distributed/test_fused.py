@@ -44,7 +44,9 @@ def run_ours(pipeline: Any, batches: Iterable[Any], model: torch.nn.Module) -> R
     return run_pipeline(pipeline, batches, model=model)
 
 
-def run_theirs(cls: Any, batches: List[Any], sharding_type: str, eval_mode: bool = False, **kwargs: Any) -> Run:
+def run_theirs(
+    cls: Any, batches: List[Any], sharding_type: str, eval_mode: bool = False, **kwargs: Any
+) -> Run:
     dmp, optimizer = make_sharded(DLRM, sharding_type, seed=SEED)
     if eval_mode:
         dmp.eval()

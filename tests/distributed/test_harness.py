@@ -52,8 +52,8 @@ from tests.distributed.dlrm import (
     DLRM,
     EMB_LR,
     FEATURES,
-    Batch,
     SHARDING_TYPES,
+    Batch,
     NestedDLRM,
     Run,
     assert_runs_equal,
@@ -97,7 +97,7 @@ def test_process_group_is_gloo():
 
 def test_batches_are_deterministic_and_rank_dependent():
     a, b = make_batches(3, seed=DATA_SEED), make_batches(3, seed=DATA_SEED)
-    for x, y in zip(a, b):
+    for x, y in zip(a, b, strict=True):
         assert torch.equal(x.dense, y.dense)
         assert torch.equal(x.sparse.values(), y.sparse.values())
         assert torch.equal(x.sparse.lengths(), y.sparse.lengths())
@@ -124,7 +124,7 @@ def test_builds_with_same_seed_start_identical(sharding_type):
         name, _, offs = key.partition("@")
         if offs:
             starts = [int(o) for o in offs.split(",")]
-            idx = tuple(slice(s, s + n) for s, n in zip(starts, t.shape))
+            idx = tuple(slice(s, s + n) for s, n in zip(starts, t.shape, strict=True))
             assert torch.equal(t, ref[name][idx]), key
         else:
             assert torch.equal(t, ref[name]), key

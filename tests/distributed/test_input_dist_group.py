@@ -27,13 +27,11 @@ from tests.distributed.dlrm import (
     plain_loop,
     run_pipeline,
 )
-from trec_pipelines import input_dist_group as idg
-from trec_pipelines import input_dist
+from trec_pipelines import input_dist, input_dist_group as idg, streams
 from trec_pipelines.input_dist import SplitsFusion, SplitsOnlyKJTAllToAll
 from trec_pipelines.pipelines.sparse_data_dist_util import SparseDataDistUtil
 from trec_pipelines.pipelines.staged import PipelineStage, StagedTrainPipeline
 from trec_pipelines.testing import StreamRecorder
-from trec_pipelines import streams
 
 CPU = torch.device("cpu")
 SEED, DATA_SEED = 321, 5
@@ -111,13 +109,17 @@ def test_eval_dedicated_and_shared_predict_the_same(name: str) -> None:
         dmp, _ = make_sharded(DLRM, "table_wise", seed=SEED)
         dmp.eval()
         with torch.no_grad():
-            runs[group] = run_pipeline(_pipeline(name, dmp, None, input_dist_group=group), batches, model=dmp)
+            runs[group] = run_pipeline(
+                _pipeline(name, dmp, None, input_dist_group=group), batches, model=dmp
+            )
     dmp, _ = make_sharded(DLRM, "table_wise", seed=SEED)
     dmp.eval()
     with torch.no_grad():
         expected = [dmp(b)[1] for b in batches]
-    for step, (want, got) in enumerate(zip(expected, runs["dedicated"])):
-        assert torch.equal(want, got), f"{name}, dedicated: step {step} differs from the plain forward"
+    for step, (want, got) in enumerate(zip(expected, runs["dedicated"], strict=True)):
+        assert torch.equal(want, got), (
+            f"{name}, dedicated: step {step} differs from the plain forward"
+        )
     assert_runs_equal(runs["shared"], runs["dedicated"], (f"{name}, shared", f"{name}, dedicated"))
 
 
@@ -129,7 +131,9 @@ def test_staged_sparse_data_dist_util_runs_on_the_dedicated_group() -> None:
     pipeline = StagedTrainPipeline(
         [
             PipelineStage("h2d", lambda b: b.to(CPU), None),
-            PipelineStage("sdd", sdd.start_sparse_data_dist, None, fill_callback=sdd.wait_sdd_fill_callback),
+            PipelineStage(
+                "sdd", sdd.start_sparse_data_dist, None, fill_callback=sdd.wait_sdd_fill_callback
+            ),
         ]
     )
     it = iter(batches)
@@ -141,7 +145,7 @@ def test_staged_sparse_data_dist_util_runs_on_the_dedicated_group() -> None:
         optimizer.step()
         outputs.append(out.detach().clone())
     assert len(outputs) == len(batches)
-    for step, (want, got) in enumerate(zip(ref, outputs)):
+    for step, (want, got) in enumerate(zip(ref, outputs, strict=True)):
         assert torch.equal(want, got), f"step {step} differs from the plain loop"
     used = {f._pg for f in _splits_only(dmp)}
     assert used and current_group() not in used

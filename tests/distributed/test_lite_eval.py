@@ -45,10 +45,14 @@ def _batches(factory: Callable[..., nn.Module]) -> list:
 # ------------------------------------------------------------------ Lite
 
 
-def lite_three_ways(factory: Callable[..., nn.Module], sharding_type: str, **ours_kwargs: Any) -> Any:
+def lite_three_ways(
+    factory: Callable[..., nn.Module], sharding_type: str, **ours_kwargs: Any
+) -> Any:
     batches = _batches(factory)
     ref = plain_loop(*make_sharded(factory, sharding_type, seed=SEED), batches)
-    theirs = run_pipeline(UpstreamLite(*make_sharded(factory, sharding_type, seed=SEED), CPU), batches)
+    theirs = run_pipeline(
+        UpstreamLite(*make_sharded(factory, sharding_type, seed=SEED), CPU), batches
+    )
     dmp, optimizer = make_sharded(factory, sharding_type, seed=SEED)
     pipeline = trec_pipelines.TrainPipelineSparseDistLite(dmp, optimizer, CPU, **ours_kwargs)
     ours = run_pipeline(pipeline, batches, model=dmp)
@@ -93,7 +97,13 @@ def plain_eval(model: nn.Module, batches: Iterable[Any]) -> Run:
     return Run(outputs, weights(model))
 
 
-def eval_run(pipeline_cls: Any, factory: Callable[..., nn.Module], sharding_type: str, batches: list, **kwargs: Any) -> Run:
+def eval_run(
+    pipeline_cls: Any,
+    factory: Callable[..., nn.Module],
+    sharding_type: str,
+    batches: list,
+    **kwargs: Any,
+) -> Run:
     dmp, optimizer = make_sharded(factory, sharding_type, seed=SEED)
     dmp.eval()
     before = weights(dmp)
@@ -108,7 +118,9 @@ def test_eval(sharding_type: str) -> None:
     ref = plain_eval(make_sharded(DLRM, sharding_type, seed=SEED)[0], batches)
     theirs = eval_run(UpstreamEval, DLRM, sharding_type, batches)
     ours = eval_run(trec_pipelines.EvalPipelineSparseDist, DLRM, sharding_type, batches)
-    threaded = eval_run(trec_pipelines.EvalPipelineSparseDist, DLRM, sharding_type, batches, loader_thread=True)
+    threaded = eval_run(
+        trec_pipelines.EvalPipelineSparseDist, DLRM, sharding_type, batches, loader_thread=True
+    )
     assert len(ref) == len(batches)
     assert_runs_equal(ref, theirs, ("plain_eval", "torchrec"))
     assert_runs_equal(ref, ours, ("plain_eval", "trec_pipelines"))
@@ -122,7 +134,13 @@ def test_eval_kjt_inside_a_dict(sharding_type: str) -> None:
     batches = _batches(NestedDLRM)
     ref = plain_eval(make_sharded(NestedDLRM, sharding_type, seed=SEED)[0], batches)
     theirs = eval_run(UpstreamEval, NestedDLRM, sharding_type, batches)
-    ours = eval_run(trec_pipelines.EvalPipelineSparseDist, NestedDLRM, sharding_type, batches, rewrite_strategy="fx")
+    ours = eval_run(
+        trec_pipelines.EvalPipelineSparseDist,
+        NestedDLRM,
+        sharding_type,
+        batches,
+        rewrite_strategy="fx",
+    )
     assert_runs_equal(ref, theirs, ("plain_eval", "torchrec"))
     assert_runs_equal(ref, ours, ("plain_eval", "trec_pipelines"))
 
@@ -132,7 +150,9 @@ def test_eval_predictions_only_model(sharding_type: str) -> None:
     """torchrec unpacks every output as (loss, pred), so only the plain loop is the oracle."""
     batches = _batches(DLRM)
     ref = plain_eval(make_sharded(PredictionsOnlyDLRM, sharding_type, seed=SEED)[0], batches)
-    ours = eval_run(trec_pipelines.EvalPipelineSparseDist, PredictionsOnlyDLRM, sharding_type, batches)
+    ours = eval_run(
+        trec_pipelines.EvalPipelineSparseDist, PredictionsOnlyDLRM, sharding_type, batches
+    )
     assert_runs_equal(ref, ours, ("plain_eval", "trec_pipelines"))
     # ... and it is the same model: same predictions as DLRM's (loss, pred)
     assert_runs_equal(plain_eval(make_sharded(DLRM, sharding_type, seed=SEED)[0], batches), ours)

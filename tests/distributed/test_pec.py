@@ -26,8 +26,6 @@ from typing import Any, Callable, Optional
 
 import pytest
 import torch
-
-import trec_pipelines
 import torch.distributed as dist
 import torchrec
 from torch import nn
@@ -42,6 +40,7 @@ from torchrec.modules.pec_embedding_modules import PECEmbeddingCollection
 from torchrec.optim.keyed import CombinedOptimizer, KeyedOptimizerWrapper
 from torchrec.optim.optimizers import in_backward_optimizer_filter
 
+import trec_pipelines
 from tests.distributed.dlrm import (
     DENSE_IN,
     DLRM,
@@ -134,7 +133,9 @@ PEC_DIM = 8
 
 
 @torch.fx.wrap
-def _sum_per_sample(values: torch.Tensor, lengths: torch.Tensor, dense: torch.Tensor) -> torch.Tensor:
+def _sum_per_sample(
+    values: torch.Tensor, lengths: torch.Tensor, dense: torch.Tensor
+) -> torch.Tensor:
     """Sum pooling of one feature's sequence embeddings (a leaf for FX tracing)."""
     rows = torch.repeat_interleave(torch.arange(dense.shape[0]), lengths)
     return torch.zeros(dense.shape[0], values.shape[1]).index_add(0, rows, values)
@@ -146,7 +147,9 @@ class PECModel(nn.Module):
     def __init__(self) -> None:
         super().__init__()
         tables = [
-            EmbeddingConfig(name=name, feature_names=[feature], num_embeddings=rows, embedding_dim=PEC_DIM)
+            EmbeddingConfig(
+                name=name, feature_names=[feature], num_embeddings=rows, embedding_dim=PEC_DIM
+            )
             for name, feature, rows, _, _ in TABLE_SPECS
         ]
         self.pec = PECEmbeddingCollection(EmbeddingCollection(tables=tables, device=CPU))
@@ -154,9 +157,14 @@ class PECModel(nn.Module):
 
     def forward(self, batch: Any) -> Any:
         embedded = self.pec(batch.sparse)
-        pooled = [_sum_per_sample(embedded[f].values(), embedded[f].lengths(), batch.dense) for f in FEATURES]
+        pooled = [
+            _sum_per_sample(embedded[f].values(), embedded[f].lengths(), batch.dense)
+            for f in FEATURES
+        ]
         logits = self.over(torch.cat(pooled + [batch.dense], dim=1)).squeeze(1)
-        loss = nn.functional.binary_cross_entropy_with_logits(logits, batch.labels, reduction="none")
+        loss = nn.functional.binary_cross_entropy_with_logits(
+            logits, batch.labels, reduction="none"
+        )
         return loss, logits.detach()
 
 
@@ -263,18 +271,25 @@ class FaultyPECModel(PECModel):
         if fail and self.where == "before_lookup":
             raise Fault("injected before the PEC lookup is used")
         embedded = self.pec(batch.sparse)
-        pooled = [_sum_per_sample(embedded[f].values(), embedded[f].lengths(), batch.dense) for f in FEATURES]
+        pooled = [
+            _sum_per_sample(embedded[f].values(), embedded[f].lengths(), batch.dense)
+            for f in FEATURES
+        ]
         if fail and self.where == "after_lookup":
             raise Fault("injected after the PEC lookup")
         logits = self.over(torch.cat(pooled + [batch.dense], dim=1)).squeeze(1)
         if fail and self.where == "backward":
             logits = FailingBackward.apply(logits)
-        loss = nn.functional.binary_cross_entropy_with_logits(logits, batch.labels, reduction="none")
+        loss = nn.functional.binary_cross_entropy_with_logits(
+            logits, batch.labels, reduction="none"
+        )
         return loss, logits.detach()
 
 
 @pytest.mark.skipif(
-    not _pec_api(), reason="PEC modules need torchrec >= 1.9 (the current stack); on 1.8 test_pec_module_matches_torchrec checks the refusal"
+    not _pec_api(),
+    reason="PEC modules need torchrec >= 1.9 (the current stack); "
+    "on 1.8 test_pec_module_matches_torchrec checks the refusal",
 )
 @pytest.mark.parametrize("where", ["before_lookup", "after_lookup", "backward", "optimizer"])
 def test_pec_module_failed_step_is_retried_as_if_it_never_failed(where: str) -> None:
@@ -309,19 +324,27 @@ def test_pec_module_failed_step_is_retried_as_if_it_never_failed(where: str) -> 
     """
     batches = make_batches(6, seed=DATA_SEED)
     ref_dmp, ref_optimizer = make_pec_sharded()
-    ref = run_pipeline(trec_pipelines.TrainPipelinePEC(ref_dmp, ref_optimizer, CPU), batches, model=ref_dmp)
+    ref = run_pipeline(
+        trec_pipelines.TrainPipelinePEC(ref_dmp, ref_optimizer, CPU), batches, model=ref_dmp
+    )
 
     at = 3
-    dmp, optimizer = make_pec_sharded(factory=lambda: FaultyPECModel(where, at if where != "optimizer" else -1))
+    dmp, optimizer = make_pec_sharded(
+        factory=lambda: FaultyPECModel(where, at if where != "optimizer" else -1)
+    )
     optimizer = FaultyOptimizer(optimizer, at if where == "optimizer" else -1)
     pipeline = trec_pipelines.TrainPipelinePEC(dmp, optimizer, CPU)
     ours = train_with_retry(pipeline, batches, dmp)
-    assert_runs_equal(ref, ours, ("TrainPipelinePEC without the fault", f"with a fault ({where}) retried"))
+    assert_runs_equal(
+        ref, ours, ("TrainPipelinePEC without the fault", f"with a fault ({where}) retried")
+    )
     assert not pipeline._deferred_nol_grad.pending
 
 
 @pytest.mark.skipif(
-    not _pec_api(), reason="PEC modules need torchrec >= 1.9 (the current stack); on 1.8 test_pec_module_matches_torchrec checks the refusal"
+    not _pec_api(),
+    reason="PEC modules need torchrec >= 1.9 (the current stack); "
+    "on 1.8 test_pec_module_matches_torchrec checks the refusal",
 )
 @pytest.mark.parametrize("k", [1, 3, 5])
 def test_pec_module_resumed_from_a_checkpoint_equals_the_run_that_never_stopped(k: int) -> None:
@@ -329,9 +352,12 @@ def test_pec_module_resumed_from_a_checkpoint_equals_the_run_that_never_stopped(
     model's state is read after the pipeline's); the resumed pipeline refills
     from cur as a retried step does, so training is the uninterrupted run's."""
     from tests.distributed.test_resume import assert_resumed_equal
+
     batches = make_batches(seed=DATA_SEED)
     dmp, optimizer = make_pec_sharded()
-    ref = run_pipeline(_OursRunsUnshimmed(trec_pipelines.TrainPipelinePEC(dmp, optimizer, CPU)), batches, model=dmp)
+    ref = run_pipeline(
+        _OursRunsUnshimmed(trec_pipelines.TrainPipelinePEC(dmp, optimizer, CPU)), batches, model=dmp
+    )
 
     dmp, optimizer = make_pec_sharded()
     pipeline = trec_pipelines.TrainPipelinePEC(dmp, optimizer, CPU)
@@ -347,4 +373,6 @@ def test_pec_module_resumed_from_a_checkpoint_equals_the_run_that_never_stopped(
     resumed.load_state_dict(state)
     position = k + resumed._source.rewound  # what the loader had yielded
     rest = run_pipeline(_OursRunsUnshimmed(resumed), batches[position:], model=dmp2)
-    assert_resumed_equal(ref, Run(outputs + list(rest), rest.weights), ("uninterrupted", f"resumed after {k}"))
+    assert_resumed_equal(
+        ref, Run(outputs + list(rest), rest.weights), ("uninterrupted", f"resumed after {k}")
+    )

@@ -118,8 +118,10 @@ def assert_resumed_equal(ref: Run, ours: Run, names: Tuple[str, str]) -> None:
         return
     assert len(ref) == len(ours), names
     atol = RESTARTED_DDP_ATOL
-    for step, (a, b) in enumerate(zip(ref, ours)):
-        torch.testing.assert_close(b, a, atol=atol, rtol=0, msg=lambda m: f"{names} step {step}: {m}")
+    for step, (a, b) in enumerate(zip(ref, ours, strict=True)):
+        torch.testing.assert_close(
+            b, a, atol=atol, rtol=0, msg=lambda m, step=step: f"{names} step {step}: {m}"
+        )
     assert ref.weights.keys() == ours.weights.keys()
     for key in ref.weights:
         torch.testing.assert_close(ours.weights[key], ref.weights[key], atol=atol, rtol=0)
@@ -204,7 +206,9 @@ def test_semi_sync_resumes_bit_for_bit_once_semi_sync(k: int, stash_gradients: b
     pipeline = trec_pipelines.TrainPipelineSemiSync(dmp, optimizer, CPU, **options)
     ref = Run(_train(pipeline, iter(batches)), weights(dmp))
     plain = _reference(batches)
-    assert not torch.equal(ref[-1], plain[-1]), "semi-sync training should differ from the plain loop"
+    assert not torch.equal(ref[-1], plain[-1]), (
+        "semi-sync training should differ from the plain loop"
+    )
 
     ours, held = _interrupted(
         "TrainPipelineSemiSync", "TrainPipelineSemiSync", batches, k, options, options
@@ -213,7 +217,9 @@ def test_semi_sync_resumes_bit_for_bit_once_semi_sync(k: int, stash_gradients: b
     assert_resumed_equal(ref, ours, ("SemiSync", f"SemiSync resumed after {k} steps"))
 
 
-@pytest.mark.parametrize("name", ["TrainPipelineSparseDist", "TrainPipelineSemiSync", "TrainPipelinePT2"])
+@pytest.mark.parametrize(
+    "name", ["TrainPipelineSparseDist", "TrainPipelineSemiSync", "TrainPipelinePT2"]
+)
 def test_resume_with_the_ranks_agreeing(name: str) -> None:
     """sync_exhaustion=True: the pull under agreement is in the checkpoint too (one
     more batch than the schedule holds), and the resumed run is still exact."""
@@ -290,7 +296,7 @@ def test_eval_pass_resumed_sees_each_batch_once(name: str) -> None:
         resumed.load_state_dict(saved)
         outputs += _train(resumed, Counting(batches, it.yielded))
         assert len(outputs) == N, (k, len(outputs))
-        for step, (a, b) in enumerate(zip(ref, outputs)):
+        for step, (a, b) in enumerate(zip(ref, outputs, strict=True)):
             assert torch.equal(a, b), (k, step)
 
 
@@ -310,7 +316,7 @@ def test_eval_pass_with_a_loader_thread_resumes() -> None:
     resumed.load_state_dict(saved)
     outputs += _train(resumed, Counting(batches, position))
     assert len(outputs) == N
-    for step, (a, b) in enumerate(zip(ref, outputs)):
+    for step, (a, b) in enumerate(zip(ref, outputs, strict=True)):
         assert torch.equal(a, b), step
 
 
@@ -408,4 +414,6 @@ def test_stateful_data_loader_resumes_with_the_pipeline(name: str, workers: int)
     data2 = loader()
     data2.load_state_dict(checkpoint["loader"])
     outputs += _train(resumed, iter(data2))
-    assert_runs_equal(ref, Run(outputs, weights(dmp2)), ("plain loop", f"{name} resumed, {workers} workers"))
+    assert_runs_equal(
+        ref, Run(outputs, weights(dmp2)), ("plain loop", f"{name} resumed, {workers} workers")
+    )

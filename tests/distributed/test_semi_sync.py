@@ -171,9 +171,7 @@ def test_clear_data_dist_inputs_matches_torchrec() -> None:
 def test_direct_binding_matches_torchrec() -> None:
     batches = make_batches(N_BATCHES, seed=DATA_SEED)
     theirs = torchrec_run("table_wise", batches, start_batch=START)
-    pipeline, ours, _ = our_run(
-        "table_wise", batches, start_batch=START, rewrite_strategy="direct"
-    )
+    pipeline, ours, _ = our_run("table_wise", batches, start_batch=START, rewrite_strategy="direct")
     assert pipeline.rewrite_result is not None
     assert pipeline.rewrite_result.strategy == "direct"
     assert len(pipeline.rewrite_result.pipelined) == 1

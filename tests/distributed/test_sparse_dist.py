@@ -36,7 +36,9 @@ def three_ways(
     batches = make_batches(seed=DATA_SEED, nested=factory is NestedDLRM)
     ref = plain_loop(*make_sharded(factory, sharding_type, seed=SEED), batches)
     theirs_cls: Type[Any] = getattr(upstream, name)
-    theirs = run_pipeline(theirs_cls(*make_sharded(factory, sharding_type, seed=SEED), CPU), batches)
+    theirs = run_pipeline(
+        theirs_cls(*make_sharded(factory, sharding_type, seed=SEED), CPU), batches
+    )
     dmp, optimizer = make_sharded(factory, sharding_type, seed=SEED)
     pipeline = getattr(trec_pipelines, name)(dmp, optimizer, CPU, **ours_kwargs)
     ours = run_pipeline(pipeline, batches, model=dmp)
@@ -54,9 +56,7 @@ def test_base(sharding_type: str) -> None:
 @pytest.mark.parametrize("strategy", ["fx", "direct"])
 @pytest.mark.parametrize("sharding_type", SHARDING_TYPES)
 def test_sparse_dist(sharding_type: str, strategy: str) -> None:
-    pipeline = three_ways(
-        "TrainPipelineSparseDist", DLRM, sharding_type, rewrite_strategy=strategy
-    )
+    pipeline = three_ways("TrainPipelineSparseDist", DLRM, sharding_type, rewrite_strategy=strategy)
     result = pipeline.rewrite_result
     assert result.strategy == strategy
     assert len(result.pipelined) == 1 and result.not_pipelined == ()
@@ -64,7 +64,9 @@ def test_sparse_dist(sharding_type: str, strategy: str) -> None:
 
 @pytest.mark.parametrize("sharding_type", ["table_wise", "column_wise"])
 def test_sparse_dist_kjt_inside_a_dict(sharding_type: str) -> None:
-    pipeline = three_ways("TrainPipelineSparseDist", NestedDLRM, sharding_type, rewrite_strategy="fx")
+    pipeline = three_ways(
+        "TrainPipelineSparseDist", NestedDLRM, sharding_type, rewrite_strategy="fx"
+    )
     (pipelined,) = pipeline.rewrite_result.pipelined
     assert str(pipelined.call_args) == "(batch.features['sparse'])"
 
@@ -109,7 +111,7 @@ def test_free_features_storage_early_never_frees_the_loaders_own_batch(name: str
     pipeline = getattr(trec_pipelines, name)(dmp, optimizer, CPU, free_features_storage_early=True)
     ours = run_pipeline(pipeline, batches, model=dmp) + run_pipeline(pipeline, batches, model=dmp)
     assert len(ours) == len(ref) == 2 * len(batches)
-    for step, (a, b) in enumerate(zip(ours, ref)):
+    for step, (a, b) in enumerate(zip(ours, ref, strict=True)):
         assert torch.equal(a, b), f"step {step}"
-    for batch, before in zip(batches, values_before):
+    for batch, before in zip(batches, values_before, strict=True):
         assert torch.equal(batch.sparse.values(), before)

@@ -146,7 +146,9 @@ def test_none_streams_match_plain_loop(third_stage: Optional[str]) -> None:
 
 
 @pytest.mark.parametrize("stream", [None, CPU_STREAM], ids=["none", "cpu_stream"])
-def test_lookup_stage_matches_torchrec_semi_sync_from_batch_0(stream: Optional[torch.Stream]) -> None:
+def test_lookup_stage_matches_torchrec_semi_sync_from_batch_0(
+    stream: Optional[torch.Stream],
+) -> None:
     """A lookup stage looks batch i+1 up before batch i's backward updates the
     tables: semi-synchronous from the first batch, which is what torchrec's
     TrainPipelineSemiSync(start_batch=0) computes (torchrec's own Staged
@@ -202,4 +204,6 @@ def test_resumed_from_a_checkpoint_equals_the_plain_loop(k: int) -> None:
     if 0 < k:
         assert resumed._resumed, "nothing was in flight: the test resumes nothing"
     outputs += train(dmp2, optimizer2, resumed, iter(batches[it.taken :]), len(batches))
-    assert_resumed_equal(ref, Run(outputs, weights(dmp2)), ("plain loop", f"staged resumed after {k}"))
+    assert_resumed_equal(
+        ref, Run(outputs, weights(dmp2)), ("plain loop", f"staged resumed after {k}")
+    )

@@ -66,7 +66,13 @@ def eval_loop(model: nn.Module, batches: Iterable[Any]) -> Run:
     return Run(outputs, weights(model))
 
 
-def eval_run(cls: Any, factory: Callable[..., nn.Module], batches: List[Any], sharding_type: str, **kwargs: Any) -> Run:
+def eval_run(
+    cls: Any,
+    factory: Callable[..., nn.Module],
+    batches: List[Any],
+    sharding_type: str,
+    **kwargs: Any,
+) -> Run:
     dmp, optimizer = make_sharded(factory, sharding_type, seed=SEED)
     dmp.eval()
     before = weights(dmp)
@@ -93,8 +99,12 @@ def test_eval_fused_pred_only_with_lookup_prefetch(prefetch: bool) -> None:
     batches = make_batches(seed=DATA_SEED)
     ref = eval_loop(make_sharded(PredictionsOnlyDLRM, "table_wise", seed=SEED)[0], batches)
     ours = eval_run(
-        EvalPipelineFusedSparseDist, PredictionsOnlyDLRM, batches, "table_wise",
-        enable_embedding_lookup_prefetch=prefetch, emb_lookup_stream="new",
+        EvalPipelineFusedSparseDist,
+        PredictionsOnlyDLRM,
+        batches,
+        "table_wise",
+        enable_embedding_lookup_prefetch=prefetch,
+        emb_lookup_stream="new",
     )
     assert_runs_equal(ref, ours, ("eval_loop", "EvalFused, predictions only"))
 

@@ -64,7 +64,9 @@ FAMILY: List[Tuple[Any, Any, bool]] = [
 ]
 
 
-def _run_torchrec(cls: Any, shim: bool, dmp: nn.Module, optimizer: Any, batches: List[Any], **kwargs: Any) -> Run:
+def _run_torchrec(
+    cls: Any, shim: bool, dmp: nn.Module, optimizer: Any, batches: List[Any], **kwargs: Any
+) -> Run:
     if shim:
         with torchrec_on_cpu():
             return optional_run(cls(dmp, optimizer, CPU, **kwargs), batches, model=dmp)
@@ -73,7 +75,13 @@ def _run_torchrec(cls: Any, shim: bool, dmp: nn.Module, optimizer: Any, batches:
 
 # Lite has no execute_all_batches (it always trains every batch), upstream and ours.
 EQUAL_CASES = [
-    pytest.param(ours, theirs, shim, execute_all, id=f"{ours.__name__}-{'all' if execute_all else 'drop_last_two'}")
+    pytest.param(
+        ours,
+        theirs,
+        shim,
+        execute_all,
+        id=f"{ours.__name__}-{'all' if execute_all else 'drop_last_two'}",
+    )
     for ours, theirs, shim in FAMILY
     for execute_all in (True, False)
     if execute_all or ours is not trec_pipelines.TrainPipelineSparseDistLite
@@ -89,7 +97,11 @@ def test_equal_to_non_pipelined(
     (ref_dmp, ref_opt), (their_dmp, their_opt), (dmp, opt) = Setting(sharding_type).pair(3)
     # Without execute_all_batches the last two batches are loaded but never trained.
     trained = batches if execute_all_batches else batches[:-2]
-    kwargs = {} if ours_cls is trec_pipelines.TrainPipelineSparseDistLite else {"execute_all_batches": execute_all_batches}
+    kwargs = (
+        {}
+        if ours_cls is trec_pipelines.TrainPipelineSparseDistLite
+        else {"execute_all_batches": execute_all_batches}
+    )
     ref = non_pipelined(ref_dmp, ref_opt, trained)
     theirs = _run_torchrec(theirs_cls, shim, their_dmp, their_opt, batches, **kwargs)
     ours = optional_run(ours_cls(dmp, opt, CPU, **kwargs), batches, model=dmp)
@@ -105,7 +117,10 @@ def test_multi_dataloader_pipelining() -> None:
     ref = non_pipelined(ref_dmp, ref_opt, batches)
     runs = []
     for pipeline, model in (
-        (upstream.TrainPipelineSparseDist(their_dmp, their_opt, CPU, execute_all_batches=True), their_dmp),
+        (
+            upstream.TrainPipelineSparseDist(their_dmp, their_opt, CPU, execute_all_batches=True),
+            their_dmp,
+        ),
         (trec_pipelines.TrainPipelineSparseDist(dmp, opt, CPU, execute_all_batches=True), dmp),
     ):
         outputs: List[torch.Tensor] = []
@@ -117,7 +132,9 @@ def test_multi_dataloader_pipelining() -> None:
     assert_runs_equal(ref, runs[1], ("non_pipelined", "trec_pipelines"))
 
 
-@pytest.mark.parametrize("ours_cls, theirs_cls, shim", FAMILY, ids=lambda x: getattr(x, "__name__", str(x)))
+@pytest.mark.parametrize(
+    "ours_cls, theirs_cls, shim", FAMILY, ids=lambda x: getattr(x, "__name__", str(x))
+)
 def test_custom_fwd(ours_cls: Any, theirs_cls: Any, shim: bool) -> None:
     """The pipeline returns what custom_model_fwd returns (here predictions repeated)."""
     batches = generate_data(num_batches=4, batch_size=8, seed=3)
@@ -131,7 +148,9 @@ def test_custom_fwd(ours_cls: Any, theirs_cls: Any, shim: bool) -> None:
 
         return forward
 
-    theirs = _run_torchrec(theirs_cls, shim, their_dmp, their_opt, batches, custom_model_fwd=doubling(their_dmp))
+    theirs = _run_torchrec(
+        theirs_cls, shim, their_dmp, their_opt, batches, custom_model_fwd=doubling(their_dmp)
+    )
     ours = optional_run(ours_cls(dmp, opt, CPU, custom_model_fwd=doubling(dmp)), batches, model=dmp)
     doubled = Run([p.expand(p.size(0) * 2, -1) for p in ref], ref.weights)
     assert all(p.size(0) == 16 for p in ours)
@@ -142,13 +161,17 @@ def test_custom_fwd(ours_cls: Any, theirs_cls: Any, shim: bool) -> None:
 @pytest.mark.parametrize("stash_gradients", [False, True], ids=["no_stash", "stash"])
 @pytest.mark.parametrize("start_batch", [0, 6])
 @pytest.mark.parametrize("sharding_type", ["table_wise", "row_wise"])
-def test_semi_sync_equal_to_torchrec(sharding_type: str, start_batch: int, stash_gradients: bool) -> None:
+def test_semi_sync_equal_to_torchrec(
+    sharding_type: str, start_batch: int, stash_gradients: bool
+) -> None:
     """Upstream checks SemiSync against a hand-written semi-synchronous loop;
     here torchrec's class (under the shim) is that oracle, step by step."""
     batches = generate_data(num_batches=10, batch_size=8, seed=4)
     setting = Setting(sharding_type, fused_params={"stochastic_rounding": False})
     (their_dmp, their_opt), (dmp, opt) = setting.pair(2)
-    kwargs = dict(execute_all_batches=True, start_batch=start_batch, stash_gradients=stash_gradients)
+    kwargs = dict(
+        execute_all_batches=True, start_batch=start_batch, stash_gradients=stash_gradients
+    )
 
     def drive(pipeline: Any, model: nn.Module) -> Tuple[Run, List[bool]]:
         """Run to the end, noting is_semi_sync() after each step, as upstream does."""
@@ -161,7 +184,9 @@ def test_semi_sync_equal_to_torchrec(sharding_type: str, start_batch: int, stash
             modes.append(pipeline.is_semi_sync())
 
     with torchrec_on_cpu():
-        theirs, their_modes = drive(upstream.TrainPipelineSemiSync(their_dmp, their_opt, CPU, **kwargs), their_dmp)
+        theirs, their_modes = drive(
+            upstream.TrainPipelineSemiSync(their_dmp, their_opt, CPU, **kwargs), their_dmp
+        )
     ours, our_modes = drive(trec_pipelines.TrainPipelineSemiSync(dmp, opt, CPU, **kwargs), dmp)
     assert len(ours) == len(batches)
     assert_runs_equal(theirs, ours, ("torchrec", "trec_pipelines"))
@@ -172,7 +197,9 @@ def test_semi_sync_equal_to_torchrec(sharding_type: str, start_batch: int, stash
 
 
 @pytest.mark.parametrize(
-    "cls", [trec_pipelines.EvalPipelineSparseDist, trec_pipelines.EvalPipelineFusedSparseDist], ids=lambda c: c.__name__
+    "cls",
+    [trec_pipelines.EvalPipelineSparseDist, trec_pipelines.EvalPipelineFusedSparseDist],
+    ids=lambda c: c.__name__,
 )
 def test_eval_processing_of_plain_tensors(cls: Any) -> None:
     """Upstream's test_processing without mocks: a model with no sharded module
@@ -206,7 +233,10 @@ class PositionWeightedSparse(nn.Module):
         self.names = names
         self.fp_ebc = FeatureProcessedEmbeddingBagCollection(
             EmbeddingBagCollection(tables=plain, device=CPU, is_weighted=True),
-            {name: PositionWeightedModule(max_feature_length=n) for name, n in zip(names, max_lengths)},  # type: ignore[misc]
+            {
+                name: PositionWeightedModule(max_feature_length=n)
+                for name, n in zip(names, max_lengths, strict=True)
+            },  # type: ignore[misc]
         )
         for param in self.parameters():
             nn.init.normal_(param, mean=0.0, std=0.01)
@@ -226,8 +256,12 @@ def test_feature_processed_ebc() -> None:
     torch.manual_seed(100 + rank)
     batches = [
         ModelInput.generate(
-            tables=plain, weighted_tables=[], batch_size=4, world_size=1,
-            num_float_features=NUM_FLOAT_FEATURES, max_feature_lengths=max_lengths,
+            tables=plain,
+            weighted_tables=[],
+            batch_size=4,
+            world_size=1,
+            num_float_features=NUM_FLOAT_FEATURES,
+            max_feature_lengths=max_lengths,
         )[1][0]
         for _ in range(5)
     ]
@@ -235,8 +269,10 @@ def test_feature_processed_ebc() -> None:
     copies = []
     for _ in range(3):
         dmp = DistributedModelParallel(
-            module=copy.deepcopy(model), env=ShardingEnv.from_process_group(current_group()),
-            device=CPU, sharders=[sharder],  # type: ignore[list-item]
+            module=copy.deepcopy(model),
+            env=ShardingEnv.from_process_group(current_group()),
+            device=CPU,
+            sharders=[sharder],  # type: ignore[list-item]
         )
         copies.append((dmp, torch.optim.SGD(dmp.parameters(), lr=0.1)))
     with torch.no_grad():
@@ -244,7 +280,9 @@ def test_feature_processed_ebc() -> None:
             copy_state(copies[0][0].state_dict(), dmp.state_dict())
     (ref_dmp, ref_opt), (their_dmp, their_opt), (dmp, opt) = copies
     ref = non_pipelined(ref_dmp, ref_opt, batches)
-    theirs = optional_run(upstream.TrainPipelineSparseDist(their_dmp, their_opt, CPU), batches, model=their_dmp)
+    theirs = optional_run(
+        upstream.TrainPipelineSparseDist(their_dmp, their_opt, CPU), batches, model=their_dmp
+    )
     pipeline = trec_pipelines.TrainPipelineSparseDist(dmp, opt, CPU)
     ours = optional_run(pipeline, batches, model=dmp)
     assert_runs_equal(ref, theirs, ("non_pipelined", "torchrec"))
@@ -273,7 +311,9 @@ def test_restore_from_snapshot() -> None:
     missing, unexpected = dst_dmp.load_state_dict(snapshot)
     assert (missing, unexpected) == ([], [])
     rest = non_pipelined(dst_dmp, dst_opt, batches[3:])
-    assert_runs_equal(ref, Run(first + list(rest), rest.weights), ("non_pipelined", "pipelined then restored"))
+    assert_runs_equal(
+        ref, Run(first + list(rest), rest.weights), ("non_pipelined", "pipelined then restored")
+    )
     # Sharded -> pipelined: load into the rewritten model, which then trains on.
     missing, unexpected = src_dmp.load_state_dict(ref_dmp.state_dict())
     assert (missing, unexpected) == ([], [])

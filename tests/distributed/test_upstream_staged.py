@@ -36,7 +36,9 @@ def _identity(batch: Any) -> Any:
     return batch
 
 
-def _train(pipeline: StagedTrainPipeline, model: torch.nn.Module, optimizer: Any, batches: List[Any]) -> Run:
+def _train(
+    pipeline: StagedTrainPipeline, model: torch.nn.Module, optimizer: Any, batches: List[Any]
+) -> Run:
     it, outputs = iter(batches), []
     while (batch := pipeline.progress(it)) is not None:
         optimizer.zero_grad()
@@ -76,7 +78,9 @@ def test_pipelining(stream: str) -> None:
 def test_pipelining_prefetch(stream: str) -> None:
     s: Optional[torch.Stream] = STREAMS[stream]
     batches = generate_data(num_batches=8, batch_size=8, seed=6)
-    (ref_dmp, ref_opt), (dmp, opt) = Setting("table_wise", fused_params={"stochastic_rounding": False}).pair()
+    (ref_dmp, ref_opt), (dmp, opt) = Setting(
+        "table_wise", fused_params={"stochastic_rounding": False}
+    ).pair()
     ref = non_pipelined(ref_dmp, ref_opt, batches)
     sdd = SparseDataDistUtil[Any](model=dmp, data_dist_stream=s, apply_jit=False, prefetch_stream=s)
     stages = [

@@ -85,7 +85,7 @@ def copy_state(src: Dict[str, Any], dst: Dict[str, Any]) -> None:
     for key, value in src.items():
         target = dst[key]
         if isinstance(value, ShardedTensor):
-            for mine, theirs in zip(target.local_shards(), value.local_shards()):
+            for mine, theirs in zip(target.local_shards(), value.local_shards(), strict=True):
                 mine.tensor.copy_(theirs.tensor)
         else:
             target.copy_(value)

@@ -142,7 +142,9 @@ def _describe(param: inspect.Parameter) -> str:
     return f"{param.name}{default} ({param.kind.description})"
 
 
-def effective_parameters(func: Callable[..., Any], owner: Optional[type] = None) -> List[inspect.Parameter]:
+def effective_parameters(
+    func: Callable[..., Any], owner: Optional[type] = None
+) -> List[inspect.Parameter]:
     """``func``'s parameters, with a bare ``*args, **kwargs`` forwarded to the
     parent class's method of the same name replaced by that method's parameters."""
     params = list(inspect.signature(func).parameters.values())
@@ -203,7 +205,7 @@ def signature_problems(
             ours_text = "no default" if our.default is _EMPTY else f"default {our.default!r}"
             problems.append(f"{where}: '{our.name}' has {ours_text}, torchrec's has {theirs_text}")
     newer = True  # still among a newer torchrec's trailing positional parameters
-    for extra in our_params[len(their_params):]:
+    for extra in our_params[len(their_params) :]:
         newer = newer and extra.name in NEWER_TORCHREC_PARAMETERS and extra.default is not _EMPTY
         if extra.kind is not _KEYWORD_ONLY and not newer:
             problems.append(
@@ -245,7 +247,9 @@ def context_problems(theirs: type, ours: type) -> List[str]:
 
 
 def is_context(cls: type) -> bool:
-    return dataclasses.is_dataclass(cls) and cls.__module__ == f"{PIPELINE_PACKAGE}.pipeline_context"
+    return (
+        dataclasses.is_dataclass(cls) and cls.__module__ == f"{PIPELINE_PACKAGE}.pipeline_context"
+    )
 
 
 def _public_members(cls: type) -> Dict[str, Tuple[Any, type]]:
@@ -271,9 +275,13 @@ def class_problems(theirs: type, ours: type) -> List[str]:
     problems: List[str] = []
     if is_context(theirs):
         return context_problems(theirs, ours)
-    init_owner = next((k for k in theirs.__mro__ if "__init__" in vars(k) and _in_pipeline_package(k)), None)
+    init_owner = next(
+        (k for k in theirs.__mro__ if "__init__" in vars(k) and _in_pipeline_package(k)), None
+    )
     if init_owner is not None:
-        problems += signature_problems(init_owner.__init__, ours.__init__, f"{where}.__init__", init_owner)
+        problems += signature_problems(
+            init_owner.__init__, ours.__init__, f"{where}.__init__", init_owner
+        )
     for name, (member, owner) in sorted(_public_members(theirs).items()):
         our_member = inspect.getattr_static(ours, name, None)
         if our_member is None:
@@ -285,7 +293,9 @@ def class_problems(theirs: type, ours: type) -> List[str]:
         if isinstance(our_member, (staticmethod, classmethod)):
             our_member = our_member.__func__
         if not callable(our_member):
-            problems.append(f"{where}.{name}: torchrec's is a method, ours is {type(our_member).__name__}")
+            problems.append(
+                f"{where}.{name}: torchrec's is a method, ours is {type(our_member).__name__}"
+            )
             continue
         problems += signature_problems(member, our_member, f"{where}.{name}", owner)
     return problems
@@ -298,7 +308,13 @@ def test_the_rule_finds_torchrecs_pipelines() -> None:
     """Guards the name rule itself: it must see the pipelines and skip imports."""
     for name in ("TrainPipelineSparseDist", "TrainPipelineSemiSync", "TrainPipelineContext", "In"):
         assert name in TORCHREC_NAMES, f"{name} not found by torchrec_public_names()"
-    for imported in ("Awaitable", "KeyedJaggedTensor", "Optional", "ShardedModule", "StageOutputWithEvent"):
+    for imported in (
+        "Awaitable",
+        "KeyedJaggedTensor",
+        "Optional",
+        "ShardedModule",
+        "StageOutputWithEvent",
+    ):
         assert imported not in TORCHREC_NAMES, f"{imported} is an import, not pipeline API"
 
 
@@ -341,7 +357,9 @@ def test_function_signatures_match(name: str) -> None:
 
 
 class _Theirs:
-    def __init__(self, model: Any, optimizer: Any, device: Any, execute_all_batches: bool = True) -> None:
+    def __init__(
+        self, model: Any, optimizer: Any, device: Any, execute_all_batches: bool = True
+    ) -> None:
         pass
 
     def progress(self, dataloader_iter: Any) -> Any:
@@ -359,8 +377,15 @@ def _ours(init: Callable[..., None], **members: Any) -> type:
 
 
 def test_checker_accepts_a_faithful_class_with_keyword_only_extras() -> None:
-    def init(self: Any, model: Any, optimizer: Any, device: Any, execute_all_batches: bool = True,
-             *, validate_batch: Optional[Callable[[Any], None]] = None) -> None:
+    def init(
+        self: Any,
+        model: Any,
+        optimizer: Any,
+        device: Any,
+        execute_all_batches: bool = True,
+        *,
+        validate_batch: Optional[Callable[[Any], None]] = None,
+    ) -> None:
         pass
 
     ours = _ours(init, progress=_Theirs.progress)
@@ -370,8 +395,11 @@ def test_checker_accepts_a_faithful_class_with_keyword_only_extras() -> None:
 def test_checker_catches_a_removed_parameter() -> None:
     # Doctor a real class of ours: drop torchrec's 'execute_all_batches'.
     real = trec_pipelines.TrainPipelineSparseDist
-    params = [p for name, p in inspect.signature(real.__init__).parameters.items()
-              if name != "execute_all_batches"]
+    params = [
+        p
+        for name, p in inspect.signature(real.__init__).parameters.items()
+        if name != "execute_all_batches"
+    ]
     doctored = type("Doctored", (real,), {})
 
     def init(self: Any, *args: Any, **kwargs: Any) -> None:
@@ -380,13 +408,23 @@ def test_checker_catches_a_removed_parameter() -> None:
     init.__signature__ = inspect.Signature(params)  # type: ignore[attr-defined]
     doctored.__init__ = init  # type: ignore[misc]
     theirs = TORCHREC_CLASSES["TrainPipelineSparseDist"]
-    problems = [p for p in class_problems(theirs, doctored) if p.startswith("TrainPipelineSparseDist.__init__")]
+    problems = [
+        p
+        for p in class_problems(theirs, doctored)
+        if p.startswith("TrainPipelineSparseDist.__init__")
+    ]
     assert any("execute_all_batches" in p for p in problems), problems
 
 
 def test_checker_catches_a_positional_extra_a_changed_default_and_a_missing_method() -> None:
-    def init(self: Any, model: Any, optimizer: Any, device: Any, execute_all_batches: bool = False,
-             validate_batch: bool = False) -> None:
+    def init(
+        self: Any,
+        model: Any,
+        optimizer: Any,
+        device: Any,
+        execute_all_batches: bool = False,
+        validate_batch: bool = False,
+    ) -> None:
         pass
 
     problems = class_problems(_theirs_in_package(), _ours(init))
@@ -399,7 +437,9 @@ def test_checker_catches_a_positional_extra_a_changed_default_and_a_missing_meth
 
 
 def test_checker_catches_reordered_parameters() -> None:
-    def init(self: Any, model: Any, device: Any, optimizer: Any, execute_all_batches: bool = True) -> None:
+    def init(
+        self: Any, model: Any, device: Any, optimizer: Any, execute_all_batches: bool = True
+    ) -> None:
         pass
 
     problems = class_problems(_theirs_in_package(), _ours(init, progress=_Theirs.progress))
@@ -411,7 +451,11 @@ def test_checker_catches_reordered_parameters() -> None:
 
 def test_checker_catches_a_context_missing_a_field_or_with_a_required_extra() -> None:
     ours = trec_pipelines.TrainPipelineContext
-    kept = [(f.name, f.type, f) for f in dataclasses.fields(ours) if f.name != "input_dist_tensors_requests"]
+    kept = [
+        (f.name, f.type, f)
+        for f in dataclasses.fields(ours)
+        if f.name != "input_dist_tensors_requests"
+    ]
     doctored = dataclasses.make_dataclass("Doctored", [("needs_a_value", int)] + kept)
     problems = context_problems(TORCHREC_CLASSES["TrainPipelineContext"], doctored)
     assert "TrainPipelineContext: missing field 'input_dist_tensors_requests'" in problems

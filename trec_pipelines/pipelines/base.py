@@ -147,7 +147,11 @@ class TrainPipelineBase(TrainPipeline[In, Out], Recordable, Resumable):
         if dataloader_iter is source.iterator:
             return
         previous = source.iterator
-        if previous is not None and self._connected and (self._cur_batch is not None or source.holding):
+        if (
+            previous is not None
+            and self._connected
+            and (self._cur_batch is not None or source.holding)
+        ):
             logger.warning(
                 "%s: a different iterator was passed mid-epoch; the previous one's "
                 "in-flight batch is parked and resumes when it is passed again",

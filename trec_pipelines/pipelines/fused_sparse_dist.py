@@ -8,8 +8,7 @@ import torch
 from torchrec.distributed.train_pipeline import In, Out
 from torchrec.distributed.types import ShardedModule
 
-from trec_pipelines import lookup
-from trec_pipelines import recorder as rec
+from trec_pipelines import lookup, recorder as rec
 from trec_pipelines.args import CallArgs
 from trec_pipelines.context import EmbeddingTrainPipelineContext
 from trec_pipelines.forwards import BaseForward, InSyncEmbeddingPipelinedForward
@@ -186,7 +185,11 @@ class TrainPipelineFusedSparseDist(TrainPipelineSparseDist[In, Out]):
         self, name: str, call_args: CallArgs, module: ShardedModule
     ) -> BaseForward[Any]:
         return InSyncEmbeddingPipelinedForward(
-            name, call_args, module, self._current_context(), self._lookup_stream  # type: ignore[arg-type]
+            name,
+            call_args,
+            module,
+            self._current_context(),
+            self._lookup_stream,  # type: ignore[arg-type]
         )
 
     def _lookup_modules(self) -> List[Tuple[str, ShardedModule]]:
@@ -234,6 +237,8 @@ class TrainPipelineFusedSparseDist(TrainPipelineSparseDist[In, Out]):
 
     @guarded_step
     def progress(self, dataloader_iter: Iterator[Any]) -> Any:
+        # The timeline's comments stay in their columns.
+        # fmt: off
         self._start_step(dataloader_iter)  # fill, pull host batches, stop at end of data
         training = self._model.training
 
@@ -414,6 +419,8 @@ class EvalPipelineFusedSparseDist(TrainPipelineFusedSparseDist[In, Out]):
 
     def _progress_in_order(self, dataloader_iter: Iterator[Any]) -> Any:
         """``cur``'s lookup, then its forward (the Fused training order without the update)."""
+        # The timeline's comments stay in their columns.
+        # fmt: off
         if not self._embedding_lookup_after_data_dist:
             self.start_embedding_lookup(self.batches[0], self.contexts[0])  # cur, lookup
         self._zero_grad_if_training()                              # cur, default
@@ -433,6 +440,8 @@ class EvalPipelineFusedSparseDist(TrainPipelineFusedSparseDist[In, Out]):
 
     def _progress_prefetch(self, dataloader_iter: Iterator[Any]) -> Any:
         """``cur``'s lookup was started one call earlier; ``nxt``'s starts after ``cur``'s forward."""
+        # The timeline's comments stay in their columns.
+        # fmt: off
         self._zero_grad_if_training()                              # cur, default
         self._wait_for_batch()                                     # cur, data_dist -> default
         if self._clear_data_dist_inputs:

@@ -14,6 +14,7 @@ from torchrec.distributed.types import ShardedModule
 
 from trec_pipelines import recorder as rec
 from trec_pipelines.agreement import agreement_group
+from trec_pipelines.args import CallArgs
 from trec_pipelines.backward_hooks import pipeline_hook, register_backward_hook
 from trec_pipelines.context import TrainPipelineContext
 from trec_pipelines.forwards import BaseForward, PipelinedForward
@@ -47,7 +48,6 @@ from trec_pipelines.rewrite import (
     restore_model,
     rewrite_model,
 )
-from trec_pipelines.args import CallArgs
 from trec_pipelines.stages import (
     BatchSource,
     ParkedEpochs,
@@ -58,8 +58,8 @@ from trec_pipelines.stages import (
     wait_for_batch,
 )
 from trec_pipelines.step_guard import StepGuard, guarded_step, skip_failed_batch
-from trec_pipelines.takeover import take_model_over
 from trec_pipelines.streams import StreamSet, make_streams, on_stream
+from trec_pipelines.takeover import take_model_over
 
 logger: logging.Logger = logging.getLogger(__name__)
 
@@ -308,7 +308,9 @@ class TrainPipelineSparseDist(
             module, fqn, call_args, self._current_context(), None, self._streams.data_dist
         )
 
-    def _make_forward(self, name: str, call_args: CallArgs, module: ShardedModule) -> BaseForward[Any]:
+    def _make_forward(
+        self, name: str, call_args: CallArgs, module: ShardedModule
+    ) -> BaseForward[Any]:
         return PipelinedForward(
             name,
             call_args,
@@ -539,6 +541,8 @@ class TrainPipelineSparseDist(
 
     @guarded_step
     def progress(self, dataloader_iter: Iterator[Any]) -> Any:
+        # The timeline's comments stay in their columns.
+        # fmt: off
         self._start_step(dataloader_iter)  # fill, pull host batches, stop at end of data
         training = self._model.training
 
