@@ -14,7 +14,7 @@ VENV_LATEST := .venv-latest
 PY_LATEST := $(VENV_LATEST)/bin/python
 STAMP_LATEST := $(VENV_LATEST)/.installed
 
-.PHONY: test unit distributed distributed-4 test-latest unit-latest distributed-latest distributed-4-latest bench bench-agreement wheel soak clean
+.PHONY: test unit distributed distributed-4 test-latest unit-latest distributed-latest distributed-4-latest lint bench bench-agreement wheel soak clean
 
 # $(call build_stack,venv,requirements,torchrec requirements): torch and
 # torchrec's runtime deps first, then torchrec with --no-deps (its metadata asks
@@ -75,6 +75,15 @@ distributed-latest: $(STAMP_LATEST)
 
 distributed-4-latest: $(STAMP_LATEST)
 	$(call run_4_ranks,$(VENV_LATEST))
+
+# Static checks: ruff (lint, and the format check) on the whole repository
+# (ruff.toml), and mypy --strict on trec_pipelines/ (mypy.ini) with each stack's
+# Python, since the torchrec it reads types from differs between them.
+lint: $(STAMP) $(STAMP_LATEST)
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
+	$(VENV)/bin/mypy
+	$(VENV_LATEST)/bin/mypy
 
 # A wheel and an sdist in dist/, then the wheel installed alone (no deps, into a
 # scratch directory) and imported by each stack's Python from outside the repo:

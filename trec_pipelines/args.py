@@ -99,6 +99,10 @@ class RunsAhead(Protocol):
         """The output for ``batch``, computed once per batch context."""
         ...
 
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        """The postproc run as a module (outside a pipelined step)."""
+        ...
+
 
 @dataclass(frozen=True)
 class Postproc(ArgStep):

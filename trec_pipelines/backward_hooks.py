@@ -254,7 +254,8 @@ def _hook_parameter(
         assert p.grad is not None, "post-accumulate-grad hook without a gradient"
         hook_fn(p.grad)
 
-    return param.register_post_accumulate_grad_hook(after_accumulate)
+    handle: RemovableHandle = param.register_post_accumulate_grad_hook(after_accumulate)
+    return handle
 
 
 def _hook_activation(

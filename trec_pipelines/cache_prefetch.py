@@ -16,12 +16,13 @@ that drives prefetching itself.
 
 from __future__ import annotations
 
-from typing import Any, Callable, ContextManager, List, Optional, Sequence
+from typing import Any, Callable, ContextManager, List, Optional, Sequence, cast
 
 import torch
-from torchrec.distributed.types import ShardedModule
 
+from trec_pipelines._types import AnyShardedModule
 from trec_pipelines.context import PrefetchTrainPipelineContext
+from trec_pipelines.forwards import BaseForward
 from trec_pipelines.rewrite import PipelinedModule
 from trec_pipelines.streams import current_stream, on_stream, record_stream, wait_event, wait_stream
 
@@ -67,7 +68,7 @@ def prefetch_modules(
 
 def prefetch_embeddings(
     context: PrefetchTrainPipelineContext,
-    pipelined_modules: List[ShardedModule],
+    pipelined_modules: List[AnyShardedModule],
     device: torch.device,
     stream_context: Callable[[Optional[torch.Stream]], ContextManager[Any]],
     data_dist_stream: Optional[torch.Stream],
@@ -91,7 +92,7 @@ def prefetch_embeddings(
                 "forward; pass the modules a trec_pipelines pipeline rewrote "
                 "(pipeline.rewrite_result.pipelined)"
             )
-        modules.append(PipelinedModule(name, module, module.forward.args))
+        modules.append(PipelinedModule(name, module, cast(BaseForward[Any], module.forward).args))
     prefetch_modules(
         modules,
         context,

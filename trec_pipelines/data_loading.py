@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import logging
 import threading
-from typing import Generic, Iterator, Optional
+from typing import Generic, Iterator, Optional, cast
 
 import torch
 from torchrec.distributed.train_pipeline import In
@@ -72,7 +72,7 @@ class DataLoadingThread(threading.Thread, Generic[In]):
             )
             raise
         with on_stream(self._memcpy_stream):
-            return batch.to(self._device, non_blocking=self._non_blocking)
+            return cast(In, batch.to(self._device, non_blocking=self._non_blocking))
 
     def stop(self) -> None:
         """Stop loading (the batch it holds is dropped); returns without waiting."""

@@ -36,9 +36,10 @@ from typing import Any, Dict, Generic, Iterable, List, Optional, Tuple, TypeVar,
 
 import torch
 from torchrec.distributed.pec_embedding import ShardedPECEmbeddingCollection
-from torchrec.distributed.types import Awaitable, LazyNoWait, ShardedModule
+from torchrec.distributed.types import Awaitable, LazyNoWait
 from torchrec.sparse.jagged_tensor import JaggedTensor, KeyedTensor
 
+from trec_pipelines._types import AnyShardedModule
 from trec_pipelines.args import CallArgs
 from trec_pipelines.context import (
     EmbeddingTrainPipelineContext,
@@ -59,7 +60,7 @@ class BaseForward(Generic[C]):
         self,
         name: str,
         args: CallArgs,
-        module: ShardedModule,
+        module: AnyShardedModule,
         context: C,
         stream: Optional[torch.Stream] = None,
     ) -> None:
@@ -103,7 +104,7 @@ class BaseForward(Generic[C]):
         return self._args
 
     @property
-    def module(self) -> ShardedModule:
+    def module(self) -> AnyShardedModule:
         return self._module
 
     def set_context(self, context: C) -> None:
@@ -140,10 +141,11 @@ class BaseForward(Generic[C]):
             and self._consumed_in != self.attempt
         )
 
-    def _forward_again(self, input: Tuple[Any, ...], kwargs: Dict[str, Any]) -> Any:
+    def _forward_again(self, input: Tuple[Any, ...], kwargs: Dict[str, Any]) -> Awaitable[Any]:
         """The module's own forward on this call's arguments: input_dist, then the rest."""
         module_ctx, data = run_input_dist(self._module, input, kwargs)
-        return self._module.compute_and_output_dist(module_ctx, data)
+        output: Awaitable[Any] = self._module.compute_and_output_dist(module_ctx, data)
+        return output
 
 
 class PipelinedForward(BaseForward[TrainPipelineContext]):
@@ -153,7 +155,7 @@ class PipelinedForward(BaseForward[TrainPipelineContext]):
         self,
         name: str,
         args: CallArgs,
-        module: ShardedModule,
+        module: AnyShardedModule,
         context: TrainPipelineContext,
         stream: Optional[torch.Stream] = None,
         *,
@@ -173,7 +175,8 @@ class PipelinedForward(BaseForward[TrainPipelineContext]):
         module_ctx = self._context.module_contexts.pop(self._name)
         hand_off(data, self._stream)
         hand_off(module_ctx, self._stream)
-        return self._module.compute_and_output_dist(module_ctx, data)
+        output: Awaitable[Any] = self._module.compute_and_output_dist(module_ctx, data)
+        return output
 
 
 class PrefetchPipelinedForward(BaseForward[PrefetchTrainPipelineContext]):
@@ -186,7 +189,7 @@ class PrefetchPipelinedForward(BaseForward[PrefetchTrainPipelineContext]):
         self,
         name: str,
         args: CallArgs,
-        module: ShardedModule,
+        module: AnyShardedModule,
         context: PrefetchTrainPipelineContext,
         prefetch_stream: Optional[torch.Stream] = None,
     ) -> None:
@@ -199,7 +202,8 @@ class PrefetchPipelinedForward(BaseForward[PrefetchTrainPipelineContext]):
         module_ctx = self._context.module_contexts_post_prefetch.pop(self._name)
         hand_off(data, self._stream)
         hand_off(module_ctx, self._stream)
-        return self._module.compute_and_output_dist(module_ctx, data)
+        output: Awaitable[Any] = self._module.compute_and_output_dist(module_ctx, data)
+        return output
 
 
 EmbeddingOutput = Union[Dict[str, JaggedTensor], KeyedTensor]
@@ -299,7 +303,8 @@ class PECPipelinedForward(InSyncEmbeddingPipelinedForward):
         forward_ctxs = context.pec_forward_ctxs.pop(self._name)
         # Still needed after the forward: by the OL gradient and the NOL deferral.
         backward_ctxs = context.pec_backward_ctxs[self._name]
-        return self._module.merge_partitioned_embeddings(
+        module: Any = self._module  # see pec_ops.PECModules
+        return module.merge_partitioned_embeddings(
             context.module_contexts[self._name],
             overlapped,
             not_overlapped,

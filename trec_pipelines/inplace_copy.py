@@ -165,7 +165,7 @@ class BatchQueue(deque):  # type: ignore[type-arg]
         item = super().popleft()
         return item.result() if isinstance(item, Future) else item
 
-    def pop(self) -> Any:
+    def pop(self) -> Any:  # type: ignore[override]  # deque's pop takes no index
         item = super().pop()
         return item.result() if isinstance(item, Future) else item
 

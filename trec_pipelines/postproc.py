@@ -91,6 +91,8 @@ class PipelinedPostproc(torch.nn.Module):
     same names.
     """
 
+    _forward: Callable[..., Any]  # the module's own forward
+
     def __init__(
         self,
         postproc_module: torch.nn.Module,
@@ -213,6 +215,8 @@ class PipelinedPostproc(torch.nn.Module):
         prefix: str = "",
         keep_vars: bool = False,
     ) -> Dict[str, Any]:
+        if destination is None:
+            return self._postproc_module.state_dict(prefix=prefix, keep_vars=keep_vars)
         return self._postproc_module.state_dict(
             destination=destination, prefix=prefix, keep_vars=keep_vars
         )

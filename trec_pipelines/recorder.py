@@ -34,29 +34,31 @@ from typing import Any, ContextManager, Dict, List, Optional, Tuple
 import torch
 
 from trec_pipelines import schedule_view
-from trec_pipelines.actions import Action  # also importable from here, its former home
+from trec_pipelines.actions import Action as Action  # also importable from here, its former home
 from trec_pipelines.ledger import LedgerSummary, MemoryLedger, MemorySample, summarize
 from trec_pipelines.streams import current_stream, record_event
-from trec_pipelines.tasks import (  # noqa: F401  (re-exported: pipelines use rec.H2D, ...)
-    BACKWARD,
-    EMB_BACKWARD,
-    EMB_LOOKUP,
-    EMB_PREFETCH,
-    FORWARD,
-    H2D,
-    INPUT_DIST_START,
-    INPUT_DIST_WAIT,
-    NOL_GRAD_APPLY,
-    NOL_GRAD_START,
-    NOL_LOOKUP,
-    OL_GRAD_APPLY,
-    OL_GRAD_START,
-    OL_LOOKUP,
-    OPTIMIZER_STEP,
-    OVERLAP_DIST,
-    TASKS,
-    WAIT_BATCH,
-    ZERO_GRAD,
+
+# Re-exported: the pipelines name the tasks rec.H2D, rec.FORWARD, ...
+from trec_pipelines.tasks import (
+    BACKWARD as BACKWARD,
+    EMB_BACKWARD as EMB_BACKWARD,
+    EMB_LOOKUP as EMB_LOOKUP,
+    EMB_PREFETCH as EMB_PREFETCH,
+    FORWARD as FORWARD,
+    H2D as H2D,
+    INPUT_DIST_START as INPUT_DIST_START,
+    INPUT_DIST_WAIT as INPUT_DIST_WAIT,
+    NOL_GRAD_APPLY as NOL_GRAD_APPLY,
+    NOL_GRAD_START as NOL_GRAD_START,
+    NOL_LOOKUP as NOL_LOOKUP,
+    OL_GRAD_APPLY as OL_GRAD_APPLY,
+    OL_GRAD_START as OL_GRAD_START,
+    OL_LOOKUP as OL_LOOKUP,
+    OPTIMIZER_STEP as OPTIMIZER_STEP,
+    OVERLAP_DIST as OVERLAP_DIST,
+    TASKS as TASKS,
+    WAIT_BATCH as WAIT_BATCH,
+    ZERO_GRAD as ZERO_GRAD,
 )
 
 _NO_SPAN: ContextManager[None] = contextlib.nullcontext()

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass, field, replace
-from typing import Any, Callable, Dict, List, Literal, Optional, Set, Tuple, Union
+from typing import Any, Callable, Dict, List, Literal, Optional, Set, Tuple, Union, cast
 
 import torch
 from torchrec.distributed.model_parallel import DistributedModelParallel
@@ -33,6 +33,7 @@ from torchrec.distributed.types import ShardedModule
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from trec_pipelines import tracing
+from trec_pipelines._types import AnyShardedModule
 from trec_pipelines.args import ArgInfo, CallArgs, GetAttr, GetItem
 from trec_pipelines.postproc import (
     PipelinedPostproc,
@@ -47,7 +48,7 @@ Strategy = Literal["auto", "fx", "direct"]
 STRATEGIES: Tuple[str, ...] = ("auto", "fx", "direct")
 
 # Builds the wrapper for one module: (fqn, call args, module) -> forward.
-ForwardFactory = Callable[[str, CallArgs, ShardedModule], Any]
+ForwardFactory = Callable[[str, CallArgs, AnyShardedModule], Any]
 
 
 @dataclass(frozen=True)
@@ -55,7 +56,7 @@ class PipelinedModule:
     """A sharded module whose forward was swapped."""
 
     name: str
-    module: ShardedModule
+    module: AnyShardedModule
     call_args: CallArgs
 
 
@@ -84,7 +85,7 @@ class RewriteResult:
     _saved: Tuple["_Saved", ...] = field(default=(), repr=False)
 
     @property
-    def modules(self) -> List[ShardedModule]:
+    def modules(self) -> List[AnyShardedModule]:
         return [p.module for p in self.pipelined]
 
     @property
@@ -116,9 +117,9 @@ def unwrap(model: torch.nn.Module) -> torch.nn.Module:
     return model
 
 
-def sharded_modules(model: torch.nn.Module) -> Dict[str, ShardedModule]:
+def sharded_modules(model: torch.nn.Module) -> Dict[str, AnyShardedModule]:
     """FQN -> sharded module, outermost only (a sharded module's insides are its own)."""
-    found: Dict[str, ShardedModule] = {}
+    found: Dict[str, AnyShardedModule] = {}
 
     def visit(module: torch.nn.Module, prefix: str) -> None:
         for name, child in module.named_children():
@@ -238,7 +239,7 @@ def _install(module: torch.nn.Module, forward: Any, mark_pipelined: bool = True)
     # registered as a child named "forward" (changing state_dict and named_modules).
     object.__setattr__(module, "forward", forward)
     if mark_pipelined:
-        module.is_pipelined = True
+        cast(Any, module).is_pipelined = True
     return saved
 
 
@@ -251,7 +252,7 @@ def restore_model(result: RewriteResult) -> None:
         else:
             module.__dict__.pop("forward", None)
         if was_pipelined is not None:
-            module.is_pipelined = was_pipelined
+            cast(Any, module).is_pipelined = was_pipelined
 
 
 def reapply_rewrite(result: RewriteResult, make_forward: ForwardFactory) -> RewriteResult:
@@ -284,7 +285,7 @@ def _log(result: RewriteResult) -> None:
 
 def _plan_fx(
     model: torch.nn.Module,
-    candidates: Dict[str, ShardedModule],
+    candidates: Dict[str, AnyShardedModule],
     make_postproc: Optional[PostprocFactory] = None,
 ) -> Tuple[List[Tuple[str, Union[CallArgs, str]]], Optional[PostprocPlanner]]:
     graph = tracing.trace(model)
@@ -372,7 +373,7 @@ def _collect_kjts(
 _LEAVES = (torch.Tensor, bool, int, float, str, bytes, type(None))
 
 
-def _feature_names(module: ShardedModule) -> Set[str]:
+def _feature_names(module: AnyShardedModule) -> Set[str]:
     names: Set[str] = set()
     for attr in ("_embedding_bag_configs", "_embedding_configs"):
         for config in getattr(module, attr, None) or []:
@@ -381,7 +382,7 @@ def _feature_names(module: ShardedModule) -> Set[str]:
 
 
 def _plan_direct(
-    candidates: Dict[str, ShardedModule], batch: Any
+    candidates: Dict[str, AnyShardedModule], batch: Any
 ) -> List[Tuple[str, Union[CallArgs, str]]]:
     fields = kjt_fields(batch)
     plans: List[Tuple[str, Union[CallArgs, str]]] = []

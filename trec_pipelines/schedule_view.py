@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import json
 from collections import defaultdict
-from typing import TYPE_CHECKING, Any, Dict, List, Optional, Sequence, Tuple
+from typing import TYPE_CHECKING, Any, Dict, List, Optional, Sequence, Tuple, Union
 
 from trec_pipelines.tasks import TASKS
 
@@ -16,7 +16,7 @@ if TYPE_CHECKING:
     from trec_pipelines.actions import Action
     from trec_pipelines.ledger import MemorySample
 
-Cell = Optional[Any]  # an int, a tuple of ints, or None
+Cell = Union[int, Tuple[int, ...], None]  # a batch, batches, or none
 Row = Tuple[str, str, List[Cell]]
 
 STREAM_ORDER = ("default", "emb_lookup", "data_dist", "prefetch", "memcpy")
@@ -40,9 +40,9 @@ def schedule_table(actions: Sequence["Action"]) -> List[Row]:
     n_calls = max(a.call for a in actions) + 1
     handled: Dict[Tuple[str, str], List[List[int]]] = {}
     for action in actions:
-        cells = handled.setdefault((action.task, action.stream), [[] for _ in range(n_calls)])
+        per_call = handled.setdefault((action.task, action.stream), [[] for _ in range(n_calls)])
         if action.batch is not None:
-            cells[action.call].append(action.batch)
+            per_call[action.call].append(action.batch)
 
     def order(key: Tuple[str, str]) -> Tuple[int, int]:
         task, stream = key

@@ -16,7 +16,7 @@ module can run ahead as a postproc, and the path then starts at its output.
 from __future__ import annotations
 
 import operator
-from typing import Any, Callable, Dict, List, Optional, Set, Union
+from typing import Any, Callable, Dict, List, Optional, Set, Tuple, Union, cast
 
 import torch
 import torch.fx
@@ -168,7 +168,9 @@ def arg_path_of(
 
 
 def _collection_of(
-    value: Union[list, tuple, dict], batch_node: torch.fx.Node, resolve: Resolve
+    value: Union[List[Any], Tuple[Any, ...], Dict[Any, Any]],
+    batch_node: torch.fx.Node,
+    resolve: Resolve,
 ) -> Union[ArgInfo, str]:
     """A list, tuple or dict built in the forward: each element's recipe, or
     why one of them can't be read (constants stay constants)."""
@@ -226,5 +228,5 @@ def call_args_of(
 def first_placeholder(graph: torch.fx.Graph) -> Optional[torch.fx.Node]:
     for node in graph.nodes:
         if node.op == "placeholder":
-            return node
+            return cast(torch.fx.Node, node)
     return None

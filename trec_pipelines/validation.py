@@ -75,7 +75,8 @@ def _row_sums(lengths: torch.Tensor, rows: int) -> List[int]:
         flat = lengths.tolist()
         width = len(flat) // rows
         return [sum(flat[r * width : (r + 1) * width]) for r in range(rows)]
-    return lengths.numpy().reshape(rows, -1).sum(axis=1).tolist()
+    per_row: List[int] = lengths.numpy().reshape(rows, -1).sum(axis=1).tolist()
+    return per_row
 
 
 def _running_sum_matches(offsets: torch.Tensor, lengths: torch.Tensor) -> bool:

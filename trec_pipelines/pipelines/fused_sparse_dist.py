@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
-from typing import Any, Callable, Deque, Iterator, List, Literal, Optional, Tuple
+from typing import Any, Callable, Deque, Iterator, List, Literal, Optional, Tuple, cast
 
 import torch
 from torchrec.distributed.train_pipeline import In, Out
-from torchrec.distributed.types import ShardedModule
 
 from trec_pipelines import lookup, recorder as rec
+from trec_pipelines._types import AnyShardedModule
 from trec_pipelines.args import CallArgs
 from trec_pipelines.context import EmbeddingTrainPipelineContext
 from trec_pipelines.forwards import BaseForward, InSyncEmbeddingPipelinedForward
@@ -182,17 +182,17 @@ class TrainPipelineFusedSparseDist(TrainPipelineSparseDist[In, Out]):
         )
 
     def _make_forward(
-        self, name: str, call_args: CallArgs, module: ShardedModule
+        self, name: str, call_args: CallArgs, module: AnyShardedModule
     ) -> BaseForward[Any]:
         return InSyncEmbeddingPipelinedForward(
             name,
             call_args,
             module,
-            self._current_context(),
-            self._lookup_stream,  # type: ignore[arg-type]
+            cast(EmbeddingTrainPipelineContext, self._current_context()),
+            self._lookup_stream,
         )
 
-    def _lookup_modules(self) -> List[Tuple[str, ShardedModule]]:
+    def _lookup_modules(self) -> List[Tuple[str, AnyShardedModule]]:
         if self._rewrite is None:
             return []
         return [(p.name, p.module) for p in self._rewrite.pipelined]

@@ -37,9 +37,9 @@ from typing import Any, Callable, Deque, Iterator, List, Optional, Tuple
 
 import torch
 from torchrec.distributed.train_pipeline import In, Out
-from torchrec.distributed.types import ShardedModule
 
 from trec_pipelines import lookup, pec_ops, recorder as rec
+from trec_pipelines._types import AnyShardedModule
 from trec_pipelines.args import CallArgs
 from trec_pipelines.context import PECTrainPipelineContext
 from trec_pipelines.forwards import BaseForward, PECPipelinedForward
@@ -161,7 +161,7 @@ class TrainPipelinePEC(TrainPipelineSparseDist[In, Out]):
     # ------------------------------------------------------------------ setup
 
     def _make_forward(
-        self, name: str, call_args: CallArgs, module: ShardedModule
+        self, name: str, call_args: CallArgs, module: AnyShardedModule
     ) -> BaseForward[Any]:
         # Lookups run on the default stream: nothing to hand over.
         return PECPipelinedForward(name, call_args, module, self._current_context())  # type: ignore[arg-type]
@@ -175,7 +175,7 @@ class TrainPipelinePEC(TrainPipelineSparseDist[In, Out]):
             return []
         return [(p.name, p.module) for p in self._rewrite.pipelined if pec_ops.is_pec(p.module)]
 
-    def _other_modules(self) -> List[Tuple[str, ShardedModule]]:
+    def _other_modules(self) -> List[Tuple[str, AnyShardedModule]]:
         if self._rewrite is None:
             return []
         return [(p.name, p.module) for p in self._rewrite.pipelined if not pec_ops.is_pec(p.module)]

@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
-from typing import Any, Callable, Iterator, Optional, Tuple
+from typing import Any, Callable, Iterator, Optional, Tuple, cast
 
 import torch
 from torchrec.distributed.train_pipeline import In, Out
-from torchrec.distributed.types import ShardedModule
 
 from trec_pipelines import recorder as rec
+from trec_pipelines._types import AnyShardedModule
 from trec_pipelines.args import CallArgs
 from trec_pipelines.cache_prefetch import prefetch_modules
 from trec_pipelines.context import PrefetchTrainPipelineContext
@@ -154,11 +154,15 @@ class PrefetchTrainPipelineSparseDist(TrainPipelineSparseDist[In, Out]):
         return make_streams(self._device, memcpy=True, data_dist=True, prefetch=True)
 
     def _make_forward(
-        self, name: str, call_args: CallArgs, module: ShardedModule
+        self, name: str, call_args: CallArgs, module: AnyShardedModule
     ) -> BaseForward[Any]:
         # The wrapper hands the prefetched input over from the prefetch stream.
         return PrefetchPipelinedForward(
-            name, call_args, module, self._current_context(), self._streams.prefetch
+            name,
+            call_args,
+            module,
+            cast(PrefetchTrainPipelineContext, self._current_context()),
+            self._streams.prefetch,
         )
 
     # ------------------------------------------------------------------ verbs

@@ -8,10 +8,10 @@ from typing import Any, Callable, ContextManager, Dict, Iterator, Optional
 
 import torch
 from torchrec.distributed.train_pipeline import In, Out, TrainPipeline
-from torchrec.distributed.types import ShardedModule
 from torchrec.pt2.utils import default_pipeline_input_transformer
 
 from trec_pipelines import recorder as rec
+from trec_pipelines._types import AnyShardedModule
 from trec_pipelines.agreement import agreement_group
 from trec_pipelines.compiler_settings import HeldSettings
 from trec_pipelines.pipelines._common import check_device, check_model_device, check_optimizer
@@ -139,7 +139,7 @@ class TrainPipelinePT2(TrainPipeline[In, Out], Recordable, Resumable):
         self._compiled = False
         self._cur_batch: Optional[Any] = None
         # The model's sharded modules, found once (see _take_over_model).
-        self._sharded: Optional[Dict[str, ShardedModule]] = None
+        self._sharded: Optional[Dict[str, AnyShardedModule]] = None
 
     def _compile(self) -> None:
         config = self._compile_configs

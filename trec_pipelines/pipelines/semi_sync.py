@@ -7,10 +7,10 @@ from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple, cast
 
 import torch
 from torchrec.distributed.train_pipeline import In, Out
-from torchrec.distributed.types import ShardedModule
 from torchrec.sparse.jagged_tensor import KeyedTensor
 
 from trec_pipelines import recorder as rec
+from trec_pipelines._types import AnyShardedModule
 from trec_pipelines.args import CallArgs
 from trec_pipelines.context import EmbeddingTrainPipelineContext, TrainPipelineContext
 from trec_pipelines.forwards import BaseForward, EmbeddingPipelinedForward
@@ -180,7 +180,7 @@ class TrainPipelineSemiSync(TrainPipelineSparseDist[In, Out]):
     # ------------------------------------------------------------------ setup
 
     def _make_forward(
-        self, name: str, call_args: CallArgs, module: ShardedModule
+        self, name: str, call_args: CallArgs, module: AnyShardedModule
     ) -> BaseForward[Any]:
         return EmbeddingPipelinedForward(
             name,
@@ -190,7 +190,7 @@ class TrainPipelineSemiSync(TrainPipelineSparseDist[In, Out]):
             self._streams.data_dist,
         )
 
-    def _lookup_modules(self) -> List[Tuple[str, ShardedModule]]:
+    def _lookup_modules(self) -> List[Tuple[str, AnyShardedModule]]:
         assert self._rewrite is not None
         return [(p.name, p.module) for p in self._rewrite.pipelined]
 

@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import logging
 from collections import deque
-from typing import Any, Callable, Deque, Generic, List, Optional, Set
+from typing import Any, Callable, Deque, Generic, List, Optional, Set, cast
 
 import torch
 from torch.utils.hooks import RemovableHandle
 from torchrec.distributed.train_pipeline import In
-from torchrec.distributed.types import ShardedModule
 
+from trec_pipelines._types import AnyShardedModule
 from trec_pipelines.args import CallArgs
 from trec_pipelines.cache_prefetch import prefetch_modules
 from trec_pipelines.context import (
@@ -276,7 +276,7 @@ class SparseDataDistUtil(Generic[In]):
 
     def _set_module_context(self, context: TrainPipelineContext) -> None:
         for module in self._modules():
-            module.forward.set_context(context)  # type: ignore[union-attr]
+            cast(BaseForward[Any], module.forward).set_context(context)
         for postproc in self._pipelined_postprocs:
             postproc.set_context(context)
 
@@ -332,14 +332,14 @@ class SparseDataDistUtil(Generic[In]):
 
     # ---------------------------------------------------------------- rewrite
 
-    def _modules(self) -> List[ShardedModule]:
+    def _modules(self) -> List[AnyShardedModule]:
         return [] if self._rewrite is None else self._rewrite.modules
 
     def _names(self) -> List[str]:
         return [] if self._rewrite is None else self._rewrite.names
 
     def _make_forward(
-        self, name: str, call_args: CallArgs, module: ShardedModule
+        self, name: str, call_args: CallArgs, module: AnyShardedModule
     ) -> BaseForward[Any]:
         context: Any = self._contexts[0]  # of the type _new_context makes for this mode
         if self._with_prefetch:

@@ -275,7 +275,7 @@ class _Replay:
                         _PendingReuse(storage, user, use, allocated_by, free.where)
                     )
         for table in (self._uses, self._record_streams, self._reads):
-            table.pop(storage, None)  # type: ignore[attr-defined]
+            table.pop(storage, None)
         self._last_write.pop(storage, None)
 
     def _sync(self, sync: SyncRecord) -> None:
