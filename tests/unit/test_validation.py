@@ -63,6 +63,10 @@ MALFORMED = {
         lambda: KeyedJaggedTensor(keys=KEYS, values=GOOD, lengths=LENGTHS, length_per_key=[4, 5]),
         r"key 'f0': length_per_key says 4 values but its lengths add up to 3",
     ),
+    "length_per_key count": (
+        lambda: KeyedJaggedTensor(keys=KEYS, values=GOOD, lengths=LENGTHS, length_per_key=[9]),
+        r"length_per_key has 1 entries for 2 keys",
+    ),
     "stride": (
         lambda: _kjt(GOOD[:8], lengths=torch.tensor([1, 2, 0, 3, 2]), stride=3),
         r"5 lengths for 2 keys x stride 3",
