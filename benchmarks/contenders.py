@@ -37,8 +37,10 @@ from torch import nn
 from benchmarks import netns, shim
 from benchmarks.model import Batch, ModelSpec, make_sharded
 from benchmarks.report import COMPILED_PLAIN, COMPILED_VARIANTS
+from tests import devices
 
-CPU = torch.device("cpu")
+# Where the ranks train: CPU, or the rank's GPU (tests/devices.py, TREC_DEVICE).
+DEVICE = devices.device()
 
 # Display order; variants exported later that are not listed go at the end.
 KNOWN_ORDER = (
@@ -267,7 +269,7 @@ class PlainLoop(Contender):
         model, optimizer = self.model, self.optimizer
         assert model is not None and optimizer is not None
         for batch in batches:
-            batch = batch.to(CPU, non_blocking=True)
+            batch = batch.to(DEVICE, non_blocking=True)
             if self.mode == EVAL:
                 model(batch)
                 continue
@@ -391,7 +393,7 @@ class PipelineContender(Contender):
 
     def _build(self) -> None:
         kwargs = {**VARIANT_KWARGS.get(self.base_variant, {}), **self.extra_kwargs}
-        self.pipeline = self.cls(self.model, self.optimizer, CPU, **kwargs)
+        self.pipeline = self.cls(self.model, self.optimizer, DEVICE, **kwargs)
 
     def _run_epoch(self, batches: Sequence[Batch]) -> int:
         pipeline = self.pipeline
@@ -447,16 +449,16 @@ class StagedContender(PipelineContender):
 
     def _build(self) -> None:
         stage_cls, util_cls = self._helpers()
-        # A CPU "stream": a real torch.Stream object, so code that reads .device works.
-        copy_stream = torch.Stream(device="cpu")
+        # A real torch.Stream object (on CPU too, so code that reads .device works).
+        copy_stream = torch.Stream(device=DEVICE)
         # input_dist_group is SparseDataDistUtil's option; the rest go to the pipeline.
         util_kwargs = {k: v for k, v in self.extra_kwargs.items() if k == "input_dist_group"}
         pipeline_kwargs = {k: v for k, v in self.extra_kwargs.items() if k not in util_kwargs}
         self._sdd = util_cls(
-            model=self.model, data_dist_stream=torch.Stream(device="cpu"), **util_kwargs
+            model=self.model, data_dist_stream=torch.Stream(device=DEVICE), **util_kwargs
         )
         stages = [
-            stage_cls(name="data_copy", runnable=_to_cpu, stream=copy_stream),
+            stage_cls(name="data_copy", runnable=_to_device, stream=copy_stream),
             stage_cls(
                 name="start_sparse_data_dist",
                 runnable=self._sdd.start_sparse_data_dist,
@@ -466,7 +468,7 @@ class StagedContender(PipelineContender):
         ]
         # torchrec would otherwise ask torch.cpu for a "current stream" that has no .device.
         self.pipeline = self.cls(
-            pipeline_stages=stages, compute_stream=torch.Stream(device="cpu"), **pipeline_kwargs
+            pipeline_stages=stages, compute_stream=torch.Stream(device=DEVICE), **pipeline_kwargs
         )
 
     def _run_epoch(self, batches: Sequence[Batch]) -> int:
@@ -523,8 +525,8 @@ def _ours(name: str, home_module: str) -> Any:
     return None
 
 
-def _to_cpu(batch: Batch) -> Batch:
-    return batch.to(CPU, non_blocking=True)
+def _to_device(batch: Batch) -> Batch:
+    return batch.to(DEVICE, non_blocking=True)
 
 
 def make_contender(variant: Variant, side: str) -> Contender:
@@ -630,7 +632,7 @@ class StageProbe(Contender):
             dist.barrier(group=pg)
             b0 = link() if link else 0
             t0, c0 = time.perf_counter(), time.process_time()
-            batch = host_batch.to(CPU, non_blocking=True)
+            batch = host_batch.to(DEVICE, non_blocking=True)
             t1, c1 = time.perf_counter(), time.process_time()
             dist.barrier(group=pg)
             b1 = link() if link else 0

@@ -30,6 +30,8 @@ from torchrec.optim.optimizers import in_backward_optimizer_filter
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 from torchrec.streamable import Pipelineable
 
+from tests import devices
+
 SHARDING_TYPES = ("table_wise", "row_wise", "column_wise", "table_row_wise", "data_parallel")
 
 
@@ -205,14 +207,14 @@ def make_sharded(
     }
     sharders = [EmbeddingBagCollectionSharder()]
     planner = EmbeddingShardingPlanner(
-        topology=Topology(world_size=dist.get_world_size(pg), compute_device="cpu"),
+        topology=Topology(world_size=dist.get_world_size(pg), compute_device=devices.device().type),
         constraints=constraints,
     )
     plan = planner.collective_plan(model, sharders, pg)
     dmp = DistributedModelParallel(
         module=model,
         env=ShardingEnv.from_process_group(pg),
-        device=torch.device("cpu"),
+        device=devices.device(),
         plan=plan,
         sharders=sharders,
     )

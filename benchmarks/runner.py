@@ -64,6 +64,7 @@ from benchmarks.contenders import (
     takes_input_dist_group,
 )
 from benchmarks.model import ModelSpec, make_batches, tiny_spec
+from tests import devices
 from trec_pipelines.memory import peak_rss_bytes
 from trec_pipelines.validation import batch_problem
 
@@ -136,7 +137,7 @@ class Session:
     def build(self, contender: Contender, spec: ModelSpec) -> Optional[str]:
         """Build ``contender`` on a new group: all ranks, or (solo) rank 0 alone."""
         ranks = [0] if self.solo else None
-        pg = dist.new_group(ranks=ranks, backend="gloo", timeout=self.timeout)
+        pg = dist.new_group(ranks=ranks, backend=devices.backend(), timeout=self.timeout)
 
         def do() -> None:
             if self.active:
@@ -670,7 +671,10 @@ def link_facts(cfg: BenchConfig) -> Dict[str, Any]:
 def worker(cfg: BenchConfig) -> int:
     _quiet(int(os.environ.get("RANK", "0")))
     torch.set_num_threads(cfg.threads)
-    dist.init_process_group(backend="gloo", timeout=datetime.timedelta(seconds=cfg.pg_timeout_s))
+    devices.bind()
+    dist.init_process_group(
+        backend=devices.backend(), timeout=datetime.timedelta(seconds=cfg.pg_timeout_s)
+    )
     rank, world = dist.get_rank(), dist.get_world_size()
     variants, notes = discover(cfg.variants, cfg.include_compiled)
     main = _contenders(variants, cfg, probe=True)
@@ -750,7 +754,8 @@ def write_results(
 ) -> None:
     link = link_facts(cfg)
     header = [
-        f"trec_pipelines benchmark '{cfg.run_name()}': {raw['world']} gloo ranks on CPU, "
+        f"trec_pipelines benchmark '{cfg.run_name()}': {raw['world']} {devices.backend()} ranks "
+        f"on {devices.device_type().upper()}, "
         f"{cfg.sharding_type}, {len(cfg.dims)} tables x {cfg.rows:,} rows, pooling ~{cfg.pooling}, "
         f"{cfg.threads} thread(s)/rank; wall time {seconds / 60:.1f} min",
         _link_line(link),

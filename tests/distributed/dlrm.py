@@ -44,6 +44,8 @@ from torchrec.optim.optimizers import in_backward_optimizer_filter
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor, KeyedTensor
 from torchrec.streamable import Pipelineable
 
+from tests import devices
+
 # --------------------------------------------------------------------------
 # Shapes
 # --------------------------------------------------------------------------
@@ -358,7 +360,7 @@ def make_sharded(
     if sharding_type not in SHARDING_TYPES:
         raise ValueError(f"sharding_type must be one of {SHARDING_TYPES}")
     assert dist.is_initialized(), "make_sharded needs the default process group"
-    device = torch.device("cpu")
+    device = devices.device()
     pg = pg if pg is not None else current_group()
     world_size = dist.get_world_size(pg)
 
@@ -375,7 +377,7 @@ def make_sharded(
     }
     sharders = [EmbeddingBagCollectionSharder()]
     planner = EmbeddingShardingPlanner(
-        topology=Topology(world_size=world_size, compute_device="cpu"),
+        topology=Topology(world_size=world_size, compute_device=device.type),
         constraints=constraints,
     )
     plan = planner.collective_plan(model, sharders, pg)
@@ -512,7 +514,8 @@ def assert_runs_equal(a: Run, b: Run, names: Sequence[str] = ("a", "b")) -> None
     weights ``torch.equal``; the message names the first difference."""
     rank = _rank()
     na, nb = names
-    for step, (x, y) in enumerate(zip(a, b, strict=True)):
+    # The common steps first (the first differing one is the better message), then the count.
+    for step, (x, y) in enumerate(zip(a, b, strict=False)):
         if x.shape != y.shape or not torch.equal(x, y):
             detail = (
                 f"shapes {tuple(x.shape)} vs {tuple(y.shape)}"

@@ -34,9 +34,10 @@ from torchrec.optim.apply_optimizer_in_backward import apply_optimizer_in_backwa
 from torchrec.optim.keyed import CombinedOptimizer, KeyedOptimizerWrapper
 from torchrec.optim.optimizers import in_backward_optimizer_filter
 
+from tests import devices
 from tests.distributed.dlrm import FieldwiseBatch, Run, current_group, run_pipeline, weights
 
-CPU = torch.device("cpu")
+DEVICE = devices.device()
 ROWS = 64
 DENSE = 4
 IDS = ["a", "b", "c"]
@@ -167,7 +168,7 @@ class TwoTowers(nn.Module):
                 )
                 for f in ids
             ],
-            device=CPU,
+            device=DEVICE,
         )
         self.webc = EmbeddingBagCollection(
             tables=[
@@ -177,7 +178,7 @@ class TwoTowers(nn.Module):
                 for f in scored
             ],
             is_weighted=True,
-            device=CPU,
+            device=DEVICE,
         )
         self.dense = nn.Sequential(nn.Linear(DENSE, 4), nn.ReLU())
         self.over = nn.Linear(4 + 4 * len(ids) + 4 * len(scored), 1)
@@ -239,11 +240,11 @@ def build(
     tables = [c.name for tower in towers for c in tower.embedding_bag_configs()]
     constraints = {t: ParameterConstraints(sharding_types=[sharding_type]) for t in tables}
     plan = EmbeddingShardingPlanner(
-        topology=Topology(world_size=dist.get_world_size(pg), compute_device="cpu"),
+        topology=Topology(world_size=dist.get_world_size(pg), compute_device=DEVICE.type),
         constraints=constraints,
     ).collective_plan(model, sharders, pg)
     dmp = DistributedModelParallel(
-        model, env=ShardingEnv.from_process_group(pg), device=CPU, plan=plan, sharders=sharders
+        model, env=ShardingEnv.from_process_group(pg), device=DEVICE, plan=plan, sharders=sharders
     )
     dense = KeyedOptimizerWrapper(
         dict(in_backward_optimizer_filter(dmp.named_parameters())),
@@ -280,6 +281,6 @@ def run(
 ) -> Tuple[Run, Any, nn.Module]:
     """Train ``TwoTowers(layout)`` with ``pipeline_cls`` to the end of the data."""
     dmp, optimizer = build(layout, wrap=wrap)
-    pipeline = pipeline_cls(dmp, optimizer, CPU, **kwargs)
+    pipeline = pipeline_cls(dmp, optimizer, DEVICE, **kwargs)
     with shim() if shim is not None else contextlib.nullcontext():
         return run_pipeline(pipeline, make_batches(), model=dmp), pipeline, dmp

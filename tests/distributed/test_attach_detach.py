@@ -22,7 +22,7 @@ from torch import nn
 import trec_pipelines
 from tests.distributed.dlrm import Run, assert_runs_equal, weights
 from tests.distributed.postproc_models import (
-    CPU,
+    DEVICE,
     AddNegatives,
     Batch,
     build,
@@ -75,7 +75,7 @@ class Lockstep:
     def __init__(self, cls: Any, layout: str, ours: bool, **kwargs: Any) -> None:
         self.ref, self.ref_opt = build(layout)
         self.dmp, optimizer = build(layout)
-        self.pipeline = cls(self.dmp, optimizer, CPU, pipeline_postproc=True, **kwargs)
+        self.pipeline = cls(self.dmp, optimizer, DEVICE, pipeline_postproc=True, **kwargs)
         self.ours = ours
         self.outputs: List[torch.Tensor] = []
 

@@ -27,6 +27,7 @@ from torchrec.distributed.train_pipeline.train_pipelines import (
 from torchrec.distributed.types import ShardingType
 
 import trec_pipelines
+from tests import devices
 from tests.distributed.dlrm import (
     DLRM,
     assert_runs_equal,
@@ -42,7 +43,7 @@ from trec_pipelines.backward_hooks import (
     OutputDistTensorFinder,
 )
 
-CPU = torch.device("cpu")
+DEVICE = devices.device()
 SEED, DATA_SEED = 1234, 7
 N = 6
 
@@ -91,7 +92,7 @@ def test_work_runs_during_the_output_dist_backward(cls: Any, log: List[str]) -> 
     assert log == ["launch", "wait"] * N  # the markers see the plain loop's backward
     log.clear()
     dmp, optimizer = make_sharded(DLRM, "table_wise", seed=SEED)
-    pipeline = cls(dmp, optimizer, CPU)
+    pipeline = cls(dmp, optimizer, DEVICE)
     seen: List[Any] = []
 
     def work(p: Any) -> None:
@@ -120,7 +121,7 @@ def test_torchrec_records_the_same_sequence_and_accepts_its_own_site(log: List[s
     for cls in (UpstreamSparseDist, trec_pipelines.TrainPipelineSparseDist):
         log.clear()
         dmp, optimizer = make_sharded(DLRM, "table_wise", seed=SEED)
-        pipeline = cls(dmp, optimizer, CPU)
+        pipeline = cls(dmp, optimizer, DEVICE)
         pipeline.register_backward_hook(site, lambda p: log.append("work"))
         runs.append(run_pipeline(pipeline, batches, model=dmp))
         logs.append(list(log))
@@ -147,7 +148,7 @@ def test_param_grad_site_on_a_dense_module(cls: Any) -> None:
     runs = []
     for with_hook in (False, True):
         dmp, optimizer = make_sharded(DLRM, "table_wise", seed=SEED)
-        pipeline = cls(dmp, optimizer, CPU)
+        pipeline = cls(dmp, optimizer, DEVICE)
         grads: List[torch.Tensor] = []
         if with_hook:
             site = InjectionSite(
@@ -175,7 +176,7 @@ def test_param_grad_site_on_a_dense_module(cls: Any) -> None:
 
 def test_bad_sites_say_what_to_do() -> None:
     dmp, optimizer = make_sharded(DLRM, "table_wise", seed=SEED)
-    pipeline = trec_pipelines.TrainPipelineSparseDist(dmp, optimizer, CPU)
+    pipeline = trec_pipelines.TrainPipelineSparseDist(dmp, optimizer, DEVICE)
     with pytest.raises(ValueError, match="no module 'nope'"):
         pipeline.register_backward_hook(
             InjectionSite("nope", FirstGradTensorFinder()), lambda p: None
@@ -199,7 +200,7 @@ def test_bad_sites_say_what_to_do() -> None:
     ).remove()
     # A Fused pipeline's EBC returns embeddings looked up outside its forward: no output-dist token.
     dmp, optimizer = make_sharded(DLRM, "table_wise", seed=SEED)
-    fused = trec_pipelines.TrainPipelineFusedSparseDist(dmp, optimizer, CPU)
+    fused = trec_pipelines.TrainPipelineFusedSparseDist(dmp, optimizer, DEVICE)
     fused.register_backward_hook(output_dist_site(), lambda p: None)
     with pytest.raises(RuntimeError, match="PARAM_GRAD"):
         run_pipeline(fused, make_batches(2, seed=DATA_SEED), model=dmp)
@@ -219,7 +220,7 @@ def test_eval_pipelines_accept_a_hook_that_never_runs(cls: Any, log: List[str]) 
         ref = [ref_model(b)[1] for b in batches]
     dmp, optimizer = make_sharded(DLRM, "table_wise", seed=SEED)
     dmp.eval()
-    pipeline = cls(dmp, optimizer, CPU)
+    pipeline = cls(dmp, optimizer, DEVICE)
     site = (
         output_dist_site()
         if cls is trec_pipelines.EvalPipelineSparseDist

@@ -24,6 +24,7 @@ from torchrec.distributed.train_pipeline.gradient_accumulation import (
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 import trec_pipelines
+from tests import devices
 from tests.distributed.dlrm import (
     DLRM,
     FEATURES,
@@ -41,7 +42,7 @@ from tests.distributed.dlrm import (
 )
 from tests.fault_injection import FailingBackward, Fault
 
-CPU = torch.device("cpu")
+DEVICE = devices.device()
 SEED, DATA_SEED = 1234, 11
 
 
@@ -136,7 +137,7 @@ def train_with_retry(pipeline: Any, batches: List[Any], model: Any) -> Run:
 def _pipeline(name: str, dmp: Any, optimizer: Any, **kwargs: Any) -> Any:
     # SemiSync stays synchronous (start_batch past the data): the plain loop is its oracle.
     extra = {"start_batch": 100} if name == "TrainPipelineSemiSync" else {}
-    return getattr(trec_pipelines, name)(dmp, optimizer, CPU, **extra, **kwargs)
+    return getattr(trec_pipelines, name)(dmp, optimizer, DEVICE, **extra, **kwargs)
 
 
 VARIANTS = [
@@ -204,12 +205,12 @@ def test_after_an_eval_pipeline_left_attached_training_equals_the_plain_loop() -
     )
 
     dmp, optimizer = make_sharded(DLRM, "table_wise", seed=SEED)
-    pipeline = trec_pipelines.TrainPipelineSemiSync(dmp, optimizer, CPU, start_batch=100)
+    pipeline = trec_pipelines.TrainPipelineSemiSync(dmp, optimizer, DEVICE, start_batch=100)
     it = iter(train)
     first = [_snapshot(pipeline.progress(it)) for _ in range(2)]
     dmp.eval()
     evaluated = run_pipeline(
-        trec_pipelines.EvalPipelineSparseDist(dmp, None, CPU), evaluation, model=dmp
+        trec_pipelines.EvalPipelineSparseDist(dmp, None, DEVICE), evaluation, model=dmp
     )
     dmp.train()
     rest = run_pipeline(pipeline, it, model=dmp)
@@ -226,10 +227,10 @@ def test_a_new_train_pipeline_takes_over_from_an_eval_pipeline() -> None:
     ref = plain_loop(*make_sharded(DLRM, "table_wise", seed=SEED), train)
     dmp, optimizer = make_sharded(DLRM, "table_wise", seed=SEED)
     dmp.eval()
-    run_pipeline(trec_pipelines.EvalPipelineSparseDist(dmp, None, CPU), evaluation, model=dmp)
+    run_pipeline(trec_pipelines.EvalPipelineSparseDist(dmp, None, DEVICE), evaluation, model=dmp)
     dmp.train()
     ours = run_pipeline(
-        trec_pipelines.TrainPipelineFusedSparseDist(dmp, optimizer, CPU), train, model=dmp
+        trec_pipelines.TrainPipelineFusedSparseDist(dmp, optimizer, DEVICE), train, model=dmp
     )
     assert_runs_equal(ref, ours, ("plain loop", "Fused after an attached eval pipeline"))
 
@@ -243,7 +244,7 @@ def test_a_fault_on_one_rank_ends_the_other_with_an_error_not_a_hang() -> None:
     timeout error (a short one here; or, beyond two ranks, a peer's closed
     connection), with the pipeline's note, instead of hanging."""
     rank = dist.get_rank()
-    short = dist.new_group(backend="gloo", timeout=timedelta(seconds=4))
+    short = dist.new_group(backend=devices.backend(), timeout=timedelta(seconds=4))
     store = dist.TCPStore(
         os.environ["MASTER_ADDR"],
         int(os.environ["MASTER_PORT"]),
@@ -252,7 +253,7 @@ def test_a_fault_on_one_rank_ends_the_other_with_an_error_not_a_hang() -> None:
         timeout=timedelta(seconds=120),
     )
     dmp, optimizer = _build("after_lookup", 2, ranks=(0,), pg=short)
-    pipeline = trec_pipelines.TrainPipelineSparseDist(dmp, optimizer, CPU)
+    pipeline = trec_pipelines.TrainPipelineSparseDist(dmp, optimizer, DEVICE)
     it = iter(make_batches(6, seed=DATA_SEED))
     pipeline.progress(it), pipeline.progress(it)
     with pytest.raises(Exception) as failure:
@@ -330,7 +331,7 @@ def test_malformed_kjt_on_one_rank_raises_on_every_rank_in_the_same_step(name: s
     The model's group times out after 20 s (PG_TIMEOUT: 120 s), so a rank left
     waiting in a collective fails the test quickly instead of hanging it."""
     rank, bad = dist.get_rank(), dist.get_world_size() - 1
-    short = dist.new_group(backend="gloo", timeout=timedelta(seconds=20))
+    short = dist.new_group(backend=devices.backend(), timeout=timedelta(seconds=20))
     batches = make_batches(6, seed=DATA_SEED)
     good = batches[:3] + batches[4:]
     if rank == bad:
@@ -346,7 +347,9 @@ def test_malformed_kjt_on_one_rank_raises_on_every_rank_in_the_same_step(name: s
             name.split("+")[0],
             {"loader_thread": True} if name.endswith("+thread") else {},
         )
-        pipeline = getattr(trec_pipelines, cls_name)(dmp, None, CPU, sync_exhaustion=True, **thread)
+        pipeline = getattr(trec_pipelines, cls_name)(
+            dmp, None, DEVICE, sync_exhaustion=True, **thread
+        )
     else:
         ref = plain_loop(ref_dmp, ref_optimizer, good)
         pipeline = _pipeline(name, dmp, optimizer, sync_exhaustion=True)
@@ -376,8 +379,10 @@ def test_the_ranks_agree_only_with_sync_exhaustion() -> None:
     destroyed once the pipeline is collected); by default nothing is agreed, and
     no group is made (see [Note: agreeing on each batch] for why)."""
     dmp, optimizer = make_sharded(DLRM, "table_wise", seed=SEED)
-    assert trec_pipelines.TrainPipelineSparseDist(dmp, optimizer, CPU)._source._sync_group is None
-    pipeline = trec_pipelines.TrainPipelineSparseDist(dmp, optimizer, CPU, sync_exhaustion=True)
+    assert (
+        trec_pipelines.TrainPipelineSparseDist(dmp, optimizer, DEVICE)._source._sync_group is None
+    )
+    pipeline = trec_pipelines.TrainPipelineSparseDist(dmp, optimizer, DEVICE, sync_exhaustion=True)
     agreed = pipeline._source._sync_group
     assert (
         agreed is not None and agreed is not current_group() and dist.get_backend(agreed) == "gloo"
@@ -385,7 +390,7 @@ def test_the_ranks_agree_only_with_sync_exhaustion() -> None:
     run_pipeline(pipeline, make_batches(3, seed=DATA_SEED), model=dmp)
     del pipeline
     gc.collect()
-    assert trec_pipelines.TrainPipelineBase(dmp, optimizer, CPU)._source._sync_group is None
+    assert trec_pipelines.TrainPipelineBase(dmp, optimizer, DEVICE)._source._sync_group is None
     # The next pipeline's constructor destroyed the collected pipeline's group.
     with pytest.raises((KeyError, ValueError, RuntimeError)):
         dist.get_process_group_ranks(agreed)
@@ -444,8 +449,8 @@ def _unrewriting(name: str, dmp: Any, optimizer: Any) -> Any:
     happens before anything would compile, and compiling is slow here)."""
     if name == "TrainPipelinePT2":
         config = trec_pipelines.TorchCompileConfig(compile_on_iter=1000)
-        return trec_pipelines.TrainPipelinePT2(dmp, optimizer, CPU, compile_configs=config)
-    return trec_pipelines.TrainPipelineBase(dmp, optimizer, CPU)
+        return trec_pipelines.TrainPipelinePT2(dmp, optimizer, DEVICE, compile_configs=config)
+    return trec_pipelines.TrainPipelineBase(dmp, optimizer, DEVICE)
 
 
 @pytest.mark.parametrize("eval_name", ["EvalPipelineSparseDist", "EvalPipelineFusedSparseDist"])
@@ -466,7 +471,7 @@ def test_base_and_pt2_take_the_model_over_from_an_eval_pipeline(name: str, eval_
         ref_after = [ref_dmp(b)[1] for b in evaluation]
 
     dmp, optimizer = make_sharded(DLRM, "table_wise", seed=SEED)
-    evaluator = getattr(trec_pipelines, eval_name)(dmp, None, CPU)
+    evaluator = getattr(trec_pipelines, eval_name)(dmp, None, DEVICE)
     dmp.eval()
     with torch.no_grad():
         before = run_pipeline(evaluator, evaluation, model=dmp)

@@ -32,6 +32,7 @@ import torchrec.distributed.train_pipeline.train_pipelines as upstream_pipelines
 from torch.nn.parallel import DistributedDataParallel
 
 import trec_pipelines
+from tests import devices
 from tests.distributed.dlrm import (
     DLRM,
     Run,
@@ -45,7 +46,7 @@ from tests.distributed.dlrm import (
 from tests.distributed.torchrec_shim import shim_active, torchrec_on_cpu
 from trec_pipelines import GradientAccumulationConfig, GradientAccumulationWrapper
 
-CPU = torch.device("cpu")
+DEVICE = devices.device()
 SEED, DATA_SEED = 1234, 7
 NUM_STEPS, NUM_WARMUP = 3, 2
 PIPELINES = (
@@ -145,7 +146,7 @@ def test_ours_matches_the_accumulation_loop_and_torchrec(
     )
 
     dmp, optimizer = make_sharded(DLRM, sharding_type, seed=SEED)
-    pipeline = getattr(trec_pipelines, name)(dmp, optimizer, CPU)
+    pipeline = getattr(trec_pipelines, name)(dmp, optimizer, DEVICE)
     wrapped = GradientAccumulationWrapper(pipeline, optimizer, dmp, config())
     assert not shim_active()
     ours = run_pipeline(wrapped, batches, model=dmp)
@@ -154,7 +155,7 @@ def test_ours_matches_the_accumulation_loop_and_torchrec(
     assert dense_weights_agree_across_ranks(dmp)
 
     their_dmp, their_optimizer = make_sharded(DLRM, sharding_type, seed=SEED)
-    their_pipeline = getattr(upstream_pipelines, name)(their_dmp, their_optimizer, CPU)
+    their_pipeline = getattr(upstream_pipelines, name)(their_dmp, their_optimizer, DEVICE)
     their_config = upstream.GradientAccumulationConfig(
         num_steps=NUM_STEPS, num_warmup_steps=NUM_WARMUP
     )
@@ -182,7 +183,7 @@ def test_accumulation_changes_training() -> None:
     batches = make_batches(seed=DATA_SEED)
     every_batch = plain_loop(*make_sharded(DLRM, "data_parallel", seed=SEED), batches)
     dmp, optimizer = make_sharded(DLRM, "data_parallel", seed=SEED)
-    pipeline = trec_pipelines.TrainPipelineSparseDist(dmp, optimizer, CPU)
+    pipeline = trec_pipelines.TrainPipelineSparseDist(dmp, optimizer, DEVICE)
     ours = run_pipeline(
         GradientAccumulationWrapper(pipeline, optimizer, dmp, config()), batches, model=dmp
     )
@@ -203,7 +204,7 @@ def test_is_last_batch_steps_on_the_partial_window() -> None:
     )
     dmp, optimizer = make_sharded(DLRM, "table_wise", seed=SEED)
     wrapped = GradientAccumulationWrapper(
-        trec_pipelines.TrainPipelineBase(dmp, optimizer, CPU), optimizer, dmp, config()
+        trec_pipelines.TrainPipelineBase(dmp, optimizer, DEVICE), optimizer, dmp, config()
     )
     it = iter(batches)
     outputs = [
@@ -217,7 +218,7 @@ def test_disabled_is_the_pipeline_alone() -> None:
     batches = make_batches(seed=DATA_SEED)
     ref = plain_loop(*make_sharded(DLRM, "table_wise", seed=SEED), batches)
     dmp, optimizer = make_sharded(DLRM, "table_wise", seed=SEED)
-    pipeline = trec_pipelines.TrainPipelineSparseDist(dmp, optimizer, CPU)
+    pipeline = trec_pipelines.TrainPipelineSparseDist(dmp, optimizer, DEVICE)
     wrapped = GradientAccumulationWrapper(pipeline, optimizer, dmp, GradientAccumulationConfig())
     assert pipeline._optimizer is optimizer
     assert_runs_equal(

@@ -21,6 +21,7 @@ from torchrec.distributed.train_pipeline.train_pipelines import (
 )
 
 import trec_pipelines
+from tests import devices
 from tests.distributed.dlrm import (
     DLRM,
     SHARDING_TYPES,
@@ -34,7 +35,7 @@ from tests.distributed.dlrm import (
     weights,
 )
 
-CPU = torch.device("cpu")
+DEVICE = devices.device()
 SEED, DATA_SEED = 1234, 7
 
 
@@ -51,10 +52,10 @@ def lite_three_ways(
     batches = _batches(factory)
     ref = plain_loop(*make_sharded(factory, sharding_type, seed=SEED), batches)
     theirs = run_pipeline(
-        UpstreamLite(*make_sharded(factory, sharding_type, seed=SEED), CPU), batches
+        UpstreamLite(*make_sharded(factory, sharding_type, seed=SEED), DEVICE), batches
     )
     dmp, optimizer = make_sharded(factory, sharding_type, seed=SEED)
-    pipeline = trec_pipelines.TrainPipelineSparseDistLite(dmp, optimizer, CPU, **ours_kwargs)
+    pipeline = trec_pipelines.TrainPipelineSparseDistLite(dmp, optimizer, DEVICE, **ours_kwargs)
     ours = run_pipeline(pipeline, batches, model=dmp)
     assert len(ref) == len(batches)
     assert_runs_equal(ref, theirs, ("plain_loop", "torchrec"))
@@ -107,7 +108,7 @@ def eval_run(
     dmp, optimizer = make_sharded(factory, sharding_type, seed=SEED)
     dmp.eval()
     before = weights(dmp)
-    run = run_pipeline(pipeline_cls(dmp, optimizer, CPU, **kwargs), batches, model=dmp)
+    run = run_pipeline(pipeline_cls(dmp, optimizer, DEVICE, **kwargs), batches, model=dmp)
     assert_runs_equal(Run([], before), Run([], run.weights), ("before", "after"))
     return run
 
@@ -165,7 +166,7 @@ def test_eval_short_data_then_a_second_epoch(n: int, loader_thread: Any) -> None
     ref = plain_eval(make_sharded(DLRM, "table_wise", seed=SEED)[0], batches + batches)
     dmp, _ = make_sharded(DLRM, "table_wise", seed=SEED)
     dmp.eval()
-    pipeline = trec_pipelines.EvalPipelineSparseDist(dmp, None, CPU, loader_thread=loader_thread)
+    pipeline = trec_pipelines.EvalPipelineSparseDist(dmp, None, DEVICE, loader_thread=loader_thread)
     first = run_pipeline(pipeline, batches, model=dmp)
     second = run_pipeline(pipeline, batches, model=dmp)  # no reset() needed
     assert_runs_equal(ref, Run(list(first) + list(second), second.weights))

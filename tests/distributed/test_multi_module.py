@@ -36,6 +36,7 @@ from torchrec.optim.keyed import CombinedOptimizer, KeyedOptimizerWrapper
 from torchrec.optim.optimizers import in_backward_optimizer_filter
 
 import trec_pipelines
+from tests import devices
 from tests.distributed.dlrm import (
     FieldwiseBatch,
     Run,
@@ -46,7 +47,7 @@ from tests.distributed.dlrm import (
 )
 from tests.distributed.torchrec_shim import torchrec_on_cpu
 
-CPU = torch.device("cpu")
+DEVICE = devices.device()
 
 
 @dataclass
@@ -71,7 +72,7 @@ class ThreeTowers(nn.Module):
                 ),
             ],
             is_weighted=True,
-            device=CPU,
+            device=DEVICE,
         )
         self.item = EmbeddingBagCollection(
             tables=[
@@ -79,13 +80,13 @@ class ThreeTowers(nn.Module):
                     name="i0", embedding_dim=16, num_embeddings=80, feature_names=["i0", "i1"]
                 )
             ],
-            device=CPU,
+            device=DEVICE,
         )
         self.seq = EmbeddingCollection(
             tables=[
                 EmbeddingConfig(name="s0", embedding_dim=8, num_embeddings=50, feature_names=["s0"])
             ],
-            device=CPU,
+            device=DEVICE,
         )
         self.dense = nn.Sequential(nn.Linear(5, 8), nn.ReLU())
         self.over = nn.Linear(8 + 16 + 16 + 8 + 8, 1)
@@ -145,11 +146,11 @@ def build(sharding_type: str, cls: type = ThreeTowers) -> Tuple[nn.Module, Any]:
         t: ParameterConstraints(sharding_types=[sharding_type]) for t in ("u0", "u1", "i0", "s0")
     }
     plan = EmbeddingShardingPlanner(
-        topology=Topology(world_size=dist.get_world_size(pg), compute_device="cpu"),
+        topology=Topology(world_size=dist.get_world_size(pg), compute_device=DEVICE.type),
         constraints=constraints,
     ).collective_plan(model, sharders, pg)
     dmp = DistributedModelParallel(
-        model, env=ShardingEnv.from_process_group(pg), device=CPU, plan=plan, sharders=sharders
+        model, env=ShardingEnv.from_process_group(pg), device=DEVICE, plan=plan, sharders=sharders
     )
     dense = KeyedOptimizerWrapper(
         dict(in_backward_optimizer_filter(dmp.named_parameters())),
@@ -178,7 +179,7 @@ def run(
     **kwargs: Any,
 ) -> Tuple[Run, Any]:
     dmp, optimizer = build(sharding_type, cls)
-    pipeline = pipeline_cls(dmp, optimizer, CPU, **kwargs)
+    pipeline = pipeline_cls(dmp, optimizer, DEVICE, **kwargs)
     with torchrec_on_cpu() if shim else contextlib.nullcontext():
         return run_pipeline(pipeline, make_batches(), model=dmp), pipeline
 

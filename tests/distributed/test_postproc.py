@@ -25,7 +25,7 @@ from torchrec.distributed.train_pipeline.postproc import PipelinedPostproc as Up
 import trec_pipelines
 from tests.distributed.dlrm import assert_runs_equal
 from tests.distributed.postproc_models import (
-    CPU,
+    DEVICE,
     AddNegatives,
     build,
     make_batches,
@@ -129,7 +129,7 @@ def test_postproc_outputs_are_cached_in_their_batch_context() -> None:
     cached: List[List[List[str]]] = []
     for cls in (upstream.TrainPipelineSparseDist, trec_pipelines.TrainPipelineSparseDist):
         dmp, optimizer = build("shared_then_keep")
-        pipeline = cls(dmp, optimizer, CPU, pipeline_postproc=True)
+        pipeline = cls(dmp, optimizer, DEVICE, pipeline_postproc=True)
         it = iter(make_batches())
         pipeline.progress(it)
         current, upcoming = (
@@ -279,7 +279,7 @@ def test_variants_torchrec_cannot_run_on_cpu_against_the_plain_loop(name: str, k
 def _eval_run(cls: Any, layout: str, **kwargs: Any) -> Tuple[List[torch.Tensor], Any]:
     dmp, optimizer = build(layout)
     dmp.eval()
-    pipeline = cls(dmp, optimizer, CPU, **kwargs)
+    pipeline = cls(dmp, optimizer, DEVICE, **kwargs)
     outputs = []
     it = iter(make_batches())
     while True:

@@ -20,6 +20,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
 import trec_pipelines
+from tests import devices
 from tests.distributed.dlrm import (
     DLRM,
     Run,
@@ -32,7 +33,7 @@ from tests.distributed.dlrm import (
 )
 from tests.elastic.train_with_checkpoints import Batches
 
-CPU = torch.device("cpu")
+DEVICE = devices.device()
 SEED, OTHER_SEED, DATA_SEED = 1234, 99, 11
 N = 7
 
@@ -55,7 +56,7 @@ def _pipeline(name: str, dmp: Any, optimizer: Any, **kwargs: Any) -> Any:
         extra = {"start_batch": 100}
     if name == "TrainPipelinePT2":  # kept eager: compiling is slow here, and not what is tested
         extra = {"compile_configs": trec_pipelines.TorchCompileConfig(compile_on_iter=1000)}
-    return getattr(trec_pipelines, name)(dmp, optimizer, CPU, **extra, **kwargs)
+    return getattr(trec_pipelines, name)(dmp, optimizer, DEVICE, **extra, **kwargs)
 
 
 class Counting:
@@ -203,7 +204,7 @@ def test_semi_sync_resumes_bit_for_bit_once_semi_sync(k: int, stash_gradients: b
     batches = make_batches(N, seed=DATA_SEED)
     options = {"start_batch": 2, "stash_gradients": stash_gradients}
     dmp, optimizer = make_sharded(DLRM, "table_wise", seed=SEED)
-    pipeline = trec_pipelines.TrainPipelineSemiSync(dmp, optimizer, CPU, **options)
+    pipeline = trec_pipelines.TrainPipelineSemiSync(dmp, optimizer, DEVICE, **options)
     ref = Run(_train(pipeline, iter(batches)), weights(dmp))
     plain = _reference(batches)
     assert not torch.equal(ref[-1], plain[-1]), (
@@ -284,15 +285,15 @@ def test_eval_pass_resumed_sees_each_batch_once(name: str) -> None:
     batches = make_batches(N, seed=DATA_SEED)
     dmp, _ = make_sharded(DLRM, "table_wise", seed=SEED)
     dmp.eval()
-    ref = _train(getattr(trec_pipelines, name)(dmp, None, CPU), iter(batches))
+    ref = _train(getattr(trec_pipelines, name)(dmp, None, DEVICE), iter(batches))
     assert len(ref) == N
     for k in (0, 2, N - 1):
-        pipeline = getattr(trec_pipelines, name)(dmp, None, CPU)
+        pipeline = getattr(trec_pipelines, name)(dmp, None, DEVICE)
         it = Counting(batches)
         outputs = _train(pipeline, it, k)
         saved = _save_load_per_rank(pipeline.state_dict())
         pipeline.reset()
-        resumed = getattr(trec_pipelines, name)(dmp, None, CPU)
+        resumed = getattr(trec_pipelines, name)(dmp, None, DEVICE)
         resumed.load_state_dict(saved)
         outputs += _train(resumed, Counting(batches, it.yielded))
         assert len(outputs) == N, (k, len(outputs))
@@ -305,14 +306,14 @@ def test_eval_pass_with_a_loader_thread_resumes() -> None:
     batches = make_batches(N, seed=DATA_SEED)
     dmp, _ = make_sharded(DLRM, "table_wise", seed=SEED)
     dmp.eval()
-    ref = _train(trec_pipelines.EvalPipelineSparseDist(dmp, None, CPU), iter(batches))
-    pipeline = trec_pipelines.EvalPipelineSparseDist(dmp, None, CPU, loader_thread=True)
+    ref = _train(trec_pipelines.EvalPipelineSparseDist(dmp, None, DEVICE), iter(batches))
+    pipeline = trec_pipelines.EvalPipelineSparseDist(dmp, None, DEVICE, loader_thread=True)
     it = Counting(batches)
     outputs = _train(pipeline, it, 3)
     saved = _save_load_per_rank(pipeline.state_dict())
     position = it.yielded
     pipeline.reset()
-    resumed = trec_pipelines.EvalPipelineSparseDist(dmp, None, CPU, loader_thread=True)
+    resumed = trec_pipelines.EvalPipelineSparseDist(dmp, None, DEVICE, loader_thread=True)
     resumed.load_state_dict(saved)
     outputs += _train(resumed, Counting(batches, position))
     assert len(outputs) == N

@@ -9,6 +9,7 @@ import torch
 import torch.distributed as dist
 
 import trec_pipelines
+from tests import devices
 from tests.distributed.dlrm import (
     DLRM,
     assert_runs_equal,
@@ -19,7 +20,7 @@ from tests.distributed.dlrm import (
     run_pipeline,
 )
 
-CPU = torch.device("cpu")
+DEVICE = devices.device()
 SEED, DATA_SEED = 1234, 7
 
 
@@ -44,7 +45,7 @@ def test_sync_exhaustion_with_uneven_data(name: str) -> None:
     # SemiSync stays synchronous here (start_batch past the data): the plain loop is its oracle.
     extra = {"start_batch": 100} if name == "TrainPipelineSemiSync" else {}
     pipeline: Any = getattr(trec_pipelines, name)(
-        dmp, optimizer, CPU, sync_exhaustion=True, **extra
+        dmp, optimizer, DEVICE, sync_exhaustion=True, **extra
     )
     ours = run_pipeline(pipeline, batches, model=dmp)
     assert_runs_equal(ref, ours, ("plain_loop[:4]", name))
@@ -59,7 +60,7 @@ def test_uneven_data_stops_in_step_with_the_agreement_one_pull_ahead() -> None:
     batches = make_batches(6 if rank == 0 else 4, seed=DATA_SEED)
     ref = plain_loop(*make_sharded(DLRM, "table_wise", seed=SEED), batches[:4])
     dmp, optimizer = make_sharded(DLRM, "table_wise", seed=SEED)
-    pipeline = trec_pipelines.TrainPipelineSparseDist(dmp, optimizer, CPU, sync_exhaustion=True)
+    pipeline = trec_pipelines.TrainPipelineSparseDist(dmp, optimizer, DEVICE, sync_exhaustion=True)
     assert_runs_equal(
         ref, run_pipeline(pipeline, batches, model=dmp), ("plain_loop[:4]", "SparseDist")
     )
@@ -72,7 +73,7 @@ def test_sync_exhaustion_next_epoch_carries_on() -> None:
     second = make_batches(3, seed=DATA_SEED + 1)
     ref = plain_loop(*make_sharded(DLRM, "table_wise", seed=SEED), first[:3] + second)
     dmp, optimizer = make_sharded(DLRM, "table_wise", seed=SEED)
-    pipeline = trec_pipelines.TrainPipelineSparseDist(dmp, optimizer, CPU, sync_exhaustion=True)
+    pipeline = trec_pipelines.TrainPipelineSparseDist(dmp, optimizer, DEVICE, sync_exhaustion=True)
     epoch1 = run_pipeline(pipeline, first, model=dmp)
     epoch2 = run_pipeline(pipeline, second, model=dmp)
     assert len(epoch1) == 3 and len(epoch2) == 3
@@ -89,7 +90,7 @@ def test_eval_pass_mid_training_with_input_dist_in_flight() -> None:
     )
 
     dmp, optimizer = make_sharded(DLRM, "table_wise", seed=SEED)
-    pipeline = trec_pipelines.TrainPipelineSparseDist(dmp, optimizer, CPU)
+    pipeline = trec_pipelines.TrainPipelineSparseDist(dmp, optimizer, DEVICE)
     train_it = iter(train)
     first = [pipeline.progress(train_it).clone() for _ in range(3)]
     dmp.eval()

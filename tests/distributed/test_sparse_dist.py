@@ -14,6 +14,7 @@ import torch
 import torchrec.distributed.train_pipeline as upstream
 
 import trec_pipelines
+from tests import devices
 from tests.distributed.dlrm import (
     DLRM,
     SHARDING_TYPES,
@@ -26,7 +27,7 @@ from tests.distributed.dlrm import (
     run_pipeline,
 )
 
-CPU = torch.device("cpu")
+DEVICE = devices.device()
 SEED, DATA_SEED = 1234, 7
 
 
@@ -37,10 +38,10 @@ def three_ways(
     ref = plain_loop(*make_sharded(factory, sharding_type, seed=SEED), batches)
     theirs_cls: Type[Any] = getattr(upstream, name)
     theirs = run_pipeline(
-        theirs_cls(*make_sharded(factory, sharding_type, seed=SEED), CPU), batches
+        theirs_cls(*make_sharded(factory, sharding_type, seed=SEED), DEVICE), batches
     )
     dmp, optimizer = make_sharded(factory, sharding_type, seed=SEED)
-    pipeline = getattr(trec_pipelines, name)(dmp, optimizer, CPU, **ours_kwargs)
+    pipeline = getattr(trec_pipelines, name)(dmp, optimizer, DEVICE, **ours_kwargs)
     ours = run_pipeline(pipeline, batches, model=dmp)
     assert len(ref) == len(batches)
     assert_runs_equal(ref, theirs, ("plain_loop", "torchrec"))
@@ -79,7 +80,7 @@ def test_sparse_dist_detach_attach_mid_epoch() -> None:
     batches = make_batches(seed=DATA_SEED)
     ref = plain_loop(*make_sharded(DLRM, "table_wise", seed=SEED), batches)
     dmp, optimizer = make_sharded(DLRM, "table_wise", seed=SEED)
-    pipeline = trec_pipelines.TrainPipelineSparseDist(dmp, optimizer, CPU)
+    pipeline = trec_pipelines.TrainPipelineSparseDist(dmp, optimizer, DEVICE)
     it = iter(batches)
     outputs = [pipeline.progress(it) for _ in range(3)]
     pipeline.detach()
@@ -108,7 +109,9 @@ def test_free_features_storage_early_never_frees_the_loaders_own_batch(name: str
             ref = [ref_dmp(b)[1] for b in batches + batches]
     else:
         ref = plain_loop(ref_dmp, ref_optimizer, batches + batches)
-    pipeline = getattr(trec_pipelines, name)(dmp, optimizer, CPU, free_features_storage_early=True)
+    pipeline = getattr(trec_pipelines, name)(
+        dmp, optimizer, DEVICE, free_features_storage_early=True
+    )
     ours = run_pipeline(pipeline, batches, model=dmp) + run_pipeline(pipeline, batches, model=dmp)
     assert len(ours) == len(ref) == 2 * len(batches)
     for step, (a, b) in enumerate(zip(ours, ref, strict=True)):

@@ -15,6 +15,7 @@ from typing import Any, Callable, Iterator, List, Optional, Tuple
 import pytest
 import torch
 
+from tests import devices
 from tests.distributed.dlrm import (
     DLRM,
     Run,
@@ -36,7 +37,7 @@ from trec_pipelines.errors import MalformedBatchError
 from trec_pipelines.pipelines.sparse_data_dist_util import SparseDataDistUtil
 from trec_pipelines.pipelines.staged import PipelineStage, StagedTrainPipeline
 
-CPU = torch.device("cpu")
+DEVICE = devices.device()
 SEED, DATA_SEED = 1234, 11
 FAULT_POINTS = ["before_lookup", "after_lookup", "backward", "optimizer"]
 
@@ -58,7 +59,7 @@ def _staged(
     wrap = wrap or (lambda name, runnable: runnable)
     sdd = SparseDataDistUtil(dmp, data_dist_stream=None)
     stages = [
-        PipelineStage("h2d", wrap("h2d", lambda batch: batch.to(CPU, non_blocking=True)), None),
+        PipelineStage("h2d", wrap("h2d", lambda batch: batch.to(DEVICE, non_blocking=True)), None),
         sdd.start_sparse_data_dist_stage(runnable=wrap("input_dist", sdd.start_sparse_data_dist)),
     ]
     if third_stage == "prefetch":

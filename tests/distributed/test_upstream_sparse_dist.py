@@ -44,7 +44,7 @@ import trec_pipelines
 from tests.distributed.dlrm import Run, assert_runs_equal, current_group, run_pipeline, weights
 from tests.distributed.torchrec_shim import torchrec_on_cpu
 from tests.distributed.upstream_setup import (
-    CPU,
+    DEVICE,
     FUSED,
     NUM_FLOAT_FEATURES,
     Setting,
@@ -69,8 +69,8 @@ def _run_torchrec(
 ) -> Run:
     if shim:
         with torchrec_on_cpu():
-            return optional_run(cls(dmp, optimizer, CPU, **kwargs), batches, model=dmp)
-    return optional_run(cls(dmp, optimizer, CPU, **kwargs), batches, model=dmp)
+            return optional_run(cls(dmp, optimizer, DEVICE, **kwargs), batches, model=dmp)
+    return optional_run(cls(dmp, optimizer, DEVICE, **kwargs), batches, model=dmp)
 
 
 # Lite has no execute_all_batches (it always trains every batch), upstream and ours.
@@ -104,7 +104,7 @@ def test_equal_to_non_pipelined(
     )
     ref = non_pipelined(ref_dmp, ref_opt, trained)
     theirs = _run_torchrec(theirs_cls, shim, their_dmp, their_opt, batches, **kwargs)
-    ours = optional_run(ours_cls(dmp, opt, CPU, **kwargs), batches, model=dmp)
+    ours = optional_run(ours_cls(dmp, opt, DEVICE, **kwargs), batches, model=dmp)
     assert len(ref) == len(trained)
     assert_runs_equal(ref, theirs, ("non_pipelined", "torchrec"))
     assert_runs_equal(ref, ours, ("non_pipelined", ours_cls.__name__))
@@ -118,10 +118,12 @@ def test_multi_dataloader_pipelining() -> None:
     runs = []
     for pipeline, model in (
         (
-            upstream.TrainPipelineSparseDist(their_dmp, their_opt, CPU, execute_all_batches=True),
+            upstream.TrainPipelineSparseDist(
+                their_dmp, their_opt, DEVICE, execute_all_batches=True
+            ),
             their_dmp,
         ),
-        (trec_pipelines.TrainPipelineSparseDist(dmp, opt, CPU, execute_all_batches=True), dmp),
+        (trec_pipelines.TrainPipelineSparseDist(dmp, opt, DEVICE, execute_all_batches=True), dmp),
     ):
         outputs: List[torch.Tensor] = []
         for part in (batches[:-3], batches[-3:-2], batches[-2:]):
@@ -151,7 +153,9 @@ def test_custom_fwd(ours_cls: Any, theirs_cls: Any, shim: bool) -> None:
     theirs = _run_torchrec(
         theirs_cls, shim, their_dmp, their_opt, batches, custom_model_fwd=doubling(their_dmp)
     )
-    ours = optional_run(ours_cls(dmp, opt, CPU, custom_model_fwd=doubling(dmp)), batches, model=dmp)
+    ours = optional_run(
+        ours_cls(dmp, opt, DEVICE, custom_model_fwd=doubling(dmp)), batches, model=dmp
+    )
     doubled = Run([p.expand(p.size(0) * 2, -1) for p in ref], ref.weights)
     assert all(p.size(0) == 16 for p in ours)
     assert_runs_equal(doubled, theirs, ("non_pipelined, doubled", "torchrec"))
@@ -185,9 +189,9 @@ def test_semi_sync_equal_to_torchrec(
 
     with torchrec_on_cpu():
         theirs, their_modes = drive(
-            upstream.TrainPipelineSemiSync(their_dmp, their_opt, CPU, **kwargs), their_dmp
+            upstream.TrainPipelineSemiSync(their_dmp, their_opt, DEVICE, **kwargs), their_dmp
         )
-    ours, our_modes = drive(trec_pipelines.TrainPipelineSemiSync(dmp, opt, CPU, **kwargs), dmp)
+    ours, our_modes = drive(trec_pipelines.TrainPipelineSemiSync(dmp, opt, DEVICE, **kwargs), dmp)
     assert len(ours) == len(batches)
     assert_runs_equal(theirs, ours, ("torchrec", "trec_pipelines"))
     # Upstream's check, on every step but the last (whose answer is about a
@@ -214,7 +218,7 @@ def test_eval_processing_of_plain_tensors(cls: Any) -> None:
             return None, item
 
     data = [torch.tensor([i]) for i in range(7)]
-    pipeline = cls(Echo(), None, CPU)
+    pipeline = cls(Echo(), None, DEVICE)
     it = iter(data)
     assert [pipeline.progress(it).item() for _ in range(7)] == list(range(7))
     with pytest.raises(StopIteration):
@@ -232,7 +236,7 @@ class PositionWeightedSparse(nn.Module):
         names = [f for t in plain for f in t.feature_names]
         self.names = names
         self.fp_ebc = FeatureProcessedEmbeddingBagCollection(
-            EmbeddingBagCollection(tables=plain, device=CPU, is_weighted=True),
+            EmbeddingBagCollection(tables=plain, device=DEVICE, is_weighted=True),
             {
                 name: PositionWeightedModule(max_feature_length=n)
                 for name, n in zip(names, max_lengths, strict=True)
@@ -271,7 +275,7 @@ def test_feature_processed_ebc() -> None:
         dmp = DistributedModelParallel(
             module=copy.deepcopy(model),
             env=ShardingEnv.from_process_group(current_group()),
-            device=CPU,
+            device=DEVICE,
             sharders=[sharder],  # type: ignore[list-item]
         )
         copies.append((dmp, torch.optim.SGD(dmp.parameters(), lr=0.1)))
@@ -281,9 +285,9 @@ def test_feature_processed_ebc() -> None:
     (ref_dmp, ref_opt), (their_dmp, their_opt), (dmp, opt) = copies
     ref = non_pipelined(ref_dmp, ref_opt, batches)
     theirs = optional_run(
-        upstream.TrainPipelineSparseDist(their_dmp, their_opt, CPU), batches, model=their_dmp
+        upstream.TrainPipelineSparseDist(their_dmp, their_opt, DEVICE), batches, model=their_dmp
     )
-    pipeline = trec_pipelines.TrainPipelineSparseDist(dmp, opt, CPU)
+    pipeline = trec_pipelines.TrainPipelineSparseDist(dmp, opt, DEVICE)
     ours = optional_run(pipeline, batches, model=dmp)
     assert_runs_equal(ref, theirs, ("non_pipelined", "torchrec"))
     assert_runs_equal(ref, ours, ("non_pipelined", "trec_pipelines"))
@@ -298,7 +302,7 @@ def test_restore_from_snapshot() -> None:
     batches = generate_data(num_batches=6, batch_size=4, seed=8)
     (ref_dmp, ref_opt), (src_dmp, src_opt), (dst_dmp, dst_opt) = Setting("table_wise").pair(3)
     ref = non_pipelined(ref_dmp, ref_opt, batches)
-    source = trec_pipelines.TrainPipelineSparseDist(src_dmp, src_opt, CPU)
+    source = trec_pipelines.TrainPipelineSparseDist(src_dmp, src_opt, DEVICE)
     it = iter(batches[:3])
     first = [source.progress(it).detach().clone() for _ in range(3)]
     with pytest.raises(StopIteration):

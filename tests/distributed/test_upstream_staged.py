@@ -22,14 +22,14 @@ import pytest
 import torch
 
 from tests.distributed.dlrm import Run, assert_runs_equal, weights
-from tests.distributed.upstream_setup import CPU, Setting, generate_data, non_pipelined
+from tests.distributed.upstream_setup import DEVICE, Setting, generate_data, non_pipelined
 from trec_pipelines import PipelineStage, SparseDataDistUtil, StagedTrainPipeline
 
 STREAMS = {"none": None, "cpu_stream": torch.Stream(device="cpu")}
 
 
 def _copy(batch: Any) -> Any:
-    return batch.to(CPU, non_blocking=True)
+    return batch.to(DEVICE, non_blocking=True)
 
 
 def _identity(batch: Any) -> Any:
