@@ -2,7 +2,7 @@
 
 Reference, written down independently of the walker:
 
-* the documented depth of every variant (README "batches in flight");
+* the documented depth of every variant (docs/guides/variants.md, "batches in flight");
 * which batches a variant holds at each recorded action, from its recorded
   schedule: a batch is held from the top of the ``progress()`` call that
   copies it (each call pulls the host batches it will copy before any work)

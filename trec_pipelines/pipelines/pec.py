@@ -358,8 +358,8 @@ class TrainPipelinePEC(TrainPipelineSparseDist[In, Out]):
         """Apply the deferred NOL gradient before a checkpoint: it belongs to the
         model's state (batch ``i-1`` was trained), which the caller reads next.
 
-        Take the pipeline's state before reading the model's (see the README's
-        "Checkpoint and resume").  The resumed pipeline refills from ``cur`` as
+        Take the pipeline's state before reading the model's (see the guide
+        docs/guides/checkpoint.md).  The resumed pipeline refills from ``cur`` as
         a retried step does, which is exact (see [Note: PEC, retrying a step]).
         """
         self._flush_deferred_nol_grad()
