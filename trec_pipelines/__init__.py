@@ -27,6 +27,11 @@ from trec_pipelines.context import (
 )
 from trec_pipelines.data_loading import DataLoadingThread
 from trec_pipelines.errors import MalformedBatchError, ModelDetachedException
+from trec_pipelines.experimental_pipelines import (
+    TrainEvalHybridPipelineBase,
+    TrainPipelineSparseDistBwdOpt,
+    TrainPipelineSparseDistT,
+)
 from trec_pipelines.forwards import (
     EmbeddingPipelinedForward,
     InSyncEmbeddingPipelinedForward,
@@ -110,6 +115,9 @@ __all__ = [
     "TrainPipelineSparseDist",
     "TrainPipelineSparseDistCompAutograd",
     "TrainPipelineSparseDistLite",
+    "TrainPipelineSparseDistT",
+    "TrainPipelineSparseDistBwdOpt",
+    "TrainEvalHybridPipelineBase",
     "prefetch_embeddings",
     "register_backward_hook",
     "restore_model",

@@ -131,8 +131,10 @@ class OutputDistTensorFinder:
             )
         wanted = ShardingType(self.sharding_type)
         for awaitable, sharding in parts:
-            if isinstance(awaitable, NoWait) or ShardingType(sharding) != wanted:
+            if ShardingType(sharding) != wanted:
                 continue
+            if isinstance(awaitable, NoWait):  # data_parallel: no collective to hook
+                return None
             request = getattr(awaitable, "_tensor_awaitable", None)
             return request.dummy_tensor if isinstance(request, Request) else None
         raise RuntimeError(

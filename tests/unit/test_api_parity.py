@@ -16,7 +16,9 @@ Which torchrec names are public (:func:`torchrec_public_names`):
   and drops what they merely import from elsewhere (``typing`` helpers,
   ``torchrec.distributed.types``, ``Awaitable``, ``KeyedJaggedTensor``, type
   aliases such as ``StageOutputWithEvent``).  ``experimental_pipelines`` is
-  left out: torchrec marks it experimental.
+  checked on its own (the end of this file): each experimental class we offer,
+  from the root and from ``trec_pipelines.experimental_pipelines``, matches
+  torchrec's.
 
 For each such name ``trec_pipelines`` (the package root) must offer one of the
 same name.  ``TrainPipeline``, ``In`` and ``Out`` must be torchrec's own objects
@@ -62,6 +64,7 @@ import torchrec
 import torchrec.distributed.train_pipeline as upstream
 
 import trec_pipelines
+import trec_pipelines.experimental_pipelines
 
 PIPELINE_PACKAGE = "torchrec.distributed.train_pipeline"
 # Modules of the pipeline package that torchrec's pipelines are defined in.
@@ -350,6 +353,44 @@ def test_function_signatures_match(name: str) -> None:
     if ours is None:
         pytest.fail(f"trec_pipelines has no '{name}' (see test_name_is_offered)", pytrace=False)
     problems = signature_problems(TORCHREC_FUNCTIONS[name], ours, name)
+    assert not problems, "\n".join(problems)
+
+
+# ------------------------------------------------ experimental_pipelines
+
+EXPERIMENTAL_MODULE = f"{PIPELINE_PACKAGE}.experimental_pipelines"
+
+
+def torchrec_experimental_classes() -> Dict[str, type]:
+    """The classes torchrec's ``experimental_pipelines`` defines (not those it imports)."""
+    module = importlib.import_module(EXPERIMENTAL_MODULE)
+    return {
+        name: obj
+        for name, obj in vars(module).items()
+        if inspect.isclass(obj) and obj.__module__ == EXPERIMENTAL_MODULE and name[0] != "_"
+    }
+
+
+EXPERIMENTAL_CLASSES = torchrec_experimental_classes()
+# The ones trec_pipelines offers so far (issue #23 lists the rest): each must
+# match torchrec's, from the package root and from our module of the same name.
+OFFERED_EXPERIMENTAL = sorted(
+    name for name in EXPERIMENTAL_CLASSES if hasattr(trec_pipelines.experimental_pipelines, name)
+)
+
+
+def test_the_rule_finds_torchrecs_experimental_pipelines() -> None:
+    assert {"TrainPipelineSparseDistT", "TrainPipelineSparseDistBwdOpt"} <= set(
+        EXPERIMENTAL_CLASSES
+    )
+    assert set(OFFERED_EXPERIMENTAL) == set(trec_pipelines.experimental_pipelines.__all__)
+
+
+@pytest.mark.parametrize("name", OFFERED_EXPERIMENTAL)
+def test_experimental_class_signatures_match(name: str) -> None:
+    ours = getattr(trec_pipelines.experimental_pipelines, name)
+    assert getattr(trec_pipelines, name) is ours
+    problems = class_problems(EXPERIMENTAL_CLASSES[name], ours)
     assert not problems, "\n".join(problems)
 
 

@@ -415,6 +415,8 @@ class TrainPipelineSparseDist(
             return None, None
         context = self._context_type(index=self._source.last_index)
         with self._span(rec.H2D, context.index, "memcpy"):
+            if self._copy_worker is not None:  # TrainPipelineSparseDistT's copy thread
+                return self._copy_worker.submit(host), context
             batch = copy_to_device(host, self._device, self._streams.memcpy)
         self._note_shared_features(host, batch, context)
         return batch, context

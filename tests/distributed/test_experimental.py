@@ -1,0 +1,209 @@
+"""torchrec's experimental pipelines, ours (trec_pipelines.experimental_pipelines),
+against torchrec's same-named class and the plain loop on 2 ranks.
+
+torchrec's experimental classes run on CPU where they need no CUDA stream of
+their own: SparseDistT, BwdOpt and TrainEvalHybridPipelineBase do, and are the
+oracle; where they differ from the plain loop by design (BwdOpt steps inside the
+backward) torchrec's class is the only reference.
+"""
+
+from __future__ import annotations
+
+from typing import Any, List
+
+import pytest
+import torch
+import torch.distributed as dist
+import torchrec.distributed.train_pipeline.experimental_pipelines as upstream
+from torch.nn.parallel import DistributedDataParallel
+
+import trec_pipelines
+from tests import devices
+from tests.distributed.dlrm import (
+    DLRM,
+    Run,
+    assert_runs_equal,
+    make_batches,
+    make_sharded,
+    plain_loop,
+    plain_loop_with_eval_pass,
+    run_pipeline,
+    weights,
+)
+from trec_pipelines import experimental_pipelines
+
+DEVICE = devices.device()
+SEED, DATA_SEED, EVAL_SEED = 1234, 7, 8
+
+
+def test_importable_from_the_root_and_from_the_module_named_like_upstream_s() -> None:
+    for name in experimental_pipelines.__all__:
+        assert getattr(trec_pipelines, name) is getattr(experimental_pipelines, name)
+        assert issubclass(getattr(trec_pipelines, name), trec_pipelines.TrainPipelineSparseDist)
+
+
+# ------------------------------------------------------------ SparseDistT
+
+
+@pytest.mark.parametrize("inplace", [False, True], ids=["copy", "inplace"])
+@pytest.mark.parametrize("sharding_type", ["table_wise", "column_wise", "data_parallel"])
+def test_sparse_dist_t_equals_torchrec_and_the_plain_loop(
+    sharding_type: str, inplace: bool
+) -> None:
+    batches = make_batches(seed=DATA_SEED)
+    ref = plain_loop(*make_sharded(DLRM, sharding_type, seed=SEED), batches)
+    theirs = run_pipeline(
+        upstream.TrainPipelineSparseDistT(
+            *make_sharded(DLRM, sharding_type, seed=SEED),
+            DEVICE,
+            enable_inplace_copy_batch=inplace,
+        ),
+        batches,
+    )
+    dmp, optimizer = make_sharded(DLRM, sharding_type, seed=SEED)
+    pipeline = trec_pipelines.TrainPipelineSparseDistT(
+        dmp, optimizer, DEVICE, enable_inplace_copy_batch=inplace
+    )
+    ours = run_pipeline(pipeline, batches, model=dmp)
+    assert_runs_equal(ref, theirs, ("plain_loop", "torchrec"))
+    assert_runs_equal(ref, ours, ("plain_loop", "trec_pipelines"))
+    # CPU: no device copy to issue, so no thread (logged); with streams, the worker.
+    assert (pipeline._copy_worker is not None) == devices.on_gpu()
+
+
+# ------------------------------------------------------------ BwdOpt
+
+
+def _synchronous_ddp(dmp: torch.nn.Module) -> None:
+    """Make every DDP all-reduce of ``dmp`` finish before the backward goes on.
+
+    The in-backward step reads dense gradients that DDP (gradient_as_bucket_view,
+    torchrec's default) all-reduces in place on another thread: two runs of
+    torchrec's own class differ from the third step on.  With the reduction
+    synchronous, both libraries are deterministic and can be compared.
+    """
+
+    def reduce_now(group, bucket):  # type: ignore[no-untyped-def]  # DDP reads the annotations
+        buffer = bucket.buffer()
+        dist.all_reduce(buffer, group=group)
+        buffer.div_(dist.get_world_size(group))
+        done: Any = torch.futures.Future()
+        done.set_result(buffer)
+        return done
+
+    ddps = [m for m in dmp.modules() if isinstance(m, DistributedDataParallel)]
+    assert ddps, "the test DLRM's dense part is DDP-wrapped"
+    for ddp in ddps:
+        ddp.register_comm_hook(ddp.process_group, reduce_now)
+
+
+def _bwd_opt(side: Any, sharding: str, **kwargs: Any) -> Run:
+    batches = make_batches(seed=DATA_SEED)
+    dmp, optimizer = make_sharded(DLRM, sharding, seed=SEED)
+    _synchronous_ddp(dmp)
+    pipeline = side.TrainPipelineSparseDistBwdOpt(dmp, optimizer, DEVICE, "ebc", **kwargs)
+    return run_pipeline(pipeline, batches, model=dmp)
+
+
+@pytest.mark.parametrize("sharding_type", ["table_wise", "column_wise"])
+def test_bwd_opt_equals_torchrec(sharding_type: str) -> None:
+    """The step inside the backward sees the gradients as they are at that point
+    (what autograd has not reached yet is not stepped), so this is not the plain
+    loop; it is torchrec's, with DDP's all-reduce made synchronous in both."""
+    from torchrec.distributed.types import ShardingType
+
+    kind = ShardingType.TABLE_WISE if sharding_type == "table_wise" else ShardingType.COLUMN_WISE
+    theirs = _bwd_opt(upstream, sharding_type, sharding_type=kind)
+    ours = _bwd_opt(trec_pipelines, sharding_type, sharding_type=kind)
+    assert_runs_equal(theirs, ours, ("torchrec", "trec_pipelines"))
+    ref = plain_loop(*make_sharded(DLRM, sharding_type, seed=SEED), make_batches(seed=DATA_SEED))
+    assert not torch.equal(ref[-1], ours[-1])  # a different schedule indeed
+
+
+def test_bwd_opt_with_a_site_that_has_no_collective_says_so() -> None:
+    """A data_parallel output dist is no collective: there is nothing to step at,
+    and the first step says which site and what to pick instead (torchrec's class
+    never steps the optimizer there, silently)."""
+    from torchrec.distributed.types import ShardingType
+
+    dmp, optimizer = make_sharded(DLRM, "data_parallel", seed=SEED)
+    pipeline = trec_pipelines.TrainPipelineSparseDistBwdOpt(
+        dmp, optimizer, DEVICE, "ebc", sharding_type=ShardingType.DATA_PARALLEL
+    )
+    with pytest.raises(RuntimeError, match="found nothing to hook in the forward of 'ebc'"):
+        pipeline.progress(iter(make_batches(4, seed=DATA_SEED)))
+
+
+# ------------------------------------------------------------ TrainEvalHybrid
+
+
+def test_hybrid_training_equals_torchrec_and_the_plain_loop() -> None:
+    batches = make_batches(seed=DATA_SEED)
+    ref = plain_loop(*make_sharded(DLRM, "table_wise", seed=SEED), batches)
+    theirs = run_pipeline(
+        upstream.TrainEvalHybridPipelineBase(*make_sharded(DLRM, "table_wise", seed=SEED), DEVICE),
+        batches,
+    )
+    dmp, optimizer = make_sharded(DLRM, "table_wise", seed=SEED)
+    ours = run_pipeline(
+        trec_pipelines.TrainEvalHybridPipelineBase(dmp, optimizer, DEVICE), batches, model=dmp
+    )
+    assert_runs_equal(ref, theirs, ("plain_loop", "torchrec"))
+    assert_runs_equal(ref, ours, ("plain_loop", "trec_pipelines"))
+
+
+def _train(pipeline: Any, it: Any, n: int) -> List[torch.Tensor]:
+    return [pipeline.progress(it).detach().clone() for _ in range(n)]
+
+
+def _drain(pipeline: Any, it: Any) -> List[torch.Tensor]:
+    outputs = []
+    while True:
+        try:
+            outputs.append(pipeline.progress(it).detach().clone())
+        except StopIteration:
+            return outputs
+
+
+def test_hybrid_train_eval_train_equals_the_plain_loop_with_an_eval_pass() -> None:
+    """Train 3 steps, evaluate a whole eval iterator in eval mode, train to the end:
+    every train batch trained once, in order, and every eval batch evaluated once
+    under no_grad, with the weights of step 3."""
+    train, evaluation, at = make_batches(8, seed=DATA_SEED), make_batches(5, seed=EVAL_SEED), 3
+    ref_first, ref_eval, ref_rest = plain_loop_with_eval_pass(
+        *make_sharded(DLRM, "table_wise", seed=SEED), train, evaluation, at
+    )
+    dmp, optimizer = make_sharded(DLRM, "table_wise", seed=SEED)
+    pipeline = trec_pipelines.TrainEvalHybridPipelineBase(dmp, optimizer, DEVICE)
+    train_it = iter(train)
+    first = _train(pipeline, train_it, at)
+    dmp.eval()
+    evaluated = _drain(pipeline, iter(evaluation))
+    dmp.train()
+    rest = _drain(pipeline, train_it)
+    assert_runs_equal(
+        Run(list(ref_first) + list(ref_rest), ref_rest.weights),
+        Run(first + rest, weights(dmp)),
+        ("plain loop", "hybrid"),
+    )
+    assert len(evaluated) == len(ref_eval)
+    for step, (want, got) in enumerate(zip(ref_eval, evaluated, strict=True)):
+        assert torch.equal(want, got), f"eval step {step}"
+        assert not got.requires_grad  # under no_grad
+
+
+@pytest.mark.parametrize("name", ["TrainEvalHybridPipelineBase", "TrainPipelineSparseDist"])
+def test_hybrid_eval_forward_runs_under_no_grad(name: str) -> None:
+    """The hybrid's eval forward builds no autograd graph; SparseDist's keeps it
+    (as torchrec's SparseDist does), which is what the hybrid changes."""
+    dmp, optimizer = make_sharded(DLRM, "table_wise", seed=SEED)
+    pipeline = getattr(trec_pipelines, name)(dmp, optimizer, DEVICE)
+    grad_enabled: List[bool] = []
+    dmp.module.over_arch.register_forward_hook(
+        lambda *_: grad_enabled.append(torch.is_grad_enabled())
+    )
+    dmp.train()
+    pipeline.progress(it := iter(make_batches(6, seed=EVAL_SEED)))
+    dmp.eval()
+    pipeline.progress(it)
+    assert grad_enabled == [True, name != "TrainEvalHybridPipelineBase"]
