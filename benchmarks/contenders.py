@@ -55,6 +55,9 @@ KNOWN_ORDER = (
     "EvalPipelineFusedSparseDist",
     "StagedTrainPipeline",
     "TrainPipelineSparseDistCompAutograd",
+    "TrainPipelineSparseDistT",
+    "TrainPipelineSparseDistBwdOpt",
+    "TrainEvalHybridPipelineBase",
 )
 
 # Variants that compile the model (or its autograd graph) with torch.compile.
@@ -77,7 +80,11 @@ NEEDS_PYTHON_REDUCER = frozenset({"TrainPipelineSparseDistCompAutograd"})
 
 # Constructor arguments given to both libraries' classes.  SemiSync's default
 # start_batch (900) would keep it synchronous through every short epoch here.
-VARIANT_KWARGS: Dict[str, Dict[str, Any]] = {"TrainPipelineSemiSync": {"start_batch": 0}}
+VARIANT_KWARGS: Dict[str, Dict[str, Any]] = {
+    "TrainPipelineSemiSync": {"start_batch": 0},
+    # The optimizer steps at the bench model's embedding output dist.
+    "TrainPipelineSparseDistBwdOpt": {"site_fqn": "ebc"},
+}
 
 # Modes: how an epoch is driven and which plain loop it is compared with.
 TRAIN, EVAL, STAGED = "train", "eval", "staged"
@@ -120,11 +127,13 @@ def _is_pipeline_class(obj: Any) -> bool:
 
 
 def torchrec_class(name: str) -> Optional[type]:
-    """torchrec's class named ``name``, from the package or its train_pipelines module."""
+    """torchrec's class named ``name``: from the package, its train_pipelines
+    module, or its experimental_pipelines module."""
     import torchrec.distributed.train_pipeline as package
+    import torchrec.distributed.train_pipeline.experimental_pipelines as experimental
     import torchrec.distributed.train_pipeline.train_pipelines as module
 
-    for source in (package, module):
+    for source in (package, module, experimental):
         cls = getattr(source, name, None)
         if _is_pipeline_class(cls):
             return cls
