@@ -58,6 +58,9 @@ KNOWN_ORDER = (
     "TrainPipelineSparseDistT",
     "TrainPipelineSparseDistBwdOpt",
     "TrainEvalHybridPipelineBase",
+    "TrainPipelineSparseDistOptStash",
+    "TrainPipelineSparseDistEmbStash",
+    "TrainPipelinePrefetchEMS",
 )
 
 # Variants that compile the model (or its autograd graph) with torch.compile.
@@ -84,6 +87,10 @@ VARIANT_KWARGS: Dict[str, Dict[str, Any]] = {
     "TrainPipelineSemiSync": {"start_batch": 0},
     # The optimizer steps at the bench model's embedding output dist.
     "TrainPipelineSparseDistBwdOpt": {"site_fqn": "ebc"},
+    # Their restore points: OptStash at ebc's output dist, the others at over_arch.
+    "TrainPipelineSparseDistOptStash": {"site_fqn": "ebc"},
+    "TrainPipelineSparseDistEmbStash": {"site_fqn": "over_arch"},
+    "TrainPipelinePrefetchEMS": {"site_fqn": "over_arch"},
 }
 
 # Modes: how an epoch is driven and which plain loop it is compared with.

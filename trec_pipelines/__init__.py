@@ -29,7 +29,10 @@ from trec_pipelines.data_loading import DataLoadingThread
 from trec_pipelines.errors import MalformedBatchError, ModelDetachedException
 from trec_pipelines.experimental_pipelines import (
     TrainEvalHybridPipelineBase,
+    TrainPipelinePrefetchEMS,
     TrainPipelineSparseDistBwdOpt,
+    TrainPipelineSparseDistEmbStash,
+    TrainPipelineSparseDistOptStash,
     TrainPipelineSparseDistT,
 )
 from trec_pipelines.forwards import (
@@ -118,6 +121,9 @@ __all__ = [
     "TrainPipelineSparseDistT",
     "TrainPipelineSparseDistBwdOpt",
     "TrainEvalHybridPipelineBase",
+    "TrainPipelineSparseDistOptStash",
+    "TrainPipelineSparseDistEmbStash",
+    "TrainPipelinePrefetchEMS",
     "prefetch_embeddings",
     "register_backward_hook",
     "restore_model",

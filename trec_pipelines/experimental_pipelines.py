@@ -6,11 +6,19 @@ schedule; see each class.
 """
 
 from trec_pipelines.pipelines.bwd_opt import TrainPipelineSparseDistBwdOpt
+from trec_pipelines.pipelines.prefetch_ems import TrainPipelinePrefetchEMS
 from trec_pipelines.pipelines.sparse_dist_t import TrainPipelineSparseDistT
+from trec_pipelines.pipelines.stash import (
+    TrainPipelineSparseDistEmbStash,
+    TrainPipelineSparseDistOptStash,
+)
 from trec_pipelines.pipelines.train_eval_hybrid import TrainEvalHybridPipelineBase
 
 __all__ = [
     "TrainEvalHybridPipelineBase",
+    "TrainPipelinePrefetchEMS",
     "TrainPipelineSparseDistBwdOpt",
+    "TrainPipelineSparseDistEmbStash",
+    "TrainPipelineSparseDistOptStash",
     "TrainPipelineSparseDistT",
 ]

@@ -9,6 +9,7 @@ backward) torchrec's class is the only reference.
 
 from __future__ import annotations
 
+import logging
 from typing import Any, List
 
 import pytest
@@ -207,3 +208,187 @@ def test_hybrid_eval_forward_runs_under_no_grad(name: str) -> None:
     dmp.eval()
     pipeline.progress(it)
     assert grad_enabled == [True, name != "TrainEvalHybridPipelineBase"]
+
+
+# ------------------------------------------------------------ the stash variants
+
+
+class RecordingStashing(trec_pipelines.stashing.Stashing):
+    """Stands in for torchrec's MemoryStashingManager: logs each call, in order."""
+
+    def __init__(self, log: List[str], enabled: bool = True) -> None:
+        self.log = log
+        self.enabled = enabled
+        self._restore_started = False
+
+    def set_delay_stash(self, delay: bool) -> None:
+        self.log.append(f"delay={delay}")
+
+    def execute_pending_stashes(self) -> None:
+        self.log.append("execute_pending")
+
+    def restore_embedding_weights(self) -> None:
+        self.log.append("restore_weights")
+
+    def restore_cache(self) -> None:
+        self.log.append("restore_cache")
+
+    def start_optimizer_restore(self) -> None:
+        self._restore_started = True
+        self.log.append("restore_start")
+
+    def finish_optimizer_restore(self) -> bool:
+        started, self._restore_started = self._restore_started, False
+        self.log.append("restore_done" if started else "restore_now")
+        return started
+
+    def finish_optimizer_stash(self) -> None:
+        self.log.append("stash_issued")
+
+    def start_optimizer_stash(self, optimizer: torch.optim.Optimizer) -> None:
+        self.log.append("stash_start")
+
+
+class LoggedStep:
+    """Wraps an optimizer so its step (and zero_grad) appear in the log."""
+
+    def __init__(self, optimizer: Any, log: List[str]) -> None:
+        self._optimizer, self._log = optimizer, log
+
+    def step(self, *args: Any, **kwargs: Any) -> Any:
+        self._log.append("step")
+        return self._optimizer.step(*args, **kwargs)
+
+    def zero_grad(self, *args: Any, **kwargs: Any) -> Any:
+        return self._optimizer.zero_grad(*args, **kwargs)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._optimizer, name)
+
+
+STASH_VARIANTS = {
+    "TrainPipelineSparseDistOptStash": {"site_fqn": "ebc"},
+    "TrainPipelineSparseDistEmbStash": {"site_fqn": "over_arch"},
+    "TrainPipelinePrefetchEMS": {"site_fqn": "over_arch"},
+}
+
+
+@pytest.mark.parametrize("name", sorted(STASH_VARIANTS))
+@pytest.mark.parametrize("sharding_type", ["table_wise", "column_wise"])
+def test_stash_variant_trains_as_the_plain_loop(name: str, sharding_type: str) -> None:
+    """On CPU nothing is stashed (the tables and the optimizer state are in host
+    memory already): the schedule with its stash points equals the plain loop."""
+    batches = make_batches(seed=DATA_SEED)
+    ref = plain_loop(*make_sharded(DLRM, sharding_type, seed=SEED), batches)
+    from torchrec.distributed.types import ShardingType
+
+    dmp, optimizer = make_sharded(DLRM, sharding_type, seed=SEED)
+    kwargs = dict(STASH_VARIANTS[name])
+    if name == "TrainPipelineSparseDistOptStash":  # its site's output dist
+        kwargs["sharding_type"] = ShardingType(sharding_type)
+    pipeline = getattr(trec_pipelines, name)(dmp, optimizer, DEVICE, **kwargs)
+    assert pipeline._stashing.enabled == devices.on_gpu()
+    ours = run_pipeline(pipeline, batches, model=dmp)
+    assert_runs_equal(ref, ours, ("plain_loop", name))
+
+
+@devices.cpu_only("torchrec's stash classes make a CUDA stream in their constructor")
+@pytest.mark.parametrize("name", sorted(STASH_VARIANTS))
+def test_torchrec_stash_classes_do_not_run_on_cpu(name: str) -> None:
+    """Why the plain loop is the oracle above: torchrec's own classes can't be built."""
+    dmp, optimizer = make_sharded(DLRM, "table_wise", seed=SEED)
+    with pytest.raises((RuntimeError, AssertionError, AttributeError, TypeError, ValueError)):
+        getattr(upstream, name)(dmp, optimizer, DEVICE, **STASH_VARIANTS[name])
+
+
+def _logged_run(name: str, steps: int, **kwargs: Any) -> List[str]:
+    log: List[str] = []
+    dmp, optimizer = make_sharded(DLRM, "table_wise", seed=SEED)
+    pipeline = getattr(trec_pipelines, name)(
+        dmp, LoggedStep(optimizer, log), DEVICE, **{**STASH_VARIANTS[name], **kwargs}
+    )
+    pipeline._stashing = RecordingStashing(log)
+    dmp.module.over_arch.register_forward_hook(lambda *_: log.append("over_arch forward"))
+    dmp.module.over_arch.register_full_backward_hook(lambda *_: log.append("over_arch backward"))
+    it = iter(make_batches(steps, seed=DATA_SEED))
+    for step in range(steps):
+        log.append(f"-- step {step}")
+        pipeline.progress(it)
+    return log
+
+
+def test_opt_stash_restores_inside_the_backward_and_stashes_after_the_step() -> None:
+    log = _logged_run("TrainPipelineSparseDistOptStash", 2)
+    one_step = [
+        "over_arch forward",
+        "stash_issued",  # the previous step's stash, before this backward restores
+        "over_arch backward",
+        "restore_start",  # at ebc's output dist: after the dense top's backward
+        "restore_done",
+        "step",
+        "stash_start",
+    ]
+    assert log == ["-- step 0", *one_step, "-- step 1", *one_step]
+
+
+def test_opt_stash_restores_before_the_step_when_the_backward_did_not(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    log: List[str] = []
+    dmp, optimizer = make_sharded(DLRM, "table_wise", seed=SEED)
+    pipeline = trec_pipelines.TrainPipelineSparseDistOptStash(
+        dmp, LoggedStep(optimizer, log), DEVICE, "ebc"
+    )
+    pipeline._stashing = RecordingStashing(log)
+    pipeline._restore_now = lambda: None  # the site's hook runs, but starts nothing
+    with caplog.at_level(logging.WARNING):
+        pipeline.progress(iter(make_batches(3, seed=DATA_SEED)))
+    assert log == ["stash_issued", "restore_now", "step", "stash_start"]
+    assert "restored before the step instead" in caplog.text
+
+
+@pytest.mark.parametrize("delay", ["no", "backward", "stash_site"])
+def test_emb_stash_restores_at_its_site_and_runs_delayed_stashes_where_asked(delay: str) -> None:
+    kwargs: Any = {
+        "no": {},
+        "backward": {"delay_stash": True},
+        "stash_site": {"delay_stash": True, "stash_site_fqn": "over_arch"},
+    }[delay]
+    log = _logged_run("TrainPipelineSparseDistEmbStash", 2, **kwargs)
+    forward = (
+        ["execute_pending", "over_arch forward"] if delay == "stash_site" else ["over_arch forward"]
+    )
+    # PARAM_GRAD at over_arch's first parameter: once its gradient is complete.
+    backward = (
+        ["execute_pending", "restore_weights"] if delay == "backward" else ["restore_weights"]
+    )
+    one_step = [*forward, *backward, "over_arch backward", "step"]
+    assert log == ["-- step 0", *one_step, "-- step 1", *one_step]
+
+
+def test_prefetch_ems_restores_cur_and_prefetches_nxt_before_the_backward() -> None:
+    log: List[str] = []
+    prefetched: List[int] = []
+    dmp, optimizer = make_sharded(DLRM, "table_wise", seed=SEED)
+    pipeline = trec_pipelines.TrainPipelinePrefetchEMS(
+        dmp, LoggedStep(optimizer, log), DEVICE, "over_arch"
+    )
+    pipeline._stashing = RecordingStashing(log)
+    ebc = dmp.module.ebc
+    real_prefetch = ebc.prefetch
+
+    def prefetch(*args: Any, **kwargs: Any) -> Any:
+        prefetched.append(pipeline.contexts[1].index)
+        log.append("prefetch")
+        return real_prefetch(*args, **kwargs)
+
+    ebc.prefetch = prefetch
+    batches = make_batches(4, seed=DATA_SEED)
+    ours = run_pipeline(pipeline, batches, model=dmp)
+    ref = plain_loop(*make_sharded(DLRM, "table_wise", seed=SEED), batches)
+    assert_runs_equal(ref, ours, ("plain_loop", "PrefetchEMS"))
+    # cur's weights and caches, then nxt's rows; the site's own restore in the backward.
+    steady = ["restore_weights", "restore_cache", "prefetch", "restore_weights", "step"]
+    last = ["restore_weights", "restore_cache", "restore_weights", "step"]
+    assert log == steady * 3 + last
+    assert prefetched == [1, 2, 3]
