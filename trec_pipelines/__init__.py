@@ -20,6 +20,7 @@ from trec_pipelines.backward_hooks import (
 )
 from trec_pipelines.cache_prefetch import prefetch_embeddings
 from trec_pipelines.context import (
+    CPUEmbeddingTrainPipelineContext,
     EmbeddingTrainPipelineContext,
     PECTrainPipelineContext,
     PrefetchTrainPipelineContext,
@@ -28,6 +29,7 @@ from trec_pipelines.context import (
 from trec_pipelines.data_loading import DataLoadingThread
 from trec_pipelines.errors import MalformedBatchError, ModelDetachedException
 from trec_pipelines.experimental_pipelines import (
+    EvalPipelineCPUSparse,
     TrainEvalHybridPipelineBase,
     TrainPipelinePrefetchEMS,
     TrainPipelineSparseDistBwdOpt,
@@ -36,6 +38,7 @@ from trec_pipelines.experimental_pipelines import (
     TrainPipelineSparseDistT,
 )
 from trec_pipelines.forwards import (
+    CPUEmbeddingPipelinedForward,
     EmbeddingPipelinedForward,
     InSyncEmbeddingPipelinedForward,
     PECPipelinedForward,
@@ -121,6 +124,9 @@ __all__ = [
     "TrainPipelineSparseDistT",
     "TrainPipelineSparseDistBwdOpt",
     "TrainEvalHybridPipelineBase",
+    "EvalPipelineCPUSparse",
+    "CPUEmbeddingTrainPipelineContext",
+    "CPUEmbeddingPipelinedForward",
     "TrainPipelineSparseDistOptStash",
     "TrainPipelineSparseDistEmbStash",
     "TrainPipelinePrefetchEMS",

@@ -115,6 +115,22 @@ class EmbeddingTrainPipelineContext(TrainPipelineContext):
 
 
 @dataclass
+class CPUEmbeddingTrainPipelineContext(EmbeddingTrainPipelineContext):
+    """EvalPipelineCPUSparse's batch: embeddings looked up on the host, then copied.
+
+    Attributes:
+        dense_gpu_device: the device type the dense forward runs on ("cuda",
+            or "cpu").  Written when the batch is queued.
+        gpu_embedding_outputs: per module, its embeddings on that device.
+            Written by the copy stage; popped by
+            :class:`~trec_pipelines.forwards.CPUEmbeddingPipelinedForward`.
+    """
+
+    dense_gpu_device: str = ""
+    gpu_embedding_outputs: Dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
 class PECTrainPipelineContext(EmbeddingTrainPipelineContext):
     """Adds the state of PEC (overlap-aware) embedding modules; every dict is keyed by module FQN.
 

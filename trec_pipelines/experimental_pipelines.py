@@ -6,6 +6,7 @@ schedule; see each class.
 """
 
 from trec_pipelines.pipelines.bwd_opt import TrainPipelineSparseDistBwdOpt
+from trec_pipelines.pipelines.eval_cpu_sparse import EvalPipelineCPUSparse
 from trec_pipelines.pipelines.prefetch_ems import TrainPipelinePrefetchEMS
 from trec_pipelines.pipelines.sparse_dist_t import TrainPipelineSparseDistT
 from trec_pipelines.pipelines.stash import (
@@ -15,6 +16,7 @@ from trec_pipelines.pipelines.stash import (
 from trec_pipelines.pipelines.train_eval_hybrid import TrainEvalHybridPipelineBase
 
 __all__ = [
+    "EvalPipelineCPUSparse",
     "TrainEvalHybridPipelineBase",
     "TrainPipelinePrefetchEMS",
     "TrainPipelineSparseDistBwdOpt",

@@ -42,6 +42,7 @@ from torchrec.sparse.jagged_tensor import JaggedTensor, KeyedTensor
 from trec_pipelines._types import AnyShardedModule
 from trec_pipelines.args import CallArgs
 from trec_pipelines.context import (
+    CPUEmbeddingTrainPipelineContext,
     EmbeddingTrainPipelineContext,
     PECTrainPipelineContext,
     PrefetchTrainPipelineContext,
@@ -269,6 +270,26 @@ class EmbeddingPipelinedForward(BaseForward[EmbeddingTrainPipelineContext]):
         self._context.embedding_tensors.append(originals)
         self._context.embedding_features.append(features)
         self._context.detached_embedding_tensors.append(leaves)
+
+
+class CPUEmbeddingPipelinedForward(EmbeddingPipelinedForward):
+    """EvalPipelineCPUSparse's wrapper: the embeddings its copy stage put on the device.
+
+    The lookup ran on the host before the forward and its output was copied to
+    the dense forward's device; the wrapper hands that copy over.
+    """
+
+    def __call__(self, *input: Any, **kwargs: Any) -> Any:
+        context = self._context
+        assert isinstance(context, CPUEmbeddingTrainPipelineContext)
+        if self._name not in context.gpu_embedding_outputs:
+            raise RuntimeError(
+                f"sharded module '{self._name}' has no embeddings for batch "
+                f"{context.index}: EvalPipelineCPUSparse looks them up and copies them "
+                "before the forward, so call the model through pipeline.progress() only, "
+                "once per batch"
+            )
+        return LazyNoWait(context.gpu_embedding_outputs.pop(self._name))
 
 
 class InSyncEmbeddingPipelinedForward(EmbeddingPipelinedForward):

@@ -392,3 +392,63 @@ def test_prefetch_ems_restores_cur_and_prefetches_nxt_before_the_backward() -> N
     last = ["restore_weights", "restore_cache", "restore_weights", "step"]
     assert log == steady * 3 + last
     assert prefetched == [1, 2, 3]
+
+
+# ------------------------------------------------------------ EvalPipelineCPUSparse
+
+
+def _plain_eval(batches: List[Any]) -> List[torch.Tensor]:
+    dmp, _ = make_sharded(DLRM, "data_parallel", seed=SEED)
+    dmp.eval()
+    with torch.no_grad():
+        return [dmp(batch)[1] for batch in batches]
+
+
+@pytest.mark.parametrize("multi_thread", [False, True], ids=["inline", "thread"])
+@pytest.mark.parametrize("depth", [1, 2])
+def test_cpu_sparse_eval_equals_the_plain_eval_loop(depth: int, multi_thread: bool) -> None:
+    """Tables data_parallel on the host: every batch evaluated once, in order, each
+    output equal to the model's own eval forward; two epochs without reset()."""
+    batches = make_batches(7, seed=EVAL_SEED)
+    want = _plain_eval(batches)
+    dmp, optimizer = make_sharded(DLRM, "data_parallel", seed=SEED)
+    dmp.eval()
+    pipeline = trec_pipelines.EvalPipelineCPUSparse(
+        dmp, optimizer, DEVICE, pipeline_depth=depth, multi_thread=multi_thread
+    )
+    for epoch in range(2):
+        got = _drain(pipeline, iter(batches))
+        assert len(got) == len(want), f"epoch {epoch}"
+        for step, (w, g) in enumerate(zip(want, got, strict=True)):
+            assert torch.equal(w, g), f"epoch {epoch} step {step}"
+    (pipelined,) = pipeline.rewrite_result.pipelined
+    assert pipelined.name == "ebc"
+
+
+def test_cpu_sparse_eval_refuses_another_depth() -> None:
+    dmp, optimizer = make_sharded(DLRM, "data_parallel", seed=SEED)
+    with pytest.raises(ValueError, match="pipeline_depth must be 1 or 2, got 3"):
+        trec_pipelines.EvalPipelineCPUSparse(dmp, optimizer, DEVICE, pipeline_depth=3)
+
+
+def test_cpu_sparse_eval_schedule() -> None:
+    """Depth 2, recorded: call k evaluates batch k, copies k+1, then runs the host
+    stage of k+2 (the fill, in call 0, runs 0's and 1's host stage and copies 0)."""
+    dmp, optimizer = make_sharded(DLRM, "data_parallel", seed=SEED)
+    dmp.eval()
+    pipeline = trec_pipelines.EvalPipelineCPUSparse(dmp, optimizer, DEVICE)
+    pipeline.enable_schedule_recording()
+    assert len(_drain(pipeline, iter(make_batches(5, seed=EVAL_SEED)))) == 5
+    rows = {(task, stream): cells for task, stream, cells in pipeline.schedule()}
+    assert rows[("Forward", "default")] == [0, 1, 2, 3, 4]
+    assert rows[("H2D", "memcpy")][:4] == [(0, 1), 2, 3, 4]
+    assert rows[("EmbLookup", "default")][:4] == [(0, 1, 2), 3, 4, None]
+
+
+@devices.cpu_only("torchrec's class pins host memory, which needs a GPU")
+def test_torchrec_cpu_sparse_eval_does_not_run_on_cpu() -> None:
+    dmp, optimizer = make_sharded(DLRM, "data_parallel", seed=SEED)
+    dmp.eval()
+    pipeline = upstream.EvalPipelineCPUSparse(dmp, optimizer, DEVICE)
+    with pytest.raises(RuntimeError):
+        pipeline.progress(iter(make_batches(3, seed=EVAL_SEED)))
