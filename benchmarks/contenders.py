@@ -61,6 +61,7 @@ KNOWN_ORDER = (
     "TrainPipelineSparseDistOptStash",
     "TrainPipelineSparseDistEmbStash",
     "TrainPipelinePrefetchEMS",
+    "EvalPipelineCPUSparse",
 )
 
 # Variants that compile the model (or its autograd graph) with torch.compile.
