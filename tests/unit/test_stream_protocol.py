@@ -76,7 +76,9 @@ from trec_pipelines.pipelines.semi_sync import TrainPipelineSemiSync
 from trec_pipelines.pipelines.sparse_data_dist_util import SparseDataDistUtil
 from trec_pipelines.pipelines.sparse_dist import TrainPipelineSparseDist
 from trec_pipelines.pipelines.sparse_dist_lite import TrainPipelineSparseDistLite
+from trec_pipelines.pipelines.sparse_dist_t import TrainPipelineSparseDistT
 from trec_pipelines.pipelines.staged import PipelineStage, StagedTrainPipeline
+from trec_pipelines.pipelines.train_eval_hybrid import TrainEvalHybridPipelineBase
 from trec_pipelines.stages import copy_to_device, wait_for_batch
 from trec_pipelines.testing import (
     StreamProtocolError,
@@ -419,6 +421,11 @@ def _compiled_autograd_model() -> StandIn:
     return model
 
 
+# torchrec's experimental SparseDist schedules: a copy thread (issuing on memcpy,
+# memory allocated there as the synchronous copy does), and train/eval by mode.
+VARIANTS["SparseDistT"] = sparse_dist_like(TrainPipelineSparseDistT)
+VARIANTS["TrainEvalHybrid"] = sparse_dist_like(TrainEvalHybridPipelineBase)
+
 VARIANTS["SparseDistCompAutograd"] = Variant(
     _compiled_autograd_model,
     lambda m: TrainPipelineSparseDistCompAutograd(m, optimizer_for(m), CPU),
@@ -492,6 +499,7 @@ ASYNC_INPLACE: Dict[str, Variant] = {
     "SparseDist": sparse_dist_like(
         TrainPipelineSparseDist, enable_inplace_copy_batch=True, async_inplace_copy=True
     ),
+    "SparseDistT": sparse_dist_like(TrainPipelineSparseDistT, enable_inplace_copy_batch=True),
     "SparseDistLite": Variant(
         StandIn,
         lambda m: TrainPipelineSparseDistLite(m, optimizer_for(m), CPU, async_inplace_copy=True),
@@ -1001,3 +1009,11 @@ def test_recorder_leaves_nothing_behind() -> None:
     assert "record_stream" not in torch.Tensor.__dict__ and "to" not in torch.Tensor.__dict__
     host = torch.ones(2)
     assert host.to(CPU) is host  # no copies once the recording is over
+
+
+def test_sparse_dist_t_issues_every_copy_on_its_thread() -> None:
+    """Not in place: the worker allocates on memcpy and copies there, as the
+    synchronous copy does; the training thread issues none of them."""
+    recorder = record(VARIANTS["SparseDistT"])
+    copies = [r for r in recorder.records if isinstance(r, OpRecord) and r.stream.name == "memcpy"]
+    assert copies and {r.where.thread.startswith(WORKER_THREAD) for r in copies} == {True}
