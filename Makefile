@@ -14,7 +14,10 @@ VENV_LATEST := .venv-latest
 PY_LATEST := $(VENV_LATEST)/bin/python
 STAMP_LATEST := $(VENV_LATEST)/.installed
 
-.PHONY: test unit distributed distributed-4 test-latest unit-latest distributed-latest distributed-4-latest bench bench-agreement wheel soak clean
+VENV_GPU := .venv-gpu
+STAMP_GPU := $(VENV_GPU)/.installed
+
+.PHONY: test unit distributed distributed-4 test-latest unit-latest distributed-latest distributed-4-latest lint docs test-gpu gpu-suite bench bench-agreement wheel soak clean
 
 # $(call build_stack,venv,requirements,torchrec requirements): torch and
 # torchrec's runtime deps first, then torchrec with --no-deps (its metadata asks
@@ -34,6 +37,13 @@ $(STAMP): requirements-cpu.txt requirements-torchrec.txt setup.py
 
 $(STAMP_LATEST): requirements-latest.txt requirements-torchrec-latest.txt setup.py
 	$(call build_stack,$(VENV_LATEST),requirements-latest.txt,requirements-torchrec-latest.txt)
+
+$(STAMP_GPU): requirements-gpu.txt requirements-torchrec-latest.txt setup.py
+	$(call build_stack,$(VENV_GPU),requirements-gpu.txt,requirements-torchrec-latest.txt)
+
+# The two CPU stacks test on the CPU even on a GPU host (their fbgemm is the CPU
+# build); `make test-gpu` has a stack of its own.
+unit distributed distributed-4 unit-latest distributed-latest distributed-4-latest: export TREC_DEVICE = cpu
 
 test: unit distributed distributed-4
 
@@ -76,6 +86,40 @@ distributed-latest: $(STAMP_LATEST)
 distributed-4-latest: $(STAMP_LATEST)
 	$(call run_4_ranks,$(VENV_LATEST))
 
+# The whole suite on this host's NVIDIA GPUs: TREC_DEVICE=cuda (tests/devices.py)
+# puts every rank on its GPU with NCCL, and the torchrec CPU shims are off.  One
+# rank per GPU; the distributed tier needs two GPUs or more.  Without a GPU it
+# says so in one line and runs nothing (nor builds .venv-gpu).  Never yet run on
+# a GPU: this project has had none.
+GPU_COUNT = $$(nvidia-smi -L 2>/dev/null | grep -c '^GPU')
+
+test-gpu:
+	@if [ "$(GPU_COUNT)" -lt 1 ]; then \
+		echo "make test-gpu: no GPU on this host (nvidia-smi lists none); nothing run"; \
+	else $(MAKE) --no-print-directory gpu-suite; fi
+
+gpu-suite: $(STAMP_GPU)
+	TREC_DEVICE=cuda $(VENV_GPU)/bin/python -m pytest -q -n $(NPROC) tests/unit
+	@n=$(GPU_COUNT); if [ "$$n" -lt 2 ]; then \
+		echo "make test-gpu: 1 GPU: the distributed tier needs 2 (one rank per GPU); not run"; \
+	else TREC_DEVICE=cuda $(VENV_GPU)/bin/torchrun --standalone --nproc_per_node=$$n \
+		-m pytest -q -p no:cacheprovider tests/distributed; fi
+
+# Static checks: ruff (lint, and the format check) on the whole repository
+# (ruff.toml), and mypy --strict on trec_pipelines/ (mypy.ini) with each stack's
+# Python, since the torchrec it reads types from differs between them.
+lint: $(STAMP) $(STAMP_LATEST)
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
+	$(VENV)/bin/mypy
+	$(VENV_LATEST)/bin/mypy
+
+# The documentation site (Sphinx + MyST, docs/), warnings as errors, from scratch.
+docs: $(STAMP)
+	rm -rf docs/_build
+	$(PY) -m sphinx -W --keep-going -b html docs docs/_build/html
+	@echo "docs: docs/_build/html/index.html"
+
 # A wheel and an sdist in dist/, then the wheel installed alone (no deps, into a
 # scratch directory) and imported by each stack's Python from outside the repo:
 # what a user's `pip install` gets, not the editable checkout.
@@ -103,4 +147,4 @@ soak: $(STAMP)
 	$(VENV)/bin/torchrun --standalone --nproc_per_node=$(NPROC) tests/soak/run_soak.py
 
 clean:
-	rm -rf $(VENV) $(VENV_LATEST) build *.egg-info
+	rm -rf $(VENV) $(VENV_LATEST) $(VENV_GPU) build *.egg-info

@@ -24,9 +24,14 @@ from benchmarks.config import BenchConfig, parse_args, to_argv
 
 def torchrun_command(cfg: BenchConfig) -> List[str]:
     return [
-        sys.executable, "-m", "torch.distributed.run",
-        "--standalone", f"--nproc_per_node={cfg.nproc}",
-        "-m", "benchmarks", *to_argv(cfg),
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        f"--nproc_per_node={cfg.nproc}",
+        "-m",
+        "benchmarks",
+        *to_argv(cfg),
     ]
 
 
@@ -47,16 +52,25 @@ def launch(cfg: BenchConfig) -> int:
         try:
             netns.check(link)
         except netns.LinkUnavailable as why:
-            print(f"--link-gbit {cfg.link_gbit:g}: cannot emulate the link ({why}); "
-                  "running WITHOUT it (results say so)", flush=True)
+            print(
+                f"--link-gbit {cfg.link_gbit:g}: cannot emulate the link ({why}); "
+                "running WITHOUT it (results say so)",
+                flush=True,
+            )
             env[LINK_REASON_ENV] = str(why)
         else:
             env[netns.HOST_NETNS_ENV] = str(netns.netns_inode())
             command = netns.wrap(command, link)
-            queue = (f"{cfg.link_socket_queue_kb} KiB queued per socket" if link.socket_queue_bytes
-                     else "the kernel's socket queue limit")
-            print(f"emulated interconnect: {cfg.link_gbit:g} Gbit/s (tbf, burst {link.burst_bytes} B, "
-                  f"{queue}) on the loopback of a private network namespace", flush=True)
+            queue = (
+                f"{cfg.link_socket_queue_kb} KiB queued per socket"
+                if link.socket_queue_bytes
+                else "the kernel's socket queue limit"
+            )
+            print(
+                f"emulated interconnect: {cfg.link_gbit:g} Gbit/s (tbf, burst {link.burst_bytes} B, "
+                f"{queue}) on the loopback of a private network namespace",
+                flush=True,
+            )
     print(f"launching {cfg.nproc} ranks under torchrun: {' '.join(command)}", flush=True)
     return subprocess.run(command, env=env, cwd=REPO).returncode
 

@@ -23,11 +23,12 @@ import torch
 import torch.distributed as dist
 
 import trec_pipelines
+from tests import devices
+from tests.distributed.dlrm import DLRM, make_batches, make_sharded
 from trec_pipelines.pipelines import sparse_dist
 from trec_pipelines.stages import BatchSource
-from tests.distributed.dlrm import DLRM, make_batches, make_sharded
 
-CPU = torch.device("cpu")
+DEVICE = devices.device()
 SETTINGS = ("none", "at pull", "ahead")
 
 
@@ -39,7 +40,7 @@ def _epoch(setting: str, batches: List[Any]) -> float:
     BatchSource.agree_ahead = setting == "ahead"
     try:
         dmp, optimizer = make_sharded(DLRM, "table_wise", seed=0)
-        pipeline = trec_pipelines.TrainPipelineSparseDist(dmp, optimizer, CPU)
+        pipeline = trec_pipelines.TrainPipelineSparseDist(dmp, optimizer, DEVICE)
         it = iter(batches)
         pipeline.progress(it)
         dist.barrier()
@@ -63,7 +64,8 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=40)
     parser.add_argument("--rounds", type=int, default=7)
     args = parser.parse_args()
-    dist.init_process_group("gloo")
+    devices.bind()
+    dist.init_process_group(devices.backend())
     torch.set_num_threads(1)
     for batch_size in args.batch_sizes:
         batches = make_batches(args.steps + 1, seed=3, batch_size=batch_size)
@@ -78,9 +80,11 @@ def main() -> None:
             for setting in SETTINGS:
                 step = statistics.median(times[setting]) * 1e3
                 extra = statistics.median(
-                    (t - n) * 1e3 for t, n in zip(times[setting], times["none"])
+                    (t - n) * 1e3 for t, n in zip(times[setting], times["none"], strict=True)
                 )
-                print(f"  {setting:8s} {step:7.3f} ms/step  {extra:+.3f} ms vs none ({extra / base:+.1%})")
+                print(
+                    f"  {setting:8s} {step:7.3f} ms/step  {extra:+.3f} ms vs none ({extra / base:+.1%})"
+                )
     dist.destroy_process_group()
 
 

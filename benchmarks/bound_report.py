@@ -81,8 +81,12 @@ class BoundReport:
 
 
 def bound_report(
-    block: Mapping[str, Any], achieved: Sequence[Achieved], plain: Optional[float], world: int,
-    cores: Optional[int], link_gbit: Optional[float],
+    block: Mapping[str, Any],
+    achieved: Sequence[Achieved],
+    plain: Optional[float],
+    world: int,
+    cores: Optional[int],
+    link_gbit: Optional[float],
 ) -> Optional[BoundReport]:
     """The block's :class:`BoundReport`, or None without probe epochs."""
     costs = step_costs(block.get("stages") or [], block["steps"], cores, link_gbit)
@@ -98,7 +102,9 @@ def bound_report(
         facts = schedule_facts(ranks) if ranks else None
         ours_entry = (block.get("contenders") or {}).get(f"ours:{variant}") or {}
         bound = schedule_bound(
-            costs, facts.gap_ms if facts else None, facts.on_chain if facts else False,
+            costs,
+            facts.gap_ms if facts else None,
+            facts.on_chain if facts else False,
             dedicated=ours_entry.get("input_dist_group") == "dedicated",
         )
         out.variants.append(
@@ -165,7 +171,11 @@ def format_bound(report: BoundReport, table: TableLayout) -> str:
     lines.append(
         f"  any schedule: max({_terms(any_schedule)}) = {any_schedule.step_ms:.2f} ms "
         f"({any_schedule.binding}) -> {_qps(report.bound_qps)} ex/s"
-        + (f"; plain loop {_qps(plain)} ({_pct(_fraction(plain, report.bound_qps))})" if plain else "")
+        + (
+            f"; plain loop {_qps(plain)} ({_pct(_fraction(plain, report.bound_qps))})"
+            if plain
+            else ""
+        )
     )
     if c.link_input_dist_ms is not None:
         lines.append(
@@ -189,13 +199,23 @@ def format_bound(report: BoundReport, table: TableLayout) -> str:
                 f"{v.bound.step_ms:.2f} ({v.bound.binding})",
                 _qps(v.bound_qps),
                 f"{_qps(v.ours)} ({_pct(v.ours_of_bound)})",
-                f"{_qps(v.torchrec)} ({_pct(v.torchrec_of_bound)})" if v.torchrec is not None else "-",
+                f"{_qps(v.torchrec)} ({_pct(v.torchrec_of_bound)})"
+                if v.torchrec is not None
+                else "-",
             ]
         )
     if body:
         lines += table(
-            ["variant", "exposed input dist ms", "hidden", "gap ms", "bound ms/step (binding)", "bound ex/s",
-             "ours (of bound)", "torchrec (of bound)"],
+            [
+                "variant",
+                "exposed input dist ms",
+                "hidden",
+                "gap ms",
+                "bound ms/step (binding)",
+                "bound ex/s",
+                "ours (of bound)",
+                "torchrec (of bound)",
+            ],
             body,
         )
         lines.append(

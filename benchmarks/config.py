@@ -46,6 +46,7 @@ PRESETS: Dict[str, Dict[str, Any]] = {
     },
 }
 
+
 def _as_flags(values: Dict[str, Any]) -> str:
     """Field values as the command-line options that set them."""
     flags = []
@@ -77,20 +78,27 @@ _HELP: Dict[str, str] = {
     "emb_lr": "learning rate of the fused (in-backward) embedding Adagrad",
     "dense_lr": "learning rate of the dense Adagrad",
     "variants": "only these pipeline classes (default: every one trec_pipelines exports)",
-    "include_compiled": "also run TrainPipelinePT2 and TrainPipelineSparseDistCompAutograd (compile time is excluded by the warm-up)",
+    "include_compiled": "also run TrainPipelinePT2 and TrainPipelineSparseDistCompAutograd "
+    "(compile time is excluded by the warm-up)",
     "torchrec": "run torchrec's same-named classes next to ours",
     "overhead": "measure per-step pipeline overhead on the tiny model",
     "overhead_batch_size": "per-rank batch size of the overhead measurement",
     "overhead_steps": "batches per timed epoch of the overhead measurement",
     "overhead_repeats": "rounds of the overhead measurement (its differences are small: more rounds than --repeats)",
-    "stages": "measure SparseDist's stages separately (H2D, input dist, fwd+bwd+opt; CPU and link bytes) for the bound and the hidden input dist",
-    "timelines": "write a schedule timeline PNG per variant of ours (from its recorded epoch, which also runs with --stages)",
+    "stages": "measure SparseDist's stages separately (H2D, input dist, fwd+bwd+opt; CPU and link "
+    "bytes) for the bound and the hidden input dist",
+    "timelines": "write a schedule timeline PNG per variant of ours (from its recorded epoch, "
+    "which also runs with --stages)",
     "timeline_steps": "batches of the recorded epoch per variant of ours (timeline, hidden input dist, link-order gap)",
-    "memory": "measure what each pipeline holds (tensor storage reachable from it, per step; ours also per action) and the RSS, in separate untimed epochs",
-    "memory_options": "also measure what SparseDist's enable_inplace_copy_batch / free_features_storage_early / clear_data_dist_inputs save, at the largest batch size (builds a model and pipeline per option set and library)",
+    "memory": "measure what each pipeline holds (tensor storage reachable from it, per step; "
+    "ours also per action) and the RSS, in separate untimed epochs",
+    "memory_options": "also measure what SparseDist's enable_inplace_copy_batch / "
+    "free_features_storage_early / clear_data_dist_inputs save, at the largest batch size "
+    "(builds a model and pipeline per option set and library)",
     "memory_steps": "batches of each memory-measuring epoch",
     "link_gbit": "emulate an interconnect of this many Gbit/s (private network namespace, tbf on its loopback)",
-    "link_socket_queue_kb": "KiB each TCP socket may queue for the emulated link (tcp_limit_output_bytes in the namespace; "
+    "link_socket_queue_kb": "KiB each TCP socket may queue for the emulated link "
+    "(tcp_limit_output_bytes in the namespace; "
     "0 keeps the kernel's default, a queue deep enough for one all-to-all to hold up every other flow: "
     "see [Note: the link's queue] in benchmarks/netns.py)",
     "input_dist_groups": "input_dist_group settings each of our pipelines that takes the option runs with "
@@ -152,7 +160,9 @@ class BenchConfig:
         if self.nproc < 1:
             raise ValueError(f"--nproc must be >= 1, got {self.nproc}")
         if self.sharding_type not in SHARDING_TYPES:
-            raise ValueError(f"--sharding-type must be one of {SHARDING_TYPES}, got {self.sharding_type!r}")
+            raise ValueError(
+                f"--sharding-type must be one of {SHARDING_TYPES}, got {self.sharding_type!r}"
+            )
         if not self.batch_sizes or min(self.batch_sizes) < 1:
             raise ValueError(f"--batch-sizes needs positive sizes, got {self.batch_sizes}")
         if len(self.steps) not in (0, 1, len(self.batch_sizes)):
@@ -160,7 +170,9 @@ class BenchConfig:
                 f"--steps takes one value or one per batch size ({len(self.batch_sizes)}), got {self.steps}"
             )
         if self.steps and min(self.steps) < 2:
-            raise ValueError(f"--steps must be >= 2 (a pipeline needs a few batches), got {self.steps}")
+            raise ValueError(
+                f"--steps must be >= 2 (a pipeline needs a few batches), got {self.steps}"
+            )
         if self.repeats < 1:
             raise ValueError(f"--repeats must be >= 1, got {self.repeats}")
         if self.overhead_repeats < 1:
@@ -170,20 +182,28 @@ class BenchConfig:
         if self.link_gbit is not None and self.link_gbit <= 0:
             raise ValueError(f"--link-gbit must be > 0 Gbit/s, got {self.link_gbit}")
         if self.link_socket_queue_kb < 0:
-            raise ValueError(f"--link-socket-queue-kb must be >= 0 (0: the kernel's default), got {self.link_socket_queue_kb}")
-        if not self.input_dist_groups or not set(self.input_dist_groups) <= {"dedicated", "shared"} or len(
-            set(self.input_dist_groups)
-        ) != len(self.input_dist_groups):
+            raise ValueError(
+                f"--link-socket-queue-kb must be >= 0 (0: the kernel's default), got {self.link_socket_queue_kb}"
+            )
+        if (
+            not self.input_dist_groups
+            or not set(self.input_dist_groups) <= {"dedicated", "shared"}
+            or len(set(self.input_dist_groups)) != len(self.input_dist_groups)
+        ):
             raise ValueError(
                 "--input-dist-groups takes 'dedicated' and/or 'shared', each once, got "
                 f"{','.join(self.input_dist_groups) or '(none)'}"
             )
         if self.memory_steps < 3:
-            raise ValueError(f"--memory-steps must be >= 3 (a pipeline fills with up to 3 batches), got {self.memory_steps}")
+            raise ValueError(
+                f"--memory-steps must be >= 3 (a pipeline fills with up to 3 batches), got {self.memory_steps}"
+            )
         if self.preset and self.preset not in PRESETS:
             raise ValueError(f"--preset must be one of {', '.join(PRESETS)}, got {self.preset!r}")
         if self.timeline_steps < 6:
-            raise ValueError(f"--timeline-steps must be >= 6 to draw progress() calls 2..5, got {self.timeline_steps}")
+            raise ValueError(
+                f"--timeline-steps must be >= 6 to draw progress() calls 2..5, got {self.timeline_steps}"
+            )
 
     def steps_for(self, batch_size: int) -> int:
         """Batches per timed epoch at ``batch_size``."""
@@ -252,16 +272,23 @@ def build_parser() -> argparse.ArgumentParser:
         help_text = _HELP.get(f.name, "")
         origin = typing.get_origin(annotation)
         if annotation is bool:
-            parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=f.default, help=help_text)
+            parser.add_argument(
+                flag, action=argparse.BooleanOptionalAction, default=f.default, help=help_text
+            )
         elif origin in (tuple, typing.Tuple):
             kind = _element_type(annotation)
             default = ",".join(str(v) for v in f.default) if f.default else "(all)"
             parser.add_argument(
-                flag, type=_tuple_parser(kind, f.name.replace("_", "-")), default=f.default,
-                metavar="A,B,...", help=f"{help_text} (default: {default})",
+                flag,
+                type=_tuple_parser(kind, f.name.replace("_", "-")),
+                default=f.default,
+                metavar="A,B,...",
+                help=f"{help_text} (default: {default})",
             )
         else:
-            parser.add_argument(flag, type=_element_type(annotation), default=f.default, help=help_text)
+            parser.add_argument(
+                flag, type=_element_type(annotation), default=f.default, help=help_text
+            )
     return parser
 
 

@@ -35,10 +35,12 @@ import torch.distributed as dist
 from torch import nn
 
 from benchmarks import netns, shim
-from benchmarks.report import COMPILED_PLAIN, COMPILED_VARIANTS
 from benchmarks.model import Batch, ModelSpec, make_sharded
+from benchmarks.report import COMPILED_PLAIN, COMPILED_VARIANTS
+from tests import devices
 
-CPU = torch.device("cpu")
+# Where the ranks train: CPU, or the rank's GPU (tests/devices.py, TREC_DEVICE).
+DEVICE = devices.device()
 
 # Display order; variants exported later that are not listed go at the end.
 KNOWN_ORDER = (
@@ -53,6 +55,13 @@ KNOWN_ORDER = (
     "EvalPipelineFusedSparseDist",
     "StagedTrainPipeline",
     "TrainPipelineSparseDistCompAutograd",
+    "TrainPipelineSparseDistT",
+    "TrainPipelineSparseDistBwdOpt",
+    "TrainEvalHybridPipelineBase",
+    "TrainPipelineSparseDistOptStash",
+    "TrainPipelineSparseDistEmbStash",
+    "TrainPipelinePrefetchEMS",
+    "EvalPipelineCPUSparse",
 )
 
 # Variants that compile the model (or its autograd graph) with torch.compile.
@@ -75,7 +84,15 @@ NEEDS_PYTHON_REDUCER = frozenset({"TrainPipelineSparseDistCompAutograd"})
 
 # Constructor arguments given to both libraries' classes.  SemiSync's default
 # start_batch (900) would keep it synchronous through every short epoch here.
-VARIANT_KWARGS: Dict[str, Dict[str, Any]] = {"TrainPipelineSemiSync": {"start_batch": 0}}
+VARIANT_KWARGS: Dict[str, Dict[str, Any]] = {
+    "TrainPipelineSemiSync": {"start_batch": 0},
+    # The optimizer steps at the bench model's embedding output dist.
+    "TrainPipelineSparseDistBwdOpt": {"site_fqn": "ebc"},
+    # Their restore points: OptStash at ebc's output dist, the others at over_arch.
+    "TrainPipelineSparseDistOptStash": {"site_fqn": "ebc"},
+    "TrainPipelineSparseDistEmbStash": {"site_fqn": "over_arch"},
+    "TrainPipelinePrefetchEMS": {"site_fqn": "over_arch"},
+}
 
 # Modes: how an epoch is driven and which plain loop it is compared with.
 TRAIN, EVAL, STAGED = "train", "eval", "staged"
@@ -118,18 +135,22 @@ def _is_pipeline_class(obj: Any) -> bool:
 
 
 def torchrec_class(name: str) -> Optional[type]:
-    """torchrec's class named ``name``, from the package or its train_pipelines module."""
+    """torchrec's class named ``name``: from the package, its train_pipelines
+    module, or its experimental_pipelines module."""
     import torchrec.distributed.train_pipeline as package
+    import torchrec.distributed.train_pipeline.experimental_pipelines as experimental
     import torchrec.distributed.train_pipeline.train_pipelines as module
 
-    for source in (package, module):
+    for source in (package, module, experimental):
         cls = getattr(source, name, None)
         if _is_pipeline_class(cls):
             return cls
     return None
 
 
-def discover(names: Sequence[str] = (), include_compiled: bool = False) -> Tuple[List[Variant], List[str]]:
+def discover(
+    names: Sequence[str] = (), include_compiled: bool = False
+) -> Tuple[List[Variant], List[str]]:
     """The variants to benchmark and notes on what was left out.
 
     Every pipeline class in ``trec_pipelines.__all__`` is a variant (classes
@@ -148,8 +169,13 @@ def discover(names: Sequence[str] = (), include_compiled: bool = False) -> Tuple
             f"--variants {', '.join(unknown)}: not a pipeline class exported by trec_pipelines "
             f"(exported: {', '.join(sorted(pipelines))})"
         )
-    chosen = list(names) if names else sorted(
-        pipelines, key=lambda n: (KNOWN_ORDER.index(n) if n in KNOWN_ORDER else len(KNOWN_ORDER), n)
+    chosen = (
+        list(names)
+        if names
+        else sorted(
+            pipelines,
+            key=lambda n: (KNOWN_ORDER.index(n) if n in KNOWN_ORDER else len(KNOWN_ORDER), n),
+        )
     )
     variants: List[Variant] = []
     for name in chosen:
@@ -203,12 +229,21 @@ class Contender:
     def _grad_context(self) -> ContextManager[None]:
         return torch.no_grad() if self.mode == EVAL else contextlib.nullcontext()
 
-    def build(self, spec: ModelSpec, sharding_type: str, pg: dist.ProcessGroup, seed: int,
-              emb_lr: float, dense_lr: float) -> None:
+    def build(
+        self,
+        spec: ModelSpec,
+        sharding_type: str,
+        pg: dist.ProcessGroup,
+        seed: int,
+        emb_lr: float,
+        dense_lr: float,
+    ) -> None:
         """Build the sharded model and whatever drives it."""
         self.pg = pg
         with self._model_context():
-            self.model, self.optimizer = make_sharded(spec, sharding_type, pg, seed, emb_lr, dense_lr)
+            self.model, self.optimizer = make_sharded(
+                spec, sharding_type, pg, seed, emb_lr, dense_lr
+            )
         if self.mode == EVAL:
             self.model.eval()
         with self._context():
@@ -251,7 +286,7 @@ class PlainLoop(Contender):
         model, optimizer = self.model, self.optimizer
         assert model is not None and optimizer is not None
         for batch in batches:
-            batch = batch.to(CPU, non_blocking=True)
+            batch = batch.to(DEVICE, non_blocking=True)
             if self.mode == EVAL:
                 model(batch)
                 continue
@@ -311,7 +346,9 @@ class CompiledPlainLoop(PlainLoop):
         assert self.model is not None
         config = TorchCompileConfig()
         torch.ops.import_module("fbgemm_gpu.sparse_ops")
-        self.model.compile(fullgraph=config.fullgraph, dynamic=config.dynamic, backend=config.backend)
+        self.model.compile(
+            fullgraph=config.fullgraph, dynamic=config.dynamic, backend=config.backend
+        )
 
     def _run_epoch(self, batches: Sequence[Batch]) -> int:
         if self.compiles_like != "TrainPipelinePT2":
@@ -319,7 +356,9 @@ class CompiledPlainLoop(PlainLoop):
         from trec_pipelines import TorchCompileConfig
         from trec_pipelines.pipelines.pt2 import dynamo_settings
 
-        eager = 0 if self.model_compiled else max(0, TorchCompileConfig().compile_on_iter - self._steps)
+        eager = (
+            0 if self.model_compiled else max(0, TorchCompileConfig().compile_on_iter - self._steps)
+        )
         self._steps += len(batches)
         if eager >= len(batches):  # still before the pipeline's compile_on_iter
             return super()._run_epoch(batches)
@@ -371,7 +410,7 @@ class PipelineContender(Contender):
 
     def _build(self) -> None:
         kwargs = {**VARIANT_KWARGS.get(self.base_variant, {}), **self.extra_kwargs}
-        self.pipeline = self.cls(self.model, self.optimizer, CPU, **kwargs)
+        self.pipeline = self.cls(self.model, self.optimizer, DEVICE, **kwargs)
 
     def _run_epoch(self, batches: Sequence[Batch]) -> int:
         pipeline = self.pipeline
@@ -410,7 +449,10 @@ class StagedContender(PipelineContender):
 
     def _helpers(self) -> Tuple[Any, Any]:
         if self.side == "torchrec":
-            from torchrec.distributed.train_pipeline.pipeline_stage import PipelineStage, SparseDataDistUtil
+            from torchrec.distributed.train_pipeline.pipeline_stage import (
+                PipelineStage,
+                SparseDataDistUtil,
+            )
 
             return PipelineStage, SparseDataDistUtil
         stage = _ours("PipelineStage", self.cls.__module__)
@@ -424,14 +466,16 @@ class StagedContender(PipelineContender):
 
     def _build(self) -> None:
         stage_cls, util_cls = self._helpers()
-        # A CPU "stream": a real torch.Stream object, so code that reads .device works.
-        copy_stream = torch.Stream(device="cpu")
+        # A real torch.Stream object (on CPU too, so code that reads .device works).
+        copy_stream = torch.Stream(device=DEVICE)
         # input_dist_group is SparseDataDistUtil's option; the rest go to the pipeline.
         util_kwargs = {k: v for k, v in self.extra_kwargs.items() if k == "input_dist_group"}
         pipeline_kwargs = {k: v for k, v in self.extra_kwargs.items() if k not in util_kwargs}
-        self._sdd = util_cls(model=self.model, data_dist_stream=torch.Stream(device="cpu"), **util_kwargs)
+        self._sdd = util_cls(
+            model=self.model, data_dist_stream=torch.Stream(device=DEVICE), **util_kwargs
+        )
         stages = [
-            stage_cls(name="data_copy", runnable=_to_cpu, stream=copy_stream),
+            stage_cls(name="data_copy", runnable=_to_device, stream=copy_stream),
             stage_cls(
                 name="start_sparse_data_dist",
                 runnable=self._sdd.start_sparse_data_dist,
@@ -441,7 +485,7 @@ class StagedContender(PipelineContender):
         ]
         # torchrec would otherwise ask torch.cpu for a "current stream" that has no .device.
         self.pipeline = self.cls(
-            pipeline_stages=stages, compute_stream=torch.Stream(device="cpu"), **pipeline_kwargs
+            pipeline_stages=stages, compute_stream=torch.Stream(device=DEVICE), **pipeline_kwargs
         )
 
     def _run_epoch(self, batches: Sequence[Batch]) -> int:
@@ -484,7 +528,9 @@ def _ours(name: str, home_module: str) -> Any:
 
     import trec_pipelines.pipelines as package
 
-    candidates = [home_module] + [f"{package.__name__}.{m.name}" for m in pkgutil.iter_modules(package.__path__)]
+    candidates = [home_module] + [
+        f"{package.__name__}.{m.name}" for m in pkgutil.iter_modules(package.__path__)
+    ]
     for module_name in candidates:
         try:
             module = importlib.import_module(module_name)
@@ -496,8 +542,8 @@ def _ours(name: str, home_module: str) -> Any:
     return None
 
 
-def _to_cpu(batch: Batch) -> Batch:
-    return batch.to(CPU, non_blocking=True)
+def _to_device(batch: Batch) -> Batch:
+    return batch.to(DEVICE, non_blocking=True)
 
 
 def make_contender(variant: Variant, side: str) -> Contender:
@@ -603,7 +649,7 @@ class StageProbe(Contender):
             dist.barrier(group=pg)
             b0 = link() if link else 0
             t0, c0 = time.perf_counter(), time.process_time()
-            batch = host_batch.to(CPU, non_blocking=True)
+            batch = host_batch.to(DEVICE, non_blocking=True)
             t1, c1 = time.perf_counter(), time.process_time()
             dist.barrier(group=pg)
             b1 = link() if link else 0

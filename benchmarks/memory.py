@@ -36,7 +36,11 @@ OPTION_SETS: Tuple[Tuple[str, Dict[str, Any]], ...] = (
     ("clear_data_dist_inputs", {"clear_data_dist_inputs": True}),
     (
         "all three",
-        {"enable_inplace_copy_batch": True, "free_features_storage_early": True, "clear_data_dist_inputs": True},
+        {
+            "enable_inplace_copy_batch": True,
+            "free_features_storage_early": True,
+            "clear_data_dist_inputs": True,
+        },
     ),
 )
 

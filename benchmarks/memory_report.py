@@ -62,22 +62,34 @@ def mib(value: Optional[float]) -> str:
 def throughput_cells(memory: Dict[str, Any], variant: str) -> List[str]:
     """The memory columns of a throughput row: held MiB ours / torchrec, RSS MiB ours / torchrec."""
     ours, theirs = memory.get(f"ours:{variant}"), memory.get(f"torchrec:{variant}")
-    return [mib(held_peak(ours)), mib(held_peak(theirs)), mib(rss_peak(ours)), mib(rss_peak(theirs))]
+    return [
+        mib(held_peak(ours)),
+        mib(held_peak(theirs)),
+        mib(rss_peak(ours)),
+        mib(rss_peak(theirs)),
+    ]
 
 
 THROUGHPUT_HEADER = ["held MiB ours", "held MiB torchrec", "RSS MiB ours", "RSS MiB torchrec"]
 
 
 def _table(header: Sequence[str], body: Sequence[Sequence[str]]) -> List[str]:
-    widths = [max(len(h), *(len(r[i]) for r in body)) if body else len(h) for i, h in enumerate(header)]
+    widths = [
+        max(len(h), *(len(r[i]) for r in body)) if body else len(h) for i, h in enumerate(header)
+    ]
 
     def line(cells: Sequence[str]) -> str:
-        return "  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(cells, widths))).rstrip()
+        return "  ".join(
+            c.ljust(w) if i == 0 else c.rjust(w)
+            for i, (c, w) in enumerate(zip(cells, widths, strict=False))
+        ).rstrip()
 
     return [line(header), line(["-" * w for w in widths])] + [line(r) for r in body]
 
 
-def format_memory(memory: Dict[str, Any], variants: Sequence[str], batch_size: int, world: int) -> str:
+def format_memory(
+    memory: Dict[str, Any], variants: Sequence[str], batch_size: int, world: int
+) -> str:
     """Per variant: held at peak (both libraries, by kind for ours), ours' ledger, batches in flight."""
     body = []
     for variant in variants:
@@ -90,7 +102,9 @@ def format_memory(memory: Dict[str, Any], variants: Sequence[str], batch_size: i
         kinds = "/".join(mib(at_peak["held_by_kind"].get(k, 0)) for k in KINDS) if at_peak else "-"
         theirs_at_peak = _rank_at_peak(theirs)
         theirs_kinds = (
-            "/".join(mib(theirs_at_peak["held_by_kind"].get(k, 0)) for k in KINDS) if theirs_at_peak else "-"
+            "/".join(mib(theirs_at_peak["held_by_kind"].get(k, 0)) for k in KINDS)
+            if theirs_at_peak
+            else "-"
         )
         book = ledger(ours)
         batches_o = str(at_peak["max_batches"]) if at_peak else "-"
@@ -111,9 +125,17 @@ def format_memory(memory: Dict[str, Any], variants: Sequence[str], batch_size: i
             ]
         )
     header = [
-        "variant", "held ours", "held torchrec", "ours/torchrec",
-        "ours " + "/".join(KINDS), "torchrec " + "/".join(KINDS), "batches o/t",
-        "ledger peak", "ledger steady", "ledger batches", "RSS rise o/t",
+        "variant",
+        "held ours",
+        "held torchrec",
+        "ours/torchrec",
+        "ours " + "/".join(KINDS),
+        "torchrec " + "/".join(KINDS),
+        "batches o/t",
+        "ledger peak",
+        "ledger steady",
+        "ledger batches",
+        "RSS rise o/t",
     ]
     title = (
         f"Pipeline-held memory at batch {batch_size}/rank x {world} ranks (MiB, largest rank): tensor storage "
@@ -159,7 +181,15 @@ def format_options(rows: Sequence[Dict[str, Any]], batch_size: int) -> str:
         f"TrainPipelineSparseDist memory options at batch {batch_size}/rank (held MiB at peak, largest rank; "
         "a fresh pipeline per option set)"
     )
-    header = ["library", "options", "held", "saved vs none", "/".join(KINDS), "ledger peak", "ledger steady"]
+    header = [
+        "library",
+        "options",
+        "held",
+        "saved vs none",
+        "/".join(KINDS),
+        "ledger peak",
+        "ledger steady",
+    ]
     notes = [
         "  ledger (ours): measured after every action, so it also sees what is freed and re-filled within a "
         "step (clear_data_dist_inputs frees the in-flight all-to-all inputs mid-step)",
@@ -175,7 +205,9 @@ def peak_rss_line(raw: Dict[str, Any]) -> Optional[str]:
     peaks = [p for p in raw.get("peak_rss") or [] if p]
     if not peaks:
         return None
-    return "process peak RSS per rank (whole run, every contender): " + ", ".join(f"{mib(p)} MiB" for p in peaks)
+    return "process peak RSS per rank (whole run, every contender): " + ", ".join(
+        f"{mib(p)} MiB" for p in peaks
+    )
 
 
 def summary(block: Dict[str, Any], variants: Sequence[str]) -> Dict[str, Any]:
@@ -198,7 +230,12 @@ def summary(block: Dict[str, Any], variants: Sequence[str]) -> Dict[str, Any]:
         )
     for row in block.get("memory_options") or []:
         out["options"].append(
-            {"side": row["side"], "label": row["label"], "held_peak": held_peak(row), "ours_ledger": ledger(row)}
+            {
+                "side": row["side"],
+                "label": row["label"],
+                "held_peak": held_peak(row),
+                "ours_ledger": ledger(row),
+            }
         )
     return out
 

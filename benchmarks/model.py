@@ -30,6 +30,8 @@ from torchrec.optim.optimizers import in_backward_optimizer_filter
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 from torchrec.streamable import Pipelineable
 
+from tests import devices
+
 SHARDING_TYPES = ("table_wise", "row_wise", "column_wise", "table_row_wise", "data_parallel")
 
 
@@ -120,7 +122,9 @@ def make_batches(spec: ModelSpec, n: int, batch_size: int, seed: int, rank: int)
     g = torch.Generator().manual_seed(seed * 100_003 + rank * 7919 + batch_size)
     batches = []
     for _ in range(n):
-        lengths = torch.randint(0, 2 * spec.pooling + 1, (len(spec.dims) * batch_size,), generator=g)
+        lengths = torch.randint(
+            0, 2 * spec.pooling + 1, (len(spec.dims) * batch_size,), generator=g
+        )
         values = torch.randint(0, spec.rows, (int(lengths.sum()),), generator=g)
         sparse = KeyedJaggedTensor.from_lengths_sync(
             keys=spec.features, values=values, lengths=lengths.int()
@@ -137,7 +141,7 @@ def make_batches(spec: ModelSpec, n: int, batch_size: int, seed: int, rank: int)
 
 def _mlp(sizes: Sequence[int], last_activation: bool) -> nn.Sequential:
     layers: List[nn.Module] = []
-    for i, (a, b) in enumerate(zip(sizes[:-1], sizes[1:])):
+    for i, (a, b) in enumerate(zip(sizes[:-1], sizes[1:], strict=True)):
         layers.append(nn.Linear(a, b))
         if last_activation or i < len(sizes) - 2:
             layers.append(nn.ReLU())
@@ -169,7 +173,9 @@ class DLRM(nn.Module):
         pooled = self.ebc(batch.sparse).to_dict()
         x = torch.cat([self.dense_arch(batch.dense)] + [pooled[f] for f in self.features], dim=1)
         logits = self.over_arch(x).squeeze(-1)
-        loss = nn.functional.binary_cross_entropy_with_logits(logits, batch.labels, reduction="none")
+        loss = nn.functional.binary_cross_entropy_with_logits(
+            logits, batch.labels, reduction="none"
+        )
         return loss, logits.detach()
 
 
@@ -201,14 +207,14 @@ def make_sharded(
     }
     sharders = [EmbeddingBagCollectionSharder()]
     planner = EmbeddingShardingPlanner(
-        topology=Topology(world_size=dist.get_world_size(pg), compute_device="cpu"),
+        topology=Topology(world_size=dist.get_world_size(pg), compute_device=devices.device().type),
         constraints=constraints,
     )
     plan = planner.collective_plan(model, sharders, pg)
     dmp = DistributedModelParallel(
         module=model,
         env=ShardingEnv.from_process_group(pg),
-        device=torch.device("cpu"),
+        device=devices.device(),
         plan=plan,
         sharders=sharders,
     )

@@ -70,10 +70,19 @@ class LinkPlan:
 
     def tc_args(self) -> List[str]:
         return [
-            "tc", "qdisc", "add", "dev", "lo", "root", "tbf",
-            "rate", f"{self.gbit:g}gbit",
-            "burst", str(self.burst_bytes),
-            "latency", f"{_QUEUE_LATENCY_MS}ms",
+            "tc",
+            "qdisc",
+            "add",
+            "dev",
+            "lo",
+            "root",
+            "tbf",
+            "rate",
+            f"{self.gbit:g}gbit",
+            "burst",
+            str(self.burst_bytes),
+            "latency",
+            f"{_QUEUE_LATENCY_MS}ms",
         ]
 
 
@@ -91,8 +100,12 @@ def _ensure_iproute2() -> None:
     if shutil.which("tc") and shutil.which("ip"):
         return
     if not shutil.which("apt-get"):
-        raise LinkUnavailable("`tc`/`ip` (iproute2) are missing and apt-get is not available to install them")
-    print("--link-gbit needs `tc` and `ip` from iproute2; installing it with apt-get ...", flush=True)
+        raise LinkUnavailable(
+            "`tc`/`ip` (iproute2) are missing and apt-get is not available to install them"
+        )
+    print(
+        "--link-gbit needs `tc` and `ip` from iproute2; installing it with apt-get ...", flush=True
+    )
     for cmd in (["apt-get", "update", "-qq"], ["apt-get", "install", "-y", "-qq", "iproute2"]):
         result = subprocess.run(cmd, capture_output=True, text=True)
         if result.returncode != 0:
@@ -104,7 +117,9 @@ def _ensure_iproute2() -> None:
 def check(link: LinkPlan) -> None:
     """Raise :class:`LinkUnavailable` unless a namespace with a tbf loopback can be made here."""
     if os.geteuid() != 0:
-        raise LinkUnavailable("creating a network namespace needs root (run as root or drop --link-gbit)")
+        raise LinkUnavailable(
+            "creating a network namespace needs root (run as root or drop --link-gbit)"
+        )
     if not shutil.which("unshare"):
         raise LinkUnavailable("`unshare` (util-linux) is not installed")
     _ensure_iproute2()
@@ -120,9 +135,17 @@ def check(link: LinkPlan) -> None:
 def wrap(command: Sequence[str], link: LinkPlan) -> List[str]:
     """``command`` run inside a new network namespace whose loopback is limited to ``link``."""
     return [
-        "unshare", "-n", "--",
-        sys.executable, "-m", "benchmarks.netns",
-        f"{link.gbit:g}", str(link.burst_bytes), str(link.socket_queue_bytes), "--", *command,
+        "unshare",
+        "-n",
+        "--",
+        sys.executable,
+        "-m",
+        "benchmarks.netns",
+        f"{link.gbit:g}",
+        str(link.burst_bytes),
+        str(link.socket_queue_bytes),
+        "--",
+        *command,
     ]
 
 
@@ -137,7 +160,7 @@ def inside(argv: Sequence[str]) -> int:
     split = list(argv).index("--")
     gbit, burst = float(argv[0]), int(argv[1])
     socket_queue = int(argv[2]) if split > 2 else 0
-    command = list(argv[split + 1:])
+    command = list(argv[split + 1 :])
     host = os.environ.get(HOST_NETNS_ENV)
     if host is None or int(host) == netns_inode():
         print(
@@ -152,7 +175,9 @@ def inside(argv: Sequence[str]) -> int:
     if link.socket_queue_bytes:
         with open(TSQ_SYSCTL, "w") as f:  # this namespace's own copy of the setting
             f.write(str(link.socket_queue_bytes))
-    shown = subprocess.run(["tc", "qdisc", "show", "dev", "lo"], capture_output=True, text=True).stdout.strip()
+    shown = subprocess.run(
+        ["tc", "qdisc", "show", "dev", "lo"], capture_output=True, text=True
+    ).stdout.strip()
     with open(TSQ_SYSCTL) as f:
         shown += f"; tcp_limit_output_bytes {f.read().strip()}"
     env = dict(os.environ)

@@ -49,7 +49,8 @@ def recorded_epoch(
     return {
         "call_starts": [t - origin for t in call_starts],
         "actions": [
-            [a.call, a.task, a.batch, a.thread, a.cpu_start - origin, a.cpu_end - origin] for a in actions
+            [a.call, a.task, a.batch, a.thread, a.cpu_start - origin, a.cpu_end - origin]
+            for a in actions
         ],
         "input_dist": [[kind, start - origin, end - origin] for kind, start, end in tap.intervals],
         "all_to_alls": [[t - origin, nbytes] for t, nbytes in tap.all_to_alls],

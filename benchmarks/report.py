@@ -95,7 +95,7 @@ class Row:
         o, t = self.ours, self.torchrec
         if o.median is None or t.median is None or len(o.samples) != len(t.samples):
             return None
-        return statistics.median(a / b for a, b in zip(o.samples, t.samples))
+        return statistics.median(a / b for a, b in zip(o.samples, t.samples, strict=True))
 
     @property
     def ours_vs_plain(self) -> Optional[float]:
@@ -170,7 +170,9 @@ class OverheadRow:
         # Paired: per round, the contender's ms/step minus the plain loop's in
         # the same round, then the median; drift between rounds cancels.
         if samples and len(samples) == len(self.plain_samples):
-            return statistics.median(a - b for a, b in zip(samples, self.plain_samples))
+            return statistics.median(
+                a - b for a, b in zip(samples, self.plain_samples, strict=True)
+            )
         return None if ms is None or self.plain_ms is None else ms - self.plain_ms
 
     @property
@@ -223,17 +225,28 @@ def _missing(reason: str) -> Measure:
     return Measure(status=NA, reason=reason)
 
 
-def _measure(entry: Optional[Dict[str, Any]], per_epoch: float, inverse: bool, absent: str) -> Measure:
+def _measure(
+    entry: Optional[Dict[str, Any]], per_epoch: float, inverse: bool, absent: str
+) -> Measure:
     """examples/s (``per_epoch / seconds``) or ms/step (``seconds / per_epoch``) per repeat."""
     if entry is None:
         return _missing(absent)
     if entry["status"] != OK or not entry["seconds"]:
-        return Measure(status=NA, reason=entry.get("reason", "") or "no timed epoch", shimmed=entry.get("shimmed", False))
+        return Measure(
+            status=NA,
+            reason=entry.get("reason", "") or "no timed epoch",
+            shimmed=entry.get("shimmed", False),
+        )
     if inverse:
         samples = [1e3 * s / per_epoch for s in entry["seconds"]]
     else:
         samples = [per_epoch / s for s in entry["seconds"]]
-    return Measure(status=OK, shimmed=entry.get("shimmed", False), samples=samples, compiles=entry.get("compiles"))
+    return Measure(
+        status=OK,
+        shimmed=entry.get("shimmed", False),
+        samples=samples,
+        compiles=entry.get("compiles"),
+    )
 
 
 def _plain_mode(mode: str) -> str:
@@ -273,7 +286,9 @@ def throughput_tables(raw: Dict[str, Any]) -> List[ThroughputTable]:
                     mode=mode,
                     ours=_measure(contenders.get(f"ours:{variant}"), per_epoch, False, "not run"),
                     torchrec=_measure(
-                        contenders.get(f"torchrec:{_base(contenders, variant)}"), per_epoch, False,
+                        contenders.get(f"torchrec:{_base(contenders, variant)}"),
+                        per_epoch,
+                        False,
                         "torchrec has no class of this name",
                     ),
                     plain=plain.get(_plain_mode(mode), _missing("not run")),
@@ -281,13 +296,23 @@ def throughput_tables(raw: Dict[str, Any]) -> List[ThroughputTable]:
             )
         achieved = [(r.variant, r.mode, r.ours.median, r.torchrec.median) for r in rows]
         bound = bound_report.bound_report(
-            block, achieved, plain["train"].median if "train" in plain else None, world,
-            raw.get("cores"), raw.get("link_gbit"),
+            block,
+            achieved,
+            plain["train"].median if "train" in plain else None,
+            world,
+            raw.get("cores"),
+            raw.get("link_gbit"),
         )
         tables.append(
             ThroughputTable(
-                bs, steps, world, rows, plain, bound,
-                memory=block.get("memory") or {}, memory_options=block.get("memory_options") or [],
+                bs,
+                steps,
+                world,
+                rows,
+                plain,
+                bound,
+                memory=block.get("memory") or {},
+                memory_options=block.get("memory_options") or [],
                 validation=_validation(block),
             )
         )
@@ -298,14 +323,22 @@ def _validation(block: Dict[str, Any]) -> Optional[ValidationCost]:
     raw = block.get("validation")
     if raw is None:
         return None
-    sparse_dist = _measure(block["contenders"].get("ours:TrainPipelineSparseDist"), block["steps"], True, "not run")
+    sparse_dist = _measure(
+        block["contenders"].get("ours:TrainPipelineSparseDist"), block["steps"], True, "not run"
+    )
     passes, batches = raw.get("passes", 0), raw.get("batches", 0)
     ranks = [statistics.median(samples) for samples in raw.get("us_per_batch") or [] if samples]
     if raw["status"] != OK or not ranks:
         reason = raw.get("reason", "") or "not measured"
-        return ValidationCost(status=NA, reason=reason, passes=passes, batches=batches, step_ms=sparse_dist.median)
+        return ValidationCost(
+            status=NA, reason=reason, passes=passes, batches=batches, step_ms=sparse_dist.median
+        )
     return ValidationCost(
-        status=OK, us_per_batch=max(ranks), rank_us=ranks, passes=passes, batches=batches,
+        status=OK,
+        us_per_batch=max(ranks),
+        rank_us=ranks,
+        passes=passes,
+        batches=batches,
         step_ms=sparse_dist.median,
     )
 
@@ -325,14 +358,21 @@ def overhead_table(raw: Dict[str, Any]) -> Optional[OverheadTable]:
     rows = []
     for variant, mode in _variants(contenders):
         ours = _measure(contenders.get(f"ours:{variant}"), steps, True, "not run")
-        theirs = _measure(contenders.get(f"torchrec:{variant}"), steps, True, "torchrec has no class of this name")
+        theirs = _measure(
+            contenders.get(f"torchrec:{variant}"), steps, True, "torchrec has no class of this name"
+        )
         references = [_plain_mode(mode)]
         if variant in COMPILED_PLAIN and f"train+{COMPILED_PLAIN[variant]}" in plain_measures:
             references.append(f"train+{COMPILED_PLAIN[variant]}")
         unvalidated = contenders.get(f"ours:{variant}{UNVALIDATED}")
         runs = [(variant, ours)]
         if unvalidated is not None:
-            runs.append((f"{variant}, validate_batches=False", _measure(unvalidated, steps, True, "not run")))
+            runs.append(
+                (
+                    f"{variant}, validate_batches=False",
+                    _measure(unvalidated, steps, True, "not run"),
+                )
+            )
         for (label, ours), reference in itertools.product(runs, references):
             rows.append(
                 OverheadRow(
@@ -342,11 +382,15 @@ def overhead_table(raw: Dict[str, Any]) -> Optional[OverheadTable]:
                     torchrec_ms=theirs.median,
                     plain_ms=plain.get(reference),
                     ours_note="" if ours.median is not None else "n/a",
-                    torchrec_note="(shimmed)" if theirs.shimmed else ("" if theirs.median is not None else "n/a"),
+                    torchrec_note="(shimmed)"
+                    if theirs.shimmed
+                    else ("" if theirs.median is not None else "n/a"),
                     reference=reference,
                     ours_samples=list(ours.samples),
                     torchrec_samples=list(theirs.samples),
-                    plain_samples=list(plain_measures[reference].samples) if reference in plain_measures else [],
+                    plain_samples=list(plain_measures[reference].samples)
+                    if reference in plain_measures
+                    else [],
                 )
             )
     return OverheadTable(block["batch_size"], steps, rows, plain)
@@ -376,10 +420,15 @@ def _ratio_cell(value: Optional[float]) -> str:
 
 
 def _table(header: Sequence[str], body: Sequence[Sequence[str]]) -> List[str]:
-    widths = [max(len(h), *(len(r[i]) for r in body)) if body else len(h) for i, h in enumerate(header)]
+    widths = [
+        max(len(h), *(len(r[i]) for r in body)) if body else len(h) for i, h in enumerate(header)
+    ]
 
     def line(cells: Sequence[str]) -> str:
-        return "  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(cells, widths))).rstrip()
+        return "  ".join(
+            c.ljust(w) if i == 0 else c.rjust(w)
+            for i, (c, w) in enumerate(zip(cells, widths, strict=False))
+        ).rstrip()
 
     return [line(header), line(["-" * w for w in widths])] + [line(r) for r in body]
 
@@ -402,12 +451,22 @@ def format_throughput(table: ThroughputTable, repeats: int) -> str:
         )
     extra = len(memory_report.THROUGHPUT_HEADER) if table.memory else 0
     for mode, m in table.plain.items():
-        body.append([f"plain loop ({mode})", _qps_cell(m, notes), "", "", "", "", ""] + [""] * extra)
+        body.append(
+            [f"plain loop ({mode})", _qps_cell(m, notes), "", "", "", "", ""] + [""] * extra
+        )
     title = (
         f"Throughput at batch {table.batch_size}/rank x {table.world} ranks: global examples/s, "
         f"median of {repeats} repeats of {table.steps}-step epochs (± half the max-min spread)"
     )
-    header = ["variant", "ours", "torchrec", "ours/torchrec", "paired", "ours/plain", "torchrec/plain"]
+    header = [
+        "variant",
+        "ours",
+        "torchrec",
+        "ours/torchrec",
+        "paired",
+        "ours/plain",
+        "torchrec/plain",
+    ]
     if table.memory:
         header += memory_report.THROUGHPUT_HEADER
     lines = [title] + _table(header, body)
@@ -428,7 +487,10 @@ def format_throughput(table: ThroughputTable, repeats: int) -> str:
         lines.append(format_validation(table.validation, table.world))
     if table.memory:
         variants = [row.variant for row in table.rows]
-        lines += ["", memory_report.format_memory(table.memory, variants, table.batch_size, table.world)]
+        lines += [
+            "",
+            memory_report.format_memory(table.memory, variants, table.batch_size, table.world),
+        ]
     if table.memory_options:
         lines += ["", memory_report.format_options(table.memory_options, table.batch_size)]
     return "\n".join(lines)
@@ -438,10 +500,16 @@ def format_recompiles(table: ThroughputTable) -> List[str]:
     """For compiled variants: graphs compiled during the timed epochs (0 = no recompilation)."""
     lines = []
     for row in table.rows:
-        counts = {side: m.compiles for side, m in (("ours", row.ours), ("torchrec", row.torchrec)) if m.compiles is not None}
+        counts = {
+            side: m.compiles
+            for side, m in (("ours", row.ours), ("torchrec", row.torchrec))
+            if m.compiles is not None
+        }
         if row.variant in COMPILED_VARIANTS and counts:
             shown = ", ".join(f"{side} {n}" for side, n in counts.items())
-            lines.append(f"  {row.variant}: graphs compiled during the timed epochs (after warm-up): {shown}")
+            lines.append(
+                f"  {row.variant}: graphs compiled during the timed epochs (after warm-up): {shown}"
+            )
     return lines
 
 
@@ -485,7 +553,9 @@ def format_overhead(table: OverheadTable, repeats: int) -> str:
                 "-" if ratio is None else f"{ratio:.2f}",
             ]
         )
-    plain = ", ".join(f"{_reference_cell(mode)} {_num(v, 2)} ms" for mode, v in table.plain_ms.items())
+    plain = ", ".join(
+        f"{_reference_cell(mode)} {_num(v, 2)} ms" for mode, v in table.plain_ms.items()
+    )
     title = (
         f"Per-step overhead on the tiny model (rank 0 alone on a one-rank group, batch {table.batch_size}, "
         f"{table.steps}-step epochs, {repeats} rounds): ms/step (median), and overhead = median over rounds "
@@ -496,8 +566,15 @@ def format_overhead(table: OverheadTable, repeats: int) -> str:
     return "\n".join(
         [title]
         + _table(
-            ["variant", "ours ms/step", "torchrec ms/step", "against", "ours overhead", "torchrec overhead",
-             "ours/torchrec"],
+            [
+                "variant",
+                "ours ms/step",
+                "torchrec ms/step",
+                "against",
+                "ours overhead",
+                "torchrec overhead",
+                "ours/torchrec",
+            ],
             body,
         )
     )
@@ -622,46 +699,85 @@ def write_chart(raw: Dict[str, Any], path: str) -> None:
         len(tables), 1, figsize=(max(8.0, 1.25 * n_variants + 2), 4.2 * len(tables)), squeeze=False
     )
     width = 0.27
-    for ax, table in zip(axes[:, 0], tables):
+    for ax, table in zip(axes[:, 0], tables, strict=False):
         labels = [_short(r.variant) for r in table.rows]
         xs = list(range(len(table.rows)))
         top = max(
-            [m for r in table.rows for m in (r.ours.median, r.torchrec.median, r.plain.median) if m] or [1.0]
+            [m for r in table.rows for m in (r.ours.median, r.torchrec.median, r.plain.median) if m]
+            or [1.0]
         )
-        for offset, side, color in ((-width, "ours", "tab:blue"), (0.0, "torchrec", "tab:orange"), (width, "plain", "0.6")):
-            for x, row in zip(xs, table.rows):
+        for offset, side, color in (
+            (-width, "ours", "tab:blue"),
+            (0.0, "torchrec", "tab:orange"),
+            (width, "plain", "0.6"),
+        ):
+            for x, row in zip(xs, table.rows, strict=False):
                 m: Measure = getattr(row, side)
                 if m.median is None:
-                    ax.text(x + offset, top * 0.02, "n/a", ha="center", va="bottom", fontsize=7, rotation=90)
+                    ax.text(
+                        x + offset,
+                        top * 0.02,
+                        "n/a",
+                        ha="center",
+                        va="bottom",
+                        fontsize=7,
+                        rotation=90,
+                    )
                     continue
                 ax.bar(
-                    x + offset, m.median, width, color=color,
-                    hatch="//" if m.shimmed else None, edgecolor="black" if m.shimmed else color,
+                    x + offset,
+                    m.median,
+                    width,
+                    color=color,
+                    hatch="//" if m.shimmed else None,
+                    edgecolor="black" if m.shimmed else color,
                     label=None,
                 )
             if side == "ours":
-                for x, row in zip(xs, table.rows):
+                for x, row in zip(xs, table.rows, strict=False):
                     if row.ours_vs_torchrec is not None and row.ours.median is not None:
-                        ax.text(x, max(row.ours.median, row.torchrec.median or 0) * 1.02,
-                                f"{row.ours_vs_torchrec:.2f}x", ha="center", va="bottom", fontsize=7)
+                        ax.text(
+                            x,
+                            max(row.ours.median, row.torchrec.median or 0) * 1.02,
+                            f"{row.ours_vs_torchrec:.2f}x",
+                            ha="center",
+                            va="bottom",
+                            fontsize=7,
+                        )
         if table.bound is not None and table.bound.bound_qps is not None:
             ax.axhline(table.bound.bound_qps, color="tab:green", linestyle="--", linewidth=1)
-            ax.text(len(xs) - 0.5, table.bound.bound_qps, " bound (any schedule)", color="tab:green",
-                    va="bottom", ha="right", fontsize=7)
+            ax.text(
+                len(xs) - 0.5,
+                table.bound.bound_qps,
+                " bound (any schedule)",
+                color="tab:green",
+                va="bottom",
+                ha="right",
+                fontsize=7,
+            )
         ax.set_xticks(xs)
         ax.set_xticklabels(labels, rotation=20, ha="right", fontsize=8)
         ax.set_ylabel("global examples/s")
-        ax.set_title(f"batch {table.batch_size}/rank x {table.world} ranks (median; label = ours/torchrec)", fontsize=9)
+        ax.set_title(
+            f"batch {table.batch_size}/rank x {table.world} ranks (median; label = ours/torchrec)",
+            fontsize=9,
+        )
         from matplotlib.patches import Patch
 
         ax.legend(
             handles=[
                 Patch(color="tab:blue", label="trec_pipelines"),
                 Patch(color="tab:orange", label="torchrec"),
-                Patch(facecolor="tab:orange", edgecolor="black", hatch="//", label="torchrec (shimmed)"),
+                Patch(
+                    facecolor="tab:orange",
+                    edgecolor="black",
+                    hatch="//",
+                    label="torchrec (shimmed)",
+                ),
                 Patch(color="0.6", label="plain loop (same mode)"),
             ],
-            fontsize=7, loc="upper right",
+            fontsize=7,
+            loc="upper right",
         )
         ax.set_ylim(0, top * 1.18)
     fig.tight_layout()
@@ -672,7 +788,7 @@ def write_chart(raw: Dict[str, Any], path: str) -> None:
 def _short(name: str) -> str:
     for prefix in ("TrainPipeline",):
         if name.startswith(prefix) and len(name) > len(prefix):
-            return name[len(prefix):]
+            return name[len(prefix) :]
     return name
 
 
@@ -703,7 +819,9 @@ def git_revision(repo: str) -> str:
         ).stdout.strip()
         dirty = subprocess.run(
             ["git", "-C", repo, "status", "--porcelain", "--untracked-files=no"],
-            capture_output=True, text=True, check=True,
+            capture_output=True,
+            text=True,
+            check=True,
         ).stdout.strip()
     except (OSError, subprocess.CalledProcessError):
         return "unknown"

@@ -31,6 +31,7 @@ that leaves a collective half done can't wedge the others.
 from __future__ import annotations
 
 import datetime
+import functools
 import gc
 import inspect
 import json
@@ -63,6 +64,7 @@ from benchmarks.contenders import (
     takes_input_dist_group,
 )
 from benchmarks.model import ModelSpec, make_batches, tiny_spec
+from tests import devices
 from trec_pipelines.memory import peak_rss_bytes
 from trec_pipelines.validation import batch_problem
 
@@ -135,11 +137,18 @@ class Session:
     def build(self, contender: Contender, spec: ModelSpec) -> Optional[str]:
         """Build ``contender`` on a new group: all ranks, or (solo) rank 0 alone."""
         ranks = [0] if self.solo else None
-        pg = dist.new_group(ranks=ranks, backend="gloo", timeout=self.timeout)
+        pg = dist.new_group(ranks=ranks, backend=devices.backend(), timeout=self.timeout)
 
         def do() -> None:
             if self.active:
-                contender.build(spec, self.cfg.sharding_type, pg, self.cfg.seed, self.cfg.emb_lr, self.cfg.dense_lr)
+                contender.build(
+                    spec,
+                    self.cfg.sharding_type,
+                    pg,
+                    self.cfg.seed,
+                    self.cfg.emb_lr,
+                    self.cfg.dense_lr,
+                )
 
         err, _ = self.guarded(contender.key, do)
         return err
@@ -149,7 +158,9 @@ class Session:
         """Whether this rank runs the contenders (in a solo phase only rank 0 does)."""
         return not self.solo or self.rank == 0
 
-    def epoch(self, contender: Contender, batches: Sequence[Any]) -> Tuple[Optional[str], float, Dict[str, float]]:
+    def epoch(
+        self, contender: Contender, batches: Sequence[Any]
+    ) -> Tuple[Optional[str], float, Dict[str, float]]:
         """One timed epoch; seconds are the slowest rank's."""
 
         def do() -> Tuple[float, Dict[str, float], int]:
@@ -261,7 +272,9 @@ def _unvalidated_twins(contenders: Sequence[Contender]) -> List[Contender]:
 
 def _compiles(contender: Contender) -> bool:
     """A contender running compiled code: a compiled variant, or the plain loop doing its compiled work."""
-    return contender.base_variant in report.COMPILED_VARIANTS or isinstance(contender, CompiledPlainLoop)
+    return contender.base_variant in report.COMPILED_VARIANTS or isinstance(
+        contender, CompiledPlainLoop
+    )
 
 
 def _phase(
@@ -307,7 +320,12 @@ def _phase(
     for batch_size, steps in sizes:
         batches = make_batches(spec, steps, batch_size, cfg.seed, session.rank)
         warmup = make_batches(spec, cfg.warmup_steps, batch_size, cfg.seed + 1, session.rank)
-        block: Dict[str, Any] = {"batch_size": batch_size, "steps": steps, "contenders": {}, "stages": []}
+        block: Dict[str, Any] = {
+            "batch_size": batch_size,
+            "steps": steps,
+            "contenders": {},
+            "stages": [],
+        }
         seconds: Dict[str, List[float]] = {c.key: [] for c in contenders}
         for contender in list(alive):
             err, _, _ = session.epoch(contender, warmup)
@@ -334,26 +352,35 @@ def _phase(
                 if stages:
                     block["stages"].append(stages)
         for key, entry in entries.items():
-            block["contenders"][key] = dict(entry, seconds=seconds[key] if entry["status"] == report.OK else [])
+            block["contenders"][key] = dict(
+                entry, seconds=seconds[key] if entry["status"] == report.OK else []
+            )
         if measure_validation:
             block["validation"] = _validation(session, batches, batch_size)
         if record:
-            pictures, block["recorded"] = _recorded(session, alive, batches, batch_size, timelines_dir)
+            pictures, block["recorded"] = _recorded(
+                session, alive, batches, batch_size, timelines_dir
+            )
             timelines += pictures
         if measure_memory:
             block["memory"] = _memory(session, alive, spec, batch_size, timelines_dir)
             if timelines_dir is not None:
                 timelines += [
-                    m["ranks"][0]["timeline"] for m in block["memory"].values()
+                    m["ranks"][0]["timeline"]
+                    for m in block["memory"].values()
                     if m["status"] == report.OK and m["ranks"] and m["ranks"][0].get("timeline")
                 ]
         blocks.append(block)
     session.close(contenders)
-    sparse_dist = next((c for c in contenders if c.variant == memory.OPTIONS_VARIANT and c.side == "ours"), None)
+    sparse_dist = next(
+        (c for c in contenders if c.variant == memory.OPTIONS_VARIANT and c.side == "ours"), None
+    )
     if measure_memory and cfg.memory_options and sparse_dist is not None:
         # At the largest batch size only: each option set builds a model of its own.
         largest = max(range(len(sizes)), key=lambda k: sizes[k][0])
-        blocks[largest]["memory_options"] = _memory_options(session, sparse_dist, spec, sizes[largest][0])
+        blocks[largest]["memory_options"] = _memory_options(
+            session, sparse_dist, spec, sizes[largest][0]
+        )
     return blocks, timelines
 
 
@@ -366,7 +393,9 @@ def time_batch_validation(batches: Sequence[Any], passes: int = VALIDATION_PASSE
     every training step pays).
     """
     if not batches or passes < 1:
-        raise ValueError(f"need batches and passes >= 1, got {len(batches)} batches and {passes} passes")
+        raise ValueError(
+            f"need batches and passes >= 1, got {len(batches)} batches and {passes} passes"
+        )
     for index, batch in enumerate(batches):
         problem = batch_problem(batch)
         if problem is not None:
@@ -406,6 +435,24 @@ def _validation(session: Session, batches: Sequence[Any], batch_size: int) -> Di
     }
 
 
+def _measure_memory(
+    contender: Contender,
+    held_batches: List[Any],
+    ledger_batches: List[Any],
+    picture: Optional[str],
+    *,
+    timeline: bool,
+) -> Dict[str, Any]:
+    """What ``contender`` holds over an epoch; for ours also the ledger's
+    account (drawn to ``picture`` when given)."""
+    result = memory.held_epoch(contender, held_batches)
+    if contender.side == "ours":
+        result["ledger"] = memory.ledger_epoch(contender, ledger_batches, picture)
+        if timeline:
+            result["timeline"] = picture if result["ledger"] is not None else None
+    return result
+
+
 def _memory_batches(session: Session, spec: ModelSpec, batch_size: int, salt: int) -> List[Any]:
     # Fresh batches per epoch (the freeing options empty the storage of the ones
     # they train on), the same content for every contender: their bytes compare exactly.
@@ -420,7 +467,11 @@ def _copying(batches: List[Any]) -> List[Any]:
 
 
 def _memory(
-    session: Session, contenders: Sequence[Contender], spec: ModelSpec, batch_size: int, out_dir: Optional[str]
+    session: Session,
+    contenders: Sequence[Contender],
+    spec: ModelSpec,
+    batch_size: int,
+    out_dir: Optional[str],
 ) -> Dict[str, Any]:
     """What each pipeline contender holds, from outside (and ours' ledger), per rank.
 
@@ -438,16 +489,16 @@ def _memory(
         if out_dir is not None and session.rank == 0 and contender.side == "ours":
             picture = os.path.join(out_dir, f"memory_{contender.variant}_b{batch_size}.png")
 
-        def measure() -> Dict[str, Any]:
-            result = memory.held_epoch(contender, held_batches)
-            if contender.side == "ours":
-                result["ledger"] = memory.ledger_epoch(contender, ledger_batches, picture)
-                result["timeline"] = picture if result["ledger"] is not None else None
-            return result
-
+        measure = functools.partial(
+            _measure_memory, contender, held_batches, ledger_batches, picture, timeline=True
+        )
         err, values = session.guarded(f"memory:{contender.key}", measure)
         session.bar.step(f"b{batch_size} memory {contender.key}")
-        out[contender.key] = {"status": report.OK if err is None else report.NA, "reason": err or "", "ranks": values}
+        out[contender.key] = {
+            "status": report.OK if err is None else report.NA,
+            "reason": err or "",
+            "ranks": values,
+        }
         if err is not None:
             session.bar.write(f"no memory measurement for {contender.key}: {err}")
     return out
@@ -459,7 +510,9 @@ def _memory_options(
     """SparseDist of each library, built afresh per memory option set, measured from outside."""
     assert isinstance(ours, PipelineContender)
     rows: List[Dict[str, Any]] = []
-    sides = ["ours"] + (["torchrec"] if session.cfg.torchrec and ours.info.theirs is not None else [])
+    sides = ["ours"] + (
+        ["torchrec"] if session.cfg.torchrec and ours.info.theirs is not None else []
+    )
     for side in sides:
         for label, kwargs in memory.OPTION_SETS:
             contender = make_contender(ours.info, side)
@@ -473,18 +526,22 @@ def _memory_options(
                 held_batches = _copying(_memory_batches(session, spec, batch_size, 0))
                 ledger_batches = _copying(_memory_batches(session, spec, batch_size, 1))
 
-                def measure() -> Dict[str, Any]:
-                    result = memory.held_epoch(contender, held_batches)
-                    if side == "ours":  # within a step too: clear_data_dist_inputs acts mid-step
-                        result["ledger"] = memory.ledger_epoch(contender, ledger_batches)
-                    return result
-
+                # The ledger too for ours: clear_data_dist_inputs acts mid-step.
+                measure = functools.partial(
+                    _measure_memory, contender, held_batches, ledger_batches, None, timeline=False
+                )
                 err, values = session.guarded(f"memory-options:{side}:{label}", measure)
             session.close([contender])
             session.bar.step(f"b{batch_size} memory options {side} {label}")
             rows.append(
-                {"side": side, "label": label, "options": dict(kwargs),
-                 "status": report.OK if err is None else report.NA, "reason": err or "", "ranks": values}
+                {
+                    "side": side,
+                    "label": label,
+                    "options": dict(kwargs),
+                    "status": report.OK if err is None else report.NA,
+                    "reason": err or "",
+                    "ranks": values,
+                }
             )
     return rows
 
@@ -511,7 +568,10 @@ def _round_order(alive: Sequence[Contender], round_index: int) -> List[Contender
 
 
 def _recorded(
-    session: Session, contenders: Sequence[Contender], batches: Sequence[Any], batch_size: int,
+    session: Session,
+    contenders: Sequence[Contender],
+    batches: Sequence[Any],
+    batch_size: int,
     out_dir: Optional[str],
 ) -> Tuple[List[str], Dict[str, List[Any]]]:
     """A separate recorded epoch per variant of ours (``benchmarks/recording.py``).
@@ -527,15 +587,25 @@ def _recorded(
         if contender.side != "ours" or pipeline is None:
             continue
         if not hasattr(pipeline, "enable_schedule_recording"):
-            session.bar.write(f"no recorded epoch for {contender.variant}: it has no enable_schedule_recording()")
+            session.bar.write(
+                f"no recorded epoch for {contender.variant}: it has no enable_schedule_recording()"
+            )
             continue
-        picture_name = contender.variant.replace(" [", "_").replace("]", "")  # "X [shared]" -> "X_shared"
-        path = os.path.join(out_dir, f"{picture_name}_b{batch_size}.png") if out_dir is not None else None
+        # "X [shared]" -> "X_shared"
+        picture_name = contender.variant.replace(" [", "_").replace("]", "")
+        path = (
+            os.path.join(out_dir, f"{picture_name}_b{batch_size}.png")
+            if out_dir is not None
+            else None
+        )
 
-        def record() -> Dict[str, Any]:
-            picture = path if session.rank == 0 else None
-            return recording.recorded_epoch(pipeline, contender.model, lambda: contender.run_epoch(recorded), picture)
-
+        record = functools.partial(
+            recording.recorded_epoch,
+            pipeline,
+            contender.model,
+            functools.partial(contender.run_epoch, recorded),
+            path if session.rank == 0 else None,
+        )
         err, values = session.guarded(f"recorded:{contender.key}", record)
         session.bar.step(f"recorded {contender.variant} b{batch_size}")
         if err is None:
@@ -556,11 +626,20 @@ def _quiet(rank: int) -> None:
         logging.getLogger("trec_pipelines").setLevel(logging.ERROR)
     for category in (FutureWarning, UserWarning, DeprecationWarning):
         warnings.filterwarnings("ignore", category=category)
-    for name in ("torchrec", "torch", "fbgemm_gpu", "torch.distributed", "torch.fx", "torch._dynamo"):
+    for name in (
+        "torchrec",
+        "torch",
+        "fbgemm_gpu",
+        "torch.distributed",
+        "torch.fx",
+        "torch._dynamo",
+    ):
         logging.getLogger(name).setLevel(logging.ERROR)
 
 
-def _total_runs(n_main: int, n_ours: int, n_overhead: int, cfg: BenchConfig, n_pipelines: int = 0) -> int:
+def _total_runs(
+    n_main: int, n_ours: int, n_overhead: int, cfg: BenchConfig, n_pipelines: int = 0
+) -> int:
     main = n_main + len(cfg.batch_sizes) * (n_main * (1 + cfg.repeats) + 1)  # + 1: batch validation
     if cfg.timelines or cfg.stages:
         main += len(cfg.batch_sizes) * n_ours
@@ -583,14 +662,19 @@ def link_facts(cfg: BenchConfig) -> Dict[str, Any]:
         "requested_gbit": cfg.link_gbit,
         "emulated": qdisc is not None,
         "qdisc": qdisc,
-        "not_emulated_because": os.environ.get(LINK_REASON_ENV) if cfg.link_gbit is not None and qdisc is None else None,
+        "not_emulated_because": os.environ.get(LINK_REASON_ENV)
+        if cfg.link_gbit is not None and qdisc is None
+        else None,
     }
 
 
 def worker(cfg: BenchConfig) -> int:
     _quiet(int(os.environ.get("RANK", "0")))
     torch.set_num_threads(cfg.threads)
-    dist.init_process_group(backend="gloo", timeout=datetime.timedelta(seconds=cfg.pg_timeout_s))
+    devices.bind()
+    dist.init_process_group(
+        backend=devices.backend(), timeout=datetime.timedelta(seconds=cfg.pg_timeout_s)
+    )
     rank, world = dist.get_rank(), dist.get_world_size()
     variants, notes = discover(cfg.variants, cfg.include_compiled)
     main = _contenders(variants, cfg, probe=True)
@@ -601,7 +685,9 @@ def worker(cfg: BenchConfig) -> int:
         overhead += _unvalidated_twins(overhead)
     n_ours = sum(1 for c in main if c.side == "ours")
     n_pipelines = sum(1 for c in main if c.side in ("ours", "torchrec"))
-    bar = Progress(cfg.progress and rank == 0, _total_runs(len(main), n_ours, len(overhead), cfg, n_pipelines))
+    bar = Progress(
+        cfg.progress and rank == 0, _total_runs(len(main), n_ours, len(overhead), cfg, n_pipelines)
+    )
     for note in notes:
         bar.write(note)
     session = Session(cfg, bar)
@@ -614,21 +700,34 @@ def worker(cfg: BenchConfig) -> int:
 
     sizes = [(bs, cfg.steps_for(bs)) for bs in cfg.batch_sizes]
     blocks, timelines = _phase(
-        session, cfg.model_spec(), main, sizes, timelines_dir,
-        measure_memory=cfg.memory, measure_validation=True, record=cfg.timelines or cfg.stages,
+        session,
+        cfg.model_spec(),
+        main,
+        sizes,
+        timelines_dir,
+        measure_memory=cfg.memory,
+        measure_validation=True,
+        record=cfg.timelines or cfg.stages,
     )
     raw: Dict[str, Any] = {
         "world": world,
         # What the bound needs (benchmarks/schedule_bound.py): the cores the
         # ranks share and the rate of the link, if one was emulated.
-        "cores": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count(),
+        "cores": len(os.sched_getaffinity(0))
+        if hasattr(os, "sched_getaffinity")
+        else os.cpu_count(),
         "link_gbit": cfg.link_gbit if netns.qdisc_in_effect() is not None else None,
         "throughput": blocks,
         "overhead": None,
     }
     if overhead:
         tiny, _ = _phase(
-            session, tiny_spec(), overhead, [(cfg.overhead_batch_size, cfg.overhead_steps)], None, solo=True,
+            session,
+            tiny_spec(),
+            overhead,
+            [(cfg.overhead_batch_size, cfg.overhead_steps)],
+            None,
+            solo=True,
             repeats=cfg.overhead_repeats,
         )
         raw["overhead"] = tiny[0]
@@ -655,7 +754,8 @@ def write_results(
 ) -> None:
     link = link_facts(cfg)
     header = [
-        f"trec_pipelines benchmark '{cfg.run_name()}': {raw['world']} gloo ranks on CPU, "
+        f"trec_pipelines benchmark '{cfg.run_name()}': {raw['world']} {devices.backend()} ranks "
+        f"on {devices.device_type().upper()}, "
         f"{cfg.sharding_type}, {len(cfg.dims)} tables x {cfg.rows:,} rows, pooling ~{cfg.pooling}, "
         f"{cfg.threads} thread(s)/rank; wall time {seconds / 60:.1f} min",
         _link_line(link),
@@ -681,8 +781,12 @@ def write_results(
     with open(os.path.join(target, "table.txt"), "w") as f:
         f.write(text)
     report.write_chart(raw, os.path.join(target, "qps.png"))
-    print(f"results: {os.path.relpath(target, os.getcwd())}/ (results.json, table.txt, qps.png"
-          + (", timelines/" if timelines else "") + ")", flush=True)
+    print(
+        f"results: {os.path.relpath(target, os.getcwd())}/ (results.json, table.txt, qps.png"
+        + (", timelines/" if timelines else "")
+        + ")",
+        flush=True,
+    )
 
 
 def _link_line(link: Dict[str, Any]) -> str:

@@ -98,7 +98,17 @@ H2D = "H2D"
 LINK_ORDER = "link order"
 ON_CHAIN = "input dist on the chain"
 LINK_SHARE = "link share"
-TERM_ORDER = (ON_CHAIN, LINK_ORDER, LINK_SHARE, FWD_BWD_OPT, TRAINING_THREAD, LINK, CORES, INPUT_DIST, H2D)
+TERM_ORDER = (
+    ON_CHAIN,
+    LINK_ORDER,
+    LINK_SHARE,
+    FWD_BWD_OPT,
+    TRAINING_THREAD,
+    LINK,
+    CORES,
+    INPUT_DIST,
+    H2D,
+)
 
 Interval = Tuple[float, float]
 
@@ -138,13 +148,18 @@ def _median_ms(stages: Sequence[Mapping[str, float]], key: str, steps: int) -> O
 
 
 def step_costs(
-    stages: Sequence[Mapping[str, float]], steps: int, cores: Optional[int], link_gbit: Optional[float]
+    stages: Sequence[Mapping[str, float]],
+    steps: int,
+    cores: Optional[int],
+    link_gbit: Optional[float],
 ) -> Optional[StepCosts]:
     """:class:`StepCosts` from a block's probe epochs (``combine_stage_times`` records).
 
     ``link_gbit`` is the rate of the emulated link, None when none was emulated.
     """
-    h2d, input_dist, compute = (_median_ms(stages, k, steps) for k in ("h2d", "input_dist", "compute"))
+    h2d, input_dist, compute = (
+        _median_ms(stages, k, steps) for k in ("h2d", "input_dist", "compute")
+    )
     if h2d is None or input_dist is None or compute is None:
         return None
     cpu_parts = [_median_ms(stages, k, steps) for k in ("cpu_h2d", "cpu_input_dist", "cpu_compute")]
@@ -270,7 +285,9 @@ def input_dist_time(epoch: Mapping[str, Any]) -> List[Interval]:
     """The training thread's input-dist intervals, merged: our input-dist verbs
     and its time inside torchrec's input dist."""
     spans = [
-        (a[4], a[5]) for a in epoch.get("actions", ()) if a[1] in INPUT_DIST_TASKS and a[3] == "main"
+        (a[4], a[5])
+        for a in epoch.get("actions", ())
+        if a[1] in INPUT_DIST_TASKS and a[3] == "main"
     ]
     spans += [(start, end) for _, start, end in epoch.get("input_dist", ())]
     return _merged(spans)
@@ -281,7 +298,9 @@ def call_windows(epoch: Mapping[str, Any]) -> List[Tuple[int, float, float]]:
     starts = list(epoch.get("call_starts", ()))
     if not starts:
         return []
-    ends = [a[5] for a in epoch.get("actions", ())] + [end for _, _, end in epoch.get("input_dist", ())]
+    ends = [a[5] for a in epoch.get("actions", ())] + [
+        end for _, _, end in epoch.get("input_dist", ())
+    ]
     last = max(ends + [starts[-1]])
     return [(k, s, starts[k + 1] if k + 1 < len(starts) else last) for k, s in enumerate(starts)]
 
@@ -293,8 +312,14 @@ def steady_calls(epoch: Mapping[str, Any]) -> List[Tuple[int, float, float]]:
     for one), wherever the schedule puts the two; the drain calls issue none.
     """
     issues = [start for kind, start, _ in epoch.get("input_dist", ()) if kind == "issue"]
-    issues += [a[4] for a in epoch.get("actions", ()) if a[1] == "InputDistStart" and a[3] == "main"]
-    return [(k, lo, hi) for k, lo, hi in call_windows(epoch) if k >= 1 and any(lo <= t < hi for t in issues)]
+    issues += [
+        a[4] for a in epoch.get("actions", ()) if a[1] == "InputDistStart" and a[3] == "main"
+    ]
+    return [
+        (k, lo, hi)
+        for k, lo, hi in call_windows(epoch)
+        if k >= 1 and any(lo <= t < hi for t in issues)
+    ]
 
 
 def exposed_input_dist_ms(epoch: Mapping[str, Any]) -> Optional[float]:
@@ -342,7 +367,9 @@ def input_dist_on_chain(epoch: Mapping[str, Any]) -> Optional[bool]:
     votes: List[bool] = []
     for k, lo, hi in steady_calls(epoch):
         trained = [a[2] for a in actions if a[0] == k and a[1] == "Forward" and a[3] == "main"]
-        issued = [a[2] for a in actions if a[1] == "InputDistStart" and a[3] == "main" and lo <= a[4] < hi]
+        issued = [
+            a[2] for a in actions if a[1] == "InputDistStart" and a[3] == "main" and lo <= a[4] < hi
+        ]
         issued += [
             _enclosing_batch(actions, start)
             for kind, start, _ in epoch.get("input_dist", ())

@@ -22,6 +22,8 @@ from typing import Any, Iterator
 
 import torch
 
+from tests import devices
+
 _active = False
 
 
@@ -34,7 +36,7 @@ def shim_active() -> bool:
 def torchrec_on_cpu() -> Iterator[None]:
     """Patch the CUDA-only calls for the duration of a ``with`` block."""
     global _active
-    if _active:  # re-entered: the outer block owns the patches
+    if _active or devices.on_gpu():  # re-entered (the outer block patches), or real streams
         yield
         return
     real_record_stream = torch.Tensor.record_stream

@@ -8,7 +8,7 @@ for ``from trec_pipelines import TrainPipelineSparseDist``.
 from torchrec.distributed.train_pipeline import In, Out, TrainPipeline
 
 from trec_pipelines._version import __version__
-
+from trec_pipelines.actions import Action
 from trec_pipelines.advise import Advice, advise
 from trec_pipelines.args import ArgInfo, ArgInfoStepFactory, CallArgs
 from trec_pipelines.backward_hooks import (
@@ -21,6 +21,7 @@ from trec_pipelines.backward_hooks import (
 )
 from trec_pipelines.cache_prefetch import prefetch_embeddings
 from trec_pipelines.context import (
+    CPUEmbeddingTrainPipelineContext,
     EmbeddingTrainPipelineContext,
     PECTrainPipelineContext,
     PrefetchTrainPipelineContext,
@@ -28,41 +29,51 @@ from trec_pipelines.context import (
 )
 from trec_pipelines.data_loading import DataLoadingThread
 from trec_pipelines.errors import MalformedBatchError, ModelDetachedException
+from trec_pipelines.experimental_pipelines import (
+    EvalPipelineCPUSparse,
+    TrainEvalHybridPipelineBase,
+    TrainPipelinePrefetchEMS,
+    TrainPipelineSparseDistBwdOpt,
+    TrainPipelineSparseDistEmbStash,
+    TrainPipelineSparseDistOptStash,
+    TrainPipelineSparseDistT,
+)
 from trec_pipelines.forwards import (
+    CPUEmbeddingPipelinedForward,
     EmbeddingPipelinedForward,
     InSyncEmbeddingPipelinedForward,
+    PECPipelinedForward,
     PipelinedForward,
     PrefetchPipelinedForward,
 )
-from trec_pipelines.inplace_copy import AsyncInplaceCopyMixin
 from trec_pipelines.gradient_accumulation import (
     GradientAccumulationConfig,
     GradientAccumulationWrapper,
 )
+from trec_pipelines.inplace_copy import AsyncInplaceCopyMixin
 from trec_pipelines.pipelines.base import TrainPipelineBase
+from trec_pipelines.pipelines.comp_autograd import TrainPipelineSparseDistCompAutograd
 from trec_pipelines.pipelines.eval_sparse_dist import EvalPipelineSparseDist
 from trec_pipelines.pipelines.fused_sparse_dist import (
     EvalPipelineFusedSparseDist,
     TrainPipelineFusedSparseDist,
 )
-from trec_pipelines.forwards import PECPipelinedForward
 from trec_pipelines.pipelines.pec import TrainPipelinePEC
 from trec_pipelines.pipelines.prefetch import PrefetchTrainPipelineSparseDist
-from trec_pipelines.pipelines.comp_autograd import TrainPipelineSparseDistCompAutograd
+from trec_pipelines.pipelines.pt2 import TorchCompileConfig, TrainPipelinePT2
 from trec_pipelines.pipelines.semi_sync import TrainPipelineSemiSync
 from trec_pipelines.pipelines.sparse_data_dist_util import SparseDataDistUtil
-from trec_pipelines.pipelines.staged import PipelineStage, StagedTrainPipeline, StageOut
-from trec_pipelines.pipelines.pt2 import TorchCompileConfig, TrainPipelinePT2
 from trec_pipelines.pipelines.sparse_dist import TrainPipelineSparseDist
 from trec_pipelines.pipelines.sparse_dist_lite import TrainPipelineSparseDistLite
+from trec_pipelines.pipelines.staged import PipelineStage, StagedTrainPipeline, StageOut
 from trec_pipelines.postproc import PipelinedPostproc, use_context_for_postprocs
-from trec_pipelines.actions import Action
 from trec_pipelines.recorder import ScheduleRecorder
 from trec_pipelines.rewrite import RewriteResult, restore_model, rewrite_model
 from trec_pipelines.state import PipelineState
 from trec_pipelines.tracing import Tracer
 
 __all__ = [
+    "__version__",
     "Action",
     "Advice",
     "AsyncInplaceCopyMixin",
@@ -113,6 +124,15 @@ __all__ = [
     "TrainPipelineSparseDistCompAutograd",
     "TrainPipelineSparseDistLite",
     "advise",
+    "TrainPipelineSparseDistT",
+    "TrainPipelineSparseDistBwdOpt",
+    "TrainEvalHybridPipelineBase",
+    "EvalPipelineCPUSparse",
+    "CPUEmbeddingTrainPipelineContext",
+    "CPUEmbeddingPipelinedForward",
+    "TrainPipelineSparseDistOptStash",
+    "TrainPipelineSparseDistEmbStash",
+    "TrainPipelinePrefetchEMS",
     "prefetch_embeddings",
     "register_backward_hook",
     "restore_model",

@@ -122,6 +122,7 @@ def agreement_group(
     groups = _model_groups(model)
     timeouts = [_timeout_of(pg) for pg in groups if pg is not None]
     group = dist.new_group(backend="gloo", timeout=next(filter(None, timeouts), None))
+    assert isinstance(group, dist.ProcessGroup)  # every rank is a member
     # Not at interpreter exit: the process is going away, and torch may be too.
     weakref.finalize(pipeline, _orphaned.append, group).atexit = False
     return group
@@ -143,7 +144,7 @@ class Agreement:
         self._group = group
         self._flags = torch.full((group.size(),), FINE, dtype=torch.int32)
         self._flags[group.rank()] = ENDED if ended else MALFORMED if malformed else FINE
-        self._work = dist.all_reduce(
+        self._work: Optional[dist.Work] = dist.all_reduce(
             self._flags, op=dist.ReduceOp.MIN, group=group, async_op=True
         )
 
@@ -154,5 +155,6 @@ class Agreement:
             self._work = None
         outcomes = self._flags.tolist()
         ranks = dist.get_process_group_ranks(self._group)
-        return Agreed([r for r, o in zip(ranks, outcomes) if o == MALFORMED], ENDED in outcomes)
-
+        return Agreed(
+            [r for r, o in zip(ranks, outcomes, strict=True) if o == MALFORMED], ENDED in outcomes
+        )

@@ -99,6 +99,10 @@ class RunsAhead(Protocol):
         """The output for ``batch``, computed once per batch context."""
         ...
 
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        """The postproc run as a module (outside a pipelined step)."""
+        ...
+
 
 @dataclass(frozen=True)
 class Postproc(ArgStep):
@@ -171,7 +175,7 @@ def _same_items(ours: List[Any], theirs: List[Any]) -> bool:
     # Constants compare by identity when == is not a plain bool (tensors).
     if len(ours) != len(theirs):
         return False
-    for a, b in zip(ours, theirs):
+    for a, b in zip(ours, theirs, strict=True):
         if isinstance(a, ArgInfo) or isinstance(b, ArgInfo):
             if a != b:
                 return False
@@ -238,7 +242,9 @@ class ArgInfo:
                 found.append(step.module)
             elif isinstance(step, (ListOf, DictOf)):
                 items = step.items if isinstance(step, ListOf) else list(step.items.values())
-                found += [p for item in items if isinstance(item, ArgInfo) for p in item.postprocs()]
+                found += [
+                    p for item in items if isinstance(item, ArgInfo) for p in item.postprocs()
+                ]
         return found
 
     def __str__(self) -> str:

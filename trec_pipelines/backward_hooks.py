@@ -57,7 +57,9 @@ class InjectionTargetType(enum.Enum):
 class GradTensorFinder(Protocol):
     """``(args, kwargs, output)`` of one forward of the module -> the tensor to hook, or None."""
 
-    def __call__(self, module_input: Any, module_kwargs_input: Any, module_output: Any) -> Optional[torch.Tensor]: ...
+    def __call__(
+        self, module_input: Any, module_kwargs_input: Any, module_output: Any
+    ) -> Optional[torch.Tensor]: ...
 
 
 def _first_requiring_grad(value: Any) -> Optional[torch.Tensor]:
@@ -67,7 +69,13 @@ def _first_requiring_grad(value: Any) -> Optional[torch.Tensor]:
         # Their only differentiable part is the optional weights.
         weights = value.weights_or_none()
         return weights if weights is not None and weights.requires_grad else None
-    items = value.values() if isinstance(value, dict) else value if isinstance(value, (list, tuple)) else ()
+    items = (
+        value.values()
+        if isinstance(value, dict)
+        else value
+        if isinstance(value, (list, tuple))
+        else ()
+    )
     for item in items:
         found = _first_requiring_grad(item)
         if found is not None:
@@ -83,7 +91,9 @@ class FirstGradTensorFinder:
 
     use_input: bool = False
 
-    def __call__(self, module_input: Any, module_kwargs_input: Any, module_output: Any) -> Optional[torch.Tensor]:
+    def __call__(
+        self, module_input: Any, module_kwargs_input: Any, module_output: Any
+    ) -> Optional[torch.Tensor]:
         if not self.use_input:
             return _first_requiring_grad(module_output)
         found = _first_requiring_grad(module_input)
@@ -105,8 +115,12 @@ class OutputDistTensorFinder:
 
     sharding_type: ShardingType = ShardingType.TABLE_WISE
 
-    def __call__(self, module_input: Any, module_kwargs_input: Any, module_output: Any) -> Optional[torch.Tensor]:
-        output = module_output[0] if isinstance(module_output, tuple) else module_output  # managed collision
+    def __call__(
+        self, module_input: Any, module_kwargs_input: Any, module_output: Any
+    ) -> Optional[torch.Tensor]:
+        output = (
+            module_output[0] if isinstance(module_output, tuple) else module_output
+        )  # managed collision
         parts = _output_dist_parts(output)
         if parts is None:
             raise RuntimeError(
@@ -117,8 +131,10 @@ class OutputDistTensorFinder:
             )
         wanted = ShardingType(self.sharding_type)
         for awaitable, sharding in parts:
-            if isinstance(awaitable, NoWait) or ShardingType(sharding) != wanted:
+            if ShardingType(sharding) != wanted:
                 continue
+            if isinstance(awaitable, NoWait):  # data_parallel: no collective to hook
+                return None
             request = getattr(awaitable, "_tensor_awaitable", None)
             return request.dummy_tensor if isinstance(request, Request) else None
         raise RuntimeError(
@@ -134,7 +150,7 @@ def _output_dist_parts(output: Any) -> Optional[List[Tuple[Any, Any]]]:
     awaitables = getattr(output, "_awaitables", getattr(output, "_awaitables_per_sharding", None))
     if shardings is None or awaitables is None:
         return None
-    return list(zip(awaitables, shardings))
+    return list(zip(awaitables, shardings, strict=True))
 
 
 @dataclass(frozen=True)
@@ -168,7 +184,9 @@ def _target_type(site: Any) -> InjectionTargetType:
         ) from None
 
 
-def register_backward_hook(site: Any, model: nn.Module, hook_fn: Callable[[torch.Tensor], None]) -> RemovableHandle:
+def register_backward_hook(
+    site: Any, model: nn.Module, hook_fn: Callable[[torch.Tensor], None]
+) -> RemovableHandle:
     """Attach ``hook_fn(grad)`` at ``site`` in ``model`` (DMP/DDP wrappers are looked through).
 
     Returns a handle whose ``remove()`` detaches it.  Raises ``ValueError``
@@ -205,18 +223,24 @@ def _can_take_hook(param: torch.Tensor) -> bool:
 def _nearest_first(start: int, n: int) -> Iterator[int]:
     """``start, start+1, start-1, start+2, ...`` within ``[0, n)``."""
     for offset in range(n):
-        for index in ((start,) if offset == 0 else (start + offset, start - offset)):
+        for index in (start,) if offset == 0 else (start + offset, start - offset):
             if 0 <= index < n:
                 yield index
 
 
-def _hook_parameter(site: Any, target: nn.Module, hook_fn: Callable[[torch.Tensor], None]) -> RemovableHandle:
+def _hook_parameter(
+    site: Any, target: nn.Module, hook_fn: Callable[[torch.Tensor], None]
+) -> RemovableHandle:
     params = list(target.named_parameters())
     if not params:
-        raise ValueError(f"register_backward_hook: module {site.fqn!r} has no parameters; use ACTIVATION")
+        raise ValueError(
+            f"register_backward_hook: module {site.fqn!r} has no parameters; use ACTIVATION"
+        )
     position = min(max(float(getattr(site, "hook_position", 1.0)), 0.0), 1.0)
     wanted = min(int(position * len(params)), len(params) - 1)
-    chosen = next((i for i in _nearest_first(wanted, len(params)) if _can_take_hook(params[i][1])), None)
+    chosen = next(
+        (i for i in _nearest_first(wanted, len(params)) if _can_take_hook(params[i][1])), None
+    )
     if chosen is None:
         raise ValueError(
             f"register_backward_hook: no parameter of {site.fqn!r} can take a gradient hook "
@@ -224,16 +248,21 @@ def _hook_parameter(site: Any, target: nn.Module, hook_fn: Callable[[torch.Tenso
             "module, or use ACTIVATION with OutputDistTensorFinder for embeddings"
         )
     name, param = params[chosen]
-    logger.info("register_backward_hook: %s.%s (parameter %d of %d)", site.fqn, name, chosen, len(params))
+    logger.info(
+        "register_backward_hook: %s.%s (parameter %d of %d)", site.fqn, name, chosen, len(params)
+    )
 
     def after_accumulate(p: torch.Tensor) -> None:
         assert p.grad is not None, "post-accumulate-grad hook without a gradient"
         hook_fn(p.grad)
 
-    return param.register_post_accumulate_grad_hook(after_accumulate)
+    handle: RemovableHandle = param.register_post_accumulate_grad_hook(after_accumulate)
+    return handle
 
 
-def _hook_activation(site: Any, target: nn.Module, hook_fn: Callable[[torch.Tensor], None]) -> RemovableHandle:
+def _hook_activation(
+    site: Any, target: nn.Module, hook_fn: Callable[[torch.Tensor], None]
+) -> RemovableHandle:
     finder = site.tensor_finder
 
     def after_forward(module: nn.Module, args: Any, kwargs: Any, output: Any) -> None:
@@ -250,7 +279,9 @@ def _hook_activation(site: Any, target: nn.Module, hook_fn: Callable[[torch.Tens
     return target.register_forward_hook(after_forward, with_kwargs=True)
 
 
-def pipeline_hook(site: Any, pipeline: Any, work: Callable[[Any], None]) -> Callable[[torch.Tensor], None]:
+def pipeline_hook(
+    site: Any, pipeline: Any, work: Callable[[Any], None]
+) -> Callable[[torch.Tensor], None]:
     """The gradient hook that runs ``work(pipeline)``, labelled for the profiler."""
     label = f"## backward_hook {getattr(site, 'fqn', site)} ##"
 

@@ -16,12 +16,13 @@ that drives prefetching itself.
 
 from __future__ import annotations
 
-from typing import Any, Callable, ContextManager, List, Optional, Sequence
+from typing import Any, Callable, ContextManager, List, Optional, Sequence, cast
 
 import torch
-from torchrec.distributed.types import ShardedModule
 
+from trec_pipelines._types import AnyShardedModule
 from trec_pipelines.context import PrefetchTrainPipelineContext
+from trec_pipelines.forwards import BaseForward
 from trec_pipelines.rewrite import PipelinedModule
 from trec_pipelines.streams import current_stream, on_stream, record_stream, wait_event, wait_stream
 
@@ -43,7 +44,9 @@ def prefetch_modules(
     # The tensors all-to-alls belong to the data_dist stream; waiting there
     # keeps any stream work the wait enqueues there too.
     with on_stream(dist_stream):
-        dist_inputs = {p.name: context.input_dist_tensors_requests.pop(p.name).wait() for p in modules}
+        dist_inputs = {
+            p.name: context.input_dist_tensors_requests.pop(p.name).wait() for p in modules
+        }
     with on_stream(prefetch_stream):
         wait_event(prefetch_stream, forward_done)
         # Everything of this batch so far (copy, input_dist) is now behind the
@@ -56,14 +59,16 @@ def prefetch_modules(
             # Made on data_dist, read here: keep them alive for this stream.
             record_stream(dist_input, prefetch_stream)
             record_stream(module_ctx, prefetch_stream)
-            pipelined.module.prefetch(dist_input=dist_input, forward_stream=forward_stream, ctx=module_ctx)
+            pipelined.module.prefetch(
+                dist_input=dist_input, forward_stream=forward_stream, ctx=module_ctx
+            )
             context.module_input_post_prefetch[name] = dist_input
             context.module_contexts_post_prefetch[name] = module_ctx
 
 
 def prefetch_embeddings(
     context: PrefetchTrainPipelineContext,
-    pipelined_modules: List[ShardedModule],
+    pipelined_modules: List[AnyShardedModule],
     device: torch.device,
     stream_context: Callable[[Optional[torch.Stream]], ContextManager[Any]],
     data_dist_stream: Optional[torch.Stream],
@@ -87,7 +92,7 @@ def prefetch_embeddings(
                 "forward; pass the modules a trec_pipelines pipeline rewrote "
                 "(pipeline.rewrite_result.pipelined)"
             )
-        modules.append(PipelinedModule(name, module, module.forward.args))
+        modules.append(PipelinedModule(name, module, cast(BaseForward[Any], module.forward).args))
     prefetch_modules(
         modules,
         context,

@@ -37,4 +37,7 @@ class HeldSettings:
 
     def current(self) -> Dict[str, Any]:
         """``"module.name" -> value now`` of every entry (for checks)."""
-        return {f"{config.__name__}.{name}": _fresh(getattr(config, name)) for config, name, _ in self.entries}
+        return {
+            f"{config.__name__}.{name}": _fresh(getattr(config, name))
+            for config, name, _ in self.entries
+        }

@@ -57,9 +57,7 @@ class TrainPipelineContext:
     index: Optional[int] = None
     module_contexts: Dict[str, Multistreamable] = field(default_factory=dict)
     input_dist_splits_requests: Dict[str, Awaitable[Any]] = field(default_factory=dict)
-    fused_splits_awaitables: List[Tuple[List[str], Awaitable[Any]]] = field(
-        default_factory=list
-    )
+    fused_splits_awaitables: List[Tuple[List[str], Awaitable[Any]]] = field(default_factory=list)
     input_dist_tensors_requests: Dict[str, Awaitable[Any]] = field(default_factory=dict)
     events: List[torch.Event] = field(default_factory=list)
     postproc_fwd_results: Dict[str, Any] = field(default_factory=dict)
@@ -81,9 +79,7 @@ class PrefetchTrainPipelineContext(TrainPipelineContext):
     module_input_post_prefetch: Dict[str, Union[Multistreamable, torch.Tensor]] = field(
         default_factory=dict
     )
-    module_contexts_post_prefetch: Dict[str, Multistreamable] = field(
-        default_factory=dict
-    )
+    module_contexts_post_prefetch: Dict[str, Multistreamable] = field(default_factory=dict)
 
 
 @dataclass
@@ -116,6 +112,22 @@ class EmbeddingTrainPipelineContext(TrainPipelineContext):
     detached_embedding_tensors: List[List[torch.Tensor]] = field(default_factory=list)
     embedding_lookup_event: Optional[torch.Event] = None
     restored_embeddings: Dict[str, List[torch.Tensor]] = field(default_factory=dict)
+
+
+@dataclass
+class CPUEmbeddingTrainPipelineContext(EmbeddingTrainPipelineContext):
+    """EvalPipelineCPUSparse's batch: embeddings looked up on the host, then copied.
+
+    Attributes:
+        dense_gpu_device: the device type the dense forward runs on ("cuda",
+            or "cpu").  Written when the batch is queued.
+        gpu_embedding_outputs: per module, its embeddings on that device.
+            Written by the copy stage; popped by
+            :class:`~trec_pipelines.forwards.CPUEmbeddingPipelinedForward`.
+    """
+
+    dense_gpu_device: str = ""
+    gpu_embedding_outputs: Dict[str, Any] = field(default_factory=dict)
 
 
 @dataclass

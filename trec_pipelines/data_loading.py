@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import logging
 import threading
-from typing import Generic, Iterator, Optional
+from typing import Generic, Iterator, Optional, cast
 
 import torch
 from torchrec.distributed.train_pipeline import In
@@ -49,7 +49,9 @@ class DataLoadingThread(threading.Thread, Generic[In]):
         self._dataloader_iter = dataloader_iter
         self._non_blocking = to_device_non_blocking
         self._memcpy_stream = (
-            memcpy_stream if memcpy_stream is not None else new_stream(device, memcpy_stream_priority)
+            memcpy_stream
+            if memcpy_stream is not None
+            else new_stream(device, memcpy_stream_priority)
         )
         self._handoff: OneSlotHandoff[In] = OneSlotHandoff()
 
@@ -65,10 +67,12 @@ class DataLoadingThread(threading.Thread, Generic[In]):
         except StopIteration:
             return None
         except BaseException as error:  # raised to the consumer by get_next_batch()
-            logger.error("DataLoadingThread: loading stopped on %s: %s", type(error).__name__, error)
+            logger.error(
+                "DataLoadingThread: loading stopped on %s: %s", type(error).__name__, error
+            )
             raise
         with on_stream(self._memcpy_stream):
-            return batch.to(self._device, non_blocking=self._non_blocking)
+            return cast(In, batch.to(self._device, non_blocking=self._non_blocking))
 
     def stop(self) -> None:
         """Stop loading (the batch it holds is dropped); returns without waiting."""

@@ -36,11 +36,13 @@ from typing import Any, Dict, Generic, Iterable, List, Optional, Tuple, TypeVar,
 
 import torch
 from torchrec.distributed.pec_embedding import ShardedPECEmbeddingCollection
-from torchrec.distributed.types import Awaitable, LazyNoWait, ShardedModule
+from torchrec.distributed.types import Awaitable, LazyNoWait
 from torchrec.sparse.jagged_tensor import JaggedTensor, KeyedTensor
 
+from trec_pipelines._types import AnyShardedModule
 from trec_pipelines.args import CallArgs
 from trec_pipelines.context import (
+    CPUEmbeddingTrainPipelineContext,
     EmbeddingTrainPipelineContext,
     PECTrainPipelineContext,
     PrefetchTrainPipelineContext,
@@ -59,7 +61,7 @@ class BaseForward(Generic[C]):
         self,
         name: str,
         args: CallArgs,
-        module: ShardedModule,
+        module: AnyShardedModule,
         context: C,
         stream: Optional[torch.Stream] = None,
     ) -> None:
@@ -103,7 +105,7 @@ class BaseForward(Generic[C]):
         return self._args
 
     @property
-    def module(self) -> ShardedModule:
+    def module(self) -> AnyShardedModule:
         return self._module
 
     def set_context(self, context: C) -> None:
@@ -140,10 +142,11 @@ class BaseForward(Generic[C]):
             and self._consumed_in != self.attempt
         )
 
-    def _forward_again(self, input: Tuple[Any, ...], kwargs: Dict[str, Any]) -> Any:
+    def _forward_again(self, input: Tuple[Any, ...], kwargs: Dict[str, Any]) -> Awaitable[Any]:
         """The module's own forward on this call's arguments: input_dist, then the rest."""
         module_ctx, data = run_input_dist(self._module, input, kwargs)
-        return self._module.compute_and_output_dist(module_ctx, data)
+        output: Awaitable[Any] = self._module.compute_and_output_dist(module_ctx, data)
+        return output
 
 
 class PipelinedForward(BaseForward[TrainPipelineContext]):
@@ -153,7 +156,7 @@ class PipelinedForward(BaseForward[TrainPipelineContext]):
         self,
         name: str,
         args: CallArgs,
-        module: ShardedModule,
+        module: AnyShardedModule,
         context: TrainPipelineContext,
         stream: Optional[torch.Stream] = None,
         *,
@@ -173,7 +176,8 @@ class PipelinedForward(BaseForward[TrainPipelineContext]):
         module_ctx = self._context.module_contexts.pop(self._name)
         hand_off(data, self._stream)
         hand_off(module_ctx, self._stream)
-        return self._module.compute_and_output_dist(module_ctx, data)
+        output: Awaitable[Any] = self._module.compute_and_output_dist(module_ctx, data)
+        return output
 
 
 class PrefetchPipelinedForward(BaseForward[PrefetchTrainPipelineContext]):
@@ -186,7 +190,7 @@ class PrefetchPipelinedForward(BaseForward[PrefetchTrainPipelineContext]):
         self,
         name: str,
         args: CallArgs,
-        module: ShardedModule,
+        module: AnyShardedModule,
         context: PrefetchTrainPipelineContext,
         prefetch_stream: Optional[torch.Stream] = None,
     ) -> None:
@@ -199,7 +203,8 @@ class PrefetchPipelinedForward(BaseForward[PrefetchTrainPipelineContext]):
         module_ctx = self._context.module_contexts_post_prefetch.pop(self._name)
         hand_off(data, self._stream)
         hand_off(module_ctx, self._stream)
-        return self._module.compute_and_output_dist(module_ctx, data)
+        output: Awaitable[Any] = self._module.compute_and_output_dist(module_ctx, data)
+        return output
 
 
 EmbeddingOutput = Union[Dict[str, JaggedTensor], KeyedTensor]
@@ -233,7 +238,9 @@ class EmbeddingPipelinedForward(BaseForward[EmbeddingTrainPipelineContext]):
         self.detach_embeddings(embeddings, consumer)
         return LazyNoWait(embeddings)
 
-    def detach_embeddings(self, embeddings: EmbeddingOutput, cur_stream: Optional[torch.Stream]) -> None:
+    def detach_embeddings(
+        self, embeddings: EmbeddingOutput, cur_stream: Optional[torch.Stream]
+    ) -> None:
         """Hand the lookup output to ``cur_stream`` (the forward's) and cut it from
         autograd, keeping both sides in the context for ``embedding_backward``."""
         record_output(embeddings, cur_stream)
@@ -265,10 +272,32 @@ class EmbeddingPipelinedForward(BaseForward[EmbeddingTrainPipelineContext]):
         self._context.detached_embedding_tensors.append(leaves)
 
 
+class CPUEmbeddingPipelinedForward(EmbeddingPipelinedForward):
+    """EvalPipelineCPUSparse's wrapper: the embeddings its copy stage put on the device.
+
+    The lookup ran on the host before the forward and its output was copied to
+    the dense forward's device; the wrapper hands that copy over.
+    """
+
+    def __call__(self, *input: Any, **kwargs: Any) -> Any:
+        context = self._context
+        assert isinstance(context, CPUEmbeddingTrainPipelineContext)
+        if self._name not in context.gpu_embedding_outputs:
+            raise RuntimeError(
+                f"sharded module '{self._name}' has no embeddings for batch "
+                f"{context.index}: EvalPipelineCPUSparse looks them up and copies them "
+                "before the forward, so call the model through pipeline.progress() only, "
+                "once per batch"
+            )
+        return LazyNoWait(context.gpu_embedding_outputs.pop(self._name))
+
+
 class InSyncEmbeddingPipelinedForward(EmbeddingPipelinedForward):
     """Returns the lookup the pipeline already ran, still attached to autograd."""
 
-    def detach_embeddings(self, embeddings: EmbeddingOutput, cur_stream: Optional[torch.Stream]) -> None:
+    def detach_embeddings(
+        self, embeddings: EmbeddingOutput, cur_stream: Optional[torch.Stream]
+    ) -> None:
         # Nothing is detached, but the output was allocated on the lookup stream
         # and the forward and backward read it on this one.
         record_output(embeddings, cur_stream)
@@ -295,7 +324,8 @@ class PECPipelinedForward(InSyncEmbeddingPipelinedForward):
         forward_ctxs = context.pec_forward_ctxs.pop(self._name)
         # Still needed after the forward: by the OL gradient and the NOL deferral.
         backward_ctxs = context.pec_backward_ctxs[self._name]
-        return self._module.merge_partitioned_embeddings(
+        module: Any = self._module  # see pec_ops.PECModules
+        return module.merge_partitioned_embeddings(
             context.module_contexts[self._name],
             overlapped,
             not_overlapped,

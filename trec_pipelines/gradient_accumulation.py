@@ -48,7 +48,7 @@ from __future__ import annotations
 import contextlib
 import logging
 from dataclasses import dataclass
-from typing import Any, ContextManager, Generic, Iterator, List, Optional
+from typing import Any, ContextManager, Generic, Iterator, List, Optional, Set
 
 import torch
 import torch.distributed as dist
@@ -96,7 +96,9 @@ class AccumulatingOptimizer:
     (``param_groups``, ``state_dict`` ...) is the real optimizer's.
     """
 
-    def __init__(self, optimizer: torch.optim.Optimizer, config: GradientAccumulationConfig) -> None:
+    def __init__(
+        self, optimizer: torch.optim.Optimizer, config: GradientAccumulationConfig
+    ) -> None:
         self._optimizer = optimizer
         self._config = config
         self._current_step = 0
@@ -171,7 +173,9 @@ def data_parallel_modules(model: torch.nn.Module) -> List[Any]:
     if hasattr(root, "no_sync"):
         found.append(root)
     if isinstance(root, torch.nn.Module):
-        found += [m for m in root.modules() if m is not root and isinstance(m, DistributedDataParallel)]
+        found += [
+            m for m in root.modules() if m is not root and isinstance(m, DistributedDataParallel)
+        ]
     return found
 
 
@@ -182,7 +186,7 @@ def all_reduce_gradients(ddp_modules: List[Any]) -> None:
     for module in ddp_modules:
         if not isinstance(module, DistributedDataParallel):
             continue
-        ignored = getattr(module, "parameters_to_ignore", set())
+        ignored: Set[str] = getattr(module, "parameters_to_ignore", set())
         world_size = dist.get_world_size(module.process_group)
         for name, param in module.module.named_parameters():
             if name in ignored or id(param) in seen or param.grad is None:
@@ -224,7 +228,7 @@ class GradientAccumulationWrapper(Generic[In, Out]):
         self._unsynced = False
         if config.is_enabled:
             if hasattr(pipeline, "_optimizer"):
-                pipeline._optimizer = self._accumulating  # type: ignore[attr-defined]
+                pipeline._optimizer = self._accumulating
             else:
                 logger.warning(
                     "GradientAccumulationWrapper: %s holds no optimizer (_optimizer); "
@@ -261,7 +265,7 @@ class GradientAccumulationWrapper(Generic[In, Out]):
             self._ddp_modules = data_parallel_modules(self._model)
         return self._ddp_modules
 
-    def _no_sync(self) -> ContextManager[None]:
+    def _no_sync(self) -> ContextManager[Any]:
         stack = contextlib.ExitStack()
         for module in self._data_parallel():
             stack.enter_context(module.no_sync())

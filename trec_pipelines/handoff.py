@@ -76,16 +76,18 @@ class OneSlotHandoff(Generic[T]):
         with self._cond:
             while self._slot is None and not self._finished and not self._stopping:
                 self._cond.wait()
-            item, self._slot = self._slot, None
+            item: Optional[Union[T, _Raised]] = self._slot
+            self._slot = None
             error = None
             if item is None:
                 error, self._error = self._error, None
             elif isinstance(item, _Raised):
-                item, error = None, item.error
+                error = item.error
+                item = None
             self._cond.notify_all()
         if error is not None:
             raise error
-        return item  # type: ignore[return-value]
+        return item
 
     def settle(self) -> None:
         """Wait until the producer is idle: its item is in the slot, or it has ended."""

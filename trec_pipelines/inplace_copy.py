@@ -46,7 +46,11 @@ WORKER_THREAD = "trec_pipelines-inplace_copy"
 
 
 def async_copy_device(
-    requested: bool, device: torch.device, memcpy: Optional[torch.Stream], pipeline: str
+    requested: bool,
+    device: torch.device,
+    memcpy: Optional[torch.Stream],
+    pipeline: str,
+    what: str = "async_inplace_copy=True",
 ) -> Optional[torch.device]:
     """The device the copy worker copies to, or None when the copy stays synchronous.
 
@@ -60,10 +64,11 @@ def async_copy_device(
         return None
     if not has_streams(device) or memcpy is None:
         logger.warning(
-            "%s: async_inplace_copy=True has no effect on %s, which has no streams and "
+            "%s: %s has no effect on %s, which has no streams and "
             "no host-to-device copy to issue; batches are copied synchronously, as "
             "torchrec does. It overlaps the copy's issuing on cuda/mtia devices.",
             pipeline,
+            what,
             device.type,
         )
         return None
@@ -71,15 +76,20 @@ def async_copy_device(
 
 
 class InplaceCopyWorker:
-    """One background thread issuing in-place batch copies (see [Note: async in-place copy]).
+    """One background thread issuing batch copies (see [Note: async in-place copy]).
 
-    The thread is shut down (without waiting) by :meth:`shutdown` or when the
-    worker is collected with its pipeline.
+    In place (the default): memory on the training thread's current stream,
+    filled on the memcpy stream.  With ``inplace=False`` (TrainPipelineSparseDistT
+    without ``enable_inplace_copy_batch``) the copy allocates on the memcpy
+    stream, as a synchronous ``copy_batch_to_gpu`` does, and the consumer
+    ``record_stream``-s it as usual.  The thread is shut down (without waiting)
+    by :meth:`shutdown` or when the worker is collected with its pipeline.
     """
 
-    def __init__(self, device: torch.device, memcpy: torch.Stream) -> None:
+    def __init__(self, device: torch.device, memcpy: torch.Stream, inplace: bool = True) -> None:
         self._device = device
         self._memcpy = memcpy
+        self._inplace = inplace
         executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix=WORKER_THREAD)
         self._executor: Optional[ThreadPoolExecutor] = executor
         # Not a __del__: the executor must not keep the pipeline alive, and
@@ -87,19 +97,18 @@ class InplaceCopyWorker:
         self._finalizer = weakref.finalize(self, executor.shutdown, wait=False)
 
     def submit(self, batch: Any) -> "Future[Any]":
-        """Issue ``batch``'s in-place copy on the worker; returns the device batch's future."""
+        """Issue ``batch``'s copy on the worker; returns the device batch's future."""
         if self._executor is None:
             raise RuntimeError(
-                "the async in-place copy worker was shut down; build a new pipeline "
-                "to train again"
+                "the async in-place copy worker was shut down; build a new pipeline to train again"
             )
         # Read on the training thread: the stream the batch's memory belongs to.
         alloc_stream = current_stream(self._device)
-        device, memcpy = self._device, self._memcpy
+        device, memcpy, inplace = self._device, self._memcpy, self._inplace
 
         def copy() -> Any:
             with on_stream(alloc_stream):
-                return copy_to_device(batch, device, memcpy, inplace=True)
+                return copy_to_device(batch, device, memcpy, inplace=inplace)
 
         return self._executor.submit(copy)
 
@@ -122,12 +131,23 @@ class AsyncInplaceCopyMixin(Generic[In]):
     _enable_inplace_copy_batch: bool
     _copy_worker: Optional[InplaceCopyWorker] = None
 
-    def _make_copy_worker(self, async_inplace_copy: bool) -> Optional[InplaceCopyWorker]:
+    def _make_copy_worker(
+        self, async_inplace_copy: bool, *, every_copy: bool = False
+    ) -> Optional[InplaceCopyWorker]:
         """The worker issuing in-place copies for ``async_inplace_copy``, or None.
 
-        See [Note: async in-place copy].
+        With ``every_copy`` (TrainPipelineSparseDistT) the worker issues every
+        copy, in place or not, as ``enable_inplace_copy_batch`` says.  See
+        [Note: async in-place copy].
         """
         name = type(self).__name__
+        if every_copy:
+            device = async_copy_device(
+                True, self._device, self._streams.memcpy, name, "the copy thread"
+            )
+            if device is None or self._streams.memcpy is None:
+                return None
+            return InplaceCopyWorker(device, self._streams.memcpy, self._enable_inplace_copy_batch)
         device = async_copy_device(async_inplace_copy, self._device, self._streams.memcpy, name)
         if device is None or self._streams.memcpy is None:
             return None
@@ -166,7 +186,7 @@ class BatchQueue(deque):  # type: ignore[type-arg]
         item = super().popleft()
         return item.result() if isinstance(item, Future) else item
 
-    def pop(self) -> Any:
+    def pop(self) -> Any:  # type: ignore[override]  # deque's pop takes no index
         item = super().pop()
         return item.result() if isinstance(item, Future) else item
 
@@ -175,4 +195,10 @@ class BatchQueue(deque):  # type: ignore[type-arg]
             yield self[index]
 
 
-__all__ = ["AsyncInplaceCopyMixin", "BatchQueue", "InplaceCopyWorker", "WORKER_THREAD", "async_copy_device"]
+__all__ = [
+    "AsyncInplaceCopyMixin",
+    "BatchQueue",
+    "InplaceCopyWorker",
+    "WORKER_THREAD",
+    "async_copy_device",
+]

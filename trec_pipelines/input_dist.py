@@ -29,7 +29,7 @@ import itertools
 import logging
 from collections import defaultdict
 from dataclasses import dataclass
-from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple, cast
 
 import torch
 import torch.distributed as dist
@@ -40,9 +40,10 @@ from torchrec.distributed.embedding_sharding import (
     KJTListSplitsAwaitable,
     KJTSplitsAllToAllMeta,
 )
-from torchrec.distributed.types import Awaitable, ShardedModule
+from torchrec.distributed.types import Awaitable
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
+from trec_pipelines._types import AnyShardedModule
 from trec_pipelines.context import TrainPipelineContext
 from trec_pipelines.input_dist_group import InputDistGroup, dedicated_groups
 from trec_pipelines.postproc import PipelinedPostproc, postprocs_read_by, use_context_for_postprocs
@@ -101,7 +102,7 @@ class KJTDistOverride:
     original_forward: Optional[Callable[..., Any]]
 
 
-def _kjt_all_to_alls(modules: Sequence[ShardedModule]) -> List[KJTAllToAll]:
+def _kjt_all_to_alls(modules: Sequence[AnyShardedModule]) -> List[KJTAllToAll]:
     found: List[KJTAllToAll] = []
     for module in modules:
         for fqn, child in module.named_modules():
@@ -117,13 +118,13 @@ def _kjt_all_to_alls(modules: Sequence[ShardedModule]) -> List[KJTAllToAll]:
     return found
 
 
-def kjt_process_groups(modules: Sequence[ShardedModule]) -> List[dist.ProcessGroup]:
+def kjt_process_groups(modules: Sequence[AnyShardedModule]) -> List[dist.ProcessGroup]:
     """The distinct process groups the ``KJTAllToAll``s in ``modules`` run on."""
     return list(dict.fromkeys(kjt_dist._pg for kjt_dist in _kjt_all_to_alls(modules)))
 
 
 def fuse_kjt_splits(
-    modules: Sequence[ShardedModule],
+    modules: Sequence[AnyShardedModule],
     groups: Optional[Mapping[dist.ProcessGroup, dist.ProcessGroup]] = None,
 ) -> Tuple[KJTDistOverride, ...]:
     """Make every ``KJTAllToAll`` in ``modules`` hand back splits metadata only.
@@ -145,14 +146,14 @@ def fuse_kjt_splits(
         pg = (groups or {}).get(kjt_dist._pg, kjt_dist._pg)
         splits_only = SplitsOnlyKJTAllToAll(pg, kjt_dist._splits, kjt_dist._stagger)
         splits_only.replaced = overrides[-1]
-        kjt_dist.forward = splits_only  # type: ignore[method-assign]
+        object.__setattr__(kjt_dist, "forward", splits_only)
     return tuple(overrides)
 
 
-def unfuse_left_over(module: ShardedModule) -> None:
+def unfuse_left_over(module: AnyShardedModule) -> None:
     """Undo the splits-only overrides a collected pipeline left in ``module``
     (each remembers what it replaced), as :func:`unfuse_kjt_splits` would have."""
-    for fqn, child in module.named_modules():
+    for child in module.modules():
         for input_dist in getattr(child, "_input_dists", None) or []:
             kjt_dist = getattr(input_dist, "_dist", None)
             if not isinstance(kjt_dist, KJTAllToAll):
@@ -165,7 +166,7 @@ def unfuse_kjt_splits(overrides: Sequence[KJTDistOverride]) -> None:
     """Undo :func:`fuse_kjt_splits` exactly."""
     for override in overrides:
         if override.had_instance_forward:
-            override.dist_module.forward = override.original_forward  # type: ignore[method-assign]
+            object.__setattr__(override.dist_module, "forward", override.original_forward)
         else:
             override.dist_module.__dict__.pop("forward", None)
 
@@ -187,7 +188,7 @@ class SplitsFusion:
         self.overrides: Tuple[KJTDistOverride, ...] = ()
         self.fused = False
 
-    def fuse(self, modules: Sequence[ShardedModule]) -> None:
+    def fuse(self, modules: Sequence[AnyShardedModule]) -> None:
         """Install the overrides on ``modules`` (whose input_dists exist by now)."""
         if self.input_dist_group == "dedicated" and self._groups is None:
             self._groups = dedicated_groups(kjt_process_groups(modules))
@@ -211,7 +212,7 @@ class SplitsFusion:
 
 
 def start_input_dist(
-    modules: Sequence[Tuple[str, ShardedModule, Any]],
+    modules: Sequence[Tuple[str, AnyShardedModule, Any]],
     batch: Any,
     context: TrainPipelineContext,
 ) -> None:
@@ -237,16 +238,19 @@ def start_input_dist(
 
 def _start_module_input_dist(
     name: str,
-    module: ShardedModule,
+    module: AnyShardedModule,
     args: Tuple[Any, ...],
     kwargs: Dict[str, Any],
     context: TrainPipelineContext,
 ) -> None:
     """Start ``module``'s ``input_dist`` on its call arguments, as ``name`` in ``context``."""
-    args, kwargs = module.preprocess_input(args, kwargs)
+    # torchrec annotates a list; the arguments a forward got are a tuple, and both work.
+    call_args, call_kwargs = module.preprocess_input(cast(List[Any], args), kwargs)
     module_ctx = module.create_context()
     context.module_contexts[name] = module_ctx
-    context.input_dist_splits_requests[name] = module.input_dist(module_ctx, *args, **kwargs)
+    context.input_dist_splits_requests[name] = module.input_dist(
+        module_ctx, *call_args, **call_kwargs
+    )
 
 
 def _release_early_inputs(context: TrainPipelineContext) -> None:
@@ -281,7 +285,7 @@ def _fuse_splits(context: TrainPipelineContext) -> None:
             names_per_pg[pg].append(name)
     for pg, names in names_per_pg.items():
         fused = FusedKJTListSplitsAwaitable(
-            requests=[context.input_dist_splits_requests[n] for n in names],
+            requests=[cast(Any, context.input_dist_splits_requests[n]) for n in names],
             contexts=[context.module_contexts[n] for n in names],
             pg=pg,
         )
@@ -305,14 +309,14 @@ def wait_input_dist(context: TrainPipelineContext) -> None:
     Reads ``fused_splits_awaitables``; writes ``input_dist_tensors_requests``.
     """
     for names, awaitable in context.fused_splits_awaitables:
-        for name, request in zip(names, awaitable.wait()):
+        for name, request in zip(names, awaitable.wait(), strict=True):
             context.input_dist_tensors_requests[name] = request
     context.input_dist_splits_requests.clear()
     context.fused_splits_awaitables.clear()
 
 
 def run_input_dist(
-    module: ShardedModule, args: Tuple[Any, ...], kwargs: Dict[str, Any]
+    module: AnyShardedModule, args: Tuple[Any, ...], kwargs: Dict[str, Any]
 ) -> Tuple[Any, Any]:
     """One module's whole ``input_dist`` on the arguments it was called with, now,
     on the current stream: ``(module_ctx, distributed input)``.

@@ -132,6 +132,7 @@ def dedicated_groups(
             group_desc="trec_pipelines_input_dist",
         )
         if dist.get_rank() in ranks:
+            assert isinstance(group, dist.ProcessGroup)
             made[(ranks, backend)] = group
     for pg in mine:
         # A group made in this round replaces any older one: every member must

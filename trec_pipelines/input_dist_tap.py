@@ -96,7 +96,9 @@ def _patched(owner: Any, name: str, make: Callable[[Any], Any]) -> Iterator[None
 def tap_input_dist(model: nn.Module) -> Iterator[InputDistTap]:
     """Note the calling thread's input-dist time and all-to-all issues in ``model``'s steps."""
     tap = InputDistTap()
-    module_types = sorted({type(m) for m in model.modules() if isinstance(m, ShardedModule)}, key=repr)
+    module_types = sorted(
+        {type(m) for m in model.modules() if isinstance(m, ShardedModule)}, key=repr
+    )
     with contextlib.ExitStack() as stack:
         for cls in module_types:
             stack.enter_context(_patched(cls, "input_dist", lambda fn: tap.timed("issue", fn)))

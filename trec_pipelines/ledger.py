@@ -103,8 +103,10 @@ class LedgerSummary:
         lines.append(
             f"{'total':<12} {format_bytes(self.peak_bytes):>12} {format_bytes(self.steady_bytes):>12}"
         )
-        lines.append(f"peak after {self.peak_at}; at most {self.max_batches} batch(es) in flight; "
-                     f"{self.samples} action(s) measured")
+        lines.append(
+            f"peak after {self.peak_at}; at most {self.max_batches} batch(es) in flight; "
+            f"{self.samples} action(s) measured"
+        )
         if self.device_max_allocated is not None:
             lines.append(
                 f"device allocator: max allocated {format_bytes(self.device_max_allocated)}, "
@@ -144,14 +146,18 @@ class MemoryLedger:
         if call == self._skip_call or pipeline is None:
             return
         self._skip_call = call
-        self._skip = owned_storages(getattr(pipeline, "_model", None), getattr(pipeline, "_optimizer", None))
+        self._skip = owned_storages(
+            getattr(pipeline, "_model", None), getattr(pipeline, "_optimizer", None)
+        )
 
     def sample(self, call: int, task: str, batch: Optional[int], stream: str) -> None:
         """Measure after the action ``task`` of ``batch`` ended."""
         self._refresh_skip(call)
         held = self.measure()
         self.samples.append(
-            MemorySample(call, task, batch, stream, time.perf_counter(), held, device_memory(self._device))
+            MemorySample(
+                call, task, batch, stream, time.perf_counter(), held, device_memory(self._device)
+            )
         )
 
     def clear(self) -> None:

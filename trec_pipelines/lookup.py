@@ -21,8 +21,8 @@ from __future__ import annotations
 from typing import Optional, Sequence, Tuple
 
 import torch
-from torchrec.distributed.types import ShardedModule
 
+from trec_pipelines._types import AnyShardedModule
 from trec_pipelines.context import EmbeddingTrainPipelineContext
 from trec_pipelines.streams import (
     current_stream,
@@ -35,7 +35,7 @@ from trec_pipelines.streams import (
 
 
 def start_embedding_lookup(
-    modules: Sequence[Tuple[str, ShardedModule]],
+    modules: Sequence[Tuple[str, AnyShardedModule]],
     context: EmbeddingTrainPipelineContext,
     *,
     dist_stream: Optional[torch.Stream],

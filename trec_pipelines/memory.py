@@ -251,9 +251,9 @@ def footprint(
     # (object, kind, id of the batch object it belongs to or None)
     stack: List[Tuple[Any, str, Optional[int]]] = [(root, OTHER, None)]
     for local_vars in frames:
-        for name, value in local_vars.items():
-            if name != "self" and value is not root:
-                stack.append((value, refine(OTHER, name), None))
+        for local, value in local_vars.items():
+            if local != "self" and value is not root:
+                stack.append((value, refine(OTHER, local), None))
     seen: Set[Tuple[int, str, Optional[int]]] = set()
     keep_alive: List[Any] = []  # ids stay unique while the walk runs
     entered = 0

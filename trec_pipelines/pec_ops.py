@@ -36,16 +36,20 @@ import torch
 import torchrec
 from torchrec.distributed.embedding_types import KJTList
 from torchrec.distributed.pec_embedding import ShardedPECEmbeddingCollection
-from torchrec.distributed.types import Awaitable, ShardedModule
+from torchrec.distributed.types import Awaitable
 
+from trec_pipelines._types import AnyShardedModule
 from trec_pipelines.context import PECTrainPipelineContext
 from trec_pipelines.streams import on_stream, record_event, record_stream, wait_event
 
-PECModules = Sequence[Tuple[str, ShardedPECEmbeddingCollection]]
+# The modules are ShardedPECEmbeddingCollection, typed Any: its methods'
+# signatures differ between torchrec 1.8 and 1.9 (we call 1.9's), and it takes
+# its own context type where the pipeline context keeps Multistreamable.
+PECModules = Sequence[Tuple[str, Any]]
 GradAwaitables = Dict[str, List[Awaitable[None]]]
 
 
-def is_pec(module: ShardedModule) -> bool:
+def is_pec(module: AnyShardedModule) -> bool:
     return isinstance(module, ShardedPECEmbeddingCollection)
 
 
@@ -100,7 +104,9 @@ def overlap_dist(
             for result in results:
                 forward_ctx, backward_ctx = result.wait()
                 if forward_ctx is not None:
-                    _hand_over(forward_ctx, ("ol_features", "nol_features", "permute"), compute_stream)
+                    _hand_over(
+                        forward_ctx, ("ol_features", "nol_features", "permute"), compute_stream
+                    )
                     forward_ctxs.append(forward_ctx)
                 if backward_ctx is not None:
                     _hand_over(

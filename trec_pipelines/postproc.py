@@ -91,6 +91,8 @@ class PipelinedPostproc(torch.nn.Module):
     same names.
     """
 
+    _forward: Callable[..., Any]  # the module's own forward
+
     def __init__(
         self,
         postproc_module: torch.nn.Module,
@@ -213,6 +215,8 @@ class PipelinedPostproc(torch.nn.Module):
         prefix: str = "",
         keep_vars: bool = False,
     ) -> Dict[str, Any]:
+        if destination is None:
+            return self._postproc_module.state_dict(prefix=prefix, keep_vars=keep_vars)
         return self._postproc_module.state_dict(
             destination=destination, prefix=prefix, keep_vars=keep_vars
         )
@@ -247,7 +251,7 @@ def use_context_for_postprocs(
     try:
         yield
     finally:
-        for postproc, context in zip(pipelined_postprocs, held):
+        for postproc, context in zip(pipelined_postprocs, held, strict=True):
             postproc.set_context(context)
 
 
@@ -310,7 +314,9 @@ class PostprocPlanner:
                     return self._planned[fqn]
                 if self._blocked_by is not None:
                     # Its own reason is listed with it; don't repeat it here.
-                    reason = f"it reads the output of module '{self._blocked_by}', which can't run ahead"
+                    reason = (
+                        f"it reads the output of module '{self._blocked_by}', which can't run ahead"
+                    )
                 else:
                     reason = f"its input can't be read from the batch: {args}"
             self._refused[fqn] = reason

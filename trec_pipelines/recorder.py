@@ -34,29 +34,34 @@ from typing import Any, ContextManager, Dict, List, Optional, Tuple
 import torch
 
 from trec_pipelines import schedule_view
-from trec_pipelines.actions import Action  # also importable from here, its former home
+from trec_pipelines.actions import Action as Action  # also importable from here, its former home
 from trec_pipelines.ledger import LedgerSummary, MemoryLedger, MemorySample, summarize
 from trec_pipelines.streams import current_stream, record_event
-from trec_pipelines.tasks import (  # noqa: F401  (re-exported: pipelines use rec.H2D, ...)
-    BACKWARD,
-    EMB_BACKWARD,
-    EMB_LOOKUP,
-    EMB_PREFETCH,
-    FORWARD,
-    H2D,
-    INPUT_DIST_START,
-    INPUT_DIST_WAIT,
-    NOL_GRAD_APPLY,
-    NOL_GRAD_START,
-    NOL_LOOKUP,
-    OL_GRAD_APPLY,
-    OL_GRAD_START,
-    OL_LOOKUP,
-    OPTIMIZER_STEP,
-    OVERLAP_DIST,
-    TASKS,
-    WAIT_BATCH,
-    ZERO_GRAD,
+
+# Re-exported: the pipelines name the tasks rec.H2D, rec.FORWARD, ...
+from trec_pipelines.tasks import (
+    BACKWARD as BACKWARD,
+    EMB_BACKWARD as EMB_BACKWARD,
+    EMB_LOOKUP as EMB_LOOKUP,
+    EMB_PREFETCH as EMB_PREFETCH,
+    FORWARD as FORWARD,
+    H2D as H2D,
+    INPUT_DIST_START as INPUT_DIST_START,
+    INPUT_DIST_WAIT as INPUT_DIST_WAIT,
+    NOL_GRAD_APPLY as NOL_GRAD_APPLY,
+    NOL_GRAD_START as NOL_GRAD_START,
+    NOL_LOOKUP as NOL_LOOKUP,
+    OL_GRAD_APPLY as OL_GRAD_APPLY,
+    OL_GRAD_START as OL_GRAD_START,
+    OL_LOOKUP as OL_LOOKUP,
+    OPT_STASH as OPT_STASH,
+    OPTIMIZER_STEP as OPTIMIZER_STEP,
+    OVERLAP_DIST as OVERLAP_DIST,
+    STASH_RESTORE as STASH_RESTORE,
+    STASH_WAIT as STASH_WAIT,
+    TASKS as TASKS,
+    WAIT_BATCH as WAIT_BATCH,
+    ZERO_GRAD as ZERO_GRAD,
 )
 
 _NO_SPAN: ContextManager[None] = contextlib.nullcontext()
@@ -88,9 +93,7 @@ class ScheduleRecorder:
         self.call += 1
         self.call_starts.append(time.perf_counter())
 
-    def span(
-        self, task: str, batch: Optional[int], stream: str, thread: str = "main"
-    ) -> "_Span":
+    def span(self, task: str, batch: Optional[int], stream: str, thread: str = "main") -> "_Span":
         """Record ``task`` for ``batch`` on ``stream`` around the enclosed work."""
         action = Action(max(self.call, 0), task, batch, stream, thread)
         self.actions.append(action)
@@ -130,7 +133,9 @@ class _Span:
 
     __slots__ = ("_recorder", "_action", "_stream", "_start_event", "_label")
 
-    def __init__(self, recorder: ScheduleRecorder, action: Action, stream: Optional[torch.Stream]) -> None:
+    def __init__(
+        self, recorder: ScheduleRecorder, action: Action, stream: Optional[torch.Stream]
+    ) -> None:
         self._recorder = recorder
         self._action = action
         self._stream = stream
@@ -223,7 +228,11 @@ class Recordable:
         """Draw the recorded timeline (streams x time) to a PNG, with a memory
         track when the memory ledger is on."""
         schedule_view.draw_timeline(
-            self.schedule_actions, path, calls=calls, title=type(self).__name__, memory=self.memory_samples
+            self.schedule_actions,
+            path,
+            calls=calls,
+            title=type(self).__name__,
+            memory=self.memory_samples,
         )
 
     @property
@@ -247,7 +256,9 @@ class Recordable:
     def exposed_time(self) -> Dict[str, float]:
         """Seconds the training thread spent in each task, plus ``"step"``: the total."""
         recorder = self._recorder
-        return schedule_view.exposed_time(self.schedule_actions, [] if recorder is None else recorder.call_starts)
+        return schedule_view.exposed_time(
+            self.schedule_actions, [] if recorder is None else recorder.call_starts
+        )
 
     def _begin_call(self) -> None:
         if self._recorder is not None:

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass, field, replace
-from typing import Any, Callable, Dict, List, Literal, Optional, Set, Tuple, Union
+from typing import Any, Callable, Dict, List, Literal, Optional, Set, Tuple, Union, cast
 
 import torch
 from torchrec.distributed.model_parallel import DistributedModelParallel
@@ -33,6 +33,7 @@ from torchrec.distributed.types import ShardedModule
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from trec_pipelines import tracing
+from trec_pipelines._types import AnyShardedModule
 from trec_pipelines.args import ArgInfo, CallArgs, GetAttr, GetItem
 from trec_pipelines.postproc import (
     PipelinedPostproc,
@@ -47,7 +48,7 @@ Strategy = Literal["auto", "fx", "direct"]
 STRATEGIES: Tuple[str, ...] = ("auto", "fx", "direct")
 
 # Builds the wrapper for one module: (fqn, call args, module) -> forward.
-ForwardFactory = Callable[[str, CallArgs, ShardedModule], Any]
+ForwardFactory = Callable[[str, CallArgs, AnyShardedModule], Any]
 
 
 @dataclass(frozen=True)
@@ -55,7 +56,7 @@ class PipelinedModule:
     """A sharded module whose forward was swapped."""
 
     name: str
-    module: ShardedModule
+    module: AnyShardedModule
     call_args: CallArgs
 
 
@@ -84,7 +85,7 @@ class RewriteResult:
     _saved: Tuple["_Saved", ...] = field(default=(), repr=False)
 
     @property
-    def modules(self) -> List[ShardedModule]:
+    def modules(self) -> List[AnyShardedModule]:
         return [p.module for p in self.pipelined]
 
     @property
@@ -116,9 +117,9 @@ def unwrap(model: torch.nn.Module) -> torch.nn.Module:
     return model
 
 
-def sharded_modules(model: torch.nn.Module) -> Dict[str, ShardedModule]:
+def sharded_modules(model: torch.nn.Module) -> Dict[str, AnyShardedModule]:
     """FQN -> sharded module, outermost only (a sharded module's insides are its own)."""
-    found: Dict[str, ShardedModule] = {}
+    found: Dict[str, AnyShardedModule] = {}
 
     def visit(module: torch.nn.Module, prefix: str) -> None:
         for name, child in module.named_children():
@@ -174,7 +175,9 @@ def rewrite_model(
                     "batch's KeyedJaggedTensor fields without tracing."
                 ) from error
             fallback_reason = f"{type(error).__name__}: {error}"
-            logger.warning("FX tracing failed (%s); binding sharded modules directly", fallback_reason)
+            logger.warning(
+                "FX tracing failed (%s); binding sharded modules directly", fallback_reason
+            )
             plans, used, planner = _plan_direct(candidates, batch), "direct", None
 
     pipelined: List[PipelinedModule] = []
@@ -236,7 +239,7 @@ def _install(module: torch.nn.Module, forward: Any, mark_pipelined: bool = True)
     # registered as a child named "forward" (changing state_dict and named_modules).
     object.__setattr__(module, "forward", forward)
     if mark_pipelined:
-        module.is_pipelined = True
+        cast(Any, module).is_pipelined = True
     return saved
 
 
@@ -249,7 +252,7 @@ def restore_model(result: RewriteResult) -> None:
         else:
             module.__dict__.pop("forward", None)
         if was_pipelined is not None:
-            module.is_pipelined = was_pipelined
+            cast(Any, module).is_pipelined = was_pipelined
 
 
 def reapply_rewrite(result: RewriteResult, make_forward: ForwardFactory) -> RewriteResult:
@@ -257,7 +260,9 @@ def reapply_rewrite(result: RewriteResult, make_forward: ForwardFactory) -> Rewr
     postproc wrappers again (after a restore)."""
     saved = []
     for entry in result.pipelined:
-        saved.append(_install(entry.module, make_forward(entry.name, entry.call_args, entry.module)))
+        saved.append(
+            _install(entry.module, make_forward(entry.name, entry.call_args, entry.module))
+        )
     for postproc in result.postprocs:
         saved.append(_install(postproc.postproc_module, postproc, mark_pipelined=False))
     return replace(result, _saved=tuple(saved))
@@ -270,8 +275,7 @@ def _log(result: RewriteResult) -> None:
         logger.info("postprocs run in the input_dist stage: %s", ", ".join(result.postproc_names))
     for name, reason in result.not_pipelined:
         logger.warning(
-            "sharded module '%s' is NOT pipelined and runs its own input_dist in the "
-            "forward: %s",
+            "sharded module '%s' is NOT pipelined and runs its own input_dist in the forward: %s",
             name,
             reason,
         )
@@ -281,7 +285,7 @@ def _log(result: RewriteResult) -> None:
 
 def _plan_fx(
     model: torch.nn.Module,
-    candidates: Dict[str, ShardedModule],
+    candidates: Dict[str, AnyShardedModule],
     make_postproc: Optional[PostprocFactory] = None,
 ) -> Tuple[List[Tuple[str, Union[CallArgs, str]]], Optional[PostprocPlanner]]:
     graph = tracing.trace(model)
@@ -342,7 +346,9 @@ def kjts_in(batch: Any) -> List[KeyedJaggedTensor]:
     return _collect_kjts(batch, [], 0)
 
 
-def _collect_kjts(value: Any, found: List[KeyedJaggedTensor], depth: int) -> List[KeyedJaggedTensor]:
+def _collect_kjts(
+    value: Any, found: List[KeyedJaggedTensor], depth: int
+) -> List[KeyedJaggedTensor]:
     # Leaves (tensors, KJTs) are handled in the loop, so a flat batch costs one call.
     if isinstance(value, KeyedJaggedTensor):
         found.append(value)
@@ -367,7 +373,7 @@ def _collect_kjts(value: Any, found: List[KeyedJaggedTensor], depth: int) -> Lis
 _LEAVES = (torch.Tensor, bool, int, float, str, bytes, type(None))
 
 
-def _feature_names(module: ShardedModule) -> Set[str]:
+def _feature_names(module: AnyShardedModule) -> Set[str]:
     names: Set[str] = set()
     for attr in ("_embedding_bag_configs", "_embedding_configs"):
         for config in getattr(module, attr, None) or []:
@@ -376,13 +382,15 @@ def _feature_names(module: ShardedModule) -> Set[str]:
 
 
 def _plan_direct(
-    candidates: Dict[str, ShardedModule], batch: Any
+    candidates: Dict[str, AnyShardedModule], batch: Any
 ) -> List[Tuple[str, Union[CallArgs, str]]]:
     fields = kjt_fields(batch)
     plans: List[Tuple[str, Union[CallArgs, str]]] = []
     for name, module in candidates.items():
         if not fields:
-            plans.append((name, f"the batch ({type(batch).__name__}) has no KeyedJaggedTensor field"))
+            plans.append(
+                (name, f"the batch ({type(batch).__name__}) has no KeyedJaggedTensor field")
+            )
             continue
         wanted = _feature_names(module)
         matching = [path for path, kjt in fields if wanted and wanted <= set(kjt.keys())]
@@ -393,6 +401,9 @@ def _plan_direct(
         else:
             options = ", ".join(str(path) for path, _ in fields)
             plans.append(
-                (name, f"cannot tell which KeyedJaggedTensor it reads among {options}; use FX tracing")
+                (
+                    name,
+                    f"cannot tell which KeyedJaggedTensor it reads among {options}; use FX tracing",
+                )
             )
     return plans

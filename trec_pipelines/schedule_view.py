@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import json
 from collections import defaultdict
-from typing import TYPE_CHECKING, Any, Dict, List, Optional, Sequence, Tuple
+from typing import TYPE_CHECKING, Any, Dict, List, Optional, Sequence, Tuple, Union
 
 from trec_pipelines.tasks import TASKS
 
@@ -16,7 +16,7 @@ if TYPE_CHECKING:
     from trec_pipelines.actions import Action
     from trec_pipelines.ledger import MemorySample
 
-Cell = Optional[Any]  # an int, a tuple of ints, or None
+Cell = Union[int, Tuple[int, ...], None]  # a batch, batches, or none
 Row = Tuple[str, str, List[Cell]]
 
 STREAM_ORDER = ("default", "emb_lookup", "data_dist", "prefetch", "memcpy")
@@ -40,9 +40,9 @@ def schedule_table(actions: Sequence["Action"]) -> List[Row]:
     n_calls = max(a.call for a in actions) + 1
     handled: Dict[Tuple[str, str], List[List[int]]] = {}
     for action in actions:
-        cells = handled.setdefault((action.task, action.stream), [[] for _ in range(n_calls)])
+        per_call = handled.setdefault((action.task, action.stream), [[] for _ in range(n_calls)])
         if action.batch is not None:
-            cells[action.call].append(action.batch)
+            per_call[action.call].append(action.batch)
 
     def order(key: Tuple[str, str]) -> Tuple[int, int]:
         task, stream = key
@@ -53,7 +53,9 @@ def schedule_table(actions: Sequence["Action"]) -> List[Row]:
     for key in sorted(handled, key=order):
         cells: List[Cell] = []
         for batches in handled[key]:
-            cells.append(None if not batches else batches[0] if len(batches) == 1 else tuple(batches))
+            cells.append(
+                None if not batches else batches[0] if len(batches) == 1 else tuple(batches)
+            )
         rows.append((key[0], key[1], cells))
     return rows
 
@@ -75,7 +77,10 @@ def format_schedule(rows: Sequence[Row], n: Optional[int] = None) -> str:
     header = f"{'#':>3}  {'Task':<16} {'Stream':<11} | " + " ".join(
         f"{'P' + str(k):<{width}}" for k in range(n_calls)
     )
-    lines = [header, f"{'--':>3}  {'-' * 16} {'-' * 11} + " + " ".join("-" * width for _ in range(n_calls))]
+    lines = [
+        header,
+        f"{'--':>3}  {'-' * 16} {'-' * 11} + " + " ".join("-" * width for _ in range(n_calls)),
+    ]
     for index, (task, stream, cells) in enumerate(rows):
         body = " ".join(f"{_cell_text(c):<{width}}" for c in cells[:n_calls])
         lines.append(f"{index:>3}  {task:<16} {stream:<11} | {body}")
@@ -97,7 +102,9 @@ def exposed_time(actions: Sequence["Action"], call_starts: Sequence[float]) -> D
     return dict(exposed)
 
 
-def write_trace(actions: Sequence["Action"], path: str, memory: Sequence["MemorySample"] = ()) -> None:
+def write_trace(
+    actions: Sequence["Action"], path: str, memory: Sequence["MemorySample"] = ()
+) -> None:
     """A Chrome trace (chrome://tracing, ui.perfetto.dev) of the recorded actions.
 
     Track "CPU thread" shows when the training thread issued (and was blocked
@@ -112,8 +119,18 @@ def write_trace(actions: Sequence["Action"], path: str, memory: Sequence["Memory
     lanes = stream_lanes(actions)
     tracks = ["CPU thread", "loader thread"] + [f"stream: {s}" for s in lanes]
     for tid, name in enumerate(tracks):
-        events.append({"ph": "M", "name": "thread_name", "pid": 0, "tid": tid, "args": {"name": name}})
-        events.append({"ph": "M", "name": "thread_sort_index", "pid": 0, "tid": tid, "args": {"sort_index": tid}})
+        events.append(
+            {"ph": "M", "name": "thread_name", "pid": 0, "tid": tid, "args": {"name": name}}
+        )
+        events.append(
+            {
+                "ph": "M",
+                "name": "thread_sort_index",
+                "pid": 0,
+                "tid": tid,
+                "args": {"sort_index": tid},
+            }
+        )
 
     def span(name: str, tid: int, start: float, end: float, action: "Action") -> Dict[str, Any]:
         return {
@@ -140,7 +157,9 @@ def write_trace(actions: Sequence["Action"], path: str, memory: Sequence["Memory
                 "ph": "C",
                 "pid": 0,
                 "ts": (sample.time - origin) * 1e6,
-                "args": {kind: nbytes / 2**20 for kind, nbytes in sample.held.bytes_by_kind.items()},
+                "args": {
+                    kind: nbytes / 2**20 for kind, nbytes in sample.held.bytes_by_kind.items()
+                },
             }
         )
     with open(path, "w") as f:
@@ -178,7 +197,10 @@ def draw_timeline(
     held = [m for m in memory if calls is None or calls[0] <= m.call <= calls[1]]
     if held:
         fig, (ax, mem_ax) = plt.subplots(
-            2, 1, sharex=True, figsize=(fig_width, 0.7 * len(lanes) + 3.2),
+            2,
+            1,
+            sharex=True,
+            figsize=(fig_width, 0.7 * len(lanes) + 3.2),
             gridspec_kw={"height_ratios": [0.7 * len(lanes) + 0.6, 2.0]},
         )
     else:
@@ -192,7 +214,9 @@ def draw_timeline(
         for lane, start, end in boxes:
             x, width = (start - origin) * 1e3, max((end - start) * 1e3, 1e-3)
             y = len(lanes) - 1 - lane
-            ax.broken_barh([(x, width)], (y - 0.35, 0.7), facecolors=color, edgecolors="black", linewidth=0.3)
+            ax.broken_barh(
+                [(x, width)], (y - 0.35, 0.7), facecolors=color, edgecolors="black", linewidth=0.3
+            )
             if width > total_ms * 0.045:  # label only boxes wide enough to read
                 ax.text(x + width / 2, y, label, ha="center", va="center", fontsize=6, clip_on=True)
     ax.set_yticks(range(len(lanes)))

@@ -243,6 +243,7 @@ class BatchSource:
         """Pull and check one batch, and start agreeing on it with the other ranks."""
         batch = self._next_from(iterator)
         problem = batch_problem(batch) if self._validate and batch is not None else None
+        assert self._sync_group is not None  # launched only with a group
         agreement = Agreement(self._sync_group, batch is None, problem is not None)
         self._pending.append(_Pending(batch, problem, agreement))
 

@@ -137,7 +137,7 @@ def skip_failed_batch(pipeline: Any) -> int:
             "training a batch, so there is nothing to skip. Call it right after the "
             "progress() that raised, before calling progress() again."
         )
-    skipped = pipeline._source.skip_rewound()
+    skipped: int = pipeline._source.skip_rewound()
     assert skipped == failed.index, (skipped, failed.index)
     guard.failed = None
     logger.warning(

@@ -35,7 +35,7 @@ from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass
-from typing import Any, Iterator, Optional
+from typing import Any, ContextManager, Iterator, Optional
 
 import torch
 
@@ -92,7 +92,8 @@ def new_stream(device: torch.device, priority: int = 0) -> Optional[torch.Stream
     """A new side stream on ``device``, or ``None`` where there are no streams."""
     if not has_streams(device):
         return None
-    return device_module(device).Stream(priority=priority)
+    stream: torch.Stream = device_module(device).Stream(priority=priority)
+    return stream
 
 
 def make_streams(
@@ -120,14 +121,16 @@ def current_stream(device: torch.device) -> Optional[torch.Stream]:
     """The stream work is issued on now, or ``None`` where there are no streams."""
     if not has_streams(device):
         return None
-    return device_module(device).current_stream()
+    stream: torch.Stream = device_module(device).current_stream()
+    return stream
 
 
 def on_stream(stream: Optional[torch.Stream]) -> contextlib.AbstractContextManager[Any]:
     """Issue the enclosed work on ``stream``; a no-op for ``None``."""
     if stream is None:
         return contextlib.nullcontext()
-    return device_module(stream.device).stream(stream)
+    context: ContextManager[Any] = device_module(stream.device).stream(stream)
+    return context
 
 
 def wait_stream(waiter: Optional[torch.Stream], producer: Optional[torch.Stream]) -> None:
@@ -174,7 +177,7 @@ def record_event(stream: Optional[torch.Stream]) -> Optional[torch.Event]:
     """An event recorded on ``stream`` now, or ``None`` where there are no streams."""
     if stream is None:
         return None
-    event = device_module(stream.device).Event()
+    event: torch.Event = device_module(stream.device).Event()
     event.record(stream)
     return event
 

@@ -19,8 +19,8 @@ import logging
 from typing import Any, Dict, Optional
 
 import torch
-from torchrec.distributed.types import ShardedModule
 
+from trec_pipelines._types import AnyShardedModule
 from trec_pipelines.forwards import BaseForward
 from trec_pipelines.input_dist import unfuse_left_over
 from trec_pipelines.rewrite import sharded_modules
@@ -28,7 +28,7 @@ from trec_pipelines.rewrite import sharded_modules
 logger: logging.Logger = logging.getLogger(__name__)
 
 
-def strip_orphan(module: ShardedModule) -> None:
+def strip_orphan(module: AnyShardedModule) -> None:
     """Undo what a collected pipeline left on ``module``: its forward wrapper(s)
     and its splits-only input_dist overrides."""
     while True:
@@ -45,8 +45,8 @@ def strip_orphan(module: ShardedModule) -> None:
 
 
 def take_model_over(
-    pipeline: Any, model: torch.nn.Module, sharded: Optional[Dict[str, ShardedModule]]
-) -> Dict[str, ShardedModule]:
+    pipeline: Any, model: torch.nn.Module, sharded: Optional[Dict[str, AnyShardedModule]]
+) -> Dict[str, AnyShardedModule]:
     """Detach every pipeline but ``pipeline`` whose wrappers are on ``model``.
 
     ``sharded`` is the model's sharded modules found by an earlier call (None:

@@ -23,6 +23,10 @@ OL_GRAD_START = "OLGradStart"
 OL_GRAD_APPLY = "OLGradApply"
 NOL_GRAD_START = "NOLGradStart"
 NOL_GRAD_APPLY = "NOLGradApply"
+# The memory-stashing variants (see trec_pipelines.stashing)
+STASH_RESTORE = "StashRestore"
+STASH_WAIT = "StashWait"
+OPT_STASH = "OptStash"
 
 TASKS: Tuple[str, ...] = (
     EMB_LOOKUP,
@@ -37,11 +41,13 @@ TASKS: Tuple[str, ...] = (
     OL_GRAD_APPLY,
     NOL_GRAD_START,
     NOL_GRAD_APPLY,
+    STASH_WAIT,
+    STASH_RESTORE,
     OPTIMIZER_STEP,
+    OPT_STASH,
     INPUT_DIST_START,
     INPUT_DIST_WAIT,
     OVERLAP_DIST,
     EMB_PREFETCH,
     H2D,
 )
-

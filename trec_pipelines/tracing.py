@@ -16,7 +16,7 @@ module can run ahead as a postproc, and the path then starts at its output.
 from __future__ import annotations
 
 import operator
-from typing import Any, Callable, Dict, List, Optional, Set, Union
+from typing import Any, Callable, Dict, List, Optional, Set, Tuple, Union, cast
 
 import torch
 import torch.fx
@@ -74,7 +74,9 @@ class Tracer(torch.fx.Tracer):
     # Models that write to buffers in forward break when buffers are proxied.
     proxy_buffer_attributes = False
 
-    def __init__(self, leaf_modules: Optional[List[str]] = None, extend_leaf_fqn: bool = False) -> None:
+    def __init__(
+        self, leaf_modules: Optional[List[str]] = None, extend_leaf_fqn: bool = False
+    ) -> None:
         super().__init__()
         self._leaf_modules: Set[str] = set(leaf_modules or ())
         self._extend_leaf_fqn = extend_leaf_fqn
@@ -96,9 +98,7 @@ class Tracer(torch.fx.Tracer):
 def _is_fsdp(module: torch.nn.Module) -> bool:
     from torch.distributed.fsdp import FullyShardedDataParallel
 
-    return isinstance(module, FullyShardedDataParallel) or type(module).__name__.startswith(
-        "FSDP"
-    )
+    return isinstance(module, FullyShardedDataParallel) or type(module).__name__.startswith("FSDP")
 
 
 def trace(model: torch.nn.Module) -> torch.fx.Graph:
@@ -157,9 +157,7 @@ def arg_path_of(
             return ArgInfo([Postproc(source), *reversed(steps)])
         if _is_getattr(node) and isinstance(node.args[1], str):
             steps.append(GetAttr(node.args[1]))
-        elif (_is_getitem(node) or _is_dict_get(node)) and isinstance(
-            node.args[1], (str, int)
-        ):
+        elif (_is_getitem(node) or _is_dict_get(node)) and isinstance(node.args[1], (str, int)):
             steps.append(GetItem(node.args[1]))
         else:
             return f"{_describe(node)} modifies the input before the sharded module"
@@ -170,7 +168,9 @@ def arg_path_of(
 
 
 def _collection_of(
-    value: Union[list, tuple, dict], batch_node: torch.fx.Node, resolve: Resolve
+    value: Union[List[Any], Tuple[Any, ...], Dict[Any, Any]],
+    batch_node: torch.fx.Node,
+    resolve: Resolve,
 ) -> Union[ArgInfo, str]:
     """A list, tuple or dict built in the forward: each element's recipe, or
     why one of them can't be read (constants stay constants)."""
@@ -185,7 +185,7 @@ def _collection_of(
             return recipe
         recipes.append(recipe)
     if isinstance(value, dict):
-        return ArgInfo([DictOf(dict(zip(value.keys(), recipes)))])
+        return ArgInfo([DictOf(dict(zip(value.keys(), recipes, strict=True)))])
     return ArgInfo([ListOf(recipes, as_tuple=isinstance(value, tuple))])
 
 
@@ -228,5 +228,5 @@ def call_args_of(
 def first_placeholder(graph: torch.fx.Graph) -> Optional[torch.fx.Node]:
     for node in graph.nodes:
         if node.op == "placeholder":
-            return node
+            return cast(torch.fx.Node, node)
     return None

@@ -75,7 +75,8 @@ def _row_sums(lengths: torch.Tensor, rows: int) -> List[int]:
         flat = lengths.tolist()
         width = len(flat) // rows
         return [sum(flat[r * width : (r + 1) * width]) for r in range(rows)]
-    return lengths.numpy().reshape(rows, -1).sum(axis=1).tolist()
+    per_row: List[int] = lengths.numpy().reshape(rows, -1).sum(axis=1).tolist()
+    return per_row
 
 
 def _running_sum_matches(offsets: torch.Tensor, lengths: torch.Tensor) -> bool:
@@ -97,7 +98,11 @@ def _looks_consistent(kjt: KeyedJaggedTensor) -> bool:
     values = kjt.values()
     lengths = kjt.lengths_or_none()
     offsets = kjt.offsets_or_none()
-    if lengths is None or values.dtype not in _INTEGER_DTYPES or lengths.dtype not in _INTEGER_DTYPES:
+    if (
+        lengths is None
+        or values.dtype not in _INTEGER_DTYPES
+        or lengths.dtype not in _INTEGER_DTYPES
+    ):
         return False
     if offsets is not None and offsets.dtype not in _INTEGER_DTYPES:
         return False
@@ -120,7 +125,9 @@ def _looks_consistent(kjt: KeyedJaggedTensor) -> bool:
     cached = kjt.length_per_key_or_none()
     if cached is not None and list(cached) != _row_sums(lengths, len(keys)):
         return False
-    if offsets is not None and not (_plain_host(offsets) and _running_sum_matches(offsets, lengths)):
+    if offsets is not None and not (
+        _plain_host(offsets) and _running_sum_matches(offsets, lengths)
+    ):
         return False
     return True
 
@@ -137,14 +144,18 @@ def kjt_problem(kjt: KeyedJaggedTensor) -> Optional[str]:
     n = values.numel()
     weights = kjt.weights_or_none()
     if weights is not None and weights.numel() != n:
-        return f"weights has {weights.numel()} entries but values has {n}; give one weight per value"
+        return (
+            f"weights has {weights.numel()} entries but values has {n}; give one weight per value"
+        )
     if not keys:
         return None
     if offsets is not None:
         if offsets.numel() == 0 or int(offsets[0]) != 0:
             return "offsets must start at 0"
         steps = torch.diff(offsets)
-        if lengths is not None and (steps.shape != lengths.shape or not torch.equal(steps, lengths.to(steps.dtype))):
+        if lengths is not None and (
+            steps.shape != lengths.shape or not torch.equal(steps, lengths.to(steps.dtype))
+        ):
             return "offsets are not the running sum of lengths"
         if lengths is None:
             lengths = steps  # offsets[-1] == n is then the total check below
@@ -153,7 +164,11 @@ def kjt_problem(kjt: KeyedJaggedTensor) -> Optional[str]:
         counts = kjt.stride_per_key()
         if sum(counts) != lengths.numel():
             return f"{lengths.numel()} lengths for strides {counts} (sum {sum(counts)})"
-        per_key = torch.stack([part.sum() for part in lengths.split(counts)]) if counts else lengths.new_zeros(0)
+        per_key = (
+            torch.stack([part.sum() for part in lengths.split(counts)])
+            if counts
+            else lengths.new_zeros(0)
+        )
         per_key_count = torch.tensor(counts)
     else:
         stride = kjt.stride()
@@ -169,7 +184,12 @@ def kjt_problem(kjt: KeyedJaggedTensor) -> Optional[str]:
         return f"key '{_key_at(keys, per_key_count, first)}' has a negative length"
     cached = kjt.length_per_key_or_none()
     if cached is not None:
-        for key, said, counted in zip(keys, cached, per_key.tolist()):
+        if len(cached) != len(keys):
+            return (
+                f"length_per_key has {len(cached)} entries for {len(keys)} keys; "
+                "give one per key, or leave it out"
+            )
+        for key, said, counted in zip(keys, cached, per_key.tolist(), strict=True):
             if said != counted:
                 return f"key '{key}': length_per_key says {said} values but its lengths add up to {counted}"
     total = int(per_key.sum())

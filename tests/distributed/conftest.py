@@ -16,6 +16,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from tests import devices
 from trec_pipelines.input_dist_group import release_input_dist_groups
 
 # A collective that never completes (e.g. one rank failed an assert before an
@@ -32,10 +33,10 @@ _LAUNCH_HINT = (
 
 @pytest.fixture(scope="session", autouse=True)
 def process_group():
-    """Initialise the default gloo process group from torchrun's env vars."""
+    """Initialise the default process group from torchrun's env vars (gloo on
+    CPU, NCCL on CUDA: see tests/devices.py)."""
     missing = [
-        v for v in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
-        if v not in os.environ
+        v for v in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT") if v not in os.environ
     ]
     if missing:
         pytest.fail(
@@ -54,7 +55,8 @@ def process_group():
     torch.set_num_threads(1)
     created = False
     if not dist.is_initialized():
-        dist.init_process_group(backend="gloo", init_method="env://", timeout=PG_TIMEOUT)
+        devices.bind()
+        dist.init_process_group(backend=devices.backend(), init_method="env://", timeout=PG_TIMEOUT)
         created = True
     yield dist.group.WORLD
     if created and dist.is_initialized():
@@ -98,7 +100,8 @@ _shimmed_tests = []
 
 @pytest.fixture(autouse=True)
 def per_test_group(process_group, request):
-    """A fresh gloo group per test, used by dlrm.make_sharded by default.
+    """A fresh group per test (the default group's backend), used by
+    dlrm.make_sharded by default.
 
     If a test fails on one rank only while the other waits in a collective,
     that collective times out (PG_TIMEOUT) and its group is dead: with a
@@ -120,7 +123,7 @@ def per_test_group(process_group, request):
     except TimeoutError as e:
         _peer_lost = f"another rank stopped responding before this test ({e})"
         pytest.fail(_peer_lost, pytrace=False)
-    group = dist.new_group(backend="gloo", timeout=PG_TIMEOUT)
+    group = dist.new_group(backend=devices.backend(), timeout=PG_TIMEOUT)
     dlrm.set_current_group(group)
     shim_entries_before = torchrec_shim.shim_entries()
     yield group

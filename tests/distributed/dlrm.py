@@ -44,6 +44,8 @@ from torchrec.optim.optimizers import in_backward_optimizer_filter
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor, KeyedTensor
 from torchrec.streamable import Pipelineable
 
+from tests import devices
+
 # --------------------------------------------------------------------------
 # Shapes
 # --------------------------------------------------------------------------
@@ -95,7 +97,10 @@ class FieldwiseBatch(Pipelineable):
     a device and recorded on a stream field by field (``pin_memory`` is a no-op)."""
 
     def to(self, device: torch.device, non_blocking: bool = False) -> "FieldwiseBatch":
-        values = (getattr(self, f.name).to(device, non_blocking=non_blocking) for f in dataclasses.fields(self))  # type: ignore[arg-type]
+        values = (
+            getattr(self, f.name).to(device, non_blocking=non_blocking)
+            for f in dataclasses.fields(self)
+        )  # type: ignore[arg-type]
         return type(self)(*values)
 
     def record_stream(self, stream: torch.Stream) -> None:
@@ -156,8 +161,7 @@ class NestedBatch(Pipelineable):
         return NestedBatch(
             dense=self.dense.to(device=device, non_blocking=non_blocking),
             features={
-                k: v.to(device=device, non_blocking=non_blocking)
-                for k, v in self.features.items()
+                k: v.to(device=device, non_blocking=non_blocking) for k, v in self.features.items()
             },
             labels=self.labels.to(device=device, non_blocking=non_blocking),
         )
@@ -312,7 +316,7 @@ def _copy_into(dst_state: Dict[str, object], src_state: Dict[str, torch.Tensor])
                 idx = tuple(
                     slice(off, off + size)
                     for off, size in zip(
-                        shard.metadata.shard_offsets, shard.metadata.shard_sizes
+                        shard.metadata.shard_offsets, shard.metadata.shard_sizes, strict=True
                     )
                 )
                 shard.tensor.copy_(src[idx])
@@ -356,7 +360,7 @@ def make_sharded(
     if sharding_type not in SHARDING_TYPES:
         raise ValueError(f"sharding_type must be one of {SHARDING_TYPES}")
     assert dist.is_initialized(), "make_sharded needs the default process group"
-    device = torch.device("cpu")
+    device = devices.device()
     pg = pg if pg is not None else current_group()
     world_size = dist.get_world_size(pg)
 
@@ -364,9 +368,7 @@ def make_sharded(
     model = model_factory()
     reference_state = {k: v.detach().clone() for k, v in model.state_dict().items()}
 
-    apply_optimizer_in_backward(
-        emb_optimizer, model.ebc.parameters(), {"lr": emb_lr}
-    )
+    apply_optimizer_in_backward(emb_optimizer, model.ebc.parameters(), {"lr": emb_lr})
 
     kernel = "dense" if sharding_type == "data_parallel" else "fused"
     constraints = {
@@ -375,7 +377,7 @@ def make_sharded(
     }
     sharders = [EmbeddingBagCollectionSharder()]
     planner = EmbeddingShardingPlanner(
-        topology=Topology(world_size=world_size, compute_device="cpu"),
+        topology=Topology(world_size=world_size, compute_device=device.type),
         constraints=constraints,
     )
     plan = planner.collective_plan(model, sharders, pg)
@@ -512,20 +514,17 @@ def assert_runs_equal(a: Run, b: Run, names: Sequence[str] = ("a", "b")) -> None
     weights ``torch.equal``; the message names the first difference."""
     rank = _rank()
     na, nb = names
-    for step, (x, y) in enumerate(zip(a, b)):
+    # The common steps first (the first differing one is the better message), then the count.
+    for step, (x, y) in enumerate(zip(a, b, strict=False)):
         if x.shape != y.shape or not torch.equal(x, y):
             detail = (
                 f"shapes {tuple(x.shape)} vs {tuple(y.shape)}"
                 if x.shape != y.shape
                 else f"max abs diff {(x.double() - y.double()).abs().max().item():.3g}"
             )
-            raise AssertionError(
-                f"[rank {rank}] step {step}: output of {na} != {nb} ({detail})"
-            )
+            raise AssertionError(f"[rank {rank}] step {step}: output of {na} != {nb} ({detail})")
     if len(a) != len(b):
-        raise AssertionError(
-            f"[rank {rank}] {na} ran {len(a)} steps, {nb} ran {len(b)}"
-        )
+        raise AssertionError(f"[rank {rank}] {na} ran {len(a)} steps, {nb} ran {len(b)}")
     problem = _first_tensor_difference(a.weights, b.weights)
     if problem:
         raise AssertionError(f"[rank {rank}] final weights {na} vs {nb}: {problem}")

@@ -34,9 +34,10 @@ from torchrec.optim.apply_optimizer_in_backward import apply_optimizer_in_backwa
 from torchrec.optim.keyed import CombinedOptimizer, KeyedOptimizerWrapper
 from torchrec.optim.optimizers import in_backward_optimizer_filter
 
+from tests import devices
 from tests.distributed.dlrm import FieldwiseBatch, Run, current_group, run_pipeline, weights
 
-CPU = torch.device("cpu")
+DEVICE = devices.device()
 ROWS = 64
 DENSE = 4
 IDS = ["a", "b", "c"]
@@ -94,7 +95,9 @@ class AddNegatives(nn.Module):
         )
         scored = batch.scored
         halved = KeyedJaggedTensor(
-            keys=scored.keys(), values=scored.values(), lengths=scored.lengths(),
+            keys=scored.keys(),
+            values=scored.values(),
+            lengths=scored.lengths(),
             weights=scored.weights() * 0.5,
         )
         return Batch(batch.dense * 1.5, KeyedJaggedTensor.concat([ids, neg]), halved, batch.labels)
@@ -159,13 +162,23 @@ class TwoTowers(nn.Module):
         ids, scored = LAYOUTS[layout]
         self.layout = layout
         self.ebc = EmbeddingBagCollection(
-            tables=[EmbeddingBagConfig(name=f"t_{f}", embedding_dim=4, num_embeddings=ROWS, feature_names=[f]) for f in ids],
-            device=CPU,
+            tables=[
+                EmbeddingBagConfig(
+                    name=f"t_{f}", embedding_dim=4, num_embeddings=ROWS, feature_names=[f]
+                )
+                for f in ids
+            ],
+            device=DEVICE,
         )
         self.webc = EmbeddingBagCollection(
-            tables=[EmbeddingBagConfig(name=f"w_{f}", embedding_dim=4, num_embeddings=ROWS, feature_names=[f]) for f in scored],
+            tables=[
+                EmbeddingBagConfig(
+                    name=f"w_{f}", embedding_dim=4, num_embeddings=ROWS, feature_names=[f]
+                )
+                for f in scored
+            ],
             is_weighted=True,
-            device=CPU,
+            device=DEVICE,
         )
         self.dense = nn.Sequential(nn.Linear(DENSE, 4), nn.ReLU())
         self.over = nn.Linear(4 + 4 * len(ids) + 4 * len(scored), 1)
@@ -187,14 +200,19 @@ class TwoTowers(nn.Module):
             batch = self.postproc(batch)
         if layout == "collections":
             tenth = self.tenth(batch)
-            batch = self.mix(batch, [1, batch.dense, tenth], {"one": 1, "dense": batch.dense, "tenth": tenth})
+            batch = self.mix(
+                batch, [1, batch.dense, tenth], {"one": 1, "dense": batch.dense, "tenth": tenth}
+            )
         ids, scored = batch.ids, batch.scored
         if layout == "inline_edit":
             ids = KeyedJaggedTensor.from_lengths_sync(ids.keys(), ids.values(), ids.lengths())
         if layout in ("plain", "shared", "trainable"):
             pooled, wpooled = self.ebc(ids), self.webc(scored)
         else:
-            pooled, wpooled = self.ebc(self.keep_ids(ids)[0]), self.webc(self.keep_scored(scored)[0])
+            pooled, wpooled = (
+                self.ebc(self.keep_ids(ids)[0]),
+                self.webc(self.keep_scored(scored)[0]),
+            )
         # By feature name: a sharded EBC orders its output keys by shard placement.
         embedded = [pooled[f] for f in self._ids] + [wpooled[f] for f in self._scored]
         x = torch.cat([self.dense(batch.dense)] + embedded, dim=1)
@@ -204,7 +222,9 @@ class TwoTowers(nn.Module):
 
 
 def build(
-    layout: str, sharding_type: str = "table_wise", wrap: Optional[Callable[[nn.Module], nn.Module]] = None
+    layout: str,
+    sharding_type: str = "table_wise",
+    wrap: Optional[Callable[[nn.Module], nn.Module]] = None,
 ) -> Tuple[nn.Module, Any]:
     """``(dmp, optimizer)`` for ``TwoTowers(layout)`` (inside ``wrap(...)`` if
     given), the same weights every call."""
@@ -220,12 +240,15 @@ def build(
     tables = [c.name for tower in towers for c in tower.embedding_bag_configs()]
     constraints = {t: ParameterConstraints(sharding_types=[sharding_type]) for t in tables}
     plan = EmbeddingShardingPlanner(
-        topology=Topology(world_size=dist.get_world_size(pg), compute_device="cpu"),
+        topology=Topology(world_size=dist.get_world_size(pg), compute_device=DEVICE.type),
         constraints=constraints,
     ).collective_plan(model, sharders, pg)
-    dmp = DistributedModelParallel(model, env=ShardingEnv.from_process_group(pg), device=CPU, plan=plan, sharders=sharders)
+    dmp = DistributedModelParallel(
+        model, env=ShardingEnv.from_process_group(pg), device=DEVICE, plan=plan, sharders=sharders
+    )
     dense = KeyedOptimizerWrapper(
-        dict(in_backward_optimizer_filter(dmp.named_parameters())), lambda p: torch.optim.Adagrad(p, lr=0.05)
+        dict(in_backward_optimizer_filter(dmp.named_parameters())),
+        lambda p: torch.optim.Adagrad(p, lr=0.05),
     )
     return dmp, CombinedOptimizer([dmp.fused_optimizer, dense])
 
@@ -240,7 +263,9 @@ def plain_step(dmp: nn.Module, optimizer: Any, batch: Batch) -> torch.Tensor:
 
 
 def plain(
-    layout: str, batches: Optional[List[Batch]] = None, wrap: Optional[Callable[[nn.Module], nn.Module]] = None
+    layout: str,
+    batches: Optional[List[Batch]] = None,
+    wrap: Optional[Callable[[nn.Module], nn.Module]] = None,
 ) -> Run:
     dmp, optimizer = build(layout, wrap=wrap)
     batches = batches if batches is not None else make_batches()
@@ -256,6 +281,6 @@ def run(
 ) -> Tuple[Run, Any, nn.Module]:
     """Train ``TwoTowers(layout)`` with ``pipeline_cls`` to the end of the data."""
     dmp, optimizer = build(layout, wrap=wrap)
-    pipeline = pipeline_cls(dmp, optimizer, CPU, **kwargs)
+    pipeline = pipeline_cls(dmp, optimizer, DEVICE, **kwargs)
     with shim() if shim is not None else contextlib.nullcontext():
         return run_pipeline(pipeline, make_batches(), model=dmp), pipeline, dmp

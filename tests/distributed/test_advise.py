@@ -19,13 +19,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from benchmarks import memory as bench_memory
-from benchmarks import report as bench_report
-from benchmarks.contenders import Variant as BenchVariant
-from benchmarks.contenders import make_contender
-from benchmarks.model import make_batches as bench_batches
-from benchmarks.model import make_sharded as bench_sharded
-from benchmarks.model import tiny_spec
+from benchmarks import memory as bench_memory, report as bench_report
+from benchmarks.contenders import Variant as BenchVariant, make_contender
+from benchmarks.model import make_batches as bench_batches, make_sharded as bench_sharded, tiny_spec
 from tests.distributed import postproc_models as pm
 from tests.distributed.dlrm import current_group
 from trec_pipelines import (
@@ -95,7 +91,9 @@ def test_a_budget_excludes_the_fastest_and_the_largest_holder() -> None:
     held = {r.name: r.held_peak for r in free.variants}
     assert all(isinstance(b, int) and b > 0 for b in held.values())
     # One batch, two batches + an input-dist output, more again: the documented order.
-    assert held["TrainPipelineBase"] < held["TrainPipelineSparseDist"] < held["TrainPipelineSemiSync"]
+    assert (
+        held["TrainPipelineBase"] < held["TrainPipelineSparseDist"] < held["TrainPipelineSemiSync"]
+    )
     budget = held["TrainPipelineSparseDist"]
     limited = advise(bench_tiny(), variants=variants, memory_budget=budget, **SMALL)
     same_on_every_rank(limited)
@@ -107,7 +105,10 @@ def test_a_budget_excludes_the_fastest_and_the_largest_holder() -> None:
     fastest = max(limited.variants, key=lambda r: r.vs_plain or 0.0)
     if fastest.name == "TrainPipelineSemiSync":
         over = held["TrainPipelineSemiSync"] - budget
-        assert "TrainPipelineSemiSync is" in limited.reason and "exceeds the budget by" in limited.reason
+        assert (
+            "TrainPipelineSemiSync is" in limited.reason
+            and "exceeds the budget by" in limited.reason
+        )
         from trec_pipelines.memory import format_bytes
 
         assert format_bytes(over) in limited.reason
@@ -154,15 +155,25 @@ def test_a_variant_that_crashes_is_reported_and_the_others_are_still_measured() 
         made.append(weakref.ref(model))
         return model, optimizer, batches
 
-    advice = advise(build, variants=[CrashingSparseDist, TrainPipelineSparseDist, StagedTrainPipeline],
-                    steps=4, warmup=1, rounds=2)
-    assert len(made) == 1 + 2 * 4 - 1  # the applicability build, 2 rounds of 4 contenders, less the crashed one's 2nd
+    advice = advise(
+        build,
+        variants=[CrashingSparseDist, TrainPipelineSparseDist, StagedTrainPipeline],
+        steps=4,
+        warmup=1,
+        rounds=2,
+    )
+    assert (
+        len(made) == 1 + 2 * 4 - 1
+    )  # the applicability build, 2 rounds of 4 contenders, less the crashed one's 2nd
     assert alive_at_build == [0] * len(made)
     same_on_every_rank(advice)
     crashed = advice["CrashingSparseDist"]
     assert not crashed.ran and crashed.applicable and crashed.status == "failed"
     assert "crashed on purpose in progress() 3" in crashed.error and "round 1" in crashed.error
-    for name in ("TrainPipelineSparseDist", "StagedTrainPipeline"):  # Staged: the bench's two stages
+    for name in (
+        "TrainPipelineSparseDist",
+        "StagedTrainPipeline",
+    ):  # Staged: the bench's two stages
         row = advice[name]
         assert row.ran and len(row.seconds) == 2 and row.steps == 4 and row.held_peak
         assert row.unpipelined == ()
@@ -174,7 +185,10 @@ def test_a_build_that_raises_is_a_clear_error_on_every_rank() -> None:
     def build() -> Any:
         raise FileNotFoundError("no such table file: tables.bin")
 
-    with pytest.raises(RuntimeError, match=r"build\(\) raised FileNotFoundError: no such table file.*return \(model, optimizer, batches\)"):
+    with pytest.raises(
+        RuntimeError,
+        match=r"build\(\) raised FileNotFoundError: no such table file.*return \(model, optimizer, batches\)",
+    ):
         advise(build, variants=[TrainPipelineSparseDist], **SMALL)
 
     def bad_shape() -> Any:
@@ -208,7 +222,9 @@ def test_batches_that_cannot_be_walked_again_are_a_clear_error() -> None:
         model, optimizer, batches = bench_tiny()()
         return model, optimizer, OneShot(batches)
 
-    with pytest.raises(RuntimeError, match=r"batches gave 0 of the 4 timed batches.*walks batches several times"):
+    with pytest.raises(
+        RuntimeError, match=r"batches gave 0 of the 4 timed batches.*walks batches several times"
+    ):
         advise(one_shot, variants=[TrainPipelineSparseDist], **SMALL)
 
     with pytest.raises(RuntimeError, match=r"batches gave 2 of the 4 timed batches"):
@@ -260,19 +276,32 @@ def test_every_variant_by_default_and_what_does_not_apply() -> None:
     skipped = {r.name: r.reason for r in advice.variants if not r.applicable}
     # The bench model: fused kernels (no cache to prefetch into), no PEC module, nothing compiled unless asked.
     assert set(skipped) == {
-        "PrefetchTrainPipelineSparseDist", "TrainPipelinePEC", "TrainPipelinePT2",
-        "TrainPipelineSparseDistCompAutograd", "EvalPipelineSparseDist", "EvalPipelineFusedSparseDist",
+        "PrefetchTrainPipelineSparseDist",
+        "TrainPipelinePEC",
+        "TrainPipelinePT2",
+        "TrainPipelineSparseDistCompAutograd",
+        "EvalPipelineSparseDist",
+        "EvalPipelineFusedSparseDist",
     }
     assert "this model's: fused" in skipped["PrefetchTrainPipelineSparseDist"]
     assert "include_compiled=True" in skipped["TrainPipelinePT2"]
     ran = [r.name for r in advice.variants if r.ran]
     assert ran == [
-        "TrainPipelineBase", "TrainPipelineSparseDist", "TrainPipelineSparseDistLite",
-        "TrainPipelineFusedSparseDist", "TrainPipelineSemiSync", "StagedTrainPipeline",
+        "TrainPipelineBase",
+        "TrainPipelineSparseDist",
+        "TrainPipelineSparseDistLite",
+        "TrainPipelineFusedSparseDist",
+        "TrainPipelineSemiSync",
+        "StagedTrainPipeline",
     ]
     for name in ran:
         row = advice[name]
-        assert row.steps == 4 and row.held_peak and row.unpipelined == () and row.hidden_input_dist is not None
+        assert (
+            row.steps == 4
+            and row.held_peak
+            and row.unpipelined == ()
+            and row.hidden_input_dist is not None
+        )
     assert advice.recommended in ran and advice.plain.held_peak == 0
 
 
@@ -280,15 +309,17 @@ def test_pec_applies_to_a_model_with_pec_modules() -> None:
     """Timed on torchrec >= 1.9; on 1.8 listed as not applicable, with the upgrade to make."""
     import torchrec
 
-    from tests.distributed.test_pec import make_pec_sharded
     from tests.distributed.dlrm import make_batches
+    from tests.distributed.test_pec import make_pec_sharded
     from trec_pipelines import TrainPipelinePEC
 
     def build() -> Tuple[nn.Module, Any, List[Any]]:
         dmp, optimizer = make_pec_sharded()
         return dmp, optimizer, make_batches(n=5, seed=5)
 
-    advice = advise(build, variants=[TrainPipelinePEC, TrainPipelineBase], steps=3, warmup=1, rounds=1)
+    advice = advise(
+        build, variants=[TrainPipelinePEC, TrainPipelineBase], steps=3, warmup=1, rounds=1
+    )
     same_on_every_rank(advice)
     pec = advice["TrainPipelinePEC"]
     major, minor = (int(part) for part in torchrec.__version__.split(".")[:2])

@@ -15,10 +15,10 @@ import inspect
 from typing import Any, Dict
 
 import pytest
-import torch
 import torchrec.distributed.train_pipeline.train_pipelines as upstream
 
 import trec_pipelines
+from tests import devices
 from tests.distributed.dlrm import (
     DLRM,
     assert_runs_equal,
@@ -28,7 +28,7 @@ from tests.distributed.dlrm import (
     run_pipeline,
 )
 
-CPU = torch.device("cpu")
+DEVICE = devices.device()
 SEED, DATA_SEED = 1234, 7
 
 # torchrec's Prefetch fails on CPU (see test_prefetch.py): the plain loop is its only oracle.
@@ -50,13 +50,13 @@ def test_async_inplace_copy_trains_identically(name: str, async_copy: bool, inpl
     ref = plain_loop(*make_sharded(DLRM, "table_wise", seed=SEED), batches)
     kwargs: Dict[str, Any] = dict(enable_inplace_copy_batch=inplace, async_inplace_copy=async_copy)
     dmp, optimizer = make_sharded(DLRM, "table_wise", seed=SEED)
-    pipeline = getattr(trec_pipelines, name)(dmp, optimizer, CPU, **kwargs)
+    pipeline = getattr(trec_pipelines, name)(dmp, optimizer, DEVICE, **kwargs)
     ours = run_pipeline(pipeline, batches, model=dmp)
     assert len(ref) == len(batches)
     assert_runs_equal(ref, ours, ("plain_loop", "trec_pipelines"))
     if name in RUNS_ON_CPU_UPSTREAM and upstream_has_flag(name):
         theirs_cls = getattr(upstream, name)
         theirs = run_pipeline(
-            theirs_cls(*make_sharded(DLRM, "table_wise", seed=SEED), CPU, **kwargs), batches
+            theirs_cls(*make_sharded(DLRM, "table_wise", seed=SEED), DEVICE, **kwargs), batches
         )
         assert_runs_equal(theirs, ours, ("torchrec", "trec_pipelines"))

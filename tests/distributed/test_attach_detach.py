@@ -21,8 +21,19 @@ from torch import nn
 
 import trec_pipelines
 from tests.distributed.dlrm import Run, assert_runs_equal, weights
-from tests.distributed.postproc_models import CPU, AddNegatives, Batch, build, make_batches, plain_step
-from trec_pipelines.forwards import EmbeddingPipelinedForward, PipelinedForward, PrefetchPipelinedForward
+from tests.distributed.postproc_models import (
+    DEVICE,
+    AddNegatives,
+    Batch,
+    build,
+    make_batches,
+    plain_step,
+)
+from trec_pipelines.forwards import (
+    EmbeddingPipelinedForward,
+    PipelinedForward,
+    PrefetchPipelinedForward,
+)
 from trec_pipelines.postproc import PipelinedPostproc
 
 WRAPPER = {
@@ -64,14 +75,16 @@ class Lockstep:
     def __init__(self, cls: Any, layout: str, ours: bool, **kwargs: Any) -> None:
         self.ref, self.ref_opt = build(layout)
         self.dmp, optimizer = build(layout)
-        self.pipeline = cls(self.dmp, optimizer, CPU, pipeline_postproc=True, **kwargs)
+        self.pipeline = cls(self.dmp, optimizer, DEVICE, pipeline_postproc=True, **kwargs)
         self.ours = ours
         self.outputs: List[torch.Tensor] = []
 
     def step(self, it: Any, batch: Batch) -> None:
         expected = plain_step(self.ref, self.ref_opt, batch)
         got = self.pipeline.progress(it).detach().clone()
-        assert torch.equal(got, expected), f"step {len(self.outputs)}: output differs from the plain loop"
+        assert torch.equal(got, expected), (
+            f"step {len(self.outputs)}: output differs from the plain loop"
+        )
         self.outputs.append(got)
 
     def check_detached_predicts_like_reference(self, batch: Batch) -> None:
@@ -88,7 +101,9 @@ class Lockstep:
     def finish(self, it: Any) -> Run:
         with pytest.raises(StopIteration):
             self.pipeline.progress(it)
-        assert_runs_equal(Run([], weights(self.ref)), Run([], weights(self.dmp)), ("plain_loop", "pipeline"))
+        assert_runs_equal(
+            Run([], weights(self.ref)), Run([], weights(self.dmp)), ("plain_loop", "pipeline")
+        )
         return Run(self.outputs, weights(self.dmp))
 
 
@@ -101,7 +116,9 @@ CASES = [
 
 @pytest.mark.parametrize("with_postproc", [True, False], ids=["postproc", "no_postproc"])
 @pytest.mark.parametrize("cls,ours", CASES)
-def test_detach_during_training_then_progress_attaches_again(cls: Any, ours: bool, with_postproc: bool) -> None:
+def test_detach_during_training_then_progress_attaches_again(
+    cls: Any, ours: bool, with_postproc: bool
+) -> None:
     data = make_batches(7)
     run = Lockstep(cls, "shared" if with_postproc else "plain", ours)
     it = iter(data)
@@ -119,7 +136,9 @@ def test_detach_during_training_then_progress_attaches_again(cls: Any, ours: boo
 
 @pytest.mark.parametrize("with_postproc", [True, False], ids=["postproc", "no_postproc"])
 @pytest.mark.parametrize("cls,ours", CASES)
-def test_detach_after_the_epoch_then_a_new_epoch_attaches_again(cls: Any, ours: bool, with_postproc: bool) -> None:
+def test_detach_after_the_epoch_then_a_new_epoch_attaches_again(
+    cls: Any, ours: bool, with_postproc: bool
+) -> None:
     data = make_batches(7)
     run = Lockstep(cls, "shared" if with_postproc else "plain", ours)
     it = iter(data)
@@ -166,13 +185,20 @@ def test_detach_attach_at_any_point_trains_every_batch_once(
     model = run.pipeline.detach()
     for tower in _towers(model):
         assert "forward" not in tower.__dict__
-    assert all("forward" not in model.module.get_submodule(n).__dict__ for n in ("postproc", "keep_ids", "keep_scored"))
+    assert all(
+        "forward" not in model.module.get_submodule(n).__dict__
+        for n in ("postproc", "keep_ids", "keep_scored")
+    )
     assert torch.equal(_predict(model, data[0]), _predict(run.ref, data[0]))
     if attach_by == "attach":
         run.pipeline.attach()
     for batch in data[detach_at:]:
         run.step(it, batch)
-    assert [p.fqn for p in run.pipeline._pipelined_postprocs] == ["postproc", "keep_ids", "keep_scored"]
+    assert [p.fqn for p in run.pipeline._pipelined_postprocs] == [
+        "postproc",
+        "keep_ids",
+        "keep_scored",
+    ]
     assert len(run.pipeline._pipelined_modules) == 2
     run.finish(it)
     # The detached prediction ran it once more, the rest once per batch.

@@ -27,6 +27,7 @@ from torchrec.distributed.train_pipeline.train_pipelines import (
 from torchrec.distributed.types import ShardingType
 
 import trec_pipelines
+from tests import devices
 from tests.distributed.dlrm import (
     DLRM,
     assert_runs_equal,
@@ -42,7 +43,7 @@ from trec_pipelines.backward_hooks import (
     OutputDistTensorFinder,
 )
 
-CPU = torch.device("cpu")
+DEVICE = devices.device()
 SEED, DATA_SEED = 1234, 7
 N = 6
 
@@ -60,8 +61,16 @@ def log(monkeypatch: pytest.MonkeyPatch) -> Iterator[List[str]]:
         return staticmethod(backward)
 
     # Wait.backward starts the backward all-to-all; Req.backward waits for it.
-    monkeypatch.setattr(comm_ops.All2All_Pooled_Wait, "backward", marking(comm_ops.All2All_Pooled_Wait.backward, "launch"))
-    monkeypatch.setattr(comm_ops.All2All_Pooled_Req, "backward", marking(comm_ops.All2All_Pooled_Req.backward, "wait"))
+    monkeypatch.setattr(
+        comm_ops.All2All_Pooled_Wait,
+        "backward",
+        marking(comm_ops.All2All_Pooled_Wait.backward, "launch"),
+    )
+    monkeypatch.setattr(
+        comm_ops.All2All_Pooled_Req,
+        "backward",
+        marking(comm_ops.All2All_Pooled_Req.backward, "wait"),
+    )
     yield entries
 
 
@@ -83,7 +92,7 @@ def test_work_runs_during_the_output_dist_backward(cls: Any, log: List[str]) -> 
     assert log == ["launch", "wait"] * N  # the markers see the plain loop's backward
     log.clear()
     dmp, optimizer = make_sharded(DLRM, "table_wise", seed=SEED)
-    pipeline = cls(dmp, optimizer, CPU)
+    pipeline = cls(dmp, optimizer, DEVICE)
     seen: List[Any] = []
 
     def work(p: Any) -> None:
@@ -105,12 +114,14 @@ def test_work_runs_during_the_output_dist_backward(cls: Any, log: List[str]) -> 
 def test_torchrec_records_the_same_sequence_and_accepts_its_own_site(log: List[str]) -> None:
     """torchrec's site types work with ours; torchrec's pipeline makes the same log."""
     batches = make_batches(N, seed=DATA_SEED)
-    site = UpstreamSite(fqn="ebc", tensor_finder=UpstreamFinder(sharding_type=ShardingType.TABLE_WISE))
+    site = UpstreamSite(
+        fqn="ebc", tensor_finder=UpstreamFinder(sharding_type=ShardingType.TABLE_WISE)
+    )
     runs, logs = [], []
     for cls in (UpstreamSparseDist, trec_pipelines.TrainPipelineSparseDist):
         log.clear()
         dmp, optimizer = make_sharded(DLRM, "table_wise", seed=SEED)
-        pipeline = cls(dmp, optimizer, CPU)
+        pipeline = cls(dmp, optimizer, DEVICE)
         pipeline.register_backward_hook(site, lambda p: log.append("work"))
         runs.append(run_pipeline(pipeline, batches, model=dmp))
         logs.append(list(log))
@@ -137,15 +148,22 @@ def test_param_grad_site_on_a_dense_module(cls: Any) -> None:
     runs = []
     for with_hook in (False, True):
         dmp, optimizer = make_sharded(DLRM, "table_wise", seed=SEED)
-        pipeline = cls(dmp, optimizer, CPU)
+        pipeline = cls(dmp, optimizer, DEVICE)
         grads: List[torch.Tensor] = []
         if with_hook:
-            site = InjectionSite("over_arch", FirstGradTensorFinder(), target_type=InjectionTargetType.PARAM_GRAD, hook_position=0.0)
+            site = InjectionSite(
+                "over_arch",
+                FirstGradTensorFinder(),
+                target_type=InjectionTargetType.PARAM_GRAD,
+                hook_position=0.0,
+            )
             layer = dmp.module.over_arch[0].weight
 
-            def work(p: Any) -> None:
-                assert p is pipeline
-                grads.append(layer.grad.detach().clone())
+            def work(
+                p: Any, mine: Any = pipeline, sink: List[Any] = grads, weight: Any = layer
+            ) -> None:
+                assert p is mine
+                sink.append(weight.grad.detach().clone())
 
             pipeline.register_backward_hook(site, work)
         runs.append(run_pipeline(pipeline, batches, model=dmp))
@@ -158,29 +176,40 @@ def test_param_grad_site_on_a_dense_module(cls: Any) -> None:
 
 def test_bad_sites_say_what_to_do() -> None:
     dmp, optimizer = make_sharded(DLRM, "table_wise", seed=SEED)
-    pipeline = trec_pipelines.TrainPipelineSparseDist(dmp, optimizer, CPU)
+    pipeline = trec_pipelines.TrainPipelineSparseDist(dmp, optimizer, DEVICE)
     with pytest.raises(ValueError, match="no module 'nope'"):
-        pipeline.register_backward_hook(InjectionSite("nope", FirstGradTensorFinder()), lambda p: None)
+        pipeline.register_backward_hook(
+            InjectionSite("nope", FirstGradTensorFinder()), lambda p: None
+        )
     with pytest.raises(ValueError, match="can take a gradient hook"):
         # Sharded tables are updated in fbgemm's fused backward: no hook fires there.
         pipeline.register_backward_hook(
-            InjectionSite("ebc", FirstGradTensorFinder(), target_type=InjectionTargetType.PARAM_GRAD), lambda p: None
+            InjectionSite(
+                "ebc", FirstGradTensorFinder(), target_type=InjectionTargetType.PARAM_GRAD
+            ),
+            lambda p: None,
         )
     # torchrec's enum is read by value.
     pipeline.register_backward_hook(
-        UpstreamSite(fqn="dense_arch", tensor_finder=FirstGradTensorFinder(), target_type=UpstreamTargetType.PARAM_GRAD),
+        UpstreamSite(
+            fqn="dense_arch",
+            tensor_finder=FirstGradTensorFinder(),
+            target_type=UpstreamTargetType.PARAM_GRAD,
+        ),
         lambda p: None,
     ).remove()
     # A Fused pipeline's EBC returns embeddings looked up outside its forward: no output-dist token.
     dmp, optimizer = make_sharded(DLRM, "table_wise", seed=SEED)
-    fused = trec_pipelines.TrainPipelineFusedSparseDist(dmp, optimizer, CPU)
+    fused = trec_pipelines.TrainPipelineFusedSparseDist(dmp, optimizer, DEVICE)
     fused.register_backward_hook(output_dist_site(), lambda p: None)
     with pytest.raises(RuntimeError, match="PARAM_GRAD"):
         run_pipeline(fused, make_batches(2, seed=DATA_SEED), model=dmp)
 
 
 @pytest.mark.parametrize(
-    "cls", [trec_pipelines.EvalPipelineSparseDist, trec_pipelines.EvalPipelineFusedSparseDist], ids=lambda c: c.__name__
+    "cls",
+    [trec_pipelines.EvalPipelineSparseDist, trec_pipelines.EvalPipelineFusedSparseDist],
+    ids=lambda c: c.__name__,
 )
 def test_eval_pipelines_accept_a_hook_that_never_runs(cls: Any, log: List[str]) -> None:
     """No backward in eval: registering is allowed (as upstream) and changes nothing."""
@@ -191,11 +220,15 @@ def test_eval_pipelines_accept_a_hook_that_never_runs(cls: Any, log: List[str]) 
         ref = [ref_model(b)[1] for b in batches]
     dmp, optimizer = make_sharded(DLRM, "table_wise", seed=SEED)
     dmp.eval()
-    pipeline = cls(dmp, optimizer, CPU)
-    site = output_dist_site() if cls is trec_pipelines.EvalPipelineSparseDist else InjectionSite(
-        "over_arch", FirstGradTensorFinder(), target_type=InjectionTargetType.PARAM_GRAD
+    pipeline = cls(dmp, optimizer, DEVICE)
+    site = (
+        output_dist_site()
+        if cls is trec_pipelines.EvalPipelineSparseDist
+        else InjectionSite(
+            "over_arch", FirstGradTensorFinder(), target_type=InjectionTargetType.PARAM_GRAD
+        )
     )
     pipeline.register_backward_hook(site, lambda p: log.append("work"))
     ours = run_pipeline(pipeline, batches, model=dmp)
-    assert len(ours) == N and all(torch.equal(a, b) for a, b in zip(ref, ours))
+    assert len(ours) == N and all(torch.equal(a, b) for a, b in zip(ref, ours, strict=True))
     assert log == []

@@ -15,6 +15,7 @@ import torch._inductor.config
 import torch._logging
 from torchrec.distributed import comm_ops
 
+from tests import devices
 from tests.distributed.dlrm import (
     DLRM,
     Batch,
@@ -30,7 +31,7 @@ from trec_pipelines.pipelines.comp_autograd import (
     touched_settings,
 )
 
-CPU = torch.device("cpu")
+DEVICE = devices.device()
 SEED, DATA_SEED = 1234, 7
 NUM_BATCHES = 4
 
@@ -80,17 +81,23 @@ def undo_python_reducer_side_effects() -> Iterator[None]:
 
 def _assert_close(ours: Run, ref: Run) -> None:
     assert len(ours) == len(ref)
-    for step, (a, b) in enumerate(zip(ours, ref)):
-        torch.testing.assert_close(a, b, atol=ATOL, rtol=RTOL, msg=lambda m: f"step {step}: {m}")
+    for step, (a, b) in enumerate(zip(ours, ref, strict=True)):
+        torch.testing.assert_close(
+            a, b, atol=ATOL, rtol=RTOL, msg=lambda m, step=step: f"step {step}: {m}"
+        )
     assert ours.weights.keys() == ref.weights.keys()
     for key in ref.weights:
         torch.testing.assert_close(
-            ours.weights[key], ref.weights[key], atol=ATOL, rtol=RTOL, msg=lambda m: f"{key}: {m}"
+            ours.weights[key],
+            ref.weights[key],
+            atol=ATOL,
+            rtol=RTOL,
+            msg=lambda m, key=key: f"{key}: {m}",
         )
 
 
 def _max_difference(a: Run, b: Run) -> float:
-    outputs = max((x - y).abs().max().item() for x, y in zip(a, b))
+    outputs = max((x - y).abs().max().item() for x, y in zip(a, b, strict=True))
     weights = max((a.weights[k] - b.weights[k]).abs().max().item() for k in a.weights)
     return max(outputs, weights)
 
@@ -120,7 +127,7 @@ def test_comp_autograd_matches_plain_loop_and_leaves_config_alone() -> None:
         return dmp(batch)
 
     torch._dynamo.utils.counters.clear()
-    pipeline = TrainPipelineSparseDistCompAutograd(dmp, optimizer, CPU, custom_model_fwd=forward)
+    pipeline = TrainPipelineSparseDistCompAutograd(dmp, optimizer, DEVICE, custom_model_fwd=forward)
     assert touched_settings() == before, "the constructor changed compiler settings"
     assert pipeline.compiled_autograd_options == {
         "backend": "inductor",
@@ -197,11 +204,13 @@ def test_normally_built_dmp_matches_plain_loop_and_keeps_training_eagerly() -> N
     assert ddps and not any(d._use_python_reducer for d in ddps), "not a normally built DMP"
 
     torch._dynamo.utils.counters.clear()
-    pipeline = TrainPipelineSparseDistCompAutograd(dmp, optimizer, CPU)
+    pipeline = TrainPipelineSparseDistCompAutograd(dmp, optimizer, DEVICE)
     assert pipeline.switched_ddp_reducers == len(ddps)
     hook_calls: List[int] = []
     hook = pipeline.register_backward_hook(
-        InjectionSite("over_arch", FirstGradTensorFinder(), target_type=InjectionTargetType.PARAM_GRAD),
+        InjectionSite(
+            "over_arch", FirstGradTensorFinder(), target_type=InjectionTargetType.PARAM_GRAD
+        ),
         lambda p: hook_calls.append(len(hook_calls)),
     )
     outputs: List[torch.Tensor] = []
@@ -224,7 +233,6 @@ def test_normally_built_dmp_matches_plain_loop_and_keeps_training_eagerly() -> N
     assert global_state() == before
 
 
-
 @pytest.mark.parametrize("where", ["before_lookup", "after_lookup", "backward", "optimizer"])
 def test_a_fault_in_a_step_is_retried_and_training_equals_the_plain_loop(where: str) -> None:
     """Issue #16 for CompAutograd, at every point of a step: the fault comes at
@@ -236,7 +244,7 @@ def test_a_fault_in_a_step_is_retried_and_training_equals_the_plain_loop(where: 
     batches = make_batches(NUM_BATCHES + 2, seed=SEED + 3)
     ref = plain_loop_with_retry(*_build(where, 2), batches)
     dmp, optimizer = _build(where, 2)
-    pipeline = TrainPipelineSparseDistCompAutograd(dmp, optimizer, CPU)
+    pipeline = TrainPipelineSparseDistCompAutograd(dmp, optimizer, DEVICE)
     ours = train_with_retry(pipeline, batches, dmp)
     _assert_close(ours, ref)
 
@@ -250,7 +258,7 @@ def test_resumed_from_a_checkpoint_equals_the_plain_loop() -> None:
     batches = make_batches(NUM_BATCHES, seed=SEED + 5)
     ref = plain_loop(*make_sharded(DLRM, "table_wise", seed=SEED), batches)
     dmp, optimizer = make_sharded(DLRM, "table_wise", seed=SEED)
-    pipeline = TrainPipelineSparseDistCompAutograd(dmp, optimizer, CPU)
+    pipeline = TrainPipelineSparseDistCompAutograd(dmp, optimizer, DEVICE)
     it = Counting(batches)
     outputs = [pipeline.progress(it).clone() for _ in range(3)]
     state = pipeline.state_dict()
@@ -258,7 +266,7 @@ def test_resumed_from_a_checkpoint_equals_the_plain_loop() -> None:
     dmp2, optimizer2 = make_sharded(DLRM, "table_wise", seed=SEED + 1)
     dmp2.load_state_dict(dmp.state_dict())
     optimizer2.load_state_dict(optimizer.state_dict())
-    resumed = TrainPipelineSparseDistCompAutograd(dmp2, optimizer2, CPU)
+    resumed = TrainPipelineSparseDistCompAutograd(dmp2, optimizer2, DEVICE)
     resumed.load_state_dict(state)
     rest = Counting(batches, it.yielded)
     while True:

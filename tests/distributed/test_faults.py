@@ -24,7 +24,7 @@ from torchrec.distributed.train_pipeline.gradient_accumulation import (
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 import trec_pipelines
-from tests.fault_injection import FailingBackward, Fault
+from tests import devices
 from tests.distributed.dlrm import (
     DLRM,
     FEATURES,
@@ -40,8 +40,9 @@ from tests.distributed.dlrm import (
     run_pipeline,
     weights,
 )
+from tests.fault_injection import FailingBackward, Fault
 
-CPU = torch.device("cpu")
+DEVICE = devices.device()
 SEED, DATA_SEED = 1234, 11
 
 
@@ -90,9 +91,13 @@ class FaultyOptimizer:
         return getattr(self._optimizer, name)
 
 
-def _build(where: str, at: int, ranks: Optional[tuple] = None, pg: Optional[dist.ProcessGroup] = None) -> Any:
+def _build(
+    where: str, at: int, ranks: Optional[tuple] = None, pg: Optional[dist.ProcessGroup] = None
+) -> Any:
     model_at = at if where != "optimizer" else -1
-    dmp, optimizer = make_sharded(lambda: FaultyDLRM(where, model_at, ranks), "table_wise", seed=SEED, pg=pg)
+    dmp, optimizer = make_sharded(
+        lambda: FaultyDLRM(where, model_at, ranks), "table_wise", seed=SEED, pg=pg
+    )
     return dmp, FaultyOptimizer(optimizer, at if where == "optimizer" else -1)
 
 
@@ -132,7 +137,7 @@ def train_with_retry(pipeline: Any, batches: List[Any], model: Any) -> Run:
 def _pipeline(name: str, dmp: Any, optimizer: Any, **kwargs: Any) -> Any:
     # SemiSync stays synchronous (start_batch past the data): the plain loop is its oracle.
     extra = {"start_batch": 100} if name == "TrainPipelineSemiSync" else {}
-    return getattr(trec_pipelines, name)(dmp, optimizer, CPU, **extra, **kwargs)
+    return getattr(trec_pipelines, name)(dmp, optimizer, DEVICE, **extra, **kwargs)
 
 
 VARIANTS = [
@@ -148,7 +153,9 @@ VARIANTS = [
 
 @pytest.mark.parametrize("where", ["before_lookup", "after_lookup", "backward", "optimizer"])
 @pytest.mark.parametrize("name", VARIANTS)
-def test_fault_in_a_step_is_retried_and_training_equals_the_plain_loop(name: str, where: str) -> None:
+def test_fault_in_a_step_is_retried_and_training_equals_the_plain_loop(
+    name: str, where: str
+) -> None:
     batches = make_batches(6, seed=DATA_SEED)
     ref = plain_loop_with_retry(*_build(where, 3), batches)
     dmp, optimizer = _build(where, 3)
@@ -156,7 +163,9 @@ def test_fault_in_a_step_is_retried_and_training_equals_the_plain_loop(name: str
     assert_runs_equal(ref, ours, ("plain loop with retry", name))
 
 
-@pytest.mark.parametrize("name", ["TrainPipelineSparseDist", "TrainPipelineSemiSync", "TrainPipelinePEC"])
+@pytest.mark.parametrize(
+    "name", ["TrainPipelineSparseDist", "TrainPipelineSemiSync", "TrainPipelinePEC"]
+)
 def test_skip_failed_batch_on_every_rank(name: str) -> None:
     """A batch that fails every time is skipped; training equals the plain loop without it."""
     batches = make_batches(6, seed=DATA_SEED)
@@ -191,19 +200,26 @@ def test_after_an_eval_pipeline_left_attached_training_equals_the_plain_loop() -
     pipelines take the model over in turn; no misleading "called twice"."""
     train, evaluation = make_batches(6, seed=DATA_SEED), make_batches(3, seed=DATA_SEED + 1)
     ref_dmp, ref_optimizer = make_sharded(DLRM, "table_wise", seed=SEED)
-    ref_first, ref_eval, ref_rest = plain_loop_with_eval_pass(ref_dmp, ref_optimizer, train, evaluation, 2)
+    ref_first, ref_eval, ref_rest = plain_loop_with_eval_pass(
+        ref_dmp, ref_optimizer, train, evaluation, 2
+    )
 
     dmp, optimizer = make_sharded(DLRM, "table_wise", seed=SEED)
-    pipeline = trec_pipelines.TrainPipelineSemiSync(dmp, optimizer, CPU, start_batch=100)
+    pipeline = trec_pipelines.TrainPipelineSemiSync(dmp, optimizer, DEVICE, start_batch=100)
     it = iter(train)
     first = [_snapshot(pipeline.progress(it)) for _ in range(2)]
     dmp.eval()
-    evaluated = run_pipeline(trec_pipelines.EvalPipelineSparseDist(dmp, None, CPU), evaluation, model=dmp)
+    evaluated = run_pipeline(
+        trec_pipelines.EvalPipelineSparseDist(dmp, None, DEVICE), evaluation, model=dmp
+    )
     dmp.train()
     rest = run_pipeline(pipeline, it, model=dmp)
-    for ours, expected in zip(evaluated, ref_eval):
+    for ours, expected in zip(evaluated, ref_eval, strict=True):
         assert torch.equal(ours, expected)
-    assert_runs_equal(Run(list(ref_first) + list(ref_rest), ref_rest.weights), Run(first + list(rest), rest.weights))
+    assert_runs_equal(
+        Run(list(ref_first) + list(ref_rest), ref_rest.weights),
+        Run(first + list(rest), rest.weights),
+    )
 
 
 def test_a_new_train_pipeline_takes_over_from_an_eval_pipeline() -> None:
@@ -211,9 +227,11 @@ def test_a_new_train_pipeline_takes_over_from_an_eval_pipeline() -> None:
     ref = plain_loop(*make_sharded(DLRM, "table_wise", seed=SEED), train)
     dmp, optimizer = make_sharded(DLRM, "table_wise", seed=SEED)
     dmp.eval()
-    run_pipeline(trec_pipelines.EvalPipelineSparseDist(dmp, None, CPU), evaluation, model=dmp)
+    run_pipeline(trec_pipelines.EvalPipelineSparseDist(dmp, None, DEVICE), evaluation, model=dmp)
     dmp.train()
-    ours = run_pipeline(trec_pipelines.TrainPipelineFusedSparseDist(dmp, optimizer, CPU), train, model=dmp)
+    ours = run_pipeline(
+        trec_pipelines.TrainPipelineFusedSparseDist(dmp, optimizer, DEVICE), train, model=dmp
+    )
     assert_runs_equal(ref, ours, ("plain loop", "Fused after an attached eval pipeline"))
 
 
@@ -226,13 +244,16 @@ def test_a_fault_on_one_rank_ends_the_other_with_an_error_not_a_hang() -> None:
     timeout error (a short one here; or, beyond two ranks, a peer's closed
     connection), with the pipeline's note, instead of hanging."""
     rank = dist.get_rank()
-    short = dist.new_group(backend="gloo", timeout=timedelta(seconds=4))
+    short = dist.new_group(backend=devices.backend(), timeout=timedelta(seconds=4))
     store = dist.TCPStore(
-        os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), dist.get_world_size(),
-        is_master=False, timeout=timedelta(seconds=120),
+        os.environ["MASTER_ADDR"],
+        int(os.environ["MASTER_PORT"]),
+        dist.get_world_size(),
+        is_master=False,
+        timeout=timedelta(seconds=120),
     )
     dmp, optimizer = _build("after_lookup", 2, ranks=(0,), pg=short)
-    pipeline = trec_pipelines.TrainPipelineSparseDist(dmp, optimizer, CPU)
+    pipeline = trec_pipelines.TrainPipelineSparseDist(dmp, optimizer, DEVICE)
     it = iter(make_batches(6, seed=DATA_SEED))
     pipeline.progress(it), pipeline.progress(it)
     with pytest.raises(Exception) as failure:
@@ -242,7 +263,9 @@ def test_a_fault_on_one_rank_ends_the_other_with_an_error_not_a_hang() -> None:
         assert isinstance(failure.value, Fault)
         # Keep the group alive until every other rank has had its error.
         others = range(1, dist.get_world_size())
-        store.wait([f"trec_pipelines_tests/faults/rank{r}_done" for r in others], timedelta(seconds=120))
+        store.wait(
+            [f"trec_pipelines_tests/faults/rank{r}_done" for r in others], timedelta(seconds=120)
+        )
     else:
         store.set(f"trec_pipelines_tests/faults/rank{rank}_done", "1")
         assert not isinstance(failure.value, Fault)
@@ -251,7 +274,9 @@ def test_a_fault_on_one_rank_ends_the_other_with_an_error_not_a_hang() -> None:
         # connection close first (gloo: "closed by peer", or "reset by peer"
         # when the socket is torn down mid-read).  Either is an error, not a hang.
         message = str(failure.value).lower()
-        assert any(s in message for s in ("timed out", "timeout", "closed by peer", "reset by peer")), message
+        assert any(
+            s in message for s in ("timed out", "timeout", "closed by peer", "reset by peer")
+        ), message
     assert f"rank {rank}: TrainPipelineSparseDist.progress() raised while training batch 2" in notes
     assert "other ranks" in notes or "do the same on every rank" in notes
 
@@ -261,11 +286,15 @@ def test_a_fault_on_one_rank_ends_the_other_with_an_error_not_a_hang() -> None:
 
 def _malformed(batch: Batch, drop: int) -> Batch:
     kjt = batch.sparse
-    bad = KeyedJaggedTensor(keys=kjt.keys(), values=kjt.values()[: kjt.values().numel() - drop], lengths=kjt.lengths())
+    bad = KeyedJaggedTensor(
+        keys=kjt.keys(), values=kjt.values()[: kjt.values().numel() - drop], lengths=kjt.lengths()
+    )
     return Batch(batch.dense, bad, batch.labels)
 
 
-@pytest.mark.parametrize("name", ["TrainPipelineSparseDist", "TrainPipelineSemiSync", "TrainPipelineBase"])
+@pytest.mark.parametrize(
+    "name", ["TrainPipelineSparseDist", "TrainPipelineSemiSync", "TrainPipelineBase"]
+)
 def test_malformed_kjt_raises_before_training_on_both_ranks(name: str) -> None:
     batches = make_batches(6, seed=DATA_SEED)
     good = batches[:2] + batches[3:]
@@ -286,7 +315,11 @@ def test_malformed_kjt_raises_before_training_on_both_ranks(name: str) -> None:
 
 # "+thread": EvalPipelineSparseDist loading on its thread (CPU loads inline by default),
 # which then runs the agreement.
-EVAL_VARIANTS = ["EvalPipelineSparseDist", "EvalPipelineSparseDist+thread", "EvalPipelineFusedSparseDist"]
+EVAL_VARIANTS = [
+    "EvalPipelineSparseDist",
+    "EvalPipelineSparseDist+thread",
+    "EvalPipelineFusedSparseDist",
+]
 
 
 @pytest.mark.parametrize("name", VARIANTS + EVAL_VARIANTS)
@@ -298,7 +331,7 @@ def test_malformed_kjt_on_one_rank_raises_on_every_rank_in_the_same_step(name: s
     The model's group times out after 20 s (PG_TIMEOUT: 120 s), so a rank left
     waiting in a collective fails the test quickly instead of hanging it."""
     rank, bad = dist.get_rank(), dist.get_world_size() - 1
-    short = dist.new_group(backend="gloo", timeout=timedelta(seconds=20))
+    short = dist.new_group(backend=devices.backend(), timeout=timedelta(seconds=20))
     batches = make_batches(6, seed=DATA_SEED)
     good = batches[:3] + batches[4:]
     if rank == bad:
@@ -310,8 +343,13 @@ def test_malformed_kjt_on_one_rank_raises_on_every_rank_in_the_same_step(name: s
         dmp.eval()
         with torch.no_grad():
             ref = Run([ref_dmp(b)[1] for b in good], weights(ref_dmp))
-        cls_name, thread = name.split("+")[0], {"loader_thread": True} if name.endswith("+thread") else {}
-        pipeline = getattr(trec_pipelines, cls_name)(dmp, None, CPU, sync_exhaustion=True, **thread)
+        cls_name, thread = (
+            name.split("+")[0],
+            {"loader_thread": True} if name.endswith("+thread") else {},
+        )
+        pipeline = getattr(trec_pipelines, cls_name)(
+            dmp, None, DEVICE, sync_exhaustion=True, **thread
+        )
     else:
         ref = plain_loop(ref_dmp, ref_optimizer, good)
         pipeline = _pipeline(name, dmp, optimizer, sync_exhaustion=True)
@@ -341,14 +379,18 @@ def test_the_ranks_agree_only_with_sync_exhaustion() -> None:
     destroyed once the pipeline is collected); by default nothing is agreed, and
     no group is made (see [Note: agreeing on each batch] for why)."""
     dmp, optimizer = make_sharded(DLRM, "table_wise", seed=SEED)
-    assert trec_pipelines.TrainPipelineSparseDist(dmp, optimizer, CPU)._source._sync_group is None
-    pipeline = trec_pipelines.TrainPipelineSparseDist(dmp, optimizer, CPU, sync_exhaustion=True)
+    assert (
+        trec_pipelines.TrainPipelineSparseDist(dmp, optimizer, DEVICE)._source._sync_group is None
+    )
+    pipeline = trec_pipelines.TrainPipelineSparseDist(dmp, optimizer, DEVICE, sync_exhaustion=True)
     agreed = pipeline._source._sync_group
-    assert agreed is not None and agreed is not current_group() and dist.get_backend(agreed) == "gloo"
+    assert (
+        agreed is not None and agreed is not current_group() and dist.get_backend(agreed) == "gloo"
+    )
     run_pipeline(pipeline, make_batches(3, seed=DATA_SEED), model=dmp)
     del pipeline
     gc.collect()
-    assert trec_pipelines.TrainPipelineBase(dmp, optimizer, CPU)._source._sync_group is None
+    assert trec_pipelines.TrainPipelineBase(dmp, optimizer, DEVICE)._source._sync_group is None
     # The next pipeline's constructor destroyed the collected pipeline's group.
     with pytest.raises((KeyError, ValueError, RuntimeError)):
         dist.get_process_group_ranks(agreed)
@@ -393,9 +435,13 @@ def test_gradient_accumulation_equals_the_plain_accumulation_loop(name: str) -> 
     ref = plain_accumulation_loop(*make_sharded(DLRM, "table_wise", seed=SEED), batches, steps=3)
     dmp, optimizer = make_sharded(DLRM, "table_wise", seed=SEED)
     pipeline = _pipeline(name, dmp, optimizer)
-    wrapped = GradientAccumulationWrapper(pipeline, optimizer, dmp, GradientAccumulationConfig(num_steps=3))
+    wrapped = GradientAccumulationWrapper(
+        pipeline, optimizer, dmp, GradientAccumulationConfig(num_steps=3)
+    )
     ours = run_pipeline(wrapped, batches, model=dmp)
-    assert_runs_equal(ref, ours, ("plain accumulation loop", f"{name} under GradientAccumulationWrapper"))
+    assert_runs_equal(
+        ref, ours, ("plain accumulation loop", f"{name} under GradientAccumulationWrapper")
+    )
 
 
 def _unrewriting(name: str, dmp: Any, optimizer: Any) -> Any:
@@ -403,8 +449,8 @@ def _unrewriting(name: str, dmp: Any, optimizer: Any) -> Any:
     happens before anything would compile, and compiling is slow here)."""
     if name == "TrainPipelinePT2":
         config = trec_pipelines.TorchCompileConfig(compile_on_iter=1000)
-        return trec_pipelines.TrainPipelinePT2(dmp, optimizer, CPU, compile_configs=config)
-    return trec_pipelines.TrainPipelineBase(dmp, optimizer, CPU)
+        return trec_pipelines.TrainPipelinePT2(dmp, optimizer, DEVICE, compile_configs=config)
+    return trec_pipelines.TrainPipelineBase(dmp, optimizer, DEVICE)
 
 
 @pytest.mark.parametrize("eval_name", ["EvalPipelineSparseDist", "EvalPipelineFusedSparseDist"])
@@ -425,7 +471,7 @@ def test_base_and_pt2_take_the_model_over_from_an_eval_pipeline(name: str, eval_
         ref_after = [ref_dmp(b)[1] for b in evaluation]
 
     dmp, optimizer = make_sharded(DLRM, "table_wise", seed=SEED)
-    evaluator = getattr(trec_pipelines, eval_name)(dmp, None, CPU)
+    evaluator = getattr(trec_pipelines, eval_name)(dmp, None, DEVICE)
     dmp.eval()
     with torch.no_grad():
         before = run_pipeline(evaluator, evaluation, model=dmp)
@@ -435,5 +481,7 @@ def test_base_and_pt2_take_the_model_over_from_an_eval_pipeline(name: str, eval_
     with torch.no_grad():
         after = run_pipeline(evaluator, evaluation, model=dmp)
     assert_runs_equal(ref, ours, ("plain loop", f"{name} after an attached {eval_name}"))
-    for step, (want, got) in enumerate(zip(ref_before + ref_after, list(before) + list(after))):
+    for step, (want, got) in enumerate(
+        zip(ref_before + ref_after, list(before) + list(after), strict=True)
+    ):
         assert torch.equal(want, got), f"eval step {step} differs from the plain forward"

@@ -17,6 +17,7 @@ import pytest
 import torch
 import torchrec.distributed.train_pipeline.train_pipelines as upstream
 
+from tests import devices
 from tests.distributed.dlrm import (
     DLRM,
     Run,
@@ -33,7 +34,7 @@ from trec_pipelines.pipelines.fused_sparse_dist import (
     TrainPipelineFusedSparseDist,
 )
 
-CPU = torch.device("cpu")
+DEVICE = devices.device()
 SEED, DATA_SEED = 1234, 7
 # Tables updated inside the backward (fused TBE): the Fused pipelines' premise.
 FUSED_SHARDINGS = ("table_wise", "column_wise")
@@ -44,12 +45,14 @@ def run_ours(pipeline: Any, batches: Iterable[Any], model: torch.nn.Module) -> R
     return run_pipeline(pipeline, batches, model=model)
 
 
-def run_theirs(cls: Any, batches: List[Any], sharding_type: str, eval_mode: bool = False, **kwargs: Any) -> Run:
+def run_theirs(
+    cls: Any, batches: List[Any], sharding_type: str, eval_mode: bool = False, **kwargs: Any
+) -> Run:
     dmp, optimizer = make_sharded(DLRM, sharding_type, seed=SEED)
     if eval_mode:
         dmp.eval()
     with torchrec_on_cpu():
-        return run_pipeline(cls(dmp, optimizer, CPU, **kwargs), batches)
+        return run_pipeline(cls(dmp, optimizer, DEVICE, **kwargs), batches)
 
 
 def eval_loop(model: torch.nn.Module, batches: Iterable[Any]) -> Run:
@@ -78,7 +81,7 @@ def test_fused_against_torchrec_and_plain_loop(sharding_type: str) -> None:
     ref = plain_loop(*make_sharded(DLRM, sharding_type, seed=SEED), batches)
     theirs = run_theirs(upstream.TrainPipelineFusedSparseDist, batches, sharding_type)
     dmp, optimizer = make_sharded(DLRM, sharding_type, seed=SEED)
-    pipeline = TrainPipelineFusedSparseDist(dmp, optimizer, CPU)
+    pipeline = TrainPipelineFusedSparseDist(dmp, optimizer, DEVICE)
     ours = run_ours(pipeline, batches, dmp)
     assert len(ref) == len(batches)
     assert_runs_equal(ref, theirs, ("plain_loop", "torchrec"))
@@ -101,7 +104,7 @@ def test_fused_options_against_torchrec_and_plain_loop(kwargs: Dict[str, Any]) -
     ref = plain_loop(*make_sharded(DLRM, "table_wise", seed=SEED), batches)
     theirs = run_theirs(upstream.TrainPipelineFusedSparseDist, batches, "table_wise", **kwargs)
     dmp, optimizer = make_sharded(DLRM, "table_wise", seed=SEED)
-    ours = run_ours(TrainPipelineFusedSparseDist(dmp, optimizer, CPU, **kwargs), batches, dmp)
+    ours = run_ours(TrainPipelineFusedSparseDist(dmp, optimizer, DEVICE, **kwargs), batches, dmp)
     assert_runs_equal(ref, theirs, ("plain_loop", "torchrec"))
     assert_runs_equal(ref, ours, ("plain_loop", "trec_pipelines"))
 
@@ -111,7 +114,7 @@ def test_fused_lookup_streams_agree_column_wise() -> None:
     runs = {}
     for choice in ("data_dist", "new", "current"):
         dmp, optimizer = make_sharded(DLRM, "column_wise", seed=SEED)
-        pipeline = TrainPipelineFusedSparseDist(dmp, optimizer, CPU, emb_lookup_stream=choice)
+        pipeline = TrainPipelineFusedSparseDist(dmp, optimizer, DEVICE, emb_lookup_stream=choice)
         runs[choice] = run_ours(pipeline, batches, dmp)
     assert len(runs["data_dist"]) == len(batches)
     assert_runs_equal(runs["data_dist"], runs["new"], ("data_dist", "new"))
@@ -138,7 +141,7 @@ def test_eval_fused_against_torchrec_and_eval_loop(sharding_type: str, prefetch:
     dmp, optimizer = make_sharded(DLRM, sharding_type, seed=SEED)
     dmp.eval()
     pipeline = EvalPipelineFusedSparseDist(
-        dmp, optimizer, CPU, enable_embedding_lookup_prefetch=prefetch
+        dmp, optimizer, DEVICE, enable_embedding_lookup_prefetch=prefetch
     )
     ours = run_ours(pipeline, batches, dmp)
     assert len(ref) == len(batches)
@@ -155,7 +158,7 @@ def test_eval_fused_options_and_second_epoch() -> None:
     dmp, optimizer = make_sharded(DLRM, "table_wise", seed=SEED)
     dmp.eval()
     pipeline = EvalPipelineFusedSparseDist(
-        dmp, optimizer, CPU, emb_lookup_stream="new", embedding_lookup_after_data_dist=True
+        dmp, optimizer, DEVICE, emb_lookup_stream="new", embedding_lookup_after_data_dist=True
     )
     first = run_ours(pipeline, batches, dmp)
     second = run_ours(pipeline, batches, dmp)

@@ -26,12 +26,13 @@ from typing import Any, List, Sequence
 
 import pytest
 import torch
-import torchrec.distributed.train_pipeline.train_pipelines as upstream_pipelines
-import torchrec.distributed.train_pipeline as upstream
 import torch.distributed as dist
+import torchrec.distributed.train_pipeline as upstream
+import torchrec.distributed.train_pipeline.train_pipelines as upstream_pipelines
 from torch.nn.parallel import DistributedDataParallel
 
 import trec_pipelines
+from tests import devices
 from tests.distributed.dlrm import (
     DLRM,
     Run,
@@ -45,7 +46,7 @@ from tests.distributed.dlrm import (
 from tests.distributed.torchrec_shim import shim_active, torchrec_on_cpu
 from trec_pipelines import GradientAccumulationConfig, GradientAccumulationWrapper
 
-CPU = torch.device("cpu")
+DEVICE = devices.device()
 SEED, DATA_SEED = 1234, 7
 NUM_STEPS, NUM_WARMUP = 3, 2
 PIPELINES = (
@@ -121,7 +122,9 @@ def dense_weights_agree_across_ranks(model: torch.nn.Module) -> bool:
         for name, param in module.module.named_parameters():
             if name in module.parameters_to_ignore:
                 continue
-            gathered = [torch.empty_like(param) for _ in range(dist.get_world_size(module.process_group))]
+            gathered = [
+                torch.empty_like(param) for _ in range(dist.get_world_size(module.process_group))
+            ]
             dist.all_gather(gathered, param.detach().contiguous(), group=module.process_group)
             agree = agree and all(torch.equal(g, gathered[0]) for g in gathered)
     return agree
@@ -134,12 +137,16 @@ def config() -> GradientAccumulationConfig:
 @pytest.mark.parametrize("num_batches", [9, 8], ids=["whole_windows", "partial_window"])
 @pytest.mark.parametrize("sharding_type", ["table_wise", "data_parallel"])
 @pytest.mark.parametrize("name", PIPELINES)
-def test_ours_matches_the_accumulation_loop_and_torchrec(name: str, sharding_type: str, num_batches: int) -> None:
+def test_ours_matches_the_accumulation_loop_and_torchrec(
+    name: str, sharding_type: str, num_batches: int
+) -> None:
     batches = make_batches(num_batches, seed=DATA_SEED)
-    ref = accumulation_loop(*make_sharded(DLRM, sharding_type, seed=SEED), batches, NUM_STEPS, NUM_WARMUP)
+    ref = accumulation_loop(
+        *make_sharded(DLRM, sharding_type, seed=SEED), batches, NUM_STEPS, NUM_WARMUP
+    )
 
     dmp, optimizer = make_sharded(DLRM, sharding_type, seed=SEED)
-    pipeline = getattr(trec_pipelines, name)(dmp, optimizer, CPU)
+    pipeline = getattr(trec_pipelines, name)(dmp, optimizer, DEVICE)
     wrapped = GradientAccumulationWrapper(pipeline, optimizer, dmp, config())
     assert not shim_active()
     ours = run_pipeline(wrapped, batches, model=dmp)
@@ -148,11 +155,15 @@ def test_ours_matches_the_accumulation_loop_and_torchrec(name: str, sharding_typ
     assert dense_weights_agree_across_ranks(dmp)
 
     their_dmp, their_optimizer = make_sharded(DLRM, sharding_type, seed=SEED)
-    their_pipeline = getattr(upstream_pipelines, name)(their_dmp, their_optimizer, CPU)
-    their_config = upstream.GradientAccumulationConfig(num_steps=NUM_STEPS, num_warmup_steps=NUM_WARMUP)
+    their_pipeline = getattr(upstream_pipelines, name)(their_dmp, their_optimizer, DEVICE)
+    their_config = upstream.GradientAccumulationConfig(
+        num_steps=NUM_STEPS, num_warmup_steps=NUM_WARMUP
+    )
     with torchrec_on_cpu() if name in NEEDS_SHIM else contextlib.nullcontext():
         theirs = run_pipeline(
-            upstream.GradientAccumulationWrapper(their_pipeline, their_optimizer, their_dmp, their_config),
+            upstream.GradientAccumulationWrapper(
+                their_pipeline, their_optimizer, their_dmp, their_config
+            ),
             batches,
             model=their_dmp,
         )
@@ -166,30 +177,40 @@ def test_ours_matches_the_accumulation_loop_and_torchrec(name: str, sharding_typ
             "final weights too, and drop this difference from gradient_accumulation.py's docstring"
         )
 
+
 def test_accumulation_changes_training() -> None:
     """Guards the test above: accumulating is not the same as stepping every batch."""
     batches = make_batches(seed=DATA_SEED)
     every_batch = plain_loop(*make_sharded(DLRM, "data_parallel", seed=SEED), batches)
     dmp, optimizer = make_sharded(DLRM, "data_parallel", seed=SEED)
-    pipeline = trec_pipelines.TrainPipelineSparseDist(dmp, optimizer, CPU)
-    ours = run_pipeline(GradientAccumulationWrapper(pipeline, optimizer, dmp, config()), batches, model=dmp)
-    changed = [k for k in every_batch.weights if not torch.equal(every_batch.weights[k], ours.weights[k])]
+    pipeline = trec_pipelines.TrainPipelineSparseDist(dmp, optimizer, DEVICE)
+    ours = run_pipeline(
+        GradientAccumulationWrapper(pipeline, optimizer, dmp, config()), batches, model=dmp
+    )
+    changed = [
+        k for k in every_batch.weights if not torch.equal(every_batch.weights[k], ours.weights[k])
+    ]
     assert changed, "accumulating over 3 batches left every weight as stepping each batch does"
 
 
 def test_is_last_batch_steps_on_the_partial_window() -> None:
     batches = make_batches(4, seed=DATA_SEED)  # one full window, then one batch
     ref = accumulation_loop(
-        *make_sharded(DLRM, "table_wise", seed=SEED), batches, NUM_STEPS, NUM_WARMUP,
+        *make_sharded(DLRM, "table_wise", seed=SEED),
+        batches,
+        NUM_STEPS,
+        NUM_WARMUP,
         last_batch_flagged=True,
     )
     dmp, optimizer = make_sharded(DLRM, "table_wise", seed=SEED)
     wrapped = GradientAccumulationWrapper(
-        trec_pipelines.TrainPipelineBase(dmp, optimizer, CPU), optimizer, dmp, config()
+        trec_pipelines.TrainPipelineBase(dmp, optimizer, DEVICE), optimizer, dmp, config()
     )
     it = iter(batches)
-    outputs = [wrapped.progress(it, is_last_batch=k == len(batches) - 1).detach().clone()
-               for k in range(len(batches))]
+    outputs = [
+        wrapped.progress(it, is_last_batch=k == len(batches) - 1).detach().clone()
+        for k in range(len(batches))
+    ]
     assert_runs_equal(ref, Run(outputs, weights(dmp)), ("accumulation_loop", "trec_pipelines"))
 
 
@@ -197,7 +218,9 @@ def test_disabled_is_the_pipeline_alone() -> None:
     batches = make_batches(seed=DATA_SEED)
     ref = plain_loop(*make_sharded(DLRM, "table_wise", seed=SEED), batches)
     dmp, optimizer = make_sharded(DLRM, "table_wise", seed=SEED)
-    pipeline = trec_pipelines.TrainPipelineSparseDist(dmp, optimizer, CPU)
+    pipeline = trec_pipelines.TrainPipelineSparseDist(dmp, optimizer, DEVICE)
     wrapped = GradientAccumulationWrapper(pipeline, optimizer, dmp, GradientAccumulationConfig())
     assert pipeline._optimizer is optimizer
-    assert_runs_equal(ref, run_pipeline(wrapped, batches, model=dmp), ("plain_loop", "trec_pipelines"))
+    assert_runs_equal(
+        ref, run_pipeline(wrapped, batches, model=dmp), ("plain_loop", "trec_pipelines")
+    )

@@ -46,14 +46,15 @@ from torchrec.distributed.train_pipeline import (
 )
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
+from tests import devices
 from tests.distributed.dlrm import (
     BATCH_SIZE,
     DENSE_LR,
     DLRM,
     EMB_LR,
     FEATURES,
-    Batch,
     SHARDING_TYPES,
+    Batch,
     NestedDLRM,
     Run,
     assert_runs_equal,
@@ -65,7 +66,7 @@ from tests.distributed.dlrm import (
     weights,
 )
 
-CPU = torch.device("cpu")
+DEVICE = devices.device()
 SEED = 1234
 DATA_SEED = 7
 PIPELINES = [TrainPipelineBase, TrainPipelineSparseDist]
@@ -89,15 +90,15 @@ def _replicated_keys_agree_across_ranks(w):
     return bad
 
 
-def test_process_group_is_gloo():
+def test_process_group_backend_is_the_device_s():
     assert dist.is_initialized()
-    assert dist.get_backend() == "gloo"
+    assert dist.get_backend() == devices.backend()  # gloo on CPU, nccl on CUDA
     assert dist.get_world_size() >= 2
 
 
 def test_batches_are_deterministic_and_rank_dependent():
     a, b = make_batches(3, seed=DATA_SEED), make_batches(3, seed=DATA_SEED)
-    for x, y in zip(a, b):
+    for x, y in zip(a, b, strict=True):
         assert torch.equal(x.dense, y.dense)
         assert torch.equal(x.sparse.values(), y.sparse.values())
         assert torch.equal(x.sparse.lengths(), y.sparse.lengths())
@@ -124,7 +125,7 @@ def test_builds_with_same_seed_start_identical(sharding_type):
         name, _, offs = key.partition("@")
         if offs:
             starts = [int(o) for o in offs.split(",")]
-            idx = tuple(slice(s, s + n) for s, n in zip(starts, t.shape))
+            idx = tuple(slice(s, s + n) for s, n in zip(starts, t.shape, strict=True))
             assert torch.equal(t, ref[name][idx]), key
         else:
             assert torch.equal(t, ref[name]), key
@@ -220,7 +221,7 @@ def test_torchrec_pipeline_matches_plain_loop(pipeline_cls, sharding_type, neste
     ref = plain_loop(*make_sharded(factory, sharding_type, seed=SEED), batches)
 
     dmp, opt = make_sharded(factory, sharding_type, seed=SEED)
-    pipeline = pipeline_cls(dmp, opt, CPU)
+    pipeline = pipeline_cls(dmp, opt, DEVICE)
     got = run_pipeline(pipeline, batches)
 
     assert_runs_equal(ref, got, ("plain_loop", pipeline_cls.__name__))
@@ -238,7 +239,9 @@ def test_torchrec_pipeline_per_sample_loss(pipeline_cls):
     factory = functools.partial(DLRM, per_sample_loss=True)
     batches = make_batches(4, seed=DATA_SEED)
     ref = plain_loop(*make_sharded(factory, "table_wise", seed=SEED), batches)
-    got = run_pipeline(pipeline_cls(*make_sharded(factory, "table_wise", seed=SEED), CPU), batches)
+    got = run_pipeline(
+        pipeline_cls(*make_sharded(factory, "table_wise", seed=SEED), DEVICE), batches
+    )
     assert_runs_equal(ref, got)
     mean_loss = plain_loop(*make_sharded(DLRM, "table_wise", seed=SEED), batches)
     assert not torch.equal(ref[1], mean_loss[1])  # the loss scale really differs
@@ -295,7 +298,7 @@ def test_embedding_updates_show_in_predictions():
 def test_torchrec_short_data(pipeline_cls, n):
     batches = make_batches(n, seed=DATA_SEED)
     ref = plain_loop(*make_sharded(DLRM, "table_wise", seed=SEED), batches)
-    pipeline = pipeline_cls(*make_sharded(DLRM, "table_wise", seed=SEED), CPU)
+    pipeline = pipeline_cls(*make_sharded(DLRM, "table_wise", seed=SEED), DEVICE)
     got = run_pipeline(pipeline, batches)
     assert_runs_equal(ref, got)
     with pytest.raises(StopIteration):  # and keeps saying so
@@ -305,7 +308,7 @@ def test_torchrec_short_data(pipeline_cls, n):
 def test_torchrec_sparse_dist_without_execute_all_batches_drops_two():
     batches = make_batches(seed=DATA_SEED)
     pipeline = TrainPipelineSparseDist(
-        *make_sharded(DLRM, "table_wise", seed=SEED), CPU, execute_all_batches=False
+        *make_sharded(DLRM, "table_wise", seed=SEED), DEVICE, execute_all_batches=False
     )
     got = run_pipeline(pipeline, batches)
     assert len(got) == len(batches) - 2
@@ -317,13 +320,13 @@ def test_torchrec_second_iterator():
     batches = make_batches(6, seed=DATA_SEED)
     first, second = batches[:3], batches[3:]
 
-    base = TrainPipelineBase(*make_sharded(DLRM, "table_wise", seed=SEED), CPU)
+    base = TrainPipelineBase(*make_sharded(DLRM, "table_wise", seed=SEED), DEVICE)
     assert len(run_pipeline(base, first)) == 3
     assert len(run_pipeline(base, second)) == 0  # ignored until reset()
     base.reset()
     assert len(run_pipeline(base, second)) == 3
 
-    sdd = TrainPipelineSparseDist(*make_sharded(DLRM, "table_wise", seed=SEED), CPU)
+    sdd = TrainPipelineSparseDist(*make_sharded(DLRM, "table_wise", seed=SEED), DEVICE)
     a = run_pipeline(sdd, first)
     b = run_pipeline(sdd, second)  # carries on without reset()
     ref = plain_loop(*make_sharded(DLRM, "table_wise", seed=SEED), batches)

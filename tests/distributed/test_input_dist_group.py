@@ -18,6 +18,7 @@ import torch.distributed as dist
 from torchrec.distributed.dist_data import KJTAllToAll
 
 import trec_pipelines
+from tests import devices
 from tests.distributed.dlrm import (
     DLRM,
     assert_runs_equal,
@@ -27,15 +28,13 @@ from tests.distributed.dlrm import (
     plain_loop,
     run_pipeline,
 )
-from trec_pipelines import input_dist_group as idg
-from trec_pipelines import input_dist
+from trec_pipelines import input_dist, input_dist_group as idg, streams
 from trec_pipelines.input_dist import SplitsFusion, SplitsOnlyKJTAllToAll
 from trec_pipelines.pipelines.sparse_data_dist_util import SparseDataDistUtil
 from trec_pipelines.pipelines.staged import PipelineStage, StagedTrainPipeline
 from trec_pipelines.testing import StreamRecorder
-from trec_pipelines import streams
 
-CPU = torch.device("cpu")
+DEVICE = devices.device()
 SEED, DATA_SEED = 321, 5
 
 TRAIN_VARIANTS = [
@@ -51,7 +50,7 @@ EVAL_VARIANTS = ["EvalPipelineSparseDist", "EvalPipelineFusedSparseDist"]
 def _pipeline(name: str, dmp: Any, optimizer: Any, **kwargs: Any) -> Any:
     # SemiSync synchronous (start_batch past the data): the plain loop is its oracle.
     extra = {"start_batch": 100} if name == "TrainPipelineSemiSync" else {}
-    return getattr(trec_pipelines, name)(dmp, optimizer, CPU, **extra, **kwargs)
+    return getattr(trec_pipelines, name)(dmp, optimizer, DEVICE, **extra, **kwargs)
 
 
 def _kjt_all_to_alls(model: torch.nn.Module) -> List[KJTAllToAll]:
@@ -72,7 +71,7 @@ def _all_to_alls_issued() -> Iterator[List[Tuple[dist.ProcessGroup, str]]]:
     original = dist.all_to_all_single
 
     def spy(*args: Any, **kwargs: Any) -> Any:
-        stream = streams.current_stream(CPU)
+        stream = streams.current_stream(DEVICE)
         calls.append((kwargs.get("group"), getattr(stream, "name", "default")))
         return original(*args, **kwargs)
 
@@ -111,13 +110,17 @@ def test_eval_dedicated_and_shared_predict_the_same(name: str) -> None:
         dmp, _ = make_sharded(DLRM, "table_wise", seed=SEED)
         dmp.eval()
         with torch.no_grad():
-            runs[group] = run_pipeline(_pipeline(name, dmp, None, input_dist_group=group), batches, model=dmp)
+            runs[group] = run_pipeline(
+                _pipeline(name, dmp, None, input_dist_group=group), batches, model=dmp
+            )
     dmp, _ = make_sharded(DLRM, "table_wise", seed=SEED)
     dmp.eval()
     with torch.no_grad():
         expected = [dmp(b)[1] for b in batches]
-    for step, (want, got) in enumerate(zip(expected, runs["dedicated"])):
-        assert torch.equal(want, got), f"{name}, dedicated: step {step} differs from the plain forward"
+    for step, (want, got) in enumerate(zip(expected, runs["dedicated"], strict=True)):
+        assert torch.equal(want, got), (
+            f"{name}, dedicated: step {step} differs from the plain forward"
+        )
     assert_runs_equal(runs["shared"], runs["dedicated"], (f"{name}, shared", f"{name}, dedicated"))
 
 
@@ -128,8 +131,10 @@ def test_staged_sparse_data_dist_util_runs_on_the_dedicated_group() -> None:
     sdd = SparseDataDistUtil(dmp, data_dist_stream=None)
     pipeline = StagedTrainPipeline(
         [
-            PipelineStage("h2d", lambda b: b.to(CPU), None),
-            PipelineStage("sdd", sdd.start_sparse_data_dist, None, fill_callback=sdd.wait_sdd_fill_callback),
+            PipelineStage("h2d", lambda b: b.to(DEVICE), None),
+            PipelineStage(
+                "sdd", sdd.start_sparse_data_dist, None, fill_callback=sdd.wait_sdd_fill_callback
+            ),
         ]
     )
     it = iter(batches)
@@ -141,7 +146,7 @@ def test_staged_sparse_data_dist_util_runs_on_the_dedicated_group() -> None:
         optimizer.step()
         outputs.append(out.detach().clone())
     assert len(outputs) == len(batches)
-    for step, (want, got) in enumerate(zip(ref, outputs)):
+    for step, (want, got) in enumerate(zip(ref, outputs, strict=True)):
         assert torch.equal(want, got), f"step {step} differs from the plain loop"
     used = {f._pg for f in _splits_only(dmp)}
     assert used and current_group() not in used
@@ -156,7 +161,7 @@ def test_input_dist_runs_on_the_dedicated_group_on_the_data_dist_stream() -> Non
     batches = make_batches(5, seed=DATA_SEED)
     dmp, optimizer = make_sharded(DLRM, "table_wise", seed=SEED)
     with StreamRecorder() as recorder, _all_to_alls_issued() as calls:
-        pipeline = recorder.watch(trec_pipelines.TrainPipelineSparseDist(dmp, optimizer, CPU))
+        pipeline = recorder.watch(trec_pipelines.TrainPipelineSparseDist(dmp, optimizer, DEVICE))
         run_pipeline(pipeline, batches, model=dmp)
         del pipeline
     # Every race rule, (a)-(c), and (d) but for its span part: the forward
@@ -180,7 +185,7 @@ def test_input_dist_runs_on_the_dedicated_group_on_the_data_dist_stream() -> Non
 def test_one_dedicated_group_per_sharding_group_reused_and_detach_restores() -> None:
     batches = make_batches(4, seed=DATA_SEED)
     dmp, optimizer = make_sharded(DLRM, "table_wise", seed=SEED)
-    first = trec_pipelines.TrainPipelineSparseDist(dmp, optimizer, CPU)
+    first = trec_pipelines.TrainPipelineSparseDist(dmp, optimizer, DEVICE)
     run_pipeline(first, batches[:2], model=dmp)
     assert _kjt_all_to_alls(dmp), "the model's input_dists exist after its first batch"
     groups = first._fusion.groups
@@ -190,7 +195,7 @@ def test_one_dedicated_group_per_sharding_group_reused_and_detach_restores() -> 
     for module in _kjt_all_to_alls(dmp):
         assert module._pg is current_group() and "forward" not in module.__dict__
     # A second pipeline (another variant) on the same model reuses the group.
-    second = trec_pipelines.TrainPipelineFusedSparseDist(dmp, optimizer, CPU)
+    second = trec_pipelines.TrainPipelineFusedSparseDist(dmp, optimizer, DEVICE)
     run_pipeline(second, batches[2:], model=dmp)
     assert second._fusion.groups == groups
     # attach() after detach() reuses the pipeline's groups, without a collective.
@@ -203,7 +208,7 @@ def test_one_dedicated_group_per_sharding_group_reused_and_detach_restores() -> 
 def test_a_bad_choice_is_refused_with_the_choices() -> None:
     dmp, optimizer = make_sharded(DLRM, "table_wise", seed=SEED)
     with pytest.raises(ValueError, match="'dedicated'.*'shared'|dedicated.*shared"):
-        trec_pipelines.TrainPipelineSparseDist(dmp, optimizer, CPU, input_dist_group="private")
+        trec_pipelines.TrainPipelineSparseDist(dmp, optimizer, DEVICE, input_dist_group="private")
 
 
 @pytest.mark.skipif(
@@ -217,7 +222,7 @@ def test_two_sharding_groups_each_get_their_own_dedicated_group() -> None:
     exactly its half."""
     world = dist.get_world_size()
     halves = [list(range(0, world // 2)), list(range(world // 2, world))]
-    groups = [dist.new_group(ranks=h, backend="gloo") for h in halves]
+    groups = [dist.new_group(ranks=h, backend=devices.backend()) for h in halves]
     half = 0 if dist.get_rank() in halves[0] else 1
     mine = groups[half]
     made_before = len(idg._dedicated)
@@ -244,7 +249,7 @@ def test_one_rank_groups_alone_make_no_world_collective() -> None:
     meets at a barrier.  (The pipeline itself is not built here: torchrec 1.9.2's
     sharding of a model on one rank makes process groups of its own, which the
     other ranks would have to make too.)"""
-    solo = dist.new_group(ranks=[0], backend="gloo")
+    solo = dist.new_group(ranks=[0], backend=devices.backend())
     try:
         if dist.get_rank() == 0:
             assert idg.dedicated_groups([solo]) == {}

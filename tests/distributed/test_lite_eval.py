@@ -21,6 +21,7 @@ from torchrec.distributed.train_pipeline.train_pipelines import (
 )
 
 import trec_pipelines
+from tests import devices
 from tests.distributed.dlrm import (
     DLRM,
     SHARDING_TYPES,
@@ -34,7 +35,7 @@ from tests.distributed.dlrm import (
     weights,
 )
 
-CPU = torch.device("cpu")
+DEVICE = devices.device()
 SEED, DATA_SEED = 1234, 7
 
 
@@ -45,12 +46,16 @@ def _batches(factory: Callable[..., nn.Module]) -> list:
 # ------------------------------------------------------------------ Lite
 
 
-def lite_three_ways(factory: Callable[..., nn.Module], sharding_type: str, **ours_kwargs: Any) -> Any:
+def lite_three_ways(
+    factory: Callable[..., nn.Module], sharding_type: str, **ours_kwargs: Any
+) -> Any:
     batches = _batches(factory)
     ref = plain_loop(*make_sharded(factory, sharding_type, seed=SEED), batches)
-    theirs = run_pipeline(UpstreamLite(*make_sharded(factory, sharding_type, seed=SEED), CPU), batches)
+    theirs = run_pipeline(
+        UpstreamLite(*make_sharded(factory, sharding_type, seed=SEED), DEVICE), batches
+    )
     dmp, optimizer = make_sharded(factory, sharding_type, seed=SEED)
-    pipeline = trec_pipelines.TrainPipelineSparseDistLite(dmp, optimizer, CPU, **ours_kwargs)
+    pipeline = trec_pipelines.TrainPipelineSparseDistLite(dmp, optimizer, DEVICE, **ours_kwargs)
     ours = run_pipeline(pipeline, batches, model=dmp)
     assert len(ref) == len(batches)
     assert_runs_equal(ref, theirs, ("plain_loop", "torchrec"))
@@ -93,11 +98,17 @@ def plain_eval(model: nn.Module, batches: Iterable[Any]) -> Run:
     return Run(outputs, weights(model))
 
 
-def eval_run(pipeline_cls: Any, factory: Callable[..., nn.Module], sharding_type: str, batches: list, **kwargs: Any) -> Run:
+def eval_run(
+    pipeline_cls: Any,
+    factory: Callable[..., nn.Module],
+    sharding_type: str,
+    batches: list,
+    **kwargs: Any,
+) -> Run:
     dmp, optimizer = make_sharded(factory, sharding_type, seed=SEED)
     dmp.eval()
     before = weights(dmp)
-    run = run_pipeline(pipeline_cls(dmp, optimizer, CPU, **kwargs), batches, model=dmp)
+    run = run_pipeline(pipeline_cls(dmp, optimizer, DEVICE, **kwargs), batches, model=dmp)
     assert_runs_equal(Run([], before), Run([], run.weights), ("before", "after"))
     return run
 
@@ -108,7 +119,9 @@ def test_eval(sharding_type: str) -> None:
     ref = plain_eval(make_sharded(DLRM, sharding_type, seed=SEED)[0], batches)
     theirs = eval_run(UpstreamEval, DLRM, sharding_type, batches)
     ours = eval_run(trec_pipelines.EvalPipelineSparseDist, DLRM, sharding_type, batches)
-    threaded = eval_run(trec_pipelines.EvalPipelineSparseDist, DLRM, sharding_type, batches, loader_thread=True)
+    threaded = eval_run(
+        trec_pipelines.EvalPipelineSparseDist, DLRM, sharding_type, batches, loader_thread=True
+    )
     assert len(ref) == len(batches)
     assert_runs_equal(ref, theirs, ("plain_eval", "torchrec"))
     assert_runs_equal(ref, ours, ("plain_eval", "trec_pipelines"))
@@ -122,7 +135,13 @@ def test_eval_kjt_inside_a_dict(sharding_type: str) -> None:
     batches = _batches(NestedDLRM)
     ref = plain_eval(make_sharded(NestedDLRM, sharding_type, seed=SEED)[0], batches)
     theirs = eval_run(UpstreamEval, NestedDLRM, sharding_type, batches)
-    ours = eval_run(trec_pipelines.EvalPipelineSparseDist, NestedDLRM, sharding_type, batches, rewrite_strategy="fx")
+    ours = eval_run(
+        trec_pipelines.EvalPipelineSparseDist,
+        NestedDLRM,
+        sharding_type,
+        batches,
+        rewrite_strategy="fx",
+    )
     assert_runs_equal(ref, theirs, ("plain_eval", "torchrec"))
     assert_runs_equal(ref, ours, ("plain_eval", "trec_pipelines"))
 
@@ -132,7 +151,9 @@ def test_eval_predictions_only_model(sharding_type: str) -> None:
     """torchrec unpacks every output as (loss, pred), so only the plain loop is the oracle."""
     batches = _batches(DLRM)
     ref = plain_eval(make_sharded(PredictionsOnlyDLRM, sharding_type, seed=SEED)[0], batches)
-    ours = eval_run(trec_pipelines.EvalPipelineSparseDist, PredictionsOnlyDLRM, sharding_type, batches)
+    ours = eval_run(
+        trec_pipelines.EvalPipelineSparseDist, PredictionsOnlyDLRM, sharding_type, batches
+    )
     assert_runs_equal(ref, ours, ("plain_eval", "trec_pipelines"))
     # ... and it is the same model: same predictions as DLRM's (loss, pred)
     assert_runs_equal(plain_eval(make_sharded(DLRM, sharding_type, seed=SEED)[0], batches), ours)
@@ -145,7 +166,7 @@ def test_eval_short_data_then_a_second_epoch(n: int, loader_thread: Any) -> None
     ref = plain_eval(make_sharded(DLRM, "table_wise", seed=SEED)[0], batches + batches)
     dmp, _ = make_sharded(DLRM, "table_wise", seed=SEED)
     dmp.eval()
-    pipeline = trec_pipelines.EvalPipelineSparseDist(dmp, None, CPU, loader_thread=loader_thread)
+    pipeline = trec_pipelines.EvalPipelineSparseDist(dmp, None, DEVICE, loader_thread=loader_thread)
     first = run_pipeline(pipeline, batches, model=dmp)
     second = run_pipeline(pipeline, batches, model=dmp)  # no reset() needed
     assert_runs_equal(ref, Run(list(first) + list(second), second.weights))

@@ -27,17 +27,27 @@ from torchrec.distributed import DistributedModelParallel
 from torchrec.distributed.embedding import EmbeddingCollectionSharder
 from torchrec.distributed.embeddingbag import EmbeddingBagCollectionSharder
 from torchrec.distributed.planner import EmbeddingShardingPlanner, ParameterConstraints, Topology
-from torchrec.distributed.train_pipeline.train_pipelines import TrainPipelineSemiSync as UpstreamSemiSync
+from torchrec.distributed.train_pipeline.train_pipelines import (
+    TrainPipelineSemiSync as UpstreamSemiSync,
+)
 from torchrec.distributed.types import ShardingEnv
 from torchrec.optim.apply_optimizer_in_backward import apply_optimizer_in_backward
 from torchrec.optim.keyed import CombinedOptimizer, KeyedOptimizerWrapper
 from torchrec.optim.optimizers import in_backward_optimizer_filter
 
 import trec_pipelines
-from tests.distributed.dlrm import FieldwiseBatch, Run, assert_runs_equal, current_group, run_pipeline, weights
+from tests import devices
+from tests.distributed.dlrm import (
+    FieldwiseBatch,
+    Run,
+    assert_runs_equal,
+    current_group,
+    run_pipeline,
+    weights,
+)
 from tests.distributed.torchrec_shim import torchrec_on_cpu
 
-CPU = torch.device("cpu")
+DEVICE = devices.device()
 
 
 @dataclass
@@ -54,19 +64,29 @@ class ThreeTowers(nn.Module):
         super().__init__()
         self.user = EmbeddingBagCollection(
             tables=[
-                EmbeddingBagConfig(name="u0", embedding_dim=8, num_embeddings=60, feature_names=["u0"]),
-                EmbeddingBagConfig(name="u1", embedding_dim=8, num_embeddings=40, feature_names=["u1"]),
+                EmbeddingBagConfig(
+                    name="u0", embedding_dim=8, num_embeddings=60, feature_names=["u0"]
+                ),
+                EmbeddingBagConfig(
+                    name="u1", embedding_dim=8, num_embeddings=40, feature_names=["u1"]
+                ),
             ],
             is_weighted=True,
-            device=CPU,
+            device=DEVICE,
         )
         self.item = EmbeddingBagCollection(
-            tables=[EmbeddingBagConfig(name="i0", embedding_dim=16, num_embeddings=80, feature_names=["i0", "i1"])],
-            device=CPU,
+            tables=[
+                EmbeddingBagConfig(
+                    name="i0", embedding_dim=16, num_embeddings=80, feature_names=["i0", "i1"]
+                )
+            ],
+            device=DEVICE,
         )
         self.seq = EmbeddingCollection(
-            tables=[EmbeddingConfig(name="s0", embedding_dim=8, num_embeddings=50, feature_names=["s0"])],
-            device=CPU,
+            tables=[
+                EmbeddingConfig(name="s0", embedding_dim=8, num_embeddings=50, feature_names=["s0"])
+            ],
+            device=DEVICE,
         )
         self.dense = nn.Sequential(nn.Linear(5, 8), nn.ReLU())
         self.over = nn.Linear(8 + 16 + 16 + 8 + 8, 1)
@@ -74,7 +94,10 @@ class ThreeTowers(nn.Module):
     def forward(self, batch: Batch) -> Tuple[torch.Tensor, torch.Tensor]:
         user, item, seq = self.user(batch.user), self.item(batch.item), self.seq(batch.seq)
         seq_summary = seq["s0"].values().sum(0, keepdim=True) * torch.ones_like(batch.dense[:, :1])
-        x = torch.cat([self.dense(batch.dense), item["i0"], item["i1"], user["u0"] + user["u1"], seq_summary], 1)
+        x = torch.cat(
+            [self.dense(batch.dense), item["i0"], item["i1"], user["u0"] + user["u1"], seq_summary],
+            1,
+        )
         logits = self.over(x).squeeze(1)
         return nn.functional.binary_cross_entropy_with_logits(logits, batch.labels), logits.detach()
 
@@ -89,7 +112,9 @@ class Untraceable(ThreeTowers):
 def make_batches(n: int = 7, batch_size: int = 6) -> List[Batch]:
     g = torch.Generator().manual_seed(5 + dist.get_rank())
 
-    def kjt(keys: List[str], max_len: int, rows: int, size: int, weighted: bool = False) -> KeyedJaggedTensor:
+    def kjt(
+        keys: List[str], max_len: int, rows: int, size: int, weighted: bool = False
+    ) -> KeyedJaggedTensor:
         lengths = torch.randint(0, max_len + 1, (len(keys) * size,), generator=g)
         values = torch.randint(0, rows, (int(lengths.sum()),), generator=g)
         w = torch.rand(int(lengths.sum()), generator=g) if weighted else None
@@ -117,15 +142,19 @@ def build(sharding_type: str, cls: type = ThreeTowers) -> Tuple[nn.Module, Any]:
         apply_optimizer_in_backward(torch.optim.SGD, module.parameters(), {"lr": 0.2})
     pg = current_group()
     sharders = [EmbeddingBagCollectionSharder(), EmbeddingCollectionSharder()]
-    constraints = {t: ParameterConstraints(sharding_types=[sharding_type]) for t in ("u0", "u1", "i0", "s0")}
+    constraints = {
+        t: ParameterConstraints(sharding_types=[sharding_type]) for t in ("u0", "u1", "i0", "s0")
+    }
     plan = EmbeddingShardingPlanner(
-        topology=Topology(world_size=dist.get_world_size(pg), compute_device="cpu"), constraints=constraints
+        topology=Topology(world_size=dist.get_world_size(pg), compute_device=DEVICE.type),
+        constraints=constraints,
     ).collective_plan(model, sharders, pg)
     dmp = DistributedModelParallel(
-        model, env=ShardingEnv.from_process_group(pg), device=CPU, plan=plan, sharders=sharders
+        model, env=ShardingEnv.from_process_group(pg), device=DEVICE, plan=plan, sharders=sharders
     )
     dense = KeyedOptimizerWrapper(
-        dict(in_backward_optimizer_filter(dmp.named_parameters())), lambda p: torch.optim.Adam(p, lr=0.01)
+        dict(in_backward_optimizer_filter(dmp.named_parameters())),
+        lambda p: torch.optim.Adam(p, lr=0.01),
     )
     return dmp, CombinedOptimizer([dmp.fused_optimizer, dense])
 
@@ -142,9 +171,15 @@ def plain(sharding_type: str, cls: type = ThreeTowers) -> Run:
     return Run(outputs, weights(dmp))
 
 
-def run(pipeline_cls: Any, sharding_type: str, shim: bool = False, cls: type = ThreeTowers, **kwargs: Any) -> Tuple[Run, Any]:
+def run(
+    pipeline_cls: Any,
+    sharding_type: str,
+    shim: bool = False,
+    cls: type = ThreeTowers,
+    **kwargs: Any,
+) -> Tuple[Run, Any]:
     dmp, optimizer = build(sharding_type, cls)
-    pipeline = pipeline_cls(dmp, optimizer, CPU, **kwargs)
+    pipeline = pipeline_cls(dmp, optimizer, DEVICE, **kwargs)
     with torchrec_on_cpu() if shim else contextlib.nullcontext():
         return run_pipeline(pipeline, make_batches(), model=dmp), pipeline
 
@@ -152,9 +187,15 @@ def run(pipeline_cls: Any, sharding_type: str, shim: bool = False, cls: type = T
 @pytest.mark.parametrize("sharding_type", ["table_wise", "column_wise"])
 @pytest.mark.parametrize(
     "name,shim",
-    [("TrainPipelineBase", False), ("TrainPipelineSparseDist", False), ("TrainPipelineFusedSparseDist", True)],
+    [
+        ("TrainPipelineBase", False),
+        ("TrainPipelineSparseDist", False),
+        ("TrainPipelineFusedSparseDist", True),
+    ],
 )
-def test_three_sharded_modules_against_torchrec_and_plain_loop(name: str, shim: bool, sharding_type: str) -> None:
+def test_three_sharded_modules_against_torchrec_and_plain_loop(
+    name: str, shim: bool, sharding_type: str
+) -> None:
     ref = plain(sharding_type)
     theirs, _ = run(getattr(upstream, name), sharding_type, shim=shim)
     ours, pipeline = run(getattr(trec_pipelines, name), sharding_type)
@@ -166,7 +207,11 @@ def test_three_sharded_modules_against_torchrec_and_plain_loop(name: str, shim: 
 
 @pytest.mark.parametrize("name", ["TrainPipelineSparseDistLite", "PrefetchTrainPipelineSparseDist"])
 def test_three_sharded_modules_other_variants(name: str) -> None:
-    assert_runs_equal(plain("table_wise"), run(getattr(trec_pipelines, name), "table_wise")[0], ("plain_loop", name))
+    assert_runs_equal(
+        plain("table_wise"),
+        run(getattr(trec_pipelines, name), "table_wise")[0],
+        ("plain_loop", name),
+    )
 
 
 def test_three_sharded_modules_semi_sync_against_torchrec() -> None:

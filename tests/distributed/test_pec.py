@@ -26,8 +26,6 @@ from typing import Any, Callable, Optional
 
 import pytest
 import torch
-
-import trec_pipelines
 import torch.distributed as dist
 import torchrec
 from torch import nn
@@ -42,6 +40,8 @@ from torchrec.modules.pec_embedding_modules import PECEmbeddingCollection
 from torchrec.optim.keyed import CombinedOptimizer, KeyedOptimizerWrapper
 from torchrec.optim.optimizers import in_backward_optimizer_filter
 
+import trec_pipelines
+from tests import devices
 from tests.distributed.dlrm import (
     DENSE_IN,
     DLRM,
@@ -62,7 +62,7 @@ from tests.distributed.test_faults import FaultyOptimizer, train_with_retry
 from tests.distributed.torchrec_shim import shim_active, torchrec_on_cpu
 from tests.fault_injection import FailingBackward, Fault
 
-CPU = torch.device("cpu")
+DEVICE = devices.device()
 SEED, DATA_SEED = 1234, 7
 UPSTREAM_MODULE = "torchrec.distributed.train_pipeline.pec_train_pipeline"
 
@@ -78,7 +78,7 @@ def torchrec_pec(model: torch.nn.Module, optimizer: Any) -> Optional[Any]:
     """torchrec's TrainPipelinePEC made runnable on CPU, or None where torchrec has none."""
     if importlib.util.find_spec(UPSTREAM_MODULE) is None:
         return None
-    pipeline = importlib.import_module(UPSTREAM_MODULE).TrainPipelinePEC(model, optimizer, CPU)
+    pipeline = importlib.import_module(UPSTREAM_MODULE).TrainPipelinePEC(model, optimizer, DEVICE)
     pipeline._input_dist_event = _CpuEvent()
     pipeline._overlap_dist_event = _CpuEvent()
     return pipeline
@@ -102,7 +102,7 @@ def test_pec_matches_torchrec_and_plain_loop(sharding_type: str, factory: Any) -
     batches = make_batches(seed=DATA_SEED, nested=factory is NestedDLRM)
     ref = plain_loop(*make_sharded(factory, sharding_type, seed=SEED), batches)
     dmp, optimizer = make_sharded(factory, sharding_type, seed=SEED)
-    pipeline = trec_pipelines.TrainPipelinePEC(dmp, optimizer, CPU)
+    pipeline = trec_pipelines.TrainPipelinePEC(dmp, optimizer, DEVICE)
     ours = run_pipeline(_OursRunsUnshimmed(pipeline), batches, model=dmp)
     assert len(ref) == len(batches)
     assert_runs_equal(ref, ours, ("plain_loop", "trec_pipelines"))
@@ -121,7 +121,7 @@ def test_pec_second_epoch_without_reset() -> None:
     ref = plain_loop(ref_model, ref_opt, batches)
     ref2 = plain_loop(ref_model, ref_opt, batches)
     dmp, optimizer = make_sharded(DLRM, "table_wise", seed=SEED)
-    pipeline = trec_pipelines.TrainPipelinePEC(dmp, optimizer, CPU)
+    pipeline = trec_pipelines.TrainPipelinePEC(dmp, optimizer, DEVICE)
     first = run_pipeline(pipeline, batches, model=dmp)
     second = run_pipeline(pipeline, batches, model=dmp)
     assert_runs_equal(ref, first, ("plain_loop", "epoch 1"))
@@ -134,7 +134,9 @@ PEC_DIM = 8
 
 
 @torch.fx.wrap
-def _sum_per_sample(values: torch.Tensor, lengths: torch.Tensor, dense: torch.Tensor) -> torch.Tensor:
+def _sum_per_sample(
+    values: torch.Tensor, lengths: torch.Tensor, dense: torch.Tensor
+) -> torch.Tensor:
     """Sum pooling of one feature's sequence embeddings (a leaf for FX tracing)."""
     rows = torch.repeat_interleave(torch.arange(dense.shape[0]), lengths)
     return torch.zeros(dense.shape[0], values.shape[1]).index_add(0, rows, values)
@@ -146,17 +148,24 @@ class PECModel(nn.Module):
     def __init__(self) -> None:
         super().__init__()
         tables = [
-            EmbeddingConfig(name=name, feature_names=[feature], num_embeddings=rows, embedding_dim=PEC_DIM)
+            EmbeddingConfig(
+                name=name, feature_names=[feature], num_embeddings=rows, embedding_dim=PEC_DIM
+            )
             for name, feature, rows, _, _ in TABLE_SPECS
         ]
-        self.pec = PECEmbeddingCollection(EmbeddingCollection(tables=tables, device=CPU))
+        self.pec = PECEmbeddingCollection(EmbeddingCollection(tables=tables, device=DEVICE))
         self.over = nn.Linear(PEC_DIM * len(FEATURES) + DENSE_IN, 1)
 
     def forward(self, batch: Any) -> Any:
         embedded = self.pec(batch.sparse)
-        pooled = [_sum_per_sample(embedded[f].values(), embedded[f].lengths(), batch.dense) for f in FEATURES]
+        pooled = [
+            _sum_per_sample(embedded[f].values(), embedded[f].lengths(), batch.dense)
+            for f in FEATURES
+        ]
         logits = self.over(torch.cat(pooled + [batch.dense], dim=1)).squeeze(1)
-        loss = nn.functional.binary_cross_entropy_with_logits(logits, batch.labels, reduction="none")
+        loss = nn.functional.binary_cross_entropy_with_logits(
+            logits, batch.labels, reduction="none"
+        )
         return loss, logits.detach()
 
 
@@ -172,13 +181,13 @@ def make_pec_sharded(seed: int = SEED, factory: Callable[[], PECModel] = PECMode
     }
     group = current_group()
     planner = EmbeddingShardingPlanner(
-        topology=Topology(world_size=dist.get_world_size(group), compute_device="cpu"),
+        topology=Topology(world_size=dist.get_world_size(group), compute_device=DEVICE.type),
         constraints=constraints,
     )
     dmp = DistributedModelParallel(
         module=model,
         env=ShardingEnv.from_process_group(group),
-        device=CPU,
+        device=DEVICE,
         plan=planner.collective_plan(model, sharders, group),
         sharders=sharders,
     )
@@ -202,7 +211,7 @@ def test_pec_module_matches_torchrec() -> None:
     """
     batches = make_batches(seed=DATA_SEED)
     dmp, optimizer = make_pec_sharded()
-    pipeline = trec_pipelines.TrainPipelinePEC(dmp, optimizer, CPU)
+    pipeline = trec_pipelines.TrainPipelinePEC(dmp, optimizer, DEVICE)
     if not _pec_api():
         with pytest.raises(RuntimeError, match="need torchrec >= 1.9"):
             pipeline.progress(iter(batches))
@@ -228,7 +237,7 @@ def test_pec_module_matches_torchrec() -> None:
 
 def run_with_detach(dmp: torch.nn.Module, optimizer: Any, batches: Any, at: int) -> Run:
     """Train ``batches`` with our pipeline, detaching and re-attaching after ``at`` steps."""
-    pipeline = trec_pipelines.TrainPipelinePEC(dmp, optimizer, CPU)
+    pipeline = trec_pipelines.TrainPipelinePEC(dmp, optimizer, DEVICE)
     it = iter(batches)
     outputs = [pipeline.progress(it).detach().clone() for _ in range(at)]
     assert pipeline._deferred_nol_grad.pending  # batch at-1's NOL gradient
@@ -263,18 +272,25 @@ class FaultyPECModel(PECModel):
         if fail and self.where == "before_lookup":
             raise Fault("injected before the PEC lookup is used")
         embedded = self.pec(batch.sparse)
-        pooled = [_sum_per_sample(embedded[f].values(), embedded[f].lengths(), batch.dense) for f in FEATURES]
+        pooled = [
+            _sum_per_sample(embedded[f].values(), embedded[f].lengths(), batch.dense)
+            for f in FEATURES
+        ]
         if fail and self.where == "after_lookup":
             raise Fault("injected after the PEC lookup")
         logits = self.over(torch.cat(pooled + [batch.dense], dim=1)).squeeze(1)
         if fail and self.where == "backward":
             logits = FailingBackward.apply(logits)
-        loss = nn.functional.binary_cross_entropy_with_logits(logits, batch.labels, reduction="none")
+        loss = nn.functional.binary_cross_entropy_with_logits(
+            logits, batch.labels, reduction="none"
+        )
         return loss, logits.detach()
 
 
 @pytest.mark.skipif(
-    not _pec_api(), reason="PEC modules need torchrec >= 1.9 (the current stack); on 1.8 test_pec_module_matches_torchrec checks the refusal"
+    not _pec_api(),
+    reason="PEC modules need torchrec >= 1.9 (the current stack); "
+    "on 1.8 test_pec_module_matches_torchrec checks the refusal",
 )
 @pytest.mark.parametrize("where", ["before_lookup", "after_lookup", "backward", "optimizer"])
 def test_pec_module_failed_step_is_retried_as_if_it_never_failed(where: str) -> None:
@@ -309,19 +325,27 @@ def test_pec_module_failed_step_is_retried_as_if_it_never_failed(where: str) -> 
     """
     batches = make_batches(6, seed=DATA_SEED)
     ref_dmp, ref_optimizer = make_pec_sharded()
-    ref = run_pipeline(trec_pipelines.TrainPipelinePEC(ref_dmp, ref_optimizer, CPU), batches, model=ref_dmp)
+    ref = run_pipeline(
+        trec_pipelines.TrainPipelinePEC(ref_dmp, ref_optimizer, DEVICE), batches, model=ref_dmp
+    )
 
     at = 3
-    dmp, optimizer = make_pec_sharded(factory=lambda: FaultyPECModel(where, at if where != "optimizer" else -1))
+    dmp, optimizer = make_pec_sharded(
+        factory=lambda: FaultyPECModel(where, at if where != "optimizer" else -1)
+    )
     optimizer = FaultyOptimizer(optimizer, at if where == "optimizer" else -1)
-    pipeline = trec_pipelines.TrainPipelinePEC(dmp, optimizer, CPU)
+    pipeline = trec_pipelines.TrainPipelinePEC(dmp, optimizer, DEVICE)
     ours = train_with_retry(pipeline, batches, dmp)
-    assert_runs_equal(ref, ours, ("TrainPipelinePEC without the fault", f"with a fault ({where}) retried"))
+    assert_runs_equal(
+        ref, ours, ("TrainPipelinePEC without the fault", f"with a fault ({where}) retried")
+    )
     assert not pipeline._deferred_nol_grad.pending
 
 
 @pytest.mark.skipif(
-    not _pec_api(), reason="PEC modules need torchrec >= 1.9 (the current stack); on 1.8 test_pec_module_matches_torchrec checks the refusal"
+    not _pec_api(),
+    reason="PEC modules need torchrec >= 1.9 (the current stack); "
+    "on 1.8 test_pec_module_matches_torchrec checks the refusal",
 )
 @pytest.mark.parametrize("k", [1, 3, 5])
 def test_pec_module_resumed_from_a_checkpoint_equals_the_run_that_never_stopped(k: int) -> None:
@@ -329,12 +353,17 @@ def test_pec_module_resumed_from_a_checkpoint_equals_the_run_that_never_stopped(
     model's state is read after the pipeline's); the resumed pipeline refills
     from cur as a retried step does, so training is the uninterrupted run's."""
     from tests.distributed.test_resume import assert_resumed_equal
+
     batches = make_batches(seed=DATA_SEED)
     dmp, optimizer = make_pec_sharded()
-    ref = run_pipeline(_OursRunsUnshimmed(trec_pipelines.TrainPipelinePEC(dmp, optimizer, CPU)), batches, model=dmp)
+    ref = run_pipeline(
+        _OursRunsUnshimmed(trec_pipelines.TrainPipelinePEC(dmp, optimizer, DEVICE)),
+        batches,
+        model=dmp,
+    )
 
     dmp, optimizer = make_pec_sharded()
-    pipeline = trec_pipelines.TrainPipelinePEC(dmp, optimizer, CPU)
+    pipeline = trec_pipelines.TrainPipelinePEC(dmp, optimizer, DEVICE)
     it = iter(batches)
     outputs = [pipeline.progress(it).detach().clone() for _ in range(k)]
     state = pipeline.state_dict()  # first: it applies batch k-1's NOL gradient
@@ -343,8 +372,10 @@ def test_pec_module_resumed_from_a_checkpoint_equals_the_run_that_never_stopped(
     dmp2, optimizer2 = make_pec_sharded(seed=SEED + 1)
     dmp2.load_state_dict(model_state)
     optimizer2.load_state_dict(optimizer_state)
-    resumed = trec_pipelines.TrainPipelinePEC(dmp2, optimizer2, CPU)
+    resumed = trec_pipelines.TrainPipelinePEC(dmp2, optimizer2, DEVICE)
     resumed.load_state_dict(state)
     position = k + resumed._source.rewound  # what the loader had yielded
     rest = run_pipeline(_OursRunsUnshimmed(resumed), batches[position:], model=dmp2)
-    assert_resumed_equal(ref, Run(outputs + list(rest), rest.weights), ("uninterrupted", f"resumed after {k}"))
+    assert_resumed_equal(
+        ref, Run(outputs + list(rest), rest.weights), ("uninterrupted", f"resumed after {k}")
+    )

@@ -25,7 +25,7 @@ from torchrec.distributed.train_pipeline.postproc import PipelinedPostproc as Up
 import trec_pipelines
 from tests.distributed.dlrm import assert_runs_equal
 from tests.distributed.postproc_models import (
-    CPU,
+    DEVICE,
     AddNegatives,
     build,
     make_batches,
@@ -63,20 +63,26 @@ def test_one_postproc_shared_by_two_sharded_modules() -> None:
     assert ours._model.module.postproc.calls == len(make_batches())
     assert fqns(theirs._pipelined_postprocs) == fqns(ours._pipelined_postprocs) == ["postproc"]
     (postproc,) = ours._pipelined_postprocs
-    for module, field in zip(ours._pipelined_modules, ("ids", "scored")):
+    for module, field in zip(ours._pipelined_modules, ("ids", "scored"), strict=True):
         assert module.forward.args == CallArgs([ArgInfo([Postproc(postproc), GetAttr(field)])], {})
 
 
 def test_a_postproc_per_module_reading_batch_fields() -> None:
     ours, theirs = three_ways("keep")
     assert len(theirs._pipelined_modules) == len(ours._pipelined_modules) == 2
-    assert fqns(theirs._pipelined_postprocs) == fqns(ours._pipelined_postprocs) == ["keep_ids", "keep_scored"]
+    assert (
+        fqns(theirs._pipelined_postprocs)
+        == fqns(ours._pipelined_postprocs)
+        == ["keep_ids", "keep_scored"]
+    )
     by_name = {p.fqn: p for p in ours._pipelined_postprocs}
     assert by_name["keep_ids"].args == CallArgs([ArgInfo([GetAttr("ids")])], {})
     assert by_name["keep_scored"].args == CallArgs([ArgInfo([GetAttr("scored")])], {})
     ebc, webc = ours._pipelined_modules
     assert ebc.forward.args == CallArgs([ArgInfo([Postproc(by_name["keep_ids"]), GetItem(0)])], {})
-    assert webc.forward.args == CallArgs([ArgInfo([Postproc(by_name["keep_scored"]), GetItem(0)])], {})
+    assert webc.forward.args == CallArgs(
+        [ArgInfo([Postproc(by_name["keep_scored"]), GetItem(0)])], {}
+    )
 
 
 def test_postprocs_reading_another_postproc() -> None:
@@ -88,7 +94,9 @@ def test_postprocs_reading_another_postproc() -> None:
     parent = by_name["postproc"]
     assert parent.args == CallArgs([ArgInfo([Noop()])], {})
     assert by_name["keep_ids"].args == CallArgs([ArgInfo([Postproc(parent), GetAttr("ids")])], {})
-    assert by_name["keep_scored"].args == CallArgs([ArgInfo([Postproc(parent), GetAttr("scored")])], {})
+    assert by_name["keep_scored"].args == CallArgs(
+        [ArgInfo([Postproc(parent), GetAttr("scored")])], {}
+    )
     # The rewrite lists each postproc pipelined, each after the ones it reads.
     assert ours.rewrite_result.postproc_names == ["postproc", "keep_ids", "keep_scored"]
 
@@ -121,10 +129,13 @@ def test_postproc_outputs_are_cached_in_their_batch_context() -> None:
     cached: List[List[List[str]]] = []
     for cls in (upstream.TrainPipelineSparseDist, trec_pipelines.TrainPipelineSparseDist):
         dmp, optimizer = build("shared_then_keep")
-        pipeline = cls(dmp, optimizer, CPU, pipeline_postproc=True)
+        pipeline = cls(dmp, optimizer, DEVICE, pipeline_postproc=True)
         it = iter(make_batches())
         pipeline.progress(it)
-        current, upcoming = pipeline.contexts[0].postproc_fwd_results, pipeline.contexts[1].postproc_fwd_results
+        current, upcoming = (
+            pipeline.contexts[0].postproc_fwd_results,
+            pipeline.contexts[1].postproc_fwd_results,
+        )
         seen = [list(current), list(upcoming)]
         pipeline.progress(it)
         seen.append(list(upcoming))
@@ -143,8 +154,12 @@ def test_postproc_of_a_nested_model() -> None:
             return self.inner(batch)
 
     ref = plain("shared", wrap=Outer)
-    theirs, upstream_pipeline, _ = run(upstream.TrainPipelineSparseDist, "shared", wrap=Outer, pipeline_postproc=True)
-    ours, pipeline, _ = run(trec_pipelines.TrainPipelineSparseDist, "shared", wrap=Outer, pipeline_postproc=True)
+    theirs, upstream_pipeline, _ = run(
+        upstream.TrainPipelineSparseDist, "shared", wrap=Outer, pipeline_postproc=True
+    )
+    ours, pipeline, _ = run(
+        trec_pipelines.TrainPipelineSparseDist, "shared", wrap=Outer, pipeline_postproc=True
+    )
     assert_runs_equal(ref, theirs, ("plain_loop", "torchrec"))
     assert_runs_equal(ref, ours, ("plain_loop", "trec_pipelines"))
     assert len(upstream_pipeline._pipelined_modules) == len(pipeline._pipelined_modules) == 2
@@ -191,10 +206,16 @@ def test_rewrite_model_with_and_without_postprocs() -> None:
     theirs_dmp, _ = build("shared")
     from torchrec.distributed.train_pipeline.utils import _rewrite_model
 
-    their_modules, *_ = _rewrite_model(model=theirs_dmp, context=UpstreamContext(), dist_stream=None, batch=None)
+    their_modules, *_ = _rewrite_model(
+        model=theirs_dmp, context=UpstreamContext(), dist_stream=None, batch=None
+    )
     assert their_modules == []
     their_modules, _, _, their_postprocs, _ = _rewrite_model(
-        model=theirs_dmp, context=UpstreamContext(), dist_stream=None, batch=None, pipeline_postproc=True
+        model=theirs_dmp,
+        context=UpstreamContext(),
+        dist_stream=None,
+        batch=None,
+        pipeline_postproc=True,
     )
     assert len(their_modules) == 2 and [type(p) for p in their_postprocs] == [UpstreamPostproc]
 
@@ -214,7 +235,9 @@ def test_rewrite_model_with_and_without_postprocs() -> None:
     )
     assert with_postprocs.names == ["ebc", "webc"]
     (postproc,) = with_postprocs.postprocs
-    assert postproc.postproc_module is dmp.module.postproc and isinstance(dmp.module.postproc, AddNegatives)
+    assert postproc.postproc_module is dmp.module.postproc and isinstance(
+        dmp.module.postproc, AddNegatives
+    )
     assert dmp.module.postproc.forward is postproc
     for tower in (dmp.module.ebc, dmp.module.webc):
         assert isinstance(tower.forward, Marker)
@@ -256,7 +279,7 @@ def test_variants_torchrec_cannot_run_on_cpu_against_the_plain_loop(name: str, k
 def _eval_run(cls: Any, layout: str, **kwargs: Any) -> Tuple[List[torch.Tensor], Any]:
     dmp, optimizer = build(layout)
     dmp.eval()
-    pipeline = cls(dmp, optimizer, CPU, **kwargs)
+    pipeline = cls(dmp, optimizer, DEVICE, **kwargs)
     outputs = []
     it = iter(make_batches())
     while True:
@@ -273,7 +296,10 @@ def _eval_run(cls: Any, layout: str, **kwargs: Any) -> Tuple[List[torch.Tensor],
     [
         ("EvalPipelineSparseDist", {"pipeline_postproc": True}),
         ("EvalPipelineFusedSparseDist", {"emb_lookup_stream": "new"}),
-        ("EvalPipelineFusedSparseDist", {"emb_lookup_stream": "new", "enable_embedding_lookup_prefetch": True}),
+        (
+            "EvalPipelineFusedSparseDist",
+            {"emb_lookup_stream": "new", "enable_embedding_lookup_prefetch": True},
+        ),
     ],
 )
 def test_eval_variants_with_postprocs(name: str, kwargs: Any) -> None:
@@ -284,9 +310,15 @@ def test_eval_variants_with_postprocs(name: str, kwargs: Any) -> None:
     with torch.no_grad():
         expected = [dmp(batch)[1] for batch in make_batches()]
     ours, pipeline = _eval_run(getattr(trec_pipelines, name), layout, **kwargs)
-    assert len(ours) == len(expected) and all(torch.equal(a, b) for a, b in zip(ours, expected))
+    assert len(ours) == len(expected) and all(
+        torch.equal(a, b) for a, b in zip(ours, expected, strict=True)
+    )
     assert fqns(pipeline._pipelined_postprocs) == ["keep_ids", "keep_scored", "postproc"]
     if name == "EvalPipelineSparseDist":
-        theirs, upstream_pipeline = _eval_run(upstream.EvalPipelineSparseDist, layout, pipeline_postproc=True)
-        assert len(theirs) == len(ours) and all(torch.equal(a, b) for a, b in zip(theirs, ours))
+        theirs, upstream_pipeline = _eval_run(
+            upstream.EvalPipelineSparseDist, layout, pipeline_postproc=True
+        )
+        assert len(theirs) == len(ours) and all(
+            torch.equal(a, b) for a, b in zip(theirs, ours, strict=True)
+        )
         assert len(upstream_pipeline._pipelined_postprocs) == 3

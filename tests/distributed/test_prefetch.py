@@ -19,6 +19,7 @@ import torch
 import torchrec.distributed.train_pipeline as upstream
 from torchrec.distributed.types import ShardedModule
 
+from tests import devices
 from tests.distributed.dlrm import (
     DLRM,
     SHARDING_TYPES,
@@ -32,7 +33,7 @@ from tests.distributed.dlrm import (
 from tests.distributed.torchrec_shim import shim_active, torchrec_on_cpu
 from trec_pipelines.pipelines.prefetch import PrefetchTrainPipelineSparseDist
 
-CPU = torch.device("cpu")
+DEVICE = devices.device()
 SEED, DATA_SEED = 1234, 7
 
 
@@ -60,7 +61,7 @@ def test_prefetch_matches_plain_loop(sharding_type: str) -> None:
     ref = plain_loop(*make_sharded(DLRM, sharding_type, seed=SEED), batches)
     dmp, optimizer = make_sharded(DLRM, sharding_type, seed=SEED)
     calls = count_prefetches(sharded_module(dmp))
-    pipeline = PrefetchTrainPipelineSparseDist(dmp, optimizer, CPU)
+    pipeline = PrefetchTrainPipelineSparseDist(dmp, optimizer, DEVICE)
     assert not shim_active()
     ours = run_pipeline(pipeline, batches, model=dmp)
     assert len(ref) == len(batches)
@@ -74,13 +75,14 @@ def test_prefetch_kjt_inside_a_dict_and_two_epochs() -> None:
     batches = make_batches(4, seed=DATA_SEED, nested=True)
     ref = plain_loop(*make_sharded(NestedDLRM, "column_wise", seed=SEED), batches + batches)
     dmp, optimizer = make_sharded(NestedDLRM, "column_wise", seed=SEED)
-    pipeline = PrefetchTrainPipelineSparseDist(dmp, optimizer, CPU, rewrite_strategy="fx")
+    pipeline = PrefetchTrainPipelineSparseDist(dmp, optimizer, DEVICE, rewrite_strategy="fx")
     first = run_pipeline(pipeline, batches, model=dmp)
     second = run_pipeline(pipeline, batches, model=dmp)  # a new epoch, no reset()
     ours = type(second)(list(first) + list(second), second.weights)
     assert_runs_equal(ref, ours, ("plain_loop", "two epochs"))
 
 
+@devices.cpu_only("torchrec's class without a data_dist stream")
 @pytest.mark.parametrize("shim", [False, True], ids=["plain", "shim"])
 def test_torchrec_class_fails_on_cpu(shim: bool) -> None:
     """torchrec 1.8.0's PrefetchTrainPipelineSparseDist cannot train on CPU.
@@ -96,7 +98,7 @@ def test_torchrec_class_fails_on_cpu(shim: bool) -> None:
     batches = make_batches(1, seed=DATA_SEED)
     dmp, optimizer = make_sharded(DLRM, "table_wise", seed=SEED)
     calls = count_prefetches(sharded_module(dmp))
-    pipeline = upstream.PrefetchTrainPipelineSparseDist(dmp, optimizer, CPU)
+    pipeline = upstream.PrefetchTrainPipelineSparseDist(dmp, optimizer, DEVICE)
     assert pipeline._data_dist_stream is None
     it = iter(batches)
     with torchrec_on_cpu() if shim else contextlib.nullcontext():

@@ -20,6 +20,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
 import trec_pipelines
+from tests import devices
 from tests.distributed.dlrm import (
     DLRM,
     Run,
@@ -32,7 +33,7 @@ from tests.distributed.dlrm import (
 )
 from tests.elastic.train_with_checkpoints import Batches
 
-CPU = torch.device("cpu")
+DEVICE = devices.device()
 SEED, OTHER_SEED, DATA_SEED = 1234, 99, 11
 N = 7
 
@@ -55,7 +56,7 @@ def _pipeline(name: str, dmp: Any, optimizer: Any, **kwargs: Any) -> Any:
         extra = {"start_batch": 100}
     if name == "TrainPipelinePT2":  # kept eager: compiling is slow here, and not what is tested
         extra = {"compile_configs": trec_pipelines.TorchCompileConfig(compile_on_iter=1000)}
-    return getattr(trec_pipelines, name)(dmp, optimizer, CPU, **extra, **kwargs)
+    return getattr(trec_pipelines, name)(dmp, optimizer, DEVICE, **extra, **kwargs)
 
 
 class Counting:
@@ -118,8 +119,10 @@ def assert_resumed_equal(ref: Run, ours: Run, names: Tuple[str, str]) -> None:
         return
     assert len(ref) == len(ours), names
     atol = RESTARTED_DDP_ATOL
-    for step, (a, b) in enumerate(zip(ref, ours)):
-        torch.testing.assert_close(b, a, atol=atol, rtol=0, msg=lambda m: f"{names} step {step}: {m}")
+    for step, (a, b) in enumerate(zip(ref, ours, strict=True)):
+        torch.testing.assert_close(
+            b, a, atol=atol, rtol=0, msg=lambda m, step=step: f"{names} step {step}: {m}"
+        )
     assert ref.weights.keys() == ours.weights.keys()
     for key in ref.weights:
         torch.testing.assert_close(ours.weights[key], ref.weights[key], atol=atol, rtol=0)
@@ -201,10 +204,12 @@ def test_semi_sync_resumes_bit_for_bit_once_semi_sync(k: int, stash_gradients: b
     batches = make_batches(N, seed=DATA_SEED)
     options = {"start_batch": 2, "stash_gradients": stash_gradients}
     dmp, optimizer = make_sharded(DLRM, "table_wise", seed=SEED)
-    pipeline = trec_pipelines.TrainPipelineSemiSync(dmp, optimizer, CPU, **options)
+    pipeline = trec_pipelines.TrainPipelineSemiSync(dmp, optimizer, DEVICE, **options)
     ref = Run(_train(pipeline, iter(batches)), weights(dmp))
     plain = _reference(batches)
-    assert not torch.equal(ref[-1], plain[-1]), "semi-sync training should differ from the plain loop"
+    assert not torch.equal(ref[-1], plain[-1]), (
+        "semi-sync training should differ from the plain loop"
+    )
 
     ours, held = _interrupted(
         "TrainPipelineSemiSync", "TrainPipelineSemiSync", batches, k, options, options
@@ -213,7 +218,9 @@ def test_semi_sync_resumes_bit_for_bit_once_semi_sync(k: int, stash_gradients: b
     assert_resumed_equal(ref, ours, ("SemiSync", f"SemiSync resumed after {k} steps"))
 
 
-@pytest.mark.parametrize("name", ["TrainPipelineSparseDist", "TrainPipelineSemiSync", "TrainPipelinePT2"])
+@pytest.mark.parametrize(
+    "name", ["TrainPipelineSparseDist", "TrainPipelineSemiSync", "TrainPipelinePT2"]
+)
 def test_resume_with_the_ranks_agreeing(name: str) -> None:
     """sync_exhaustion=True: the pull under agreement is in the checkpoint too (one
     more batch than the schedule holds), and the resumed run is still exact."""
@@ -278,19 +285,19 @@ def test_eval_pass_resumed_sees_each_batch_once(name: str) -> None:
     batches = make_batches(N, seed=DATA_SEED)
     dmp, _ = make_sharded(DLRM, "table_wise", seed=SEED)
     dmp.eval()
-    ref = _train(getattr(trec_pipelines, name)(dmp, None, CPU), iter(batches))
+    ref = _train(getattr(trec_pipelines, name)(dmp, None, DEVICE), iter(batches))
     assert len(ref) == N
     for k in (0, 2, N - 1):
-        pipeline = getattr(trec_pipelines, name)(dmp, None, CPU)
+        pipeline = getattr(trec_pipelines, name)(dmp, None, DEVICE)
         it = Counting(batches)
         outputs = _train(pipeline, it, k)
         saved = _save_load_per_rank(pipeline.state_dict())
         pipeline.reset()
-        resumed = getattr(trec_pipelines, name)(dmp, None, CPU)
+        resumed = getattr(trec_pipelines, name)(dmp, None, DEVICE)
         resumed.load_state_dict(saved)
         outputs += _train(resumed, Counting(batches, it.yielded))
         assert len(outputs) == N, (k, len(outputs))
-        for step, (a, b) in enumerate(zip(ref, outputs)):
+        for step, (a, b) in enumerate(zip(ref, outputs, strict=True)):
             assert torch.equal(a, b), (k, step)
 
 
@@ -299,18 +306,18 @@ def test_eval_pass_with_a_loader_thread_resumes() -> None:
     batches = make_batches(N, seed=DATA_SEED)
     dmp, _ = make_sharded(DLRM, "table_wise", seed=SEED)
     dmp.eval()
-    ref = _train(trec_pipelines.EvalPipelineSparseDist(dmp, None, CPU), iter(batches))
-    pipeline = trec_pipelines.EvalPipelineSparseDist(dmp, None, CPU, loader_thread=True)
+    ref = _train(trec_pipelines.EvalPipelineSparseDist(dmp, None, DEVICE), iter(batches))
+    pipeline = trec_pipelines.EvalPipelineSparseDist(dmp, None, DEVICE, loader_thread=True)
     it = Counting(batches)
     outputs = _train(pipeline, it, 3)
     saved = _save_load_per_rank(pipeline.state_dict())
     position = it.yielded
     pipeline.reset()
-    resumed = trec_pipelines.EvalPipelineSparseDist(dmp, None, CPU, loader_thread=True)
+    resumed = trec_pipelines.EvalPipelineSparseDist(dmp, None, DEVICE, loader_thread=True)
     resumed.load_state_dict(saved)
     outputs += _train(resumed, Counting(batches, position))
     assert len(outputs) == N
-    for step, (a, b) in enumerate(zip(ref, outputs)):
+    for step, (a, b) in enumerate(zip(ref, outputs, strict=True)):
         assert torch.equal(a, b), step
 
 
@@ -408,4 +415,6 @@ def test_stateful_data_loader_resumes_with_the_pipeline(name: str, workers: int)
     data2 = loader()
     data2.load_state_dict(checkpoint["loader"])
     outputs += _train(resumed, iter(data2))
-    assert_runs_equal(ref, Run(outputs, weights(dmp2)), ("plain loop", f"{name} resumed, {workers} workers"))
+    assert_runs_equal(
+        ref, Run(outputs, weights(dmp2)), ("plain loop", f"{name} resumed, {workers} workers")
+    )

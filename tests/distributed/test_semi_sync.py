@@ -20,6 +20,7 @@ from torchrec.distributed.train_pipeline.train_pipelines import (
 from torchrec.optim.keyed import KeyedOptimizer, KeyedOptimizerWrapper
 from torchrec.optim.optimizers import in_backward_optimizer_filter
 
+from tests import devices
 from tests.distributed.dlrm import (
     DENSE_LR,
     DLRM,
@@ -34,7 +35,7 @@ from tests.distributed.dlrm import (
 from tests.distributed.torchrec_shim import shim_active, torchrec_on_cpu
 from trec_pipelines.pipelines.semi_sync import TrainPipelineSemiSync
 
-CPU = torch.device("cpu")
+DEVICE = devices.device()
 SEED, DATA_SEED = 1234, 7
 N_BATCHES = 9
 START = 2
@@ -63,7 +64,7 @@ def torchrec_run(
 ) -> Run:
     dmp, optimizer = build(sharding_type, combined)
     with torchrec_on_cpu():
-        return run_pipeline(UpstreamSemiSync(dmp, optimizer, CPU, **kwargs), batches)
+        return run_pipeline(UpstreamSemiSync(dmp, optimizer, DEVICE, **kwargs), batches)
 
 
 def our_run(
@@ -72,7 +73,7 @@ def our_run(
     """Run ours (shim off), noting ``is_semi_sync()`` (the next batch's mode) after each step."""
     assert not shim_active()
     dmp, optimizer = build(sharding_type, combined)
-    pipeline = TrainPipelineSemiSync(dmp, optimizer, CPU, **kwargs)
+    pipeline = TrainPipelineSemiSync(dmp, optimizer, DEVICE, **kwargs)
     it = iter(batches)
     outputs: List[torch.Tensor] = []
     modes: List[bool] = []
@@ -151,9 +152,9 @@ def test_second_epoch_stays_semi_sync_and_matches_torchrec() -> None:
 
     dmp, optimizer = build("table_wise", combined=False)
     with torchrec_on_cpu():
-        theirs = two_epochs(UpstreamSemiSync(dmp, optimizer, CPU, **kwargs), None)
+        theirs = two_epochs(UpstreamSemiSync(dmp, optimizer, DEVICE, **kwargs), None)
     dmp, optimizer = build("table_wise", combined=False)
-    ours = two_epochs(TrainPipelineSemiSync(dmp, optimizer, CPU, **kwargs), dmp)
+    ours = two_epochs(TrainPipelineSemiSync(dmp, optimizer, DEVICE, **kwargs), dmp)
     assert len(ours) == 9
     assert_runs_equal(theirs, ours, ("torchrec", "trec_pipelines"))
 
@@ -171,9 +172,7 @@ def test_clear_data_dist_inputs_matches_torchrec() -> None:
 def test_direct_binding_matches_torchrec() -> None:
     batches = make_batches(N_BATCHES, seed=DATA_SEED)
     theirs = torchrec_run("table_wise", batches, start_batch=START)
-    pipeline, ours, _ = our_run(
-        "table_wise", batches, start_batch=START, rewrite_strategy="direct"
-    )
+    pipeline, ours, _ = our_run("table_wise", batches, start_batch=START, rewrite_strategy="direct")
     assert pipeline.rewrite_result is not None
     assert pipeline.rewrite_result.strategy == "direct"
     assert len(pipeline.rewrite_result.pipelined) == 1

@@ -14,6 +14,7 @@ import torch
 import torchrec.distributed.train_pipeline as upstream
 
 import trec_pipelines
+from tests import devices
 from tests.distributed.dlrm import (
     DLRM,
     SHARDING_TYPES,
@@ -26,7 +27,7 @@ from tests.distributed.dlrm import (
     run_pipeline,
 )
 
-CPU = torch.device("cpu")
+DEVICE = devices.device()
 SEED, DATA_SEED = 1234, 7
 
 
@@ -36,9 +37,11 @@ def three_ways(
     batches = make_batches(seed=DATA_SEED, nested=factory is NestedDLRM)
     ref = plain_loop(*make_sharded(factory, sharding_type, seed=SEED), batches)
     theirs_cls: Type[Any] = getattr(upstream, name)
-    theirs = run_pipeline(theirs_cls(*make_sharded(factory, sharding_type, seed=SEED), CPU), batches)
+    theirs = run_pipeline(
+        theirs_cls(*make_sharded(factory, sharding_type, seed=SEED), DEVICE), batches
+    )
     dmp, optimizer = make_sharded(factory, sharding_type, seed=SEED)
-    pipeline = getattr(trec_pipelines, name)(dmp, optimizer, CPU, **ours_kwargs)
+    pipeline = getattr(trec_pipelines, name)(dmp, optimizer, DEVICE, **ours_kwargs)
     ours = run_pipeline(pipeline, batches, model=dmp)
     assert len(ref) == len(batches)
     assert_runs_equal(ref, theirs, ("plain_loop", "torchrec"))
@@ -54,9 +57,7 @@ def test_base(sharding_type: str) -> None:
 @pytest.mark.parametrize("strategy", ["fx", "direct"])
 @pytest.mark.parametrize("sharding_type", SHARDING_TYPES)
 def test_sparse_dist(sharding_type: str, strategy: str) -> None:
-    pipeline = three_ways(
-        "TrainPipelineSparseDist", DLRM, sharding_type, rewrite_strategy=strategy
-    )
+    pipeline = three_ways("TrainPipelineSparseDist", DLRM, sharding_type, rewrite_strategy=strategy)
     result = pipeline.rewrite_result
     assert result.strategy == strategy
     assert len(result.pipelined) == 1 and result.not_pipelined == ()
@@ -64,7 +65,9 @@ def test_sparse_dist(sharding_type: str, strategy: str) -> None:
 
 @pytest.mark.parametrize("sharding_type", ["table_wise", "column_wise"])
 def test_sparse_dist_kjt_inside_a_dict(sharding_type: str) -> None:
-    pipeline = three_ways("TrainPipelineSparseDist", NestedDLRM, sharding_type, rewrite_strategy="fx")
+    pipeline = three_ways(
+        "TrainPipelineSparseDist", NestedDLRM, sharding_type, rewrite_strategy="fx"
+    )
     (pipelined,) = pipeline.rewrite_result.pipelined
     assert str(pipelined.call_args) == "(batch.features['sparse'])"
 
@@ -77,7 +80,7 @@ def test_sparse_dist_detach_attach_mid_epoch() -> None:
     batches = make_batches(seed=DATA_SEED)
     ref = plain_loop(*make_sharded(DLRM, "table_wise", seed=SEED), batches)
     dmp, optimizer = make_sharded(DLRM, "table_wise", seed=SEED)
-    pipeline = trec_pipelines.TrainPipelineSparseDist(dmp, optimizer, CPU)
+    pipeline = trec_pipelines.TrainPipelineSparseDist(dmp, optimizer, DEVICE)
     it = iter(batches)
     outputs = [pipeline.progress(it) for _ in range(3)]
     pipeline.detach()
@@ -106,10 +109,12 @@ def test_free_features_storage_early_never_frees_the_loaders_own_batch(name: str
             ref = [ref_dmp(b)[1] for b in batches + batches]
     else:
         ref = plain_loop(ref_dmp, ref_optimizer, batches + batches)
-    pipeline = getattr(trec_pipelines, name)(dmp, optimizer, CPU, free_features_storage_early=True)
+    pipeline = getattr(trec_pipelines, name)(
+        dmp, optimizer, DEVICE, free_features_storage_early=True
+    )
     ours = run_pipeline(pipeline, batches, model=dmp) + run_pipeline(pipeline, batches, model=dmp)
     assert len(ours) == len(ref) == 2 * len(batches)
-    for step, (a, b) in enumerate(zip(ours, ref)):
+    for step, (a, b) in enumerate(zip(ours, ref, strict=True)):
         assert torch.equal(a, b), f"step {step}"
-    for batch, before in zip(batches, values_before):
+    for batch, before in zip(batches, values_before, strict=True):
         assert torch.equal(batch.sparse.values(), before)

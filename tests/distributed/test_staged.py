@@ -15,6 +15,7 @@ from torchrec.distributed.train_pipeline.train_pipelines import (
     TrainPipelineSemiSync as UpstreamSemiSync,
 )
 
+from tests import devices
 from tests.distributed.dlrm import (
     DLRM,
     SHARDING_TYPES,
@@ -30,7 +31,7 @@ from tests.distributed.torchrec_shim import shim_active, torchrec_on_cpu
 from trec_pipelines.pipelines.sparse_data_dist_util import SparseDataDistUtil
 from trec_pipelines.pipelines.staged import PipelineStage, StagedTrainPipeline
 
-CPU = torch.device("cpu")
+DEVICE = devices.device()
 CPU_STREAM = torch.Stream(device="cpu")
 SEED, DATA_SEED = 1234, 7
 
@@ -68,7 +69,7 @@ def staged_run(
         prefetch_stream=stream if third_stage == "prefetch" else None,
     )
     stages = [
-        PipelineStage("h2d", lambda batch: batch.to(CPU, non_blocking=True), stream),
+        PipelineStage("h2d", lambda batch: batch.to(DEVICE, non_blocking=True), stream),
         sdd.start_sparse_data_dist_stage(),
     ]
     if third_stage == "prefetch":
@@ -146,7 +147,9 @@ def test_none_streams_match_plain_loop(third_stage: Optional[str]) -> None:
 
 
 @pytest.mark.parametrize("stream", [None, CPU_STREAM], ids=["none", "cpu_stream"])
-def test_lookup_stage_matches_torchrec_semi_sync_from_batch_0(stream: Optional[torch.Stream]) -> None:
+def test_lookup_stage_matches_torchrec_semi_sync_from_batch_0(
+    stream: Optional[torch.Stream],
+) -> None:
     """A lookup stage looks batch i+1 up before batch i's backward updates the
     tables: semi-synchronous from the first batch, which is what torchrec's
     TrainPipelineSemiSync(start_batch=0) computes (torchrec's own Staged
@@ -154,7 +157,7 @@ def test_lookup_stage_matches_torchrec_semi_sync_from_batch_0(stream: Optional[t
     batches = make_batches(seed=DATA_SEED)
     dmp, optimizer = make_sharded(DLRM, "table_wise", seed=SEED)
     with torchrec_on_cpu():
-        theirs = run_pipeline(UpstreamSemiSync(dmp, optimizer, CPU, start_batch=0), batches)
+        theirs = run_pipeline(UpstreamSemiSync(dmp, optimizer, DEVICE, start_batch=0), batches)
     ours = staged_run("table_wise", batches, third_stage="lookup", stream=stream)
     assert len(theirs) == len(batches)
     assert_runs_equal(theirs, ours, ("torchrec SemiSync", "staged + lookup"))
@@ -176,7 +179,7 @@ def test_resumed_from_a_checkpoint_equals_the_plain_loop(k: int) -> None:
         dmp, optimizer = make_sharded(DLRM, "table_wise", seed=seed)
         sdd = SparseDataDistUtil(dmp, data_dist_stream=CPU_STREAM)
         stages = [
-            PipelineStage("h2d", lambda batch: batch.to(CPU, non_blocking=True), CPU_STREAM),
+            PipelineStage("h2d", lambda batch: batch.to(DEVICE, non_blocking=True), CPU_STREAM),
             sdd.start_sparse_data_dist_stage(),
         ]
         return dmp, optimizer, StagedTrainPipeline(stages)
@@ -202,4 +205,6 @@ def test_resumed_from_a_checkpoint_equals_the_plain_loop(k: int) -> None:
     if 0 < k:
         assert resumed._resumed, "nothing was in flight: the test resumes nothing"
     outputs += train(dmp2, optimizer2, resumed, iter(batches[it.taken :]), len(batches))
-    assert_resumed_equal(ref, Run(outputs, weights(dmp2)), ("plain loop", f"staged resumed after {k}"))
+    assert_resumed_equal(
+        ref, Run(outputs, weights(dmp2)), ("plain loop", f"staged resumed after {k}")
+    )

@@ -15,6 +15,7 @@ from typing import Any, Callable, Iterator, List, Optional, Tuple
 import pytest
 import torch
 
+from tests import devices
 from tests.distributed.dlrm import (
     DLRM,
     Run,
@@ -25,13 +26,18 @@ from tests.distributed.dlrm import (
     plain_loop,
     weights,
 )
-from tests.distributed.test_faults import FaultyDLRM, FaultyOptimizer, _malformed, plain_loop_with_retry
+from tests.distributed.test_faults import (
+    FaultyDLRM,
+    FaultyOptimizer,
+    _malformed,
+    plain_loop_with_retry,
+)
 from tests.fault_injection import Fault, FlakyIterator
 from trec_pipelines.errors import MalformedBatchError
 from trec_pipelines.pipelines.sparse_data_dist_util import SparseDataDistUtil
 from trec_pipelines.pipelines.staged import PipelineStage, StagedTrainPipeline
 
-CPU = torch.device("cpu")
+DEVICE = devices.device()
 SEED, DATA_SEED = 1234, 11
 FAULT_POINTS = ["before_lookup", "after_lookup", "backward", "optimizer"]
 
@@ -53,7 +59,7 @@ def _staged(
     wrap = wrap or (lambda name, runnable: runnable)
     sdd = SparseDataDistUtil(dmp, data_dist_stream=None)
     stages = [
-        PipelineStage("h2d", wrap("h2d", lambda batch: batch.to(CPU, non_blocking=True)), None),
+        PipelineStage("h2d", wrap("h2d", lambda batch: batch.to(DEVICE, non_blocking=True)), None),
         sdd.start_sparse_data_dist_stage(runnable=wrap("input_dist", sdd.start_sparse_data_dist)),
     ]
     if third_stage == "prefetch":
@@ -70,7 +76,9 @@ def _train_step(model: Any, optimizer: Any, batch: Any) -> torch.Tensor:
     return _snapshot(out)
 
 
-def train_staged(pipeline: StagedTrainPipeline, model: Any, optimizer: Any, batches: List[Any], retry: bool) -> Run:
+def train_staged(
+    pipeline: StagedTrainPipeline, model: Any, optimizer: Any, batches: List[Any], retry: bool
+) -> Run:
     """The caller's loop; a failed step is trained again (``retry``) or left behind."""
     it = iter(batches)
     outputs, failures = [], 0
@@ -112,7 +120,9 @@ def test_retrying_the_failed_batch_equals_the_plain_loop_with_retry(
     ref = plain_loop_with_retry(*_faulty(where, at), batches)
     dmp, optimizer = _faulty(where, at)
     ours = train_staged(_staged(dmp, third_stage), dmp, optimizer, batches, retry=True)
-    assert_runs_equal(ref, ours, ("plain loop with retry", f"staged, {where} at {at}, {third_stage}"))
+    assert_runs_equal(
+        ref, ours, ("plain loop with retry", f"staged, {where} at {at}, {third_stage}")
+    )
 
 
 @pytest.mark.parametrize("third_stage", [None, "prefetch"])
@@ -126,7 +136,9 @@ def test_skipping_the_failed_batch_equals_the_plain_loop_that_skips_it(
     ref = plain_loop_with_skip(*_faulty(where, at), batches)
     dmp, optimizer = _faulty(where, at)
     ours = train_staged(_staged(dmp, third_stage), dmp, optimizer, batches, retry=False)
-    assert_runs_equal(ref, ours, ("plain loop with skip", f"staged, {where} at {at}, {third_stage}"))
+    assert_runs_equal(
+        ref, ours, ("plain loop with skip", f"staged, {where} at {at}, {third_stage}")
+    )
 
 
 # ------------------------------------------------- faults inside progress()
@@ -145,7 +157,9 @@ class RaisesOnce:
         return self._runnable(batch)
 
 
-def train_calling_progress_again(pipeline: StagedTrainPipeline, model: Any, optimizer: Any, it: Iterator[Any]) -> Run:
+def train_calling_progress_again(
+    pipeline: StagedTrainPipeline, model: Any, optimizer: Any, it: Iterator[Any]
+) -> Run:
     outputs, failures = [], 0
     while True:
         try:
@@ -161,7 +175,13 @@ def train_calling_progress_again(pipeline: StagedTrainPipeline, model: Any, opti
 
 
 # (the stage that raises, the third stage): prefetch raises only where there is one.
-STAGE_FAULTS = [("h2d", None), ("input_dist", None), ("h2d", "prefetch"), ("input_dist", "prefetch"), ("prefetch", "prefetch")]
+STAGE_FAULTS = [
+    ("h2d", None),
+    ("input_dist", None),
+    ("h2d", "prefetch"),
+    ("input_dist", "prefetch"),
+    ("prefetch", "prefetch"),
+]
 
 
 @pytest.mark.parametrize("at", [0, 1, 4])
@@ -177,13 +197,17 @@ def test_a_stage_that_raises_is_run_again_and_training_equals_the_plain_loop(
     def wrap(name: str, runnable: Callable[[Any], Any]) -> Callable[[Any], Any]:
         return RaisesOnce(runnable, at) if name == stage else runnable
 
-    ours = train_calling_progress_again(_staged(dmp, third_stage, wrap), dmp, optimizer, iter(batches))
+    ours = train_calling_progress_again(
+        _staged(dmp, third_stage, wrap), dmp, optimizer, iter(batches)
+    )
     assert_runs_equal(ref, ours, ("plain loop", f"staged, {stage} raised at call {at}"))
 
 
 @pytest.mark.parametrize("third_stage", [None, "prefetch"])
 @pytest.mark.parametrize("at", [0, 2, 4])
-def test_an_iterator_that_raises_loses_and_repeats_nothing(at: int, third_stage: Optional[str]) -> None:
+def test_an_iterator_that_raises_loses_and_repeats_nothing(
+    at: int, third_stage: Optional[str]
+) -> None:
     """The plain loop over such an iterator just skips the exception: same batches."""
     batches = make_batches(6, seed=DATA_SEED)
     ref = plain_loop(*make_sharded(DLRM, "table_wise", seed=SEED), batches)
@@ -211,7 +235,10 @@ class Poisoned:
 
 
 @pytest.mark.parametrize("at", [0, 1, 3, 5])
-@pytest.mark.parametrize("stage,third_stage", [("input_dist", None), ("input_dist", "prefetch"), ("prefetch", "prefetch")])
+@pytest.mark.parametrize(
+    "stage,third_stage",
+    [("input_dist", None), ("input_dist", "prefetch"), ("prefetch", "prefetch")],
+)
 def test_a_poison_batch_skipped_after_retrying_equals_the_plain_loop_without_it(
     stage: str, third_stage: Optional[str], at: int
 ) -> None:
@@ -242,7 +269,11 @@ def test_a_poison_batch_skipped_after_retrying_equals_the_plain_loop_without_it(
             break
         outputs.append(_train_step(dmp, optimizer, batch))
     assert skipped == [at] and poisoned[0].raised == 2
-    assert_runs_equal(ref, Run(outputs, weights(dmp)), ("plain loop without the poison batch", f"staged, {stage} at {at}"))
+    assert_runs_equal(
+        ref,
+        Run(outputs, weights(dmp)),
+        ("plain loop without the poison batch", f"staged, {stage} at {at}"),
+    )
 
 
 @pytest.mark.parametrize("third_stage", [None, "prefetch"])
@@ -258,10 +289,17 @@ def test_a_malformed_batch_raises_before_any_stage_and_training_equals_the_plain
     pipeline = _staged(dmp, third_stage)
     it = iter(batches)
     outputs = []
-    with pytest.raises(MalformedBatchError, match=rf"batch {at}: KeyedJaggedTensor batch.sparse: key '.*'.*3 missing"):
+    with pytest.raises(
+        MalformedBatchError,
+        match=rf"batch {at}: KeyedJaggedTensor batch.sparse: key '.*'.*3 missing",
+    ):
         while (batch := pipeline.progress(it)) is not None:
             outputs.append(_train_step(dmp, optimizer, batch))
     while (batch := pipeline.progress(it)) is not None:
         outputs.append(_train_step(dmp, optimizer, batch))
     assert pipeline.rejected == 1
-    assert_runs_equal(ref, Run(outputs, weights(dmp)), ("plain loop without the malformed batch", f"staged, at {at}"))
+    assert_runs_equal(
+        ref,
+        Run(outputs, weights(dmp)),
+        ("plain loop without the malformed batch", f"staged, at {at}"),
+    )

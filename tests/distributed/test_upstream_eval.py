@@ -21,6 +21,7 @@ from torchrec.distributed.train_pipeline.train_pipelines import (
     EvalPipelineSparseDist as UpstreamEval,
 )
 
+from tests import devices
 from tests.distributed.dlrm import (
     DLRM,
     Run,
@@ -33,7 +34,7 @@ from tests.distributed.dlrm import (
 from tests.distributed.torchrec_shim import shim_active, torchrec_on_cpu
 from trec_pipelines import EvalPipelineFusedSparseDist, EvalPipelineSparseDist
 
-CPU = torch.device("cpu")
+DEVICE = devices.device()
 SEED, DATA_SEED = 1234, 7
 
 
@@ -66,11 +67,17 @@ def eval_loop(model: nn.Module, batches: Iterable[Any]) -> Run:
     return Run(outputs, weights(model))
 
 
-def eval_run(cls: Any, factory: Callable[..., nn.Module], batches: List[Any], sharding_type: str, **kwargs: Any) -> Run:
+def eval_run(
+    cls: Any,
+    factory: Callable[..., nn.Module],
+    batches: List[Any],
+    sharding_type: str,
+    **kwargs: Any,
+) -> Run:
     dmp, optimizer = make_sharded(factory, sharding_type, seed=SEED)
     dmp.eval()
     before = weights(dmp)
-    run = run_pipeline(cls(dmp, optimizer, CPU, **kwargs), batches, model=dmp)
+    run = run_pipeline(cls(dmp, optimizer, DEVICE, **kwargs), batches, model=dmp)
     assert_runs_equal(Run([], before), Run([], run.weights), ("weights before", "after eval"))
     return run
 
@@ -93,8 +100,12 @@ def test_eval_fused_pred_only_with_lookup_prefetch(prefetch: bool) -> None:
     batches = make_batches(seed=DATA_SEED)
     ref = eval_loop(make_sharded(PredictionsOnlyDLRM, "table_wise", seed=SEED)[0], batches)
     ours = eval_run(
-        EvalPipelineFusedSparseDist, PredictionsOnlyDLRM, batches, "table_wise",
-        enable_embedding_lookup_prefetch=prefetch, emb_lookup_stream="new",
+        EvalPipelineFusedSparseDist,
+        PredictionsOnlyDLRM,
+        batches,
+        "table_wise",
+        enable_embedding_lookup_prefetch=prefetch,
+        emb_lookup_stream="new",
     )
     assert_runs_equal(ref, ours, ("eval_loop", "EvalFused, predictions only"))
 
@@ -121,4 +132,4 @@ def test_torchrec_eval_fused_cannot_run_a_predictions_only_model() -> None:
     dmp, optimizer = make_sharded(PredictionsOnlyDLRM, "table_wise", seed=SEED)
     dmp.eval()
     with torchrec_on_cpu(), pytest.raises(ValueError, match="unpack"):
-        run_pipeline(UpstreamEvalFused(dmp, optimizer, CPU), make_batches(seed=DATA_SEED))
+        run_pipeline(UpstreamEvalFused(dmp, optimizer, DEVICE), make_batches(seed=DATA_SEED))

@@ -44,7 +44,7 @@ import trec_pipelines
 from tests.distributed.dlrm import Run, assert_runs_equal, current_group, run_pipeline, weights
 from tests.distributed.torchrec_shim import torchrec_on_cpu
 from tests.distributed.upstream_setup import (
-    CPU,
+    DEVICE,
     FUSED,
     NUM_FLOAT_FEATURES,
     Setting,
@@ -64,16 +64,24 @@ FAMILY: List[Tuple[Any, Any, bool]] = [
 ]
 
 
-def _run_torchrec(cls: Any, shim: bool, dmp: nn.Module, optimizer: Any, batches: List[Any], **kwargs: Any) -> Run:
+def _run_torchrec(
+    cls: Any, shim: bool, dmp: nn.Module, optimizer: Any, batches: List[Any], **kwargs: Any
+) -> Run:
     if shim:
         with torchrec_on_cpu():
-            return optional_run(cls(dmp, optimizer, CPU, **kwargs), batches, model=dmp)
-    return optional_run(cls(dmp, optimizer, CPU, **kwargs), batches, model=dmp)
+            return optional_run(cls(dmp, optimizer, DEVICE, **kwargs), batches, model=dmp)
+    return optional_run(cls(dmp, optimizer, DEVICE, **kwargs), batches, model=dmp)
 
 
 # Lite has no execute_all_batches (it always trains every batch), upstream and ours.
 EQUAL_CASES = [
-    pytest.param(ours, theirs, shim, execute_all, id=f"{ours.__name__}-{'all' if execute_all else 'drop_last_two'}")
+    pytest.param(
+        ours,
+        theirs,
+        shim,
+        execute_all,
+        id=f"{ours.__name__}-{'all' if execute_all else 'drop_last_two'}",
+    )
     for ours, theirs, shim in FAMILY
     for execute_all in (True, False)
     if execute_all or ours is not trec_pipelines.TrainPipelineSparseDistLite
@@ -89,10 +97,14 @@ def test_equal_to_non_pipelined(
     (ref_dmp, ref_opt), (their_dmp, their_opt), (dmp, opt) = Setting(sharding_type).pair(3)
     # Without execute_all_batches the last two batches are loaded but never trained.
     trained = batches if execute_all_batches else batches[:-2]
-    kwargs = {} if ours_cls is trec_pipelines.TrainPipelineSparseDistLite else {"execute_all_batches": execute_all_batches}
+    kwargs = (
+        {}
+        if ours_cls is trec_pipelines.TrainPipelineSparseDistLite
+        else {"execute_all_batches": execute_all_batches}
+    )
     ref = non_pipelined(ref_dmp, ref_opt, trained)
     theirs = _run_torchrec(theirs_cls, shim, their_dmp, their_opt, batches, **kwargs)
-    ours = optional_run(ours_cls(dmp, opt, CPU, **kwargs), batches, model=dmp)
+    ours = optional_run(ours_cls(dmp, opt, DEVICE, **kwargs), batches, model=dmp)
     assert len(ref) == len(trained)
     assert_runs_equal(ref, theirs, ("non_pipelined", "torchrec"))
     assert_runs_equal(ref, ours, ("non_pipelined", ours_cls.__name__))
@@ -105,8 +117,13 @@ def test_multi_dataloader_pipelining() -> None:
     ref = non_pipelined(ref_dmp, ref_opt, batches)
     runs = []
     for pipeline, model in (
-        (upstream.TrainPipelineSparseDist(their_dmp, their_opt, CPU, execute_all_batches=True), their_dmp),
-        (trec_pipelines.TrainPipelineSparseDist(dmp, opt, CPU, execute_all_batches=True), dmp),
+        (
+            upstream.TrainPipelineSparseDist(
+                their_dmp, their_opt, DEVICE, execute_all_batches=True
+            ),
+            their_dmp,
+        ),
+        (trec_pipelines.TrainPipelineSparseDist(dmp, opt, DEVICE, execute_all_batches=True), dmp),
     ):
         outputs: List[torch.Tensor] = []
         for part in (batches[:-3], batches[-3:-2], batches[-2:]):
@@ -117,7 +134,9 @@ def test_multi_dataloader_pipelining() -> None:
     assert_runs_equal(ref, runs[1], ("non_pipelined", "trec_pipelines"))
 
 
-@pytest.mark.parametrize("ours_cls, theirs_cls, shim", FAMILY, ids=lambda x: getattr(x, "__name__", str(x)))
+@pytest.mark.parametrize(
+    "ours_cls, theirs_cls, shim", FAMILY, ids=lambda x: getattr(x, "__name__", str(x))
+)
 def test_custom_fwd(ours_cls: Any, theirs_cls: Any, shim: bool) -> None:
     """The pipeline returns what custom_model_fwd returns (here predictions repeated)."""
     batches = generate_data(num_batches=4, batch_size=8, seed=3)
@@ -131,8 +150,12 @@ def test_custom_fwd(ours_cls: Any, theirs_cls: Any, shim: bool) -> None:
 
         return forward
 
-    theirs = _run_torchrec(theirs_cls, shim, their_dmp, their_opt, batches, custom_model_fwd=doubling(their_dmp))
-    ours = optional_run(ours_cls(dmp, opt, CPU, custom_model_fwd=doubling(dmp)), batches, model=dmp)
+    theirs = _run_torchrec(
+        theirs_cls, shim, their_dmp, their_opt, batches, custom_model_fwd=doubling(their_dmp)
+    )
+    ours = optional_run(
+        ours_cls(dmp, opt, DEVICE, custom_model_fwd=doubling(dmp)), batches, model=dmp
+    )
     doubled = Run([p.expand(p.size(0) * 2, -1) for p in ref], ref.weights)
     assert all(p.size(0) == 16 for p in ours)
     assert_runs_equal(doubled, theirs, ("non_pipelined, doubled", "torchrec"))
@@ -142,13 +165,17 @@ def test_custom_fwd(ours_cls: Any, theirs_cls: Any, shim: bool) -> None:
 @pytest.mark.parametrize("stash_gradients", [False, True], ids=["no_stash", "stash"])
 @pytest.mark.parametrize("start_batch", [0, 6])
 @pytest.mark.parametrize("sharding_type", ["table_wise", "row_wise"])
-def test_semi_sync_equal_to_torchrec(sharding_type: str, start_batch: int, stash_gradients: bool) -> None:
+def test_semi_sync_equal_to_torchrec(
+    sharding_type: str, start_batch: int, stash_gradients: bool
+) -> None:
     """Upstream checks SemiSync against a hand-written semi-synchronous loop;
     here torchrec's class (under the shim) is that oracle, step by step."""
     batches = generate_data(num_batches=10, batch_size=8, seed=4)
     setting = Setting(sharding_type, fused_params={"stochastic_rounding": False})
     (their_dmp, their_opt), (dmp, opt) = setting.pair(2)
-    kwargs = dict(execute_all_batches=True, start_batch=start_batch, stash_gradients=stash_gradients)
+    kwargs = dict(
+        execute_all_batches=True, start_batch=start_batch, stash_gradients=stash_gradients
+    )
 
     def drive(pipeline: Any, model: nn.Module) -> Tuple[Run, List[bool]]:
         """Run to the end, noting is_semi_sync() after each step, as upstream does."""
@@ -161,8 +188,10 @@ def test_semi_sync_equal_to_torchrec(sharding_type: str, start_batch: int, stash
             modes.append(pipeline.is_semi_sync())
 
     with torchrec_on_cpu():
-        theirs, their_modes = drive(upstream.TrainPipelineSemiSync(their_dmp, their_opt, CPU, **kwargs), their_dmp)
-    ours, our_modes = drive(trec_pipelines.TrainPipelineSemiSync(dmp, opt, CPU, **kwargs), dmp)
+        theirs, their_modes = drive(
+            upstream.TrainPipelineSemiSync(their_dmp, their_opt, DEVICE, **kwargs), their_dmp
+        )
+    ours, our_modes = drive(trec_pipelines.TrainPipelineSemiSync(dmp, opt, DEVICE, **kwargs), dmp)
     assert len(ours) == len(batches)
     assert_runs_equal(theirs, ours, ("torchrec", "trec_pipelines"))
     # Upstream's check, on every step but the last (whose answer is about a
@@ -172,7 +201,9 @@ def test_semi_sync_equal_to_torchrec(sharding_type: str, start_batch: int, stash
 
 
 @pytest.mark.parametrize(
-    "cls", [trec_pipelines.EvalPipelineSparseDist, trec_pipelines.EvalPipelineFusedSparseDist], ids=lambda c: c.__name__
+    "cls",
+    [trec_pipelines.EvalPipelineSparseDist, trec_pipelines.EvalPipelineFusedSparseDist],
+    ids=lambda c: c.__name__,
 )
 def test_eval_processing_of_plain_tensors(cls: Any) -> None:
     """Upstream's test_processing without mocks: a model with no sharded module
@@ -187,7 +218,7 @@ def test_eval_processing_of_plain_tensors(cls: Any) -> None:
             return None, item
 
     data = [torch.tensor([i]) for i in range(7)]
-    pipeline = cls(Echo(), None, CPU)
+    pipeline = cls(Echo(), None, DEVICE)
     it = iter(data)
     assert [pipeline.progress(it).item() for _ in range(7)] == list(range(7))
     with pytest.raises(StopIteration):
@@ -205,8 +236,11 @@ class PositionWeightedSparse(nn.Module):
         names = [f for t in plain for f in t.feature_names]
         self.names = names
         self.fp_ebc = FeatureProcessedEmbeddingBagCollection(
-            EmbeddingBagCollection(tables=plain, device=CPU, is_weighted=True),
-            {name: PositionWeightedModule(max_feature_length=n) for name, n in zip(names, max_lengths)},  # type: ignore[misc]
+            EmbeddingBagCollection(tables=plain, device=DEVICE, is_weighted=True),
+            {
+                name: PositionWeightedModule(max_feature_length=n)
+                for name, n in zip(names, max_lengths, strict=True)
+            },  # type: ignore[misc]
         )
         for param in self.parameters():
             nn.init.normal_(param, mean=0.0, std=0.01)
@@ -226,8 +260,12 @@ def test_feature_processed_ebc() -> None:
     torch.manual_seed(100 + rank)
     batches = [
         ModelInput.generate(
-            tables=plain, weighted_tables=[], batch_size=4, world_size=1,
-            num_float_features=NUM_FLOAT_FEATURES, max_feature_lengths=max_lengths,
+            tables=plain,
+            weighted_tables=[],
+            batch_size=4,
+            world_size=1,
+            num_float_features=NUM_FLOAT_FEATURES,
+            max_feature_lengths=max_lengths,
         )[1][0]
         for _ in range(5)
     ]
@@ -235,8 +273,10 @@ def test_feature_processed_ebc() -> None:
     copies = []
     for _ in range(3):
         dmp = DistributedModelParallel(
-            module=copy.deepcopy(model), env=ShardingEnv.from_process_group(current_group()),
-            device=CPU, sharders=[sharder],  # type: ignore[list-item]
+            module=copy.deepcopy(model),
+            env=ShardingEnv.from_process_group(current_group()),
+            device=DEVICE,
+            sharders=[sharder],  # type: ignore[list-item]
         )
         copies.append((dmp, torch.optim.SGD(dmp.parameters(), lr=0.1)))
     with torch.no_grad():
@@ -244,8 +284,10 @@ def test_feature_processed_ebc() -> None:
             copy_state(copies[0][0].state_dict(), dmp.state_dict())
     (ref_dmp, ref_opt), (their_dmp, their_opt), (dmp, opt) = copies
     ref = non_pipelined(ref_dmp, ref_opt, batches)
-    theirs = optional_run(upstream.TrainPipelineSparseDist(their_dmp, their_opt, CPU), batches, model=their_dmp)
-    pipeline = trec_pipelines.TrainPipelineSparseDist(dmp, opt, CPU)
+    theirs = optional_run(
+        upstream.TrainPipelineSparseDist(their_dmp, their_opt, DEVICE), batches, model=their_dmp
+    )
+    pipeline = trec_pipelines.TrainPipelineSparseDist(dmp, opt, DEVICE)
     ours = optional_run(pipeline, batches, model=dmp)
     assert_runs_equal(ref, theirs, ("non_pipelined", "torchrec"))
     assert_runs_equal(ref, ours, ("non_pipelined", "trec_pipelines"))
@@ -260,7 +302,7 @@ def test_restore_from_snapshot() -> None:
     batches = generate_data(num_batches=6, batch_size=4, seed=8)
     (ref_dmp, ref_opt), (src_dmp, src_opt), (dst_dmp, dst_opt) = Setting("table_wise").pair(3)
     ref = non_pipelined(ref_dmp, ref_opt, batches)
-    source = trec_pipelines.TrainPipelineSparseDist(src_dmp, src_opt, CPU)
+    source = trec_pipelines.TrainPipelineSparseDist(src_dmp, src_opt, DEVICE)
     it = iter(batches[:3])
     first = [source.progress(it).detach().clone() for _ in range(3)]
     with pytest.raises(StopIteration):
@@ -273,7 +315,9 @@ def test_restore_from_snapshot() -> None:
     missing, unexpected = dst_dmp.load_state_dict(snapshot)
     assert (missing, unexpected) == ([], [])
     rest = non_pipelined(dst_dmp, dst_opt, batches[3:])
-    assert_runs_equal(ref, Run(first + list(rest), rest.weights), ("non_pipelined", "pipelined then restored"))
+    assert_runs_equal(
+        ref, Run(first + list(rest), rest.weights), ("non_pipelined", "pipelined then restored")
+    )
     # Sharded -> pipelined: load into the rewritten model, which then trains on.
     missing, unexpected = src_dmp.load_state_dict(ref_dmp.state_dict())
     assert (missing, unexpected) == ([], [])

@@ -22,21 +22,23 @@ import pytest
 import torch
 
 from tests.distributed.dlrm import Run, assert_runs_equal, weights
-from tests.distributed.upstream_setup import CPU, Setting, generate_data, non_pipelined
+from tests.distributed.upstream_setup import DEVICE, Setting, generate_data, non_pipelined
 from trec_pipelines import PipelineStage, SparseDataDistUtil, StagedTrainPipeline
 
 STREAMS = {"none": None, "cpu_stream": torch.Stream(device="cpu")}
 
 
 def _copy(batch: Any) -> Any:
-    return batch.to(CPU, non_blocking=True)
+    return batch.to(DEVICE, non_blocking=True)
 
 
 def _identity(batch: Any) -> Any:
     return batch
 
 
-def _train(pipeline: StagedTrainPipeline, model: torch.nn.Module, optimizer: Any, batches: List[Any]) -> Run:
+def _train(
+    pipeline: StagedTrainPipeline, model: torch.nn.Module, optimizer: Any, batches: List[Any]
+) -> Run:
     it, outputs = iter(batches), []
     while (batch := pipeline.progress(it)) is not None:
         optimizer.zero_grad()
@@ -76,7 +78,9 @@ def test_pipelining(stream: str) -> None:
 def test_pipelining_prefetch(stream: str) -> None:
     s: Optional[torch.Stream] = STREAMS[stream]
     batches = generate_data(num_batches=8, batch_size=8, seed=6)
-    (ref_dmp, ref_opt), (dmp, opt) = Setting("table_wise", fused_params={"stochastic_rounding": False}).pair()
+    (ref_dmp, ref_opt), (dmp, opt) = Setting(
+        "table_wise", fused_params={"stochastic_rounding": False}
+    ).pair()
     ref = non_pipelined(ref_dmp, ref_opt, batches)
     sdd = SparseDataDistUtil[Any](model=dmp, data_dist_stream=s, apply_jit=False, prefetch_stream=s)
     stages = [

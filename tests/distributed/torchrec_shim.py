@@ -24,6 +24,8 @@ from typing import Any, Iterator, List
 
 import torch
 
+from tests import devices
+
 _active = False
 # How many times the shim was entered, for conftest's per-test bookkeeping.
 _entries = 0
@@ -58,6 +60,9 @@ def _cpu_stream_needs_device() -> bool:
 @contextlib.contextmanager
 def torchrec_on_cpu() -> Iterator[None]:
     global _active, _entries
+    if devices.on_gpu():  # torchrec's streams are real there: nothing to patch
+        yield
+        return
     original_record_stream = torch.Tensor.record_stream
     original_current_stream = torch.cuda.current_stream
     patch_device = _cpu_stream_needs_device()

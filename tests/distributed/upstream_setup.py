@@ -29,9 +29,10 @@ from torchrec.distributed.test_utils.test_model import ModelInput, TestSparseNN
 from torchrec.distributed.types import ShardingEnv
 from torchrec.modules.embedding_configs import EmbeddingBagConfig
 
+from tests import devices
 from tests.distributed.dlrm import Run, current_group, weights
 
-CPU = torch.device("cpu")
+DEVICE = devices.device()
 FUSED = EmbeddingComputeKernel.FUSED.value
 NUM_FLOAT_FEATURES = 10
 
@@ -85,7 +86,7 @@ def copy_state(src: Dict[str, Any], dst: Dict[str, Any]) -> None:
     for key, value in src.items():
         target = dst[key]
         if isinstance(value, ShardedTensor):
-            for mine, theirs in zip(target.local_shards(), value.local_shards()):
+            for mine, theirs in zip(target.local_shards(), value.local_shards(), strict=True):
                 mine.tensor.copy_(theirs.tensor)
         else:
             target.copy_(value)
@@ -107,7 +108,7 @@ class Setting:
             tables=plain,
             weighted_tables=weighted,
             num_float_features=NUM_FLOAT_FEATURES,
-            dense_device=CPU,
+            dense_device=DEVICE,
             sparse_device=torch.device("meta"),
         )
 
@@ -119,7 +120,7 @@ class Setting:
             module=copy.deepcopy(model),
             env=ShardingEnv.from_process_group(current_group()),
             init_data_parallel=False,
-            device=CPU,
+            device=DEVICE,
             sharders=[sharder],  # type: ignore[list-item]
         )
         fused = set(DistributedModelParallel._sharded_parameter_names(dmp))

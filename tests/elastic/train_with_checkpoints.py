@@ -74,13 +74,18 @@ def main() -> None:
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
     dist.init_process_group(
-        "gloo", store=attempt_store(attempt, rank, world), rank=rank, world_size=world,
+        "gloo",
+        store=attempt_store(attempt, rank, world),
+        rank=rank,
+        world_size=world,
         timeout=timedelta(minutes=2),  # a test: fail rather than wait 30 minutes
     )
     torch.set_num_threads(1)
     me = f"rank_{rank}"
 
-    dmp, optimizer = make_sharded(DLRM, "table_wise", seed=1234 + attempt)  # a restart starts elsewhere
+    dmp, optimizer = make_sharded(
+        DLRM, "table_wise", seed=1234 + attempt
+    )  # a restart starts elsewhere
     pipeline = getattr(trec_pipelines, args.variant)(dmp, optimizer, CPU)
     loader = StatefulDataLoader(Batches(make_batches(args.batches, seed=5)), batch_size=None)
     latest = os.path.join(args.out, "latest")

@@ -44,7 +44,9 @@ def rss_bytes() -> int:
     raise RuntimeError("no VmRSS in /proc/self/status")
 
 
-def soak(name: str, steps: int, warmup: int, sample_every: int, window: int, recorded: int) -> Dict[str, Any]:
+def soak(
+    name: str, steps: int, warmup: int, sample_every: int, window: int, recorded: int
+) -> Dict[str, Any]:
     dmp, optimizer = make_sharded(DLRM, "table_wise", seed=0)
     kwargs = {"start_batch": 10} if name == "TrainPipelineSemiSync" else {}
     pipeline = getattr(tp, name)(dmp, optimizer, torch.device("cpu"), **kwargs)
@@ -121,12 +123,17 @@ def main() -> int:
     parser.add_argument("--steps", type=int, default=5000)
     parser.add_argument("--warmup", type=int, default=500)
     parser.add_argument("--sample-every", type=int, default=100)
-    parser.add_argument("--window", type=int, default=500, help="steps compared at both ends for a flat ledger")
-    parser.add_argument("--recorded", type=int, default=20, help="last steps run with the per-action ledger on")
+    parser.add_argument(
+        "--window", type=int, default=500, help="steps compared at both ends for a flat ledger"
+    )
+    parser.add_argument(
+        "--recorded", type=int, default=20, help="last steps run with the per-action ledger on"
+    )
     args = parser.parse_args()
     dist.init_process_group("gloo")
     results = [
-        soak(name, args.steps, args.warmup, args.sample_every, args.window, args.recorded) for name in DEPTH
+        soak(name, args.steps, args.warmup, args.sample_every, args.window, args.recorded)
+        for name in DEPTH
     ]
     if dist.get_rank() == 0:
         print(json.dumps(results, indent=2))

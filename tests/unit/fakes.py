@@ -63,7 +63,9 @@ class FakeShardedEBC(ShardedModule[Any, Any, Any, _Ctx]):
         return torch.cat(per_feature, dim=1)
 
     def output_dist(self, ctx: _Ctx, output: torch.Tensor) -> LazyNoWait[KeyedTensor]:
-        return LazyNoWait(KeyedTensor(keys=FEATURES, length_per_key=[DIM] * len(FEATURES), values=output))
+        return LazyNoWait(
+            KeyedTensor(keys=FEATURES, length_per_key=[DIM] * len(FEATURES), values=output)
+        )
 
 
 @dataclass
@@ -147,7 +149,9 @@ class TwiceModel(TinyModel):
         return _head(self, embedded, batch)
 
 
-def _head(model: TinyModel, embedded: torch.Tensor, batch: Any) -> Tuple[torch.Tensor, torch.Tensor]:
+def _head(
+    model: TinyModel, embedded: torch.Tensor, batch: Any
+) -> Tuple[torch.Tensor, torch.Tensor]:
     x = torch.cat([embedded, model.dense(batch.dense)], dim=1)
     logits = model.over(x).squeeze(1)
     loss = nn.functional.binary_cross_entropy_with_logits(logits, batch.labels, reduction="none")
@@ -163,7 +167,9 @@ def make_batches(n: int, batch_size: int = 3, seed: int = 1, nested: bool = Fals
         kjt = KeyedJaggedTensor(keys=FEATURES, values=values, lengths=lengths)
         dense = torch.rand(batch_size, 3, generator=g)
         labels = torch.randint(0, 2, (batch_size,), generator=g).float()
-        out.append(NestedBatch(dense, {"ids": kjt}, labels) if nested else Batch(dense, kjt, labels))
+        out.append(
+            NestedBatch(dense, {"ids": kjt}, labels) if nested else Batch(dense, kjt, labels)
+        )
     return out
 
 
@@ -198,9 +204,11 @@ def assert_same_training(
     ours: List[torch.Tensor], ref: List[torch.Tensor], model: nn.Module, ref_model: nn.Module
 ) -> None:
     assert len(ours) == len(ref), f"{len(ours)} steps, expected {len(ref)}"
-    for step, (a, b) in enumerate(zip(ours, ref)):
+    for step, (a, b) in enumerate(zip(ours, ref, strict=True)):
         assert torch.equal(a, b), f"output differs at step {step}"
-    for (name, a), (_, b) in zip(model.state_dict().items(), ref_model.state_dict().items()):
+    for (name, a), (_, b) in zip(
+        model.state_dict().items(), ref_model.state_dict().items(), strict=True
+    ):
         assert torch.equal(a, b), f"weight {name} differs"
 
 
@@ -214,5 +222,3 @@ def base_pipeline(model: nn.Module, **kwargs: Any) -> Any:
     from trec_pipelines import TrainPipelineBase
 
     return TrainPipelineBase(model, optimizer_for(model), torch.device("cpu"), **kwargs)
-
-

@@ -48,11 +48,15 @@ def _run(names: List[str]) -> None:
 
     batches = make_batches(seed=7)
     ref = plain_loop(*make_sharded(DLRM, "table_wise", seed=1234), batches)
-    from torchrec.distributed.train_pipeline.train_pipelines import TrainPipelineSemiSync as UpstreamSemiSync
+    from torchrec.distributed.train_pipeline.train_pipelines import (
+        TrainPipelineSemiSync as UpstreamSemiSync,
+    )
 
     from tests.distributed.torchrec_shim import torchrec_on_cpu
 
-    theirs = run_pipeline(upstream.TrainPipelineSparseDist(*make_sharded(DLRM, "table_wise", seed=1234), CPU), batches)
+    theirs = run_pipeline(
+        upstream.TrainPipelineSparseDist(*make_sharded(DLRM, "table_wise", seed=1234), CPU), batches
+    )
     print(json.dumps({"run": "torchrec", "matches": _matches(ref, theirs)}), flush=True)
     # SemiSync trains differently from the plain loop by design: its oracle is
     # torchrec's class (under the CPU stream shim, as in the distributed tier).

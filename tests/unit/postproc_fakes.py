@@ -81,9 +81,7 @@ class DenseTenth(nn.Module):
 class Mix(nn.Module):
     """Takes a list and a dict mixing constants, batch fields and another postproc's output."""
 
-    def forward(
-        self, batch: Batch, extra: List[Any], named: Dict[str, Any]
-    ) -> Batch:
+    def forward(self, batch: Batch, extra: List[Any], named: Dict[str, Any]) -> Batch:
         dense = batch.dense
         for value in list(extra) + list(named.values()):
             dense = dense + value
@@ -100,7 +98,9 @@ class CollectionArgsModel(TinyModel):
 
     def forward(self, batch: Batch) -> Tuple[torch.Tensor, torch.Tensor]:
         tenth = self.tenth(batch)
-        mixed = self.mix(batch, [1, batch.dense, tenth], {"one": 1, "dense": batch.dense, "tenth": tenth})
+        mixed = self.mix(
+            batch, [1, batch.dense, tenth], {"one": 1, "dense": batch.dense, "tenth": tenth}
+        )
         embedded = self.sparse(mixed.sparse).values()
         return _head(self, embedded, mixed)
 

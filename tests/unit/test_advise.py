@@ -7,10 +7,9 @@ from typing import Any, List, Optional, Tuple
 
 import pytest
 
-from trec_pipelines.advise.advice import Advice, VariantReport, noise_band, recommend
+from trec_pipelines.advise.advice import Advice, VariantReport, noise_band, parse_bytes, recommend
 from trec_pipelines.advise.cli import _without_nproc, load_build, parser
 from trec_pipelines.advise.measure import BuildError, _exposed_per_step, call_build, take
-from trec_pipelines.advise.advice import parse_bytes
 from trec_pipelines.advise.run import _round_order
 from trec_pipelines.advise.variants import Variant, iterable_problem, not_applicable, resolve
 from trec_pipelines.memory import format_bytes
@@ -18,10 +17,23 @@ from trec_pipelines.memory import format_bytes
 MIB = 2**20
 
 
-def row(name: str, vs_plain: float, held: int, unpipelined: Tuple[Tuple[str, str], ...] = (),
-        paired: Tuple[float, ...] = (), ran: bool = True) -> VariantReport:
-    return VariantReport(name=name, ran=ran, vs_plain=vs_plain, qps=1000 * vs_plain, held_peak=held,
-                         unpipelined=unpipelined, paired=paired or (vs_plain,))
+def row(
+    name: str,
+    vs_plain: float,
+    held: int,
+    unpipelined: Tuple[Tuple[str, str], ...] = (),
+    paired: Tuple[float, ...] = (),
+    ran: bool = True,
+) -> VariantReport:
+    return VariantReport(
+        name=name,
+        ran=ran,
+        vs_plain=vs_plain,
+        qps=1000 * vs_plain,
+        held_peak=held,
+        unpipelined=unpipelined,
+        paired=paired or (vs_plain,),
+    )
 
 
 def test_fastest_without_a_budget() -> None:
@@ -32,7 +44,11 @@ def test_fastest_without_a_budget() -> None:
 
 
 def test_a_budget_excludes_the_fastest_and_the_reason_says_by_how_much() -> None:
-    rows = [row("Fused", 1.31, int(9.2 * MIB)), row("SemiSync", 1.34, int(49.2 * MIB)), row("Base", 1.0, MIB)]
+    rows = [
+        row("Fused", 1.31, int(9.2 * MIB)),
+        row("SemiSync", 1.34, int(49.2 * MIB)),
+        row("Base", 1.0, MIB),
+    ]
     name, reason = recommend(rows, 10 * MIB, 0.0)
     assert name == "Fused"
     over = int(49.2 * MIB) - 10 * MIB
@@ -51,11 +67,17 @@ def test_within_the_noise_the_one_holding_less() -> None:
 
 
 def test_never_one_that_left_a_module_unpipelined_when_another_did_not() -> None:
-    rows = [row("Sparse", 1.40, MIB, unpipelined=(("ebc", "postproc"),)), row("Fused", 1.05, 2 * MIB)]
+    rows = [
+        row("Sparse", 1.40, MIB, unpipelined=(("ebc", "postproc"),)),
+        row("Fused", 1.05, 2 * MIB),
+    ]
     name, reason = recommend(rows, None, 0.0)
     assert name == "Fused" and "Sparse is 33% faster but leaves ebc unpipelined" in reason
     # When every variant left one, the rule falls back to speed.
-    both = [row("Sparse", 1.40, MIB, unpipelined=(("ebc", "x"),)), row("Lite", 1.05, MIB, unpipelined=(("ebc", "x"),))]
+    both = [
+        row("Sparse", 1.40, MIB, unpipelined=(("ebc", "x"),)),
+        row("Lite", 1.05, MIB, unpipelined=(("ebc", "x"),)),
+    ]
     assert recommend(both, None, 0.0)[0] == "Sparse"
 
 
@@ -74,9 +96,15 @@ def test_nothing_fits_or_nothing_ran() -> None:
 
 
 def test_noise_band_is_the_median_half_range_of_per_round_ratios() -> None:
-    rows = [row("A", 1.0, 0, paired=(1.0, 1.2, 1.1)), row("B", 1.0, 0, paired=(0.9, 0.95)),
-            row("S", 1.0, 0, paired=(0.5, 2.5)), row("C", 1.0, 0)]
-    assert noise_band(rows) == pytest.approx(0.1)  # half-ranges 0.1, 0.025, 1.0: the stalled S does not set it
+    rows = [
+        row("A", 1.0, 0, paired=(1.0, 1.2, 1.1)),
+        row("B", 1.0, 0, paired=(0.9, 0.95)),
+        row("S", 1.0, 0, paired=(0.5, 2.5)),
+        row("C", 1.0, 0),
+    ]
+    assert noise_band(rows) == pytest.approx(
+        0.1
+    )  # half-ranges 0.1, 0.025, 1.0: the stalled S does not set it
     assert noise_band([row("A", 1.0, 0)]) == 0.0
 
 
@@ -141,7 +169,11 @@ def test_batches_checks() -> None:
     assert "iterator" in str(iterable_problem(iter([1, 2])))
     assert "not an iterable" in str(iterable_problem(5))
     one_shot = OneShot()
-    assert iterable_problem(one_shot) is None and one_shot.items == [1, 2, 3]  # checking did not start it
+    assert iterable_problem(one_shot) is None and one_shot.items == [
+        1,
+        2,
+        3,
+    ]  # checking did not start it
     assert take([1, 2, 3, 4], 1, 2, "timed") == [2, 3]
     take(one_shot, 0, 3, "warm-up")
     with pytest.raises(BuildError, match="batches gave 0 of the 2 timed batches"):
@@ -156,7 +188,10 @@ def test_call_build_says_what_to_return() -> None:
 
     with pytest.raises(BuildError, match=r"build\(\) raised KeyError: 'tables'"):
         call_build(raising)
-    with pytest.raises(BuildError, match=r"returned tuple of 2; it must return a tuple \(model, optimizer, batches\)"):
+    with pytest.raises(
+        BuildError,
+        match=r"returned tuple of 2; it must return a tuple \(model, optimizer, batches\)",
+    ):
         call_build(lambda: (1, 2))  # type: ignore[arg-type,return-value]
     with pytest.raises(BuildError, match="must be an nn.Module"):
         call_build(lambda: ("model", None, []))  # type: ignore[arg-type,return-value]
@@ -167,12 +202,22 @@ def test_call_build_says_what_to_return() -> None:
 
 def test_exposed_input_dist_counts_steady_calls_only() -> None:
     # Three calls starting at 0, 10, 20 (end 30); issues in calls 0 and 1 only.
-    intervals = [("issue", 1.0, 3.0), ("wait", 2.0, 4.0), ("issue", 11.0, 12.0), ("wait", 15.0, 16.0),
-                 ("wait", 21.0, 22.0)]
+    intervals = [
+        ("issue", 1.0, 3.0),
+        ("wait", 2.0, 4.0),
+        ("issue", 11.0, 12.0),
+        ("wait", 15.0, 16.0),
+        ("wait", 21.0, 22.0),
+    ]
     # Call 0 is the fill; call 2 issues nothing: only call 1 counts (1 + 1 seconds).
     assert _exposed_per_step(intervals, [0.0, 10.0, 20.0], 30.0) == pytest.approx(2.0)
     # The median over steady calls: one stalled call does not move it.
-    steady = [("issue", 11.0, 12.0), ("issue", 21.0, 29.0), ("issue", 31.0, 32.0), ("issue", 1.0, 2.0)]
+    steady = [
+        ("issue", 11.0, 12.0),
+        ("issue", 21.0, 29.0),
+        ("issue", 31.0, 32.0),
+        ("issue", 1.0, 2.0),
+    ]
     assert _exposed_per_step(steady, [0.0, 10.0, 20.0, 30.0], 40.0) == pytest.approx(1.0)
     assert _exposed_per_step([("issue", 1.0, 2.0)], [0.0], 5.0) is None
 
@@ -191,7 +236,11 @@ def advice(recommended: Optional[str] = "B", budget: Optional[int] = 4 * MIB) ->
 def test_for_budget_judges_the_same_measurements_again() -> None:
     a = advice(recommended="B", budget=None)
     tight = a.for_budget("2.5MiB")
-    assert tight.recommended == "A" and tight["B"].within_budget is False and tight["A"].within_budget is True
+    assert (
+        tight.recommended == "A"
+        and tight["B"].within_budget is False
+        and tight["A"].within_budget is True
+    )
     assert tight["C"].within_budget is None and tight["A"].qps == a["A"].qps
     assert a.for_budget(None)["A"].within_budget is None
 
@@ -210,7 +259,9 @@ def test_table_and_json(tmp_path: Any) -> None:
     import json
 
     loaded = json.load(open(path))
-    assert loaded["recommended"] == "B" and loaded["build"] == "x:y" and len(loaded["variants"]) == 4
+    assert (
+        loaded["recommended"] == "B" and loaded["build"] == "x:y" and len(loaded["variants"]) == 4
+    )
 
 
 def test_plot_is_a_png(tmp_path: Any) -> None:
@@ -222,9 +273,22 @@ def test_plot_is_a_png(tmp_path: Any) -> None:
 
 def test_cli_help_and_arguments() -> None:
     text = parser().format_help()
-    for option in ("--build", "--memory-budget", "--variants", "--include-compiled", "--rounds", "--nproc", "--out"):
+    for option in (
+        "--build",
+        "--memory-budget",
+        "--variants",
+        "--include-compiled",
+        "--rounds",
+        "--nproc",
+        "--out",
+    ):
         assert option in text
-    assert _without_nproc(["--build", "a:b", "--nproc", "4", "--nproc=3", "--steps", "2"]) == ["--build", "a:b", "--steps", "2"]
+    assert _without_nproc(["--build", "a:b", "--nproc", "4", "--nproc=3", "--steps", "2"]) == [
+        "--build",
+        "a:b",
+        "--steps",
+        "2",
+    ]
     with pytest.raises(SystemExit, match="module.path:function"):
         load_build("nocolon")
     with pytest.raises(SystemExit, match="cannot import"):
@@ -238,11 +302,16 @@ def test_cli_help_and_arguments() -> None:
     "argv, message",
     [
         (["--memory-budget", "lots"], "--memory-budget 'lots': give bytes as a number"),
-        (["--variants", "TrainPipelineSparseDist,Nope"], "--variants 'Nope' is not a pipeline of trec_pipelines"),
+        (
+            ["--variants", "TrainPipelineSparseDist,Nope"],
+            "--variants 'Nope' is not a pipeline of trec_pipelines",
+        ),
         (["--rounds", "0"], "need --steps >= 1, --warmup >= 0, --rounds >= 1"),
     ],
 )
-def test_cli_refuses_bad_options_before_launching(argv: List[str], message: str, capsys: Any) -> None:
+def test_cli_refuses_bad_options_before_launching(
+    argv: List[str], message: str, capsys: Any
+) -> None:
     from trec_pipelines.advise.cli import main
 
     with pytest.raises(SystemExit) as stop:
@@ -251,9 +320,9 @@ def test_cli_refuses_bad_options_before_launching(argv: List[str], message: str,
 
 
 def test_variant_build_context_for_compiled_autograd() -> None:
-    from trec_pipelines import TrainPipelineSparseDist, TrainPipelineSparseDistCompAutograd
-
     import torch
+
+    from trec_pipelines import TrainPipelineSparseDist, TrainPipelineSparseDistCompAutograd
 
     with Variant("x", TrainPipelineSparseDistCompAutograd).build_context():
         assert torch._dynamo.config.optimize_ddp == "python_reducer"
@@ -273,16 +342,44 @@ def test_the_command_line_end_to_end(tmp_path: Any) -> None:
         env.pop(var, None)
     out = os.path.join(tmp_path, "out")
     done = subprocess.run(
-        [sys.executable, "-m", "trec_pipelines.advise", "--build", "benchmarks.advise_build:tiny", "--steps", "2",
-         "--warmup", "1", "--rounds", "1", "--variants", "TrainPipelineSparseDist,TrainPipelineBase",
-         "--memory-budget", "1GiB", "--out", out, "--no-progress", "--nproc", "2"],
-        cwd=repo, env=env, capture_output=True, text=True, timeout=300,
+        [
+            sys.executable,
+            "-m",
+            "trec_pipelines.advise",
+            "--build",
+            "benchmarks.advise_build:tiny",
+            "--steps",
+            "2",
+            "--warmup",
+            "1",
+            "--rounds",
+            "1",
+            "--variants",
+            "TrainPipelineSparseDist,TrainPipelineBase",
+            "--memory-budget",
+            "1GiB",
+            "--out",
+            out,
+            "--no-progress",
+            "--nproc",
+            "2",
+        ],
+        cwd=repo,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
     )
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
     assert "recommended: TrainPipeline" in done.stdout and "memory budget 1.0 GiB" in done.stdout
     document = json.load(open(os.path.join(out, "advice.json")))
-    assert document["build"] == "benchmarks.advise_build:tiny" and document["memory_budget"] == 2**30
-    assert [v["name"] for v in document["variants"]] == ["TrainPipelineSparseDist", "TrainPipelineBase"]
+    assert (
+        document["build"] == "benchmarks.advise_build:tiny" and document["memory_budget"] == 2**30
+    )
+    assert [v["name"] for v in document["variants"]] == [
+        "TrainPipelineSparseDist",
+        "TrainPipelineBase",
+    ]
     assert document["recommended"] in ("TrainPipelineSparseDist", "TrainPipelineBase")
     with open(os.path.join(out, "advice.png"), "rb") as f:
         assert f.read(8) == b"\x89PNG\r\n\x1a\n"

@@ -16,7 +16,9 @@ Which torchrec names are public (:func:`torchrec_public_names`):
   and drops what they merely import from elsewhere (``typing`` helpers,
   ``torchrec.distributed.types``, ``Awaitable``, ``KeyedJaggedTensor``, type
   aliases such as ``StageOutputWithEvent``).  ``experimental_pipelines`` is
-  left out: torchrec marks it experimental.
+  checked on its own (the end of this file): each experimental class we offer,
+  from the root and from ``trec_pipelines.experimental_pipelines``, matches
+  torchrec's.
 
 For each such name ``trec_pipelines`` (the package root) must offer one of the
 same name.  ``TrainPipeline``, ``In`` and ``Out`` must be torchrec's own objects
@@ -62,6 +64,7 @@ import torchrec
 import torchrec.distributed.train_pipeline as upstream
 
 import trec_pipelines
+import trec_pipelines.experimental_pipelines
 
 PIPELINE_PACKAGE = "torchrec.distributed.train_pipeline"
 # Modules of the pipeline package that torchrec's pipelines are defined in.
@@ -142,7 +145,9 @@ def _describe(param: inspect.Parameter) -> str:
     return f"{param.name}{default} ({param.kind.description})"
 
 
-def effective_parameters(func: Callable[..., Any], owner: Optional[type] = None) -> List[inspect.Parameter]:
+def effective_parameters(
+    func: Callable[..., Any], owner: Optional[type] = None
+) -> List[inspect.Parameter]:
     """``func``'s parameters, with a bare ``*args, **kwargs`` forwarded to the
     parent class's method of the same name replaced by that method's parameters."""
     params = list(inspect.signature(func).parameters.values())
@@ -203,7 +208,7 @@ def signature_problems(
             ours_text = "no default" if our.default is _EMPTY else f"default {our.default!r}"
             problems.append(f"{where}: '{our.name}' has {ours_text}, torchrec's has {theirs_text}")
     newer = True  # still among a newer torchrec's trailing positional parameters
-    for extra in our_params[len(their_params):]:
+    for extra in our_params[len(their_params) :]:
         newer = newer and extra.name in NEWER_TORCHREC_PARAMETERS and extra.default is not _EMPTY
         if extra.kind is not _KEYWORD_ONLY and not newer:
             problems.append(
@@ -245,7 +250,9 @@ def context_problems(theirs: type, ours: type) -> List[str]:
 
 
 def is_context(cls: type) -> bool:
-    return dataclasses.is_dataclass(cls) and cls.__module__ == f"{PIPELINE_PACKAGE}.pipeline_context"
+    return (
+        dataclasses.is_dataclass(cls) and cls.__module__ == f"{PIPELINE_PACKAGE}.pipeline_context"
+    )
 
 
 def _public_members(cls: type) -> Dict[str, Tuple[Any, type]]:
@@ -271,9 +278,13 @@ def class_problems(theirs: type, ours: type) -> List[str]:
     problems: List[str] = []
     if is_context(theirs):
         return context_problems(theirs, ours)
-    init_owner = next((k for k in theirs.__mro__ if "__init__" in vars(k) and _in_pipeline_package(k)), None)
+    init_owner = next(
+        (k for k in theirs.__mro__ if "__init__" in vars(k) and _in_pipeline_package(k)), None
+    )
     if init_owner is not None:
-        problems += signature_problems(init_owner.__init__, ours.__init__, f"{where}.__init__", init_owner)
+        problems += signature_problems(
+            init_owner.__init__, ours.__init__, f"{where}.__init__", init_owner
+        )
     for name, (member, owner) in sorted(_public_members(theirs).items()):
         our_member = inspect.getattr_static(ours, name, None)
         if our_member is None:
@@ -285,7 +296,9 @@ def class_problems(theirs: type, ours: type) -> List[str]:
         if isinstance(our_member, (staticmethod, classmethod)):
             our_member = our_member.__func__
         if not callable(our_member):
-            problems.append(f"{where}.{name}: torchrec's is a method, ours is {type(our_member).__name__}")
+            problems.append(
+                f"{where}.{name}: torchrec's is a method, ours is {type(our_member).__name__}"
+            )
             continue
         problems += signature_problems(member, our_member, f"{where}.{name}", owner)
     return problems
@@ -298,7 +311,13 @@ def test_the_rule_finds_torchrecs_pipelines() -> None:
     """Guards the name rule itself: it must see the pipelines and skip imports."""
     for name in ("TrainPipelineSparseDist", "TrainPipelineSemiSync", "TrainPipelineContext", "In"):
         assert name in TORCHREC_NAMES, f"{name} not found by torchrec_public_names()"
-    for imported in ("Awaitable", "KeyedJaggedTensor", "Optional", "ShardedModule", "StageOutputWithEvent"):
+    for imported in (
+        "Awaitable",
+        "KeyedJaggedTensor",
+        "Optional",
+        "ShardedModule",
+        "StageOutputWithEvent",
+    ):
         assert imported not in TORCHREC_NAMES, f"{imported} is an import, not pipeline API"
 
 
@@ -337,11 +356,63 @@ def test_function_signatures_match(name: str) -> None:
     assert not problems, "\n".join(problems)
 
 
+# ------------------------------------------------ experimental_pipelines
+
+EXPERIMENTAL_MODULE = f"{PIPELINE_PACKAGE}.experimental_pipelines"
+
+
+def torchrec_experimental_classes() -> Dict[str, type]:
+    """The classes torchrec's ``experimental_pipelines`` defines (not those it imports)."""
+    module = importlib.import_module(EXPERIMENTAL_MODULE)
+    return {
+        name: obj
+        for name, obj in vars(module).items()
+        if inspect.isclass(obj) and obj.__module__ == EXPERIMENTAL_MODULE and name[0] != "_"
+    }
+
+
+EXPERIMENTAL_CLASSES = torchrec_experimental_classes()
+
+
+def test_the_rule_finds_torchrecs_experimental_pipelines() -> None:
+    assert {"TrainPipelineSparseDistT", "TrainPipelineSparseDistBwdOpt"} <= set(
+        EXPERIMENTAL_CLASSES
+    )
+
+
+@pytest.mark.parametrize("name", sorted(EXPERIMENTAL_CLASSES))
+def test_experimental_class_is_offered_and_matches(name: str) -> None:
+    """From the package root and from our module named like torchrec's."""
+    ours = getattr(trec_pipelines.experimental_pipelines, name, None)
+    if ours is None:
+        pytest.fail(f"trec_pipelines.experimental_pipelines has no '{name}'", pytrace=False)
+    assert getattr(trec_pipelines, name, None) is ours
+    problems = class_problems(EXPERIMENTAL_CLASSES[name], ours)
+    assert not problems, "\n".join(problems)
+
+
+@pytest.mark.parametrize(
+    "name", ["CPUEmbeddingTrainPipelineContext", "CPUEmbeddingPipelinedForward"]
+)
+def test_what_the_experimental_pipelines_bring_along_is_offered(name: str) -> None:
+    """The context and forward EvalPipelineCPUSparse uses (torchrec defines them in
+    its pipeline_context and runtime_forwards modules)."""
+    theirs = getattr(importlib.import_module(EXPERIMENTAL_MODULE), name)
+    ours = getattr(trec_pipelines, name, None)
+    assert ours is not None, f"trec_pipelines has no '{name}'"
+    problems = (
+        context_problems(theirs, ours) if is_context(theirs) else class_problems(theirs, ours)
+    )
+    assert not problems, "\n".join(problems)
+
+
 # ------------------------------------------------ the checker catches mistakes
 
 
 class _Theirs:
-    def __init__(self, model: Any, optimizer: Any, device: Any, execute_all_batches: bool = True) -> None:
+    def __init__(
+        self, model: Any, optimizer: Any, device: Any, execute_all_batches: bool = True
+    ) -> None:
         pass
 
     def progress(self, dataloader_iter: Any) -> Any:
@@ -359,8 +430,15 @@ def _ours(init: Callable[..., None], **members: Any) -> type:
 
 
 def test_checker_accepts_a_faithful_class_with_keyword_only_extras() -> None:
-    def init(self: Any, model: Any, optimizer: Any, device: Any, execute_all_batches: bool = True,
-             *, validate_batch: Optional[Callable[[Any], None]] = None) -> None:
+    def init(
+        self: Any,
+        model: Any,
+        optimizer: Any,
+        device: Any,
+        execute_all_batches: bool = True,
+        *,
+        validate_batch: Optional[Callable[[Any], None]] = None,
+    ) -> None:
         pass
 
     ours = _ours(init, progress=_Theirs.progress)
@@ -370,8 +448,11 @@ def test_checker_accepts_a_faithful_class_with_keyword_only_extras() -> None:
 def test_checker_catches_a_removed_parameter() -> None:
     # Doctor a real class of ours: drop torchrec's 'execute_all_batches'.
     real = trec_pipelines.TrainPipelineSparseDist
-    params = [p for name, p in inspect.signature(real.__init__).parameters.items()
-              if name != "execute_all_batches"]
+    params = [
+        p
+        for name, p in inspect.signature(real.__init__).parameters.items()
+        if name != "execute_all_batches"
+    ]
     doctored = type("Doctored", (real,), {})
 
     def init(self: Any, *args: Any, **kwargs: Any) -> None:
@@ -380,13 +461,23 @@ def test_checker_catches_a_removed_parameter() -> None:
     init.__signature__ = inspect.Signature(params)  # type: ignore[attr-defined]
     doctored.__init__ = init  # type: ignore[misc]
     theirs = TORCHREC_CLASSES["TrainPipelineSparseDist"]
-    problems = [p for p in class_problems(theirs, doctored) if p.startswith("TrainPipelineSparseDist.__init__")]
+    problems = [
+        p
+        for p in class_problems(theirs, doctored)
+        if p.startswith("TrainPipelineSparseDist.__init__")
+    ]
     assert any("execute_all_batches" in p for p in problems), problems
 
 
 def test_checker_catches_a_positional_extra_a_changed_default_and_a_missing_method() -> None:
-    def init(self: Any, model: Any, optimizer: Any, device: Any, execute_all_batches: bool = False,
-             validate_batch: bool = False) -> None:
+    def init(
+        self: Any,
+        model: Any,
+        optimizer: Any,
+        device: Any,
+        execute_all_batches: bool = False,
+        validate_batch: bool = False,
+    ) -> None:
         pass
 
     problems = class_problems(_theirs_in_package(), _ours(init))
@@ -399,7 +490,9 @@ def test_checker_catches_a_positional_extra_a_changed_default_and_a_missing_meth
 
 
 def test_checker_catches_reordered_parameters() -> None:
-    def init(self: Any, model: Any, device: Any, optimizer: Any, execute_all_batches: bool = True) -> None:
+    def init(
+        self: Any, model: Any, device: Any, optimizer: Any, execute_all_batches: bool = True
+    ) -> None:
         pass
 
     problems = class_problems(_theirs_in_package(), _ours(init, progress=_Theirs.progress))
@@ -411,7 +504,11 @@ def test_checker_catches_reordered_parameters() -> None:
 
 def test_checker_catches_a_context_missing_a_field_or_with_a_required_extra() -> None:
     ours = trec_pipelines.TrainPipelineContext
-    kept = [(f.name, f.type, f) for f in dataclasses.fields(ours) if f.name != "input_dist_tensors_requests"]
+    kept = [
+        (f.name, f.type, f)
+        for f in dataclasses.fields(ours)
+        if f.name != "input_dist_tensors_requests"
+    ]
     doctored = dataclasses.make_dataclass("Doctored", [("needs_a_value", int)] + kept)
     problems = context_problems(TORCHREC_CLASSES["TrainPipelineContext"], doctored)
     assert "TrainPipelineContext: missing field 'input_dist_tensors_requests'" in problems

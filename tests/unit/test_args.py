@@ -6,9 +6,11 @@ from typing import Any, Dict
 
 import pytest
 import torch
-from torchrec.distributed.train_pipeline import ArgInfo as UpstreamArgInfo
-from torchrec.distributed.train_pipeline import ArgInfoStepFactory as UpstreamFactory
-from torchrec.distributed.train_pipeline import CallArgs as UpstreamCallArgs
+from torchrec.distributed.train_pipeline import (
+    ArgInfo as UpstreamArgInfo,
+    ArgInfoStepFactory as UpstreamFactory,
+    CallArgs as UpstreamCallArgs,
+)
 
 from trec_pipelines import ArgInfo, ArgInfoStepFactory, CallArgs
 
@@ -25,7 +27,13 @@ def build(info_cls: Any, factory: Any, call_cls: Any) -> Any:
     whole = info_cls([factory.noop()])
     scalar = info_cls([factory.from_scalar(3)])
     listed = info_cls([factory.from_list([info_cls([factory.get_attr("dense")]), 7])])
-    mapped = info_cls([factory.from_dict({"n": info_cls([factory.get_attr("features"), factory.get_item("lengths")])})])
+    mapped = info_cls(
+        [
+            factory.from_dict(
+                {"n": info_cls([factory.get_attr("features"), factory.get_item("lengths")])}
+            )
+        ]
+    )
     doubled = info_cls([factory.get_attr("dense"), factory.postproc(torch.nn.Identity())])
     empty = info_cls([])
     return call_cls([ids, whole, scalar, listed, empty], {"m": mapped, "d": doubled})
@@ -35,7 +43,11 @@ def same(a: Any, b: Any) -> bool:
     if isinstance(a, torch.Tensor):
         return isinstance(b, torch.Tensor) and torch.equal(a, b)
     if isinstance(a, (list, tuple)):
-        return type(a) is type(b) and len(a) == len(b) and all(same(x, y) for x, y in zip(a, b))
+        return (
+            type(a) is type(b)
+            and len(a) == len(b)
+            and all(same(x, y) for x, y in zip(a, b, strict=True))
+        )
     if isinstance(a, dict):
         return a.keys() == b.keys() and all(same(a[k], b[k]) for k in a)
     return a is b or a == b

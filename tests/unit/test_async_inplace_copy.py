@@ -16,11 +16,22 @@ import pytest
 import torch
 
 import trec_pipelines as tp
-from tests.unit.fakes import TinyModel, assert_same_training, drain, make_batches, optimizer_for, plain_loop
+from tests.unit.fakes import (
+    TinyModel,
+    assert_same_training,
+    drain,
+    make_batches,
+    optimizer_for,
+    plain_loop,
+)
 from trec_pipelines.inplace_copy import BatchQueue
 
 CPU = torch.device("cpu")
-VARIANTS = ["TrainPipelineSparseDist", "TrainPipelineSparseDistLite", "PrefetchTrainPipelineSparseDist"]
+VARIANTS = [
+    "TrainPipelineSparseDist",
+    "TrainPipelineSparseDistLite",
+    "PrefetchTrainPipelineSparseDist",
+]
 
 # torchrec 1.9.2's positional parameters, last ones first differing by class.
 _COMMON_TAIL: List[Tuple[str, Any]] = [
@@ -78,9 +89,16 @@ def test_async_inplace_copy_takes_torchrecs_position(name: str) -> None:
     ]
     # Lite starts a batch's input_dist in the step that trains it: no group to choose.
     dedicated = [] if name == "TrainPipelineSparseDistLite" else ["input_dist_group"]
-    assert keyword_only == [
-        "rewrite_strategy", "on_unpipelined", "sync_exhaustion", "validate_batches",
-    ] + dedicated
+    assert (
+        keyword_only
+        == [
+            "rewrite_strategy",
+            "on_unpipelined",
+            "sync_exhaustion",
+            "validate_batches",
+        ]
+        + dedicated
+    )
 
 
 @pytest.mark.parametrize("inplace", [False, True])
@@ -95,7 +113,11 @@ def test_on_cpu_it_is_logged_and_the_copy_stays_synchronous(
     before = threading.active_count()
     with caplog.at_level(logging.WARNING):
         pipeline = cls(
-            model, optimizer_for(model), CPU, enable_inplace_copy_batch=inplace, async_inplace_copy=True
+            model,
+            optimizer_for(model),
+            CPU,
+            enable_inplace_copy_batch=inplace,
+            async_inplace_copy=True,
         )
     assert "async_inplace_copy=True has no effect on cpu" in caplog.text
     assert pipeline._async_inplace_copy is False
@@ -109,8 +131,20 @@ def test_positional_call_reaches_async_inplace_copy(caplog: pytest.LogCaptureFix
     model = TinyModel()
     with caplog.at_level(logging.WARNING):
         tp.TrainPipelineSparseDist(
-            model, optimizer_for(model), CPU,
-            True, False, tp.TrainPipelineContext, False, None, 1, False, False, False, False, True,
+            model,
+            optimizer_for(model),
+            CPU,
+            True,
+            False,
+            tp.TrainPipelineContext,
+            False,
+            None,
+            1,
+            False,
+            False,
+            False,
+            False,
+            True,
         )
     assert "async_inplace_copy=True has no effect" in caplog.text
 

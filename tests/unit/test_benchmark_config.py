@@ -11,7 +11,6 @@ from benchmarks import netns, report
 from benchmarks.config import PRESETS, BenchConfig, build_parser, parse_args, to_argv
 from benchmarks.contenders import COMPILED, SHIMMED, Variant, discover
 
-
 # --------------------------------------------------------------------------
 # Config and command line
 # --------------------------------------------------------------------------
@@ -26,20 +25,28 @@ def test_defaults_are_the_issue_s_default_run() -> None:
     assert cfg.link_gbit is None and not cfg.include_compiled
     assert cfg.run_name() == "default"
     assert (cfg.steps_for(512), cfg.steps_for(4096)) == (24, 8)
-    assert parse_args(["--batch-sizes", "64,8192,1024"]).steps_for(8192) == 8  # auto steps follow the sizes
+    assert (
+        parse_args(["--batch-sizes", "64,8192,1024"]).steps_for(8192) == 8
+    )  # auto steps follow the sizes
 
 
 def test_overrides_of_every_kind() -> None:
     cfg = parse_args(
         [
-            "--batch-sizes", "64,128,256",
-            "--steps", "5",
-            "--link-gbit", "2",
-            "--variants", "TrainPipelineSparseDist,TrainPipelineBase",
+            "--batch-sizes",
+            "64,128,256",
+            "--steps",
+            "5",
+            "--link-gbit",
+            "2",
+            "--variants",
+            "TrainPipelineSparseDist,TrainPipelineBase",
             "--no-torchrec",
             "--include-compiled",
-            "--emb-lr", "0.5",
-            "--sharding-type", "column_wise",
+            "--emb-lr",
+            "0.5",
+            "--sharding-type",
+            "column_wise",
         ]
     )
     assert cfg.batch_sizes == (64, 128, 256)
@@ -53,7 +60,19 @@ def test_overrides_of_every_kind() -> None:
 
 
 def test_to_argv_round_trips() -> None:
-    cfg = parse_args(["--batch-sizes", "32,64", "--steps", "3,4", "--no-overhead", "--link-gbit", "1.5", "--repeats", "2"])
+    cfg = parse_args(
+        [
+            "--batch-sizes",
+            "32,64",
+            "--steps",
+            "3,4",
+            "--no-overhead",
+            "--link-gbit",
+            "1.5",
+            "--repeats",
+            "2",
+        ]
+    )
     argv = to_argv(cfg)
     assert parse_args(argv) == cfg
     assert to_argv(BenchConfig()) == []  # the default run needs no arguments
@@ -71,8 +90,22 @@ def test_preset_sets_its_fields_and_names_the_run() -> None:
 
 
 def test_options_next_to_a_preset_win() -> None:
-    cfg = parse_args(["--batch-sizes", "512", "--preset", "pipelining", "--repeats", "1", "--memory", "--name", "mine"])
-    assert cfg.repeats == 1 and cfg.batch_sizes == (512,) and cfg.memory and cfg.run_name() == "mine"
+    cfg = parse_args(
+        [
+            "--batch-sizes",
+            "512",
+            "--preset",
+            "pipelining",
+            "--repeats",
+            "1",
+            "--memory",
+            "--name",
+            "mine",
+        ]
+    )
+    assert (
+        cfg.repeats == 1 and cfg.batch_sizes == (512,) and cfg.memory and cfg.run_name() == "mine"
+    )
     assert cfg.pooling == 32 and cfg.steps == (12,)  # the rest from the preset
     assert parse_args(to_argv(cfg)) == cfg
 
@@ -89,14 +122,16 @@ def test_options_next_to_a_preset_win() -> None:
         (["--preset", "fast"], "--preset must be one of pipelining"),
     ],
 )
-def test_bad_values_exit_with_a_message(argv: List[str], fragment: str, capsys: pytest.CaptureFixture[str]) -> None:
+def test_bad_values_exit_with_a_message(
+    argv: List[str], fragment: str, capsys: pytest.CaptureFixture[str]
+) -> None:
     with pytest.raises(SystemExit) as exit_info:
         parse_args(argv)
     assert exit_info.value.code == 2
     assert fragment in capsys.readouterr().err
 
 
-def test_discover_takes_pipeline_classes_exported_by_the_root() -> None:
+def test_discover_takes_pipelnclasses_exported_by_the_root() -> None:
     import trec_pipelines
 
     variants, notes = discover()
@@ -135,7 +170,9 @@ def test_link_plan_limits_only_the_namespace_loopback() -> None:
     assert command[-3:] == ["--", "torchrun", "x"]
 
 
-def test_namespace_entry_refuses_the_launcher_s_own_namespace(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_namespace_entry_refuses_the_launcher_s_own_namespace(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     ran: List[Any] = []
     monkeypatch.setattr(netns.subprocess, "run", lambda *a, **k: ran.append(a))
     monkeypatch.setenv(netns.HOST_NETNS_ENV, str(netns.netns_inode()))
@@ -150,8 +187,14 @@ def test_namespace_entry_refuses_the_launcher_s_own_namespace(monkeypatch: pytes
 # --------------------------------------------------------------------------
 
 
-def _entry(variant: str, side: str, seconds: List[float], mode: str = "train",
-           shimmed: bool = False, reason: Optional[str] = None) -> Dict[str, Any]:
+def _entry(
+    variant: str,
+    side: str,
+    seconds: List[float],
+    mode: str = "train",
+    shimmed: bool = False,
+    reason: Optional[str] = None,
+) -> Dict[str, Any]:
     return {
         "variant": variant,
         "side": side,
@@ -173,11 +216,17 @@ def _raw() -> Dict[str, Any]:
                 "steps": 10,
                 # examples per epoch: 10 steps x 100 x 2 ranks = 2000
                 "contenders": {
-                    f"ours:{sd}": _entry(sd, "ours", [1.0, 2.0, 1.0]),  # 2000, 1000, 2000 -> median 2000
+                    f"ours:{sd}": _entry(
+                        sd, "ours", [1.0, 2.0, 1.0]
+                    ),  # 2000, 1000, 2000 -> median 2000
                     f"torchrec:{sd}": _entry(sd, "torchrec", [2.0, 2.0, 4.0]),  # median 1000
                     f"ours:{fused}": _entry(fused, "ours", [1.0]),
-                    f"torchrec:{fused}": _entry(fused, "torchrec", [], shimmed=True, reason="boom on CPU"),
-                    "ours:EvalPipelineSparseDist": _entry("EvalPipelineSparseDist", "ours", [0.5], mode="eval"),
+                    f"torchrec:{fused}": _entry(
+                        fused, "torchrec", [], shimmed=True, reason="boom on CPU"
+                    ),
+                    "ours:EvalPipelineSparseDist": _entry(
+                        "EvalPipelineSparseDist", "ours", [0.5], mode="eval"
+                    ),
                     "plain:train": _entry("plain", "plain", [4.0, 4.0]),  # 500
                     "plain:eval": _entry("plain", "plain", [1.0], mode="eval"),  # 2000
                 },
@@ -211,7 +260,9 @@ def test_throughput_medians_ratios_and_bound() -> None:
     eval_row = rows["EvalPipelineSparseDist"]
     assert eval_row.plain.median == 2000.0  # compared with the plain eval loop
     assert table.bound is not None
-    assert table.bound.costs.stage_ms() == pytest.approx({"h2d": 1.0, "input_dist": 20.0, "compute": 80.0})
+    assert table.bound.costs.stage_ms() == pytest.approx(
+        {"h2d": 1.0, "input_dist": 20.0, "compute": 80.0}
+    )
     # Stages only (an old result: no CPU times, no recorded epochs): fwd+bwd+opt binds.
     assert table.bound.bound_qps == pytest.approx(2500.0)  # 200 examples per 80 ms step
     bounds = {v.variant: v for v in table.bound.variants}
@@ -223,17 +274,23 @@ def test_throughput_medians_ratios_and_bound() -> None:
 def test_console_tables_show_values_shim_and_reasons() -> None:
     text = report.format_report(_raw(), repeats=3, header=["HEADER"])
     assert text.startswith("HEADER")
-    line = next(l for l in text.splitlines() if l.startswith("TrainPipelineSparseDist "))
+    line = next(ln for ln in text.splitlines() if ln.startswith("TrainPipelineSparseDist "))
     assert line.split()[1:] == ["2,000", "±25%", "1,000", "±25%", "2.00", "2.00", "4.00", "2.00"]
-    fused = next(l for l in text.splitlines() if l.startswith("TrainPipelineFusedSparseDist"))
+    fused = next(ln for ln in text.splitlines() if ln.startswith("TrainPipelineFusedSparseDist"))
     assert "n/a [1]" in fused
     assert "[1] boom on CPU" in text
     assert "EvalPipelineSparseDist (eval)" in text
     assert "plain loop (train)" in text and "plain loop (eval)" in text
     assert "1/max of these = 2,500 ex/s" in text and "-> 2,500 ex/s" in text
-    bound = next(l for l in text.splitlines() if l.startswith("TrainPipelineSparseDist ") and "(fwd+bwd+opt)" in l)
+    bound = next(
+        ln
+        for ln in text.splitlines()
+        if ln.startswith("TrainPipelineSparseDist ") and "(fwd+bwd+opt)" in ln
+    )
     assert "2,000 (80%)" in bound and "1,000 (40%)" in bound
-    overhead = next(l for l in text.splitlines() if l.startswith("TrainPipelineSparseDist") and "3.00" in l)
+    overhead = next(
+        ln for ln in text.splitlines() if ln.startswith("TrainPipelineSparseDist") and "3.00" in ln
+    )
     # ms/step 3 and 4, overhead 1 and 2 over the plain loop's 2 ms, ratio 0.5
     assert overhead.split()[1:] == ["3.00", "4.00", "train", "1.00", "2.00", "0.50"]
 
@@ -245,7 +302,7 @@ def test_shimmed_values_are_marked() -> None:
         "TrainPipelineFusedSparseDist", "torchrec", [1.0], shimmed=True
     )
     text = report.format_report(raw, repeats=1)
-    fused = next(l for l in text.splitlines() if l.startswith("TrainPipelineFusedSparseDist"))
+    fused = next(ln for ln in text.splitlines() if ln.startswith("TrainPipelineFusedSparseDist"))
     assert "2,000 (shimmed)" in fused
 
 
@@ -273,13 +330,26 @@ def test_rounds_keep_each_pair_back_to_back_and_rotate() -> None:
     from benchmarks.contenders import PlainLoop, make_contender
     from benchmarks.runner import _round_order
 
-    a, b = Variant("TrainPipelineBase", object, object), Variant("TrainPipelineSparseDist", object, object)
-    contenders = [make_contender(a, "ours"), make_contender(a, "torchrec"),
-                  make_contender(b, "ours"), make_contender(b, "torchrec"), PlainLoop("train")]
+    a, b = (
+        Variant("TrainPipelineBase", object, object),
+        Variant("TrainPipelineSparseDist", object, object),
+    )
+    contenders = [
+        make_contender(a, "ours"),
+        make_contender(a, "torchrec"),
+        make_contender(b, "ours"),
+        make_contender(b, "torchrec"),
+        PlainLoop("train"),
+    ]
     keys = lambda r: [c.key for c in _round_order(contenders, r)]  # noqa: E731
     assert keys(0) == [c.key for c in contenders]
-    assert keys(1) == ["torchrec:TrainPipelineSparseDist", "ours:TrainPipelineSparseDist", "plain:train",
-                       "torchrec:TrainPipelineBase", "ours:TrainPipelineBase"]
+    assert keys(1) == [
+        "torchrec:TrainPipelineSparseDist",
+        "ours:TrainPipelineSparseDist",
+        "plain:train",
+        "torchrec:TrainPipelineBase",
+        "ours:TrainPipelineBase",
+    ]
     for r in range(6):
         order = keys(r)
         assert sorted(order) == sorted(c.key for c in contenders)
@@ -292,21 +362,27 @@ def test_rounds_keep_each_pair_back_to_back_and_rotate() -> None:
 # --------------------------------------------------------------------------
 
 
-def _with_validation(us_per_batch: List[List[float]], status: str = report.OK, reason: str = "") -> Dict[str, Any]:
+def _with_validation(
+    us_per_batch: List[List[float]], status: str = report.OK, reason: str = ""
+) -> Dict[str, Any]:
     raw = _raw()
     raw["throughput"][0]["validation"] = {
-        "status": status, "reason": reason, "passes": 3, "batches": 10, "us_per_batch": us_per_batch,
+        "status": status,
+        "reason": reason,
+        "passes": 3,
+        "batches": 10,
+        "us_per_batch": us_per_batch,
     }
     return raw
 
 
 def _validation_lines(raw: Dict[str, Any]) -> List[str]:
     lines = report.format_report(raw, repeats=3).splitlines()
-    first = next(i for i, l in enumerate(lines) if l.startswith("batch validation"))
+    first = next(i for i, ln in enumerate(lines) if ln.startswith("batch validation"))
     return lines[first : first + 2]
 
 
-def test_validation_cost_line_takes_the_slowest_rank_against_sparse_dist_s_step() -> None:
+def test_validation_cost_lntakes_the_slowest_rank_against_sparse_dist_s_step() -> None:
     # Rank medians 20 and 50 us; ours SparseDist: epochs of 1, 2, 1 s over 10 steps -> 100 ms/step.
     raw = _with_validation([[10.0, 30.0, 20.0], [40.0, 50.0, 60.0]])
     (table,) = report.throughput_tables(raw)
@@ -324,7 +400,11 @@ def test_validation_cost_line_takes_the_slowest_rank_against_sparse_dist_s_step(
     )
     # Under the throughput table (after its bound line), before the overhead table.
     text = report.format_report(raw, repeats=3)
-    assert text.index("Throughput at batch") < text.index("batch validation") < text.index("Per-step overhead")
+    assert (
+        text.index("Throughput at batch")
+        < text.index("batch validation")
+        < text.index("Per-step overhead")
+    )
     entry = report.summary(raw)["throughput"][0]["batch_validation"]
     assert entry["us_per_batch"] == 50.0 and entry["us_per_batch_per_rank"] == [20.0, 50.0]
     assert entry["percent_of_sparse_dist_step"] == pytest.approx(0.05)
@@ -334,7 +414,9 @@ def test_validation_cost_line_takes_the_slowest_rank_against_sparse_dist_s_step(
 
 def test_validation_cost_above_target_tiny_missing_or_failed() -> None:
     above = _validation_lines(_with_validation([[2000.0]]))[0]  # 2 ms of a 100 ms step
-    assert above.endswith("= 2.00% of TrainPipelineSparseDist's step (100.00 ms), ABOVE the 1% target")
+    assert above.endswith(
+        "= 2.00% of TrainPipelineSparseDist's step (100.00 ms), ABOVE the 1% target"
+    )
     tiny = _validation_lines(_with_validation([[5.0]]))[0]
     assert "5.0 us/batch = <0.01% of" in tiny
     no_step = _with_validation([[5.0]])
@@ -342,10 +424,18 @@ def test_validation_cost_above_target_tiny_missing_or_failed() -> None:
     assert _validation_lines(no_step)[0].endswith(
         "5.0 us/batch (TrainPipelineSparseDist's step not measured, so no share of it)"
     )
-    assert report.summary(no_step)["throughput"][0]["batch_validation"]["percent_of_sparse_dist_step"] is None
+    assert (
+        report.summary(no_step)["throughput"][0]["batch_validation"]["percent_of_sparse_dist_step"]
+        is None
+    )
     failed = _with_validation([], status=report.NA, reason="ValueError: boom (rank 1)")
-    assert _validation_lines(failed)[0] == "batch validation (validate_batches=True): n/a (ValueError: boom (rank 1))"
-    assert "batch validation" not in report.format_report(_raw(), repeats=3)  # results from before it was measured
+    assert (
+        _validation_lines(failed)[0]
+        == "batch validation (validate_batches=True): n/a (ValueError: boom (rank 1))"
+    )
+    assert "batch validation" not in report.format_report(
+        _raw(), repeats=3
+    )  # results from before it was measured
 
 
 def test_time_batch_validation_times_good_batches_and_refuses_bad_ones() -> None:
@@ -358,7 +448,9 @@ def test_time_batch_validation_times_good_batches_and_refuses_bad_ones() -> None
     per_pass = time_batch_validation(batches, passes=4)
     assert len(per_pass) == 4 and all(us > 0 for us in per_pass)
     bad = batches[1]
-    bad.sparse = KeyedJaggedTensor(keys=["f0", "f1"], values=torch.arange(3), lengths=torch.tensor([1, 1, 1, 1]))
+    bad.sparse = KeyedJaggedTensor(
+        keys=["f0", "f1"], values=torch.arange(3), lengths=torch.tensor([1, 1, 1, 1])
+    )
     with pytest.raises(ValueError, match="benchmark batch 1 is malformed: .*1 missing"):
         time_batch_validation(batches, passes=1)
 

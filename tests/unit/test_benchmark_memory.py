@@ -47,10 +47,13 @@ def test_ledger_epoch_sees_the_third_batch_within_a_step() -> None:
 
 def _entry(held: List[int], rss: List[int], ledger_peak: int = 0) -> Dict[str, Any]:
     ranks = []
-    for h, r in zip(held, rss):
+    for h, r in zip(held, rss, strict=True):
         rank: Dict[str, Any] = {
-            "held_peak": h, "held_by_kind": {"batch": h, "context": 0, "embeddings": 0, "other": 0},
-            "max_batches": 2, "rss_peak": r, "rss_before": r - MiB,
+            "held_peak": h,
+            "held_by_kind": {"batch": h, "context": 0, "embeddings": 0, "other": 0},
+            "max_batches": 2,
+            "rss_peak": r,
+            "rss_before": r - MiB,
         }
         if ledger_peak:
             rank["ledger"] = {"peak": ledger_peak, "steady": ledger_peak // 2, "max_batches": 3}
@@ -60,24 +63,61 @@ def _entry(held: List[int], rss: List[int], ledger_peak: int = 0) -> Dict[str, A
 
 def _raw() -> Dict[str, Any]:
     contenders = {
-        "ours:TrainPipelineSparseDist": {"variant": "TrainPipelineSparseDist", "side": "ours", "mode": "train",
-                                         "shimmed": False, "status": "ok", "reason": "", "seconds": [1.0]},
-        "torchrec:TrainPipelineSparseDist": {"variant": "TrainPipelineSparseDist", "side": "torchrec",
-                                             "mode": "train", "shimmed": False, "status": "ok", "reason": "",
-                                             "seconds": [1.0]},
+        "ours:TrainPipelineSparseDist": {
+            "variant": "TrainPipelineSparseDist",
+            "side": "ours",
+            "mode": "train",
+            "shimmed": False,
+            "status": "ok",
+            "reason": "",
+            "seconds": [1.0],
+        },
+        "torchrec:TrainPipelineSparseDist": {
+            "variant": "TrainPipelineSparseDist",
+            "side": "torchrec",
+            "mode": "train",
+            "shimmed": False,
+            "status": "ok",
+            "reason": "",
+            "seconds": [1.0],
+        },
     }
     block = {
-        "batch_size": 4, "steps": 2, "contenders": contenders, "stages": [],
+        "batch_size": 4,
+        "steps": 2,
+        "contenders": contenders,
+        "stages": [],
         "memory": {
-            "ours:TrainPipelineSparseDist": _entry([3 * MiB, 5 * MiB], [100 * MiB, 90 * MiB], ledger_peak=6 * MiB),
+            "ours:TrainPipelineSparseDist": _entry(
+                [3 * MiB, 5 * MiB], [100 * MiB, 90 * MiB], ledger_peak=6 * MiB
+            ),
             "torchrec:TrainPipelineSparseDist": _entry([4 * MiB, 2 * MiB], [80 * MiB, 120 * MiB]),
         },
         "memory_options": [
-            {"side": "ours", "label": "none", "options": {}, "status": "ok", "reason": "",
-             "ranks": _entry([8 * MiB], [1])["ranks"]},
-            {"side": "ours", "label": "clear_data_dist_inputs", "options": {"clear_data_dist_inputs": True},
-             "status": "ok", "reason": "", "ranks": _entry([6 * MiB], [1])["ranks"]},
-            {"side": "torchrec", "label": "none", "options": {}, "status": "n/a", "reason": "boom", "ranks": []},
+            {
+                "side": "ours",
+                "label": "none",
+                "options": {},
+                "status": "ok",
+                "reason": "",
+                "ranks": _entry([8 * MiB], [1])["ranks"],
+            },
+            {
+                "side": "ours",
+                "label": "clear_data_dist_inputs",
+                "options": {"clear_data_dist_inputs": True},
+                "status": "ok",
+                "reason": "",
+                "ranks": _entry([6 * MiB], [1])["ranks"],
+            },
+            {
+                "side": "torchrec",
+                "label": "none",
+                "options": {},
+                "status": "n/a",
+                "reason": "boom",
+                "ranks": [],
+            },
         ],
     }
     return {"world": 2, "throughput": [block], "overhead": None, "peak_rss": [200 * MiB, 300 * MiB]}
@@ -85,7 +125,7 @@ def _raw() -> Dict[str, Any]:
 
 def test_columns_next_to_qps_take_the_largest_rank() -> None:
     text = report.format_report(_raw(), repeats=1)
-    line = next(l for l in text.splitlines() if l.startswith("TrainPipelineSparseDist "))
+    line = next(ln for ln in text.splitlines() if ln.startswith("TrainPipelineSparseDist "))
     # held ours 5 MiB (rank 1), torchrec 4 MiB (rank 0); RSS ours 100, torchrec 120
     assert line.split()[-4:] == ["5.00", "4.00", "100.00", "120.00"]
     assert "process peak RSS per rank" in text and "200.00 MiB, 300.00 MiB" in text
@@ -93,11 +133,14 @@ def test_columns_next_to_qps_take_the_largest_rank() -> None:
 
 def test_memory_and_options_tables() -> None:
     text = report.format_report(_raw(), repeats=1)
-    memory_line = next(l for l in text.splitlines() if l.startswith("TrainPipelineSparseDist") and "/" in l
-                       and "1.25" in l)
+    memory_line = next(
+        ln
+        for ln in text.splitlines()
+        if ln.startswith("TrainPipelineSparseDist") and "/" in ln and "1.25" in ln
+    )
     assert "6.00" in memory_line and "3.00" in memory_line  # ledger peak and steady
     assert memory_line.split()[-1] == "1.00/1.00"  # RSS rose 1 MiB over each epoch
-    options = [l for l in text.splitlines() if l.startswith(("ours ", "torchrec "))]
+    options = [ln for ln in text.splitlines() if ln.startswith(("ours ", "torchrec "))]
     assert options[0].split()[:4] == ["ours", "none", "8.00", "0.00"]
     assert options[1].split()[:4] == ["ours", "clear_data_dist_inputs", "6.00", "2.00"]
     assert "n/a: boom" in options[2]

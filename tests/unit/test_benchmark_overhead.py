@@ -28,7 +28,9 @@ def _raw(ours: List[float], theirs: List[float], plain: List[float]) -> Dict[str
             "steps": STEPS,
             "contenders": {
                 "ours:TrainPipelineBase": _entry("ours", "TrainPipelineBase", "train", ours),
-                "torchrec:TrainPipelineBase": _entry("torchrec", "TrainPipelineBase", "train", theirs),
+                "torchrec:TrainPipelineBase": _entry(
+                    "torchrec", "TrainPipelineBase", "train", theirs
+                ),
                 "plain:train": _entry("plain", "plain", "train", plain),
             },
         }
@@ -71,9 +73,15 @@ def test_compiled_variants_report_their_recompilations() -> None:
                 "steps": 4,
                 "stages": [],
                 "contenders": {
-                    "ours:TrainPipelinePT2": dict(_entry("ours", "TrainPipelinePT2", "train", [1.0]), compiles=0),
-                    "torchrec:TrainPipelinePT2": dict(_entry("torchrec", "TrainPipelinePT2", "train", [1.0]), compiles=2),
-                    "ours:TrainPipelineBase": dict(_entry("ours", "TrainPipelineBase", "train", [1.0]), compiles=0),
+                    "ours:TrainPipelinePT2": dict(
+                        _entry("ours", "TrainPipelinePT2", "train", [1.0]), compiles=0
+                    ),
+                    "torchrec:TrainPipelinePT2": dict(
+                        _entry("torchrec", "TrainPipelinePT2", "train", [1.0]), compiles=2
+                    ),
+                    "ours:TrainPipelineBase": dict(
+                        _entry("ours", "TrainPipelineBase", "train", [1.0]), compiles=0
+                    ),
                     "plain:train": _entry("plain", "plain", "train", [1.0]),
                 },
             }
@@ -81,7 +89,9 @@ def test_compiled_variants_report_their_recompilations() -> None:
     }
     (table,) = report.throughput_tables(raw)
     lines = report.format_recompiles(table)
-    assert lines == ["  TrainPipelinePT2: graphs compiled during the timed epochs (after warm-up): ours 0, torchrec 2"]
+    assert lines == [
+        "  TrainPipelinePT2: graphs compiled during the timed epochs (after warm-up): ours 0, torchrec 2"
+    ]
 
 
 def test_a_compiled_variant_is_also_measured_against_the_loop_running_its_compiled_code() -> None:
@@ -95,7 +105,9 @@ def test_a_compiled_variant_is_also_measured_against_the_loop_running_its_compil
             "steps": STEPS,
             "contenders": {
                 "ours:TrainPipelinePT2": _entry("ours", "TrainPipelinePT2", "train", [1.30, 1.40]),
-                "torchrec:TrainPipelinePT2": _entry("torchrec", "TrainPipelinePT2", "train", [1.40, 1.50]),
+                "torchrec:TrainPipelinePT2": _entry(
+                    "torchrec", "TrainPipelinePT2", "train", [1.40, 1.50]
+                ),
                 "plain:train": _entry("plain", "plain", "train", [1.0, 1.1]),
                 compiled_plain: _entry("plain", "plain", "train", [1.2, 1.3]),
             },
@@ -105,11 +117,18 @@ def test_a_compiled_variant_is_also_measured_against_the_loop_running_its_compil
     assert table is not None
     eager, compiled = table.rows
     assert (eager.reference, compiled.reference) == ("train", "train+compiled model")
-    assert eager.ours_overhead == pytest.approx(0.3) and eager.torchrec_overhead == pytest.approx(0.4)
-    assert compiled.ours_overhead == pytest.approx(0.1) and compiled.torchrec_overhead == pytest.approx(0.2)
+    assert eager.ours_overhead == pytest.approx(0.3) and eager.torchrec_overhead == pytest.approx(
+        0.4
+    )
+    assert compiled.ours_overhead == pytest.approx(
+        0.1
+    ) and compiled.torchrec_overhead == pytest.approx(0.2)
     assert compiled.overhead_ratio == pytest.approx(0.5)
     text = report.format_overhead(table, 2)
-    assert any(line.startswith("TrainPipelinePT2") and "train, compiled model" in line for line in text.splitlines())
+    assert any(
+        line.startswith("TrainPipelinePT2") and "train, compiled model" in line
+        for line in text.splitlines()
+    )
     # Base has no compiled reference: one row.
     assert len(report.overhead_table(_raw([1.1], [1.2], [1.0])).rows) == 1  # type: ignore[union-attr]
 
@@ -124,7 +143,9 @@ def test_our_pipeline_without_batch_validation_is_a_row_of_its_own() -> None:
     table = report.overhead_table(raw)
     assert table is not None
     validated, unvalidated = table.rows
-    assert validated.variant == "TrainPipelineBase" and validated.overhead_ratio == pytest.approx(0.75)
+    assert validated.variant == "TrainPipelineBase" and validated.overhead_ratio == pytest.approx(
+        0.75
+    )
     assert unvalidated.variant == "TrainPipelineBase, validate_batches=False"
     assert unvalidated.ours_overhead == pytest.approx(0.1)
     assert unvalidated.torchrec_overhead == pytest.approx(0.4)

@@ -31,7 +31,7 @@ def drain(thread: Any, calls: int) -> List[Optional[torch.Tensor]]:
 
 def assert_same(ours: List[Optional[torch.Tensor]], theirs: List[Optional[torch.Tensor]]) -> None:
     assert len(ours) == len(theirs)
-    for a, b in zip(ours, theirs):
+    for a, b in zip(ours, theirs, strict=True):
         assert (a is None) == (b is None)
         if a is not None:
             assert torch.equal(a, b)

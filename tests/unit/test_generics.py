@@ -61,9 +61,13 @@ def test_subscripted_alias_in_annotations_and_isinstance() -> None:
     def build() -> "trec_pipelines.TrainPipelineSparseDist[Any, torch.Tensor]":
         raise NotImplementedError
 
-    hints = typing.get_type_hints(build, globalns={"trec_pipelines": trec_pipelines, "Any": Any, "torch": torch})
+    hints = typing.get_type_hints(
+        build, globalns={"trec_pipelines": trec_pipelines, "Any": Any, "torch": torch}
+    )
     assert hints["return"] == alias
-    assert issubclass(trec_pipelines.TrainPipelineFusedSparseDist, trec_pipelines.TrainPipelineSparseDist)
+    assert issubclass(
+        trec_pipelines.TrainPipelineFusedSparseDist, trec_pipelines.TrainPipelineSparseDist
+    )
     assert issubclass(trec_pipelines.TrainPipelineSparseDist, TrainPipeline)
 
 

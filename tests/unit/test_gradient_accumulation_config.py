@@ -18,7 +18,9 @@ from trec_pipelines import GradientAccumulationConfig, GradientAccumulationWrapp
 def test_config_matches_torchrec(kwargs: Dict[str, Any]) -> None:
     ours, theirs = GradientAccumulationConfig(**kwargs), UpstreamConfig(**kwargs)
     assert (ours.is_enabled, ours.num_steps, ours.num_warmup_steps) == (
-        theirs.is_enabled, theirs.num_steps, theirs.num_warmup_steps
+        theirs.is_enabled,
+        theirs.num_steps,
+        theirs.num_warmup_steps,
     )
 
 
@@ -63,7 +65,9 @@ def test_steps_at_window_ends_and_once_more_for_the_last_partial_window() -> Non
     optimizer = LoggingOptimizer(log)
     pipeline = CountingPipeline(optimizer, 5)
     model = torch.nn.Linear(1, 1)  # no DDP: nothing to all-reduce
-    wrapped = GradientAccumulationWrapper(pipeline, optimizer, model, GradientAccumulationConfig(num_steps=2))
+    wrapped = GradientAccumulationWrapper(
+        pipeline, optimizer, model, GradientAccumulationConfig(num_steps=2)
+    )
     steps = []
     while True:
         try:

@@ -53,7 +53,9 @@ def _resolve_relative(importer: str, is_package: bool, level: int, module: Optio
     return ".".join(base + ([module] if module else []))
 
 
-def internal_imports(importer: str, path: Path, modules: Set[str], package: str = PACKAGE) -> Set[str]:
+def internal_imports(
+    importer: str, path: Path, modules: Set[str], package: str = PACKAGE
+) -> Set[str]:
     """The package modules ``importer`` (source at ``path``) imports, anywhere in its body."""
     tree = ast.parse(path.read_text(), filename=str(path))
     is_package = path.name == "__init__.py"

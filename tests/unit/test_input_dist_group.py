@@ -37,12 +37,17 @@ def test_every_variant_that_pipelines_the_input_dist_takes_it(name: str) -> None
         cls(model, optimizer_for(model), torch.device("cpu"), input_dist_group="own")
     pipeline = cls(model, optimizer_for(model), torch.device("cpu"), input_dist_group="shared")
     assert pipeline._fusion.input_dist_group == "shared"
-    assert cls(model, optimizer_for(model), torch.device("cpu"))._fusion.input_dist_group == "dedicated"
+    assert (
+        cls(model, optimizer_for(model), torch.device("cpu"))._fusion.input_dist_group
+        == "dedicated"
+    )
 
 
 def test_lite_keeps_the_models_group() -> None:
     model = TinyModel()
-    pipeline = trec_pipelines.TrainPipelineSparseDistLite(model, optimizer_for(model), torch.device("cpu"))
+    pipeline = trec_pipelines.TrainPipelineSparseDistLite(
+        model, optimizer_for(model), torch.device("cpu")
+    )
     assert pipeline._fusion.input_dist_group == "shared"
 
 

@@ -133,8 +133,6 @@ def test_optimizer_none_is_rejected() -> None:
             cls(TinyModel(), None, torch.device("cpu"))  # type: ignore[arg-type]
 
 
-
-
 class Strict:
     """Fails the test if next() is called after it raised StopIteration."""
 

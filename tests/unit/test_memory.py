@@ -94,7 +94,9 @@ def test_kjt_jagged_and_keyed_tensors_are_walked() -> None:
     jt = JaggedTensor(values=torch.rand(5), lengths=torch.tensor([2, 3]))
     kt = KeyedTensor(keys=["x"], length_per_key=[4], values=torch.rand(2, 4))
     held = footprint(Holder(kjt=kjt, jt=jt, kt=kt))
-    assert held.total == nbytes(values, lengths, weights, offsets, jt.values(), jt.lengths(), kt.values())
+    assert held.total == nbytes(
+        values, lengths, weights, offsets, jt.values(), jt.lengths(), kt.values()
+    )
 
 
 class _Pending(Awaitable[Any]):
@@ -125,8 +127,10 @@ def test_kinds_follow_the_names_on_the_path() -> None:
     dist_out = torch.zeros(20)
     emb = torch.zeros(30)
     extra = torch.zeros(40)
-    context = _Ctx(input_dist_tensors_requests={"sparse.embedding_bags": _Pending(_Slotted(dist_out))},
-                   embedding_tensors=[[emb]])
+    context = _Ctx(
+        input_dist_tensors_requests={"sparse.embedding_bags": _Pending(_Slotted(dist_out))},
+        embedding_tensors=[[emb]],
+    )
     pipeline = Holder(batches=deque([batch]), contexts=deque([context]), _scratch=extra)
     held = footprint(pipeline)
     assert held.bytes_by_kind == {BATCH: 40, CONTEXT: 80, EMBEDDINGS: 120, OTHER: 160}
@@ -170,8 +174,14 @@ def test_batches_are_counted_by_shared_storage() -> None:
     one_copy = one.to(torch.device("cpu"))  # a new object over the same storages on CPU
     held = footprint(Holder(batches=[one, two], _held=[one_copy]))
     assert held.batches == 2
-    assert held.bytes_by_kind[BATCH] == nbytes(one.dense, one.sparse.values(), one.sparse.lengths(),
-                                               two.dense, two.sparse.values(), two.sparse.lengths())
+    assert held.bytes_by_kind[BATCH] == nbytes(
+        one.dense,
+        one.sparse.values(),
+        one.sparse.lengths(),
+        two.dense,
+        two.sparse.values(),
+        two.sparse.lengths(),
+    )
 
 
 def test_frame_locals_are_walked_with_their_names() -> None:
@@ -215,7 +225,12 @@ def test_device_counters_come_from_the_device_module() -> None:
 
 
 def test_format_bytes() -> None:
-    assert [format_bytes(v) for v in (None, 512, 2048, 3 * 2**20)] == ["-", "512 B", "2.0 KiB", "3.0 MiB"]
+    assert [format_bytes(v) for v in (None, 512, 2048, 3 * 2**20)] == [
+        "-",
+        "512 B",
+        "2.0 KiB",
+        "3.0 MiB",
+    ]
 
 
 def test_none_and_empty_tensors_hold_nothing() -> None:

@@ -2,7 +2,7 @@
 
 Reference, written down independently of the walker:
 
-* the documented depth of every variant (README "batches in flight");
+* the documented depth of every variant (docs/guides/variants.md, "batches in flight");
 * which batches a variant holds at each recorded action, from its recorded
   schedule: a batch is held from the top of the ``progress()`` call that
   copies it (each call pulls the host batches it will copy before any work)
@@ -49,7 +49,12 @@ PEAK = dict(DOCUMENTED_DEPTH)
 def _make(name: str, model: torch.nn.Module) -> Any:
     cls = getattr(tp, name)
     if name == "TrainPipelinePT2":
-        return cls(model, optimizer_for(model), CPU, compile_configs=TorchCompileConfig(compile_on_iter=10**6))
+        return cls(
+            model,
+            optimizer_for(model),
+            CPU,
+            compile_configs=TorchCompileConfig(compile_on_iter=10**6),
+        )
     if name.startswith("Eval"):
         model.eval()
     return cls(model, optimizer_for(model), CPU)
@@ -128,14 +133,16 @@ def test_ledger_holds_the_documented_batches_at_every_action(name: str) -> None:
     samples = pipeline.memory_samples
     assert [str(s) for s in samples] == [str(a) for a in actions]
     expected = expected_in_flight(name, actions)
-    for sample, want in zip(samples, expected):
+    for sample, want in zip(samples, expected, strict=True):
         held = sample.held
         got = []
         for group in held.batch_storages:
             indices = {owner[key] for key in group if key in owner}
             assert len(indices) == 1, f"{sample}: a batch group spans batches {indices}"
             got.append(indices.pop())
-        assert sorted(got) == sorted(want), f"{sample}: holds {sorted(got)}, expected {sorted(want)}"
+        assert sorted(got) == sorted(want), (
+            f"{sample}: holds {sorted(got)}, expected {sorted(want)}"
+        )
         assert held.batches == len(want)
         assert held.bytes_by_kind[BATCH] == sum(size[b] for b in want), str(sample)
     steady = [s.held.batches for s in samples if 1 <= s.call <= 4]
@@ -199,7 +206,9 @@ def test_trace_gains_a_held_memory_counter(tmp_path: Any) -> None:
     counters = [e for e in json.loads(path.read_text())["traceEvents"] if e["ph"] == "C"]
     samples = pipeline.memory_samples
     assert len(counters) == len(samples)
-    assert [c["args"]["batch"] for c in counters] == [s.held.bytes_by_kind[BATCH] / 2**20 for s in samples]
+    assert [c["args"]["batch"] for c in counters] == [
+        s.held.bytes_by_kind[BATCH] / 2**20 for s in samples
+    ]
 
 
 class _Stepper:

@@ -56,7 +56,9 @@ def _pipeline(model: torch.nn.Module, cls: Any = TrainPipelineSparseDist, **kwar
     return cls(model, optimizer_for(model), CPU, **kwargs)
 
 
-def _trains_like_plain_loop(model_factory: Callable[[], torch.nn.Module], n: int = 5, **kwargs: Any) -> Any:
+def _trains_like_plain_loop(
+    model_factory: Callable[[], torch.nn.Module], n: int = 5, **kwargs: Any
+) -> Any:
     batches = make_batches(n)
     model, ref = model_factory(), model_factory()
     pipeline = _pipeline(model, **kwargs)
@@ -79,7 +81,10 @@ def test_postproc_chain_is_pipelined_and_each_argument_read_back() -> None:
     (module,) = pipeline._pipelined_modules
     assert module.forward.args.args == [ArgInfo([Postproc(as_list), GetItem(0)])]
     assert str(module.forward.args) == "(as_list(...)[0])"
-    assert pipeline._model.hasher.forward is hasher and hasher.postproc_module is pipeline._model.hasher
+    assert (
+        pipeline._model.hasher.forward is hasher
+        and hasher.postproc_module is pipeline._model.hasher
+    )
     report = result.report()
     assert "postproc pipelined: hasher(batch)" in report
     assert "postproc pipelined: as_list(hasher(...).sparse)" in report
@@ -127,7 +132,9 @@ def test_without_pipeline_postproc_the_module_is_left_alone_and_says_how() -> No
 
 
 def test_postproc_with_parameters_is_refused_with_its_modules() -> None:
-    pipeline = _trains_like_plain_loop(lambda: PostprocModel(LearnedScale()), pipeline_postproc=True)
+    pipeline = _trains_like_plain_loop(
+        lambda: PostprocModel(LearnedScale()), pipeline_postproc=True
+    )
     result = pipeline.rewrite_result
     assert result.pipelined == () and result.postprocs == ()
     assert pipeline._pipelined_modules == [] and pipeline._pipelined_postprocs == []
@@ -205,7 +212,9 @@ def test_compiled_autograd_variant_pipelines_the_postprocs() -> None:
         m._compiled_autograd_options = {"backend": "eager", "dynamic": True, "fullgraph": False}
         return m
 
-    pipeline = _trains_like_plain_loop(model, cls=TrainPipelineSparseDistCompAutograd, pipeline_postproc=True)
+    pipeline = _trains_like_plain_loop(
+        model, cls=TrainPipelineSparseDistCompAutograd, pipeline_postproc=True
+    )
     assert [p.fqn for p in pipeline._pipelined_postprocs] == ["hasher", "as_list"]
     assert pipeline._model.hasher.calls == 5
 
@@ -218,7 +227,7 @@ def test_eval_pipeline_pipelines_the_postprocs() -> None:
     with torch.no_grad():
         expected = [ref(batch)[1] for batch in batches]
     assert len(outputs) == len(expected)
-    assert all(torch.equal(a, b) for a, b in zip(outputs, expected))
+    assert all(torch.equal(a, b) for a, b in zip(outputs, expected, strict=True))
     assert [p.fqn for p in pipeline._pipelined_postprocs] == ["hasher", "as_list"]
 
 
@@ -257,11 +266,15 @@ def test_rewrite_and_restore_keep_the_state_dict() -> None:
         made.append(PipelinedPostproc(module, fqn, args, TrainPipelineContext(), None, None))
         return made[-1]
 
-    plain = rewrite_model(model, make_batches(1)[0], lambda n, a, m: (lambda *x: None), "fx")
+    plain = rewrite_model(model, make_batches(1)[0], lambda n, a, m: lambda *x: None, "fx")
     assert plain.pipelined == () and "forward" not in model.hasher.__dict__
     restore_model(plain)
     result = rewrite_model(
-        model, make_batches(1)[0], lambda n, a, m: (lambda *x: None), "fx", make_postproc=make_postproc
+        model,
+        make_batches(1)[0],
+        lambda n, a, m: lambda *x: None,
+        "fx",
+        make_postproc=make_postproc,
     )
     assert result.names == ["sparse"] and list(result.postprocs) == made
     assert isinstance(model.hasher.forward, PipelinedPostproc)
@@ -274,11 +287,12 @@ def test_rewrite_and_restore_keep_the_state_dict() -> None:
 
 def test_a_postproc_called_outside_its_stage_runs_its_own_forward() -> None:
     module = HashIds()
-    wrapper = PipelinedPostproc(module, "hasher", CallArgs([ArgInfo([Noop()])], {}), TrainPipelineContext(), None, None)
+    wrapper = PipelinedPostproc(
+        module, "hasher", CallArgs([ArgInfo([Noop()])], {}), TrainPipelineContext(), None, None
+    )
     batch = make_batches(1)[0]
     out = wrapper(batch)
     assert torch.equal(out.dense, batch.dense * 2.0) and module.calls == 1
-
 
 
 def test_a_recipe_built_with_torchrecs_factory_runs_the_postproc_once_per_batch_context() -> None:
@@ -286,7 +300,9 @@ def test_a_recipe_built_with_torchrecs_factory_runs_the_postproc_once_per_batch_
     distributed by use_context_for_postprocs; a postproc step caches there."""
     module = HashIds()
     forward_context = TrainPipelineContext(index=0)
-    wrapper = PipelinedPostproc(module, "hasher", CallArgs([ArgInfo([Noop()])], {}), forward_context, None, None)
+    wrapper = PipelinedPostproc(
+        module, "hasher", CallArgs([ArgInfo([Noop()])], {}), forward_context, None, None
+    )
     recipe = CallArgs(
         [ArgInfo([ArgInfoStepFactory.postproc(wrapper), ArgInfoStepFactory.get_attr("dense")])], {}
     )
@@ -309,7 +325,9 @@ def test_a_recipe_built_with_torchrecs_factory_runs_the_postproc_once_per_batch_
 
 def test_the_wrapper_shows_the_modules_own_names_and_state() -> None:
     module = HashIds()
-    wrapper = PipelinedPostproc(module, "hasher", CallArgs([ArgInfo([Noop()])], {}), TrainPipelineContext(), None, None)
+    wrapper = PipelinedPostproc(
+        module, "hasher", CallArgs([ArgInfo([Noop()])], {}), TrainPipelineContext(), None, None
+    )
     assert list(wrapper.state_dict()) == list(module.state_dict()) == ["offset"]
     assert [n for n, _ in wrapper.named_buffers()] == ["offset"]
     assert [n for n, _ in wrapper.named_parameters()] == []
@@ -344,7 +362,9 @@ def test_eval_progress_after_detach_attaches_again() -> None:
     outputs += drain(pipeline, it)  # the first call attaches again
     with torch.no_grad():
         expected = [ref(batch)[1] for batch in batches]
-    assert len(outputs) == len(expected) and all(torch.equal(a, b) for a, b in zip(outputs, expected))
+    assert len(outputs) == len(expected) and all(
+        torch.equal(a, b) for a, b in zip(outputs, expected, strict=True)
+    )
     assert model.hasher.calls == len(batches)
 
 
@@ -368,6 +388,9 @@ def test_record_stream_tree_reaches_every_tensor_and_multistreamable_in_an_outpu
 def test_on_unpipelined_raise_refuses_a_model_whose_postproc_cannot_run_ahead() -> None:
     model = PostprocModel(LearnedScale())
     pipeline = _pipeline(model, pipeline_postproc=True, on_unpipelined="raise")
-    with pytest.raises(RuntimeError, match=r"(?s)on_unpipelined='raise'.*postproc NOT pipelined: hasher: it has parameters"):
+    with pytest.raises(
+        RuntimeError,
+        match=r"(?s)on_unpipelined='raise'.*postproc NOT pipelined: hasher: it has parameters",
+    ):
         pipeline.progress(iter(make_batches(3)))
     assert all("forward" not in m.__dict__ for m in (model.hasher, model.as_list, model.sparse))

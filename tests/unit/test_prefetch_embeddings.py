@@ -31,7 +31,9 @@ class Prefetching(nn.Module):
         super().__init__()
         self.calls: List[Tuple[Any, Optional[torch.Stream], Any]] = []
 
-    def prefetch(self, dist_input: Any, forward_stream: Optional[torch.Stream] = None, ctx: Any = None) -> None:
+    def prefetch(
+        self, dist_input: Any, forward_stream: Optional[torch.Stream] = None, ctx: Any = None
+    ) -> None:
         self.calls.append((dist_input, forward_stream, ctx))
 
 
@@ -49,7 +51,7 @@ def test_prefetches_each_module_and_fills_the_post_prefetch_fields() -> None:
     prefetch_embeddings(context, modules, CPU, torch.cuda.stream, None, None)  # type: ignore[arg-type]
 
     assert context.input_dist_tensors_requests == {} and context.module_contexts == {}
-    for module, name in zip(modules, ("ebc", "ec")):
+    for module, name in zip(modules, ("ebc", "ec"), strict=True):
         ((dist_input, forward_stream, ctx),) = module.calls
         assert torch.equal(dist_input, torch.full((2,), float(len(name))))
         assert forward_stream is None and ctx is contexts[name]
@@ -59,4 +61,6 @@ def test_prefetches_each_module_and_fills_the_post_prefetch_fields() -> None:
 
 def test_refuses_a_module_that_was_not_rewritten() -> None:
     with pytest.raises(TypeError, match="not a pipelined forward"):
-        prefetch_embeddings(PrefetchTrainPipelineContext(), [Prefetching()], CPU, torch.cuda.stream, None, None)  # type: ignore[list-item]
+        prefetch_embeddings(
+            PrefetchTrainPipelineContext(), [Prefetching()], CPU, torch.cuda.stream, None, None
+        )  # type: ignore[list-item]

@@ -29,7 +29,9 @@ class Unsharded(nn.Module):
         torch.manual_seed(0)
         self.ebc = EmbeddingBagCollection(
             tables=[
-                EmbeddingBagConfig(name=f"t{i}", embedding_dim=4, num_embeddings=20, feature_names=[f])
+                EmbeddingBagConfig(
+                    name=f"t{i}", embedding_dim=4, num_embeddings=20, feature_names=[f]
+                )
                 for i, f in enumerate(FEATURES)
             ]
         )
@@ -39,7 +41,9 @@ class Unsharded(nn.Module):
     def forward(self, batch: Any) -> Tuple[torch.Tensor, torch.Tensor]:
         embedded = self.ebc(batch.sparse).values()
         logits = self.over(torch.cat([embedded, self.dense(batch.dense)], dim=1)).squeeze(1)
-        loss = nn.functional.binary_cross_entropy_with_logits(logits, batch.labels, reduction="none")
+        loss = nn.functional.binary_cross_entropy_with_logits(
+            logits, batch.labels, reduction="none"
+        )
         return loss, logits.detach()
 
 
@@ -74,9 +78,11 @@ def test_pt2_matches_plain_loop_and_restores_dynamo_config() -> None:
     assert compiled == [model]
     assert torch._dynamo.utils.counters["stats"]["unique_graphs"] > 0, "nothing was compiled"
     assert len(outputs) == len(ref_outputs)
-    for step, (ours, ref) in enumerate(zip(outputs, ref_outputs)):
+    for step, (ours, ref) in enumerate(zip(outputs, ref_outputs, strict=True)):
         torch.testing.assert_close(ours, ref, atol=ATOL, rtol=RTOL, msg=f"step {step}")
-    for (name, ours), (_, ref) in zip(model.state_dict().items(), ref_model.state_dict().items()):
+    for (name, ours), (_, ref) in zip(
+        model.state_dict().items(), ref_model.state_dict().items(), strict=True
+    ):
         torch.testing.assert_close(ours, ref, atol=ATOL, rtol=RTOL, msg=name)
     assert torch._dynamo.config.skip_torchrec == skip_before
 
@@ -92,7 +98,10 @@ def test_pt2_eager_before_compile_is_exact_and_stops_cleanly() -> None:
         compile_configs=TorchCompileConfig(compile_on_iter=100),
     )
     outputs = drain(pipeline, iter(batches))
-    assert all(torch.equal(a, b) for a, b in zip(outputs, ref_outputs)) and len(outputs) == 3
+    assert (
+        all(torch.equal(a, b) for a, b in zip(outputs, ref_outputs, strict=True))
+        and len(outputs) == 3
+    )
     with pytest.raises(StopIteration):
         pipeline.progress(iter([]))
 
@@ -116,7 +125,9 @@ class FaultyUnsharded(Unsharded):
         logits = self.over(torch.cat([embedded, self.dense(batch.dense)], dim=1)).squeeze(1)
         if fail and self.where == "backward":
             logits = FailingBackward.apply(logits)
-        loss = nn.functional.binary_cross_entropy_with_logits(logits, batch.labels, reduction="none")
+        loss = nn.functional.binary_cross_entropy_with_logits(
+            logits, batch.labels, reduction="none"
+        )
         return loss, logits.detach()
 
 
@@ -141,7 +152,9 @@ def test_a_compiled_step_that_raises_is_retried_like_the_plain_loop(where: str) 
     assert torch._dynamo.utils.counters["stats"]["unique_graphs"] > 0, "nothing was compiled"
     assert failures == 1
     assert len(outputs) == len(ref_outputs) == len(batches)
-    for step, (ours, expected) in enumerate(zip(outputs, ref_outputs)):
+    for step, (ours, expected) in enumerate(zip(outputs, ref_outputs, strict=True)):
         torch.testing.assert_close(ours, expected, atol=ATOL, rtol=RTOL, msg=f"step {step}")
-    for (name, ours), (_, expected) in zip(model.state_dict().items(), ref.state_dict().items()):
+    for (name, ours), (_, expected) in zip(
+        model.state_dict().items(), ref.state_dict().items(), strict=True
+    ):
         torch.testing.assert_close(ours, expected, atol=ATOL, rtol=RTOL, msg=name)

@@ -53,10 +53,12 @@ def test_direct_finds_kjt_inside_a_dict() -> None:
     assert str(result.pipelined[0].call_args) == "(batch.features['ids'])"
 
 
-def test_modified_input_is_not_pipelined_and_names_the_node(caplog: pytest.LogCaptureFixture) -> None:
+def test_modified_input_is_not_pipelined_and_names_the_node(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
     result = rewrite_model(ModifyingModel(), make_batches(1)[0], _noop_forward, "fx")
     assert result.pipelined == ()
-    (name, reason), = result.not_pipelined
+    ((name, reason),) = result.not_pipelined
     assert name == "sparse"
     assert "FX node 'permute'" in reason
     assert "NOT pipelined" in caplog.text

@@ -8,6 +8,7 @@ from typing import Any, Iterator, List
 import pytest
 import torch
 
+import trec_pipelines as tp
 from tests.unit.fakes import (
     ModifyingModel,
     TinyModel,
@@ -19,7 +20,6 @@ from tests.unit.fakes import (
     plain_loop,
     sparse_dist_pipeline,
 )
-import trec_pipelines as tp
 from trec_pipelines import TrainPipelineBase, TrainPipelineSparseDist
 
 
@@ -82,7 +82,9 @@ def test_model_detached_exception_is_offered_as_torchrecs() -> None:
     assert issubclass(tp.ModelDetachedException, RuntimeError)
 
 
-def test_execute_all_batches_false_drops_the_in_flight_batches(caplog: pytest.LogCaptureFixture) -> None:
+def test_execute_all_batches_false_drops_the_in_flight_batches(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
     batches = make_batches(5)
     model, ref = TinyModel(), TinyModel()
     outputs = drain(sparse_dist_pipeline(model, execute_all_batches=False), iter(batches))
@@ -93,7 +95,9 @@ def test_execute_all_batches_false_drops_the_in_flight_batches(caplog: pytest.Lo
 
 def test_on_unpipelined_raise_names_the_module_and_the_fix() -> None:
     pipeline = sparse_dist_pipeline(ModifyingModel(), on_unpipelined="raise")
-    with pytest.raises(RuntimeError, match="(?s)NOT pipelined: sparse.*permute.*on_unpipelined='warn'"):
+    with pytest.raises(
+        RuntimeError, match="(?s)NOT pipelined: sparse.*permute.*on_unpipelined='warn'"
+    ):
         pipeline.progress(iter(make_batches(3)))
 
 
@@ -135,7 +139,10 @@ def test_model_without_sharded_modules_logs_once(caplog: pytest.LogCaptureFixtur
 
     model = Dense()
     with caplog.at_level(logging.WARNING):
-        drain(TrainPipelineSparseDist(model, optimizer_for(model), torch.device("cpu")), iter(make_batches(4)))
+        drain(
+            TrainPipelineSparseDist(model, optimizer_for(model), torch.device("cpu")),
+            iter(make_batches(4)),
+        )
     assert caplog.text.count("no ShardedModule") == 1
 
 
@@ -180,7 +187,9 @@ def test_eval_pass_between_train_steps_is_attributed_and_changes_nothing(make: A
         ref_optimizer.step()
         ref_outputs.append(pred)
     assert len(eval_outputs) == 3
-    assert all(torch.equal(a, b) for a, b in zip(eval_outputs, ref_eval)), "eval outputs misattributed"
+    assert all(torch.equal(a, b) for a, b in zip(eval_outputs, ref_eval, strict=True)), (
+        "eval outputs misattributed"
+    )
     assert_same_training(outputs, ref_outputs, model, ref)
 
 

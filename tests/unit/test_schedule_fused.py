@@ -149,7 +149,9 @@ def test_fused_one_batch_exactly() -> None:
 def test_fused_short_loaders(n: int) -> None:
     actions = recorded(fused, n)
     assert actions == expected(FILL, FUSED_STEP, n)
-    assert [a for a in actions if "Forward" in a] == [f"P{i} Forward[i{i}]@default" for i in range(n)]
+    assert [a for a in actions if "Forward" in a] == [
+        f"P{i} Forward[i{i}]@default" for i in range(n)
+    ]
 
 
 @pytest.mark.parametrize(
@@ -270,7 +272,7 @@ def test_eval_matches_no_grad_loop_and_keeps_weights(prefetch: bool) -> None:
     with torch.no_grad():
         ref = [ref_model(batch)[1] for batch in batches]
     assert len(ours) == len(ref) == 5
-    for step, (a, b) in enumerate(zip(ours, ref)):
+    for step, (a, b) in enumerate(zip(ours, ref, strict=True)):
         assert torch.equal(a, b), f"output differs at step {step}"
     for name, value in model.state_dict().items():
         assert torch.equal(value, before[name]), f"eval changed {name}"
@@ -302,7 +304,7 @@ def test_eval_second_epoch_without_reset() -> None:
     first = drain(pipeline, iter(batches))
     second = drain(pipeline, iter(batches))
     assert len(first) == 3
-    for a, b in zip(first, second):
+    for a, b in zip(first, second, strict=True):
         assert torch.equal(a, b)
 
 

@@ -165,11 +165,15 @@ def test_lite_short_loaders_train_exactly_those_batches(n: int) -> None:
     assert_same_training(outputs, plain_loop(ref, batches), model, ref)
     assert calls(model, "compute") == sums(batches)
     actions = [str(a) for a in pipeline.schedule_actions]
-    assert [a for a in actions if "Forward" in a] == [f"P{i} Forward[i{i}]@default" for i in range(n)]
+    assert [a for a in actions if "Forward" in a] == [
+        f"P{i} Forward[i{i}]@default" for i in range(n)
+    ]
     if n == 0:
         assert actions == []
     if n == 1:
-        assert actions == ["P0 H2D[i0]@memcpy"] + [a for a in steady(0, 0, *LITE_STEP) if "H2D" not in a]
+        assert actions == ["P0 H2D[i0]@memcpy"] + [
+            a for a in steady(0, 0, *LITE_STEP) if "H2D" not in a
+        ]
 
 
 @LOADING
@@ -184,7 +188,9 @@ def test_eval_short_loaders_run_exactly_those_batches(n: int, loader_thread: Any
     # input_dist once per batch (upstream starts the first one twice), compute in order
     assert calls(model, "input_dist") == calls(model, "compute") == sums(batches)
     actions = [str(a) for a in pipeline.schedule_actions]
-    assert [a for a in actions if "Forward" in a] == [f"P{i} Forward[i{i}]@default" for i in range(n)]
+    assert [a for a in actions if "Forward" in a] == [
+        f"P{i} Forward[i{i}]@default" for i in range(n)
+    ]
     if n == 0:
         assert actions == []
     if n == 1:
@@ -277,7 +283,7 @@ def test_eval_returns_predictions_of_a_predictions_only_model_under_no_grad() ->
     outputs = drain(eval_pipeline(model), iter(batches))
     expected = plain_eval(ref, batches)
     assert len(outputs) == 3
-    for got, want in zip(outputs, expected):
+    for got, want in zip(outputs, expected, strict=True):
         assert torch.equal(got, want)
         assert not got.requires_grad  # no_grad: no graph was built
     assert all(p.grad is None for p in model.parameters())
@@ -377,7 +383,9 @@ class Failing:
 
 @LOADING
 @pytest.mark.parametrize("k", [0, 1, 2, 3])
-def test_eval_iterator_error_reaches_caller_and_no_batch_is_lost(k: int, loader_thread: Any) -> None:
+def test_eval_iterator_error_reaches_caller_and_no_batch_is_lost(
+    k: int, loader_thread: Any
+) -> None:
     batches = make_batches(k)
     model, ref = TinyModel(), TinyModel()
     pipeline = eval_pipeline(model, loader_thread=loader_thread)
@@ -395,7 +403,7 @@ def test_eval_iterator_error_reaches_caller_and_no_batch_is_lost(k: int, loader_
             break
     assert errors == [loader.error]  # the iterator's own exception, exactly once
     assert len(outputs) == k
-    for got, want in zip(outputs, plain_eval(ref, batches)):
+    for got, want in zip(outputs, plain_eval(ref, batches), strict=True):
         assert torch.equal(got, want)
     assert calls(model, "compute") == sums(batches)
 

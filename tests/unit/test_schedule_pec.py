@@ -14,7 +14,14 @@ import pytest
 import torch
 
 from tests.fault_injection import Fault
-from tests.unit.fakes import TinyModel, assert_same_training, drain, make_batches, optimizer_for, plain_loop
+from tests.unit.fakes import (
+    TinyModel,
+    assert_same_training,
+    drain,
+    make_batches,
+    optimizer_for,
+    plain_loop,
+)
 from tests.unit.test_step_guard import FaultyModel, FaultyOptimizer, plain_loop_with_retry
 from trec_pipelines import TrainPipelinePEC, pec_ops
 
@@ -118,7 +125,9 @@ def test_pec_eval_mode_only_looks_up() -> None:
 def test_constructor_is_torchrecs() -> None:
     """torchrec 1.9.2's parameters, in its order, then our keyword-only ones."""
     params = list(inspect.signature(TrainPipelinePEC.__init__).parameters.values())[1:]
-    assert [(p.name, p.default) for p in params if p.kind is not inspect.Parameter.KEYWORD_ONLY] == [
+    assert [
+        (p.name, p.default) for p in params if p.kind is not inspect.Parameter.KEYWORD_ONLY
+    ] == [
         ("model", inspect.Parameter.empty),
         ("optimizer", inspect.Parameter.empty),
         ("device", inspect.Parameter.empty),
@@ -153,7 +162,9 @@ def test_pec_keeps_host_copies_of_its_in_flight_batches_only() -> None:
 class _GradUpdate:
     """Stands in for a PEC gradient awaitable: waiting it fires the applier, once."""
 
-    def __init__(self, log: List[Tuple[str, Optional[int]]], kind: str, batch: Optional[int]) -> None:
+    def __init__(
+        self, log: List[Tuple[str, Optional[int]]], kind: str, batch: Optional[int]
+    ) -> None:
         self._log, self._kind, self._batch = log, kind, batch
         self._fired = False
 
@@ -170,13 +181,17 @@ class FakePECGradients:
     def __init__(self) -> None:
         self.log: List[Tuple[str, Optional[int]]] = []
 
-    def grad_dist(self, module_ctx: Optional[int], features: Any, is_overlapped: bool) -> List[_GradUpdate]:
+    def grad_dist(
+        self, module_ctx: Optional[int], features: Any, is_overlapped: bool
+    ) -> List[_GradUpdate]:
         kind = "OL" if is_overlapped else "NOL"
         self.log.append((f"{kind} start", module_ctx))
         return [_GradUpdate(self.log, kind, module_ctx)]
 
 
-def _with_fake_pec_gradients(pipeline: TrainPipelinePEC, monkeypatch: pytest.MonkeyPatch) -> FakePECGradients:
+def _with_fake_pec_gradients(
+    pipeline: TrainPipelinePEC, monkeypatch: pytest.MonkeyPatch
+) -> FakePECGradients:
     """Give ``pipeline`` one PEC module whose partitions are empty and whose
     gradients are logged; the deferral and the NOL start/apply are the real verbs."""
     fake = FakePECGradients()
@@ -226,7 +241,9 @@ def test_pec_retry_applies_the_previous_batchs_nol_gradient_once(
     batches = make_batches(6)
     at = 3
     model, ref = FaultyModel(where, at if where != "optimizer" else -1), TinyModel()
-    pipeline = TrainPipelinePEC(model, FaultyOptimizer(model.parameters(), at if where == "optimizer" else -1), CPU)
+    pipeline = TrainPipelinePEC(
+        model, FaultyOptimizer(model.parameters(), at if where == "optimizer" else -1), CPU
+    )
     fake = _with_fake_pec_gradients(pipeline, monkeypatch)
     pipeline.enable_schedule_recording()
     it = iter(batches)
@@ -265,7 +282,9 @@ def test_pec_reset_applies_the_deferred_nol_gradient(monkeypatch: pytest.MonkeyP
     assert [b for k, b in fake.log if k == "NOL apply"] == [0, 1]
 
 
-def test_pec_epoch_cut_short_applies_the_last_trained_batchs_nol_gradient(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_pec_epoch_cut_short_applies_the_last_trained_batchs_nol_gradient(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     """execute_all_batches=False: the end of data drops the batches in flight, and the
     model must still hold every update of the batches that were trained."""
     model = TinyModel()

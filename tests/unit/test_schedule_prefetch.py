@@ -143,7 +143,9 @@ def test_detach_attach_mid_epoch_keeps_the_prefetched_batch() -> None:
 def test_constructor_matches_torchrec() -> None:
     ours = inspect.signature(PrefetchTrainPipelineSparseDist.__init__).parameters
     theirs = inspect.signature(upstream.PrefetchTrainPipelineSparseDist.__init__).parameters
-    positional = [(p.name, p.default) for p in ours.values() if p.kind is not inspect.Parameter.KEYWORD_ONLY]
+    positional = [
+        (p.name, p.default) for p in ours.values() if p.kind is not inspect.Parameter.KEYWORD_ONLY
+    ]
     upstream_params = [(p.name, p.default) for p in theirs.values()]
     assert positional[: len(upstream_params)] == upstream_params
     # torchrec 1.9.2 added async_inplace_copy last; we offer it on 1.8.0 too.
@@ -275,6 +277,8 @@ def module_calls(log: List[Tuple[Any, ...]]) -> List[Tuple[str, int]]:
 
 
 def test_prefetch_of_next_batch_runs_after_forward_consumed_the_current_one() -> None:
+    # The timeline's comments stay in their columns.
+    # fmt: off
     where = _Where([])
     model, ref = prefetching_model(where), TinyModel()
     batches = marked_batches(4)
@@ -292,8 +296,6 @@ def test_prefetch_of_next_batch_runs_after_forward_consumed_the_current_one() ->
 
 
 # ------------------------------------------------- stream hand-offs (as on CUDA)
-
-
 
 
 class StreamBatch(Batch):

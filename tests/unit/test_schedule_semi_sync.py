@@ -446,8 +446,6 @@ def test_extract_model_input_feeds_input_dist() -> None:
 # ------------------------------------------------- stream hand-offs (as on CUDA)
 
 
-
-
 IDS = len(FEATURES) * 3  # one id per sample and feature
 
 
@@ -485,6 +483,7 @@ def run_on_fake_cuda(
 ) -> List[Tuple[Any, ...]]:
     log: List[Tuple[Any, ...]] = []
     MarkedBatch.log = log
+
     # CPU tensors can't record a fake stream; log that they were asked to.
     def record_stream(tensor: torch.Tensor, stream: Any) -> None:
         log.append(("record_stream", "tensor", stream.name))

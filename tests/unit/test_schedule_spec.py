@@ -15,8 +15,8 @@ from typing import Any, Callable, Dict, List, Tuple
 import pytest
 import torch
 
-from tests.unit.fakes import TinyModel, drain, make_batches, optimizer_for
 import trec_pipelines as tp
+from tests.unit.fakes import TinyModel, drain, make_batches, optimizer_for
 from trec_pipelines.pipelines.pt2 import TorchCompileConfig
 
 CPU = torch.device("cpu")
@@ -111,7 +111,9 @@ def _make(name: str) -> Callable[[torch.nn.Module], Any]:
     cls = getattr(tp, name)
     if name == "TrainPipelinePT2":
         # Eager throughout: the schedule, not the compiler, is under test.
-        return lambda m: cls(m, optimizer_for(m), CPU, compile_configs=TorchCompileConfig(compile_on_iter=10**6))
+        return lambda m: cls(
+            m, optimizer_for(m), CPU, compile_configs=TorchCompileConfig(compile_on_iter=10**6)
+        )
     return lambda m: cls(m, optimizer_for(m), CPU)
 
 
@@ -142,7 +144,9 @@ def test_semi_sync_mode_issues_the_lookup_before_the_backward() -> None:
 
 def test_fused_new_lookup_stream_is_recorded_as_emb_lookup() -> None:
     model = TinyModel()
-    pipeline = tp.TrainPipelineFusedSparseDist(model, optimizer_for(model), CPU, emb_lookup_stream="new")
+    pipeline = tp.TrainPipelineFusedSparseDist(
+        model, optimizer_for(model), CPU, emb_lookup_stream="new"
+    )
     pipeline.enable_schedule_recording()
     drain(pipeline, iter(make_batches(6)))
     assert steady_state(pipeline)[0] == ("EmbLookup", 0, "emb_lookup")
@@ -162,7 +166,9 @@ def test_schedule_table_and_views(tmp_path: Any) -> None:
     text = pipeline.print_schedule(5)
     assert "InputDistStart" in text and "i0+i1" in text and "P4" in text and "P5" not in text
     exposed = pipeline.exposed_time()
-    assert exposed["Forward"] > 0 and exposed["step"] >= sum(v for k, v in exposed.items() if k != "step")
+    assert exposed["Forward"] > 0 and exposed["step"] >= sum(
+        v for k, v in exposed.items() if k != "step"
+    )
     trace = tmp_path / "trace.json"
     pipeline.export_trace(str(trace))
     events = json.loads(trace.read_text())["traceEvents"]
@@ -179,8 +185,26 @@ def test_views_accept_stream_roles_named_after_stages(tmp_path: Any) -> None:
     from trec_pipelines.schedule_view import draw_timeline, stream_lanes, write_trace
 
     actions = [
-        Action(0, "data_copy", 0, "data_copy", cpu_start=0.0, cpu_end=0.001, device_start=0.0, device_end=0.001),
-        Action(0, "Forward", 0, "default", cpu_start=0.001, cpu_end=0.002, device_start=0.001, device_end=0.002),
+        Action(
+            0,
+            "data_copy",
+            0,
+            "data_copy",
+            cpu_start=0.0,
+            cpu_end=0.001,
+            device_start=0.0,
+            device_end=0.001,
+        ),
+        Action(
+            0,
+            "Forward",
+            0,
+            "default",
+            cpu_start=0.001,
+            cpu_end=0.002,
+            device_start=0.001,
+            device_end=0.002,
+        ),
     ]
     assert stream_lanes(actions) == ["default", "data_copy"]
     draw_timeline(actions, str(tmp_path / "t.png"))
@@ -200,4 +224,8 @@ def test_tasks_are_labelled_for_the_pytorch_profiler(recording: bool) -> None:
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
         drain(pipeline, iter(make_batches(4)))
     names = {event.name for event in prof.events()}
-    assert {"trec_pipelines::Forward", "trec_pipelines::InputDistStart", "trec_pipelines::H2D"} <= names
+    assert {
+        "trec_pipelines::Forward",
+        "trec_pipelines::InputDistStart",
+        "trec_pipelines::H2D",
+    } <= names

@@ -11,12 +11,12 @@ from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 from tests.fault_injection import FlakyIterator
 from tests.unit.fakes import (
     TinyModel,
+    _head as fakes_head,
     assert_same_training,
     make_batches,
     optimizer_for,
     plain_loop,
 )
-from tests.unit.fakes import _head as fakes_head
 from trec_pipelines.errors import MalformedBatchError
 from trec_pipelines.pipelines.sparse_data_dist_util import SparseDataDistUtil
 from trec_pipelines.pipelines.staged import PipelineStage, StagedTrainPipeline
@@ -361,7 +361,9 @@ def test_sdd_prefetch_and_lookup_together_is_an_error() -> None:
         )
     # The same, when one mode comes from a stream and the other from a stage.
     with pytest.raises(ValueError, match="use one of the two"):
-        SparseDataDistUtil(TinyModel(), None, prefetch_stream=CPU_STREAM).start_embedding_lookup_stage()
+        SparseDataDistUtil(
+            TinyModel(), None, prefetch_stream=CPU_STREAM
+        ).start_embedding_lookup_stage()
     sdd = SparseDataDistUtil(TinyModel(), None)
     with pytest.raises(ValueError, match="use one of the two"):
         StagedTrainPipeline(
@@ -376,11 +378,18 @@ def test_sdd_modes_come_from_the_stages_when_streams_are_none() -> None:
     """A CPU user leaves every stream None; the stage list says what runs."""
     plain = SparseDataDistUtil(TinyModel(), None)
     StagedTrainPipeline([plain.start_sparse_data_dist_stage()])
-    assert (plain._with_prefetch, plain._with_embedding_lookup, plain._num_contexts) == (False, False, 2)
+    assert (plain._with_prefetch, plain._with_embedding_lookup, plain._num_contexts) == (
+        False,
+        False,
+        2,
+    )
 
     prefetching = SparseDataDistUtil(TinyModel(), None)
     StagedTrainPipeline(
-        [prefetching.start_sparse_data_dist_stage(), PipelineStage("prefetch", prefetching.prefetch, None)]
+        [
+            prefetching.start_sparse_data_dist_stage(),
+            PipelineStage("prefetch", prefetching.prefetch, None),
+        ]
     )
     assert (prefetching._with_prefetch, prefetching._num_contexts) == (True, 3)
 
@@ -395,7 +404,9 @@ def test_sdd_modes_come_from_the_stages_when_streams_are_none() -> None:
         hidden.prefetch(object())
 
 
-def test_sdd_prefetch_stage_with_none_streams_matches_plain_loop_and_is_late_declared_error() -> None:
+def test_sdd_prefetch_stage_with_none_streams_matches_plain_loop_and_is_late_declared_error() -> (
+    None
+):
     batches = make_batches(6)
     ref_model = TinyModel()
     ref = plain_loop(ref_model, batches)
@@ -414,7 +425,13 @@ def test_sdd_prefetch_stage_with_none_streams_matches_plain_loop_and_is_late_dec
     first = StagedTrainPipeline([h2d_stage(), late.start_sparse_data_dist_stage()])
     first.progress(iter(make_batches(3)))
     with pytest.raises(RuntimeError, match="before the first progress"):
-        StagedTrainPipeline([h2d_stage(), late.start_sparse_data_dist_stage(), PipelineStage("p", late.prefetch, None)])
+        StagedTrainPipeline(
+            [
+                h2d_stage(),
+                late.start_sparse_data_dist_stage(),
+                PipelineStage("p", late.prefetch, None),
+            ]
+        )
 
 
 # ------------------------------------------------------- failures (issue #16)
@@ -499,7 +516,11 @@ class FaultyTinyModel(TinyModel):
 
 
 def train_staged_on_failure(
-    model: TinyModel, pipeline: StagedTrainPipeline, batches: List[Any], retry: bool, repeat: int = 0
+    model: TinyModel,
+    pipeline: StagedTrainPipeline,
+    batches: List[Any],
+    retry: bool,
+    repeat: int = 0,
 ) -> List[torch.Tensor]:
     """The caller's loop: a failed forward is retried or left behind; the forward
     of batch ``repeat`` runs twice (as after a backward that raised)."""
@@ -524,7 +545,9 @@ def train_staged_on_failure(
 
 @pytest.mark.parametrize("third_stage", [None, "prefetch"])
 @pytest.mark.parametrize("at", [0, 2, 4])
-def test_sdd_retried_forward_redoes_the_input_dist_and_matches_plain_loop(at: int, third_stage: Optional[str]) -> None:
+def test_sdd_retried_forward_redoes_the_input_dist_and_matches_plain_loop(
+    at: int, third_stage: Optional[str]
+) -> None:
     batches = make_batches(5)
     ref_model = TinyModel()
     ref = plain_loop(ref_model, batches)
@@ -533,7 +556,9 @@ def test_sdd_retried_forward_redoes_the_input_dist_and_matches_plain_loop(at: in
     stages = [h2d_stage(), sdd.start_sparse_data_dist_stage()]
     if third_stage == "prefetch":
         stages.append(PipelineStage("prefetch", sdd.prefetch, None))
-    ours = train_staged_on_failure(model, StagedTrainPipeline(stages), batches, retry=True, repeat=-1)
+    ours = train_staged_on_failure(
+        model, StagedTrainPipeline(stages), batches, retry=True, repeat=-1
+    )
     assert_same_training(ours, ref, model, ref_model)
     kinds = [kind for kind, _ in model.log]
     # The retry ran the failed batch's input_dist and lookup once more.
@@ -554,7 +579,9 @@ def test_sdd_forward_repeated_after_it_finished_reads_its_own_batch(repeat: int)
 
 @pytest.mark.parametrize("third_stage", [None, "prefetch"])
 @pytest.mark.parametrize("at", [0, 2, 4])
-def test_sdd_skipped_batch_matches_plain_loop_without_it(at: int, third_stage: Optional[str]) -> None:
+def test_sdd_skipped_batch_matches_plain_loop_without_it(
+    at: int, third_stage: Optional[str]
+) -> None:
     batches = make_batches(5)
     ref_model = TinyModel()
     ref = plain_loop(ref_model, batches[:at] + batches[at + 1 :])
@@ -563,7 +590,9 @@ def test_sdd_skipped_batch_matches_plain_loop_without_it(at: int, third_stage: O
     stages = [h2d_stage(), sdd.start_sparse_data_dist_stage()]
     if third_stage == "prefetch":
         stages.append(PipelineStage("prefetch", sdd.prefetch, None))
-    ours = train_staged_on_failure(model, StagedTrainPipeline(stages), batches, retry=False, repeat=-1)
+    ours = train_staged_on_failure(
+        model, StagedTrainPipeline(stages), batches, retry=False, repeat=-1
+    )
     assert_same_training(ours, ref, model, ref_model)
 
 
@@ -595,11 +624,16 @@ def malformed_copy(batch: Any) -> Any:
     return Batch(batch.dense, bad, batch.labels)
 
 
-def progress_through_malformed(pipeline: StagedTrainPipeline, batches: List[Any], at: int) -> List[Any]:
+def progress_through_malformed(
+    pipeline: StagedTrainPipeline, batches: List[Any], at: int
+) -> List[Any]:
     """Everything progress() returns, with the MalformedBatchError of batch ``at`` on the way."""
     it = iter(batches)
     out: List[Any] = []
-    with pytest.raises(MalformedBatchError, match=rf"batch {at}: KeyedJaggedTensor batch.sparse: key 'f1'.*3 missing.*next progress\(\) goes on"):
+    with pytest.raises(
+        MalformedBatchError,
+        match=rf"batch {at}: KeyedJaggedTensor batch.sparse: key 'f1'.*3 missing.*next progress\(\) goes on",
+    ):
         while True:
             batch = pipeline.progress(it)
             assert batch is not None, "the data ended before the malformed batch raised"
@@ -681,7 +715,9 @@ class Poisoned:
         return self._run(batch)
 
 
-def progress_skipping(pipeline: StagedTrainPipeline, it: Iterator[Any], retries: int = 1) -> Tuple[List[Any], List[int]]:
+def progress_skipping(
+    pipeline: StagedTrainPipeline, it: Iterator[Any], retries: int = 1
+) -> Tuple[List[Any], List[int]]:
     """Call progress() until None; after a RuntimeError, call it again ``retries``
     times (the stage fails again), then skip: (batches, the skipped indices)."""
     skipped: List[int] = []
@@ -701,7 +737,9 @@ def progress_skipping(pipeline: StagedTrainPipeline, it: Iterator[Any], retries:
 
 @pytest.mark.parametrize("at", [0, 1, 2, 4, 5])
 @pytest.mark.parametrize("failing", ["a", "b", "c"])
-def test_skip_failed_batch_drops_a_poison_batch_and_the_rest_comes_out(failing: str, at: int) -> None:
+def test_skip_failed_batch_drops_a_poison_batch_and_the_rest_comes_out(
+    failing: str, at: int
+) -> None:
     """Batch 0 goes through every stage in the fill, 2 only through a; 4 and 5 in the steady state."""
     log, pipeline = three_stages()
     stage = pipeline._pipeline_stages["abc".index(failing)]
@@ -718,7 +756,8 @@ def test_skip_failed_batch_drops_a_poison_batch_and_the_rest_comes_out(failing: 
     # also ran on the poison batch, the ones after it never saw it.
     before = "abc"[: "abc".index(failing)]
     assert sorted(runs) == sorted(
-        [f"{s}(b{i})" for s in "abc" for i in range(6) if i != at] + [f"{s}({poison})" for s in before]
+        [f"{s}(b{i})" for s in "abc" for i in range(6) if i != at]
+        + [f"{s}({poison})" for s in before]
     )
     # Batch k runs stages 0 .. 2-k in the fill; a skip there runs the stages
     # before the failed one, fill callbacks included, on the next batch too.
@@ -786,7 +825,10 @@ def _is_batch(poison: Any) -> Callable[[Any], bool]:
 
 
 @pytest.mark.parametrize("at", [0, 1, 3, 4])
-@pytest.mark.parametrize("failing,third_stage", [("h2d", None), ("input_dist", None), ("input_dist", "prefetch"), ("prefetch", "prefetch")])
+@pytest.mark.parametrize(
+    "failing,third_stage",
+    [("h2d", None), ("input_dist", None), ("input_dist", "prefetch"), ("prefetch", "prefetch")],
+)
 def test_sdd_poison_batch_skipped_training_equals_the_plain_loop_without_it(
     failing: str, third_stage: Optional[str], at: int
 ) -> None:

@@ -13,6 +13,7 @@ from typing import Any, Iterator, List, Optional, Tuple
 import pytest
 import torch
 
+import trec_pipelines as tp
 from tests.fault_injection import FailingBackward, Fault
 from tests.unit.fakes import (
     Batch,
@@ -23,7 +24,6 @@ from tests.unit.fakes import (
     make_batches,
     optimizer_for,
 )
-import trec_pipelines as tp
 from trec_pipelines.stages import BatchSource
 
 CPU = torch.device("cpu")
@@ -91,7 +91,9 @@ def _model(where: str, at: int, every: bool = False) -> FaultyModel:
     return FaultyModel(where, at if where != "optimizer" else -1, every)
 
 
-def plain_loop_with_retry(model: torch.nn.Module, optimizer: torch.optim.Optimizer, batches: List[Any]) -> List[torch.Tensor]:
+def plain_loop_with_retry(
+    model: torch.nn.Module, optimizer: torch.optim.Optimizer, batches: List[Any]
+) -> List[torch.Tensor]:
     """The plain loop a user writes when a step may fail: retry the batch."""
     outputs = []
     for batch in batches:
@@ -124,9 +126,13 @@ def train_with_retry(pipeline: Any, iterator: Any) -> Tuple[List[torch.Tensor], 
 def _make(name: str, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> Any:
     cls = getattr(tp, name)
     if name == "TrainPipelineSemiSync":
-        return cls(model, optimizer, CPU, start_batch=100)  # synchronous: the plain loop is its oracle
+        return cls(
+            model, optimizer, CPU, start_batch=100
+        )  # synchronous: the plain loop is its oracle
     if name == "TrainPipelinePT2":
-        return cls(model, optimizer, CPU, compile_configs=tp.TorchCompileConfig(compile_on_iter=10**6))
+        return cls(
+            model, optimizer, CPU, compile_configs=tp.TorchCompileConfig(compile_on_iter=10**6)
+        )
     return cls(model, optimizer, CPU)
 
 
@@ -145,7 +151,9 @@ TRAIN_VARIANTS = [
 @pytest.mark.parametrize("name", TRAIN_VARIANTS)
 @pytest.mark.parametrize("where", ["before_lookup", "after_lookup", "backward", "optimizer"])
 @pytest.mark.parametrize("at", [0, 2, 5])
-def test_failed_step_is_retried_and_training_equals_the_plain_loop(name: str, where: str, at: int) -> None:
+def test_failed_step_is_retried_and_training_equals_the_plain_loop(
+    name: str, where: str, at: int
+) -> None:
     batches = make_batches(6)
     model, ref = _model(where, at), _model(where, at)
     loader = Counting(batches)
@@ -157,7 +165,9 @@ def test_failed_step_is_retried_and_training_equals_the_plain_loop(name: str, wh
 
 
 @pytest.mark.parametrize("name", TRAIN_VARIANTS)
-def test_skip_failed_batch_drops_a_poison_batch(name: str, caplog: pytest.LogCaptureFixture) -> None:
+def test_skip_failed_batch_drops_a_poison_batch(
+    name: str, caplog: pytest.LogCaptureFixture
+) -> None:
     batches = make_batches(6)
     batches[3].dense[0, 0] = -1.0  # this batch fails every time
     for b in batches[:3] + batches[4:]:
@@ -282,8 +292,12 @@ def test_a_train_pipeline_takes_the_model_over_from_an_attached_eval_pipeline(
         del evaluation
     pipeline = tp.TrainPipelineFusedSparseDist(model, optimizer_for(model), CPU)
     outputs = drain(pipeline, iter(batches))
-    assert_same_training(outputs, plain_loop_with_retry(ref, optimizer_for(ref), batches), model, ref)
-    assert ("detaching it and taking the model over" if keep_eval_alive else "dropped without detach()") in caplog.text
+    assert_same_training(
+        outputs, plain_loop_with_retry(ref, optimizer_for(ref), batches), model, ref
+    )
+    assert (
+        "detaching it and taking the model over" if keep_eval_alive else "dropped without detach()"
+    ) in caplog.text
     pipeline.detach()
     assert "forward" not in model.sparse.__dict__, "a wrapper was left on the model"
 
@@ -301,7 +315,9 @@ def test_train_and_eval_pipelines_alternate_on_one_model() -> None:
         model.train()
         outputs.append(train.progress(it))
     outputs += drain(train, it)
-    assert_same_training(outputs, plain_loop_with_retry(ref, optimizer_for(ref), batches), model, ref)
+    assert_same_training(
+        outputs, plain_loop_with_retry(ref, optimizer_for(ref), batches), model, ref
+    )
 
 
 def test_semi_sync_stash_survives_a_failed_optimizer_step() -> None:

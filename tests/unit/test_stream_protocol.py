@@ -34,8 +34,14 @@ from torchrec.distributed.types import Awaitable
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 from torchrec.streamable import Multistreamable
 
-from tests.unit import test_schedule, test_schedule_fused, test_schedule_lite_eval
-from tests.unit import test_schedule_pec, test_schedule_prefetch, test_schedule_semi_sync
+from tests.unit import (
+    test_schedule,
+    test_schedule_fused,
+    test_schedule_lite_eval,
+    test_schedule_pec,
+    test_schedule_prefetch,
+    test_schedule_semi_sync,
+)
 from tests.unit.fakes import (
     ROWS,
     Batch,
@@ -47,13 +53,15 @@ from tests.unit.fakes import (
     plain_loop,
 )
 from tests.unit.test_schedule_spec import SPECS
-from trec_pipelines import forwards as forwards_module
-from trec_pipelines import lookup as lookup_module
-from trec_pipelines import recorder as rec
-from trec_pipelines import streams
-from trec_pipelines.pipelines import base as base_module
-from trec_pipelines import cache_prefetch as prefetch_module
-from trec_pipelines.pipelines import sparse_dist as sparse_dist_module
+from trec_pipelines import (
+    cache_prefetch as prefetch_module,
+    forwards as forwards_module,
+    lookup as lookup_module,
+    recorder as rec,
+    streams,
+)
+from trec_pipelines.inplace_copy import WORKER_THREAD
+from trec_pipelines.pipelines import base as base_module, sparse_dist as sparse_dist_module
 from trec_pipelines.pipelines.base import TrainPipelineBase
 from trec_pipelines.pipelines.comp_autograd import TrainPipelineSparseDistCompAutograd
 from trec_pipelines.pipelines.eval_sparse_dist import LOADER_THREAD_NAME, EvalPipelineSparseDist
@@ -61,17 +69,17 @@ from trec_pipelines.pipelines.fused_sparse_dist import (
     EvalPipelineFusedSparseDist,
     TrainPipelineFusedSparseDist,
 )
-from trec_pipelines.pipelines.prefetch import PrefetchTrainPipelineSparseDist
 from trec_pipelines.pipelines.pec import TrainPipelinePEC
+from trec_pipelines.pipelines.prefetch import PrefetchTrainPipelineSparseDist
 from trec_pipelines.pipelines.pt2 import TorchCompileConfig, TrainPipelinePT2
 from trec_pipelines.pipelines.semi_sync import TrainPipelineSemiSync
-from trec_pipelines.pipelines.sparse_dist import TrainPipelineSparseDist
 from trec_pipelines.pipelines.sparse_data_dist_util import SparseDataDistUtil
+from trec_pipelines.pipelines.sparse_dist import TrainPipelineSparseDist
 from trec_pipelines.pipelines.sparse_dist_lite import TrainPipelineSparseDistLite
+from trec_pipelines.pipelines.sparse_dist_t import TrainPipelineSparseDistT
 from trec_pipelines.pipelines.staged import PipelineStage, StagedTrainPipeline
-from trec_pipelines.inplace_copy import WORKER_THREAD
+from trec_pipelines.pipelines.train_eval_hybrid import TrainEvalHybridPipelineBase
 from trec_pipelines.stages import copy_to_device, wait_for_batch
-from trec_pipelines.testing.stream_recorder import OpRecord
 from trec_pipelines.testing import (
     StreamProtocolError,
     StreamRecorder,
@@ -80,6 +88,7 @@ from trec_pipelines.testing import (
     check_stream_protocol,
     summarize,
 )
+from trec_pipelines.testing.stream_recorder import OpRecord
 
 CPU = torch.device("cpu")
 N_BATCHES = 5
@@ -165,7 +174,9 @@ class CachingEBC(AllToAllEBC):
 class StandIn(TinyModel):
     """TinyModel on :class:`AllToAllEBC`, reading its dense features before the sharded module."""
 
-    def __init__(self, ebc: Callable[[List[Tuple[str, int]]], FakeShardedEBC] = AllToAllEBC) -> None:
+    def __init__(
+        self, ebc: Callable[[List[Tuple[str, int]]], FakeShardedEBC] = AllToAllEBC
+    ) -> None:
         super().__init__()
         self.sparse = ebc(self.log)
 
@@ -298,7 +309,10 @@ def fused(choice: str) -> Variant:
     return Variant(
         StandIn,
         lambda m: TrainPipelineFusedSparseDist(
-            m, table_updated_in_backward(m), CPU, emb_lookup_stream=choice  # type: ignore[arg-type]
+            m,
+            table_updated_in_backward(m),
+            CPU,
+            emb_lookup_stream=choice,  # type: ignore[arg-type]
         ),
         lambda n: exact(test_schedule_fused.FILL, every(step), n),
         tuple(dict.fromkeys(("memcpy", "data_dist", role))),
@@ -407,6 +421,11 @@ def _compiled_autograd_model() -> StandIn:
     return model
 
 
+# torchrec's experimental SparseDist schedules: a copy thread (issuing on memcpy,
+# memory allocated there as the synchronous copy does), and train/eval by mode.
+VARIANTS["SparseDistT"] = sparse_dist_like(TrainPipelineSparseDistT)
+VARIANTS["TrainEvalHybrid"] = sparse_dist_like(TrainEvalHybridPipelineBase)
+
 VARIANTS["SparseDistCompAutograd"] = Variant(
     _compiled_autograd_model,
     lambda m: TrainPipelineSparseDistCompAutograd(m, optimizer_for(m), CPU),
@@ -469,7 +488,7 @@ class InplaceBatch(Batch):
         targets = [torch.empty_like(t, device=device) for t in sources]  # on the current stream
         with streams.on_stream(data_copy_stream):
             streams.wait_stream(data_copy_stream, allocating)
-            for target, source in zip(targets, sources):
+            for target, source in zip(targets, sources, strict=True):
                 target.copy_(source, non_blocking=non_blocking)
         dense, values, lengths, labels = targets
         sparse = KeyedJaggedTensor(keys=self.sparse.keys(), values=values, lengths=lengths)
@@ -480,6 +499,7 @@ ASYNC_INPLACE: Dict[str, Variant] = {
     "SparseDist": sparse_dist_like(
         TrainPipelineSparseDist, enable_inplace_copy_batch=True, async_inplace_copy=True
     ),
+    "SparseDistT": sparse_dist_like(TrainPipelineSparseDistT, enable_inplace_copy_batch=True),
     "SparseDistLite": Variant(
         StandIn,
         lambda m: TrainPipelineSparseDistLite(m, optimizer_for(m), CPU, async_inplace_copy=True),
@@ -488,7 +508,9 @@ ASYNC_INPLACE: Dict[str, Variant] = {
     ),
     "Prefetch": Variant(
         caching_model,
-        lambda m: PrefetchTrainPipelineSparseDist(m, optimizer_for(m), CPU, async_inplace_copy=True),
+        lambda m: PrefetchTrainPipelineSparseDist(
+            m, optimizer_for(m), CPU, async_inplace_copy=True
+        ),
         VARIANTS["Prefetch"].schedule,
         ("memcpy", "data_dist", "prefetch"),
     ),
@@ -516,7 +538,7 @@ def test_async_inplace_copy_follows_the_protocol(name: str) -> None:
     # prefetch cache is the pipeline's working state, not a trained weight.)
     ref_outputs = plain_loop(ref, host)
     assert len(outputs) == len(ref_outputs)
-    assert all(torch.equal(a, b) for a, b in zip(outputs, ref_outputs))
+    assert all(torch.equal(a, b) for a, b in zip(outputs, ref_outputs, strict=True))
     trained = {k: v for k, v in ref.state_dict().items() if not k.endswith("cache")}
     assert all(torch.equal(model.state_dict()[k], v) for k, v in trained.items())
     worker = [r for r in recorder.records if isinstance(r, OpRecord) and r.where.thread != "main"]
@@ -571,7 +593,9 @@ def _staged_run(extra_stage: Optional[str]) -> StreamRecorder:
 
 
 @pytest.mark.parametrize("extra_stage", [None, "prefetch", "start_embedding_lookup"])
-def test_staged_with_sparse_data_dist_stages_follows_the_protocol(extra_stage: Optional[str]) -> None:
+def test_staged_with_sparse_data_dist_stages_follows_the_protocol(
+    extra_stage: Optional[str],
+) -> None:
     """Copy and input_dist stages, plus SparseDataDistUtil's prefetch or lookup stage.
 
     The checker found the prefetch stage rewriting cache state the previous
@@ -663,14 +687,21 @@ def test_sparse_dist_wait_batch_without_its_wait() -> None:
         return wait_for_batch
 
     violations = check_stream_protocol(
-        record(VARIANTS["SparseDist"], patch=_instance_patch("_wait_for_batch", wait_batch_without_wait))
+        record(
+            VARIANTS["SparseDist"],
+            patch=_instance_patch("_wait_for_batch", wait_batch_without_wait),
+        )
     )
     # Only batch 0's dense features: later copies are covered through the
     # previous forward's hand-off from data_dist, which had waited for memcpy.
     (message,) = _only(violations, "a")
     assert message.startswith("cross-stream read without a wait: tensor float32[3, 3] (storage #")
-    assert "produced by aten._to_copy.default on stream 'memcpy' at step P0 H2D[i0]@memcpy" in message
-    assert "read by aten.addmm.default on stream 'default' at step P0 Forward[i0]@default" in message
+    assert (
+        "produced by aten._to_copy.default on stream 'memcpy' at step P0 H2D[i0]@memcpy" in message
+    )
+    assert (
+        "read by aten.addmm.default on stream 'default' at step P0 Forward[i0]@default" in message
+    )
     assert "(progress call 0, task Forward)" in message
     assert "'default' has not waited for that work" in message
 
@@ -694,7 +725,9 @@ def test_pipelined_forward_without_record_stream() -> None:
         r"at step P0 InputDist(Start|Wait)\[i0\]@data_dist",
         first,
     )
-    assert {m.split("by aten.clone.default at step P0 ")[1].split("[")[0] for m in messages[:4]} == {
+    assert {
+        m.split("by aten.clone.default at step P0 ")[1].split("[")[0] for m in messages[:4]
+    } == {
         "InputDistStart",
         "InputDistWait",
     }
@@ -706,10 +739,15 @@ def test_pipelined_forward_without_record_stream() -> None:
 def test_fused_forward_without_the_lookup_event_wait() -> None:
 
     violations = check_stream_protocol(
-        record(VARIANTS["Fused-new"], patch=_module_patch(forwards_module, "wait_event", lambda s, e: None))
+        record(
+            VARIANTS["Fused-new"],
+            patch=_module_patch(forwards_module, "wait_event", lambda s, e: None),
+        )
     )
     first = _only(violations, "a")[0]
-    assert first.startswith("cross-stream read without a wait: tensor float32[3, 8]")  # the embeddings
+    assert first.startswith(
+        "cross-stream read without a wait: tensor float32[3, 8]"
+    )  # the embeddings
     assert "produced by aten.cat.default on stream 'emb_lookup' at step P0 EmbLookup[i0]" in first
     assert "read by aten.cat.default on stream 'default' at step P0 Forward[i0]@default" in first
     assert "no wait_stream('emb_lookup')" in first
@@ -720,7 +758,10 @@ def test_fused_forward_waiting_on_an_unrecorded_event() -> None:
         return streams.device_module(stream.device).Event()
 
     violations = check_stream_protocol(
-        record(VARIANTS["Fused-new"], patch=_module_patch(lookup_module, "record_event", unrecorded_event))
+        record(
+            VARIANTS["Fused-new"],
+            patch=_module_patch(lookup_module, "record_event", unrecorded_event),
+        )
     )
     waits = _only(violations, "c")
     assert len(waits) == N_BATCHES  # one per forward
@@ -734,12 +775,21 @@ def test_fused_forward_waiting_on_an_unrecorded_event() -> None:
 
 def test_fused_lookup_without_the_weights_ready_event() -> None:
     violations = check_stream_protocol(
-        record(VARIANTS["Fused-new"], patch=_instance_patch("_mark_weights_ready", lambda p: lambda: None))
+        record(
+            VARIANTS["Fused-new"],
+            patch=_instance_patch("_mark_weights_ready", lambda p: lambda: None),
+        )
     )
     reads = [m for m in _only(violations, "a") if "tensor float32[20, 4]" in m]  # the table
     assert reads, violations
-    assert "produced by aten.add_.Tensor on stream 'default' at step P0 Backward[i0]@default" in reads[0]
-    assert "read by aten._embedding_bag.default on stream 'emb_lookup' at step P1 EmbLookup[i1]" in reads[0]
+    assert (
+        "produced by aten.add_.Tensor on stream 'default' at step P0 Backward[i0]@default"
+        in reads[0]
+    )
+    assert (
+        "read by aten._embedding_bag.default on stream 'emb_lookup' at step P1 EmbLookup[i1]"
+        in reads[0]
+    )
 
 
 def test_fused_with_a_dense_optimized_table_is_the_documented_limitation() -> None:
@@ -753,12 +803,17 @@ def test_fused_with_a_dense_optimized_table_is_the_documented_limitation() -> No
     )
     reads = _only(check_stream_protocol(record(dense_opt)), "a")
     assert len(reads) == N_BATCHES - 1
-    assert "by aten.add_.Tensor on stream 'default' at step P0 OptimizerStep[i0]@default" in reads[0]
+    assert (
+        "by aten.add_.Tensor on stream 'default' at step P0 OptimizerStep[i0]@default" in reads[0]
+    )
 
 
 def test_prefetch_without_the_forward_fence() -> None:
     violations = check_stream_protocol(
-        record(VARIANTS["Prefetch"], patch=_module_patch(prefetch_module, "wait_event", lambda s, e: None))
+        record(
+            VARIANTS["Prefetch"],
+            patch=_module_patch(prefetch_module, "wait_event", lambda s, e: None),
+        )
     )
     writes = _only(violations, "a")
     assert len(writes) == len(violations) == N_BATCHES - 1
@@ -781,8 +836,13 @@ def test_base_without_record_stream() -> None:
     )
     messages = _only(violations, "b")
     assert len(messages) == len(violations)
-    assert "allocated on stream 'memcpy' by aten._to_copy.default at step P0 H2D[i0]@memcpy" in messages[0]
-    assert "stream 'memcpy' then issued aten._to_copy.default at step P1 H2D[i2]@memcpy" in messages[0]
+    assert (
+        "allocated on stream 'memcpy' by aten._to_copy.default at step P0 H2D[i0]@memcpy"
+        in messages[0]
+    )
+    assert (
+        "stream 'memcpy' then issued aten._to_copy.default at step P1 H2D[i2]@memcpy" in messages[0]
+    )
 
 
 def test_copy_issued_on_the_wrong_stream() -> None:
@@ -949,3 +1009,11 @@ def test_recorder_leaves_nothing_behind() -> None:
     assert "record_stream" not in torch.Tensor.__dict__ and "to" not in torch.Tensor.__dict__
     host = torch.ones(2)
     assert host.to(CPU) is host  # no copies once the recording is over
+
+
+def test_sparse_dist_t_issues_every_copy_on_its_thread() -> None:
+    """Not in place: the worker allocates on memcpy and copies there, as the
+    synchronous copy does; the training thread issues none of them."""
+    recorder = record(VARIANTS["SparseDistT"])
+    copies = [r for r in recorder.records if isinstance(r, OpRecord) and r.stream.name == "memcpy"]
+    assert copies and {r.where.thread.startswith(WORKER_THREAD) for r in copies} == {True}

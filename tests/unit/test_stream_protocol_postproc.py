@@ -19,8 +19,13 @@ import torch
 from torch import nn
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
-from tests.unit import test_schedule, test_schedule_fused, test_schedule_lite_eval
-from tests.unit import test_schedule_prefetch, test_schedule_semi_sync
+from tests.unit import (
+    test_schedule,
+    test_schedule_fused,
+    test_schedule_lite_eval,
+    test_schedule_prefetch,
+    test_schedule_semi_sync,
+)
 from tests.unit.fakes import ROWS, Batch, make_batches, optimizer_for
 from tests.unit.test_stream_protocol import (
     CPU,
@@ -38,9 +43,8 @@ from tests.unit.test_stream_protocol import (
 from trec_pipelines import postproc as postproc_module
 from trec_pipelines.args import ArgInfo, CallArgs, Noop
 from trec_pipelines.context import TrainPipelineContext
-from trec_pipelines.postproc import PipelinedPostproc
-from trec_pipelines.pipelines.eval_sparse_dist import EvalPipelineSparseDist
 from trec_pipelines.pipelines.comp_autograd import TrainPipelineSparseDistCompAutograd
+from trec_pipelines.pipelines.eval_sparse_dist import EvalPipelineSparseDist
 from trec_pipelines.pipelines.fused_sparse_dist import (
     EvalPipelineFusedSparseDist,
     TrainPipelineFusedSparseDist,
@@ -49,6 +53,7 @@ from trec_pipelines.pipelines.prefetch import PrefetchTrainPipelineSparseDist
 from trec_pipelines.pipelines.semi_sync import TrainPipelineSemiSync
 from trec_pipelines.pipelines.sparse_dist import TrainPipelineSparseDist
 from trec_pipelines.pipelines.sparse_dist_lite import TrainPipelineSparseDistLite
+from trec_pipelines.postproc import PipelinedPostproc
 from trec_pipelines.testing import StreamRecorder, check_stream_protocol
 
 
@@ -96,7 +101,9 @@ VARIANTS = {
     ),
     "Fused-new": Variant(
         WithPostproc,
-        lambda m: TrainPipelineFusedSparseDist(m, table_updated_in_backward(m), CPU, emb_lookup_stream="new"),
+        lambda m: TrainPipelineFusedSparseDist(
+            m, table_updated_in_backward(m), CPU, emb_lookup_stream="new"
+        ),
         lambda n: exact(lookup_on("emb_lookup", test_schedule_fused.FILL), every(_fused_step()), n),
         ("memcpy", "data_dist", "emb_lookup"),
     ),
@@ -115,7 +122,9 @@ VARIANTS = {
     "EvalSparseDist": Variant(
         WithPostproc,
         lambda m: EvalPipelineSparseDist(m.eval(), None, CPU, pipeline_postproc=True),
-        lambda n: exact(test_schedule_lite_eval.EVAL_FILL, every(test_schedule_lite_eval.EVAL_STEP), n),
+        lambda n: exact(
+            test_schedule_lite_eval.EVAL_FILL, every(test_schedule_lite_eval.EVAL_STEP), n
+        ),
         ("memcpy", "data_dist"),
     ),
     "EvalFused": Variant(
@@ -169,14 +178,17 @@ def _without(name: str, value: Any) -> Callable[[Any], ContextManager[None]]:
 
 def test_postproc_output_without_record_stream_is_reported() -> None:
     violations = check_stream_protocol(
-        record(VARIANTS["SparseDist"], patch=_without("record_stream_tree", lambda obj, stream: None))
+        record(
+            VARIANTS["SparseDist"], patch=_without("record_stream_tree", lambda obj, stream: None)
+        )
     )
     messages = [v.message for v in violations]
     assert messages and all(v.rule == "b" for v in violations), messages
     # The doubled dense features: made by the postproc on data_dist in the
     # input_dist stage, read by the forward on default.
     assert any(
-        "allocated on stream 'data_dist' by aten.mul.Tensor at step P0 InputDistStart[i0]@data_dist" in m
+        "allocated on stream 'data_dist' by aten.mul.Tensor at step P0 InputDistStart[i0]@data_dist"
+        in m
         and "used on stream 'default'" in m
         for m in messages
     ), messages
@@ -190,7 +202,9 @@ def _hand_over_directly(without_wait: bool) -> Any:
     with StreamRecorder() as recorder:
         data_dist = recorder.device.Stream(name="data_dist")
         context = TrainPipelineContext(index=0)
-        wrapper = PipelinedPostproc(ShiftIds(), "shift", CallArgs([ArgInfo([Noop()])], {}), context, None, data_dist)
+        wrapper = PipelinedPostproc(
+            ShiftIds(), "shift", CallArgs([ArgInfo([Noop()])], {}), context, None, data_dist
+        )
         wrapper.output_for(batch)  # the input_dist stage
         with patch(None) if patch is not None else contextlib.nullcontext():
             output = wrapper(batch)  # the model's call in the forward, on default
@@ -211,7 +225,9 @@ def test_the_forward_waits_for_the_postproc_event_not_for_the_whole_stream() -> 
     assert "read by aten.sum.default on stream 'default'" in violation.message
 
 
-def test_an_output_record_stream_cannot_reach_is_warned_about_once(caplog: pytest.LogCaptureFixture) -> None:
+def test_an_output_record_stream_cannot_reach_is_warned_about_once(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
     class Opaque:
         def __init__(self, dense: torch.Tensor) -> None:
             self.dense = dense
@@ -224,12 +240,19 @@ def test_an_output_record_stream_cannot_reach_is_warned_about_once(caplog: pytes
     with StreamRecorder() as recorder:
         data_dist = recorder.device.Stream(name="data_dist")
         wrapper = PipelinedPostproc(
-            ToOpaque(), "opaque", CallArgs([ArgInfo([Noop()])], {}), TrainPipelineContext(), None, data_dist
+            ToOpaque(),
+            "opaque",
+            CallArgs([ArgInfo([Noop()])], {}),
+            TrainPipelineContext(),
+            None,
+            data_dist,
         )
         for index in range(2):
             context = TrainPipelineContext(index=index)
             wrapper.set_context(context)
             wrapper.output_for(batch)
             wrapper(batch)
-    warnings = [r.getMessage() for r in caplog.records if "record_stream can reach" in r.getMessage()]
+    warnings = [
+        r.getMessage() for r in caplog.records if "record_stream can reach" in r.getMessage()
+    ]
     assert len(warnings) == 1 and "postproc 'opaque' returned a Opaque" in warnings[0]

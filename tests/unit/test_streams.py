@@ -11,7 +11,9 @@ from trec_pipelines import streams
 
 def test_cpu_has_no_side_streams() -> None:
     cpu = torch.device("cpu")
-    stream_set = streams.make_streams(cpu, memcpy=True, data_dist=True, prefetch=True, emb_lookup=True)
+    stream_set = streams.make_streams(
+        cpu, memcpy=True, data_dist=True, prefetch=True, emb_lookup=True
+    )
     assert stream_set == streams.StreamSet()
     assert streams.current_stream(cpu) is None
     assert streams.record_event(None) is None
@@ -91,7 +93,9 @@ def test_lookup_outputs_of_both_kinds_are_recorded(monkeypatch: Any) -> None:
     from trec_pipelines.forwards import record_output
 
     seen: List[Tuple[int, str]] = []
-    monkeypatch.setattr(torch.Tensor, "record_stream", lambda t, s: seen.append((t.numel(), s.name)))
+    monkeypatch.setattr(
+        torch.Tensor, "record_stream", lambda t, s: seen.append((t.numel(), s.name))
+    )
     consumer = _Stream([], "default")
     keyed = KeyedTensor(keys=["a"], length_per_key=[2], values=torch.zeros(3, 2))
     jagged = {"a": JaggedTensor(values=torch.zeros(5), lengths=torch.tensor([2, 3]))}

@@ -38,5 +38,7 @@ def test_extended_leaves_match(name: str) -> None:
     module = nn.Identity()
     ours = Tracer(["b", "c.0"], extend_leaf_fqn=True)
     theirs = UpstreamTracer(["b", "c.0"], extend_leaf_fqn=True)
-    assert ours.is_extended_leaf_modules(module, name) == theirs.is_extended_leaf_modules(module, name)
+    assert ours.is_extended_leaf_modules(module, name) == theirs.is_extended_leaf_modules(
+        module, name
+    )
     assert ours.is_leaf_module(module, name) == theirs.is_leaf_module(module, name)

@@ -38,7 +38,10 @@ class SimpleInput(Pipelineable):
     label: torch.Tensor
 
     def to(self, device: torch.device, non_blocking: bool = False) -> "SimpleInput":
-        return SimpleInput(self.float_features.to(device, non_blocking=non_blocking), self.label.to(device, non_blocking=non_blocking))
+        return SimpleInput(
+            self.float_features.to(device, non_blocking=non_blocking),
+            self.label.to(device, non_blocking=non_blocking),
+        )
 
     def record_stream(self, stream: torch.Stream) -> None:
         self.float_features.record_stream(stream)
@@ -101,13 +104,15 @@ def test_base_equal_to_non_pipelined() -> None:
     ref = plain(ref_model, data)
     theirs = pipelined(upstream.TrainPipelineBase, their_model, data)
     ours = pipelined(trec_pipelines.TrainPipelineBase, our_model, data)
-    for step, (r, t, o) in enumerate(zip(ref, theirs, ours)):
+    for step, (r, t, o) in enumerate(zip(ref, theirs, ours, strict=True)):
         assert torch.equal(r, t), f"step {step}: torchrec != plain loop"
         assert torch.equal(r, o), f"step {step}: ours != plain loop"
     assert torch.equal(ref_model.model.weight, our_model.model.weight)
 
 
-@pytest.mark.parametrize("cls", [upstream.TrainPipelinePT2, trec_pipelines.TrainPipelinePT2], ids=["torchrec", "ours"])
+@pytest.mark.parametrize(
+    "cls", [upstream.TrainPipelinePT2, trec_pipelines.TrainPipelinePT2], ids=["torchrec", "ours"]
+)
 def test_pt2_equal_to_non_pipelined_and_pre_compile_fn(cls: Any) -> None:
     """Upstream's two PT2 tests in one run (one compile): predictions as the
     plain loop's, and ``pre_compile_fn`` sees the model before it is compiled."""
@@ -123,8 +128,10 @@ def test_pt2_equal_to_non_pipelined_and_pre_compile_fn(cls: Any) -> None:
     torch._dynamo.reset()
     preds = pipelined(cls, model, data, pre_compile_fn=pre_compile_fn)
     assert seen == ["dummy"] and model._dummy_setting == "dummy modified"
-    for step, (r, p) in enumerate(zip(ref, preds)):
-        torch.testing.assert_close(p, r, atol=ATOL, rtol=RTOL, msg=lambda m: f"step {step}: {m}")
+    for step, (r, p) in enumerate(zip(ref, preds, strict=True)):
+        torch.testing.assert_close(
+            p, r, atol=ATOL, rtol=RTOL, msg=lambda m, step=step: f"step {step}: {m}"
+        )
 
 
 class TwoTables(nn.Module):
@@ -139,20 +146,34 @@ class TwoTables(nn.Module):
         return list(self.model(kjt).to_dict().values())
 
 
-@pytest.mark.parametrize("cls", [upstream.TrainPipelinePT2, trec_pipelines.TrainPipelinePT2], ids=["torchrec", "ours"])
+@pytest.mark.parametrize(
+    "cls", [upstream.TrainPipelinePT2, trec_pipelines.TrainPipelinePT2], ids=["torchrec", "ours"]
+)
 def test_pt2_equal_to_non_pipelined_with_input_transformer(cls: Any) -> None:
     tables = [
-        EmbeddingBagConfig(num_embeddings=256, embedding_dim=12, name=f"{p}table_{i}", feature_names=[f"{p}f{i}"])
+        EmbeddingBagConfig(
+            num_embeddings=256, embedding_dim=12, name=f"{p}table_{i}", feature_names=[f"{p}f{i}"]
+        )
         for p in ("",)
         for i in range(2)
     ]
     weighted = [
-        EmbeddingBagConfig(num_embeddings=256, embedding_dim=12, name=f"weighted_table_{i}", feature_names=[f"weighted_f{i}"])
+        EmbeddingBagConfig(
+            num_embeddings=256,
+            embedding_dim=12,
+            name=f"weighted_table_{i}",
+            feature_names=[f"weighted_f{i}"],
+        )
         for i in range(2)
     ]
     torch.manual_seed(2)
     _, inputs = ModelInput.generate(
-        batch_size=10, world_size=4, num_float_features=8, tables=tables, weighted_tables=weighted, variable_batch_size=False
+        batch_size=10,
+        world_size=4,
+        num_float_features=8,
+        tables=tables,
+        weighted_tables=weighted,
+        variable_batch_size=False,
     )
     data = [i.idlist_features for i in inputs if isinstance(i.idlist_features, KeyedJaggedTensor)]
     ref_model, _, model = fresh(lambda: TwoTables(tables))
@@ -161,5 +182,7 @@ def test_pt2_equal_to_non_pipelined_with_input_transformer(cls: Any) -> None:
     ref = plain(ref_model, data, step=False)
     torch._dynamo.reset()
     preds = pipelined(cls, model, data, input_transformer=kjt_for_pt2_tracing)
-    for step, (r, p) in enumerate(zip(ref, preds)):
-        torch.testing.assert_close(p, r, atol=ATOL, rtol=RTOL, msg=lambda m: f"step {step}: {m}")
+    for step, (r, p) in enumerate(zip(ref, preds, strict=True)):
+        torch.testing.assert_close(
+            p, r, atol=ATOL, rtol=RTOL, msg=lambda m, step=step: f"step {step}: {m}"
+        )

@@ -8,6 +8,7 @@ import pytest
 import torch
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
+import trec_pipelines as tp
 from tests.unit.fakes import (
     Batch,
     TinyModel,
@@ -17,7 +18,6 @@ from tests.unit.fakes import (
     optimizer_for,
     plain_loop,
 )
-import trec_pipelines as tp
 from trec_pipelines.validation import _looks_consistent, batch_problem, kjt_problem
 
 CPU = torch.device("cpu")
@@ -31,29 +31,58 @@ def _kjt(values: torch.Tensor, lengths: torch.Tensor = LENGTHS, **kwargs: Any) -
 
 GOOD = torch.arange(9)
 MALFORMED = {
-    "3 extra": (lambda: _kjt(torch.arange(12)), r"key 'f1' \(the last\).*add up to 9.*has 12 \(3 extra"),
-    "3 missing": (lambda: _kjt(torch.arange(6)), r"key 'f1'.*add up to 9 values but values has only 6 \(3 missing"),
+    "3 extra": (
+        lambda: _kjt(torch.arange(12)),
+        r"key 'f1' \(the last\).*add up to 9.*has 12 \(3 extra",
+    ),
+    "3 missing": (
+        lambda: _kjt(torch.arange(6)),
+        r"key 'f1'.*add up to 9 values but values has only 6 \(3 missing",
+    ),
     "half missing": (lambda: _kjt(torch.arange(4)), r"key 'f1'.*only 4 \(5 missing"),
-    "f0 short": (lambda: _kjt(torch.arange(2), lengths=torch.tensor([1, 2, 0, 0, 0, 0])), r"key 'f0'.*only 2"),
-    "negative": (lambda: _kjt(GOOD, lengths=torch.tensor([1, 2, 0, 4, -1, 3])), r"key 'f1' has a negative length"),
+    "f0 short": (
+        lambda: _kjt(torch.arange(2), lengths=torch.tensor([1, 2, 0, 0, 0, 0])),
+        r"key 'f0'.*only 2",
+    ),
+    "negative": (
+        lambda: _kjt(GOOD, lengths=torch.tensor([1, 2, 0, 4, -1, 3])),
+        r"key 'f1' has a negative length",
+    ),
     "float ids": (lambda: _kjt(GOOD.float()), r"values has dtype torch.float32"),
-    "weights": (lambda: _kjt(GOOD, weights=torch.ones(8)), r"weights has 8 entries but values has 9"),
+    "weights": (
+        lambda: _kjt(GOOD, weights=torch.ones(8)),
+        r"weights has 8 entries but values has 9",
+    ),
     "offsets": (
-        lambda: KeyedJaggedTensor(keys=KEYS, values=GOOD, lengths=LENGTHS, offsets=torch.tensor([0, 1, 3, 3, 5, 7, 9])),
+        lambda: KeyedJaggedTensor(
+            keys=KEYS, values=GOOD, lengths=LENGTHS, offsets=torch.tensor([0, 1, 3, 3, 5, 7, 9])
+        ),
         r"offsets are not the running sum of lengths",
     ),
     "length_per_key": (
         lambda: KeyedJaggedTensor(keys=KEYS, values=GOOD, lengths=LENGTHS, length_per_key=[4, 5]),
         r"key 'f0': length_per_key says 4 values but its lengths add up to 3",
     ),
-    "stride": (lambda: _kjt(GOOD[:8], lengths=torch.tensor([1, 2, 0, 3, 2]), stride=3), r"5 lengths for 2 keys x stride 3"),
+    "length_per_key count": (
+        lambda: KeyedJaggedTensor(keys=KEYS, values=GOOD, lengths=LENGTHS, length_per_key=[9]),
+        r"length_per_key has 1 entries for 2 keys",
+    ),
+    "stride": (
+        lambda: _kjt(GOOD[:8], lengths=torch.tensor([1, 2, 0, 3, 2]), stride=3),
+        r"5 lengths for 2 keys x stride 3",
+    ),
 }
 
 
 def test_well_formed_kjts_pass() -> None:
     assert kjt_problem(_kjt(GOOD)) is None
     assert kjt_problem(_kjt(GOOD, weights=torch.ones(9))) is None
-    assert kjt_problem(KeyedJaggedTensor.from_offsets_sync(KEYS, GOOD, torch.tensor([0, 1, 3, 3, 6, 7, 9]))) is None
+    assert (
+        kjt_problem(
+            KeyedJaggedTensor.from_offsets_sync(KEYS, GOOD, torch.tensor([0, 1, 3, 3, 6, 7, 9]))
+        )
+        is None
+    )
     assert kjt_problem(KeyedJaggedTensor.from_lengths_sync(KEYS, GOOD, LENGTHS)) is None
     assert kjt_problem(_kjt(torch.arange(0), lengths=torch.zeros(6, dtype=torch.long))) is None
     for batch in make_batches(5):
@@ -104,9 +133,13 @@ def test_the_fast_check_agrees_with_the_full_one_on_random_corruptions(large: bo
         if corruption == 1 and lengths.numel():
             lengths[int(torch.randint(0, lengths.numel(), (1,), generator=g))] -= 5
         elif corruption == 2:
-            values = torch.arange(max(0, values.numel() + int(torch.randint(-3, 4, (1,), generator=g))))
+            values = torch.arange(
+                max(0, values.numel() + int(torch.randint(-3, 4, (1,), generator=g)))
+            )
         elif corruption == 3:
-            kwargs["offsets"] = torch.cat([torch.zeros(1, dtype=torch.long), torch.cumsum(lengths, 0)])
+            kwargs["offsets"] = torch.cat(
+                [torch.zeros(1, dtype=torch.long), torch.cumsum(lengths, 0)]
+            )
             if trial % 12 == 3 and lengths.numel():
                 kwargs["offsets"][-1] += 1
         elif corruption == 4:
@@ -133,9 +166,16 @@ def _with_bad_batch(at: int, make: Callable[[], KeyedJaggedTensor]) -> List[Any]
     return batches
 
 
-TRAINING = ["TrainPipelineBase", "TrainPipelineSparseDist", "TrainPipelineSparseDistLite",
-            "TrainPipelineFusedSparseDist", "PrefetchTrainPipelineSparseDist", "TrainPipelineSemiSync",
-            "TrainPipelinePT2", "TrainPipelinePEC"]
+TRAINING = [
+    "TrainPipelineBase",
+    "TrainPipelineSparseDist",
+    "TrainPipelineSparseDistLite",
+    "TrainPipelineFusedSparseDist",
+    "PrefetchTrainPipelineSparseDist",
+    "TrainPipelineSemiSync",
+    "TrainPipelinePT2",
+    "TrainPipelinePEC",
+]
 
 
 def _make(name: str, model: torch.nn.Module, **kwargs: Any) -> Any:
@@ -148,13 +188,17 @@ def _make(name: str, model: torch.nn.Module, **kwargs: Any) -> Any:
 @pytest.mark.parametrize("name", TRAINING)
 @pytest.mark.parametrize("at", [0, 2, 5])
 @pytest.mark.parametrize("case", ["3 extra", "3 missing", "half missing"])
-def test_bad_batch_raises_before_training_and_the_next_call_goes_on(name: str, at: int, case: str) -> None:
+def test_bad_batch_raises_before_training_and_the_next_call_goes_on(
+    name: str, at: int, case: str
+) -> None:
     make, _ = MALFORMED[case]
     batches = _with_bad_batch(at, make)
     model, ref = TinyModel(), TinyModel()
     pipeline = _make(name, model)
-    outputs = _raise_then_drain(pipeline, batches, rf"batch {at}: KeyedJaggedTensor batch.sparse: key 'f1'")
-    assert_same_training(outputs, plain_loop(ref, batches[:at] + batches[at + 1:]), model, ref)
+    outputs = _raise_then_drain(
+        pipeline, batches, rf"batch {at}: KeyedJaggedTensor batch.sparse: key 'f1'"
+    )
+    assert_same_training(outputs, plain_loop(ref, batches[:at] + batches[at + 1 :]), model, ref)
     assert pipeline._source.rejected == 1
 
 
@@ -186,7 +230,7 @@ def test_eval_drops_a_bad_batch_and_goes_on_with_the_next(loader_thread: Any, at
     model, ref = TinyModel(), TinyModel()
     pipeline = eval_pipeline(model, loader_thread=loader_thread)
     outputs = _raise_then_drain(pipeline, batches, rf"batch {at}: ")
-    assert_same_training(outputs, plain_eval(ref, batches[:at] + batches[at + 1:]), model, ref)
+    assert_same_training(outputs, plain_eval(ref, batches[:at] + batches[at + 1 :]), model, ref)
     assert pipeline._source.rejected == 1
 
 

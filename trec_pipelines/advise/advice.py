@@ -33,8 +33,16 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
 
 from trec_pipelines.memory import format_bytes
 
-
-_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "kib": 2**10, "mib": 2**20, "gib": 2**30}
+_UNITS = {
+    "": 1,
+    "b": 1,
+    "kb": 10**3,
+    "mb": 10**6,
+    "gb": 10**9,
+    "kib": 2**10,
+    "mib": 2**20,
+    "gib": 2**30,
+}
 
 
 def parse_bytes(value: Union[int, float, str, None]) -> Optional[int]:
@@ -47,10 +55,11 @@ def parse_bytes(value: Union[int, float, str, None]) -> Optional[int]:
         return int(value)
     text = value.strip().lower().replace(" ", "")
     number = text.rstrip("abcdefghijklmnopqrstuvwxyz")
-    unit = text[len(number):]
+    unit = text[len(number) :]
     if unit not in _UNITS or not number:
         raise ValueError(
-            f"memory_budget={value!r}: give bytes as a number, or with a unit: B, KiB, MiB, GiB, KB, MB, GB (e.g. '64MiB')"
+            f"memory_budget={value!r}: give bytes as a number, or with a unit: "
+            "B, KiB, MiB, GiB, KB, MB, GB (e.g. '64MiB')"
         )
     return parse_bytes(float(number) * _UNITS[unit])
 
@@ -147,20 +156,35 @@ class Advice:
         for row in self.variants + (self.plain,):
             if row.name == name:
                 return row
-        raise KeyError(f"no variant {name!r} in this advice (has {', '.join(r.name for r in self.variants)})")
+        raise KeyError(
+            f"no variant {name!r} in this advice (has {', '.join(r.name for r in self.variants)})"
+        )
 
     def for_budget(self, memory_budget: Union[int, float, str, None]) -> "Advice":
-        """The same measurements judged against another budget (bytes or ``"64MiB"``; None: none), without re-measuring."""
+        """The same measurements judged against another budget, without re-measuring.
+
+        ``memory_budget``: bytes, or a string such as ``"64MiB"``; None for no budget.
+        """
         memory_budget = parse_bytes(memory_budget)
         rows = tuple(
-            replace(r, within_budget=None if memory_budget is None or not r.ran
-                    else (r.held_peak is not None and r.held_peak <= memory_budget))
+            replace(
+                r,
+                within_budget=None
+                if memory_budget is None or not r.ran
+                else (r.held_peak is not None and r.held_peak <= memory_budget),
+            )
             for r in self.variants
         )
         recommended, reason = recommend(rows, memory_budget, self.noise)
         plain = replace(self.plain, within_budget=None if memory_budget is None else True)
-        return replace(self, variants=rows, plain=plain, memory_budget=memory_budget,
-                       recommended=recommended, reason=reason)
+        return replace(
+            self,
+            variants=rows,
+            plain=plain,
+            memory_budget=memory_budget,
+            recommended=recommended,
+            reason=reason,
+        )
 
     def to_dict(self) -> Dict[str, Any]:
         """Plain JSON types: what ``write_json`` writes."""
@@ -172,29 +196,44 @@ class Advice:
 
     def table(self) -> str:
         """The advice as a text table, then the recommendation and the notes of each row."""
-        header = ("variant", self.qps_unit, "x plain", "held (ledger)", "peak RSS", "peak device",
-                  "input dist hidden", "unpipelined", "status")
+        header = (
+            "variant",
+            self.qps_unit,
+            "x plain",
+            "held (ledger)",
+            "peak RSS",
+            "peak device",
+            "input dist hidden",
+            "unpipelined",
+            "status",
+        )
         rows: List[Sequence[str]] = []
         for r in (self.plain,) + self.variants:
             mark = "*" if r.name == self.recommended else " "
-            rows.append((
-                f"{mark} {r.name}",
-                "-" if r.qps is None else f"{r.qps:,.0f}",
-                "-" if r.vs_plain is None else f"{r.vs_plain:.2f}",
-                format_bytes(r.held_peak) + ("" if r.within_budget is not False else " (over)"),
-                format_bytes(r.rss_peak),
-                format_bytes(r.device_peak),
-                "-" if r.hidden_input_dist is None else f"{100 * r.hidden_input_dist:.0f}%",
-                str(len(r.unpipelined)) if r.ran else "-",
-                r.status,
-            ))
-        widths = [max(len(str(c)) for c in col) for col in zip(header, *rows)]
-        lines = ["  ".join(str(c).ljust(w) for c, w in zip(header, widths)).rstrip()]
+            rows.append(
+                (
+                    f"{mark} {r.name}",
+                    "-" if r.qps is None else f"{r.qps:,.0f}",
+                    "-" if r.vs_plain is None else f"{r.vs_plain:.2f}",
+                    format_bytes(r.held_peak) + ("" if r.within_budget is not False else " (over)"),
+                    format_bytes(r.rss_peak),
+                    format_bytes(r.device_peak),
+                    "-" if r.hidden_input_dist is None else f"{100 * r.hidden_input_dist:.0f}%",
+                    str(len(r.unpipelined)) if r.ran else "-",
+                    r.status,
+                )
+            )
+        widths = [max(len(str(c)) for c in col) for col in zip(header, *rows, strict=True)]
+        lines = ["  ".join(str(c).ljust(w) for c, w in zip(header, widths, strict=True)).rstrip()]
         lines.append("  ".join("-" * w for w in widths))
-        lines += ["  ".join(str(c).ljust(w) for c, w in zip(row, widths)).rstrip() for row in rows]
+        lines += [
+            "  ".join(str(c).ljust(w) for c, w in zip(row, widths, strict=True)).rstrip()
+            for row in rows
+        ]
         budget = "none" if self.memory_budget is None else format_bytes(self.memory_budget)
         lines.append(
-            f"{self.world_size} ranks, {self.rounds} round(s) of warm-up {self.warmup} + {self.steps} timed steps; "
+            f"{self.world_size} ranks, {self.rounds} round(s) of warm-up {self.warmup} "
+            f"+ {self.steps} timed steps; "
             f"memory budget {budget}; noise band ±{self.noise:.3f}"
             + (" (noisy: more --rounds or --steps narrow it)" if self.noise >= NOISY else "")
         )
@@ -233,8 +272,14 @@ def recommend(
         return None, "no variant ran; see each row's error or reason"
     fits = [r for r in ran if budget is None or (r.held_peak is not None and r.held_peak <= budget)]
     if not fits:
-        least = min((r for r in ran if r.held_peak is not None), key=lambda r: r.held_peak or 0, default=None)
-        smallest = f"; the least is {least.name} with {format_bytes(least.held_peak)}" if least else ""
+        least = min(
+            (r for r in ran if r.held_peak is not None),
+            key=lambda r: r.held_peak or 0,
+            default=None,
+        )
+        smallest = (
+            f"; the least is {least.name} with {format_bytes(least.held_peak)}" if least else ""
+        )
         return None, (
             f"no variant holds within the budget of {format_bytes(budget)}{smallest}: "
             "raise the budget or train without a pipeline"
@@ -243,7 +288,13 @@ def recommend(
     pool = clean or fits
     fastest = max(pool, key=lambda r: r.vs_plain or 0.0)
     near = [r for r in pool if (r.vs_plain or 0.0) >= (fastest.vs_plain or 0.0) - noise]
-    pick = min(near, key=lambda r: (r.held_peak if r.held_peak is not None else float("inf"), -(r.vs_plain or 0.0)))
+    pick = min(
+        near,
+        key=lambda r: (
+            r.held_peak if r.held_peak is not None else float("inf"),
+            -(r.vs_plain or 0.0),
+        ),
+    )
     assert pick.vs_plain is not None
     sentence = f"{pick.name}: {pick.vs_plain:.2f}x plain, +{format_bytes(pick.held_peak)} held"
     faster = [r for r in ran if (r.vs_plain or 0.0) > pick.vs_plain]
@@ -252,7 +303,10 @@ def recommend(
     if over:
         top = max(over, key=lambda r: r.vs_plain or 0.0)
         excess = (top.held_peak or 0) - (budget or 0)
-        sentence += f"; {top.name} is {_pct(top.vs_plain or 0.0, pick.vs_plain)} faster but exceeds the budget by {format_bytes(excess)}"
+        faster_by = _pct(top.vs_plain or 0.0, pick.vs_plain)
+        sentence += (
+            f"; {top.name} is {faster_by} faster but exceeds the budget by {format_bytes(excess)}"
+        )
     elif blocked:
         top = max(blocked, key=lambda r: r.vs_plain or 0.0)
         names = ", ".join(m for m, _ in top.unpipelined)

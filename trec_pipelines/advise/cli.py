@@ -14,7 +14,7 @@ import importlib
 import os
 import subprocess
 import sys
-from typing import Any, Callable, List, Optional, Sequence
+from typing import Any, Callable, List, Optional, Sequence, cast
 
 DESCRIPTION = """\
 Which pipeline for my model?  Builds your model once per variant and round
@@ -47,28 +47,59 @@ examples:
 
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
-        prog="python -m trec_pipelines.advise", description=DESCRIPTION, epilog=EXAMPLES,
+        prog="python -m trec_pipelines.advise",
+        description=DESCRIPTION,
+        epilog=EXAMPLES,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    p.add_argument("--build", required=True, metavar="MODULE:FUNCTION",
-                   help="your factory: a function of no arguments returning (model, optimizer, batches)")
+    p.add_argument(
+        "--build",
+        required=True,
+        metavar="MODULE:FUNCTION",
+        help="your factory: a function of no arguments returning (model, optimizer, batches)",
+    )
     p.add_argument("--steps", type=int, default=20, help="batches per timed epoch (default 20)")
-    p.add_argument("--warmup", type=int, default=5, help="untimed batches before it, same model (default 5)")
-    p.add_argument("--rounds", type=int, default=3,
-                   help="times every contender is built and timed; the result is the median (default 3; the noise band needs 2)")
-    p.add_argument("--memory-budget", default=None, metavar="BYTES",
-                   help="most a pipeline may hold beyond model and optimizer, e.g. 64MiB, 1.5GiB, 500MB (default: no budget)")
-    p.add_argument("--variants", default=None, metavar="NAME,NAME",
-                   help="class names to time, comma-separated (default: every applicable one)")
-    p.add_argument("--include-compiled", action="store_true",
-                   help="also time TrainPipelinePT2 and TrainPipelineSparseDistCompAutograd (they compile: minutes)")
+    p.add_argument(
+        "--warmup", type=int, default=5, help="untimed batches before it, same model (default 5)"
+    )
+    p.add_argument(
+        "--rounds",
+        type=int,
+        default=3,
+        help="times every contender is built and timed; the result is the median (default 3; the noise band needs 2)",
+    )
+    p.add_argument(
+        "--memory-budget",
+        default=None,
+        metavar="BYTES",
+        help="most a pipeline may hold beyond model and optimizer, e.g. 64MiB, 1.5GiB, 500MB (default: no budget)",
+    )
+    p.add_argument(
+        "--variants",
+        default=None,
+        metavar="NAME,NAME",
+        help="class names to time, comma-separated (default: every applicable one)",
+    )
+    p.add_argument(
+        "--include-compiled",
+        action="store_true",
+        help="also time TrainPipelinePT2 and TrainPipelineSparseDistCompAutograd (they compile: minutes)",
+    )
     p.add_argument("--nproc", type=int, default=2, help="ranks to launch (default 2)")
-    p.add_argument("--backend", default="gloo", help="the process group's backend (default gloo; nccl on GPUs)")
-    p.add_argument("--device", default=None,
-                   help="where the model trains (default: its first parameter's device; 'cuda' means cuda:<LOCAL_RANK>)")
+    p.add_argument(
+        "--backend", default="gloo", help="the process group's backend (default gloo; nccl on GPUs)"
+    )
+    p.add_argument(
+        "--device",
+        default=None,
+        help="where the model trains (default: its first parameter's device; 'cuda' means cuda:<LOCAL_RANK>)",
+    )
     p.add_argument("--threads", type=int, default=1, help="torch threads per rank (default 1)")
-    p.add_argument("--out", default=None,
-                   help="directory for advice.json and advice.png (default advise-results/<UTC time>)")
+    p.add_argument(
+        "--out",
+        default=None,
+        help="directory for advice.json and advice.png (default advise-results/<UTC time>)",
+    )
     p.add_argument("--no-plot", action="store_true", help="no PNG (it needs matplotlib)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     return p
@@ -78,7 +109,9 @@ def load_build(spec: str) -> Callable[[], Any]:
     """The function ``module:function`` names, with an error that says what went wrong."""
     module_name, _, function = spec.partition(":")
     if not module_name or not function:
-        raise SystemExit(f"--build {spec!r}: give it as module.path:function, e.g. mymodels.dlrm:build")
+        raise SystemExit(
+            f"--build {spec!r}: give it as module.path:function, e.g. mymodels.dlrm:build"
+        )
     try:
         module = importlib.import_module(module_name)
     except ImportError as exc:
@@ -89,7 +122,7 @@ def load_build(spec: str) -> Callable[[], Any]:
     build = getattr(module, function, None)
     if not callable(build):
         raise SystemExit(f"--build {spec!r}: {module_name} has no function {function!r}")
-    return build
+    return cast(Callable[[], Any], build)
 
 
 def launch(argv: Sequence[str], nproc: int, threads: int) -> int:
@@ -99,8 +132,16 @@ def launch(argv: Sequence[str], nproc: int, threads: int) -> int:
     env["PYTHONPATH"] = cwd + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
     env.setdefault("OMP_NUM_THREADS", str(threads))
     env.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
-               "-m", "trec_pipelines.advise", *_without_nproc(argv)]
+    command = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        f"--nproc_per_node={nproc}",
+        "-m",
+        "trec_pipelines.advise",
+        *_without_nproc(argv),
+    ]
     print(f"launching {nproc} ranks under torchrun: {' '.join(command)}", flush=True)
     return subprocess.run(command, env=env, cwd=cwd).returncode
 
@@ -125,8 +166,8 @@ class _Bar:
     def __init__(self, enabled: bool) -> None:
         self.bar: Any = None
         if enabled:
-            from tqdm import tqdm
-
+            # tqdm ships no type stubs: looked up by name, it is Any to mypy.
+            tqdm = importlib.import_module("tqdm").tqdm
             self.bar = tqdm(total=1, unit="run", dynamic_ncols=True)
 
     def __call__(self, label: str, done: int, total: int) -> None:
@@ -169,18 +210,28 @@ def worker(args: argparse.Namespace) -> int:
     bar = _Bar(rank == 0 and not args.no_progress)
     try:
         advice = advise(
-            build, steps=args.steps, warmup=args.warmup, rounds=args.rounds, memory_budget=args.memory_budget,
-            variants=variants, include_compiled=args.include_compiled, device=device, progress=bar,
+            build,
+            steps=args.steps,
+            warmup=args.warmup,
+            rounds=args.rounds,
+            memory_budget=args.memory_budget,
+            variants=variants,
+            include_compiled=args.include_compiled,
+            device=device,
+            progress=bar,
         )
     finally:
         bar.close()
     if rank == 0:
         out = args.out or os.path.join(
-            "advise-results", datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d_%H%M%S")
+            "advise-results",
+            datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d_%H%M%S"),
         )
         os.makedirs(out, exist_ok=True)
         print("\n" + advice.table(), flush=True)
-        advice.write_json(os.path.join(out, "advice.json"), extra={"build": args.build, "argv": sys.argv[1:]})
+        advice.write_json(
+            os.path.join(out, "advice.json"), extra={"build": args.build, "argv": sys.argv[1:]}
+        )
         written = ["advice.json"]
         if not args.no_plot:
             advice.save_plot(os.path.join(out, "advice.png"))
@@ -201,10 +252,16 @@ def check(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
         if args.variants:
             resolve([v.strip() for v in args.variants.split(",") if v.strip()])
     except ValueError as exc:
-        p.error(str(exc).replace("memory_budget=", "--memory-budget ").replace("variants=", "--variants "))
+        p.error(
+            str(exc)
+            .replace("memory_budget=", "--memory-budget ")
+            .replace("variants=", "--variants ")
+        )
     if args.steps < 1 or args.warmup < 0 or args.rounds < 1 or args.nproc < 1:
-        p.error(f"need --steps >= 1, --warmup >= 0, --rounds >= 1 and --nproc >= 1 "
-                f"(got {args.steps}, {args.warmup}, {args.rounds}, {args.nproc})")
+        p.error(
+            f"need --steps >= 1, --warmup >= 0, --rounds >= 1 and --nproc >= 1 "
+            f"(got {args.steps}, {args.warmup}, {args.rounds}, {args.nproc})"
+        )
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:

@@ -80,7 +80,9 @@ class _Built:
     batches: Iterable[Any]
     pipeline: Any = None
     staged: bool = False  # the pipeline returns batches; the loop trains them
-    rewrite: Any = None  # what holds the rewrite_result (the pipeline, or Staged's SparseDataDistUtil)
+    rewrite: Any = (
+        None  # what holds the rewrite_result (the pipeline, or Staged's SparseDataDistUtil)
+    )
     after_step: List[Callable[[], None]] = field(default_factory=list)
 
 
@@ -97,12 +99,21 @@ def _make_pipeline(built: _Built, variant: Variant, device: torch.device) -> Non
         built.pipeline = variant.cls(built.model, built.optimizer, device, **variant.kwargs)
         built.rewrite = built.pipeline
         return
-    util = SparseDataDistUtil(model=built.model, data_dist_stream=new_stream(device))
+    util: SparseDataDistUtil[Any] = SparseDataDistUtil(
+        model=built.model, data_dist_stream=new_stream(device)
+    )
     stages = [
-        PipelineStage(name="data_copy", runnable=lambda batch: batch.to(device, non_blocking=True),
-                      stream=new_stream(device)),
-        PipelineStage(name="start_sparse_data_dist", runnable=util.start_sparse_data_dist,
-                      stream=util.data_dist_stream, fill_callback=util.wait_sdd_fill_callback),
+        PipelineStage(
+            name="data_copy",
+            runnable=lambda batch: batch.to(device, non_blocking=True),
+            stream=new_stream(device),
+        ),
+        PipelineStage(
+            name="start_sparse_data_dist",
+            runnable=util.start_sparse_data_dist,
+            stream=util.data_dist_stream,
+            fill_callback=util.wait_sdd_fill_callback,
+        ),
     ]
     built.pipeline = variant.cls(pipeline_stages=stages, **variant.kwargs)
     built.staged, built.rewrite = True, util
@@ -124,9 +135,13 @@ def call_build(build: Build) -> Tuple[nn.Module, Any, Iterable[Any]]:
         )
     model, optimizer, batches = built
     if not isinstance(model, nn.Module):
-        raise BuildError(f"build()'s model is a {type(model).__name__}; it must be an nn.Module (a DMP-sharded model)")
+        raise BuildError(
+            f"build()'s model is a {type(model).__name__}; it must be an nn.Module (a DMP-sharded model)"
+        )
     if not (hasattr(optimizer, "step") and hasattr(optimizer, "zero_grad")):
-        raise BuildError(f"build()'s optimizer is a {type(optimizer).__name__}, with no step()/zero_grad()")
+        raise BuildError(
+            f"build()'s optimizer is a {type(optimizer).__name__}, with no step()/zero_grad()"
+        )
     problem = iterable_problem(batches)
     if problem is not None:
         raise BuildError(problem)
@@ -168,11 +183,15 @@ def _run_epoch(built: _Built, batches: List[Any], device: torch.device) -> int:
         for hook in built.after_step:
             hook()
         if steps > limit:
-            raise RuntimeError(f"{type(pipeline).__name__} did not raise StopIteration after {limit} steps")
+            raise RuntimeError(
+                f"{type(pipeline).__name__} did not raise StopIteration after {limit} steps"
+            )
     if hasattr(pipeline, "reset"):
         pipeline.reset()  # nothing in flight between epochs (torchrec-style classes need it)
     if steps != len(batches):
-        raise RuntimeError(f"{type(pipeline).__name__} made {steps} steps over {len(batches)} batches")
+        raise RuntimeError(
+            f"{type(pipeline).__name__} made {steps} steps over {len(batches)} batches"
+        )
     return steps
 
 
@@ -190,7 +209,9 @@ def _run_staged_epoch(built: _Built, batches: List[Any]) -> int:
         for hook in built.after_step:
             hook()
     if steps != len(batches):
-        raise RuntimeError(f"{type(pipeline).__name__} made {steps} steps over {len(batches)} batches")
+        raise RuntimeError(
+            f"{type(pipeline).__name__} made {steps} steps over {len(batches)} batches"
+        )
     return steps
 
 
@@ -214,15 +235,24 @@ def _sampling(built: _Built, device: torch.device) -> Iterator[List[Optional[int
         built.after_step.remove(sample)
 
 
-def _exposed_per_step(intervals: List[Tuple[str, float, float]], call_starts: List[float], end: float) -> Optional[float]:
+def _exposed_per_step(
+    intervals: List[Tuple[str, float, float]], call_starts: List[float], end: float
+) -> Optional[float]:
     """Median tapped input-dist seconds per steady call.
 
     Steady: every call after the first (the fill) that issues an input dist,
     as the bench counts them ([Note: the hidden fraction] in benchmarks/schedule_bound.py).
     """
-    windows = [(s, call_starts[k + 1] if k + 1 < len(call_starts) else end) for k, s in enumerate(call_starts)]
+    windows = [
+        (s, call_starts[k + 1] if k + 1 < len(call_starts) else end)
+        for k, s in enumerate(call_starts)
+    ]
     issues = [start for kind, start, _ in intervals if kind == "issue"]
-    steady = [(lo, hi) for k, (lo, hi) in enumerate(windows) if k >= 1 and any(lo <= t < hi for t in issues)]
+    steady = [
+        (lo, hi)
+        for k, (lo, hi) in enumerate(windows)
+        if k >= 1 and any(lo <= t < hi for t in issues)
+    ]
     if not steady:
         return None
     spans = sorted((start, stop) for _, start, stop in intervals)
@@ -322,7 +352,9 @@ def _synchronize(device: torch.device) -> None:
         device_module(device).synchronize(device)
 
 
-def _timed(built: _Built, batches: List[Any], device: torch.device, barrier: Callable[[], None]) -> RoundResult:
+def _timed(
+    built: _Built, batches: List[Any], device: torch.device, barrier: Callable[[], None]
+) -> RoundResult:
     _synchronize(device)  # the warm-up's kernels are not this epoch's
     barrier()
     start = time.perf_counter()
@@ -348,7 +380,9 @@ def _detail(built: _Built, result: RoundResult, batches: List[Any], device: torc
         else:
             _run_epoch(built, batches, device)
             if pipeline is None:
-                result.held_peak = result.held_steady = 0  # the plain loop keeps nothing between steps
+                result.held_peak = result.held_steady = (
+                    0  # the plain loop keeps nothing between steps
+                )
     result.rss_peak, result.device_peak = peaks
 
 

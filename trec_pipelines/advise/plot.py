@@ -33,14 +33,28 @@ def save_plot(advice: Any, path: str) -> None:
     fig, ax = plt.subplots(figsize=(8, 5))
     for row in points:
         picked = row.name == advice.recommended
-        ax.scatter([row.held_peak / scale], [row.qps], s=80 if picked else 40,
-                   marker="*" if picked else "o", color="tab:red" if picked else "tab:blue", zorder=3)
+        ax.scatter(
+            [row.held_peak / scale],
+            [row.qps],
+            s=80 if picked else 40,
+            marker="*" if picked else "o",
+            color="tab:red" if picked else "tab:blue",
+            zorder=3,
+        )
         label = row.name.replace("TrainPipeline", "").replace("PipelineSparseDist", "") or row.name
-        ax.annotate(label, (row.held_peak / scale, row.qps), textcoords="offset points", xytext=(5, 4), fontsize=8)
+        ax.annotate(
+            label,
+            (row.held_peak / scale, row.qps),
+            textcoords="offset points",
+            xytext=(5, 4),
+            fontsize=8,
+        )
     if advice.plain.qps is not None:
         ax.axhline(advice.plain.qps, color="gray", linestyle=":", label="plain loop")
     if advice.memory_budget is not None:
-        ax.axvline(advice.memory_budget / scale, color="tab:red", linestyle="--", label="memory budget")
+        ax.axvline(
+            advice.memory_budget / scale, color="tab:red", linestyle="--", label="memory budget"
+        )
     ax.set_xlabel(f"held by the pipeline (memory ledger peak), {unit}")
     ax.set_ylabel(advice.qps_unit)
     ax.set_title(f"advise: {advice.recommended or 'no recommendation'}", fontsize=10)

@@ -38,12 +38,27 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from trec_pipelines.advise.advice import Advice, VariantReport, median, noise_band, parse_bytes, recommend
-from trec_pipelines.advise.measure import PLAIN, Build, BuildError, RoundResult, call_build, measure_round
+from trec_pipelines.advise.advice import (
+    Advice,
+    VariantReport,
+    median,
+    noise_band,
+    parse_bytes,
+    recommend,
+)
+from trec_pipelines.advise.measure import (
+    PLAIN,
+    Build,
+    BuildError,
+    RoundResult,
+    call_build,
+    measure_round,
+)
 from trec_pipelines.advise.variants import Variant, VariantSpec, not_applicable, resolve
 
 # Progress callback: (what just finished, contenders done, contenders in all).
 Progress = Callable[[str, int, int], None]
+
 
 def _device_of(model: nn.Module) -> torch.device:
     for p in model.parameters():
@@ -62,10 +77,9 @@ class _Ranks:
                 "torch.distributed.init_process_group(...) first, under torchrun "
                 "(or use `python -m trec_pipelines.advise --build module:function`, which launches the ranks)"
             )
-        kwargs: Dict[str, Any] = {"backend": "gloo"}
-        if timeout is not None:
-            kwargs["timeout"] = timeout
-        self.group = dist.new_group(**kwargs)
+        group = dist.new_group(backend="gloo", timeout=timeout)
+        assert isinstance(group, dist.ProcessGroup)  # every rank is a member
+        self.group = group
         self.rank = dist.get_rank()
         self.world = dist.get_world_size()
 
@@ -87,7 +101,9 @@ class _Ranks:
         dist.destroy_process_group(self.group)
 
 
-def _first_error(gathered: Sequence[Tuple[Optional[Tuple[str, str, bool]], Any]]) -> Optional[Tuple[int, str, str, bool]]:
+def _first_error(
+    gathered: Sequence[Tuple[Optional[Tuple[str, str, bool]], Any]],
+) -> Optional[Tuple[int, str, str, bool]]:
     for rank, (err, _) in enumerate(gathered):
         if err is not None:
             return (rank, *err)
@@ -151,19 +167,31 @@ def advise(
         ValueError: bad arguments (steps, rounds, budget, variant names).
     """
     if steps < 1 or warmup < 0 or rounds < 1:
-        raise ValueError(f"advise: need steps >= 1, warmup >= 0 and rounds >= 1, got {steps}, {warmup}, {rounds}")
+        raise ValueError(
+            f"advise: need steps >= 1, warmup >= 0 and rounds >= 1, got {steps}, {warmup}, {rounds}"
+        )
     budget = parse_bytes(memory_budget)
     asked = resolve(variants)
     ranks = _Ranks(timeout)
     try:
-        return _advise(build, ranks, asked, steps, warmup, rounds, budget, include_compiled, device, progress)
+        return _advise(
+            build, ranks, asked, steps, warmup, rounds, budget, include_compiled, device, progress
+        )
     finally:
         ranks.close()
 
 
 def _advise(
-    build: Build, ranks: _Ranks, asked: List[Variant], steps: int, warmup: int, rounds: int,
-    budget: Optional[int], include_compiled: bool, device: Optional[torch.device], progress: Optional[Progress],
+    build: Build,
+    ranks: _Ranks,
+    asked: List[Variant],
+    steps: int,
+    warmup: int,
+    rounds: int,
+    budget: Optional[int],
+    include_compiled: bool,
+    device: Optional[torch.device],
+    progress: Optional[Progress],
 ) -> Advice:
     # A first build decides what applies (the model is dropped right after).
     error: Optional[str] = None
@@ -189,8 +217,16 @@ def _advise(
                 continue
             outcome: Tuple[Optional[Tuple[str, str, bool]], Optional[RoundResult]]
             try:
-                value = measure_round(build, contenders[name], train_device, warmup, steps,
-                                      detailed=round_index == 0, barrier=ranks.barrier, agree=ranks.agree)
+                value = measure_round(
+                    build,
+                    contenders[name],
+                    train_device,
+                    warmup,
+                    steps,
+                    detailed=round_index == 0,
+                    barrier=ranks.barrier,
+                    agree=ranks.agree,
+                )
                 outcome = (None, value)
             except BuildError as exc:
                 outcome = ((str(exc), traceback.format_exc(), True), None)
@@ -225,22 +261,31 @@ def _raise_build_errors(ranks: _Ranks, errors: Sequence[Optional[str]]) -> None:
             raise RuntimeError(f"advise: on rank {rank}: {err}")
 
 
-def _row(name: str, per_round: List[List[RoundResult]], plain_seconds: Sequence[float],
-         examples: Optional[int]) -> VariantReport:
+def _row(
+    name: str,
+    per_round: List[List[RoundResult]],
+    plain_seconds: Sequence[float],
+    examples: Optional[int],
+) -> VariantReport:
     """A contender's row from every rank's result of every round."""
     seconds = tuple(max(r.seconds for r in ranks) for ranks in per_round)
     steps = per_round[0][0].steps
     first = per_round[0]
     per_epoch = (examples if examples is not None else 1) * steps
     qps = median([per_epoch / s for s in seconds])
-    paired = tuple(p / s for p, s in zip(plain_seconds, seconds))
+    paired = tuple(p / s for p, s in zip(plain_seconds, seconds, strict=True))
 
     def largest(values: Sequence[Optional[int]]) -> Optional[int]:
         known = [v for v in values if v is not None]
         return max(known) if len(known) == len(values) and known else None
 
     return VariantReport(
-        name=name, ran=True, seconds=seconds, steps=steps, qps=qps, paired=paired,
+        name=name,
+        ran=True,
+        seconds=seconds,
+        steps=steps,
+        qps=qps,
+        paired=paired,
         held_peak=largest([r.held_peak for r in first]),
         held_steady=largest([r.held_steady for r in first]),
         rss_peak=largest([r.rss_peak for r in first]),
@@ -262,20 +307,31 @@ def _exposed(per_round: List[List[RoundResult]]) -> List[Optional[float]]:
 def _hidden(exposed: List[Optional[float]], plain: List[Optional[float]]) -> Optional[float]:
     """1 - exposed / the plain loop's, clipped to [0, 1], per rank; the mean over ranks."""
     fractions = [
-        min(1.0, max(0.0, 1.0 - e / p)) for e, p in zip(exposed, plain) if e is not None and p
+        min(1.0, max(0.0, 1.0 - e / p))
+        for e, p in zip(exposed, plain, strict=True)
+        if e is not None and p
     ]
     return sum(fractions) / len(fractions) if fractions and len(fractions) == len(exposed) else None
 
 
 def _compose(
-    asked: List[Variant], reasons: Dict[str, Optional[str]], results: Dict[str, List[List[RoundResult]]],
-    failures: Dict[str, str], budget: Optional[int], rounds: int, warmup: int, steps: int, world: int,
+    asked: List[Variant],
+    reasons: Dict[str, Optional[str]],
+    results: Dict[str, List[List[RoundResult]]],
+    failures: Dict[str, str],
+    budget: Optional[int],
+    rounds: int,
+    warmup: int,
+    steps: int,
+    world: int,
 ) -> Advice:
     import dataclasses
 
     plain_runs = results[PLAIN]
     counts = [r.examples_per_step for r in plain_runs[0]]
-    examples = sum(c for c in counts if c is not None) if all(c is not None for c in counts) else None
+    examples = (
+        sum(c for c in counts if c is not None) if all(c is not None for c in counts) else None
+    )
     plain_seconds = [max(r.seconds for r in ranks) for ranks in plain_runs]
     plain = _row(PLAIN, plain_runs, plain_seconds, examples)
     plain = dataclasses.replace(plain, vs_plain=1.0, within_budget=None if budget is None else True)
@@ -290,14 +346,28 @@ def _compose(
         else:
             row = _row(name, results[name], plain_seconds, examples)
             vs_plain = row.qps / plain.qps if row.qps and plain.qps else None
-            within = None if budget is None else (row.held_peak is not None and row.held_peak <= budget)
+            within = (
+                None if budget is None else (row.held_peak is not None and row.held_peak <= budget)
+            )
             hidden = _hidden(_exposed(results[name]), plain_exposed)
-            rows.append(dataclasses.replace(row, vs_plain=vs_plain, within_budget=within, hidden_input_dist=hidden))
+            rows.append(
+                dataclasses.replace(
+                    row, vs_plain=vs_plain, within_budget=within, hidden_input_dist=hidden
+                )
+            )
     noise = noise_band(rows)
     recommended, reason = recommend(rows, budget, noise)
     return Advice(
-        recommended=recommended, reason=reason, variants=tuple(rows), plain=plain, memory_budget=budget,
-        noise=noise, rounds=rounds, warmup=warmup, steps=steps, world_size=world,
+        recommended=recommended,
+        reason=reason,
+        variants=tuple(rows),
+        plain=plain,
+        memory_budget=budget,
+        noise=noise,
+        rounds=rounds,
+        warmup=warmup,
+        steps=steps,
+        world_size=world,
         qps_unit="examples/s" if examples is not None else "steps/s",
     )
 

@@ -23,7 +23,19 @@ from __future__ import annotations
 import contextlib
 import inspect
 from dataclasses import dataclass, field
-from typing import Any, ContextManager, Dict, Iterable, Iterator, List, Optional, Sequence, Tuple, Union
+from typing import (
+    Any,
+    ContextManager,
+    Dict,
+    Iterable,
+    Iterator,
+    List,
+    Optional,
+    Sequence,
+    Tuple,
+    Union,
+    cast,
+)
 
 import torch
 from torch import nn
@@ -32,7 +44,10 @@ from torchrec.distributed.types import ShardedModule, ShardingPlan
 from trec_pipelines.pipelines.base import TrainPipelineBase
 from trec_pipelines.pipelines.comp_autograd import TrainPipelineSparseDistCompAutograd
 from trec_pipelines.pipelines.eval_sparse_dist import EvalPipelineSparseDist
-from trec_pipelines.pipelines.fused_sparse_dist import EvalPipelineFusedSparseDist, TrainPipelineFusedSparseDist
+from trec_pipelines.pipelines.fused_sparse_dist import (
+    EvalPipelineFusedSparseDist,
+    TrainPipelineFusedSparseDist,
+)
 from trec_pipelines.pipelines.pec import TrainPipelinePEC
 from trec_pipelines.pipelines.prefetch import PrefetchTrainPipelineSparseDist
 from trec_pipelines.pipelines.pt2 import TrainPipelinePT2
@@ -99,7 +114,9 @@ class Variant:
         with the Python one.
         """
         if issubclass(self.cls, TrainPipelineSparseDistCompAutograd):
-            return torch._dynamo.config.patch(optimize_ddp="python_reducer")
+            return cast(
+                ContextManager[Any], torch._dynamo.config.patch(optimize_ddp="python_reducer")
+            )
         return contextlib.nullcontext()
 
 
@@ -115,7 +132,10 @@ def resolve(variants: Optional[Sequence[VariantSpec]]) -> List[Variant]:
     """
     known = _known()
     if variants is None:
-        return [Variant(cls.__name__, cls, dict(DEFAULT_KWARGS.get(cls, {}))) for cls in TRAIN_VARIANTS + OTHER_VARIANTS]
+        return [
+            Variant(cls.__name__, cls, dict(DEFAULT_KWARGS.get(cls, {})))
+            for cls in TRAIN_VARIANTS + OTHER_VARIANTS
+        ]
     out: List[Variant] = []
     for spec in variants:
         if isinstance(spec, str):
@@ -128,7 +148,9 @@ def resolve(variants: Optional[Sequence[VariantSpec]]) -> List[Variant]:
         elif inspect.isclass(spec):
             cls = spec
         else:
-            raise TypeError(f"advise: variants must hold class names or pipeline classes, got {spec!r}")
+            raise TypeError(
+                f"advise: variants must hold class names or pipeline classes, got {spec!r}"
+            )
         if any(v.name == cls.__name__ for v in out):
             raise ValueError(f"advise: variant {cls.__name__} is listed twice")
         kwargs = next((dict(v) for base, v in DEFAULT_KWARGS.items() if issubclass(cls, base)), {})
@@ -138,7 +160,12 @@ def resolve(variants: Optional[Sequence[VariantSpec]]) -> List[Variant]:
 
 def sharding_plans(model: nn.Module) -> List[ShardingPlan]:
     """The sharding plans of every DistributedModelParallel in ``model`` (itself included)."""
-    return [m.plan for m in model.modules() if isinstance(getattr(m, "plan", None), ShardingPlan)]
+    plans: List[ShardingPlan] = []
+    for module in model.modules():
+        plan = getattr(module, "plan", None)
+        if isinstance(plan, ShardingPlan):
+            plans.append(plan)
+    return plans
 
 
 def compute_kernels(model: nn.Module) -> List[str]:
@@ -157,7 +184,9 @@ def _pec_problem(model: nn.Module, pipeline: str) -> Optional[str]:
     """Why PEC has nothing to do on ``model``, or can't on this torchrec (None: it applies)."""
     from trec_pipelines.pec_ops import check_pec_supported, is_pec
 
-    modules = [(name, m) for name, m in model.named_modules() if isinstance(m, ShardedModule) and is_pec(m)]
+    modules = [
+        (name, m) for name, m in model.named_modules() if isinstance(m, ShardedModule) and is_pec(m)
+    ]
     if not modules:
         return "the model has no PEC module (ShardedPECEmbeddingCollection), so PEC has nothing of its own to do"
     try:
@@ -173,7 +202,10 @@ def not_applicable(variant: Variant, model: nn.Module, include_compiled: bool) -
     if issubclass(cls, (EvalPipelineSparseDist, EvalPipelineFusedSparseDist)):
         return "an eval pipeline (no backward, no optimizer step); advise times training"
     if variant.compiled and not include_compiled:
-        return "compiles the model with torch.compile (minutes, and it changes what is timed); pass include_compiled=True (--include-compiled) to time it"
+        return (
+            "compiles the model with torch.compile (minutes, and it changes what is timed); "
+            "pass include_compiled=True (--include-compiled) to time it"
+        )
     if issubclass(cls, PrefetchTrainPipelineSparseDist):
         kernels = set(compute_kernels(model))
         if not kernels & PREFETCH_KERNELS:
@@ -199,7 +231,9 @@ def iterable_problem(batches: Any) -> Optional[str]:
     """Why ``batches`` can't be iterated once per epoch (None: it can, as far as one can tell)."""
     if not isinstance(batches, Iterable):
         return f"batches is a {type(batches).__name__}, not an iterable of batches"
-    if isinstance(batches, Iterator):  # (not iter(batches) is batches: that would start a one-shot iterable)
+    if isinstance(
+        batches, Iterator
+    ):  # (not iter(batches) is batches: that would start a one-shot iterable)
         return (
             f"batches is an iterator ({type(batches).__name__}): it can be walked once, and advise walks it "
             "several times per build (warm-up, timed and measured epochs); return a list, or an iterable "

@@ -7,9 +7,9 @@ from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
 
 import torch
 from torchrec.distributed.train_pipeline import In, Out, TrainPipeline
-from torchrec.distributed.types import ShardedModule
 
 from trec_pipelines import recorder as rec
+from trec_pipelines._types import AnyShardedModule
 from trec_pipelines.agreement import agreement_group
 from trec_pipelines.pipelines._common import check_device, check_model_device, check_optimizer
 from trec_pipelines.recorder import Recordable
@@ -92,7 +92,7 @@ class TrainPipelineBase(TrainPipeline[In, Out], Recordable, Resumable):
         # The in-flight batch of an iterator set aside by a switch.
         self._parked = ParkedEpochs()
         # The model's sharded modules, found once (see _take_over_model).
-        self._sharded: Optional[Dict[str, ShardedModule]] = None
+        self._sharded: Optional[Dict[str, AnyShardedModule]] = None
 
     def _copy(self, iterator: Iterator[Any]) -> None:
         """Load the next batch and issue its copy on the memcpy stream."""
@@ -147,7 +147,11 @@ class TrainPipelineBase(TrainPipeline[In, Out], Recordable, Resumable):
         if dataloader_iter is source.iterator:
             return
         previous = source.iterator
-        if previous is not None and self._connected and (self._cur_batch is not None or source.holding):
+        if (
+            previous is not None
+            and self._connected
+            and (self._cur_batch is not None or source.holding)
+        ):
             logger.warning(
                 "%s: a different iterator was passed mid-epoch; the previous one's "
                 "in-flight batch is parked and resumes when it is passed again",

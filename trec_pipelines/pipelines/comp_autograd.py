@@ -19,8 +19,8 @@ from trec_pipelines.context import TrainPipelineContext
 from trec_pipelines.input_dist_group import DEFAULT_INPUT_DIST_GROUP, InputDistGroup
 from trec_pipelines.pipelines.sparse_dist import TrainPipelineSparseDist
 from trec_pipelines.rewrite import Strategy
-from trec_pipelines.step_guard import guarded_step
 from trec_pipelines.stages import backward
+from trec_pipelines.step_guard import guarded_step
 
 logger: logging.Logger = logging.getLogger(__name__)
 
@@ -112,7 +112,9 @@ def use_python_reducer(model: torch.nn.Module, pipeline: str) -> int:
     return how many were switched (see [Note: DDP's reducer under compiled autograd])."""
     switched = 0
     for name, module in model.named_modules():
-        if not isinstance(module, DistributedDataParallel) or getattr(module, "_use_python_reducer", False):
+        if not isinstance(module, DistributedDataParallel) or getattr(
+            module, "_use_python_reducer", False
+        ):
             continue
         reason = _unsupported_by_python_reducer(module)
         if reason is not None:
@@ -120,7 +122,7 @@ def use_python_reducer(model: torch.nn.Module, pipeline: str) -> int:
                 f"{pipeline}: '{name or type(module).__name__}' is a DistributedDataParallel "
                 f"with the C++ reducer, which compiled autograd cannot run, and {reason}, so "
                 "it cannot be switched to the Python reducer. Build the model (DMP included) "
-                "inside `with torch._dynamo.config.patch(optimize_ddp=\"python_reducer\"):` "
+                'inside `with torch._dynamo.config.patch(optimize_ddp="python_reducer"):` '
                 "without that option, or use TrainPipelineSparseDist."
             )
         module._remove_autograd_hooks()
@@ -300,6 +302,8 @@ class TrainPipelineSparseDistCompAutograd(TrainPipelineSparseDist[In, Out]):
 
     @guarded_step
     def progress(self, dataloader_iter: Iterator[Any]) -> Any:
+        # The timeline's comments stay in their columns.
+        # fmt: off
         self._start_step(dataloader_iter)  # fill, pull host batches, stop at end of data
         training = self._model.training
 

@@ -355,6 +355,8 @@ class EvalPipelineSparseDist(TrainPipelineSparseDist[In, Out]):
                 return predictions(self._model(self.batches[0]))
 
     def progress(self, dataloader_iter: Iterator[Any]) -> Any:
+        # The timeline's comments stay in their columns.
+        # fmt: off
         self._begin_call()
         self._take_over_model()  # from a train pipeline sharing the model, if any
         self._ensure_attached()

@@ -2,14 +2,13 @@
 
 from __future__ import annotations
 
-from typing import Any, Callable, Deque, Iterator, List, Literal, Optional, Tuple
+from typing import Any, Callable, Deque, Iterator, List, Literal, Optional, Tuple, cast
 
 import torch
 from torchrec.distributed.train_pipeline import In, Out
-from torchrec.distributed.types import ShardedModule
 
-from trec_pipelines import lookup
-from trec_pipelines import recorder as rec
+from trec_pipelines import lookup, recorder as rec
+from trec_pipelines._types import AnyShardedModule
 from trec_pipelines.args import CallArgs
 from trec_pipelines.context import EmbeddingTrainPipelineContext
 from trec_pipelines.forwards import BaseForward, InSyncEmbeddingPipelinedForward
@@ -183,13 +182,17 @@ class TrainPipelineFusedSparseDist(TrainPipelineSparseDist[In, Out]):
         )
 
     def _make_forward(
-        self, name: str, call_args: CallArgs, module: ShardedModule
+        self, name: str, call_args: CallArgs, module: AnyShardedModule
     ) -> BaseForward[Any]:
         return InSyncEmbeddingPipelinedForward(
-            name, call_args, module, self._current_context(), self._lookup_stream  # type: ignore[arg-type]
+            name,
+            call_args,
+            module,
+            cast(EmbeddingTrainPipelineContext, self._current_context()),
+            self._lookup_stream,
         )
 
-    def _lookup_modules(self) -> List[Tuple[str, ShardedModule]]:
+    def _lookup_modules(self) -> List[Tuple[str, AnyShardedModule]]:
         if self._rewrite is None:
             return []
         return [(p.name, p.module) for p in self._rewrite.pipelined]
@@ -234,6 +237,8 @@ class TrainPipelineFusedSparseDist(TrainPipelineSparseDist[In, Out]):
 
     @guarded_step
     def progress(self, dataloader_iter: Iterator[Any]) -> Any:
+        # The timeline's comments stay in their columns.
+        # fmt: off
         self._start_step(dataloader_iter)  # fill, pull host batches, stop at end of data
         training = self._model.training
 
@@ -414,6 +419,8 @@ class EvalPipelineFusedSparseDist(TrainPipelineFusedSparseDist[In, Out]):
 
     def _progress_in_order(self, dataloader_iter: Iterator[Any]) -> Any:
         """``cur``'s lookup, then its forward (the Fused training order without the update)."""
+        # The timeline's comments stay in their columns.
+        # fmt: off
         if not self._embedding_lookup_after_data_dist:
             self.start_embedding_lookup(self.batches[0], self.contexts[0])  # cur, lookup
         self._zero_grad_if_training()                              # cur, default
@@ -433,6 +440,8 @@ class EvalPipelineFusedSparseDist(TrainPipelineFusedSparseDist[In, Out]):
 
     def _progress_prefetch(self, dataloader_iter: Iterator[Any]) -> Any:
         """``cur``'s lookup was started one call earlier; ``nxt``'s starts after ``cur``'s forward."""
+        # The timeline's comments stay in their columns.
+        # fmt: off
         self._zero_grad_if_training()                              # cur, default
         self._wait_for_batch()                                     # cur, data_dist -> default
         if self._clear_data_dist_inputs:

@@ -37,11 +37,9 @@ from typing import Any, Callable, Deque, Iterator, List, Optional, Tuple
 
 import torch
 from torchrec.distributed.train_pipeline import In, Out
-from torchrec.distributed.types import ShardedModule
 
-from trec_pipelines import lookup
-from trec_pipelines import pec_ops
-from trec_pipelines import recorder as rec
+from trec_pipelines import lookup, pec_ops, recorder as rec
+from trec_pipelines._types import AnyShardedModule
 from trec_pipelines.args import CallArgs
 from trec_pipelines.context import PECTrainPipelineContext
 from trec_pipelines.forwards import BaseForward, PECPipelinedForward
@@ -83,8 +81,9 @@ class TrainPipelinePEC(TrainPipelineSparseDist[In, Out]):
     the same values as the plain loop: see [Note: PEC, compute ahead] in
     :mod:`trec_pipelines.pec_ops`.  (On CPU with torchrec 1.9.2 the PEC
     module's own gradient routing departs from the plain loop from the second
-    step on, in torchrec's class as here; ours matches torchrec's bit for bit.)  Every other pipelined module is looked up
-    on the default stream at the top of the step, as Fused does with
+    step on, in torchrec's class as here; ours matches torchrec's bit for
+    bit.)  Every other pipelined module is looked up on the default stream at
+    the top of the step, as Fused does with
     ``emb_lookup_stream="current"``, after the previous step's update; its
     forward is an :class:`~trec_pipelines.forwards.PECPipelinedForward`, which
     hands the output over still attached to autograd.  With no PEC module the
@@ -161,7 +160,9 @@ class TrainPipelinePEC(TrainPipelineSparseDist[In, Out]):
 
     # ------------------------------------------------------------------ setup
 
-    def _make_forward(self, name: str, call_args: CallArgs, module: ShardedModule) -> BaseForward[Any]:
+    def _make_forward(
+        self, name: str, call_args: CallArgs, module: AnyShardedModule
+    ) -> BaseForward[Any]:
         # Lookups run on the default stream: nothing to hand over.
         return PECPipelinedForward(name, call_args, module, self._current_context())  # type: ignore[arg-type]
 
@@ -174,7 +175,7 @@ class TrainPipelinePEC(TrainPipelineSparseDist[In, Out]):
             return []
         return [(p.name, p.module) for p in self._rewrite.pipelined if pec_ops.is_pec(p.module)]
 
-    def _other_modules(self) -> List[Tuple[str, ShardedModule]]:
+    def _other_modules(self) -> List[Tuple[str, AnyShardedModule]]:
         if self._rewrite is None:
             return []
         return [(p.name, p.module) for p in self._rewrite.pipelined if not pec_ops.is_pec(p.module)]
@@ -196,7 +197,9 @@ class TrainPipelinePEC(TrainPipelineSparseDist[In, Out]):
                 record_stream(self.batches[0], consumer)
 
     def _overlap_dist(
-        self, current: Optional[PECTrainPipelineContext], previous: Optional[PECTrainPipelineContext]
+        self,
+        current: Optional[PECTrainPipelineContext],
+        previous: Optional[PECTrainPipelineContext],
     ) -> None:
         batch = current.index if current is not None else previous.index  # type: ignore[union-attr]
         with self._span(rec.OVERLAP_DIST, batch, "data_dist"):
@@ -244,7 +247,9 @@ class TrainPipelinePEC(TrainPipelineSparseDist[In, Out]):
         with self._span(rec.OL_GRAD_START, context.index):
             return pec_ops.start_ol_grad(self._pec_modules(), context, current_stream(self._device))
 
-    def _apply_ol_grad(self, started: pec_ops.GradAwaitables, context: PECTrainPipelineContext) -> None:
+    def _apply_ol_grad(
+        self, started: pec_ops.GradAwaitables, context: PECTrainPipelineContext
+    ) -> None:
         with self._span(rec.OL_GRAD_APPLY, context.index):
             pec_ops.apply_grad(started)
 
@@ -273,6 +278,8 @@ class TrainPipelinePEC(TrainPipelineSparseDist[In, Out]):
 
     @guarded_step
     def progress(self, dataloader_iter: Iterator[Any]) -> Any:
+        # The timeline's comments stay in their columns.
+        # fmt: off
         self._start_step(dataloader_iter)  # fill, pull host batches, stop at end of data
         training = self._model.training
         cur = self.contexts[0]
@@ -307,6 +314,8 @@ class TrainPipelinePEC(TrainPipelineSparseDist[In, Out]):
         self, cur: PECTrainPipelineContext, nxt: Optional[PECTrainPipelineContext]
     ) -> None:
         """Keep ``cur``'s NOL gradient for ``nxt``'s step; the last batch applies its own now."""
+        # The timeline's comments stay in their columns.
+        # fmt: off
         pec_ops.defer_nol_grad(self._pec_modules(), cur, self._deferred_nol_grad)
         if nxt is None:
             self._start_nol_grad()                                 # cur, default: no batch reads it later
@@ -323,6 +332,8 @@ class TrainPipelinePEC(TrainPipelineSparseDist[In, Out]):
         the tables must be up to date.  The next batch does not read those
         rows, so applying them early changes nothing else.
         """
+        # The timeline's comments stay in their columns.
+        # fmt: off
         if not self._deferred_nol_grad.pending:
             return
         self._start_nol_grad()                                     # prv, default (the rest of it)
@@ -347,8 +358,8 @@ class TrainPipelinePEC(TrainPipelineSparseDist[In, Out]):
         """Apply the deferred NOL gradient before a checkpoint: it belongs to the
         model's state (batch ``i-1`` was trained), which the caller reads next.
 
-        Take the pipeline's state before reading the model's (see the README's
-        "Checkpoint and resume").  The resumed pipeline refills from ``cur`` as
+        Take the pipeline's state before reading the model's (see the guide
+        docs/guides/checkpoint.md).  The resumed pipeline refills from ``cur`` as
         a retried step does, which is exact (see [Note: PEC, retrying a step]).
         """
         self._flush_deferred_nol_grad()

@@ -2,22 +2,22 @@
 
 from __future__ import annotations
 
-from typing import Any, Callable, Iterator, Optional, Tuple
+from typing import Any, Callable, Iterator, Optional, Tuple, cast
 
 import torch
 from torchrec.distributed.train_pipeline import In, Out
-from torchrec.distributed.types import ShardedModule
 
 from trec_pipelines import recorder as rec
-from trec_pipelines.cache_prefetch import prefetch_modules
+from trec_pipelines._types import AnyShardedModule
 from trec_pipelines.args import CallArgs
+from trec_pipelines.cache_prefetch import prefetch_modules
 from trec_pipelines.context import PrefetchTrainPipelineContext
 from trec_pipelines.forwards import BaseForward, PrefetchPipelinedForward
 from trec_pipelines.input_dist_group import DEFAULT_INPUT_DIST_GROUP, InputDistGroup
 from trec_pipelines.pipelines.sparse_dist import TrainPipelineSparseDist
 from trec_pipelines.rewrite import Strategy
-from trec_pipelines.step_guard import guarded_step
 from trec_pipelines.stages import wait_for_batch
+from trec_pipelines.step_guard import guarded_step
 from trec_pipelines.streams import (
     StreamSet,
     current_stream,
@@ -105,7 +105,6 @@ class PrefetchTrainPipelineSparseDist(TrainPipelineSparseDist[In, Out]):
                 break
     """
 
-
     def __init__(
         self,
         model: torch.nn.Module,
@@ -154,10 +153,16 @@ class PrefetchTrainPipelineSparseDist(TrainPipelineSparseDist[In, Out]):
     def _make_streams(self) -> StreamSet:
         return make_streams(self._device, memcpy=True, data_dist=True, prefetch=True)
 
-    def _make_forward(self, name: str, call_args: CallArgs, module: ShardedModule) -> BaseForward[Any]:
+    def _make_forward(
+        self, name: str, call_args: CallArgs, module: AnyShardedModule
+    ) -> BaseForward[Any]:
         # The wrapper hands the prefetched input over from the prefetch stream.
         return PrefetchPipelinedForward(
-            name, call_args, module, self._current_context(), self._streams.prefetch
+            name,
+            call_args,
+            module,
+            cast(PrefetchTrainPipelineContext, self._current_context()),
+            self._streams.prefetch,
         )
 
     # ------------------------------------------------------------------ verbs
@@ -230,6 +235,8 @@ class PrefetchTrainPipelineSparseDist(TrainPipelineSparseDist[In, Out]):
 
     @guarded_step
     def progress(self, dataloader_iter: Iterator[Any]) -> Any:
+        # The timeline's comments stay in their columns.
+        # fmt: off
         self._start_step(dataloader_iter)  # fill, pull host batches, stop at end of data
         training = self._model.training
 

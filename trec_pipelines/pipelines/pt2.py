@@ -8,17 +8,17 @@ from typing import Any, Callable, ContextManager, Dict, Iterator, Optional
 
 import torch
 from torchrec.distributed.train_pipeline import In, Out, TrainPipeline
-from torchrec.distributed.types import ShardedModule
 from torchrec.pt2.utils import default_pipeline_input_transformer
 
 from trec_pipelines import recorder as rec
+from trec_pipelines._types import AnyShardedModule
 from trec_pipelines.agreement import agreement_group
 from trec_pipelines.compiler_settings import HeldSettings
 from trec_pipelines.pipelines._common import check_device, check_model_device, check_optimizer
 from trec_pipelines.recorder import Recordable
 from trec_pipelines.resume import Resumable
-from trec_pipelines.step_guard import StepGuard, guarded_step, skip_failed_batch
 from trec_pipelines.stages import BatchSource, copy_to_device
+from trec_pipelines.step_guard import StepGuard, guarded_step, skip_failed_batch
 from trec_pipelines.takeover import take_model_over
 
 
@@ -52,7 +52,11 @@ _DYNAMO_SETTINGS: Dict[str, Any] = {
 
 def _held_dynamo_settings() -> HeldSettings:
     return HeldSettings(
-        [(torch._dynamo.config, k, v) for k, v in _DYNAMO_SETTINGS.items() if hasattr(torch._dynamo.config, k)]
+        [
+            (torch._dynamo.config, k, v)
+            for k, v in _DYNAMO_SETTINGS.items()
+            if hasattr(torch._dynamo.config, k)
+        ]
     )
 
 
@@ -135,7 +139,7 @@ class TrainPipelinePT2(TrainPipeline[In, Out], Recordable, Resumable):
         self._compiled = False
         self._cur_batch: Optional[Any] = None
         # The model's sharded modules, found once (see _take_over_model).
-        self._sharded: Optional[Dict[str, ShardedModule]] = None
+        self._sharded: Optional[Dict[str, AnyShardedModule]] = None
 
     def _compile(self) -> None:
         config = self._compile_configs
@@ -143,7 +147,9 @@ class TrainPipelinePT2(TrainPipeline[In, Out], Recordable, Resumable):
             self._pre_compile_fn(self._model)
         # fbgemm's sparse ops need their fake (meta) kernels registered to trace.
         torch.ops.import_module("fbgemm_gpu.sparse_ops")
-        self._model.compile(fullgraph=config.fullgraph, dynamic=config.dynamic, backend=config.backend)
+        self._model.compile(
+            fullgraph=config.fullgraph, dynamic=config.dynamic, backend=config.backend
+        )
         if self._post_compile_fn is not None:
             self._post_compile_fn(self._model)
         self._compiled = True

@@ -7,10 +7,10 @@ from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple, cast
 
 import torch
 from torchrec.distributed.train_pipeline import In, Out
-from torchrec.distributed.types import ShardedModule
 from torchrec.sparse.jagged_tensor import KeyedTensor
 
 from trec_pipelines import recorder as rec
+from trec_pipelines._types import AnyShardedModule
 from trec_pipelines.args import CallArgs
 from trec_pipelines.context import EmbeddingTrainPipelineContext, TrainPipelineContext
 from trec_pipelines.forwards import BaseForward, EmbeddingPipelinedForward
@@ -19,8 +19,8 @@ from trec_pipelines.input_dist_group import DEFAULT_INPUT_DIST_GROUP, InputDistG
 from trec_pipelines.lookup import start_embedding_lookup as run_embedding_lookup
 from trec_pipelines.pipelines.sparse_dist import TrainPipelineSparseDist
 from trec_pipelines.rewrite import Strategy
-from trec_pipelines.step_guard import guarded_step
 from trec_pipelines.stages import BatchSource, backward, wait_for_batch
+from trec_pipelines.step_guard import guarded_step
 from trec_pipelines.streams import (
     current_stream,
     on_stream,
@@ -124,7 +124,6 @@ class TrainPipelineSemiSync(TrainPipelineSparseDist[In, Out]):
 
     _depth = 4
 
-
     def __init__(
         self,
         model: torch.nn.Module,
@@ -181,7 +180,7 @@ class TrainPipelineSemiSync(TrainPipelineSparseDist[In, Out]):
     # ------------------------------------------------------------------ setup
 
     def _make_forward(
-        self, name: str, call_args: CallArgs, module: ShardedModule
+        self, name: str, call_args: CallArgs, module: AnyShardedModule
     ) -> BaseForward[Any]:
         return EmbeddingPipelinedForward(
             name,
@@ -191,7 +190,7 @@ class TrainPipelineSemiSync(TrainPipelineSparseDist[In, Out]):
             self._streams.data_dist,
         )
 
-    def _lookup_modules(self) -> List[Tuple[str, ShardedModule]]:
+    def _lookup_modules(self) -> List[Tuple[str, AnyShardedModule]]:
         assert self._rewrite is not None
         return [(p.name, p.module) for p in self._rewrite.pipelined]
 
@@ -277,9 +276,7 @@ class TrainPipelineSemiSync(TrainPipelineSparseDist[In, Out]):
             context.restored_embeddings = self._restored_lookup[1]
             self._restored_lookup = None
 
-    def _train_forward(
-        self, batch: Any, context: TrainPipelineContext
-    ) -> Tuple[torch.Tensor, Any]:
+    def _train_forward(self, batch: Any, context: TrainPipelineContext) -> Tuple[torch.Tensor, Any]:
         with self._span(rec.WAIT_BATCH, context.index):  # memcpy -> default, by event
             consumer = current_stream(self._device)
             for event in context.events:
@@ -308,11 +305,12 @@ class TrainPipelineSemiSync(TrainPipelineSparseDist[In, Out]):
                 context.embedding_tensors,
                 context.embedding_features,
                 context.detached_embedding_tensors,
+                strict=True,
             ):
                 outputs: List[torch.Tensor] = []
                 grads: List[torch.Tensor] = []
                 unused: List[str] = []
-                for feature, tensor, leaf in zip(features, tensors, leaves):
+                for feature, tensor, leaf in zip(features, tensors, leaves, strict=True):
                     if leaf.grad is None:
                         unused.extend([feature] if isinstance(feature, str) else feature)
                         continue
@@ -387,6 +385,8 @@ class TrainPipelineSemiSync(TrainPipelineSparseDist[In, Out]):
 
     @guarded_step
     def progress(self, dataloader_iter: Iterator[Any]) -> Any:
+        # The timeline's comments stay in their columns.
+        # fmt: off
         self._start_step(dataloader_iter)  # fill, pull host batches, stop at end of data
         semi_sync = self.is_semi_sync()
 

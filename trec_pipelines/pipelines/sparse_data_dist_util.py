@@ -4,15 +4,15 @@ from __future__ import annotations
 
 import logging
 from collections import deque
-from typing import Any, Callable, Deque, Generic, List, Optional, Set, Tuple
+from typing import Any, Callable, Deque, Generic, List, Optional, Set, cast
 
 import torch
 from torch.utils.hooks import RemovableHandle
 from torchrec.distributed.train_pipeline import In
-from torchrec.distributed.types import ShardedModule
 
-from trec_pipelines.cache_prefetch import prefetch_modules
+from trec_pipelines._types import AnyShardedModule
 from trec_pipelines.args import CallArgs
+from trec_pipelines.cache_prefetch import prefetch_modules
 from trec_pipelines.context import (
     EmbeddingTrainPipelineContext,
     PrefetchTrainPipelineContext,
@@ -174,7 +174,9 @@ class SparseDataDistUtil(Generic[In]):
         self._third_stage: Optional[str] = (
             "prefetch"
             if prefetch_stream is not None
-            else "start_embedding_lookup" if embedding_lookup_stream is not None else None
+            else "start_embedding_lookup"
+            if embedding_lookup_stream is not None
+            else None
         )
         self.initialized = False
         self.fwd_hook: Optional[RemovableHandle] = None
@@ -274,7 +276,7 @@ class SparseDataDistUtil(Generic[In]):
 
     def _set_module_context(self, context: TrainPipelineContext) -> None:
         for module in self._modules():
-            module.forward.set_context(context)  # type: ignore[union-attr]
+            cast(BaseForward[Any], module.forward).set_context(context)
         for postproc in self._pipelined_postprocs:
             postproc.set_context(context)
 
@@ -330,20 +332,18 @@ class SparseDataDistUtil(Generic[In]):
 
     # ---------------------------------------------------------------- rewrite
 
-    def _modules(self) -> List[ShardedModule]:
+    def _modules(self) -> List[AnyShardedModule]:
         return [] if self._rewrite is None else self._rewrite.modules
 
     def _names(self) -> List[str]:
         return [] if self._rewrite is None else self._rewrite.names
 
     def _make_forward(
-        self, name: str, call_args: CallArgs, module: ShardedModule
+        self, name: str, call_args: CallArgs, module: AnyShardedModule
     ) -> BaseForward[Any]:
         context: Any = self._contexts[0]  # of the type _new_context makes for this mode
         if self._with_prefetch:
-            return PrefetchPipelinedForward(
-                name, call_args, module, context, self._prefetch_stream
-            )
+            return PrefetchPipelinedForward(name, call_args, module, context, self._prefetch_stream)
         if self._with_embedding_lookup:
             # The stream only names the device whose current stream consumes the lookup.
             return InSyncEmbeddingPipelinedForward(
@@ -511,7 +511,9 @@ class SparseDataDistUtil(Generic[In]):
         if self._advanced_since_tick or not handed_out:
             return
         if self._index_of(ctx) in self._holes:
-            logger.debug("SparseDataDistUtil: passing over batch %s, which the pipeline skipped", ctx.index)
+            logger.debug(
+                "SparseDataDistUtil: passing over batch %s, which the pipeline skipped", ctx.index
+            )
         else:
             logger.warning(
                 "SparseDataDistUtil: batch %s was not trained (its forward never finished); "

@@ -5,15 +5,16 @@ from __future__ import annotations
 import logging
 from collections import deque
 from dataclasses import dataclass
-from typing import Any, Callable, Deque, Dict, Iterator, List, Optional, Tuple, Type
+from typing import Any, Callable, Deque, Dict, Iterator, List, Optional, Tuple, Type, cast
 
 import torch
 from torch.utils.hooks import RemovableHandle
 from torchrec.distributed.train_pipeline import In, Out, TrainPipeline
-from torchrec.distributed.types import ShardedModule
 
 from trec_pipelines import recorder as rec
+from trec_pipelines._types import AnyShardedModule
 from trec_pipelines.agreement import agreement_group
+from trec_pipelines.args import CallArgs
 from trec_pipelines.backward_hooks import pipeline_hook, register_backward_hook
 from trec_pipelines.context import TrainPipelineContext
 from trec_pipelines.forwards import BaseForward, PipelinedForward
@@ -47,7 +48,6 @@ from trec_pipelines.rewrite import (
     restore_model,
     rewrite_model,
 )
-from trec_pipelines.args import CallArgs
 from trec_pipelines.stages import (
     BatchSource,
     ParkedEpochs,
@@ -58,8 +58,8 @@ from trec_pipelines.stages import (
     wait_for_batch,
 )
 from trec_pipelines.step_guard import StepGuard, guarded_step, skip_failed_batch
-from trec_pipelines.takeover import take_model_over
 from trec_pipelines.streams import StreamSet, make_streams, on_stream
+from trec_pipelines.takeover import take_model_over
 
 logger: logging.Logger = logging.getLogger(__name__)
 
@@ -268,7 +268,7 @@ class TrainPipelineSparseDist(
         # Set when another pipeline detached this one to take the model over.
         self._taken_over_by: Optional[str] = None
         # The model's sharded modules, found once: every step looks at their forwards.
-        self._sharded: Optional[Dict[str, ShardedModule]] = None
+        self._sharded: Optional[Dict[str, AnyShardedModule]] = None
         self._warned_shared_features = False
 
     # ------------------------------------------------------------------ setup
@@ -291,7 +291,7 @@ class TrainPipelineSparseDist(
         return self._rewrite
 
     @property
-    def _pipelined_modules(self) -> List[ShardedModule]:
+    def _pipelined_modules(self) -> List[AnyShardedModule]:
         return [] if self._rewrite is None else self._rewrite.modules
 
     @property
@@ -308,7 +308,9 @@ class TrainPipelineSparseDist(
             module, fqn, call_args, self._current_context(), None, self._streams.data_dist
         )
 
-    def _make_forward(self, name: str, call_args: CallArgs, module: ShardedModule) -> BaseForward[Any]:
+    def _make_forward(
+        self, name: str, call_args: CallArgs, module: AnyShardedModule
+    ) -> BaseForward[Any]:
         return PipelinedForward(
             name,
             call_args,
@@ -324,7 +326,7 @@ class TrainPipelineSparseDist(
         if self._free_features_storage_early:
             for module in self._rewrite.modules:
                 if hasattr(module, "_free_features_storage_early"):
-                    module._free_features_storage_early = True
+                    cast(Any, module)._free_features_storage_early = True
         self._set_module_context(context)
         self.start_sparse_data_dist(batch, context)
         # input_dists exist only after the first input_dist call.
@@ -366,7 +368,7 @@ class TrainPipelineSparseDist(
             )
         return result
 
-    def _input_dist_modules(self) -> List[Tuple[str, ShardedModule, CallArgs]]:
+    def _input_dist_modules(self) -> List[Tuple[str, AnyShardedModule, CallArgs]]:
         assert self._rewrite is not None
         return [(p.name, p.module, p.call_args) for p in self._rewrite.pipelined]
 
@@ -376,7 +378,7 @@ class TrainPipelineSparseDist(
     def _set_module_context(self, context: TrainPipelineContext) -> None:
         """Point the forward wrappers and postprocs at the batch whose forward runs next."""
         for module in self._pipelined_modules:
-            module.forward.set_context(context)  # type: ignore[union-attr]
+            cast(BaseForward[Any], module.forward).set_context(context)
         for postproc in self._pipelined_postprocs:
             postproc.set_context(context)
 
@@ -413,6 +415,8 @@ class TrainPipelineSparseDist(
             return None, None
         context = self._context_type(index=self._source.last_index)
         with self._span(rec.H2D, context.index, "memcpy"):
+            if self._copy_worker is not None:  # TrainPipelineSparseDistT's copy thread
+                return self._copy_worker.submit(host), context
             batch = copy_to_device(host, self._device, self._streams.memcpy)
         self._note_shared_features(host, batch, context)
         return batch, context
@@ -505,6 +509,16 @@ class TrainPipelineSparseDist(
         with self._span(rec.WAIT_BATCH, self.contexts[0].index):  # data_dist -> default
             wait_for_batch(self.batches[0], self._streams.data_dist, self._record_batch)
 
+    def sync_embeddings(
+        self,
+        model: torch.nn.Module,
+        interval_batches: Optional[int],
+        context: Optional[Any] = None,
+    ) -> None:
+        """torchrec's 2D-sharding weight sync (a no-op without ``DMPCollection``);
+        it reads only ``context.index``, which our contexts have too."""
+        super().sync_embeddings(model, interval_batches, context)
+
     def _backward(self, losses: torch.Tensor) -> None:
         with self._span(rec.BACKWARD, self.contexts[0].index):
             backward(losses)
@@ -539,6 +553,8 @@ class TrainPipelineSparseDist(
 
     @guarded_step
     def progress(self, dataloader_iter: Iterator[Any]) -> Any:
+        # The timeline's comments stay in their columns.
+        # fmt: off
         self._start_step(dataloader_iter)  # fill, pull host batches, stop at end of data
         training = self._model.training
 

@@ -11,8 +11,8 @@ from trec_pipelines import recorder as rec
 from trec_pipelines.context import TrainPipelineContext
 from trec_pipelines.pipelines.sparse_dist import TrainPipelineSparseDist
 from trec_pipelines.rewrite import Strategy
-from trec_pipelines.step_guard import guarded_step
 from trec_pipelines.stages import wait_for_batch
+from trec_pipelines.step_guard import guarded_step
 from trec_pipelines.streams import StreamSet, make_streams
 
 
@@ -116,6 +116,8 @@ class TrainPipelineSparseDistLite(TrainPipelineSparseDist[In, Out]):
 
     @guarded_step
     def progress(self, dataloader_iter: Iterator[Any]) -> Any:
+        # The timeline's comments stay in their columns.
+        # fmt: off
         self._start_step(dataloader_iter)  # fill, pull host batches, stop at end of data
         cur, ctx = self.batches[0], self.contexts[0]
         training = self._model.training

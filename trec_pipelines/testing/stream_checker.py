@@ -271,9 +271,11 @@ class _Replay:
             recorded = self._record_streams.get(storage, set())
             for user, use in self._uses.get(storage, {}).items():
                 if user not in recorded:
-                    self._pending[owner].append(_PendingReuse(storage, user, use, allocated_by, free.where))
+                    self._pending[owner].append(
+                        _PendingReuse(storage, user, use, allocated_by, free.where)
+                    )
         for table in (self._uses, self._record_streams, self._reads):
-            table.pop(storage, None)  # type: ignore[attr-defined]
+            table.pop(storage, None)
         self._last_write.pop(storage, None)
 
     def _sync(self, sync: SyncRecord) -> None:
@@ -289,7 +291,9 @@ class _Replay:
 
     # ----------------------------------------------------------- messages
 
-    def _report_unordered_read(self, storage: int, writer: Any, write: _Access, op: OpRecord) -> None:
+    def _report_unordered_read(
+        self, storage: int, writer: Any, write: _Access, op: OpRecord
+    ) -> None:
         reader = op.stream
         self._report(
             "a",
@@ -302,7 +306,9 @@ class _Replay:
             f"'{_name(writer)}' after it, directly or through another stream).",
         )
 
-    def _report_unordered_write(self, storage: int, reader: Any, read: _Access, op: OpRecord) -> None:
+    def _report_unordered_write(
+        self, storage: int, reader: Any, read: _Access, op: OpRecord
+    ) -> None:
         writer = op.stream
         self._report(
             "a",
@@ -391,7 +397,7 @@ def check_schedule(actual: Sequence[Any], expected: Sequence[Any]) -> List[Viola
         if ran_order == planned_order:
             continue
         k = next(
-            (i for i, (a, b) in enumerate(zip(ran_order, planned_order)) if a != b),
+            (i for i, (a, b) in enumerate(zip(ran_order, planned_order, strict=False)) if a != b),
             min(len(ran_order), len(planned_order)),
         )
         saw = _show(ran[k]) if k < len(ran) else "nothing more"

@@ -57,6 +57,7 @@ from torch.utils._pytree import tree_leaves
 from trec_pipelines import streams
 from trec_pipelines.recorder import ScheduleRecorder
 from trec_pipelines.testing.stream_checker import assert_stream_protocol, check_stream_protocol
+
 # The record types are also importable from here, where they were first defined.
 from trec_pipelines.testing.stream_records import (
     FreeRecord,
@@ -73,13 +74,17 @@ from trec_pipelines.testing.stream_records import (
     Where,
 )
 
+CPU = torch.device("cpu")
+
 # ---------------------------------------------------------- the stand-in
 
 
 class RecordingStream:
     """A stand-in ``torch.cuda.Stream``: its calls are recorded, nothing runs on it."""
 
-    def __init__(self, device: "RecordingDevice", name: str, priority: int = 0, named: bool = True) -> None:
+    def __init__(
+        self, device: "RecordingDevice", name: str, priority: int = 0, named: bool = True
+    ) -> None:
         self._device = device
         self.name = name
         self.priority = priority
@@ -237,7 +242,9 @@ class _Storage:
 # Ops that read only their inputs' metadata (shape, dtype, device), not the data.
 def _reads_no_data(func: Any) -> bool:
     name = func._schema.name.split("::")[-1]
-    return name.endswith("_like") or name.startswith("new_") or name in ("empty_strided", "lift_fresh")
+    return (
+        name.endswith("_like") or name.startswith("new_") or name in ("empty_strided", "lift_fresh")
+    )
 
 
 def _is_view(func: Any) -> bool:
@@ -280,7 +287,7 @@ class StreamRecorder:
         tensors: storage number -> the first tensor seen on that storage.
     """
 
-    def __init__(self, device: torch.device = torch.device("cpu")) -> None:
+    def __init__(self, device: torch.device = CPU) -> None:
         self.device = RecordingDevice(self, device)
         self.records: List[Record] = []
         self.tensors: Dict[int, TensorInfo] = {}
@@ -349,7 +356,11 @@ class StreamRecorder:
                 (torch.Tensor, "record_stream", record_stream),
                 (torch.Tensor, "to", self._tensor_to(torch.Tensor.to)),
                 (ScheduleRecorder, "span", self._span_hook(ScheduleRecorder.span)),
-                (ScheduleRecorder, "begin_call", self._begin_call_hook(ScheduleRecorder.begin_call)),
+                (
+                    ScheduleRecorder,
+                    "begin_call",
+                    self._begin_call_hook(ScheduleRecorder.begin_call),
+                ),
                 (threading.Thread, "run", self._thread_run(threading.Thread.run)),
             ]
             for owner, name, value in patches:
@@ -478,7 +489,11 @@ class StreamRecorder:
                 self._alloc_stream[sid] = stream
             for sid in itertools.chain(reads, writes):
                 allocated_on = self._alloc_stream.get(sid)
-                if allocated_on is not None and allocated_on is not stream and sid not in self._watched:
+                if (
+                    allocated_on is not None
+                    and allocated_on is not stream
+                    and sid not in self._watched
+                ):
                     self._watched[sid] = self._refs[sid]
             self.records.append(
                 OpRecord(
@@ -544,7 +559,11 @@ class StreamRecorder:
 
         @contextlib.contextmanager
         def span(
-            schedule: ScheduleRecorder, task: str, batch: Optional[int], stream: str, thread: str = "main"
+            schedule: ScheduleRecorder,
+            task: str,
+            batch: Optional[int],
+            stream: str,
+            thread: str = "main",
         ) -> Iterator[None]:
             with original(schedule, task, batch, stream, thread):
                 action = schedule.actions[-1]

@@ -1,0 +1,185 @@
+"""TrainPipelineSparseDistBwdOpt: the optimizer steps inside the backward, at an output dist."""
+
+from __future__ import annotations
+
+import logging
+from typing import Any, Callable, Iterator, Optional, Tuple, Type
+
+import torch
+from torch.nn.parallel import DistributedDataParallel
+from torchrec.distributed.train_pipeline import In, Out
+from torchrec.distributed.types import ShardingType
+
+from trec_pipelines.backward_hooks import (
+    InjectionSite,
+    InjectionTargetType,
+    OutputDistTensorFinder,
+)
+from trec_pipelines.context import TrainPipelineContext
+from trec_pipelines.input_dist_group import DEFAULT_INPUT_DIST_GROUP, InputDistGroup
+from trec_pipelines.pipelines.sparse_dist import TrainPipelineSparseDist
+from trec_pipelines.rewrite import Strategy
+from trec_pipelines.step_guard import guarded_step
+
+logger: logging.Logger = logging.getLogger(__name__)
+
+
+class TrainPipelineSparseDistBwdOpt(TrainPipelineSparseDist[In, Out]):
+    """SparseDist's schedule, with ``optimizer.step()`` run during the backward.
+
+    torchrec's experimental class (``experimental_pipelines``).  The step is a
+    backward hook at ``site_fqn``'s output dist (an
+    :class:`~trec_pipelines.backward_hooks.OutputDistTensorFinder` of
+    ``sharding_type``): it runs once the backward has launched that module's
+    gradient all-to-all, overlapping it, instead of after the backward.  It
+    steps on the gradients as they are at that point of the backward: what
+    autograd has not reached yet (the module's own tables, a dense branch
+    behind it) and what DDP has not yet averaged are stepped as they are, as
+    in torchrec's class, whose results ours equal bit for bit.
+
+    ==========  =======  ==========================================================
+    stream      slot     work
+    ==========  =======  ==========================================================
+    default     ``cur``  zero_grad, wait, forward, backward (with the step inside)
+    data_dist   ``nxt``  input_dist
+    memcpy      ``new``  host-to-device copy
+    ==========  =======  ==========================================================
+
+    A race, in torchrec's class as in ours: DDP (``gradient_as_bucket_view``,
+    torchrec's default) all-reduces a bucket of dense gradients in place, on
+    another thread (or stream), as soon as the bucket is full, and the step can
+    read a gradient while it is being reduced.  Two runs of torchrec's class on
+    the same data differ from the third step on here.  The first step logs it;
+    a DDP communication hook that waits for its all-reduce makes the step
+    deterministic (the tests compare the two libraries that way), and
+    :class:`TrainPipelineSparseDist` has no such race.
+
+    A fix: when the site's hook did not run in a step's backward (its output
+    dist carried no collective, as on a one-rank group, or the module took no
+    part in the loss), torchrec's class never steps the optimizer; ours steps
+    it after the backward, as SparseDist does, and logs that once.
+    """
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        optimizer: torch.optim.Optimizer,
+        device: torch.device,
+        site_fqn: str,
+        sharding_type: ShardingType = ShardingType.TABLE_WISE,
+        execute_all_batches: bool = True,
+        apply_jit: bool = False,
+        context_type: Type[TrainPipelineContext] = TrainPipelineContext,
+        pipeline_postproc: bool = False,
+        custom_model_fwd: Optional[Callable[[Optional[Any]], Tuple[torch.Tensor, Any]]] = None,
+        dmp_collection_sync_interval_batches: Optional[int] = 1,
+        enqueue_batch_after_forward: bool = False,
+        enable_inplace_copy_batch: bool = False,
+        free_features_storage_early: bool = False,
+        clear_data_dist_inputs: bool = False,
+        *,
+        rewrite_strategy: Strategy = "auto",
+        on_unpipelined: str = "warn",
+        sync_exhaustion: bool = False,
+        validate_batches: bool = True,
+        input_dist_group: InputDistGroup = DEFAULT_INPUT_DIST_GROUP,
+    ) -> None:
+        super().__init__(
+            model,
+            optimizer,
+            device,
+            execute_all_batches,
+            apply_jit,
+            context_type,
+            pipeline_postproc,
+            custom_model_fwd,
+            dmp_collection_sync_interval_batches,
+            enqueue_batch_after_forward,
+            enable_inplace_copy_batch,
+            free_features_storage_early,
+            clear_data_dist_inputs,
+            rewrite_strategy=rewrite_strategy,
+            on_unpipelined=on_unpipelined,
+            sync_exhaustion=sync_exhaustion,
+            validate_batches=validate_batches,
+            input_dist_group=input_dist_group,
+        )
+        self._step_site = InjectionSite(
+            fqn=site_fqn,
+            tensor_finder=OutputDistTensorFinder(sharding_type=sharding_type),
+            target_type=InjectionTargetType.ACTIVATION,
+        )
+        self._step_hooked = False
+        # Whether this step's optimizer step ran inside its backward.
+        self._stepped_in_backward = False
+        self._warned_no_hook = False
+
+    def _pipeline_model(self, batch: Any, context: TrainPipelineContext) -> None:
+        super()._pipeline_model(batch, context)
+        if not self._step_hooked:  # once: the hook stays on the model's module
+            self.register_backward_hook(self._step_site, _step_in_backward)
+            self._step_hooked = True
+            if any(isinstance(m, DistributedDataParallel) for m in self._model.modules()):
+                logger.warning(
+                    "%s: the optimizer steps inside the backward while DDP may still be "
+                    "all-reducing dense gradients in place on another thread or stream: "
+                    "the step can read a gradient half reduced (torchrec's class too). "
+                    "Register a DDP comm hook that waits for its all-reduce for "
+                    "deterministic steps, or use TrainPipelineSparseDist.",
+                    type(self).__name__,
+                )
+
+    def _step_now(self) -> None:
+        """The optimizer step, inside the backward (the site's hook)."""
+        self._stepped_in_backward = True
+        self._optimizer_step()
+
+    @guarded_step
+    def progress(self, dataloader_iter: Iterator[Any]) -> Any:
+        # The timeline's comments stay in their columns.
+        # fmt: off
+        self._start_step(dataloader_iter)  # fill, pull host batches, stop at end of data
+        training = self._model.training
+
+        if training:
+            self._zero_grad()                                      # cur, default
+        self._wait_for_batch()                                     # cur, data_dist -> default
+        if self._clear_data_dist_inputs:
+            self.clear_sparse_data_dist_inputs(self.contexts[0])
+        if len(self.batches) >= 2:
+            self.start_sparse_data_dist(self.batches[1], self.contexts[1])  # nxt, data_dist
+        if not self._enqueue_batch_after_forward:
+            self.enqueue_batch(dataloader_iter)                    # new, memcpy
+        losses, output = self._forward()                           # cur, default
+        if self._enqueue_batch_after_forward:
+            self.enqueue_batch(dataloader_iter)                    # new, memcpy (after lookup)
+        if len(self.batches) >= 2:
+            self.wait_sparse_data_dist(self.contexts[1])           # nxt, data_dist
+        if training:
+            self._stepped_in_backward = False
+            self._backward(losses)                                 # cur, default: step inside
+            self.sync_embeddings(
+                self._model, self._dmp_collection_sync_interval_batches, self.contexts[0]
+            )
+            if not self._stepped_in_backward:
+                self._step_after_backward()                        # cur, default (no hook ran)
+        self.dequeue_batch()
+        return output
+
+    def _step_after_backward(self) -> None:
+        if not self._warned_no_hook:
+            self._warned_no_hook = True
+            logger.warning(
+                "%s: the optimizer step at %r's output dist did not run in batch %d's "
+                "backward (no collective to hook there, or the module took no part in "
+                "the loss); it steps after the backward instead (torchrec's class would "
+                "not step at all)",
+                type(self).__name__,
+                self._step_site.fqn,
+                self.contexts[0].index,
+            )
+        self._optimizer_step()
+
+
+def _step_in_backward(pipeline: Any) -> None:
+    pipeline._step_now()

@@ -1,0 +1,145 @@
+"""TrainPipelinePrefetchEMS: EmbStash; stashed caches restored and the next batch prefetched before the backward."""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Iterator, Optional, Tuple, Type, Union
+
+import torch
+from torchrec.distributed.train_pipeline import In, Out
+from torchrec.distributed.types import NoWait
+
+from trec_pipelines import recorder as rec
+from trec_pipelines.backward_hooks import InjectionSite
+from trec_pipelines.context import TrainPipelineContext
+from trec_pipelines.input_dist_group import DEFAULT_INPUT_DIST_GROUP, InputDistGroup
+from trec_pipelines.pipelines.stash import TrainPipelineSparseDistEmbStash
+from trec_pipelines.rewrite import Strategy
+from trec_pipelines.step_guard import guarded_step
+from trec_pipelines.streams import current_stream, on_stream, record_stream, wait_stream
+
+
+class TrainPipelinePrefetchEMS(TrainPipelineSparseDistEmbStash[In, Out]):
+    """EmbStash for tables behind a UVM cache: the cache is stashed, then restored and refilled.
+
+    torchrec's experimental class (``experimental_pipelines``).  For a table in
+    ``fused_uvm_caching`` the device memory is the cache, not the weights: the
+    sharded module stashes it inside the forward (flushing dirty rows to the
+    UVM weights first) on the device-to-host stream, so the dense forward and
+    backward have that memory.  Before the backward the pipeline restores the
+    stashed weights and caches of ``cur`` and prefetches ``nxt``'s rows into
+    the cache, on the current stream, using ``nxt``'s input dist (waited for
+    here; its forward then finds it done):
+
+    ==========  =======  ==========================================================
+    stream      slot     work
+    ==========  =======  ==========================================================
+    default     ``cur``  zero_grad, wait, forward (stash inside), restore
+                         (``cur``) and prefetch (``nxt``), backward, step
+    data_dist   ``nxt``  input_dist
+    memcpy      ``new``  host-to-device copy
+    ==========  =======  ==========================================================
+
+    The restore and the prefetch run in eval mode too (the forward stashed).
+    On CPU nothing is stashed; the prefetch of a module without a cache does
+    nothing, and the results are SparseDist's, bit for bit.
+    """
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        optimizer: torch.optim.Optimizer,
+        device: torch.device,
+        site_fqn: Union[str, InjectionSite],
+        execute_all_batches: bool = True,
+        apply_jit: bool = False,
+        context_type: Type[TrainPipelineContext] = TrainPipelineContext,
+        pipeline_postproc: bool = False,
+        custom_model_fwd: Optional[Callable[[Optional[Any]], Tuple[torch.Tensor, Any]]] = None,
+        dmp_collection_sync_interval_batches: Optional[int] = 1,
+        enqueue_batch_after_forward: bool = False,
+        enable_inplace_copy_batch: bool = False,
+        free_features_storage_early: bool = False,
+        *,
+        rewrite_strategy: Strategy = "auto",
+        on_unpipelined: str = "warn",
+        sync_exhaustion: bool = False,
+        validate_batches: bool = True,
+        input_dist_group: InputDistGroup = DEFAULT_INPUT_DIST_GROUP,
+    ) -> None:
+        super().__init__(
+            model,
+            optimizer,
+            device,
+            site_fqn,
+            execute_all_batches,
+            apply_jit,
+            context_type,
+            pipeline_postproc,
+            custom_model_fwd,
+            dmp_collection_sync_interval_batches,
+            enqueue_batch_after_forward,
+            enable_inplace_copy_batch,
+            free_features_storage_early,
+            rewrite_strategy=rewrite_strategy,
+            on_unpipelined=on_unpipelined,
+            sync_exhaustion=sync_exhaustion,
+            validate_batches=validate_batches,
+            input_dist_group=input_dist_group,
+        )
+
+    @guarded_step
+    def progress(self, dataloader_iter: Iterator[Any]) -> Any:
+        # The timeline's comments stay in their columns.
+        # fmt: off
+        self._start_step(dataloader_iter)  # fill, pull host batches, stop at end of data
+        training = self._model.training
+
+        if training:
+            self._zero_grad()                                      # cur, default
+        self._wait_for_batch()                                     # cur, data_dist -> default
+        if len(self.batches) >= 2:
+            self.start_sparse_data_dist(self.batches[1], self.contexts[1])  # nxt, data_dist
+        if not self._enqueue_batch_after_forward:
+            self.enqueue_batch(dataloader_iter)                    # new, memcpy
+        losses, output = self._forward()                           # cur, default (stash inside)
+        if self._enqueue_batch_after_forward:
+            self.enqueue_batch(dataloader_iter)                    # new, memcpy (after lookup)
+        if len(self.batches) >= 2:
+            self.wait_sparse_data_dist(self.contexts[1])           # nxt, data_dist
+        self._restore_cur()                                        # cur, default
+        if len(self.batches) >= 2:
+            self._prefetch_nxt()                                   # nxt, data_dist -> default
+        if training:
+            self._backward(losses)                                 # cur, default
+            self.sync_embeddings(
+                self._model, self._dmp_collection_sync_interval_batches, self.contexts[0]
+            )
+            self._optimizer_step()                                 # cur, default
+        self.dequeue_batch()
+        return output
+
+    def _restore_cur(self) -> None:
+        """Bring back what ``cur``'s forward stashed: weights, then UVM caches."""
+        with self._span(rec.STASH_RESTORE, self.contexts[0].index):
+            self._stashing.restore_embedding_weights()
+            self._stashing.restore_cache()
+
+    def _prefetch_nxt(self) -> None:
+        """Prefetch ``nxt``'s rows into the caches, on the current stream.
+
+        ``nxt``'s tensors all-to-all is waited for on the data_dist stream and
+        left in its context already done, so ``nxt``'s forward takes it as is.
+        """
+        context = self.contexts[1]
+        here = current_stream(self._device)
+        with self._span(rec.EMB_PREFETCH, context.index):
+            for name, module, _ in self._input_dist_modules():
+                request = context.input_dist_tensors_requests.get(name)
+                if request is None:
+                    continue
+                with on_stream(self._streams.data_dist):
+                    dist_input = request.wait()
+                context.input_dist_tensors_requests[name] = NoWait(dist_input)
+                wait_stream(here, self._streams.data_dist)
+                record_stream(dist_input, here)
+                module.prefetch(dist_input=dist_input, ctx=context.module_contexts.get(name))

@@ -1,0 +1,76 @@
+"""TrainPipelineSparseDistT: SparseDist with every host-to-device copy issued by a thread."""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Optional, Tuple, Type
+
+import torch
+from torchrec.distributed.train_pipeline import In, Out
+
+from trec_pipelines.context import TrainPipelineContext
+from trec_pipelines.input_dist_group import DEFAULT_INPUT_DIST_GROUP, InputDistGroup
+from trec_pipelines.pipelines.sparse_dist import TrainPipelineSparseDist
+from trec_pipelines.rewrite import Strategy
+
+
+class TrainPipelineSparseDistT(TrainPipelineSparseDist[In, Out]):
+    """:class:`TrainPipelineSparseDist`'s schedule; a background thread issues the copies.
+
+    torchrec's experimental class (``experimental_pipelines``).  Every copy of
+    ``new``, in place (``enable_inplace_copy_batch``) or not, is submitted to
+    one worker thread, so the training thread does not spend the CPU time of
+    issuing it; ``new``'s slot holds the copy's Future until the next step
+    first reads it, before any stream waits for the copy (the machinery of
+    ``async_inplace_copy``, see [Note: async in-place copy] in
+    :mod:`trec_pipelines.inplace_copy`).  Everything else is SparseDist's,
+    results included, bit for bit.
+
+    On a device without streams (CPU) there is no device copy to issue: the
+    copies stay on the training thread (logged once), with the same results.
+    torchrec's class has no ``enqueue_batch_after_forward`` (the copy is issued
+    before the forward) and no ``async_inplace_copy`` (it is always on); ours
+    neither.
+    """
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        optimizer: torch.optim.Optimizer,
+        device: torch.device,
+        execute_all_batches: bool = True,
+        apply_jit: bool = False,
+        context_type: Type[TrainPipelineContext] = TrainPipelineContext,
+        pipeline_postproc: bool = False,
+        custom_model_fwd: Optional[Callable[[Optional[Any]], Tuple[torch.Tensor, Any]]] = None,
+        dmp_collection_sync_interval_batches: Optional[int] = 1,
+        enable_inplace_copy_batch: bool = False,
+        free_features_storage_early: bool = False,
+        clear_data_dist_inputs: bool = False,
+        *,
+        rewrite_strategy: Strategy = "auto",
+        on_unpipelined: str = "warn",
+        sync_exhaustion: bool = False,
+        validate_batches: bool = True,
+        input_dist_group: InputDistGroup = DEFAULT_INPUT_DIST_GROUP,
+    ) -> None:
+        super().__init__(
+            model,
+            optimizer,
+            device,
+            execute_all_batches,
+            apply_jit,
+            context_type,
+            pipeline_postproc,
+            custom_model_fwd,
+            dmp_collection_sync_interval_batches,
+            enqueue_batch_after_forward=False,
+            enable_inplace_copy_batch=enable_inplace_copy_batch,
+            free_features_storage_early=free_features_storage_early,
+            clear_data_dist_inputs=clear_data_dist_inputs,
+            rewrite_strategy=rewrite_strategy,
+            on_unpipelined=on_unpipelined,
+            sync_exhaustion=sync_exhaustion,
+            validate_batches=validate_batches,
+            input_dist_group=input_dist_group,
+        )
+        self._copy_worker = self._make_copy_worker(False, every_copy=True)
