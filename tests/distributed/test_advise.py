@@ -275,7 +275,9 @@ def test_every_variant_by_default_and_what_does_not_apply() -> None:
     same_on_every_rank(advice)
     skipped = {r.name: r.reason for r in advice.variants if not r.applicable}
     # The bench model: fused kernels (no cache to prefetch into), no PEC module, nothing compiled unless asked.
-    assert set(skipped) == {
+    experimental = {n for n, why in skipped.items() if why.startswith("experimental")}
+    assert len(experimental) == 7  # torchrec's experimental classes: listed, timed only when named
+    assert set(skipped) - experimental == {
         "PrefetchTrainPipelineSparseDist",
         "TrainPipelinePEC",
         "TrainPipelinePT2",

@@ -152,6 +152,14 @@ def test_not_applicable_reasons_without_a_sharded_model() -> None:
     assert "include_compiled=True" in str(reasons["TrainPipelinePT2"])
     assert "eval pipeline" in str(reasons["EvalPipelineSparseDist"])
     assert reasons["StagedTrainPipeline"] is None  # timed with the bench's two stages
+    for name in (
+        "TrainPipelineSparseDistT",
+        "TrainPipelineSparseDistBwdOpt",
+        "EvalPipelineCPUSparse",
+    ):
+        assert "not timed unless named in variants=" in str(reasons[name])
+    (bwd_opt,) = resolve(["TrainPipelineSparseDistBwdOpt"])
+    assert not_applicable(bwd_opt, model, include_compiled=False, named=True) is None
     pt2 = next(v for v in resolve(None) if v.name == "TrainPipelinePT2")
     assert not_applicable(pt2, model, include_compiled=True) is None
 

@@ -174,8 +174,19 @@ def advise(
     asked = resolve(variants)
     ranks = _Ranks(timeout)
     try:
+        named = variants is not None
         return _advise(
-            build, ranks, asked, steps, warmup, rounds, budget, include_compiled, device, progress
+            build,
+            ranks,
+            asked,
+            named,
+            steps,
+            warmup,
+            rounds,
+            budget,
+            include_compiled,
+            device,
+            progress,
         )
     finally:
         ranks.close()
@@ -185,6 +196,7 @@ def _advise(
     build: Build,
     ranks: _Ranks,
     asked: List[Variant],
+    variants_named: bool,
     steps: int,
     warmup: int,
     rounds: int,
@@ -199,7 +211,9 @@ def _advise(
     try:
         model, _, _ = call_build(build)
         train_device = device if device is not None else _device_of(model)
-        reasons = {v.name: not_applicable(v, model, include_compiled) for v in asked}
+        reasons = {
+            v.name: not_applicable(v, model, include_compiled, variants_named) for v in asked
+        }
         del model
     except BuildError as exc:
         error, train_device = str(exc), torch.device("cpu")

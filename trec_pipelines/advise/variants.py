@@ -14,6 +14,10 @@ variant applies is decided from the model alone, before anything is timed:
 * Prefetch needs a table whose lookup prefetches into a cache (compute
   kernel ``fused_uvm_caching`` or ``key_value``); elsewhere its prefetch
   does nothing and it is SparseDist with one more stream;
+* torchrec's experimental pipelines (``trec_pipelines.experimental_pipelines``)
+  are listed, not timed, unless named in ``variants``: their schedules are
+  for particular setups (a device to stash memory on, an optimizer step in
+  the backward, ...), not general advice;
 * PEC needs PEC modules (``ShardedPECEmbeddingCollection``), and torchrec
   >= 1.9 to pipeline them.
 """
@@ -41,6 +45,7 @@ import torch
 from torch import nn
 from torchrec.distributed.types import ShardedModule, ShardingPlan
 
+from trec_pipelines import experimental_pipelines
 from trec_pipelines.pipelines.base import TrainPipelineBase
 from trec_pipelines.pipelines.comp_autograd import TrainPipelineSparseDistCompAutograd
 from trec_pipelines.pipelines.eval_sparse_dist import EvalPipelineSparseDist
@@ -69,8 +74,16 @@ TRAIN_VARIANTS: Tuple[type, ...] = (
     TrainPipelinePT2,
     TrainPipelineSparseDistCompAutograd,
 )
+# torchrec's experimental classes, ours: timed only when named in ``variants``.
+EXPERIMENTAL: Tuple[type, ...] = tuple(
+    getattr(experimental_pipelines, name) for name in experimental_pipelines.__all__
+)
 # Listed in the advice with the reason they are not timed.
-OTHER_VARIANTS: Tuple[type, ...] = (EvalPipelineSparseDist, EvalPipelineFusedSparseDist)
+OTHER_VARIANTS: Tuple[type, ...] = (
+    EvalPipelineSparseDist,
+    EvalPipelineFusedSparseDist,
+    *EXPERIMENTAL,
+)
 COMPILED: Tuple[type, ...] = (TrainPipelinePT2, TrainPipelineSparseDistCompAutograd)
 
 # Constructor arguments advise gives a variant (as the bench does): SemiSync's
@@ -196,9 +209,16 @@ def _pec_problem(model: nn.Module, pipeline: str) -> Optional[str]:
     return None
 
 
-def not_applicable(variant: Variant, model: nn.Module, include_compiled: bool) -> Optional[str]:
-    """Why ``variant`` is not timed on ``model`` (None: it is)."""
+def not_applicable(
+    variant: Variant, model: nn.Module, include_compiled: bool, named: bool = False
+) -> Optional[str]:
+    """Why ``variant`` is not timed on ``model`` (None: it is); ``named``: the user asked for it by name or class."""
     cls = variant.cls
+    if cls in EXPERIMENTAL and not named:
+        return (
+            "experimental (torchrec's experimental_pipelines): not timed unless named in "
+            "variants= (--variants)"
+        )
     if issubclass(cls, (EvalPipelineSparseDist, EvalPipelineFusedSparseDist)):
         return "an eval pipeline (no backward, no optimizer step); advise times training"
     if variant.compiled and not include_compiled:
@@ -245,6 +265,7 @@ def iterable_problem(batches: Any) -> Optional[str]:
 __all__ = [
     "COMPILED",
     "DEFAULT_KWARGS",
+    "EXPERIMENTAL",
     "OTHER_VARIANTS",
     "PREFETCH_KERNELS",
     "TRAIN_VARIANTS",
