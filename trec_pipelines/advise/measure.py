@@ -2,15 +2,17 @@
 
 A round of a contender: ``build()`` a fresh model, train ``warmup`` batches
 (untimed), then time one epoch of the next ``steps`` batches -- fill and drain
-included, as the bench times an epoch -- then an untimed epoch over the same
-batches with the input dist tapped (the training thread's input-dist time,
-median over the steady steps; every round, as one epoch of it is noisy), and
-in the first round one more with the memory ledger on (what the pipeline
+included, as the bench times an epoch.  Then, untimed, over the same batches:
+in the first round an epoch with the memory ledger on (what the pipeline
 holds after every verb; resident and device memory sampled after every
-step).  Then everything is dropped before the next contender is built.
+step), and in every round an epoch with the input dist tapped (the training
+thread's input-dist time, median over the steady steps; one epoch of it is
+noisy, so run.py takes the median over rounds too).  Then everything is
+dropped before the next contender is built.
 
-Nothing here talks to the other ranks but the model's own collectives;
-:mod:`trec_pipelines.advise.run` gathers what each rank measured.
+The ranks meet only in the model's own collectives and in the two callbacks
+:mod:`trec_pipelines.advise.run` passes (``agree`` after the build,
+``barrier`` before the timed epoch); run.py gathers what each rank measured.
 """
 
 from __future__ import annotations
