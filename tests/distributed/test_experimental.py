@@ -121,6 +121,23 @@ def test_bwd_opt_equals_torchrec(sharding_type: str) -> None:
     assert not torch.equal(ref[-1], ours[-1])  # a different schedule indeed
 
 
+def test_bwd_opt_recorded_step_runs_inside_the_backward() -> None:
+    """The recorded schedule: each step's OptimizerStep starts after its Backward
+    starts and ends before it ends (and SparseDist's runs after it)."""
+    batches = make_batches(5, seed=DATA_SEED)
+    for name in ("TrainPipelineSparseDistBwdOpt", "TrainPipelineSparseDist"):
+        dmp, optimizer = make_sharded(DLRM, "table_wise", seed=SEED)
+        args = ("ebc",) if name.endswith("BwdOpt") else ()
+        pipeline = getattr(trec_pipelines, name)(dmp, optimizer, DEVICE, *args)
+        pipeline.enable_schedule_recording()
+        run_pipeline(pipeline, batches, model=dmp)
+        spans = {(a.task, a.batch): a for a in pipeline._recorder.actions}
+        for batch in range(5):
+            step, backward = spans[("OptimizerStep", batch)], spans[("Backward", batch)]
+            inside = backward.cpu_start < step.cpu_start and step.cpu_end < backward.cpu_end
+            assert inside == name.endswith("BwdOpt"), (name, batch)
+
+
 def test_bwd_opt_with_a_site_that_has_no_collective_says_so() -> None:
     """A data_parallel output dist is no collective: there is nothing to step at,
     and the first step says which site and what to pick instead (torchrec's class

@@ -27,6 +27,7 @@ import contextlib
 import re
 from dataclasses import dataclass
 from typing import Any, Callable, ContextManager, Dict, Iterator, List, Optional, Sequence, Tuple
+from unittest import mock
 
 import pytest
 import torch
@@ -71,6 +72,7 @@ from trec_pipelines.pipelines.fused_sparse_dist import (
 )
 from trec_pipelines.pipelines.pec import TrainPipelinePEC
 from trec_pipelines.pipelines.prefetch import PrefetchTrainPipelineSparseDist
+from trec_pipelines.pipelines.prefetch_ems import TrainPipelinePrefetchEMS
 from trec_pipelines.pipelines.pt2 import TorchCompileConfig, TrainPipelinePT2
 from trec_pipelines.pipelines.semi_sync import TrainPipelineSemiSync
 from trec_pipelines.pipelines.sparse_data_dist_util import SparseDataDistUtil
@@ -78,8 +80,10 @@ from trec_pipelines.pipelines.sparse_dist import TrainPipelineSparseDist
 from trec_pipelines.pipelines.sparse_dist_lite import TrainPipelineSparseDistLite
 from trec_pipelines.pipelines.sparse_dist_t import TrainPipelineSparseDistT
 from trec_pipelines.pipelines.staged import PipelineStage, StagedTrainPipeline
+from trec_pipelines.pipelines.stash import TrainPipelineSparseDistEmbStash
 from trec_pipelines.pipelines.train_eval_hybrid import TrainEvalHybridPipelineBase
 from trec_pipelines.stages import copy_to_device, wait_for_batch
+from trec_pipelines.stashing import Stashing
 from trec_pipelines.testing import (
     StreamProtocolError,
     StreamRecorder,
@@ -425,6 +429,50 @@ def _compiled_autograd_model() -> StandIn:
 # memory allocated there as the synchronous copy does), and train/eval by mode.
 VARIANTS["SparseDistT"] = sparse_dist_like(TrainPipelineSparseDistT)
 VARIANTS["TrainEvalHybrid"] = sparse_dist_like(TrainEvalHybridPipelineBase)
+
+
+def _without_stashing(make: Callable[[StandIn], Any]) -> Callable[[StandIn], Any]:
+    """Build a stash variant with the no-op stashing: on the stand-in device (which
+    has streams) it would otherwise hand the recorded streams to torchrec's
+    MemoryStashingManager, whose state is global.  What is checked is ours: the
+    restore and prefetch points and their streams."""
+
+    def build(model: StandIn) -> Any:
+        with mock.patch("trec_pipelines.pipelines.stash.stashing_for", lambda *_: Stashing()):
+            return make(model)
+
+    return build
+
+
+STASH_RESTORE_IN_BACKWARD = tuple(
+    step
+    for s in test_schedule.SPARSE_DIST_STEP
+    for step in ((s, "P{P} StashRestore[i{i}]@default") if "Backward" in s else (s,))
+)
+PREFETCH_EMS_STEP = tuple(
+    step
+    for s in STASH_RESTORE_IN_BACKWARD
+    for step in (
+        ("P{P} StashRestore[i{i}]@default", "P{P} EmbPrefetch[i{n}]@default", s)
+        if "Backward" in s
+        else (s,)
+    )
+)
+# EmbStash: SparseDist's schedule, the restore at over's first parameter's gradient.
+VARIANTS["EmbStash"] = Variant(
+    StandIn,
+    _without_stashing(lambda m: TrainPipelineSparseDistEmbStash(m, optimizer_for(m), CPU, "over")),
+    lambda n: exact(test_schedule.SPARSE_DIST_FILL, every(STASH_RESTORE_IN_BACKWARD), n),
+    ("memcpy", "data_dist"),
+)
+# PrefetchEMS: cur restored and nxt prefetched on the default stream before the
+# backward, from nxt's input dist (data_dist).
+VARIANTS["PrefetchEMS"] = Variant(
+    caching_model,
+    _without_stashing(lambda m: TrainPipelinePrefetchEMS(m, optimizer_for(m), CPU, "over")),
+    lambda n: exact(test_schedule.SPARSE_DIST_FILL, every(PREFETCH_EMS_STEP), n),
+    ("memcpy", "data_dist"),
+)
 
 VARIANTS["SparseDistCompAutograd"] = Variant(
     _compiled_autograd_model,
@@ -1017,3 +1065,17 @@ def test_sparse_dist_t_issues_every_copy_on_its_thread() -> None:
     recorder = record(VARIANTS["SparseDistT"])
     copies = [r for r in recorder.records if isinstance(r, OpRecord) and r.stream.name == "memcpy"]
     assert copies and {r.where.thread.startswith(WORKER_THREAD) for r in copies} == {True}
+
+
+def test_prefetch_ems_prefetch_without_its_wait_for_the_input_dist() -> None:
+    """nxt's prefetch reads its input dist on the default stream: without the
+    wait for data_dist the checker reports the read."""
+    from trec_pipelines.pipelines import prefetch_ems
+
+    def no_wait(pipeline: Any) -> ContextManager[Any]:
+        return mock.patch.object(prefetch_ems, "wait_stream", lambda *_: None)
+
+    with pytest.raises(StreamProtocolError, match="data_dist"):
+        record(VARIANTS["PrefetchEMS"], patch=no_wait).assert_protocol(
+            VARIANTS["PrefetchEMS"].schedule(N_BATCHES)
+        )
