@@ -35,7 +35,7 @@ from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass
-from typing import Any, ContextManager, Iterator, Optional
+from typing import Any, ContextManager, Iterator, List, Optional, Tuple
 
 import torch
 
@@ -108,13 +108,41 @@ def make_streams(
 
     Copies and all-to-alls feed the next steps' compute, so they get high
     priority (-1) like upstream; prefetch and lookup run at normal priority.
+    Every stream must be a stream of its own (see :func:`check_distinct`).
     """
-    return StreamSet(
+    made = StreamSet(
         memcpy=new_stream(device, priority=-1) if memcpy else None,
         data_dist=new_stream(device, priority=-1) if data_dist else None,
         prefetch=new_stream(device) if prefetch else None,
         emb_lookup=new_stream(device) if emb_lookup else None,
     )
+    check_distinct(made, current_stream(device))
+    return made
+
+
+def check_distinct(made: StreamSet, default: Optional[torch.Stream]) -> None:
+    """Raise when two roles got one stream, or a role got the default stream.
+
+    A device's stream pool may hand out a stream it already gave (a small pool
+    wraps around: seen on ROCm, torchrec PR #4396).  Two roles on one stream
+    serialize what the schedule overlaps, and a role on the default stream
+    turns each cross-stream wait into a no-op that orders nothing, so the
+    handovers the schedule relies on silently stop protecting anything.
+    """
+    taken: List[Tuple[str, torch.Stream]] = [("default", default)] if default is not None else []
+    for role in ("memcpy", "data_dist", "prefetch", "emb_lookup"):
+        stream = getattr(made, role)
+        if stream is None:
+            continue
+        for other_role, other in taken:
+            if stream is other or stream == other:
+                raise RuntimeError(
+                    f"the device gave the pipeline's {role} stream and its {other_role} "
+                    f"stream as one stream ({stream}): its stream pool wrapped around. "
+                    "Build fewer pipelines (or other stream users) at once, or give the "
+                    "device a larger stream pool, so every role has a stream of its own."
+                )
+        taken.append((role, stream))
 
 
 def current_stream(device: torch.device) -> Optional[torch.Stream]:

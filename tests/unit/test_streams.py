@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import Any, List, Tuple
 
+import pytest
 import torch
 
 from trec_pipelines import streams
@@ -102,3 +103,59 @@ def test_lookup_outputs_of_both_kinds_are_recorded(monkeypatch: Any) -> None:
     record_output(keyed, consumer)  # type: ignore[arg-type]
     record_output(jagged, consumer)  # type: ignore[arg-type]
     assert (6, "default") in seen and (5, "default") in seen
+
+
+class _SmallPool(_DeviceModule):
+    """A stream pool of ``size`` streams that wraps around (as a small ROCm pool
+    does), optionally starting with the default stream itself."""
+
+    def __init__(self, size: int, first_is_default: bool = False) -> None:
+        super().__init__()
+        self.pool = [_Stream(self.log, f"pooled{i}") for i in range(size)]
+        if first_is_default:
+            self.pool[0] = self.default
+
+    def Stream(self, priority: int = 0) -> _Stream:
+        self.count += 1
+        return self.pool[(self.count - 1) % len(self.pool)]
+
+
+def test_every_role_gets_a_stream_of_its_own() -> None:
+    with streams.use_device_module(_DeviceModule()):
+        made = streams.make_streams(
+            torch.device("cpu"), memcpy=True, data_dist=True, prefetch=True, emb_lookup=True
+        )
+    roles = [made.memcpy, made.data_dist, made.prefetch, made.emb_lookup]
+    assert len({id(s) for s in roles}) == 4
+
+
+@pytest.mark.parametrize(
+    "pool,clash",
+    [
+        (_SmallPool(1), "data_dist stream and its memcpy stream"),
+        (_SmallPool(2), "prefetch stream and its memcpy stream"),
+        (_SmallPool(3, first_is_default=True), "memcpy stream and its default stream"),
+    ],
+)
+def test_a_stream_pool_that_wraps_around_is_refused(pool: _SmallPool, clash: str) -> None:
+    with streams.use_device_module(pool), pytest.raises(RuntimeError, match=clash):
+        streams.make_streams(torch.device("cpu"), memcpy=True, data_dist=True, prefetch=True)
+
+
+def test_a_pipeline_on_an_aliased_stream_pool_is_refused_through_the_recording_backend() -> None:
+    """The recording backend stands in for the device: when its pool hands out one
+    stream for every role, the pipeline's constructor says so instead of running
+    a schedule whose cross-stream waits order nothing."""
+    from tests.unit.fakes import TinyModel, optimizer_for
+    from trec_pipelines import PrefetchTrainPipelineSparseDist, TrainPipelineSparseDist
+    from trec_pipelines.testing import StreamRecorder
+
+    for cls in (TrainPipelineSparseDist, PrefetchTrainPipelineSparseDist):
+        model = TinyModel()
+        with StreamRecorder() as recorder:
+            made = recorder.device.Stream(name="the only one")
+            recorder.device.Stream = lambda *_, only=made, **__: only  # type: ignore[method-assign]
+            with pytest.raises(RuntimeError, match="stream pool wrapped around"):
+                cls(model, optimizer_for(model), torch.device("cpu"))
+        with StreamRecorder():  # a healthy pool: the same pipeline builds
+            cls(model, optimizer_for(model), torch.device("cpu"))
