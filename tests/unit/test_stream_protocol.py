@@ -198,6 +198,22 @@ def caching_model() -> StandIn:
     return StandIn(ebc=CachingEBC)
 
 
+class CacheReadingEBC(CachingEBC):
+    """Its input dist reads the cache state the prefetch writes, as a caching
+    module's can (torchrec PR #4191): the next batch's input dist must wait for
+    the prefetch before it."""
+
+    def input_dist(  # type: ignore[override]
+        self, ctx: _Context, features: KeyedJaggedTensor
+    ) -> Awaitable[Any]:
+        self.cache.index_select(0, features.values())  # which rows are cached already
+        return super().input_dist(ctx, features)
+
+
+def cache_reading_model() -> StandIn:
+    return StandIn(ebc=CacheReadingEBC)
+
+
 def table_updated_in_backward(model: StandIn, lr: float = 0.1) -> torch.optim.Optimizer:
     """Update the table inside the backward, like the fused TBE optimizer; return the dense optimizer."""
     weight = model.sparse.bag.weight
@@ -1078,4 +1094,40 @@ def test_prefetch_ems_prefetch_without_its_wait_for_the_input_dist() -> None:
     with pytest.raises(StreamProtocolError, match="data_dist"):
         record(VARIANTS["PrefetchEMS"], patch=no_wait).assert_protocol(
             VARIANTS["PrefetchEMS"].schedule(N_BATCHES)
+        )
+
+
+PREFETCH_READING_CACHE = Variant(
+    cache_reading_model,
+    lambda m: PrefetchTrainPipelineSparseDist(m, optimizer_for(m), CPU),
+    lambda n: exact(test_schedule_prefetch.FILL, every(test_schedule_prefetch.STEP), n),
+    ("memcpy", "data_dist", "prefetch"),
+)
+
+
+def test_prefetch_next_input_dist_waits_for_the_prefetch_on_the_cache() -> None:
+    """torchrec PR #4191: with a module whose input dist reads the cache, the
+    data_dist <- prefetch fence keeps every input dist after the prefetch before it."""
+    assert_clean(record(PREFETCH_READING_CACHE), PREFETCH_READING_CACHE)
+
+
+def test_prefetch_without_the_data_dist_fence() -> None:
+    """The same run with the fence removed: the checker reports the input dist's
+    read of the cache on data_dist, racing the prefetch's write on its stream."""
+    from trec_pipelines.pipelines import prefetch as prefetch_module
+
+    real = prefetch_module.wait_stream
+
+    def without_fence(pipeline: Any) -> ContextManager[Any]:
+        def wait(waiter: Any, producer: Any) -> None:
+            streams_ = pipeline._streams
+            if waiter is streams_.data_dist and producer is streams_.prefetch:
+                return  # the fence in start_sparse_data_dist
+            real(waiter, producer)
+
+        return mock.patch.object(prefetch_module, "wait_stream", wait)
+
+    with pytest.raises(StreamProtocolError, match="cache|prefetch"):
+        record(PREFETCH_READING_CACHE, patch=without_fence).assert_protocol(
+            PREFETCH_READING_CACHE.schedule(N_BATCHES)
         )

@@ -11,7 +11,7 @@ from trec_pipelines import recorder as rec
 from trec_pipelines._types import AnyShardedModule
 from trec_pipelines.args import CallArgs
 from trec_pipelines.cache_prefetch import prefetch_modules
-from trec_pipelines.context import PrefetchTrainPipelineContext
+from trec_pipelines.context import PrefetchTrainPipelineContext, TrainPipelineContext
 from trec_pipelines.forwards import BaseForward, PrefetchPipelinedForward
 from trec_pipelines.input_dist_group import DEFAULT_INPUT_DIST_GROUP, InputDistGroup
 from trec_pipelines.pipelines.sparse_dist import TrainPipelineSparseDist
@@ -187,6 +187,17 @@ class PrefetchTrainPipelineSparseDist(TrainPipelineSparseDist[In, Out]):
                 forward_stream=current_stream(self._device),
                 forward_done=self._forward_done,
             )
+
+    def start_sparse_data_dist(self, batch: Optional[Any], context: TrainPipelineContext) -> None:
+        """As SparseDist's, once the prefetch stream's work so far is done.
+
+        The prefetch fills the embedding caches on its own stream, and a
+        caching module's input dist may read the cache state (torchrec PR
+        #4191): the next batch's input dist, on data_dist, must not overtake
+        the prefetch before it, in the fill as in the steady state.
+        """
+        wait_stream(self._streams.data_dist, self._streams.prefetch)
+        super().start_sparse_data_dist(batch, context)
 
     def _wait_for_batch(self) -> None:
         # The prefetch stream waited for data_dist, which waited for memcpy:
