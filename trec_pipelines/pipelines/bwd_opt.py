@@ -109,25 +109,23 @@ class TrainPipelineSparseDistBwdOpt(TrainPipelineSparseDist[In, Out]):
             tensor_finder=OutputDistTensorFinder(sharding_type=sharding_type),
             target_type=InjectionTargetType.ACTIVATION,
         )
-        self._step_hooked = False
+        self._after_first_rewrite.append(self._hook_step)
         # Whether this step's optimizer step ran inside its backward.
         self._stepped_in_backward = False
         self._warned_no_hook = False
 
-    def _pipeline_model(self, batch: Any, context: TrainPipelineContext) -> None:
-        super()._pipeline_model(batch, context)
-        if not self._step_hooked:  # once: the hook stays on the model's module
-            self.register_backward_hook(self._step_site, _step_in_backward)
-            self._step_hooked = True
-            if any(isinstance(m, DistributedDataParallel) for m in self._model.modules()):
-                logger.warning(
-                    "%s: the optimizer steps inside the backward while DDP may still be "
-                    "all-reducing dense gradients in place on another thread or stream: "
-                    "the step can read a gradient half reduced (torchrec's class too). "
-                    "Register a DDP comm hook that waits for its all-reduce for "
-                    "deterministic steps, or use TrainPipelineSparseDist.",
-                    type(self).__name__,
-                )
+    def _hook_step(self) -> None:
+        """After the first rewrite: the step's hook, and the DDP race said once."""
+        self.register_backward_hook(self._step_site, _step_in_backward)
+        if any(isinstance(m, DistributedDataParallel) for m in self._model.modules()):
+            logger.warning(
+                "%s: the optimizer steps inside the backward while DDP may still be "
+                "all-reducing dense gradients in place on another thread or stream: "
+                "the step can read a gradient half reduced (torchrec's class too). "
+                "Register a DDP comm hook that waits for its all-reduce for "
+                "deterministic steps, or use TrainPipelineSparseDist.",
+                type(self).__name__,
+            )
 
     def _step_now(self) -> None:
         """The optimizer step, inside the backward (the site's hook)."""

@@ -270,6 +270,10 @@ class TrainPipelineSparseDist(
         # The model's sharded modules, found once: every step looks at their forwards.
         self._sharded: Optional[Dict[str, AnyShardedModule]] = None
         self._warned_shared_features = False
+        # Set-up a subclass runs once the model is first rewritten (the backward
+        # hooks of the experimental variants), then never again: hooks stay on
+        # the model's modules.
+        self._after_first_rewrite: List[Callable[[], None]] = []
 
     # ------------------------------------------------------------------ setup
 
@@ -332,6 +336,8 @@ class TrainPipelineSparseDist(
         # input_dists exist only after the first input_dist call.
         self._fusion.new_rewrite()
         self._fusion.fuse(self._rewrite.modules)
+        while self._after_first_rewrite:
+            self._after_first_rewrite.pop(0)()
 
     def _init_input_dist(self, batch: Any, context: TrainPipelineContext) -> None:
         """Start ``batch``'s input_dist, rewriting the model first if not done yet."""

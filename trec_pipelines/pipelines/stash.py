@@ -106,14 +106,12 @@ class TrainPipelineSparseDistOptStash(TrainPipelineSparseDist[In, Out]):
             fqn=site_fqn, tensor_finder=OutputDistTensorFinder(sharding_type=sharding_type)
         )
         self._stashing: Stashing = stashing_for(self._streams, self._device)
-        self._restore_hooked = False
+        self._after_first_rewrite.append(self._hook_restore)
         self._warned_no_restore = False
 
-    def _pipeline_model(self, batch: Any, context: TrainPipelineContext) -> None:
-        super()._pipeline_model(batch, context)
-        if not self._restore_hooked:  # once: the hook stays on the model's module
-            self.register_backward_hook(self._restore_site, _start_optimizer_restore)
-            self._restore_hooked = True
+    def _hook_restore(self) -> None:
+        """After the first rewrite: the restore's hook at the site."""
+        self.register_backward_hook(self._restore_site, _start_optimizer_restore)
 
     @guarded_step
     def progress(self, dataloader_iter: Iterator[Any]) -> Any:
@@ -255,13 +253,10 @@ class TrainPipelineSparseDistEmbStash(TrainPipelineSparseDist[In, Out]):
         self._stash_site_fqn = stash_site_fqn
         self._stashing: Stashing = stashing_for(self._streams, self._device)
         self._stashing.set_delay_stash(delay_stash)
-        self._hooked = False
+        self._after_first_rewrite.append(self._hook_sites)
 
-    def _pipeline_model(self, batch: Any, context: TrainPipelineContext) -> None:
-        super()._pipeline_model(batch, context)
-        if self._hooked:  # once: the hooks stay on the model's modules
-            return
-        self._hooked = True
+    def _hook_sites(self) -> None:
+        """After the first rewrite: the delayed stashes' trigger, then the restore."""
         if self._delay_stash and self._stash_site_fqn is None:
             self.register_backward_hook(self._restore_site, _execute_pending_stashes)
         if self._delay_stash and self._stash_site_fqn is not None:
