@@ -105,15 +105,17 @@ def main() -> None:
         dcp.load({"pipeline": pipeline, "loader": loader_state}, checkpoint_id=path)
         loader.load_state_dict(pickle.loads(loader_state[me]))
 
+    resumed_from = step
     trained: List[int] = []
     it = iter(loader)
-    while True:
+    # Bounded by the step count, not by StopIteration: an attempt that torchrun
+    # restarts after the last checkpoint (a rank aborting at exit, seen under load)
+    # must train nothing, and the loader restored from an end-of-epoch state
+    # would start the next epoch.
+    while step < args.batches:
         if attempt == 0 and step == args.die_at and rank == args.die_rank:
             os._exit(17)
-        try:
-            pipeline.progress(it)
-        except StopIteration:
-            break
+        pipeline.progress(it)
         trained.append(step)
         step += 1
         if step % args.every == 0:
@@ -136,7 +138,7 @@ def main() -> None:
 
     torch.save(weights(dmp), os.path.join(args.out, f"weights_{me}.pt"))
     with open(os.path.join(args.out, f"steps_{me}_attempt_{attempt}.json"), "w") as f:
-        json.dump({"trained_steps": trained}, f)
+        json.dump({"resumed_from": resumed_from, "trained_steps": trained}, f)
     dist.destroy_process_group()
 
 
