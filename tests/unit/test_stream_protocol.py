@@ -617,8 +617,12 @@ def test_async_inplace_copy_follows_the_protocol(name: str) -> None:
 # ------------------------------------------------------------------ staged
 
 
-def _staged_run(extra_stage: Optional[str]) -> StreamRecorder:
-    model = caching_model() if extra_stage == "prefetch" else StandIn()
+def _staged_run(
+    extra_stage: Optional[str], model_factory: Optional[Callable[[], StandIn]] = None
+) -> StreamRecorder:
+    if model_factory is None:
+        model_factory = caching_model if extra_stage == "prefetch" else StandIn
+    model = model_factory()
     if extra_stage == "start_embedding_lookup":
         optimizer = table_updated_in_backward(model)
     else:
@@ -674,6 +678,35 @@ def test_staged_with_sparse_data_dist_stages_follows_the_protocol(
     assert all(summary.ops.get(s, 0) > 0 for s in stages), summary.ops
     assert summary.cross_stream_accesses > 0 and summary.record_streams > 0, summary
     assert summary.handed_over_frees > 0, summary
+
+
+def test_staged_next_input_dist_waits_for_the_prefetch_on_the_cache() -> None:
+    """torchrec PR #4191 in SparseDataDistUtil's stages: with a module whose input
+    dist reads the cache, every input dist waits for the prefetch before it."""
+    recorder = _staged_run("prefetch", cache_reading_model)
+    stages = ["h2d", "start_sparse_data_dist", "prefetch"]
+    recorder.assert_protocol(staged_schedule(stages, N_BATCHES))
+
+
+def test_staged_without_the_data_dist_fence() -> None:
+    """The same run with the fence removed: the checker reports the input dist's
+    read of the cache racing the prefetch stage's write."""
+    from trec_pipelines.pipelines import sparse_data_dist_util as sdd_module
+
+    real = sdd_module.wait_stream
+
+    def wait(waiter: Any, producer: Any) -> None:
+        if getattr(waiter, "name", None) == "start_sparse_data_dist" and (
+            getattr(producer, "name", None) == "prefetch"
+        ):
+            return  # the fence in start_sparse_data_dist
+        real(waiter, producer)
+
+    with mock.patch.object(sdd_module, "wait_stream", wait):
+        recorder = _staged_run("prefetch", cache_reading_model)
+    stages = ["h2d", "start_sparse_data_dist", "prefetch"]
+    with pytest.raises(StreamProtocolError, match="cache|prefetch"):
+        recorder.assert_protocol(staged_schedule(stages, N_BATCHES))
 
 
 @pytest.mark.parametrize("name", ["SparseDist", "Fused-new", "EvalFused-prefetch", "Prefetch"])

@@ -47,6 +47,7 @@ from trec_pipelines.streams import (
     on_stream,
     record_event,
     wait_event,
+    wait_stream,
 )
 
 logger: logging.Logger = logging.getLogger(__name__)
@@ -118,7 +119,10 @@ class SparseDataDistUtil(Generic[In]):
       ``[Note: prefetch ordering]``).  The forward hook makes the compute
       stream wait for the next batch's lookup, so the caller's backward, which
       updates the tables (fused optimizer), never overtakes the lookup that
-      reads them.  Upstream orders neither.
+      reads them.  Upstream orders neither.  With a prefetch stage, each
+      input dist waits for the prefetches issued before it: a caching
+      module's input dist may read the cache state they write (torchrec PR
+      #4191, fixed there for the Prefetch pipeline only).
     * ``wait_sdd_fill_callback`` with nothing started (empty data) does
       nothing instead of raising ``IndexError``.
     * A batch whose forward raised can be trained again or skipped (see the
@@ -439,6 +443,10 @@ class SparseDataDistUtil(Generic[In]):
         ctx = self._dist_context()
         self._holes.discard(self._index_of(ctx))  # e.g. after a flush: a batch again
         modules = [(p.name, p.module, p.call_args) for p in self._rewrite.pipelined]
+        if self._with_prefetch:
+            # A caching module's input dist may read the cache state the prefetch
+            # stage writes (torchrec PR #4191): after the prefetches issued so far.
+            wait_stream(self._dist_stream, self._prefetch_stream)
         with on_stream(self._dist_stream):
             start_input_dist(modules, batch, ctx)
         assert ctx.index is not None
