@@ -122,7 +122,7 @@ class SparseDataDistUtil(Generic[In]):
       reads them.  Upstream orders neither.  With a prefetch stage, each
       input dist waits for the prefetches issued before it: a caching
       module's input dist may read the cache state they write (torchrec PR
-      #4191, fixed there for the Prefetch pipeline only).
+      #4191, an open fix there for the Prefetch pipeline only).
     * ``wait_sdd_fill_callback`` with nothing started (empty data) does
       nothing instead of raising ``IndexError``.
     * A batch whose forward raised can be trained again or skipped (see the
