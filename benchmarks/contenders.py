@@ -94,6 +94,11 @@ VARIANT_KWARGS: Dict[str, Dict[str, Any]] = {
     "TrainPipelinePrefetchEMS": {"site_fqn": "over_arch"},
 }
 
+# Their models mark every table stash_weights, so there is something to stash (on a
+# GPU; on CPU nothing moves).  Only theirs: torchrec's manager, once enabled, stashes
+# a marked table after every lookup, whichever pipeline trains it.
+STASH_WEIGHTS_VARIANTS = frozenset({"TrainPipelineSparseDistEmbStash", "TrainPipelinePrefetchEMS"})
+
 # Modes: how an epoch is driven and which plain loop it is compared with.
 TRAIN, EVAL, STAGED = "train", "eval", "staged"
 
@@ -240,6 +245,8 @@ class Contender:
     ) -> None:
         """Build the sharded model and whatever drives it."""
         self.pg = pg
+        if self.base_variant in STASH_WEIGHTS_VARIANTS:
+            spec = dataclasses.replace(spec, stash_weights=True)
         with self._model_context():
             self.model, self.optimizer = make_sharded(
                 spec, sharding_type, pg, seed, emb_lr, dense_lr

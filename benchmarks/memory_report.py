@@ -240,10 +240,46 @@ def summary(block: Dict[str, Any], variants: Sequence[str]) -> Dict[str, Any]:
     return out
 
 
+def format_stash(memory: Dict[str, Dict[str, Any]], variants: Sequence[str]) -> Optional[str]:
+    """What ours' stash variants move to the host and back each step, per rank (None: none ran)."""
+    body = []
+    for variant in variants:
+        ranks = [r.get("stash") for r in _ok_ranks(memory.get(f"ours:{variant}"))]
+        plans = [p for p in ranks if p]
+        if not plans:
+            continue
+        body.append(
+            [
+                variant,
+                " / ".join(mib(p["optimizer_state_bytes"]) for p in plans),
+                " / ".join(mib(p["embedding_weight_bytes"]) for p in plans),
+                " / ".join(",".join(p["embedding_tables"]) or "-" for p in plans),
+                "yes" if all(p["moved"] for p in plans) else "no (no streams: host memory already)",
+            ]
+        )
+    if not body:
+        return None
+    header = ["variant", "optimizer state", "embedding weights", "tables", "moved here"]
+    title = (
+        "What the stash variants move to the host and back each step (MiB, per rank, rank 0 / rank 1 ...): "
+        "computed from the model and optimizer by torchrec's manager's rules (trec_pipelines.StashPlan)"
+    )
+    notes = [
+        "  optimizer state (OptStash): plain tensors of optimizer.state of 1 MiB or more; the fused embedding "
+        "optimizers' sharded state stays. embedding weights (EmbStash, PrefetchEMS; their models mark every "
+        "table stash_weights): the device weights of the kernels holding a marked table, here their host "
+        "weights. On CPU nothing moves and 'held' above equals SparseDist's; on a GPU this much device "
+        "memory is free between the stash and the restore, which the ledger does not count (it is the "
+        "model's and the optimizer's, not the pipeline's)",
+    ]
+    return "\n".join([title] + _table(header, body) + notes)
+
+
 __all__ = [
     "THROUGHPUT_HEADER",
     "format_memory",
     "format_options",
+    "format_stash",
     "held_peak",
     "ledger",
     "peak_rss_line",

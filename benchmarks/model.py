@@ -47,6 +47,9 @@ class ModelSpec:
         dense_in: dense input features.
         dense_arch: hidden sizes of the bottom MLP (its last size feeds the over arch).
         over_arch: hidden sizes of the top MLP, before the final logit.
+        stash_weights: mark every table ``stash_weights`` (the embedding-stash
+            variants' contenders: what they move off a GPU between lookup and
+            backward; nothing else reads it).
     """
 
     rows: int
@@ -55,6 +58,7 @@ class ModelSpec:
     dense_in: int
     dense_arch: Tuple[int, ...]
     over_arch: Tuple[int, ...]
+    stash_weights: bool = False
 
     @property
     def features(self) -> List[str]:
@@ -68,6 +72,7 @@ class ModelSpec:
                 num_embeddings=self.rows,
                 embedding_dim=dim,
                 pooling=PoolingType.SUM,
+                stash_weights=self.stash_weights,
             )
             for i, dim in enumerate(self.dims)
         ]

@@ -491,6 +491,9 @@ def format_throughput(table: ThroughputTable, repeats: int) -> str:
             "",
             memory_report.format_memory(table.memory, variants, table.batch_size, table.world),
         ]
+        stash = memory_report.format_stash(table.memory, variants)
+        if stash is not None:
+            lines += ["", stash]
     if table.memory_options:
         lines += ["", memory_report.format_options(table.memory_options, table.batch_size)]
     return "\n".join(lines)

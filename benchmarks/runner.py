@@ -30,6 +30,7 @@ that leaves a collective half done can't wedge the others.
 
 from __future__ import annotations
 
+import dataclasses
 import datetime
 import functools
 import gc
@@ -446,6 +447,9 @@ def _measure_memory(
     """What ``contender`` holds over an epoch; for ours also the ledger's
     account (drawn to ``picture`` when given)."""
     result = memory.held_epoch(contender, held_batches)
+    stash_plan = getattr(getattr(contender, "pipeline", None), "stash_plan", None)
+    if contender.side == "ours" and callable(stash_plan):
+        result["stash"] = dataclasses.asdict(stash_plan())
     if contender.side == "ours":
         result["ledger"] = memory.ledger_epoch(contender, ledger_batches, picture)
         if timeline:

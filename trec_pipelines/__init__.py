@@ -69,6 +69,7 @@ from trec_pipelines.pipelines.staged import PipelineStage, StagedTrainPipeline, 
 from trec_pipelines.postproc import PipelinedPostproc, use_context_for_postprocs
 from trec_pipelines.recorder import ScheduleRecorder
 from trec_pipelines.rewrite import RewriteResult, restore_model, rewrite_model
+from trec_pipelines.stashing import StashPlan
 from trec_pipelines.state import PipelineState
 from trec_pipelines.tracing import Tracer
 
@@ -133,6 +134,7 @@ __all__ = [
     "TrainPipelineSparseDistOptStash",
     "TrainPipelineSparseDistEmbStash",
     "TrainPipelinePrefetchEMS",
+    "StashPlan",
     "prefetch_embeddings",
     "register_backward_hook",
     "restore_model",

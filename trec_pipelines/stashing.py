@@ -18,11 +18,14 @@ test can put a recording stand-in in its place.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from concurrent.futures import Future
-from typing import Any, Callable, Optional, cast
+from dataclasses import dataclass
+from typing import Any, Callable, List, Optional, Tuple, cast
 
 import torch
+from torch.distributed._shard.sharded_tensor.api import ShardedTensor
 
 from trec_pipelines.streams import StreamSet, new_stream
 
@@ -133,3 +136,146 @@ def stashing_for(streams: StreamSet, device: torch.device) -> Stashing:
         )
         return Stashing()
     return ManagerStashing(streams, device)
+
+
+# --------------------------------------------------------------------- plan
+
+# torchrec's manager leaves optimizer state tensors smaller than this where they are.
+OPTIMIZER_STATE_MIN_BYTES = 1 << 20
+
+
+@dataclass(frozen=True)
+class StashPlan:
+    """What a stash variant moves to the host and back each step on one rank.
+
+    Computed from the model and the optimizer by the rules of torchrec's
+    ``MemoryStashingManager``, not measured: on CPU nothing moves (the memory
+    is host memory already), and this says what would on a GPU.
+
+    Attributes:
+        optimizer_state_bytes: OptStash: the optimizer state moved out after
+            each step and back during the next backward.  The manager takes
+            plain device tensors of ``optimizer.state`` of at least
+            :data:`OPTIMIZER_STATE_MIN_BYTES`; a sharded state (the fused
+            embedding optimizers' ``ShardedTensor`` s) is not one, and stays.
+        optimizer_state_tensors: how many tensors that is.
+        embedding_weight_bytes: EmbStash and PrefetchEMS: the device weights
+            of the embedding kernels holding a table marked ``stash_weights``,
+            moved out after the lookup and back before the backward.  On CPU,
+            the same kernels' host weights (what their device weights would be).
+        embedding_tables: the tables marked ``stash_weights``, on this rank.
+        moved: whether this device really moves them (it has streams).
+    """
+
+    optimizer_state_bytes: int = 0
+    optimizer_state_tensors: int = 0
+    embedding_weight_bytes: int = 0
+    embedding_tables: Tuple[str, ...] = ()
+    moved: bool = False
+
+    @property
+    def total_bytes(self) -> int:
+        return self.optimizer_state_bytes + self.embedding_weight_bytes
+
+
+def optimizer_state_to_stash(optimizer: torch.optim.Optimizer) -> List[torch.Tensor]:
+    """The tensors of ``optimizer``'s state the manager moves (on a GPU: the device ones)."""
+    found: List[torch.Tensor] = []
+    for state in optimizer.state.values():
+        if isinstance(state, dict):
+            for value in state.values():
+                _collect_state_tensors(value, found)
+    return found
+
+
+def _collect_state_tensors(value: Any, found: List[torch.Tensor]) -> None:
+    if isinstance(value, ShardedTensor):
+        return  # not a device tensor to the manager: its shards stay
+    if isinstance(value, torch.Tensor):
+        if value.numel() * value.element_size() >= OPTIMIZER_STATE_MIN_BYTES:
+            found.append(value)
+    elif isinstance(value, (list, tuple)):
+        for item in value:
+            _collect_state_tensors(item, found)
+    elif isinstance(value, dict):
+        for item in value.values():
+            _collect_state_tensors(item, found)
+    elif dataclasses.is_dataclass(value) and not isinstance(value, type):
+        for f in dataclasses.fields(value):
+            _collect_state_tensors(getattr(value, f.name, None), found)
+    elif hasattr(value, "__dict__"):
+        for item in vars(value).values():
+            _collect_state_tensors(item, found)
+
+
+def embedding_weights_to_stash(model: torch.nn.Module) -> Tuple[int, Tuple[str, ...]]:
+    """Bytes of the embedding kernels' weights holding a ``stash_weights`` table, and those tables."""
+    total, tables = 0, []
+    for module in model.modules():
+        for lookup in getattr(module, "_lookups", None) or ():
+            inner = getattr(lookup, "module", lookup)  # a data-parallel lookup is DDP-wrapped
+            for kernel in getattr(inner, "_emb_modules", None) or ():
+                config = getattr(kernel, "_config", None)
+                marked = [
+                    t.name
+                    for t in getattr(config, "embedding_tables", ())
+                    if getattr(t, "stash_weights", False)
+                ]
+                if not marked:
+                    continue
+                tbe = getattr(kernel, "_emb_module", None)
+                weights = getattr(tbe, "weights_dev", None)
+                if weights is None or weights.numel() == 0:
+                    weights = getattr(tbe, "weights_host", None)
+                if not isinstance(weights, torch.Tensor):
+                    continue  # not a fused kernel (data_parallel's dense one): never stashed
+                tables += marked
+                total += weights.numel() * weights.element_size()
+    return total, tuple(tables)
+
+
+def plan_stash(
+    stashing: Stashing,
+    *,
+    optimizer: Optional[torch.optim.Optimizer] = None,
+    model: Optional[torch.nn.Module] = None,
+) -> StashPlan:
+    """The plan of a pipeline stashing ``optimizer``'s state and/or ``model``'s marked tables."""
+    state = optimizer_state_to_stash(optimizer) if optimizer is not None else []
+    weight_bytes, tables = embedding_weights_to_stash(model) if model is not None else (0, ())
+    return StashPlan(
+        optimizer_state_bytes=sum(t.numel() * t.element_size() for t in state),
+        optimizer_state_tensors=len(state),
+        embedding_weight_bytes=weight_bytes,
+        embedding_tables=tables,
+        moved=stashing.enabled,
+    )
+
+
+def report_plan(pipeline: str, plan: StashPlan, device: torch.device, what: str) -> None:
+    """Log, once per pipeline, what it stashes; warn when it stashes nothing.
+
+    ``what`` is ``"optimizer state"`` or ``"embedding weights"``.  A stash variant
+    with nothing to stash trains exactly as SparseDist, which torchrec's classes
+    do without a word.
+    """
+    size = plan.optimizer_state_bytes if what == "optimizer state" else plan.embedding_weight_bytes
+    if size == 0:
+        why = (
+            "no tensor of its state is a plain one of 1 MiB or more (the fused embedding "
+            "optimizers' sharded state stays on the device)"
+            if what == "optimizer state"
+            else "no embedding table on this rank has stash_weights=True (set it in the "
+            "tables' EmbeddingBagConfig to stash them between lookup and backward)"
+        )
+        logger.warning(
+            "%s: nothing to stash: %s; it trains as TrainPipelineSparseDist", pipeline, why
+        )
+        return
+    where = (
+        "to the host each step"
+        if plan.moved
+        else f"nowhere on {device.type} (host memory already); on a GPU it would move it"
+    )
+    tables = f" (tables {', '.join(plan.embedding_tables)})" if what != "optimizer state" else ""
+    logger.info("%s: %.2f MiB of %s%s moves %s", pipeline, size / 2**20, what, tables, where)

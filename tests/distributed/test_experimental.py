@@ -469,3 +469,89 @@ def test_torchrec_cpu_sparse_eval_does_not_run_on_cpu() -> None:
     pipeline = upstream.EvalPipelineCPUSparse(dmp, optimizer, DEVICE)
     with pytest.raises(RuntimeError):
         pipeline.progress(iter(make_batches(3, seed=EVAL_SEED)))
+
+
+# ------------------------------------------------------------ what a stash moves
+
+
+def _local_weight_bytes(dmp: torch.nn.Module, tables: List[str]) -> int:
+    """This rank's shards of ``tables``, from the sharded state dict (not the kernels)."""
+    total = 0
+    for key, value in dmp.state_dict().items():
+        table = key.split(".")[-2] if key.endswith(".weight") else None
+        if table in tables and hasattr(value, "local_shards"):
+            for shard in value.local_shards():
+                total += shard.tensor.numel() * shard.tensor.element_size()
+    return total
+
+
+@pytest.mark.parametrize("name", ["TrainPipelineSparseDistEmbStash", "TrainPipelinePrefetchEMS"])
+@pytest.mark.parametrize("sharding_type", ["table_wise", "column_wise"])
+def test_emb_stash_plan_is_the_local_shards_of_the_marked_tables(
+    name: str, sharding_type: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Every table marked ``stash_weights``: the plan is this rank's shards of all of
+    them (their kernels hold nothing else), reported once at the first step."""
+    import dataclasses
+    from unittest import mock
+
+    from tests.distributed import dlrm
+
+    marked = [dataclasses.replace(t, stash_weights=True) for t in dlrm.table_configs()]
+    with mock.patch.object(dlrm, "table_configs", lambda: marked):
+        dmp, optimizer = make_sharded(DLRM, sharding_type, seed=SEED)
+    pipeline = getattr(trec_pipelines, name)(dmp, optimizer, DEVICE, **STASH_VARIANTS[name])
+    names = [t.name for t in marked]
+    expected = _local_weight_bytes(dmp, names)
+    assert expected > 0
+    plan = pipeline.stash_plan()
+    assert plan.embedding_weight_bytes == expected
+    assert sorted(set(plan.embedding_tables)) == sorted(
+        t for t in names if _local_weight_bytes(dmp, [t]) > 0
+    )
+    assert (plan.optimizer_state_bytes, plan.moved) == (0, devices.on_gpu())
+    with caplog.at_level(logging.INFO, logger="trec_pipelines.stashing"):
+        run_pipeline(pipeline, make_batches(3, seed=DATA_SEED), model=dmp)
+    said = [r for r in caplog.records if r.name == "trec_pipelines.stashing"]
+    assert len(said) == 1 and said[0].levelno == logging.INFO, said
+    assert f"{expected / 2**20:.2f} MiB of embedding weights" in said[0].getMessage()
+
+
+def test_emb_stash_with_no_marked_table_says_it_stashes_nothing(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """torchrec's class trains as SparseDist without a word when no table is marked."""
+    dmp, optimizer = make_sharded(DLRM, "table_wise", seed=SEED)
+    pipeline = trec_pipelines.TrainPipelineSparseDistEmbStash(
+        dmp, optimizer, DEVICE, site_fqn="over_arch"
+    )
+    assert pipeline.stash_plan().total_bytes == 0
+    with caplog.at_level(logging.WARNING, logger="trec_pipelines.stashing"):
+        run_pipeline(pipeline, make_batches(2, seed=DATA_SEED), model=dmp)
+    warned = [r.getMessage() for r in caplog.records if r.name == "trec_pipelines.stashing"]
+    assert len(warned) == 1 and "stash_weights=True" in warned[0], warned
+
+
+def test_opt_stash_plan_is_the_large_plain_optimizer_state(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """The bench recipe's optimizer (fused embedding state + Adagrad over a small
+    dense part) gives the manager nothing; an Adam state of 1 MiB or more it takes."""
+    dmp, optimizer = make_sharded(DLRM, "table_wise", seed=SEED)
+    pipeline = trec_pipelines.TrainPipelineSparseDistOptStash(
+        dmp, optimizer, DEVICE, site_fqn="ebc"
+    )
+    with caplog.at_level(logging.WARNING, logger="trec_pipelines.stashing"):
+        run_pipeline(pipeline, make_batches(2, seed=DATA_SEED), model=dmp)
+    assert pipeline.stash_plan().total_bytes == 0
+    warned = [r.getMessage() for r in caplog.records if r.name == "trec_pipelines.stashing"]
+    assert len(warned) == 1 and "1 MiB or more" in warned[0], warned
+
+    big = torch.nn.Parameter(torch.zeros(512, 1024, device=DEVICE))  # 2 MiB
+    small = torch.nn.Parameter(torch.zeros(16, device=DEVICE))
+    adam = torch.optim.Adam([big, small])
+    (big.sum() + small.sum()).backward()
+    adam.step()  # Adam makes its state at the first step
+    plan = trec_pipelines.stashing.plan_stash(trec_pipelines.stashing.Stashing(), optimizer=adam)
+    # exp_avg and exp_avg_sq of ``big``; ``small``'s and the step counters stay.
+    assert (plan.optimizer_state_bytes, plan.optimizer_state_tensors) == (2 * 2 * 2**20, 2)

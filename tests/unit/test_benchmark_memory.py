@@ -153,3 +153,47 @@ def test_summary_carries_memory() -> None:
     assert row["ours_held_peak"] == 5 * MiB and row["torchrec_held_peak"] == 4 * MiB
     assert [o["held_peak"] for o in mem["options"]] == [8 * MiB, 6 * MiB, None]
     assert memory_report.held_peak(None) is None
+
+
+def test_stash_table_lists_ours_stash_variants_per_rank() -> None:
+    def plan(opt: int, emb: int, tables: List[str]) -> Dict[str, Any]:
+        return {
+            "optimizer_state_bytes": opt,
+            "optimizer_state_tensors": 1 if opt else 0,
+            "embedding_weight_bytes": emb,
+            "embedding_tables": tables,
+            "moved": False,
+        }
+
+    def entry(*plans: Dict[str, Any]) -> Dict[str, Any]:
+        return {
+            "status": "ok",
+            "reason": "",
+            "ranks": [{"held_peak": 1, "stash": p} for p in plans],
+        }
+
+    table = memory_report.format_stash(
+        {
+            "ours:TrainPipelineSparseDistEmbStash": entry(
+                plan(0, 2 * 2**20, ["t2"]), plan(0, 3 * 2**20, ["t0", "t1"])
+            ),
+            "ours:TrainPipelineSparseDistOptStash": entry(plan(2**20, 0, []), plan(2**20, 0, [])),
+            "ours:TrainPipelineSparseDist": {
+                "status": "ok",
+                "reason": "",
+                "ranks": [{"held_peak": 1}],
+            },
+        },
+        [
+            "TrainPipelineSparseDist",
+            "TrainPipelineSparseDistEmbStash",
+            "TrainPipelineSparseDistOptStash",
+        ],
+    )
+    assert table is not None
+    rows = {line.split()[0]: line for line in table.splitlines()[3:5]}
+    assert set(rows) == {"TrainPipelineSparseDistEmbStash", "TrainPipelineSparseDistOptStash"}
+    assert "2.00 / 3.00" in rows["TrainPipelineSparseDistEmbStash"]
+    assert "t2 / t0,t1" in rows["TrainPipelineSparseDistEmbStash"]
+    assert "1.00 / 1.00" in rows["TrainPipelineSparseDistOptStash"]
+    assert memory_report.format_stash({}, ["TrainPipelineSparseDist"]) is None

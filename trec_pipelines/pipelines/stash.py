@@ -25,7 +25,7 @@ from trec_pipelines.context import TrainPipelineContext
 from trec_pipelines.input_dist_group import DEFAULT_INPUT_DIST_GROUP, InputDistGroup
 from trec_pipelines.pipelines.sparse_dist import TrainPipelineSparseDist
 from trec_pipelines.rewrite import Strategy, unwrap
-from trec_pipelines.stashing import Stashing, stashing_for
+from trec_pipelines.stashing import Stashing, StashPlan, plan_stash, report_plan, stashing_for
 from trec_pipelines.step_guard import guarded_step
 
 logger: logging.Logger = logging.getLogger(__name__)
@@ -108,6 +108,13 @@ class TrainPipelineSparseDistOptStash(TrainPipelineSparseDist[In, Out]):
         self._stashing: Stashing = stashing_for(self._streams, self._device)
         self._after_first_rewrite.append(self._hook_restore)
         self._warned_no_restore = False
+        self._plan_reported = False
+
+    def stash_plan(self) -> StashPlan:
+        """What this pipeline moves to the host after each step on this rank (the
+        optimizer state, by torchrec's manager's rules; see
+        :class:`~trec_pipelines.StashPlan`)."""
+        return plan_stash(self._stashing, optimizer=self._optimizer)
 
     def _hook_restore(self) -> None:
         """After the first rewrite: the restore's hook at the site."""
@@ -170,6 +177,9 @@ class TrainPipelineSparseDistOptStash(TrainPipelineSparseDist[In, Out]):
             )
 
     def _start_optimizer_stash(self) -> None:
+        if not self._plan_reported:  # after the first step: lazy optimizers have state now
+            self._plan_reported = True
+            report_plan(type(self).__name__, self.stash_plan(), self._device, "optimizer state")
         with self._span(rec.OPT_STASH, self.contexts[0].index):
             self._stashing.start_optimizer_stash(self._optimizer)
 
@@ -255,8 +265,15 @@ class TrainPipelineSparseDistEmbStash(TrainPipelineSparseDist[In, Out]):
         self._stashing.set_delay_stash(delay_stash)
         self._after_first_rewrite.append(self._hook_sites)
 
+    def stash_plan(self) -> StashPlan:
+        """What this pipeline moves to the host between each lookup and its backward
+        on this rank (the weights of the tables marked ``stash_weights``; see
+        :class:`~trec_pipelines.StashPlan`)."""
+        return plan_stash(self._stashing, model=self._model)
+
     def _hook_sites(self) -> None:
         """After the first rewrite: the delayed stashes' trigger, then the restore."""
+        report_plan(type(self).__name__, self.stash_plan(), self._device, "embedding weights")
         if self._delay_stash and self._stash_site_fqn is None:
             self.register_backward_hook(self._restore_site, _execute_pending_stashes)
         if self._delay_stash and self._stash_site_fqn is not None:
