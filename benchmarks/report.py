@@ -158,6 +158,9 @@ class OverheadRow:
     plain_ms: Optional[float]
     ours_note: str = ""
     torchrec_note: str = ""
+    # Why a side has no figure (shown as a numbered note under the table).
+    ours_reason: str = ""
+    torchrec_reason: str = ""
     # The plain loop the overhead is taken against: "train", "eval", or for a
     # compiled variant "train+<its compiled work>" (COMPILED_PLAIN).
     reference: str = "train"
@@ -385,6 +388,8 @@ def overhead_table(raw: Dict[str, Any]) -> Optional[OverheadTable]:
                     torchrec_note="(shimmed)"
                     if theirs.shimmed
                     else ("" if theirs.median is not None else "n/a"),
+                    ours_reason="" if ours.median is not None else ours.reason,
+                    torchrec_reason="" if theirs.median is not None else theirs.reason,
                     reference=reference,
                     ours_samples=list(ours.samples),
                     torchrec_samples=list(theirs.samples),
@@ -543,13 +548,22 @@ def _reference_cell(reference: str) -> str:
 
 def format_overhead(table: OverheadTable, repeats: int) -> str:
     body = []
+    notes: List[str] = []
+
+    def cell(ms: Optional[float], note: str, reason: str) -> str:
+        if reason:
+            if reason not in notes:
+                notes.append(reason)
+            note = f"{note} [{notes.index(reason) + 1}]"
+        return _num(ms, 2) + (f" {note}" if note else "")
+
     for row in table.rows:
         ratio = row.overhead_ratio
         body.append(
             [
                 row.variant + (" (eval)" if row.mode == "eval" else ""),
-                _num(row.ours_ms, 2) + (f" {row.ours_note}" if row.ours_note else ""),
-                _num(row.torchrec_ms, 2) + (f" {row.torchrec_note}" if row.torchrec_note else ""),
+                cell(row.ours_ms, row.ours_note, row.ours_reason),
+                cell(row.torchrec_ms, row.torchrec_note, row.torchrec_reason),
                 _reference_cell(row.reference),
                 _num(row.ours_overhead, 2),
                 _num(row.torchrec_overhead, 2),
@@ -580,6 +594,7 @@ def format_overhead(table: OverheadTable, repeats: int) -> str:
             ],
             body,
         )
+        + [f"  [{i}] {reason}" for i, reason in enumerate(notes, 1)]
     )
 
 

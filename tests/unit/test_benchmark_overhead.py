@@ -150,3 +150,16 @@ def test_our_pipeline_without_batch_validation_is_a_row_of_its_own() -> None:
     assert unvalidated.ours_overhead == pytest.approx(0.1)
     assert unvalidated.torchrec_overhead == pytest.approx(0.4)
     assert unvalidated.overhead_ratio == pytest.approx(0.25)
+
+
+def test_a_side_without_a_figure_says_why_under_the_table() -> None:
+    raw = _raw([1.1, 1.2], [1.4, 1.5], [1.0, 1.1])
+    failed = dict(raw["overhead"]["contenders"]["torchrec:TrainPipelineBase"])
+    failed.update(status=report.NA, reason="failed to build: RuntimeError: no CUDA", seconds=[])
+    raw["overhead"]["contenders"]["torchrec:TrainPipelineBase"] = failed
+    table = report.overhead_table(raw)
+    assert table is not None
+    text = report.format_overhead(table, 2)
+    (row,) = [line for line in text.splitlines() if line.startswith("TrainPipelineBase")]
+    assert "n/a [1]" in row
+    assert text.splitlines()[-1] == "  [1] failed to build: RuntimeError: no CUDA"
