@@ -19,13 +19,13 @@ from tests.distributed.dlrm import (
     make_batches,
     make_sharded,
     plain_loop,
+    plain_loop_restarted,
     weights,
 )
-from tests.distributed.test_resume import _reference
 from tests.elastic.train_with_checkpoints import Batches
 
 DEVICE = devices.device()
-SEED, DATA_SEED = 1234, 11
+SEED, RESTART_SEED, DATA_SEED = 1234, 99, 11
 N = 7
 
 
@@ -48,7 +48,7 @@ def test_checkpoint_recipe_resumes_the_batches_in_flight() -> None:
     more than 2 ranks the plain loop restarted at the same step, as in
     test_resume: DDP's rebuilt buckets change a sum's order in the last bits)."""
     batches = make_batches(N, seed=DATA_SEED)
-    ref = _reference(batches, 3)
+    ref = plain_loop_restarted(batches, 3, SEED, RESTART_SEED)
     # The same directory on every rank (each writes its own file in it).
     name = [tempfile.mkdtemp(prefix="trec_doc_ckpt_") if dist.get_rank() == 0 else None]
     dist.broadcast_object_list(name, src=0)

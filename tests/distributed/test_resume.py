@@ -28,7 +28,7 @@ from tests.distributed.dlrm import (
     assert_runs_equal,
     make_batches,
     make_sharded,
-    plain_loop,
+    plain_loop_restarted,
     weights,
 )
 from tests.elastic.train_with_checkpoints import Batches
@@ -87,21 +87,9 @@ def _train(pipeline: Any, it: Iterator[Any], steps: Optional[int] = None) -> Lis
 
 
 def _reference(batches: List[Any], k: int = 0) -> Run:
-    """The plain loop.  On more than 2 ranks, it too restarts after ``k`` batches
-    in a model loaded from the first one's state: DDP rebuilds its gradient
-    buckets after a model's first backward, and an all-reduce over more than
-    two ranks sums in an order that depends on them, so any resumed run (the
-    plain loop's as well) differs from an uninterrupted one in the last bits.
-    Two ranks sum two values, in either order the same."""
-    dmp, optimizer = make_sharded(DLRM, "table_wise", seed=SEED)
-    if dist.get_world_size() <= 2 or k == 0:
-        return plain_loop(dmp, optimizer, batches)
-    first = plain_loop(dmp, optimizer, batches[:k])
-    dmp2, optimizer2 = make_sharded(DLRM, "table_wise", seed=OTHER_SEED)
-    dmp2.load_state_dict(dmp.state_dict())
-    optimizer2.load_state_dict(optimizer.state_dict())
-    rest = plain_loop(dmp2, optimizer2, batches[k:])
-    return Run(list(first) + list(rest), rest.weights)
+    """The plain loop, restarted after ``k`` batches on more than 2 ranks (see
+    :func:`~tests.distributed.dlrm.plain_loop_restarted`)."""
+    return plain_loop_restarted(batches, k, SEED, OTHER_SEED)
 
 
 # On more than 2 ranks, against an uninterrupted run: one step of the resumed
