@@ -101,3 +101,30 @@ def prefetch_embeddings(
         forward_stream=forward_stream,
         forward_done=None,
     )
+
+
+# torchrec's compute kernels that read no cache: their prefetch() has nothing to fill.
+NO_CACHE_KERNELS = frozenset({"dense", "fused", "fused_uvm", "quant", "quant_uvm"})
+
+
+def reads_a_cache(module: Any) -> bool:
+    """Whether ``module``'s ``prefetch()`` may fill a cache its lookup reads.
+
+    False only for a torchrec sharded embedding module all of whose embedding
+    kernels are of :data:`NO_CACHE_KERNELS`; any other module (a kernel of
+    another kind, or a module whose kernels this can't see) may.
+    """
+    lookups = getattr(module, "_lookups", None)
+    if lookups is None:
+        return True
+    for lookup in lookups:
+        inner = getattr(lookup, "module", lookup)  # a data-parallel lookup is DDP-wrapped
+        kernels = getattr(inner, "_emb_modules", None)
+        if kernels is None:
+            return True
+        for kernel in kernels:
+            compute_kernel = getattr(getattr(kernel, "_config", None), "compute_kernel", None)
+            value = getattr(compute_kernel, "value", compute_kernel)
+            if value not in NO_CACHE_KERNELS:
+                return True
+    return False

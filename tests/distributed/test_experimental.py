@@ -384,6 +384,13 @@ def test_emb_stash_restores_at_its_site_and_runs_delayed_stashes_where_asked(del
 
 
 def test_prefetch_ems_restores_cur_and_prefetches_nxt_before_the_backward() -> None:
+    """The order of the restores and the prefetch, with the ebc taken for a module
+    that has a cache (its plain fused tables have none, and are left out of the
+    prefetch otherwise: see the test after this one)."""
+    from unittest import mock
+
+    from trec_pipelines.pipelines import prefetch_ems
+
     log: List[str] = []
     prefetched: List[int] = []
     dmp, optimizer = make_sharded(DLRM, "table_wise", seed=SEED)
@@ -401,7 +408,8 @@ def test_prefetch_ems_restores_cur_and_prefetches_nxt_before_the_backward() -> N
 
     ebc.prefetch = prefetch
     batches = make_batches(4, seed=DATA_SEED)
-    ours = run_pipeline(pipeline, batches, model=dmp)
+    with mock.patch.object(prefetch_ems, "reads_a_cache", lambda module: True):
+        ours = run_pipeline(pipeline, batches, model=dmp)
     ref = plain_loop(*make_sharded(DLRM, "table_wise", seed=SEED), batches)
     assert_runs_equal(ref, ours, ("plain_loop", "PrefetchEMS"))
     # cur's weights and caches, then nxt's rows; the site's own restore in the backward.
@@ -555,3 +563,32 @@ def test_opt_stash_plan_is_the_large_plain_optimizer_state(
     plan = trec_pipelines.stashing.plan_stash(trec_pipelines.stashing.Stashing(), optimizer=adam)
     # exp_avg and exp_avg_sq of ``big``; ``small``'s and the step counters stay.
     assert (plan.optimizer_state_bytes, plan.optimizer_state_tensors) == (2 * 2 * 2**20, 2)
+
+
+def test_prefetch_ems_leaves_modules_without_a_cache_out_of_its_prefetch(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """The DLRM's tables are plain fused ones, with no cache to fill: the next batch's
+    input dist is not waited for before the backward (it stays an awaitable in flight,
+    as in SparseDist), and the results are the plain loop's."""
+    from torchrec.distributed.types import NoWait
+
+    batches = make_batches(seed=DATA_SEED)
+    ref = plain_loop(*make_sharded(DLRM, "table_wise", seed=SEED), batches)
+    dmp, optimizer = make_sharded(DLRM, "table_wise", seed=SEED)
+    pipeline = trec_pipelines.TrainPipelinePrefetchEMS(dmp, optimizer, DEVICE, "over_arch")
+    it = iter(batches)
+    outputs = []
+    with caplog.at_level(logging.INFO, logger="trec_pipelines.pipelines.prefetch_ems"):
+        while True:
+            try:
+                outputs.append(pipeline.progress(it).detach().clone())
+            except StopIteration:
+                break
+            if len(outputs) == 1:
+                in_flight = pipeline.contexts[0].input_dist_tensors_requests
+                assert in_flight, "no input dist in flight for the next batch"
+                assert not any(isinstance(r, NoWait) for r in in_flight.values()), in_flight
+    assert any("reads no cache" in r.getMessage() for r in caplog.records), caplog.records
+    ours = Run(outputs, weights(dmp))
+    assert_runs_equal(ref, ours, ("plain_loop", "TrainPipelinePrefetchEMS"))

@@ -64,3 +64,26 @@ def test_refuses_a_module_that_was_not_rewritten() -> None:
         prefetch_embeddings(
             PrefetchTrainPipelineContext(), [Prefetching()], CPU, torch.cuda.stream, None, None
         )  # type: ignore[list-item]
+
+
+def test_reads_a_cache_only_false_for_torchrec_kernels_known_to_have_none() -> None:
+    from types import SimpleNamespace
+
+    from torchrec.distributed.embedding_types import EmbeddingComputeKernel
+
+    from trec_pipelines.cache_prefetch import reads_a_cache
+
+    def sharded(*kernels: EmbeddingComputeKernel) -> SimpleNamespace:
+        ops = [SimpleNamespace(_config=SimpleNamespace(compute_kernel=k)) for k in kernels]
+        return SimpleNamespace(_lookups=[SimpleNamespace(_emb_modules=ops)])
+
+    assert not reads_a_cache(sharded(EmbeddingComputeKernel.FUSED))
+    assert not reads_a_cache(
+        sharded(EmbeddingComputeKernel.FUSED, EmbeddingComputeKernel.FUSED_UVM)
+    )
+    assert reads_a_cache(
+        sharded(EmbeddingComputeKernel.FUSED, EmbeddingComputeKernel.FUSED_UVM_CACHING)
+    )
+    assert reads_a_cache(sharded(EmbeddingComputeKernel.KEY_VALUE))
+    assert reads_a_cache(SimpleNamespace())  # not torchrec's: its prefetch may matter
+    assert reads_a_cache(SimpleNamespace(_lookups=[SimpleNamespace()]))  # kernels not visible

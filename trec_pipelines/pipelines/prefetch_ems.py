@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from typing import Any, Callable, Iterator, Optional, Tuple, Type, Union
+import logging
+from typing import Any, Callable, Dict, Iterator, Optional, Tuple, Type, Union
 
 import torch
 from torchrec.distributed.train_pipeline import In, Out
@@ -10,12 +11,15 @@ from torchrec.distributed.types import NoWait
 
 from trec_pipelines import recorder as rec
 from trec_pipelines.backward_hooks import InjectionSite
+from trec_pipelines.cache_prefetch import NO_CACHE_KERNELS, reads_a_cache
 from trec_pipelines.context import TrainPipelineContext
 from trec_pipelines.input_dist_group import DEFAULT_INPUT_DIST_GROUP, InputDistGroup
 from trec_pipelines.pipelines.stash import TrainPipelineSparseDistEmbStash
 from trec_pipelines.rewrite import Strategy
 from trec_pipelines.step_guard import guarded_step
 from trec_pipelines.streams import current_stream, on_stream, record_stream, wait_stream
+
+logger: logging.Logger = logging.getLogger(__name__)
 
 
 class TrainPipelinePrefetchEMS(TrainPipelineSparseDistEmbStash[In, Out]):
@@ -40,8 +44,10 @@ class TrainPipelinePrefetchEMS(TrainPipelineSparseDistEmbStash[In, Out]):
     ==========  =======  ==========================================================
 
     The restore and the prefetch run in eval mode too (the forward stashed).
-    On CPU nothing is stashed; the prefetch of a module without a cache does
-    nothing, and the results are SparseDist's, bit for bit.
+    On CPU nothing is stashed, and the results are SparseDist's, bit for bit.
+    A module without a cache (every kernel of :data:`~trec_pipelines.cache_prefetch.NO_CACHE_KERNELS`)
+    has nothing to prefetch: it is left out, and its input dist for ``nxt``
+    keeps overlapping the backward (torchrec's class waits for it first).
     """
 
     def __init__(
@@ -86,6 +92,8 @@ class TrainPipelinePrefetchEMS(TrainPipelineSparseDistEmbStash[In, Out]):
             validate_batches=validate_batches,
             input_dist_group=input_dist_group,
         )
+        # Per pipelined module: whether it has a cache for the prefetch to fill.
+        self._cache_readers: Dict[str, bool] = {}
 
     @guarded_step
     def progress(self, dataloader_iter: Iterator[Any]) -> Any:
@@ -118,6 +126,27 @@ class TrainPipelinePrefetchEMS(TrainPipelineSparseDistEmbStash[In, Out]):
         self.dequeue_batch()
         return output
 
+    def _reads_a_cache(self, name: str, module: Any) -> bool:
+        """Whether ``module`` has a cache to prefetch into (decided once per module).
+
+        A module without one (HBM or UVM tables, no cache) is left out of the
+        prefetch, so its input dist for ``nxt`` is not waited for before the
+        backward: it keeps overlapping the backward as in SparseDist.  Same
+        results (its prefetch would do nothing); torchrec's class waits anyway.
+        """
+        known = self._cache_readers.get(name)
+        if known is None:
+            known = self._cache_readers[name] = reads_a_cache(module)
+            if not known:
+                logger.info(
+                    "%s: %r reads no cache (its kernels are %s only); its next input dist "
+                    "is not waited for to prefetch, and overlaps the backward",
+                    type(self).__name__,
+                    name,
+                    "/".join(sorted(NO_CACHE_KERNELS)),
+                )
+        return known
+
     def _restore_cur(self) -> None:
         """Bring back what ``cur``'s forward stashed: weights, then UVM caches."""
         with self._span(rec.STASH_RESTORE, self.contexts[0].index):
@@ -135,8 +164,8 @@ class TrainPipelinePrefetchEMS(TrainPipelineSparseDistEmbStash[In, Out]):
         with self._span(rec.EMB_PREFETCH, context.index):
             for name, module, _ in self._input_dist_modules():
                 request = context.input_dist_tensors_requests.get(name)
-                if request is None:
-                    continue
+                if request is None or not self._reads_a_cache(name, module):
+                    continue  # no cache to fill: nxt's input dist stays in flight
                 with on_stream(self._streams.data_dist):
                     dist_input = request.wait()
                 context.input_dist_tensors_requests[name] = NoWait(dist_input)
