@@ -24,7 +24,9 @@ variable) names on the path that reached it:
   while it runs).
 
 A kind is only refined downwards (other -> context -> embeddings; other ->
-batch), so a context's field named ``..._batch_...`` stays context.  Dict keys
+batch), so a context's field named ``..._batch_...`` stays context.  One
+exception goes by type: a per-batch context reached under a batch's name (a
+``progress()`` local ``cur = self.contexts[0]``) is context, not a batch.  Dict keys
 never name a kind (they are module paths and feature names).  A storage
 reached under several kinds goes to the first of ``KINDS``: on CPU the
 input-dist output of a fake module may be the batch's own KJT, and it is the
@@ -90,6 +92,11 @@ _OPAQUE = (
     complex,
     bool,
 )
+
+
+def _is_batch_context(obj: Any) -> bool:
+    """A pipeline's per-batch context (ours or torchrec's): it has their input-dist field."""
+    return hasattr(obj, "input_dist_tensors_requests")
 
 
 def refine(kind: str, name: str) -> str:
@@ -262,6 +269,8 @@ def footprint(
         obj, kind, owner = stack.pop()
         if _opaque(obj) or id(obj) in opaque_ids:
             continue
+        if kind == BATCH and owner is None and _is_batch_context(obj):
+            kind = CONTEXT  # a batch's context under a batch's name (PEC's local ``cur``)
         if kind == BATCH and owner is None and isinstance(obj, (Pipelineable, torch.Tensor)):
             owner = id(obj)
             owner_storages.setdefault(owner, set())

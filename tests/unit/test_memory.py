@@ -249,3 +249,14 @@ def test_a_loader_thread_s_buffered_batch_is_the_pipeline_s() -> None:
     batch = torch.zeros(12)
     held = footprint(Holder(_batch_loader=Loader(batch)))
     assert held.bytes_by_kind[BATCH] == nbytes(batch) and held.batches == 1
+
+
+def test_a_context_reached_under_a_batch_name_is_context_and_no_batch() -> None:
+    """PEC's progress() holds ``cur = self.contexts[0]``: the KJTs its input dist
+    left there are the context's, not batches in flight."""
+    kjt = KeyedJaggedTensor(keys=["a"], values=torch.arange(6), lengths=torch.tensor([6]))
+    context = _Ctx(input_dist_tensors_requests={"m": kjt})
+    held = footprint(Holder(cur=context, nxt=context))
+    assert held.batches == 0
+    assert held.bytes_by_kind[CONTEXT] == nbytes(kjt.values(), kjt.lengths())
+    assert held.bytes_by_kind[BATCH] == 0
