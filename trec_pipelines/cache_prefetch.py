@@ -22,6 +22,7 @@ import torch
 
 from trec_pipelines._types import AnyShardedModule
 from trec_pipelines.context import PrefetchTrainPipelineContext
+from trec_pipelines.embedding_kernels import embedding_kernels
 from trec_pipelines.forwards import BaseForward
 from trec_pipelines.rewrite import PipelinedModule
 from trec_pipelines.streams import current_stream, on_stream, record_stream, wait_event, wait_stream
@@ -114,17 +115,11 @@ def reads_a_cache(module: Any) -> bool:
     kernels are of :data:`NO_CACHE_KERNELS`; any other module (a kernel of
     another kind, or a module whose kernels this can't see) may.
     """
-    lookups = getattr(module, "_lookups", None)
-    if lookups is None:
+    kernels = embedding_kernels(module)
+    if kernels is None:
         return True
-    for lookup in lookups:
-        inner = getattr(lookup, "module", lookup)  # a data-parallel lookup is DDP-wrapped
-        kernels = getattr(inner, "_emb_modules", None)
-        if kernels is None:
+    for kernel in kernels:
+        compute_kernel = getattr(getattr(kernel, "_config", None), "compute_kernel", None)
+        if getattr(compute_kernel, "value", compute_kernel) not in NO_CACHE_KERNELS:
             return True
-        for kernel in kernels:
-            compute_kernel = getattr(getattr(kernel, "_config", None), "compute_kernel", None)
-            value = getattr(compute_kernel, "value", compute_kernel)
-            if value not in NO_CACHE_KERNELS:
-                return True
     return False

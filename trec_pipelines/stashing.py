@@ -27,6 +27,7 @@ from typing import Any, Callable, List, Optional, Tuple, cast
 import torch
 from torch.distributed._shard.sharded_tensor.api import ShardedTensor
 
+from trec_pipelines.embedding_kernels import embedding_kernels
 from trec_pipelines.streams import StreamSet, new_stream
 
 logger: logging.Logger = logging.getLogger(__name__)
@@ -212,25 +213,23 @@ def embedding_weights_to_stash(model: torch.nn.Module) -> Tuple[int, Tuple[str, 
     """Bytes of the embedding kernels' weights holding a ``stash_weights`` table, and those tables."""
     total, tables = 0, []
     for module in model.modules():
-        for lookup in getattr(module, "_lookups", None) or ():
-            inner = getattr(lookup, "module", lookup)  # a data-parallel lookup is DDP-wrapped
-            for kernel in getattr(inner, "_emb_modules", None) or ():
-                config = getattr(kernel, "_config", None)
-                marked = [
-                    t.name
-                    for t in getattr(config, "embedding_tables", ())
-                    if getattr(t, "stash_weights", False)
-                ]
-                if not marked:
-                    continue
-                tbe = getattr(kernel, "_emb_module", None)
-                weights = getattr(tbe, "weights_dev", None)
-                if weights is None or weights.numel() == 0:
-                    weights = getattr(tbe, "weights_host", None)
-                if not isinstance(weights, torch.Tensor):
-                    continue  # not a fused kernel (data_parallel's dense one): never stashed
-                tables += marked
-                total += weights.numel() * weights.element_size()
+        for kernel in embedding_kernels(module) or ():
+            config = getattr(kernel, "_config", None)
+            marked = [
+                t.name
+                for t in getattr(config, "embedding_tables", ())
+                if getattr(t, "stash_weights", False)
+            ]
+            if not marked:
+                continue
+            tbe = getattr(kernel, "_emb_module", None)
+            weights = getattr(tbe, "weights_dev", None)
+            if weights is None or weights.numel() == 0:
+                weights = getattr(tbe, "weights_host", None)
+            if not isinstance(weights, torch.Tensor):
+                continue  # not a fused kernel (data_parallel's dense one): never stashed
+            tables += marked
+            total += weights.numel() * weights.element_size()
     return total, tuple(tables)
 
 
