@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import logging
-from typing import Any, Callable, Iterator, Optional, Tuple, Type
+from typing import Any, Callable, Iterator, Optional, Tuple, Type, Unpack
 
 import torch
 from torch.nn.parallel import DistributedDataParallel
@@ -16,9 +16,8 @@ from trec_pipelines.backward_hooks import (
     OutputDistTensorFinder,
 )
 from trec_pipelines.context import TrainPipelineContext
-from trec_pipelines.input_dist_group import DEFAULT_INPUT_DIST_GROUP, InputDistGroup
+from trec_pipelines.core.options import SparseDistOptions
 from trec_pipelines.pipelines.sparse_dist import TrainPipelineSparseDist
-from trec_pipelines.rewrite import Strategy
 from trec_pipelines.step_guard import guarded_step
 
 logger: logging.Logger = logging.getLogger(__name__)
@@ -77,12 +76,7 @@ class TrainPipelineSparseDistBwdOpt(TrainPipelineSparseDist[In, Out]):
         enable_inplace_copy_batch: bool = False,
         free_features_storage_early: bool = False,
         clear_data_dist_inputs: bool = False,
-        *,
-        rewrite_strategy: Strategy = "auto",
-        on_unpipelined: str = "warn",
-        sync_exhaustion: bool = False,
-        validate_batches: bool = True,
-        input_dist_group: InputDistGroup = DEFAULT_INPUT_DIST_GROUP,
+        **options: Unpack[SparseDistOptions],
     ) -> None:
         super().__init__(
             model,
@@ -98,11 +92,7 @@ class TrainPipelineSparseDistBwdOpt(TrainPipelineSparseDist[In, Out]):
             enable_inplace_copy_batch,
             free_features_storage_early,
             clear_data_dist_inputs,
-            rewrite_strategy=rewrite_strategy,
-            on_unpipelined=on_unpipelined,
-            sync_exhaustion=sync_exhaustion,
-            validate_batches=validate_batches,
-            input_dist_group=input_dist_group,
+            **options,
         )
         self._step_site = InjectionSite(
             fqn=site_fqn,

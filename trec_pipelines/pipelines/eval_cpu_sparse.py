@@ -5,7 +5,7 @@ from __future__ import annotations
 import contextlib
 import logging
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Any, Dict, Iterator, Optional, Tuple, cast
+from typing import Any, Dict, Iterator, Optional, Tuple, Unpack, cast
 
 import torch
 from torchrec.distributed.train_pipeline import In, Out
@@ -15,10 +15,10 @@ from trec_pipelines import recorder as rec
 from trec_pipelines._types import AnyShardedModule
 from trec_pipelines.args import CallArgs
 from trec_pipelines.context import CPUEmbeddingTrainPipelineContext, TrainPipelineContext
+from trec_pipelines.core.options import EvalHostOptions
 from trec_pipelines.forwards import BaseForward, CPUEmbeddingPipelinedForward
 from trec_pipelines.input_dist import start_input_dist, wait_input_dist
 from trec_pipelines.pipelines.sparse_dist import TrainPipelineSparseDist
-from trec_pipelines.rewrite import Strategy
 from trec_pipelines.stages import copy_to_device, wait_for_batch
 from trec_pipelines.step_guard import guarded_step
 from trec_pipelines.streams import (
@@ -86,10 +86,7 @@ class EvalPipelineCPUSparse(TrainPipelineSparseDist[In, Out]):
         pipeline_depth: int = 2,
         free_features_storage_early: bool = False,
         clear_data_dist_inputs: bool = False,
-        *,
-        rewrite_strategy: Strategy = "auto",
-        on_unpipelined: str = "warn",
-        validate_batches: bool = True,
+        **options: Unpack[EvalHostOptions],
     ) -> None:
         if pipeline_depth not in (1, 2):
             raise ValueError(
@@ -106,9 +103,7 @@ class EvalPipelineCPUSparse(TrainPipelineSparseDist[In, Out]):
             enable_inplace_copy_batch=enable_inplace_copy_batch,
             free_features_storage_early=free_features_storage_early,
             clear_data_dist_inputs=clear_data_dist_inputs,
-            rewrite_strategy=rewrite_strategy,
-            on_unpipelined=on_unpipelined,
-            validate_batches=validate_batches,
+            **options,
         )
         self._pipeline_depth = pipeline_depth
         self._depth = pipeline_depth

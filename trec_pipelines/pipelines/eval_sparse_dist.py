@@ -21,18 +21,17 @@ from __future__ import annotations
 
 import threading
 from dataclasses import dataclass
-from typing import Any, Callable, ContextManager, Iterator, Optional, Tuple, Union
+from typing import Any, Callable, ContextManager, Iterator, Optional, Tuple, Union, Unpack
 
 import torch
 from torchrec.distributed.train_pipeline import In, Out
 
 from trec_pipelines import recorder as rec
+from trec_pipelines.core.checks import predictions
+from trec_pipelines.core.options import SparseDistOptions
 from trec_pipelines.errors import MalformedBatchError
 from trec_pipelines.handoff import OneSlotHandoff
-from trec_pipelines.input_dist_group import DEFAULT_INPUT_DIST_GROUP, InputDistGroup
-from trec_pipelines.pipelines._common import predictions
 from trec_pipelines.pipelines.sparse_dist import TrainPipelineSparseDist
-from trec_pipelines.rewrite import Strategy
 from trec_pipelines.stages import BatchSource, copy_to_device, shares_kjt_storage
 from trec_pipelines.streams import has_streams
 
@@ -275,12 +274,8 @@ class EvalPipelineSparseDist(TrainPipelineSparseDist[In, Out]):
         free_features_storage_early: bool = False,
         clear_data_dist_inputs: bool = False,
         *,
-        rewrite_strategy: Strategy = "auto",
-        on_unpipelined: str = "warn",
-        sync_exhaustion: bool = False,
-        validate_batches: bool = True,
         loader_thread: Optional[bool] = None,
-        input_dist_group: InputDistGroup = DEFAULT_INPUT_DIST_GROUP,
+        **options: Unpack[SparseDistOptions],
     ) -> None:
         self._loader: Optional[_Loader] = None  # first: __del__ reads it
         self._loader_iter: Optional[Iterator[Any]] = None
@@ -298,11 +293,7 @@ class EvalPipelineSparseDist(TrainPipelineSparseDist[In, Out]):
             enable_inplace_copy_batch=enable_inplace_copy_batch,
             free_features_storage_early=free_features_storage_early,
             clear_data_dist_inputs=clear_data_dist_inputs,
-            rewrite_strategy=rewrite_strategy,
-            on_unpipelined=on_unpipelined,
-            sync_exhaustion=sync_exhaustion,
-            validate_batches=validate_batches,
-            input_dist_group=input_dist_group,
+            **options,
         )
         # Decided as the streams were made above: a thread where copies overlap.
         self._loader_thread: bool = (
@@ -359,7 +350,6 @@ class EvalPipelineSparseDist(TrainPipelineSparseDist[In, Out]):
         # fmt: off
         self._begin_call()
         self._take_over_model()  # from a train pipeline sharing the model, if any
-        self._ensure_attached()
         if self._loader is None:
             assert not self.batches, "in-flight batches without a loader"
             self._loader = self._start_loader(dataloader_iter)  # a new epoch

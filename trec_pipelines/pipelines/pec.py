@@ -33,7 +33,7 @@ that of the run that never failed, bit for bit (tests/distributed/test_pec.py).
 
 from __future__ import annotations
 
-from typing import Any, Callable, Deque, Iterator, List, Optional, Tuple
+from typing import Any, Callable, Deque, Iterator, List, Optional, Tuple, Unpack
 
 import torch
 from torchrec.distributed.train_pipeline import In, Out
@@ -42,10 +42,9 @@ from trec_pipelines import lookup, pec_ops, recorder as rec
 from trec_pipelines._types import AnyShardedModule
 from trec_pipelines.args import CallArgs
 from trec_pipelines.context import PECTrainPipelineContext
+from trec_pipelines.core.options import SparseDistOptions
 from trec_pipelines.forwards import BaseForward, PECPipelinedForward
-from trec_pipelines.input_dist_group import DEFAULT_INPUT_DIST_GROUP, InputDistGroup
 from trec_pipelines.pipelines.sparse_dist import TrainPipelineSparseDist
-from trec_pipelines.rewrite import Strategy
 from trec_pipelines.step_guard import guarded_step
 from trec_pipelines.streams import current_stream, record_stream, wait_event
 
@@ -133,12 +132,7 @@ class TrainPipelinePEC(TrainPipelineSparseDist[In, Out]):
         execute_all_batches: bool = True,
         apply_jit: bool = False,
         custom_model_fwd: Optional[Callable[[Optional[Any]], Tuple[torch.Tensor, Any]]] = None,
-        *,
-        rewrite_strategy: Strategy = "auto",
-        on_unpipelined: str = "warn",
-        sync_exhaustion: bool = False,
-        validate_batches: bool = True,
-        input_dist_group: InputDistGroup = DEFAULT_INPUT_DIST_GROUP,
+        **options: Unpack[SparseDistOptions],
     ) -> None:
         super().__init__(
             model,
@@ -148,11 +142,7 @@ class TrainPipelinePEC(TrainPipelineSparseDist[In, Out]):
             apply_jit=apply_jit,
             context_type=PECTrainPipelineContext,
             custom_model_fwd=custom_model_fwd,
-            rewrite_strategy=rewrite_strategy,
-            on_unpipelined=on_unpipelined,
-            sync_exhaustion=sync_exhaustion,
-            validate_batches=validate_batches,
-            input_dist_group=input_dist_group,
+            **options,
         )
         # The last trained batch's NOL gradient, applied in the next step: on the
         # pipeline, so a rolled-back step keeps it (see [Note: PEC, retrying a step]).

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import logging
-from typing import Any, Callable, Dict, Iterator, Optional, Tuple, Type, Union
+from typing import Any, Callable, Dict, Iterator, Optional, Tuple, Type, Union, Unpack
 
 import torch
 from torchrec.distributed.train_pipeline import In, Out
@@ -13,9 +13,8 @@ from trec_pipelines import recorder as rec
 from trec_pipelines.backward_hooks import InjectionSite
 from trec_pipelines.cache_prefetch import NO_CACHE_KERNELS, reads_a_cache
 from trec_pipelines.context import TrainPipelineContext
-from trec_pipelines.input_dist_group import DEFAULT_INPUT_DIST_GROUP, InputDistGroup
+from trec_pipelines.core.options import SparseDistOptions
 from trec_pipelines.pipelines.stash import TrainPipelineSparseDistEmbStash
-from trec_pipelines.rewrite import Strategy
 from trec_pipelines.step_guard import guarded_step
 from trec_pipelines.streams import current_stream, on_stream, record_stream, wait_stream
 
@@ -65,12 +64,7 @@ class TrainPipelinePrefetchEMS(TrainPipelineSparseDistEmbStash[In, Out]):
         enqueue_batch_after_forward: bool = False,
         enable_inplace_copy_batch: bool = False,
         free_features_storage_early: bool = False,
-        *,
-        rewrite_strategy: Strategy = "auto",
-        on_unpipelined: str = "warn",
-        sync_exhaustion: bool = False,
-        validate_batches: bool = True,
-        input_dist_group: InputDistGroup = DEFAULT_INPUT_DIST_GROUP,
+        **options: Unpack[SparseDistOptions],
     ) -> None:
         super().__init__(
             model,
@@ -86,11 +80,7 @@ class TrainPipelinePrefetchEMS(TrainPipelineSparseDistEmbStash[In, Out]):
             enqueue_batch_after_forward,
             enable_inplace_copy_batch,
             free_features_storage_early,
-            rewrite_strategy=rewrite_strategy,
-            on_unpipelined=on_unpipelined,
-            sync_exhaustion=sync_exhaustion,
-            validate_batches=validate_batches,
-            input_dist_group=input_dist_group,
+            **options,
         )
         # Per pipelined module: whether it has a cache for the prefetch to fill.
         self._cache_readers: Dict[str, bool] = {}

@@ -4,22 +4,18 @@ from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass
-from typing import Any, Callable, ContextManager, Dict, Iterator, Optional
+from typing import Any, Callable, ContextManager, Dict, Iterator, Optional, Unpack
 
 import torch
 from torchrec.distributed.train_pipeline import In, Out, TrainPipeline
 from torchrec.pt2.utils import default_pipeline_input_transformer
 
 from trec_pipelines import recorder as rec
-from trec_pipelines._types import AnyShardedModule
-from trec_pipelines.agreement import agreement_group
 from trec_pipelines.compiler_settings import HeldSettings
-from trec_pipelines.pipelines._common import check_device, check_model_device, check_optimizer
-from trec_pipelines.recorder import Recordable
-from trec_pipelines.resume import Resumable
-from trec_pipelines.stages import BatchSource, copy_to_device
-from trec_pipelines.step_guard import StepGuard, guarded_step, skip_failed_batch
-from trec_pipelines.takeover import take_model_over
+from trec_pipelines.core.options import BatchOptions
+from trec_pipelines.core.pipeline import PipelineCore
+from trec_pipelines.stages import copy_to_device
+from trec_pipelines.step_guard import guarded_step
 
 
 @dataclass
@@ -69,7 +65,7 @@ def dynamo_settings() -> ContextManager[None]:
     return _held_dynamo_settings().held()
 
 
-class TrainPipelinePT2(TrainPipeline[In, Out], Recordable, Resumable):
+class TrainPipelinePT2(TrainPipeline[In, Out], PipelineCore):
     """One batch in flight, one stream; the model is compiled on ``compile_on_iter``.
 
     ==========  =======  =========================================================
@@ -114,32 +110,18 @@ class TrainPipelinePT2(TrainPipeline[In, Out], Recordable, Resumable):
         pre_compile_fn: Optional[Callable[[torch.nn.Module], None]] = None,
         post_compile_fn: Optional[Callable[[torch.nn.Module], None]] = None,
         input_transformer: Optional[Callable[[Any], Any]] = None,
-        *,
-        sync_exhaustion: bool = False,
-        validate_batches: bool = True,
+        **options: Unpack[BatchOptions],
     ) -> None:
         super().__init__()
-        check_optimizer(optimizer, type(self).__name__)
-        check_model_device(model, device, type(self).__name__)
-        self._model = model
-        self._optimizer = optimizer
-        self._device = check_device(device, type(self).__name__)
+        self._init_core(model, optimizer, device, options)
         self._compile_configs = compile_configs or TorchCompileConfig()
         self._pre_compile_fn = pre_compile_fn
         self._post_compile_fn = post_compile_fn
         self._input_transformer = input_transformer or default_pipeline_input_transformer
-        self._source = BatchSource(
-            agreement_group(self, model, sync_exhaustion),
-            keep_in_flight=True,
-            validate=validate_batches,
-        )
-        self._step_guard = StepGuard()
         self._iter = 0
         self._dynamo_settings = _held_dynamo_settings()
         self._compiled = False
         self._cur_batch: Optional[Any] = None
-        # The model's sharded modules, found once (see _take_over_model).
-        self._sharded: Optional[Dict[str, AnyShardedModule]] = None
 
     def _compile(self) -> None:
         config = self._compile_configs
@@ -159,16 +141,11 @@ class TrainPipelinePT2(TrainPipeline[In, Out], Recordable, Resumable):
 
     @guarded_step
     def progress(self, dataloader_iter: Iterator[Any]) -> Any:
-        self._begin_call()
-        self._take_over_model()
-        # Held first: with several ranks, the next pull's agreement then runs
-        # during this step (see [Note: agreeing on each batch]).
-        self._source.fetch_ahead(dataloader_iter, 1)
+        self._begin_step(dataloader_iter)  # take-over, iterator switch, host batch
         host_batch = self._source.next(dataloader_iter)
         if host_batch is None:
             self._source.end_epoch()
             raise StopIteration
-        self._step_guard.begin()  # from here a failure is rolled back and retried
         i = self._source.last_index
         self._cur_batch = None  # the previous batch is trained: free it before this copy
         with self._span(rec.H2D, i):  # blocking copy on the default stream
@@ -193,19 +170,8 @@ class TrainPipelinePT2(TrainPipeline[In, Out], Recordable, Resumable):
                 self._optimizer.step()
         return output
 
-    def _drop_in_flight_state(self) -> None:
-        self._cur_batch = None
-
-    def _take_over_model(self) -> None:
-        """Detach any pipeline left attached to the model (an eval pipeline whose
-        data ended): its forward wrappers would otherwise take this step's forward
-        for one of its batches (see :mod:`trec_pipelines.takeover`)."""
-        self._sharded = take_model_over(self, self._model, self._sharded)
-
-    def skip_failed_batch(self) -> int:
-        """Drop the batch the last, failed ``progress()`` was training (see
-        :meth:`TrainPipelineSparseDist.skip_failed_batch`); returns its index."""
-        return skip_failed_batch(self)
+    def _set_aside(self) -> None:
+        self._cur_batch = None  # trained already: nothing of it is in flight
 
     def reset(self) -> None:
         """Forget the current batch; the next ``progress()`` starts a new epoch."""

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import logging
-from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple, cast
+from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple, Unpack, cast
 
 import torch
 from torchrec.distributed.train_pipeline import In, Out
@@ -13,13 +13,12 @@ from trec_pipelines import recorder as rec
 from trec_pipelines._types import AnyShardedModule
 from trec_pipelines.args import CallArgs
 from trec_pipelines.context import EmbeddingTrainPipelineContext, TrainPipelineContext
+from trec_pipelines.core.options import SparseDistOptions
 from trec_pipelines.forwards import BaseForward, EmbeddingPipelinedForward
 from trec_pipelines.input_dist import start_input_dist
-from trec_pipelines.input_dist_group import DEFAULT_INPUT_DIST_GROUP, InputDistGroup
 from trec_pipelines.lookup import start_embedding_lookup as run_embedding_lookup
 from trec_pipelines.pipelines.sparse_dist import TrainPipelineSparseDist
-from trec_pipelines.rewrite import Strategy
-from trec_pipelines.stages import BatchSource, backward, wait_for_batch
+from trec_pipelines.stages import backward, wait_for_batch
 from trec_pipelines.step_guard import guarded_step
 from trec_pipelines.streams import (
     current_stream,
@@ -140,12 +139,7 @@ class TrainPipelineSemiSync(TrainPipelineSparseDist[In, Out]):
         enable_inplace_copy_batch: bool = False,
         free_features_storage_early: bool = False,
         clear_data_dist_inputs: bool = False,
-        *,
-        rewrite_strategy: Strategy = "auto",
-        on_unpipelined: str = "warn",
-        sync_exhaustion: bool = False,
-        validate_batches: bool = True,
-        input_dist_group: InputDistGroup = DEFAULT_INPUT_DIST_GROUP,
+        **options: Unpack[SparseDistOptions],
     ) -> None:
         super().__init__(
             model,
@@ -160,11 +154,7 @@ class TrainPipelineSemiSync(TrainPipelineSparseDist[In, Out]):
             enable_inplace_copy_batch=enable_inplace_copy_batch,
             free_features_storage_early=free_features_storage_early,
             clear_data_dist_inputs=clear_data_dist_inputs,
-            rewrite_strategy=rewrite_strategy,
-            on_unpipelined=on_unpipelined,
-            sync_exhaustion=sync_exhaustion,
-            validate_batches=validate_batches,
-            input_dist_group=input_dist_group,
+            **options,
         )
         self._start_batch = start_batch
         self._stash_gradients = stash_gradients
@@ -475,9 +465,7 @@ class TrainPipelineSemiSync(TrainPipelineSparseDist[In, Out]):
     def reset(self) -> None:
         """Drop the in-flight batches and restart the batch count (synchronous again)."""
         super().reset()
-        self._source = BatchSource(
-            self._sync_group, keep_in_flight=True, validate=self._validate_batches
-        )
+        self._source = self._new_source()
         self._gradients.clear()
         self._restored_lookup = None
 

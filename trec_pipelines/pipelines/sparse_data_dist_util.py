@@ -18,6 +18,7 @@ from trec_pipelines.context import (
     PrefetchTrainPipelineContext,
     TrainPipelineContext,
 )
+from trec_pipelines.core.checks import check_apply_jit
 from trec_pipelines.forwards import (
     BaseForward,
     InSyncEmbeddingPipelinedForward,
@@ -31,7 +32,6 @@ from trec_pipelines.input_dist_group import (
     check_input_dist_group,
 )
 from trec_pipelines.lookup import start_embedding_lookup
-from trec_pipelines.pipelines._common import check_apply_jit
 from trec_pipelines.pipelines.staged import PipelineStage, side_stream
 from trec_pipelines.postproc import PipelinedPostproc
 from trec_pipelines.rewrite import (

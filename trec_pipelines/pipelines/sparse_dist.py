@@ -4,8 +4,7 @@ from __future__ import annotations
 
 import logging
 from collections import deque
-from dataclasses import dataclass
-from typing import Any, Callable, Deque, Dict, Iterator, List, Optional, Tuple, Type, cast
+from typing import Any, Callable, Deque, Iterator, List, Optional, Tuple, Type, Unpack, cast
 
 import torch
 from torch.utils.hooks import RemovableHandle
@@ -13,10 +12,12 @@ from torchrec.distributed.train_pipeline import In, Out, TrainPipeline
 
 from trec_pipelines import recorder as rec
 from trec_pipelines._types import AnyShardedModule
-from trec_pipelines.agreement import agreement_group
 from trec_pipelines.args import CallArgs
 from trec_pipelines.backward_hooks import pipeline_hook, register_backward_hook
 from trec_pipelines.context import TrainPipelineContext
+from trec_pipelines.core.checks import check_apply_jit
+from trec_pipelines.core.options import SparseDistOptions
+from trec_pipelines.core.pipeline import PipelineCore
 from trec_pipelines.forwards import BaseForward, PipelinedForward
 from trec_pipelines.inplace_copy import AsyncInplaceCopyMixin, BatchQueue, InplaceCopyWorker
 from trec_pipelines.input_dist import (
@@ -25,65 +26,17 @@ from trec_pipelines.input_dist import (
     start_input_dist,
     wait_input_dist,
 )
-from trec_pipelines.input_dist_group import (
-    DEFAULT_INPUT_DIST_GROUP,
-    InputDistGroup,
-    check_input_dist_group,
-)
-from trec_pipelines.pipelines._common import (
-    UNPIPELINED_POLICIES,
-    check_apply_jit,
-    check_device,
-    check_model_device,
-    check_optimizer,
-)
 from trec_pipelines.postproc import PipelinedPostproc
-from trec_pipelines.recorder import Recordable
-from trec_pipelines.resume import Resumable
-from trec_pipelines.rewrite import (
-    STRATEGIES,
-    RewriteResult,
-    Strategy,
-    reapply_rewrite,
-    restore_model,
-    rewrite_model,
-)
-from trec_pipelines.stages import (
-    BatchSource,
-    ParkedEpochs,
-    SourceState,
-    backward,
-    copy_to_device,
-    shares_kjt_storage,
-    wait_for_batch,
-)
-from trec_pipelines.step_guard import StepGuard, guarded_step, skip_failed_batch
+from trec_pipelines.rewrite import RewriteResult
+from trec_pipelines.stages import backward, copy_to_device, shares_kjt_storage, wait_for_batch
+from trec_pipelines.step_guard import guarded_step
 from trec_pipelines.streams import StreamSet, make_streams, on_stream
-from trec_pipelines.takeover import take_model_over
 
 logger: logging.Logger = logging.getLogger(__name__)
 
 
-def _claim(result: RewriteResult, pipeline: Any) -> None:
-    """Tag ``result``'s wrappers with their pipeline and what they replaced."""
-    for module, had_instance_forward, original, _ in result._saved:
-        forward = module.__dict__.get("forward")
-        if isinstance(forward, BaseForward):
-            forward.claim(pipeline)
-            forward.replaced = (had_instance_forward, original)
-
-
-@dataclass
-class _Parked:
-    """An iterator's in-flight batches, set aside while another iterator runs."""
-
-    batches: Deque[Optional[Any]]
-    contexts: Deque[TrainPipelineContext]
-    source: SourceState
-
-
 class TrainPipelineSparseDist(
-    TrainPipeline[In, Out], AsyncInplaceCopyMixin[In], Recordable, Resumable
+    TrainPipeline[In, Out], AsyncInplaceCopyMixin[In], PipelineCore
 ):
     """Three batches in flight: ``cur`` trains, ``nxt`` is in input_dist, ``new`` is copied.
 
@@ -207,28 +160,18 @@ class TrainPipelineSparseDist(
         free_features_storage_early: bool = False,
         clear_data_dist_inputs: bool = False,
         async_inplace_copy: bool = False,
-        *,
-        rewrite_strategy: Strategy = "auto",
-        on_unpipelined: str = "warn",
-        sync_exhaustion: bool = False,
-        validate_batches: bool = True,
-        input_dist_group: InputDistGroup = DEFAULT_INPUT_DIST_GROUP,
+        **options: Unpack[SparseDistOptions],
     ) -> None:
         super().__init__()
-        if self._requires_optimizer:
-            check_optimizer(optimizer, type(self).__name__)
-        check_model_device(model, device, type(self).__name__)
-        if rewrite_strategy not in STRATEGIES:
-            raise ValueError(
-                f"rewrite_strategy must be one of {STRATEGIES}, got {rewrite_strategy!r}"
-            )
-        if on_unpipelined not in UNPIPELINED_POLICIES:
-            raise ValueError(
-                f"on_unpipelined must be one of {UNPIPELINED_POLICIES}, got {on_unpipelined!r}"
-            )
-        self._model = model
-        self._optimizer = optimizer
-        self._device = check_device(device, type(self).__name__)
+        # Lite starts a batch's input_dist in the step that trains it: nothing
+        # queues behind it, so it stays on the model's group.
+        self._init_core(
+            model,
+            optimizer,
+            device,
+            options,
+            input_dist_group=None if self._input_dist_ahead else "shared",
+        )
         self._execute_all_batches = execute_all_batches
         self._apply_jit = apply_jit
         self._context_type = context_type
@@ -242,33 +185,13 @@ class TrainPipelineSparseDist(
         self._enable_inplace_copy_batch = enable_inplace_copy_batch
         self._free_features_storage_early = free_features_storage_early
         self._clear_data_dist_inputs = clear_data_dist_inputs
-        self._rewrite_strategy: Strategy = rewrite_strategy
-        self._on_unpipelined = on_unpipelined
         check_apply_jit(apply_jit, type(self).__name__)
 
         self._streams: StreamSet = self._make_streams()
-        self._sync_group = agreement_group(self, model, sync_exhaustion)
-        self._validate_batches = validate_batches
-        # The host copies of the in-flight batches: what a failed step is
-        # retried from, and what a checkpoint holds (trec_pipelines.resume).
-        self._source = BatchSource(self._sync_group, keep_in_flight=True, validate=validate_batches)
-        self._step_guard = StepGuard()
         # A slot may hold the Future of a copy the worker is issuing.
         self.batches: Deque[Optional[Any]] = BatchQueue()
         self._copy_worker: Optional[InplaceCopyWorker] = self._make_copy_worker(async_inplace_copy)
         self.contexts: Deque[TrainPipelineContext] = deque()
-        self._rewrite: Optional[RewriteResult] = None
-        # In-flight batches of iterators set aside by a switch (see _switch_iterator).
-        self._parked = ParkedEpochs()
-        check_input_dist_group(input_dist_group, type(self).__name__)
-        # Lite starts a batch's input_dist in the step that trains it: nothing
-        # queues behind it, so it stays on the model's group.
-        self._fusion = SplitsFusion(input_dist_group if self._input_dist_ahead else "shared")
-        self._model_attached = True
-        # Set when another pipeline detached this one to take the model over.
-        self._taken_over_by: Optional[str] = None
-        # The model's sharded modules, found once: every step looks at their forwards.
-        self._sharded: Optional[Dict[str, AnyShardedModule]] = None
         self._warned_shared_features = False
         # Set-up a subclass runs once the model is first rewritten (the backward
         # hooks of the experimental variants), then never again: hooks stay on
@@ -295,13 +218,25 @@ class TrainPipelineSparseDist(
         return self._rewrite
 
     @property
+    def _rewrite(self) -> Optional[RewriteResult]:
+        return self._pipelined.result
+
+    @property
+    def _fusion(self) -> SplitsFusion:
+        return self._pipelined.fusion
+
+    @property
+    def _model_attached(self) -> bool:
+        return self._pipelined.attached
+
+    @property
     def _pipelined_modules(self) -> List[AnyShardedModule]:
-        return [] if self._rewrite is None else self._rewrite.modules
+        return self._pipelined.modules
 
     @property
     def _pipelined_postprocs(self) -> List[PipelinedPostproc]:
         """The postproc wrappers installed by the rewrite (``pipeline_postproc=True``)."""
-        return [] if self._rewrite is None else list(self._rewrite.postprocs)
+        return self._pipelined.postprocs
 
     def _make_postproc(
         self, fqn: str, module: torch.nn.Module, call_args: CallArgs
@@ -326,16 +261,14 @@ class TrainPipelineSparseDist(
 
     def _pipeline_model(self, batch: Any, context: TrainPipelineContext) -> None:
         """Rewrite the model on the first batch, then start that batch's input_dist."""
-        self._rewrite = self._rewrite_checked(batch)
+        result = self._rewrite_checked(batch)
         if self._free_features_storage_early:
-            for module in self._rewrite.modules:
+            for module in result.modules:
                 if hasattr(module, "_free_features_storage_early"):
                     cast(Any, module)._free_features_storage_early = True
         self._set_module_context(context)
         self.start_sparse_data_dist(batch, context)
-        # input_dists exist only after the first input_dist call.
-        self._fusion.new_rewrite()
-        self._fusion.fuse(self._rewrite.modules)
+        self._pipelined.fuse_new()  # input_dists exist only after the first input_dist call
         while self._after_first_rewrite:
             self._after_first_rewrite.pop(0)()
 
@@ -349,30 +282,13 @@ class TrainPipelineSparseDist(
 
     def _rewrite_checked(self, batch: Any) -> RewriteResult:
         """Rewrite the model and apply the ``on_unpipelined`` policy."""
-        self._take_over_model()
-        result = rewrite_model(
-            self._model,
+        return self._pipelined.rewrite(
             batch,
             self._make_forward,
-            self._rewrite_strategy,
+            self._options.rewrite_strategy,
+            self._options.on_unpipelined,
             make_postproc=self._make_postproc if self._pipeline_postproc else None,
         )
-        _claim(result, self)
-        if result.not_pipelined and self._on_unpipelined == "raise":
-            restore_model(result)
-            raise RuntimeError(
-                "some sharded modules cannot be pipelined (on_unpipelined='raise'):\n"
-                + result.report()
-                + "\nFeed each one a batch field directly (no transformation in the "
-                "forward), or pass on_unpipelined='warn' to train them unpipelined."
-            )
-        if not result.pipelined and not result.not_pipelined:
-            logger.warning(
-                "%s: the model has no ShardedModule, so there is no input_dist to "
-                "pipeline; it trains as a plain loop with the H2D copy overlapped",
-                type(self).__name__,
-            )
-        return result
 
     def _input_dist_modules(self) -> List[Tuple[str, AnyShardedModule, CallArgs]]:
         assert self._rewrite is not None
@@ -592,49 +508,24 @@ class TrainPipelineSparseDist(
         iterator error surfaces before any work), fill an empty pipeline, end the
         epoch when nothing is left (``StopIteration``), and point the forward
         wrappers at ``cur``."""
-        self._begin_call()
-        self._take_over_model()
-        self._ensure_attached()
-        self._switch_iterator(dataloader_iter)
-        self._fetch_ahead(dataloader_iter)
-        self._step_guard.begin()  # from here a failure is rolled back and retried
+        self._begin_step(dataloader_iter)  # take-over, iterator switch, host batches
         self.fill_pipeline(dataloader_iter)
         self._stop_if_done()
         self._set_module_context(self.contexts[0])
 
-    def _switch_iterator(self, dataloader_iter: Iterator[Any]) -> None:
-        """Set the previous iterator's in-flight batches aside when another is passed.
+    def _batches_to_fetch(self) -> int:
+        return self._depth - len(self.batches)
 
-        Alternating iterators (train, then an eval pass, then train again) must
-        not feed one iterator's in-flight batches to the other's steps (torchrec
-        #3751).  The batches of the previous iterator, with their input_dist
-        already under way, are parked untouched; passing that iterator again
-        resumes them exactly where they were.  Training is then identical to
-        never having switched.
-        """
-        source = self._source
-        if dataloader_iter is source.iterator:
-            return
-        previous = source.iterator
-        if previous is not None and (self.batches or source.holding):
-            in_flight = len(self.batches) + source.holding
-            self._parked.park(previous, _Parked(self.batches, self.contexts, source.save()))
-            logger.warning(
-                "%s: a different iterator was passed with %d batch(es) of the previous "
-                "one in flight; they are parked and resume when that iterator is passed "
-                "again (reset() drops them)",
-                type(self).__name__,
-                in_flight,
-            )
-            self.batches, self.contexts = BatchQueue(), deque()
-        parked = self._parked.resume(dataloader_iter)
-        if parked is not None:
-            self.batches, self.contexts = parked.batches, parked.contexts
-            source.restore(parked.source)
+    def _in_flight(self) -> int:
+        return len(self.batches)
 
-    def _fetch_ahead(self, dataloader_iter: Iterator[Any]) -> None:
-        """Pull every host batch this call will copy, before any work is issued."""
-        self._source.fetch_ahead(dataloader_iter, self._depth - len(self.batches))
+    def _set_aside(self) -> Tuple[Deque[Optional[Any]], Deque[TrainPipelineContext]]:
+        aside = (self.batches, self.contexts)
+        self.batches, self.contexts = BatchQueue(), deque()
+        return aside
+
+    def _bring_back(self, state: Tuple[Deque[Optional[Any]], Deque[TrainPipelineContext]]) -> None:
+        self.batches, self.contexts = state
 
     def _take_over_model(self) -> None:
         """Detach any other pipeline whose forward wrappers are on this model.
@@ -652,17 +543,12 @@ class TrainPipelineSparseDist(
             self._taken_over_by = None
             self.attach()  # detaches the pipeline that took the model, then re-wraps
             return
-        if not self._model_attached:
+        if self._model_attached:
+            self._pipelined.take_over()
             return
-        self._sharded = take_model_over(self, self._model, self._sharded)
-
-    def _ensure_attached(self) -> None:
-        """Attach the model again if it was detached (as upstream's ``progress()``)."""
-        if not self._model_attached:
-            logger.info(
-                "%s.progress() after detach(): attaching the model again", type(self).__name__
-            )
-            self.attach()
+        # Detached by the user: attach again, as upstream's ``progress()`` does.
+        logger.info("%s.progress() after detach(): attaching the model again", type(self).__name__)
+        self.attach()
 
     def _stop_if_done(self) -> None:
         """End the epoch when nothing is in flight, or when the data ran out and
@@ -681,30 +567,6 @@ class TrainPipelineSparseDist(
             self._source.end_epoch()
             raise StopIteration
 
-    def _drop_in_flight_state(self) -> None:
-        """Forget the in-flight device batches and contexts; the step guard gives
-        their host batches back to the source (see :mod:`trec_pipelines.step_guard`)."""
-        self.batches.clear()
-        self.contexts.clear()
-
-    def skip_failed_batch(self) -> int:
-        """Drop the batch the last ``progress()`` failed on instead of retrying it.
-
-        After a ``progress()`` that raised, the next call retries the same batch
-        from scratch.  For a batch that fails every time, call this (on every
-        rank) before the next ``progress()``: the batch is logged and never
-        trained, and training goes on with the one after it.  Returns the
-        skipped batch's index; raises ``RuntimeError`` if the last call did not
-        fail.
-        """
-        return skip_failed_batch(self)
-
-    @property
-    def unused_batches(self) -> int:
-        """Batches this rank pulled but did not train because another rank's data
-        ended first (``sync_exhaustion=True``)."""
-        return self._source.unused
-
     # ------------------------------------------------------- attach / detach
 
     def detach(self) -> torch.nn.Module:
@@ -713,10 +575,7 @@ class TrainPipelineSparseDist(
 
         Call :meth:`attach` (or just :meth:`progress`) to resume.
         """
-        if self._rewrite is not None and self._model_attached:
-            self._fusion.unfuse()
-            restore_model(self._rewrite)
-        self._model_attached = False
+        self._pipelined.detach()
         return self._model
 
     def attach(self, model: Optional[torch.nn.Module] = None, sparse_dist: bool = True) -> None:
@@ -729,32 +588,28 @@ class TrainPipelineSparseDist(
             self.detach()
             self._model = model
             self._model_fwd = self._custom_model_fwd or model
-            self._rewrite = None  # a new model is traced on the next batch
-            self._sharded = None
+            self._pipelined.replace_model(model)  # a new model is traced on the next batch
         if self._model_attached:
             return
-        self._model_attached = True
         if self._rewrite is None:
+            self._pipelined.attached = True
             if self.contexts:
                 self._pipeline_model_without_input_dist(self.batches[0])
             return
-        self._take_over_model()
-        self._rewrite = reapply_rewrite(self._rewrite, self._make_forward)
-        _claim(self._rewrite, self)
-        self._fusion.fuse(self._rewrite.modules)
+        self._pipelined.reattach(self._make_forward)
+        self._fusion.fuse(self._pipelined.modules)
         if self.contexts:
             self._set_module_context(self.contexts[0])
 
     def _pipeline_model_without_input_dist(self, batch: Any) -> None:
-        self._rewrite = self._rewrite_checked(batch)
-        self._fusion.new_rewrite()
-        self._fusion.fuse(self._rewrite.modules)
+        self._rewrite_checked(batch)
+        self._pipelined.fuse_new()
         self._set_module_context(self.contexts[0])
 
     def reset(self) -> None:
         """Drop the in-flight (and parked) batches; the next ``progress()`` starts a new
         epoch, its first batch numbered 0."""
-        dropped = len(self.batches) + sum(len(p.batches) for p in self._parked.states())
+        dropped = len(self.batches) + sum(len(aside[0]) for aside, _ in self._parked.states())
         dropped += self._source.rewound
         if dropped:
             logger.warning(

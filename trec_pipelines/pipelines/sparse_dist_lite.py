@@ -2,15 +2,15 @@
 
 from __future__ import annotations
 
-from typing import Any, Callable, Iterator, Optional, Tuple, Type
+from typing import Any, Callable, Iterator, Optional, Tuple, Type, Unpack
 
 import torch
 from torchrec.distributed.train_pipeline import In, Out
 
 from trec_pipelines import recorder as rec
 from trec_pipelines.context import TrainPipelineContext
+from trec_pipelines.core.options import LiteOptions
 from trec_pipelines.pipelines.sparse_dist import TrainPipelineSparseDist
-from trec_pipelines.rewrite import Strategy
 from trec_pipelines.stages import wait_for_batch
 from trec_pipelines.step_guard import guarded_step
 from trec_pipelines.streams import StreamSet, make_streams
@@ -71,11 +71,7 @@ class TrainPipelineSparseDistLite(TrainPipelineSparseDist[In, Out]):
         free_features_storage_early: bool = False,
         clear_data_dist_inputs: bool = False,
         async_inplace_copy: bool = False,
-        *,
-        rewrite_strategy: Strategy = "auto",
-        on_unpipelined: str = "warn",
-        sync_exhaustion: bool = False,
-        validate_batches: bool = True,
+        **options: Unpack[LiteOptions],
     ) -> None:
         super().__init__(
             model,
@@ -90,10 +86,7 @@ class TrainPipelineSparseDistLite(TrainPipelineSparseDist[In, Out]):
             free_features_storage_early=free_features_storage_early,
             clear_data_dist_inputs=clear_data_dist_inputs,
             async_inplace_copy=async_inplace_copy,
-            rewrite_strategy=rewrite_strategy,
-            on_unpipelined=on_unpipelined,
-            sync_exhaustion=sync_exhaustion,
-            validate_batches=validate_batches,
+            **options,
         )
 
     def _make_streams(self) -> StreamSet:

@@ -8,7 +8,7 @@ device has streams, nothing on CPU, where there is no device memory to free).
 from __future__ import annotations
 
 import logging
-from typing import Any, Callable, Iterator, Optional, Tuple, Type, Union
+from typing import Any, Callable, Iterator, Optional, Tuple, Type, Union, Unpack
 
 import torch
 from torchrec.distributed.train_pipeline import In, Out
@@ -22,9 +22,9 @@ from trec_pipelines.backward_hooks import (
     OutputDistTensorFinder,
 )
 from trec_pipelines.context import TrainPipelineContext
-from trec_pipelines.input_dist_group import DEFAULT_INPUT_DIST_GROUP, InputDistGroup
+from trec_pipelines.core.options import SparseDistOptions
 from trec_pipelines.pipelines.sparse_dist import TrainPipelineSparseDist
-from trec_pipelines.rewrite import Strategy, unwrap
+from trec_pipelines.rewrite import unwrap
 from trec_pipelines.stashing import Stashing, StashPlan, plan_stash, report_plan, stashing_for
 from trec_pipelines.step_guard import guarded_step
 
@@ -75,12 +75,7 @@ class TrainPipelineSparseDistOptStash(TrainPipelineSparseDist[In, Out]):
         enable_inplace_copy_batch: bool = False,
         free_features_storage_early: bool = False,
         clear_data_dist_inputs: bool = False,
-        *,
-        rewrite_strategy: Strategy = "auto",
-        on_unpipelined: str = "warn",
-        sync_exhaustion: bool = False,
-        validate_batches: bool = True,
-        input_dist_group: InputDistGroup = DEFAULT_INPUT_DIST_GROUP,
+        **options: Unpack[SparseDistOptions],
     ) -> None:
         super().__init__(
             model,
@@ -96,11 +91,7 @@ class TrainPipelineSparseDistOptStash(TrainPipelineSparseDist[In, Out]):
             enable_inplace_copy_batch,
             free_features_storage_early,
             clear_data_dist_inputs,
-            rewrite_strategy=rewrite_strategy,
-            on_unpipelined=on_unpipelined,
-            sync_exhaustion=sync_exhaustion,
-            validate_batches=validate_batches,
-            input_dist_group=input_dist_group,
+            **options,
         )
         self._restore_site = InjectionSite(
             fqn=site_fqn, tensor_finder=OutputDistTensorFinder(sharding_type=sharding_type)
@@ -223,12 +214,7 @@ class TrainPipelineSparseDistEmbStash(TrainPipelineSparseDist[In, Out]):
         delay_stash: bool = False,
         stash_site_fqn: Optional[str] = None,
         clear_data_dist_inputs: bool = False,
-        *,
-        rewrite_strategy: Strategy = "auto",
-        on_unpipelined: str = "warn",
-        sync_exhaustion: bool = False,
-        validate_batches: bool = True,
-        input_dist_group: InputDistGroup = DEFAULT_INPUT_DIST_GROUP,
+        **options: Unpack[SparseDistOptions],
     ) -> None:
         super().__init__(
             model,
@@ -244,11 +230,7 @@ class TrainPipelineSparseDistEmbStash(TrainPipelineSparseDist[In, Out]):
             enable_inplace_copy_batch,
             free_features_storage_early,
             clear_data_dist_inputs,
-            rewrite_strategy=rewrite_strategy,
-            on_unpipelined=on_unpipelined,
-            sync_exhaustion=sync_exhaustion,
-            validate_batches=validate_batches,
-            input_dist_group=input_dist_group,
+            **options,
         )
         self._restore_site: Any = (
             InjectionSite(

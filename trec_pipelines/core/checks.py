@@ -16,16 +16,23 @@ def check_optimizer(optimizer: Optional[torch.optim.Optimizer], pipeline: str) -
         )
 
 
-def check_device(device: torch.device, pipeline: str) -> torch.device:
-    if not isinstance(device, torch.device):
-        raise TypeError(
-            f"{pipeline}: device must be a torch.device, got {type(device).__name__} "
-            f"({device!r}); pass torch.device({device!r})"
-        )
-    return device
-
-
-UNPIPELINED_POLICIES = ("warn", "raise")
+def check_device(device: Any, pipeline: str) -> torch.device:
+    """``device`` as a ``torch.device``: what ``torch.device()`` accepts is accepted
+    (``"cpu"``, ``"cuda:0"``, a ``torch.device``)."""
+    if isinstance(device, torch.device):
+        return device
+    if isinstance(device, (str, int)) and not isinstance(device, bool):
+        try:
+            return torch.device(device)
+        except RuntimeError as error:
+            raise ValueError(
+                f"{pipeline}: device {device!r} is not a device torch knows ({error}); "
+                "pass e.g. \"cpu\", \"cuda:0\" or torch.device(\"cuda\", 0)"
+            ) from error
+    raise TypeError(
+        f"{pipeline}: device must be a torch.device or a string naming one, got "
+        f"{type(device).__name__} ({device!r}); pass e.g. torch.device(\"cuda\", 0)"
+    )
 
 
 def check_model_device(model: torch.nn.Module, device: torch.device, pipeline: str) -> None:

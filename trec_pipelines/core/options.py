@@ -1,0 +1,241 @@
+"""Our keyword-only options, declared once for every pipeline.
+
+[Note: one declaration per option]
+torchrec's parameters are spelled out in each constructor, with torchrec's
+names, order and defaults: they are the drop-in contract, and differ per
+class.  The options trec_pipelines adds are the same on every class that
+takes them, so each is declared here, once:
+
+* :class:`PipelineOptions` holds its type, default, documentation and check;
+  a pipeline reads its options from one of these (``self._options``);
+* a small ``TypedDict`` per concern (:class:`BatchOptions`,
+  :class:`RewriteOptions`, :class:`GroupOptions`, ...) names it for static
+  checkers: a constructor takes ``**options: Unpack[...]`` of the concerns
+  that apply to it, so an IDE and mypy see every option and its type;
+* :func:`expand_options` (run for every pipeline class as it is created)
+  writes the options the class accepts into its ``__init__`` signature as
+  keyword-only parameters with their defaults, so ``help()``,
+  ``inspect.signature`` and the API reference show them as if spelled out,
+  and :func:`resolve_options` refuses any other keyword with the
+  ``TypeError`` Python gives for an unknown argument.
+
+Adding an option touches this module (a field, and the key in the concern it
+belongs to) and the constructors of the classes it applies to, if their
+concern is new.  A unit test checks that the two declarations agree.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+import sys
+import typing
+from dataclasses import dataclass, field
+from typing import Any, Dict, FrozenSet, Literal, Mapping, Optional, Tuple, TypedDict
+
+from trec_pipelines.input_dist_group import (
+    DEFAULT_INPUT_DIST_GROUP,
+    InputDistGroup,
+    check_input_dist_group,
+)
+from trec_pipelines.rewrite import STRATEGIES, Strategy
+
+UnpipelinedPolicy = Literal["warn", "raise"]
+UNPIPELINED_POLICIES: Tuple[str, ...] = ("warn", "raise")
+
+
+def _doc(text: str) -> Dict[str, str]:
+    return {"doc": " ".join(text.split())}
+
+
+@dataclass(frozen=True)
+class PipelineOptions:
+    """The options trec_pipelines adds to torchrec's constructors (keyword-only).
+
+    A class takes the ones that apply to it (see its signature); the others
+    keep their defaults here.
+    """
+
+    rewrite_strategy: Strategy = field(
+        default="auto",
+        metadata=_doc(
+            """How the sharded modules' inputs are found: "fx" (trace the model), "direct"
+            (bind the batch's KeyedJaggedTensor fields) or "auto" (trace, falling back to
+            direct binding)."""
+        ),
+    )
+    on_unpipelined: UnpipelinedPolicy = field(
+        default="warn",
+        metadata=_doc(
+            """A sharded module the rewrite cannot pipeline is logged and trained unpipelined
+            ("warn"), or refused with the reason ("raise")."""
+        ),
+    )
+    sync_exhaustion: bool = field(
+        default=False,
+        metadata=_doc(
+            """The ranks agree on every batch they pull (one int32 all-reduce per pull on a
+            gloo group of their own), so data that ends on one rank first ends every rank's
+            epoch at the same step, and a batch malformed on one rank is dropped on all."""
+        ),
+    )
+    validate_batches: bool = field(
+        default=True,
+        metadata=_doc(
+            """Check each host batch's KeyedJaggedTensors as it is pulled: a malformed one
+            raises ``MalformedBatchError`` before any work is issued for it."""
+        ),
+    )
+    input_dist_group: InputDistGroup = field(
+        default=DEFAULT_INPUT_DIST_GROUP,
+        metadata=_doc(
+            """"dedicated" runs the pipelined input_dist on a process group of the same ranks
+            that carries nothing else; "shared" keeps it on the model's group, as torchrec
+            does. Results are the same either way."""
+        ),
+    )
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.sync_exhaustion, bool):
+            raise TypeError(f"sync_exhaustion must be True or False, got {self.sync_exhaustion!r}")
+        if not isinstance(self.validate_batches, bool):
+            raise TypeError(
+                f"validate_batches must be True or False, got {self.validate_batches!r}"
+            )
+        if self.rewrite_strategy not in STRATEGIES:
+            raise ValueError(
+                f"rewrite_strategy must be one of {STRATEGIES}, got {self.rewrite_strategy!r}"
+            )
+        if self.on_unpipelined not in UNPIPELINED_POLICIES:
+            raise ValueError(
+                f"on_unpipelined must be one of {UNPIPELINED_POLICIES}, got "
+                f"{self.on_unpipelined!r}"
+            )
+        check_input_dist_group(self.input_dist_group, "input_dist_group")
+
+    @staticmethod
+    def doc(name: str) -> str:
+        """The documentation of option ``name``."""
+        return str(_FIELDS[name].metadata["doc"])
+
+
+_FIELDS: Mapping[str, dataclasses.Field[Any]] = {
+    f.name: f for f in dataclasses.fields(PipelineOptions)
+}
+
+
+# The concerns, for static checkers: a constructor takes the ones that apply to it.
+
+
+class ValidationOptions(TypedDict, total=False):
+    """Checking each host batch as it is pulled."""
+
+    validate_batches: bool
+
+
+class BatchOptions(ValidationOptions, total=False):
+    """Where the batches come from: validation, and the ranks' agreement on each pull."""
+
+    sync_exhaustion: bool
+
+
+class RewriteOptions(TypedDict, total=False):
+    """How the model's sharded modules are found and pipelined."""
+
+    rewrite_strategy: Strategy
+    on_unpipelined: UnpipelinedPolicy
+
+
+class GroupOptions(TypedDict, total=False):
+    """Which process group the pipelined input_dist runs on."""
+
+    input_dist_group: InputDistGroup
+
+
+class LiteOptions(BatchOptions, RewriteOptions, total=False):
+    """A pipeline that rewrites the model but starts each input_dist in its own step."""
+
+
+class SparseDistOptions(BatchOptions, RewriteOptions, GroupOptions, total=False):
+    """Every option: the SparseDist family."""
+
+
+class ModelOptions(RewriteOptions, GroupOptions, total=False):
+    """A component that pipelines a model it does not train (SparseDataDistUtil)."""
+
+
+class EvalHostOptions(ValidationOptions, RewriteOptions, total=False):
+    """An eval pipeline whose input_dist runs with its lookup, on the host."""
+
+
+def _accepted(init: Any) -> Optional[FrozenSet[str]]:
+    """The option names ``init``'s ``**options: Unpack[X]`` accepts, or None when
+    ``init`` takes no ``**options``."""
+    params = inspect.signature(init).parameters.values()
+    var_kw = next((p for p in params if p.kind is inspect.Parameter.VAR_KEYWORD), None)
+    if var_kw is None or var_kw.name != "options":
+        return None
+    annotation: Any = var_kw.annotation
+    if isinstance(annotation, str):
+        module = sys.modules[init.__module__]
+        annotation = eval(annotation, vars(module), {"Unpack": typing.Unpack})  # noqa: S307
+    (typed_dict,) = typing.get_args(annotation)
+    return frozenset(typing.get_type_hints(typed_dict))
+
+
+def expand_options(cls: type) -> None:
+    """Show the options ``cls`` accepts as keyword-only parameters of its
+    ``__init__`` signature (see [Note: one declaration per option])."""
+    init = cls.__dict__.get("__init__")
+    if init is None:
+        return
+    accepted = _accepted(init)
+    if accepted is None:
+        return
+    init._trec_options = accepted  # noqa: SLF001
+    params = [
+        p
+        for p in inspect.signature(init).parameters.values()
+        if p.kind is not inspect.Parameter.VAR_KEYWORD
+    ]
+    hints = {f.name: f.type for f in dataclasses.fields(PipelineOptions)}
+    for name in (f.name for f in dataclasses.fields(PipelineOptions)):
+        if name in accepted:
+            params.append(
+                inspect.Parameter(
+                    name,
+                    inspect.Parameter.KEYWORD_ONLY,
+                    default=_FIELDS[name].default,
+                    annotation=hints[name],
+                )
+            )
+    init.__signature__ = inspect.Signature(params)
+
+
+def accepted_options(cls: type) -> FrozenSet[str]:
+    """The option names the constructor of ``cls`` takes."""
+    for klass in cls.__mro__:
+        init = klass.__dict__.get("__init__")
+        if init is not None and hasattr(init, "_trec_options"):
+            return frozenset(init._trec_options)
+    return frozenset()
+
+
+def resolve_options(pipeline: str, cls: type, options: Mapping[str, Any]) -> PipelineOptions:
+    """The options of a ``cls`` built with keywords ``options`` (a ``TypeError``
+    names any the class does not take, as Python does for an unknown keyword)."""
+    accepted = accepted_options(cls)
+    unknown = sorted(set(options) - accepted)
+    if unknown:
+        takes = ", ".join(sorted(accepted)) or "none of trec_pipelines' options"
+        raise TypeError(
+            f"{pipeline}.__init__() got an unexpected keyword argument {unknown[0]!r} "
+            f"(its keyword-only options: {takes})"
+        )
+    return PipelineOptions(**options)
+
+
+def options_doc(cls: type) -> str:
+    """A reST list of the options ``cls`` takes, for its docstring."""
+    names = [f.name for f in dataclasses.fields(PipelineOptions) if f.name in accepted_options(cls)]
+    return "\n".join(f"* ``{name}``: {PipelineOptions.doc(name)}" for name in names)

@@ -1,0 +1,208 @@
+"""What every pipeline stands on: its batches, its step's start, its model.
+
+[Note: the core under every pipeline]
+Each variant writes its own ``progress()`` as a literal timeline.  What
+comes before the timeline, and what lives between two steps, is the same for
+every one of them and is written once, in :class:`PipelineCore`:
+
+* construction from torchrec's ``model``, ``optimizer`` and ``device`` plus
+  our options (:mod:`trec_pipelines.core.options`): the checks, the
+  :class:`~trec_pipelines.stages.BatchSource` (validation, and the ranks'
+  agreement on each pull), the :class:`~trec_pipelines.step_guard.StepGuard`,
+  and the :class:`~trec_pipelines.core.pipelined_model.PipelinedModel`;
+* the start of a step (:meth:`PipelineCore._begin_step`): the schedule
+  recorder's new call, the take-over of a model another pipeline left
+  attached, the iterator switch (parking the previous iterator's in-flight
+  batches), pulling the host batches the step will copy, and the step guard;
+* what a user calls between steps: :meth:`~PipelineCore.skip_failed_batch`
+  and :attr:`~PipelineCore.unused_batches`.
+
+A variant says what it holds in flight through three small methods
+(:meth:`~PipelineCore._in_flight`, :meth:`~PipelineCore._set_aside`,
+:meth:`~PipelineCore._bring_back`) and how many host batches a step pulls
+(:meth:`~PipelineCore._batches_to_fetch`); the rest follows.
+"""
+
+from __future__ import annotations
+
+import inspect
+import logging
+from typing import Any, Iterator, Mapping, Optional
+
+import torch
+
+from trec_pipelines.agreement import agreement_group
+from trec_pipelines.core.checks import check_device, check_model_device, check_optimizer
+from trec_pipelines.core.options import (
+    PipelineOptions,
+    accepted_options,
+    expand_options,
+    options_doc,
+    resolve_options,
+)
+from trec_pipelines.core.pipelined_model import PipelinedModel
+from trec_pipelines.recorder import Recordable
+from trec_pipelines.resume import Resumable
+from trec_pipelines.stages import BatchSource, ParkedEpochs
+from trec_pipelines.step_guard import StepGuard, skip_failed_batch
+
+logger: logging.Logger = logging.getLogger(__name__)
+
+
+class WithOptions:
+    """A class whose constructor takes ``**options: Unpack[...]`` of ours: its
+    signature and docstring show each option it accepts
+    (see [Note: one declaration per option])."""
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        expand_options(cls)
+        if "__init__" in cls.__dict__ and cls.__doc__ and accepted_options(cls):
+            cls.__doc__ = (
+                inspect.cleandoc(cls.__doc__)
+                + "\n\nOptions of trec_pipelines (keyword-only):\n\n"
+                + options_doc(cls)
+            )
+
+
+class PipelineCore(WithOptions, Recordable, Resumable):
+    """The shared part of every pipeline (see [Note: the core under every pipeline])."""
+
+    # Variants that only run forwards (Eval) take optimizer=None.
+    _requires_optimizer: bool = True
+
+    _options: PipelineOptions
+    _model: torch.nn.Module
+    _device: torch.device
+    _source: BatchSource
+    _step_guard: StepGuard
+    _parked: ParkedEpochs
+    _pipelined: PipelinedModel
+
+    def _init_core(
+        self,
+        model: torch.nn.Module,
+        optimizer: Optional[torch.optim.Optimizer],
+        device: Any,
+        options: Mapping[str, Any],
+        *,
+        input_dist_group: Optional[str] = None,
+    ) -> None:
+        """Check torchrec's arguments, resolve our options and build the shared parts.
+
+        ``input_dist_group`` overrides the option's value for the splits fusion
+        (a variant whose input_dist never runs ahead keeps it on the model's group).
+        """
+        name = type(self).__name__
+        self._options = resolve_options(name, type(self), options)
+        if self._requires_optimizer:
+            check_optimizer(optimizer, name)
+        self._device = check_device(device, name)
+        check_model_device(model, self._device, name)
+        self._model = model
+        self._optimizer = optimizer
+        self._sync_group = agreement_group(self, model, self._options.sync_exhaustion)
+        self._source = self._new_source()
+        self._step_guard = StepGuard()
+        # In-flight batches of iterators set aside by a switch (see _switch_iterator).
+        self._parked = ParkedEpochs()
+        group = input_dist_group or self._options.input_dist_group
+        self._pipelined = PipelinedModel(self, model, group)  # type: ignore[arg-type]
+        # Set when another pipeline detached this one to take the model over.
+        self._taken_over_by: Optional[str] = None
+
+    def _new_source(self) -> BatchSource:
+        """A source of host batches for a new epoch count, with the ranks' agreement."""
+        return BatchSource(
+            self._sync_group, keep_in_flight=True, validate=self._options.validate_batches
+        )
+
+    # ------------------------------------------------------- the in-flight batches
+
+    def _in_flight(self) -> int:
+        """How many device batches this pipeline holds between two steps."""
+        return 0
+
+    def _set_aside(self) -> Any:
+        """Hand over the in-flight batches (for parking) and hold none."""
+        return None
+
+    def _bring_back(self, state: Any) -> None:
+        """Hold again what :meth:`_set_aside` handed over."""
+
+    def _batches_to_fetch(self) -> int:
+        """How many host batches this step copies: pulled before any work is issued."""
+        return 1
+
+    def _drop_in_flight_state(self) -> None:
+        """Forget the in-flight device batches; the step guard gives their host
+        batches back to the source (see :mod:`trec_pipelines.step_guard`)."""
+        self._set_aside()
+
+    # ----------------------------------------------------------- a step's start
+
+    def _begin_step(self, dataloader_iter: Iterator[Any]) -> None:
+        """What every step does before its timeline (see the module note)."""
+        self._begin_call()
+        self._take_over_model()
+        self._switch_iterator(dataloader_iter)
+        # Pull the host batches this call copies before any work: an iterator
+        # error then reaches the caller with the pipeline untouched.
+        self._source.fetch_ahead(dataloader_iter, self._batches_to_fetch())
+        self._step_guard.begin()  # from here a failure is rolled back and retried
+
+    def _take_over_model(self) -> None:
+        """Detach any other pipeline whose forward wrappers are on this model
+        (an eval pipeline left attached when its data ended; see
+        :mod:`trec_pipelines.takeover`)."""
+        self._pipelined.take_over()
+
+    def _switch_iterator(self, dataloader_iter: Iterator[Any]) -> None:
+        """Set the previous iterator's in-flight batches aside when another is passed.
+
+        Alternating iterators (train, then an eval pass, then train again) must
+        not feed one iterator's in-flight batches to the other's steps (torchrec
+        #3751).  The previous iterator's batches, with whatever work is already
+        under way for them, are parked untouched; passing that iterator again
+        resumes them exactly where they were, so training is identical to never
+        having switched.
+        """
+        source = self._source
+        if dataloader_iter is source.iterator:
+            return
+        previous = source.iterator
+        in_flight = self._in_flight() + source.holding
+        if previous is not None and in_flight:
+            self._parked.park(previous, (self._set_aside(), source.save()))
+            logger.warning(
+                "%s: a different iterator was passed with %d batch(es) of the previous "
+                "one in flight; they are parked and resume when that iterator is passed "
+                "again (reset() drops them)",
+                type(self).__name__,
+                in_flight,
+            )
+        parked = self._parked.resume(dataloader_iter)
+        if parked is not None:
+            state, saved = parked
+            self._bring_back(state)
+            source.restore(saved)
+
+    # ------------------------------------------------------------ between steps
+
+    def skip_failed_batch(self) -> int:
+        """Drop the batch the last ``progress()`` failed on instead of retrying it.
+
+        After a ``progress()`` that raised, the next call retries the same batch
+        from scratch.  For a batch that fails every time, call this (on every
+        rank) before the next ``progress()``: the batch is logged and never
+        trained, and training goes on with the one after it.  Returns the
+        skipped batch's index; raises ``RuntimeError`` if the last call did not
+        fail.
+        """
+        return skip_failed_batch(self)
+
+    @property
+    def unused_batches(self) -> int:
+        """Batches this rank pulled but did not train because another rank's data
+        ended first (``sync_exhaustion=True``)."""
+        return self._source.unused
