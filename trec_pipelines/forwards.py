@@ -80,7 +80,7 @@ class BaseForward(Generic[C]):
         self._consumed_in = 0  # the attempt that consumed ``_consumed``
         # The pipeline that installed this wrapper (see claim()).
         self._owner: Optional[weakref.ReferenceType[Any]] = None
-        self.owner_name = "a pipeline"
+        self.owner_name = "pipeline"
         # (had an instance forward, that forward): what this wrapper replaced on
         # the module, so it can be undone after its pipeline is gone.
         self.replaced: Optional[Tuple[bool, Any]] = None
