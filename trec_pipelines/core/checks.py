@@ -27,11 +27,11 @@ def check_device(device: Any, pipeline: str) -> torch.device:
         except RuntimeError as error:
             raise ValueError(
                 f"{pipeline}: device {device!r} is not a device torch knows ({error}); "
-                "pass e.g. \"cpu\", \"cuda:0\" or torch.device(\"cuda\", 0)"
+                'pass e.g. "cpu", "cuda:0" or torch.device("cuda", 0)'
             ) from error
     raise TypeError(
         f"{pipeline}: device must be a torch.device or a string naming one, got "
-        f"{type(device).__name__} ({device!r}); pass e.g. torch.device(\"cuda\", 0)"
+        f'{type(device).__name__} ({device!r}); pass e.g. torch.device("cuda", 0)'
     )
 
 

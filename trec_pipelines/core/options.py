@@ -108,8 +108,7 @@ class PipelineOptions:
             )
         if self.on_unpipelined not in UNPIPELINED_POLICIES:
             raise ValueError(
-                f"on_unpipelined must be one of {UNPIPELINED_POLICIES}, got "
-                f"{self.on_unpipelined!r}"
+                f"on_unpipelined must be one of {UNPIPELINED_POLICIES}, got {self.on_unpipelined!r}"
             )
         check_input_dist_group(self.input_dist_group, "input_dist_group")
 

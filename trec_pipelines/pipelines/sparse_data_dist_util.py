@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import logging
 from collections import deque
-from typing import Any, Callable, Deque, Generic, List, Optional, Set, cast
+from typing import Any, Callable, Deque, Generic, List, Optional, Set, Unpack, cast
 
 import torch
 from torch.utils.hooks import RemovableHandle
@@ -19,6 +19,9 @@ from trec_pipelines.context import (
     TrainPipelineContext,
 )
 from trec_pipelines.core.checks import check_apply_jit
+from trec_pipelines.core.options import ModelOptions, resolve_options
+from trec_pipelines.core.pipeline import WithOptions
+from trec_pipelines.core.pipelined_model import PipelinedModel
 from trec_pipelines.forwards import (
     BaseForward,
     InSyncEmbeddingPipelinedForward,
@@ -26,22 +29,10 @@ from trec_pipelines.forwards import (
     PrefetchPipelinedForward,
 )
 from trec_pipelines.input_dist import SplitsFusion, start_input_dist, wait_input_dist
-from trec_pipelines.input_dist_group import (
-    DEFAULT_INPUT_DIST_GROUP,
-    InputDistGroup,
-    check_input_dist_group,
-)
 from trec_pipelines.lookup import start_embedding_lookup
 from trec_pipelines.pipelines.staged import PipelineStage, side_stream
 from trec_pipelines.postproc import PipelinedPostproc
-from trec_pipelines.rewrite import (
-    STRATEGIES,
-    RewriteResult,
-    Strategy,
-    reapply_rewrite,
-    restore_model,
-    rewrite_model,
-)
+from trec_pipelines.rewrite import RewriteResult
 from trec_pipelines.streams import (
     current_stream,
     on_stream,
@@ -53,7 +44,7 @@ from trec_pipelines.streams import (
 logger: logging.Logger = logging.getLogger(__name__)
 
 
-class SparseDataDistUtil(Generic[In]):
+class SparseDataDistUtil(Generic[In], WithOptions):
     """Pipelines a model's sparse ``input_dist`` through :class:`StagedTrainPipeline` stages.
 
     The caller trains in its own loop; this class rewrites the model so each
@@ -154,19 +145,14 @@ class SparseDataDistUtil(Generic[In]):
         prefetch_stream: Optional[torch.Stream] = None,
         pipeline_postproc: bool = False,
         embedding_lookup_stream: Optional[torch.Stream] = None,
-        *,
-        rewrite_strategy: Strategy = "auto",
-        input_dist_group: InputDistGroup = DEFAULT_INPUT_DIST_GROUP,
+        **options: Unpack[ModelOptions],
     ) -> None:
         if prefetch_stream is not None and embedding_lookup_stream is not None:
             raise ValueError(
                 "SparseDataDistUtil: pass prefetch_stream or embedding_lookup_stream, "
                 "not both; the lookup stage already reads the rows prefetch would load"
             )
-        if rewrite_strategy not in STRATEGIES:
-            raise ValueError(
-                f"rewrite_strategy must be one of {STRATEGIES}, got {rewrite_strategy!r}"
-            )
+        self._options = resolve_options(type(self).__name__, type(self), options)
         check_apply_jit(apply_jit, type(self).__name__)
         self.model = model
         self.data_dist_stream = data_dist_stream
@@ -186,7 +172,6 @@ class SparseDataDistUtil(Generic[In]):
         self.fwd_hook: Optional[RemovableHandle] = None
         self._pre_hook: Optional[RemovableHandle] = None
         self._pipeline_postproc = pipeline_postproc
-        self._rewrite_strategy: Strategy = rewrite_strategy
 
         given = [
             s for s in (data_dist_stream, prefetch_stream, embedding_lookup_stream) if s is not None
@@ -207,8 +192,12 @@ class SparseDataDistUtil(Generic[In]):
         # the pipeline skipped, or no batch at all (see batch_skipped).
         self._last_dropped: Optional[TrainPipelineContext] = None
         self._holes: Set[int] = set()
-        self._rewrite: Optional[RewriteResult] = None
-        self._fusion = SplitsFusion(check_input_dist_group(input_dist_group, type(self).__name__))
+        # The rewrite, its claimed wrappers and the take-over (see
+        # [Note: who owns a pipelined model]).
+        self._pipelined = PipelinedModel(self, model, self._options.input_dist_group)
+        # Set when a pipeline detached this one to take the model over; the next
+        # start_sparse_data_dist takes it back.
+        self._taken_over_by: Optional[str] = None
         # Set when a stage first found no batch; only relaxes the context checks.
         self._exhausting_mode = False
         # Between two input_dist-stage calls (one progress() each, see
@@ -251,6 +240,14 @@ class SparseDataDistUtil(Generic[In]):
     @property
     def _num_contexts(self) -> int:
         return 3 if self._with_prefetch or self._with_embedding_lookup else 2
+
+    @property
+    def _rewrite(self) -> Optional[RewriteResult]:
+        return self._pipelined.result
+
+    @property
+    def _fusion(self) -> SplitsFusion:
+        return self._pipelined.fusion
 
     @property
     def rewrite_result(self) -> Optional[RewriteResult]:
@@ -363,16 +360,17 @@ class SparseDataDistUtil(Generic[In]):
             for index in range(1 - self._num_contexts, 0):
                 self._contexts.append(self._new_context(index))
             self._add_context()
+        self._taken_over_by = None
         if self._rewrite is None:
-            self._rewrite = rewrite_model(
-                self.model,
+            self._pipelined.rewrite(
                 batch,
                 self._make_forward,
-                self._rewrite_strategy,
+                self._options.rewrite_strategy,
+                self._options.on_unpipelined,
                 make_postproc=self._make_postproc if self._pipeline_postproc else None,
             )
         else:
-            self._rewrite = reapply_rewrite(self._rewrite, self._make_forward)
+            self._pipelined.reattach(self._make_forward)
             # The caller may have run the model directly since the last forward hook.
             self._forward_done = record_event(self._compute_stream)
         self._set_module_context(self._forward_context())
@@ -425,9 +423,7 @@ class SparseDataDistUtil(Generic[In]):
             if self._pre_hook is not None:
                 self._pre_hook.remove()
                 self._pre_hook = None
-            if self._fusion.fused:
-                self._fusion.unfuse()
-            restore_model(self._rewrite)
+        self._pipelined.detach()
         self.initialized = False
         return self.model
 

@@ -35,9 +35,7 @@ from trec_pipelines.streams import StreamSet, make_streams, on_stream
 logger: logging.Logger = logging.getLogger(__name__)
 
 
-class TrainPipelineSparseDist(
-    TrainPipeline[In, Out], AsyncInplaceCopyMixin[In], PipelineCore
-):
+class TrainPipelineSparseDist(TrainPipeline[In, Out], AsyncInplaceCopyMixin[In], PipelineCore):
     """Three batches in flight: ``cur`` trains, ``nxt`` is in input_dist, ``new`` is copied.
 
     ==========  =======  ==================================================

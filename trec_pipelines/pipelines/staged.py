@@ -16,6 +16,7 @@ from typing import (
     Protocol,
     Tuple,
     TypeVar,
+    Unpack,
     runtime_checkable,
 )
 
@@ -24,6 +25,8 @@ from torchrec.distributed.train_pipeline import In, TrainPipeline
 from torchrec.streamable import Pipelineable
 
 from trec_pipelines import recorder as rec
+from trec_pipelines.core.options import ValidationOptions, resolve_options
+from trec_pipelines.core.pipeline import WithOptions
 from trec_pipelines.errors import MalformedBatchError
 from trec_pipelines.recorder import Recordable
 from trec_pipelines.resume import Resumable
@@ -173,7 +176,9 @@ class _Failure:
     stage: Optional[int] = None
 
 
-class StagedTrainPipeline(TrainPipeline[In, Optional[StageOut]], Recordable, Resumable):
+class StagedTrainPipeline(
+    TrainPipeline[In, Optional[StageOut]], WithOptions, Recordable, Resumable
+):
     """N batches in flight, one per stage; the caller trains the batch it returns.
 
     With stages ``s0 .. s(N-1)``, one ``progress()`` call issues, in order:
@@ -280,10 +285,10 @@ class StagedTrainPipeline(TrainPipeline[In, Optional[StageOut]], Recordable, Res
         debug_mode: bool = False,
         compute_stream: Optional[torch.Stream] = None,
         on_flush_end: Optional[Callable[[], None]] = None,
-        *,
-        validate_batches: bool = True,
+        **options: Unpack[ValidationOptions],
     ) -> None:
         super().__init__()
+        self._options = resolve_options(type(self).__name__, type(self), options)
         if not pipeline_stages:
             raise ValueError(
                 "StagedTrainPipeline needs at least one PipelineStage, got none; "
@@ -315,7 +320,6 @@ class StagedTrainPipeline(TrainPipeline[In, Optional[StageOut]], Recordable, Res
         self._iterator: Optional[Iterator[Any]] = None
         self._exhausted = False
         self._loaded = 0  # batches handed to stage 0 so far: the next one's index
-        self._validate_batches = validate_batches
         self.rejected = 0  # malformed batches dropped (``validate_batches``)
         # Where the last progress() raised, if it did (see skip_failed_batch).
         self._failure: Optional[_Failure] = None
@@ -350,7 +354,7 @@ class StagedTrainPipeline(TrainPipeline[In, Optional[StageOut]], Recordable, Res
             # Not asked again this epoch: some loaders block when they are.
             self._exhausted = True
             return None
-        if self._validate_batches:
+        if self._options.validate_batches:
             self._reject_if_malformed(batch)
         self._loaded += 1
         return _InFlight(batch, None, None, self._loaded - 1, batch)
