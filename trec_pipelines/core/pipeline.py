@@ -57,7 +57,7 @@ class WithOptions:
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
         expand_options(cls)
-        if "__init__" in cls.__dict__ and cls.__doc__ and accepted_options(cls):
+        if cls.__dict__.get("__doc__") and accepted_options(cls):
             cls.__doc__ = (
                 inspect.cleandoc(cls.__doc__)
                 + "\n\nOptions of trec_pipelines (keyword-only):\n\n"

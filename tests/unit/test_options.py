@@ -1,0 +1,147 @@
+"""Our keyword-only options: declared once, shown on every class that takes them,
+refused (as Python refuses an unknown keyword) by every class that does not."""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+import typing
+from typing import Any, Dict, FrozenSet
+
+import pytest
+import torch
+
+import trec_pipelines as tp
+from tests.unit.fakes import TinyModel, drain, make_batches, optimizer_for, plain_loop
+from trec_pipelines.core import options as opts
+
+OPTION_NAMES = [f.name for f in dataclasses.fields(opts.PipelineOptions)]
+CONCERNS = [
+    opts.ValidationOptions,
+    opts.BatchOptions,
+    opts.RewriteOptions,
+    opts.GroupOptions,
+    opts.LiteOptions,
+    opts.SparseDistOptions,
+    opts.ModelOptions,
+    opts.EvalHostOptions,
+]
+
+# What each class takes today: a change here is a change of the public API.
+EXPECTED: Dict[str, FrozenSet[str]] = {
+    "TrainPipelineBase": frozenset({"sync_exhaustion", "validate_batches"}),
+    "TrainPipelinePT2": frozenset({"sync_exhaustion", "validate_batches"}),
+    "TrainPipelineSparseDistLite": frozenset(
+        {"sync_exhaustion", "validate_batches", "rewrite_strategy", "on_unpipelined"}
+    ),
+    "EvalPipelineCPUSparse": frozenset({"validate_batches", "rewrite_strategy", "on_unpipelined"}),
+    "SparseDataDistUtil": frozenset({"rewrite_strategy", "on_unpipelined", "input_dist_group"}),
+    "StagedTrainPipeline": frozenset({"validate_batches"}),
+}
+EVERY_OPTION = frozenset(OPTION_NAMES)
+SPARSE_DIST_FAMILY = [
+    "TrainPipelineSparseDist",
+    "TrainPipelineFusedSparseDist",
+    "EvalPipelineFusedSparseDist",
+    "TrainPipelineSemiSync",
+    "PrefetchTrainPipelineSparseDist",
+    "EvalPipelineSparseDist",
+    "TrainPipelineSparseDistCompAutograd",
+    "TrainPipelinePEC",
+    "TrainPipelineSparseDistT",
+    "TrainPipelineSparseDistBwdOpt",
+    "TrainEvalHybridPipelineBase",
+    "TrainPipelineSparseDistOptStash",
+    "TrainPipelineSparseDistEmbStash",
+    "TrainPipelinePrefetchEMS",
+]
+EXPECTED.update({name: EVERY_OPTION for name in SPARSE_DIST_FAMILY})
+
+
+def test_every_key_of_every_concern_is_a_declared_option_of_the_same_type() -> None:
+    fields = {f.name: f.type for f in dataclasses.fields(opts.PipelineOptions)}
+    seen = set()
+    for concern in CONCERNS:
+        for key, hint in typing.get_type_hints(concern).items():
+            seen.add(key)
+            declared = typing.get_type_hints(opts.PipelineOptions)[key]
+            assert hint == declared, (concern.__name__, key, hint, fields[key])
+    assert seen == set(OPTION_NAMES), "a declared option no constructor can take"
+
+
+def test_every_option_is_documented() -> None:
+    for name in OPTION_NAMES:
+        assert len(opts.PipelineOptions.doc(name)) > 40, name
+
+
+@pytest.mark.parametrize("name", sorted(EXPECTED))
+def test_the_signature_shows_exactly_the_options_the_class_takes(name: str) -> None:
+    cls = getattr(tp, name)
+    params = inspect.signature(cls).parameters
+    shown = {
+        p.name
+        for p in params.values()
+        if p.kind is inspect.Parameter.KEYWORD_ONLY and p.name in EVERY_OPTION
+    }
+    assert shown == EXPECTED[name] == opts.accepted_options(cls)
+    for option in shown:
+        field = next(f for f in dataclasses.fields(opts.PipelineOptions) if f.name == option)
+        assert params[option].default == field.default, (name, option)
+    assert not any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
+    assert all(f"``{option}``" in (cls.__doc__ or "") for option in shown), name
+
+
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda m, **kw: tp.TrainPipelineBase(m, optimizer_for(m), torch.device("cpu"), **kw),
+        lambda m, **kw: tp.TrainPipelineSparseDistLite(
+            m, optimizer_for(m), torch.device("cpu"), **kw
+        ),
+    ],
+    ids=["Base", "Lite"],
+)
+def test_an_option_the_class_does_not_take_is_a_type_error(make: Any) -> None:
+    with pytest.raises(TypeError, match="unexpected keyword argument 'input_dist_group'"):
+        make(TinyModel(), input_dist_group="shared")
+    with pytest.raises(TypeError, match="unexpected keyword argument 'no_such_option'"):
+        make(TinyModel(), no_such_option=1)
+
+
+@pytest.mark.parametrize(
+    "option, value, error",
+    [
+        ("rewrite_strategy", "trace", ValueError),
+        ("on_unpipelined", "ignore", ValueError),
+        ("input_dist_group", "mine", ValueError),
+        ("sync_exhaustion", "yes", TypeError),
+        ("validate_batches", None, TypeError),
+    ],
+)
+def test_a_bad_value_is_refused_with_the_choices(option: str, value: Any, error: type) -> None:
+    model = TinyModel()
+    with pytest.raises(error, match=option):
+        tp.TrainPipelineSparseDist(
+            model, optimizer_for(model), torch.device("cpu"), **{option: value}
+        )
+
+
+@pytest.mark.parametrize("device", ["cpu", torch.device("cpu")], ids=["str", "torch.device"])
+@pytest.mark.parametrize("name", ["TrainPipelineBase", "TrainPipelineSparseDist"])
+def test_device_may_be_what_torch_accepts(name: str, device: Any) -> None:
+    model, ref = TinyModel(), TinyModel()
+    batches = make_batches(4)
+    pipeline = getattr(tp, name)(model, optimizer_for(model), device)
+    assert pipeline._device == torch.device("cpu")
+    outputs = drain(pipeline, iter(batches))
+    expected = plain_loop(ref, batches)
+    for got, want in zip(outputs, expected, strict=True):
+        assert torch.equal(got, want)
+
+
+def test_a_device_torch_does_not_know_is_refused_with_examples() -> None:
+    model = TinyModel()
+    with pytest.raises(ValueError, match="not a device torch knows"):
+        tp.TrainPipelineBase(model, optimizer_for(model), "gpu0")
+    with pytest.raises(TypeError, match="torch.device"):
+        tp.TrainPipelineBase(model, optimizer_for(model), 1.5)
