@@ -171,9 +171,10 @@ class PipelineCore(WithOptions, Recordable, Resumable):
         if dataloader_iter is source.iterator:
             return
         previous = source.iterator
-        in_flight = self._in_flight() + source.holding
+        on_device = self._in_flight()
+        in_flight = on_device + source.holding
         if previous is not None and in_flight:
-            self._parked.park(previous, (self._set_aside(), source.save()))
+            self._parked.park(previous, (self._set_aside(), source.save(), on_device))
             logger.warning(
                 "%s: a different iterator was passed with %d batch(es) of the previous "
                 "one in flight; they are parked and resume when that iterator is passed "
@@ -183,11 +184,35 @@ class PipelineCore(WithOptions, Recordable, Resumable):
             )
         parked = self._parked.resume(dataloader_iter)
         if parked is not None:
-            state, saved = parked
+            state, saved, _ = parked
             self._bring_back(state)
             source.restore(saved)
 
     # ------------------------------------------------------------ between steps
+
+    def reset(self) -> None:
+        """Drop the in-flight (and parked) batches; the next ``progress()`` starts a new
+        epoch, its first batch numbered 0."""
+        dropped = self._in_flight() + sum(count for _, _, count in self._parked.states())
+        dropped += self._source.rewound
+        if dropped:
+            logger.warning(
+                "%s.reset() drops %d in-flight batch(es) that were never trained",
+                type(self).__name__,
+                dropped,
+            )
+        self._set_aside()
+        self._parked.clear()
+        self._source.drop_in_flight()
+        self._step_guard.failed = None
+        self._end_epoch()
+        # Batch indices start from 0 again, as in torchrec: the DMPCollection
+        # sync every N batches (sync_embeddings) counts from the reset.
+        self._source.restart_count()
+
+    def _end_epoch(self) -> None:
+        """The epoch is over: the next ``progress()`` starts a new one."""
+        self._source.end_epoch()
 
     def skip_failed_batch(self) -> int:
         """Drop the batch the last ``progress()`` failed on instead of retrying it.

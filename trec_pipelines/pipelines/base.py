@@ -18,7 +18,7 @@ from trec_pipelines.streams import make_streams
 logger: logging.Logger = logging.getLogger(__name__)
 
 
-class TrainPipelineBase(TrainPipeline[In, Out], PipelineCore):
+class TrainPipelineBase(PipelineCore, TrainPipeline[In, Out]):
     """Two batches in flight: batch ``i`` trains while batch ``i+1`` is copied.
 
     ===========  =======  =========================================
@@ -125,11 +125,3 @@ class TrainPipelineBase(TrainPipeline[In, Out], PipelineCore):
     def _end_epoch(self) -> None:
         self._connected = False
         self._source.end_epoch()
-
-    def reset(self) -> None:
-        """Forget the in-flight (and parked) batches; the next ``progress()`` starts a new epoch."""
-        self._cur_batch = None
-        self._parked.clear()
-        self._source.drop_in_flight()
-        self._step_guard.failed = None
-        self._end_epoch()

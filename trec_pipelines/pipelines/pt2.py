@@ -65,7 +65,7 @@ def dynamo_settings() -> ContextManager[None]:
     return _held_dynamo_settings().held()
 
 
-class TrainPipelinePT2(TrainPipeline[In, Out], PipelineCore):
+class TrainPipelinePT2(PipelineCore, TrainPipeline[In, Out]):
     """One batch in flight, one stream; the model is compiled on ``compile_on_iter``.
 
     ==========  =======  =========================================================
@@ -172,10 +172,3 @@ class TrainPipelinePT2(TrainPipeline[In, Out], PipelineCore):
 
     def _set_aside(self) -> None:
         self._cur_batch = None  # trained already: nothing of it is in flight
-
-    def reset(self) -> None:
-        """Forget the current batch; the next ``progress()`` starts a new epoch."""
-        self._cur_batch = None
-        self._source.drop_in_flight()
-        self._step_guard.failed = None
-        self._source.end_epoch()

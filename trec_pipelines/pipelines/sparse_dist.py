@@ -35,7 +35,7 @@ from trec_pipelines.streams import StreamSet, make_streams, on_stream
 logger: logging.Logger = logging.getLogger(__name__)
 
 
-class TrainPipelineSparseDist(TrainPipeline[In, Out], AsyncInplaceCopyMixin[In], PipelineCore):
+class TrainPipelineSparseDist(PipelineCore, TrainPipeline[In, Out], AsyncInplaceCopyMixin[In]):
     """Three batches in flight: ``cur`` trains, ``nxt`` is in input_dist, ``new`` is copied.
 
     ==========  =======  ==================================================
@@ -603,24 +603,3 @@ class TrainPipelineSparseDist(TrainPipeline[In, Out], AsyncInplaceCopyMixin[In],
         self._rewrite_checked(batch)
         self._pipelined.fuse_new()
         self._set_module_context(self.contexts[0])
-
-    def reset(self) -> None:
-        """Drop the in-flight (and parked) batches; the next ``progress()`` starts a new
-        epoch, its first batch numbered 0."""
-        dropped = len(self.batches) + sum(len(aside[0]) for aside, _ in self._parked.states())
-        dropped += self._source.rewound
-        if dropped:
-            logger.warning(
-                "%s.reset() drops %d in-flight batch(es) that were never trained",
-                type(self).__name__,
-                dropped,
-            )
-        self.batches.clear()
-        self.contexts.clear()
-        self._parked.clear()
-        self._source.drop_in_flight()
-        self._step_guard.failed = None
-        self._source.end_epoch()
-        # Batch indices start from 0 again, as in torchrec: the DMPCollection
-        # sync every N batches (sync_embeddings) counts from the reset.
-        self._source.restart_count()
