@@ -8,7 +8,7 @@ and sharding context to ``module_input_post_prefetch`` /
 The prefetch stream first waits for ``forward_done``, an event recorded after
 the forward that reads the cache state this prefetch rewrites, then for the
 data_dist stream; see ``[Note: prefetch ordering]`` in
-:class:`~trec_pipelines.PrefetchTrainPipelineSparseDist`.
+:mod:`trec_pipelines.pipelines.prefetch`.
 
 :func:`prefetch_embeddings` is the same verb with torchrec's signature, for code
 that drives prefetching itself.

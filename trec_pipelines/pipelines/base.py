@@ -28,16 +28,22 @@ class TrainPipelineBase(PipelineCore, TrainPipeline[In, Out]):
     memcpy       ``nxt``  host-to-device copy
     ===========  =======  =========================================
 
-    The copy of ``nxt`` is issued right after the forward of ``cur``, so on a
-    GPU it overlaps the backward and the optimizer step.  Differences from
-    torchrec 1.8.0, both fixes: ``custom_model_fwd`` is honoured, and a new
-    epoch starts without ``reset()`` when ``progress()`` is called again after
-    ``StopIteration`` (new iterator, or the same one refilled).  The next host
-    batch is pulled at the top of ``progress()`` (as torchrec does), so an
-    iterator error reaches the caller before any work.  ``sync_exhaustion``
-    works as in :class:`~trec_pipelines.TrainPipelineSparseDist`, and so do a
-    failed step (rolled back; the next call retries its batch, or
-    :meth:`skip_failed_batch` drops it) and ``validate_batches``.
+    ``cur`` is the batch being trained and ``nxt`` the one on its way to the
+    device.  The copy of ``nxt`` is issued right after the forward of ``cur``,
+    so on a GPU it overlaps the backward and the optimizer step.
+
+    The model runs its own forward (or ``custom_model_fwd``); no module is
+    rewritten.  Each ``progress()`` pulls its host batch before issuing any
+    work, so an error from the iterator reaches the caller with the pipeline
+    untouched.  A step that raises is rolled back and the next call retries its
+    batch (:meth:`skip_failed_batch` drops one that fails every time).  In eval
+    mode (``model.eval()``) a step is the forward only.  After
+    ``StopIteration``, calling ``progress()`` again starts a new epoch, with a
+    new iterator or the same one refilled.  Our keyword-only options
+    (``sync_exhaustion``, ``validate_batches``) are described in the
+    :doc:`options guide </guides/options>`.
+
+    Differences from torchrec: :ref:`the migration guide <migrating-base>` (docs/guides/migrating.md).
 
     Example::
 

@@ -26,16 +26,6 @@ logger: logging.Logger = logging.getLogger(__name__)
 class TrainPipelineSparseDistBwdOpt(TrainPipelineSparseDist[In, Out]):
     """SparseDist's schedule, with ``optimizer.step()`` run during the backward.
 
-    torchrec's experimental class (``experimental_pipelines``).  The step is a
-    backward hook at ``site_fqn``'s output dist (an
-    :class:`~trec_pipelines.backward_hooks.OutputDistTensorFinder` of
-    ``sharding_type``): it runs once the backward has launched that module's
-    gradient all-to-all, overlapping it, instead of after the backward.  It
-    steps on the gradients as they are at that point of the backward: what
-    autograd has not reached yet (the module's own tables, a dense branch
-    behind it) and what DDP has not yet averaged are stepped as they are, as
-    in torchrec's class, whose results ours equal bit for bit.
-
     ==========  =======  ==========================================================
     stream      slot     work
     ==========  =======  ==========================================================
@@ -44,19 +34,40 @@ class TrainPipelineSparseDistBwdOpt(TrainPipelineSparseDist[In, Out]):
     memcpy      ``new``  host-to-device copy
     ==========  =======  ==========================================================
 
-    A race, in torchrec's class as in ours: DDP (``gradient_as_bucket_view``,
-    torchrec's default) all-reduces a bucket of dense gradients in place, on
-    another thread (or stream), as soon as the bucket is full, and the step can
-    read a gradient while it is being reduced.  Two runs of torchrec's class on
-    the same data differ from the third step on here.  The first step logs it;
-    a DDP communication hook that waits for its all-reduce makes the step
-    deterministic (the tests compare the two libraries that way), and
-    :class:`TrainPipelineSparseDist` has no such race.
+    torchrec's experimental class (``experimental_pipelines``).  The slots are
+    :class:`TrainPipelineSparseDist`'s.
 
-    A fix: when the site's hook did not run in a step's backward (its output
-    dist carried no collective, as on a one-rank group, or the module took no
-    part in the loss), torchrec's class never steps the optimizer; ours steps
-    it after the backward, as SparseDist does, and logs that once.
+    The step is a backward hook at ``site_fqn``'s output dist (an
+    :class:`~trec_pipelines.backward_hooks.OutputDistTensorFinder` of
+    ``sharding_type``): it runs once the backward has launched that module's
+    gradient all-to-all, overlapping it, instead of after the backward.  It
+    steps on the gradients as they are at that point: what autograd has not
+    reached yet (the module's own tables, a dense branch behind it) and what
+    DDP has not yet averaged are stepped as they are, as in torchrec's class,
+    whose results ours equal bit for bit.  That makes a race, in torchrec's
+    class as in ours: DDP (``gradient_as_bucket_view``, torchrec's default)
+    all-reduces a bucket of dense gradients in place, on another thread or
+    stream, as soon as the bucket is full, and the step can read a gradient
+    while it is being reduced.  The first step logs it; a DDP communication
+    hook that waits for its all-reduce makes the step deterministic, and
+    :class:`TrainPipelineSparseDist` has no such race.  When the site's hook
+    does not run in a step's backward (no collective there, as on a one-rank
+    group, or the module took no part in the loss), the optimizer steps after
+    the backward instead (logged once).
+
+    Differences from torchrec: :ref:`the migration guide <migrating-bwd-opt>` (docs/guides/migrating.md).
+
+    Example::
+
+        pipeline = TrainPipelineSparseDistBwdOpt(
+            dmp_model, optimizer, device, site_fqn="sparse_arch.embedding_bag_collection"
+        )
+        it = iter(dataloader)
+        while True:
+            try:
+                output = pipeline.progress(it)
+            except StopIteration:
+                break
     """
 
     def __init__(

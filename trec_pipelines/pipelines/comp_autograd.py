@@ -185,44 +185,30 @@ class TrainPipelineSparseDistCompAutograd(TrainPipelineSparseDist[In, Out]):
     memcpy      ``new``  host-to-device copy
     ==========  =======  ===========================================================
 
-    The forward and the backward run with torchrec's collectives synchronous
-    and under ``torch._dynamo.compiled_autograd``, so each backward is
-    captured as a graph and compiled with ``torch.compile(**options)``.
-    ``options`` is ``model._compiled_autograd_options`` when the model has
-    it, else ``backend="inductor", dynamic=True`` and ``fullgraph=True`` (on
-    CPU ``fullgraph=False``, see below).  As upstream, the first forward runs
-    without compiled autograd and every backward runs with it.  From the
-    forward to the end of the backward, the compiler settings of
-    :func:`compiled_autograd_settings` are held (inductor reorders the
-    backward so collectives overlap compute).
+    The slots are :class:`TrainPipelineSparseDist`'s.  The forward and the
+    backward run with torchrec's collectives synchronous and under
+    ``torch._dynamo.compiled_autograd``, so each backward is captured as a
+    graph and compiled with ``torch.compile(**options)``.
 
-    The model is taken as it is built.  Compiled autograd cannot trace the
-    hooks of DDP's C++ reducer (what ``DistributedModelParallel`` builds for
-    its dense part by default), so the constructor switches each such DDP to
-    DDP's Python reducer, which does the same arithmetic (see [Note: DDP's
-    reducer under compiled autograd]); the switch stays with the model.  A
-    model built under ``torch._dynamo.config.patch(optimize_ddp="python_reducer")``
-    is used as is.  No global dynamo setting is changed.
+    ``options`` is ``model._compiled_autograd_options`` when the model has it,
+    else ``backend="inductor", dynamic=True`` and ``fullgraph=True`` (on CPU
+    ``fullgraph=False``: fbgemm's CPU kernels of the embedding backward cannot
+    be traced, so they run eagerly between compiled pieces).  As in torchrec,
+    the first forward runs without compiled autograd and every backward runs
+    with it.  From the forward to the end of the backward the compiler settings
+    of :func:`compiled_autograd_settings` are held (inductor reorders the
+    backward so collectives overlap compute), and only then; no global dynamo
+    setting is changed.  The model is taken as it is built: compiled autograd
+    cannot trace the hooks of DDP's C++ reducer (what
+    ``DistributedModelParallel`` builds for its dense part by default), so the
+    constructor switches each such DDP to DDP's Python reducer, which does the
+    same arithmetic (see [Note: DDP's reducer under compiled autograd]); the
+    switch stays with the model.  A model built under
+    ``torch._dynamo.config.patch(optimize_ddp="python_reducer")`` is used as
+    is.  Epochs, failed steps, iterators and our keyword-only options are as in
+    :class:`TrainPipelineSparseDist`.
 
-    Differences from torchrec 1.8.0, all fixes:
-
-    * The compiler settings are held only around the forward and the backward;
-      upstream sets them globally for good in ``__init__``, and turns on
-      verbose compiled-autograd logging globally (``torch._logging.set_logs``),
-      which this class does not touch.
-    * It runs on CPU.  Upstream fails there in the first backward: on the C++
-      DDP reducer (what DMP builds by default), and with the Python reducer on
-      ``fullgraph=True``, because fbgemm's CPU kernels of the embedding
-      backward have no fake (meta) implementation to trace.  On CPU the
-      default is ``fullgraph=False``: the embedding backward runs eagerly
-      between compiled pieces.  A model with the C++ reducer is switched to
-      the Python one instead of failing in its first backward.
-    * The synchronous-collectives flag is restored even when the forward or
-      backward raises.
-    * Embeddings of a ``DMPCollection`` are synced between replicas after the
-      backward, as in :class:`TrainPipelineSparseDist`; upstream skips it here.
-    * As :class:`TrainPipelineSparseDist`: a new epoch starts without
-      ``reset()``; ``detach()``/``attach()`` keep the in-flight batches.
+    Differences from torchrec: :ref:`the migration guide <migrating-comp-autograd>` (docs/guides/migrating.md).
 
     Example::
 

@@ -40,10 +40,6 @@ SPARSE_THREAD = "trec_pipelines-cpu_sparse"
 class EvalPipelineCPUSparse(TrainPipelineSparseDist[In, Out]):
     """Eval with every table on the host (data_parallel) and the dense part on the device.
 
-    torchrec's experimental class (``experimental_pipelines``).  Three stages,
-    each batch through all of them, ``pipeline_depth`` (1 or 2) batches in
-    flight:
-
     ==========  =======  ==========================================================
     where       slot     work
     ==========  =======  ==========================================================
@@ -57,16 +53,30 @@ class EvalPipelineCPUSparse(TrainPipelineSparseDist[In, Out]):
                          pipelined module returns its copied embeddings
     ==========  =======  ==========================================================
 
-    With ``pipeline_depth=2`` (default) a call runs ``cur``'s dense forward,
-    then issues ``nxt``'s copy, then runs the host stage of the next batch,
-    which overlaps the device's work; with 1 the copy follows the host stage
-    at once.  Returns the forward's output (the second item of a ``(loss,
-    output)`` pair); ``optimizer`` is accepted and unused.
+    torchrec's experimental class (``experimental_pipelines``).  Three stages,
+    each batch through all of them, ``pipeline_depth`` (1 or 2) batches in
+    flight.  With ``pipeline_depth=2`` (default) a call runs ``cur``'s dense
+    forward, then issues ``nxt``'s copy, then runs the host stage of the next
+    batch, which overlaps the device's work; with 1 the copy follows the host
+    stage at once.
 
-    Fixes: a pinned buffer is reused only after the copy that read it has
-    finished (torchrec writes the next batch's embeddings into the buffer
-    the previous copy may still be reading); nothing is pinned on a device
-    without streams (CPU), where torchrec's pinning fails without a GPU.
+    ``progress()`` returns the forward's output (the second item of a
+    ``(loss, output)`` pair); ``optimizer`` is accepted and unused.  A pinned
+    buffer is written again only once the copy that read it has finished, and
+    nothing is pinned on a device without streams (CPU).
+
+    Differences from torchrec: :ref:`the migration guide <migrating-cpu-sparse>` (docs/guides/migrating.md).
+
+    Example::
+
+        model.eval()
+        pipeline = EvalPipelineCPUSparse(dmp_model, None, device, pipeline_depth=2)
+        it = iter(dataloader)
+        while True:
+            try:
+                predictions = pipeline.progress(it)
+            except StopIteration:
+                break
     """
 
     _requires_optimizer = False

@@ -201,53 +201,35 @@ class EvalPipelineSparseDist(TrainPipelineSparseDist[In, Out]):
 
     Two batches are in flight in the pipeline (``cur`` and ``nxt``); a loader
     thread holds at most one more, the one it is loading or has loaded, and
-    starts on the next when ``progress()`` takes it.  There is no zero_grad,
-    backward or optimizer step, and the model's mode is left as the caller set
-    it (call ``model.eval()`` first).  ``optimizer`` is accepted for torchrec
-    compatibility, unused, and may be ``None``.
+    starts on the next when ``progress()`` takes it.  ``loader_thread``:
+    ``None`` (default) runs a thread on a device with streams (CUDA, MTIA),
+    where its copy overlaps the forward, and loads inline on CPU, where the
+    thread's Python work would only compete with ``progress()`` for the GIL;
+    ``True`` always starts one (for an iterator whose loading releases the
+    GIL), ``False`` never does.  Both modes give the same batches, results and
+    errors, and record the copy of batch ``k`` as ``H2D[ik]@memcpy`` (with
+    ``thread="loader"`` or ``"main"``) just before the call's first action on
+    that batch (``[Note: recording the loader's copies]`` in
+    :mod:`trec_pipelines.pipelines.eval_sparse_dist`).
 
-    ``progress()`` returns the model's predictions: for a model returning
-    ``(loss, pred)`` (any 2-tuple), ``pred``, as torchrec does; for any other
-    output (a tensor, a dict, a list), the output itself.
+    There is no zero_grad, backward or optimizer step, and the model's mode is
+    the caller's (call ``model.eval()`` first); ``optimizer`` is unused and may
+    be ``None``.  ``progress()`` returns the predictions: ``pred`` of a
+    ``(loss, pred)`` pair (any 2-tuple), any other output (a tensor, a dict, a
+    list) as it is.  An epoch reads the iterator given to its first
+    ``progress()`` to the end; another iterator passed mid-epoch raises
+    ``RuntimeError`` (finish the epoch or call ``reset()``).  An exception
+    raised while loading (the iterator, the copy) reaches the call that needs
+    that batch, after every batch before it was returned, and ends the
+    loading: the batches in flight still come out, then ``StopIteration``.  A
+    malformed batch (``MalformedBatchError``) is only dropped: that call
+    raises, the next goes on.  The loader thread ends at the end of the data,
+    on ``reset()`` (which drops the batches in flight and the loader's) and
+    when the pipeline is collected; the next epoch starts without ``reset()``.
+    Our keyword-only options are SparseDist's plus ``loader_thread``; see the
+    :doc:`options guide </guides/options>`.
 
-    Where the batches are loaded (``loader_thread``): ``None`` (default) uses
-    a loader thread on a device that runs work on streams (CUDA, MTIA), where
-    the copy it issues overlaps the forward, and loads inline on CPU, where
-    there is no device copy to overlap and the thread's Python work
-    (``next()``, the batch checks) would only compete with ``progress()`` for
-    the GIL.  ``True`` always starts a thread (an iterator whose loading
-    releases the GIL, e.g. reading files), ``False`` never does.  The two
-    modes run the same batches through the same schedule, with the same
-    results and errors; only who issues the copy, and when, differs.
-
-    Loading: an epoch starts with the first ``progress()`` on the iterator
-    passed to it, which it reads until the end.  In both modes a different
-    iterator passed mid-epoch raises ``RuntimeError`` (finish the epoch or
-    call ``reset()``), so a program behaves the same on every device (the
-    train variants park the first iterator's batches instead).  An exception
-    raised while loading (the iterator, the copy) reaches the ``progress()``
-    call that needs that batch, after every batch before it was returned, and
-    ends the loading of the epoch: the batches in flight still run on the next
-    calls, which end with ``StopIteration``.  A malformed batch
-    (``MalformedBatchError``) is only dropped: that call raises, the next goes
-    on with the next batch.  The loader
-    thread ends at the end of the data, on ``reset()`` (which drops the
-    batches in flight and the one the loader holds) and when the pipeline is
-    collected.  As in the other variants, the next epoch starts without
-    ``reset()``.
-
-    Schedule recording: the copy of batch ``k`` is recorded as
-    ``H2D[ik]@memcpy``, with ``thread="loader"`` or ``thread="main"``
-    (inline), by the ``progress()`` call that takes the batch, just before that
-    call's first action on it (see [Note: recording the loader's copies]).
-
-    Same constructor as torchrec 1.8.0's ``EvalPipelineSparseDist``, plus our
-    keyword-only options (``rewrite_strategy``, ..., ``loader_thread``).
-    Differences, all fixes: our own loader thread, which is joined instead of
-    abandoned, hands every batch over exactly once, does not skip batches on
-    retryable errors, and is not started on CPU by default; forward under
-    ``no_grad``; predictions-only models work; the first batch's input_dist is
-    started once, not twice; a new epoch starts without ``reset()``.
+    Differences from torchrec: :ref:`the migration guide <migrating-eval>` (docs/guides/migrating.md).
 
     Example::
 

@@ -45,49 +45,27 @@ class TrainPipelineFusedSparseDist(TrainPipelineSparseDist[In, Out]):
     gives the lookup a stream of its own (most overlap); "current" runs it on
     the default stream (no overlap: SparseDist with the lookup issued earlier).
 
-    The lookup of ``cur`` is issued at the top of :meth:`progress`, before the
-    dense forward; each pipelined module's forward is an
+    The slots are :class:`TrainPipelineSparseDist`'s.  The lookup of ``cur`` is
+    issued at the top of :meth:`progress`, before the dense forward, and on a
+    GPU it overlaps the previous batch's optimizer step; each pipelined
+    module's forward is an
     :class:`~trec_pipelines.forwards.InSyncEmbeddingPipelinedForward`, which
     hands the result over still attached to autograd, so the backward reaches
-    the embeddings as usual.  On a GPU the lookup overlaps the previous batch's
-    optimizer step.  That is correct only when the embeddings are updated
-    inside the backward (the fused TBE optimizer, torchrec's default for
-    sharded tables): a table trained by the dense optimizer (data-parallel
-    tables) or behind a feature processor would be read before its update.
-    Experimental, as upstream: check NE parity before relying on it.
-    ``embedding_lookup_after_data_dist=True`` issues the lookup after ``nxt``'s
-    input_dist start and ``new``'s copy instead, which helps when launching the
-    all-to-alls is what holds the CPU back.
+    the embeddings as usual.
 
-    Differences from torchrec 1.8.0, all fixes; the first two are races on a
-    GPU, and on CPU the results are bit-identical:
+    Reading the tables before the previous optimizer step is correct only when
+    the embeddings are updated inside the backward (the fused TBE optimizer,
+    torchrec's default for sharded tables): a table trained by the dense
+    optimizer (data-parallel tables) or behind a feature processor would be
+    read before its update.  The class is experimental, as in torchrec: check
+    NE parity before relying on it.  ``embedding_lookup_after_data_dist=True``
+    issues the lookup after ``nxt``'s input_dist start and ``new``'s copy
+    instead, which helps when launching the all-to-alls is what holds the CPU
+    back.  ``pipeline_postproc`` defaults to True, as in torchrec.  The rest
+    (epochs, failed steps, iterators, our keyword-only options) is
+    :class:`TrainPipelineSparseDist`'s.
 
-    * The fused TBE writes the embedding rows during the backward of batch
-      ``i-1``, on the default stream.  Upstream orders nothing between that
-      backward and the lookup of batch ``i`` on a side stream (the data_dist
-      stream never waits on the default one), so the lookup can read rows
-      before or while they are written.  Here an event is recorded on the
-      default stream right after each backward and the next lookup waits on
-      it; an event rather than ``wait_stream`` so the lookup still overlaps
-      the optimizer step issued after it.  The first lookup, and the first
-      after :meth:`detach`, waits for all default-stream work instead (weight
-      init, a loaded checkpoint); and :meth:`detach` hands the model back
-      only after any lookup in flight (the eval variant's prefetch).
-    * The lookup waits for the tensors all-to-all on the data_dist stream, and
-      the dense forward waits for an event recorded right after its batch's
-      lookup.  Upstream's forward waits for the data_dist stream, which with
-      "new" does not cover the lookup at all (fixed upstream after 1.8.0,
-      torchrec #4497).  Inputs and outputs of the lookup are
-      ``record_stream``-ed on every stream that reads them.
-    * 2D sharding (``DMPCollection``) replicas are synced after the backward,
-      as in SparseDist; upstream's Fused never syncs them.
-    * SparseDist's: a new epoch needs no ``reset()``, a ``torch.Tensor``
-      batch works, ``detach()``/``attach()`` keep the in-flight batches.
-
-    ``emb_lookup_stream`` outside the three choices raises ``ValueError``
-    (upstream: ``RuntimeError``).  ``strict`` is accepted and, as upstream,
-    unused.  ``pipeline_postproc`` defaults to True as upstream: postproc
-    modules run ahead in the input_dist stage (see :mod:`trec_pipelines.postproc`).
+    Differences from torchrec: :ref:`the migration guide <migrating-fused>` (docs/guides/migrating.md).
 
     Example::
 
@@ -299,11 +277,17 @@ class EvalPipelineFusedSparseDist(TrainPipelineFusedSparseDist[In, Out]):
     one batch ahead: ``fill_pipeline`` starts the first batch's, and each
     :meth:`progress` issues ``nxt``'s right after ``cur``'s forward, so on a
     GPU they overlap (use ``emb_lookup_stream="new"``; two batches' embeddings
-    are then alive at once).  The lookup stream choices, the fixes and the
-    arguments are :class:`TrainPipelineFusedSparseDist`'s, except that
-    ``optimizer`` may be ``None``.  As upstream, the copy of ``new`` is always
-    issued before the forward (``enqueue_batch_after_forward`` has no effect),
-    and ``zero_grad`` runs if the model is left in training mode.
+    are then alive at once).
+
+    The lookup stream choices and the arguments are
+    :class:`TrainPipelineFusedSparseDist`'s; ``optimizer`` may be ``None``.
+    ``progress()`` returns the predictions: ``pred`` of a ``(loss, pred)``
+    pair, any other output as it is.  Call ``model.eval()`` first: as in
+    torchrec, ``zero_grad`` runs if the model is left in training mode, and
+    the copy of ``new`` is always issued before the forward
+    (``enqueue_batch_after_forward`` has no effect).
+
+    Differences from torchrec: :ref:`the migration guide <migrating-eval-fused>` (docs/guides/migrating.md).
 
     Example::
 

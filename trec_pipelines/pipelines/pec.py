@@ -64,15 +64,17 @@ class TrainPipelinePEC(TrainPipelineSparseDist[In, Out]):
     memcpy      ``new``  host-to-device copy
     ==========  =======  ===========================================================
 
-    Per ``progress()`` call, in the order issued: wait(cur), copy(new), OL
-    lookup(cur), lookup(cur), overlap dist(nxt vs cur), input_dist start(new),
-    NOL gradient start(prv), zero_grad(cur), forward(cur), input_dist
-    wait(new), NOL gradient apply(prv), NOL lookup(nxt), backward(cur), OL
-    gradient start(cur), step(cur), OL gradient apply(cur); then ``cur``'s NOL
-    gradient is handed to ``nxt``'s step (the last batch applies its own at
-    once, after a final overlap dist with no ``nxt``).  Filling an empty
-    pipeline copies batch 0, distributes it, runs its overlap dist and NOL
-    lookup, then copies batch 1 and distributes it (start and wait).
+    ``prv`` is the batch trained by the previous call, whose non-overlapping
+    (NOL) gradient this step applies.  Per ``progress()`` call, in the order
+    issued: wait(cur), copy(new), OL lookup(cur), lookup(cur), overlap
+    dist(nxt vs cur), input_dist start(new), NOL gradient start(prv),
+    zero_grad(cur), forward(cur), input_dist wait(new), NOL gradient
+    apply(prv), NOL lookup(nxt), backward(cur), OL gradient start(cur),
+    step(cur), OL gradient apply(cur); then ``cur``'s NOL gradient is handed to
+    ``nxt``'s step (the last batch applies its own at once, after a final
+    overlap dist with no ``nxt``).  Filling an empty pipeline copies batch 0,
+    distributes it, runs its overlap dist and NOL lookup, then copies batch 1
+    and distributes it (start and wait).
 
     PEC modules (``ShardedPECEmbeddingCollection``, torchrec >= 1.9) look up
     and update the ids a batch shares with its neighbours in its own step, and
@@ -82,34 +84,22 @@ class TrainPipelinePEC(TrainPipelineSparseDist[In, Out]):
     module's own gradient routing departs from the plain loop from the second
     step on, in torchrec's class as here; ours matches torchrec's bit for
     bit.)  Every other pipelined module is looked up on the default stream at
-    the top of the step, as Fused does with
-    ``emb_lookup_stream="current"``, after the previous step's update; its
-    forward is an :class:`~trec_pipelines.forwards.PECPipelinedForward`, which
-    hands the output over still attached to autograd.  With no PEC module the
-    PEC verbs do nothing and are still recorded, so the schedule keeps its
-    shape.
+    the top of the step, as Fused does with ``emb_lookup_stream="current"``,
+    after the previous step's update; its forward is an
+    :class:`~trec_pipelines.forwards.PECPipelinedForward`, which hands the
+    output over still attached to autograd.  With no PEC module the PEC verbs
+    do nothing and are still recorded, so the schedule keeps its shape.  Before
+    the model is used outside the pipeline's order (:meth:`detach`, another
+    iterator mid-epoch, :meth:`reset`) the deferred NOL gradient is applied at
+    once.  A ``progress()`` that raises is rolled back and the next one retries
+    its batch, with the deferred NOL gradient of the batch before it applied
+    exactly once and the failed attempt's own PEC update discarded (see
+    [Note: PEC, retrying a step] in :mod:`trec_pipelines.pipelines.pec`).  The
+    rest (epochs, iterators, our keyword-only options) is
+    :class:`TrainPipelineSparseDist`'s.  The schedule is drawn in
+    :doc:`/guides/variants`.
 
-    Differences from torchrec 1.9.2, all fixes: it runs on CPU (upstream
-    records ``torch.cuda.Event`` s there); the overlap dist records one
-    event per batch in that batch's context, which WaitBatch, the NOL lookup
-    and the OL gradient wait on, instead of one pipeline-wide event recorded
-    again by every overlap dist.  WaitBatch waits on that event, issued
-    before the step's new data_dist work, so the forward is ordered after
-    ``cur``'s copy without waiting for ``new``'s all-to-alls; upstream only
-    ``record_stream`` s the batch and relies on the lookups' waits.  As
-    upstream: replicas of a ``DMPCollection`` are not synced, and
-    ``execute_all_batches=False`` drops the batches in flight at the end of
-    the data (ours after applying the NOL gradient of the last batch it
-    trained).  SparseDist's additions hold too (a new epoch without
-    ``reset()``, ``detach()``/``attach()``, switching iterators mid-epoch,
-    ``sync_exhaustion``, retrying a failed step); before the model is used
-    outside the pipeline's order (:meth:`detach`, another iterator
-    mid-epoch, :meth:`reset`) the deferred NOL gradient is applied at once,
-    where upstream would leave those rows stale until the next step (or, on
-    ``reset()``, drop them).  A ``progress()`` that raises is rolled back and
-    the next one retries its batch, the deferred NOL gradient of the batch
-    before it applied exactly once and the failed attempt's own PEC update
-    discarded: see [Note: PEC, retrying a step].
+    Differences from torchrec: :ref:`the migration guide <migrating-pec>` (docs/guides/migrating.md).
 
     Example::
 

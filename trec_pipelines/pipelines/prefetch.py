@@ -1,4 +1,20 @@
-"""PrefetchTrainPipelineSparseDist: SparseDist plus an embedding-cache prefetch stage."""
+"""PrefetchTrainPipelineSparseDist: SparseDist plus an embedding-cache prefetch stage.
+
+[Note: prefetch ordering]
+Issuing prefetch(nxt) on the CPU after forward(cur) does not order the two
+on the GPU: they run on different streams.  Unordered, prefetch(nxt) could
+evict cache rows forward(cur)'s lookup has not read yet, or be handed
+memory the allocator freed on the prefetch stream (cache locations of
+``cur``) while forward(cur) still reads it: wrong rows, illegal accesses,
+NaNs (the family of races of torchrec issue #4191).  The lookup may be
+issued anywhere inside the model's forward (the wrapper returns a lazy
+awaitable), so the first point where every read of ``cur``'s prefetch is
+known to be issued is the end of forward(cur).  An event is recorded on
+the default stream there, and the prefetch stream waits for it before
+prefetch(nxt).  The prefetch still overlaps cur's backward and optimizer
+step; the embedding kernel orders it against its own backward (FBGEMM
+``prefetch_pipeline``).
+"""
 
 from __future__ import annotations
 
@@ -48,50 +64,22 @@ class PrefetchTrainPipelineSparseDist(TrainPipelineSparseDist[In, Out]):
 
     Each pipelined ``ShardedModule.forward`` becomes a
     :class:`~trec_pipelines.forwards.PrefetchPipelinedForward`, which finds the
-    batch's input distributed and prefetched and only runs
-    ``compute_and_output_dist``.  Every pipelined module goes through the
-    prefetch stage, including those with nothing to prefetch (every CPU
-    kernel: their ``prefetch()`` is a no-op), so the pipeline runs the same
-    way on CPU and GPU.
+    batch's input distributed and its rows prefetched into the embedding cache,
+    and only runs ``compute_and_output_dist``.  Every pipelined module goes
+    through the prefetch stage, including those with nothing to prefetch (every
+    CPU kernel: their ``prefetch()`` does nothing), so the pipeline runs the
+    same way on CPU and GPU.  ``prefetch(nxt)`` waits for the end of
+    ``forward(cur)``, the first point where every read of ``cur``'s cached rows
+    is known to be issued, so it never evicts rows the forward still reads; it
+    still overlaps ``cur``'s backward and optimizer step (see
+    ``[Note: prefetch ordering]`` in :mod:`trec_pipelines.pipelines.prefetch`).
+    ``clear_data_dist_inputs`` does nothing here (the prefetch stage has
+    finished the batch's input_dist before its forward), and the embeddings of
+    a ``DMPCollection`` are not synced between replicas, both as in torchrec.
+    Epochs, failed steps, iterators and our keyword-only options are as in
+    :class:`TrainPipelineSparseDist`.
 
-    [Note: prefetch ordering]
-    Issuing prefetch(nxt) on the CPU after forward(cur) does not order the two
-    on the GPU: they run on different streams.  Unordered, prefetch(nxt) could
-    evict cache rows forward(cur)'s lookup has not read yet, or be handed
-    memory the allocator freed on the prefetch stream (cache locations of
-    ``cur``) while forward(cur) still reads it: wrong rows, illegal accesses,
-    NaNs (the family of races of torchrec issue #4191).  The lookup may be
-    issued anywhere inside the model's forward (the wrapper returns a lazy
-    awaitable), so the first point where every read of ``cur``'s prefetch is
-    known to be issued is the end of forward(cur).  An event is recorded on
-    the default stream there, and the prefetch stream waits for it before
-    prefetch(nxt).  The prefetch still overlaps cur's backward and optimizer
-    step; the embedding kernel orders it against its own backward (FBGEMM
-    ``prefetch_pipeline``).
-
-    Differences from torchrec 1.8.0, all fixes:
-
-    * It runs on CPU.  Upstream skips the whole prefetch stage when there is no
-      data_dist stream, so the first forward finds no input and fails.
-    * The event above; upstream relies on the CPU issue order alone.  For the
-      same reason :meth:`detach` makes the current stream wait for the
-      prefetch in flight before handing the model back.
-    * ``prefetch()`` gets the stream the forward really runs on as
-      ``forward_stream``.  Upstream passes a new stream that nothing runs on,
-      so an embedding kernel's ``record_stream`` of the prefetched cache
-      locations does not keep them alive for the forward.
-    * Only an empty pipeline is filled.  Upstream's fill guard never holds in
-      steady state, so with ``execute_all_batches=False`` every step re-runs
-      the fill (torchrec PR #4503).
-    * A new epoch starts without ``reset()``; ``detach()``/``attach()`` keep
-      the in-flight batches (as :class:`TrainPipelineSparseDist`).
-
-    ``clear_data_dist_inputs`` is accepted and, as upstream, has no effect: it
-    frees a batch's input_dist inputs before the batch's forward, and here the
-    prefetch stage has finished that input_dist by then.  Embeddings of a
-    ``DMPCollection`` are not synced between replicas, as upstream.
-    ``async_inplace_copy`` issues the in-place copy of ``new`` from a background
-    thread, as in :class:`TrainPipelineSparseDist`.
+    Differences from torchrec: :ref:`the migration guide <migrating-prefetch>` (docs/guides/migrating.md).
 
     Example::
 

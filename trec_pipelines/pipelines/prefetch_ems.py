@@ -24,15 +24,6 @@ logger: logging.Logger = logging.getLogger(__name__)
 class TrainPipelinePrefetchEMS(TrainPipelineSparseDistEmbStash[In, Out]):
     """EmbStash for tables behind a UVM cache: the cache is stashed, then restored and refilled.
 
-    torchrec's experimental class (``experimental_pipelines``).  For a table in
-    ``fused_uvm_caching`` the device memory is the cache, not the weights: the
-    sharded module stashes it inside the forward (flushing dirty rows to the
-    UVM weights first) on the device-to-host stream, so the dense forward and
-    backward have that memory.  Before the backward the pipeline restores the
-    stashed weights and caches of ``cur`` and prefetches ``nxt``'s rows into
-    the cache, on the current stream, using ``nxt``'s input dist (waited for
-    here; its forward then finds it done):
-
     ==========  =======  ==========================================================
     stream      slot     work
     ==========  =======  ==========================================================
@@ -42,11 +33,37 @@ class TrainPipelinePrefetchEMS(TrainPipelineSparseDistEmbStash[In, Out]):
     memcpy      ``new``  host-to-device copy
     ==========  =======  ==========================================================
 
-    The restore and the prefetch run in eval mode too (the forward stashed).
-    On CPU nothing is stashed, and the results are SparseDist's, bit for bit.
-    A module without a cache (every kernel of :data:`~trec_pipelines.cache_prefetch.NO_CACHE_KERNELS`)
-    has nothing to prefetch: it is left out, and its input dist for ``nxt``
-    keeps overlapping the backward (torchrec's class waits for it first).
+    torchrec's experimental class (``experimental_pipelines``).  The slots are
+    :class:`TrainPipelineSparseDist`'s; ``nxt``'s input dist is waited for
+    before ``cur``'s backward, for the prefetch, and its forward then finds it
+    done.
+
+    For a table in ``fused_uvm_caching`` the device memory is the cache, not
+    the weights: the sharded module stashes it inside the forward (flushing
+    dirty rows to the UVM weights first) on the device-to-host stream, so the
+    dense forward and backward have that memory.  Before the backward the
+    pipeline restores the stashed weights and caches of ``cur`` and prefetches
+    ``nxt``'s rows into the cache, on the current stream.  The restore and the
+    prefetch run in eval mode too (the forward stashed).  A module without a
+    cache (every kernel of
+    :data:`~trec_pipelines.cache_prefetch.NO_CACHE_KERNELS`) has nothing to
+    prefetch: it is left out, and its input dist for ``nxt`` keeps overlapping
+    the backward.  On CPU nothing is stashed, and the results are
+    SparseDist's, bit for bit.
+
+    Differences from torchrec: :ref:`the migration guide <migrating-prefetch-ems>` (docs/guides/migrating.md).
+
+    Example::
+
+        pipeline = TrainPipelinePrefetchEMS(
+            dmp_model, optimizer, device, site_fqn="over_arch"
+        )
+        it = iter(dataloader)
+        while True:
+            try:
+                output = pipeline.progress(it)
+            except StopIteration:
+                break
     """
 
     def __init__(

@@ -75,18 +75,21 @@ class TrainPipelinePT2(PipelineCore, TrainPipeline[In, Out]):
                          forward, backward, step
     ==========  =======  =========================================================
 
-    Nothing overlaps: the speed-up comes from the compiler.  The H2D copy is
-    blocking so the compiled graph always sees a batch that is complete.
-    ``input_transformer`` runs on the device batch, right before the model, so
-    shape hints it adds reach the object dynamo traces.
+    ``cur`` is the only batch: each ``progress()`` loads, copies and trains it.
+    Nothing overlaps; the speed-up comes from the compiler.
 
-    Differences from torchrec 1.8.0: the dynamo settings torchrec needs are held
-    only while the compiled model runs (upstream changes them globally for good);
-    a new epoch starts without ``reset()``; the end of data raises
-    ``StopIteration`` from the pipeline, after which a new iterator may be passed;
-    a step that raises is rolled back and the next call retries its batch (or
-    :meth:`skip_failed_batch` drops it), as in
-    :class:`~trec_pipelines.TrainPipelineSparseDist`.
+    The H2D copy is blocking, so the compiled graph always sees a complete
+    batch.  ``input_transformer`` runs on the device batch, right before the
+    model, so shape hints it adds reach the object dynamo traces.  The dynamo
+    settings the compiled model needs are held only while it runs; the rest of
+    the program sees its own configuration.  The end of the data raises
+    ``StopIteration``, and calling ``progress()`` again starts a new epoch.  A
+    step that raises is rolled back and the next call retries its batch
+    (:meth:`skip_failed_batch` drops one that fails every time).  Our
+    keyword-only options (``sync_exhaustion``, ``validate_batches``) are
+    described in the :doc:`options guide </guides/options>`.
+
+    Differences from torchrec: :ref:`the migration guide <migrating-pt2>` (docs/guides/migrating.md).
 
     Example::
 

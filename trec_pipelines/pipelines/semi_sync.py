@@ -45,66 +45,36 @@ class TrainPipelineSemiSync(TrainPipelineSparseDist[In, Out]):
     memcpy      ``slot(3)``  host-to-device copy
     ==========  ===========  ======================================================
 
+    ``cur`` trains, ``nxt`` has been (or is about to be) looked up,
+    ``slot(2)`` is in input_dist and ``slot(3)`` is being copied.  The
+    recorder shows, per call: ``InputDistStart[i+2] ZeroGrad[i] WaitBatch[i]
+    Forward[i] H2D[i+3] EmbLookup[i+1]`` (semi-sync) ``InputDistWait[i+2]
+    Backward[i] EmbBackward[i] OptimizerStep EmbLookup[i+1]`` (synchronous).
+    The first call fills the pipeline (lookup of batch 0, input_dist of 1, copy
+    of 2) and returns batch 0's output.  ``OptimizerStep`` carries the batch
+    whose gradients it applies (``i-1`` when stashing); a skipped step is not
+    recorded.
+
     Pipelined modules get an
     :class:`~trec_pipelines.forwards.EmbeddingPipelinedForward`: the forward
     reads the lookup already run for its batch, as detached leaves, so the
     dense backward stops there and :meth:`embedding_backward` then sends the
-    leaves' gradients into the tables (whose fused optimizer updates them).
-
+    leaves' gradients into the tables, whose fused optimizer updates them.
     Batches before ``start_batch`` train synchronously: ``nxt`` is looked up
-    after ``cur``'s update, and training equals the plain loop (zero_grad,
-    forward, backward, step).  From ``start_batch`` on, ``nxt`` is looked up
-    before ``cur``'s update (batch ``i`` reads rows updated through ``i-2``),
-    and the all-to-all of its embeddings overlaps ``cur``'s backward.  With
-    ``stash_gradients`` every semi-sync step applies the previous batch's
-    dense gradients instead (none at ``start_batch``: that step is skipped).
+    after ``cur``'s update, and training equals the plain loop.  From
+    ``start_batch`` on, ``nxt`` is looked up before ``cur``'s update (batch
+    ``i`` reads rows updated through ``i-2``), and the all-to-all of its
+    embeddings overlaps ``cur``'s backward.  With ``stash_gradients`` every
+    semi-sync step applies the previous batch's dense gradients instead (none
+    at ``start_batch``: that step is skipped).  ``reset()`` restarts the batch
+    count (synchronous again for ``start_batch`` batches), and every loaded
+    batch is trained whatever ``execute_all_batches`` says.  The optimizer
+    should hold the dense parameters only: a pipelined module's parameter in it
+    is reported when an epoch starts, as an error with ``strict``.  Epochs,
+    failed steps, iterators and our keyword-only options are as in
+    :class:`TrainPipelineSparseDist`.
 
-    The numerics are torchrec 1.8.0's ``TrainPipelineSemiSync``, bit for bit,
-    and so is the order of work within a call but for ``zero_grad``, issued at
-    the top of the step instead of after the optimizer step (the same with a
-    plain optimizer; with a gradient-accumulating wrapper, whose ``zero_grad``
-    acts only at accumulation boundaries, the order upstream uses erases the
-    first micro-batch's dense gradient).  The recorder shows, per call:
-    ``InputDistStart[i+2] ZeroGrad[i] WaitBatch[i] Forward[i] H2D[i+3]
-    EmbLookup[i+1]`` (semi-sync) ``InputDistWait[i+2] Backward[i] EmbBackward[i]
-    OptimizerStep EmbLookup[i+1]`` (synchronous).  The schedule notes
-    (seeds/001, "TrainPipelineSemiSync") have the same tasks, slots and streams
-    but list ``EmbLookup[i+1]`` after the step in both
-    modes -- in semi-sync mode that order would look up rows batch ``i`` has
-    already updated -- and spread the fill over three calls, where here the
-    first call fills (lookup of batch 0, input_dist of 1, copy of 2) and
-    returns batch 0's output.  ``OptimizerStep`` carries the batch whose
-    gradients it applies (``i-1`` when stashing); a skipped step is not recorded.
-
-    No device-wide synchronize.  Upstream synchronizes the device before the
-    synchronous lookup; the race that covers is that its lookup never waits
-    for the tensors all-to-all it reads (only for events recorded before that
-    all-to-all was issued).  Here the lookup makes the default stream wait for
-    data_dist after finishing that all-to-all
-    (:func:`trec_pipelines.lookup.start_embedding_lookup`), the forward waits
-    for an event recorded on memcpy right after its batch's copy, and the
-    lookup, backward and fused update all run on the default stream, ordered
-    by issue order.
-
-    Differences from torchrec 1.8.0, all fixes:
-
-    * an embedding output the loss does not use gets no gradient (upstream
-      sends ones into it when it has a single element);
-    * with ``stash_gradients``, a parameter without a gradient in batch ``i``
-      gets none at the next step (upstream applies batch ``i-1``'s again);
-    * ``clear_data_dist_inputs`` frees the inputs of the tensors all-to-all
-      still in flight, batch ``i+1``'s (upstream: batch ``i``'s, already read);
-    * ``strict`` raises ``ValueError`` (upstream: a bare ``Exception``);
-    * as :class:`TrainPipelineSparseDist`: new epochs without ``reset()``,
-      plain tensor batches, ``detach()``/``attach()`` keep in-flight batches.
-
-    As upstream, ``reset()`` restarts the batch count (synchronous again for
-    ``start_batch`` batches), and every loaded batch is trained whatever
-    ``execute_all_batches`` says (upstream's copy never raises at the end).
-
-    The optimizer should hold the dense parameters only; the tables are
-    updated by their fused optimizer.  A pipelined module's parameter in the
-    optimizer is reported when an epoch starts, as an error with ``strict``.
+    Differences from torchrec: :ref:`the migration guide <migrating-semi-sync>` (docs/guides/migrating.md).
 
     Example::
 

@@ -1,4 +1,17 @@
-"""SparseDataDistUtil: the sparse input_dist (and prefetch or lookup) as pipeline stages."""
+"""SparseDataDistUtil: the sparse input_dist (and prefetch or lookup) as pipeline stages.
+
+[Note: a failed forward in the caller's loop]
+The forward hook moves the contexts on only when a forward finishes.  A
+forward pre-hook counts the forward calls; a sharded module called in a
+later call than the one that used its pipelined input up (the caller
+retries a batch whose forward raised after the lookup), or in any call
+after the batch's forward finished and before the next ``progress()``
+(the caller retries after its backward or optimizer step raised), runs
+its ``input_dist`` again on the arguments it is given and the hook leaves
+the contexts alone.  The input_dist stage counts the forwards between two
+``progress()`` calls: if the batch handed out last never finished its
+forward (the caller skipped it), it does the hook's work first.
+"""
 
 from __future__ import annotations
 
@@ -72,53 +85,21 @@ class SparseDataDistUtil(Generic[In], WithOptions):
     that batch is looked up before the optimizer step of the batch before it
     (semi-synchronous).  Every stream may be ``None`` (on CPU): a
     :class:`StagedTrainPipeline` given a stage that runs :meth:`prefetch` or
-    :meth:`start_embedding_lookup` turns that mode on (see :meth:`stage_declared`),
-    and the work runs on the current stream.
-
-    ``input_dist_group`` (keyword-only, "dedicated" by default): the process
-    group the input_dist runs on, as in
+    :meth:`start_embedding_lookup` turns that mode on (see
+    :meth:`stage_declared`), and the work runs on the current stream.  The
+    stages are ordered against the caller's forward and backward on the
+    compute stream: a prefetch waits for the end of the last forward, the
+    backward for the next batch's lookup, and an input dist for the prefetches
+    before it.  A batch whose forward raised can be trained again (a module
+    whose pipelined input was used up runs its ``input_dist`` again on the
+    arguments it is given, bit for bit; with a lookup stage the batch is looked
+    up again with the current weights) or skipped by calling ``progress()``
+    again (see ``[Note: a failed forward in the caller's loop]`` in
+    :mod:`trec_pipelines.pipelines.sparse_data_dist_util`).  Our keyword-only
+    options: ``rewrite_strategy`` and ``input_dist_group``, as in
     :class:`~trec_pipelines.pipelines.sparse_dist.TrainPipelineSparseDist`.
 
-    [Note: a failed forward in the caller's loop]
-    The forward hook moves the contexts on only when a forward finishes.  A
-    forward pre-hook counts the forward calls; a sharded module called in a
-    later call than the one that used its pipelined input up (the caller
-    retries a batch whose forward raised after the lookup), or in any call
-    after the batch's forward finished and before the next ``progress()``
-    (the caller retries after its backward or optimizer step raised), runs
-    its ``input_dist`` again on the arguments it is given and the hook leaves
-    the contexts alone.  The input_dist stage counts the forwards between two
-    ``progress()`` calls: if the batch handed out last never finished its
-    forward (the caller skipped it), it does the hook's work first.
-
-    Differences from torchrec 1.8.0, all fixes:
-
-    * It runs on CPU (streams may be ``None`` or CPU streams).
-    * The first batch's input_dist runs once; upstream starts it twice on the
-      same context and drops the first one.
-    * Prefetch is told the stream the forward really runs on (the current
-      stream when this object is built); upstream passes a new stream that
-      nothing runs on.  The lookup keeps its input alive for that stream too,
-      and first waits for the work issued on it so far (the previous
-      optimizer step), so it never reads rows half updated; upstream does
-      neither.
-    * The stages are fenced against the caller's forward and backward, which
-      run on the compute stream in between (races on a GPU; on CPU the
-      results are bit-identical).  A prefetch first waits for an event the
-      forward hook records at the end of the last forward, so it never
-      rewrites cache state that forward may still be reading (as
-      ``[Note: prefetch ordering]``).  The forward hook makes the compute
-      stream wait for the next batch's lookup, so the caller's backward, which
-      updates the tables (fused optimizer), never overtakes the lookup that
-      reads them.  Upstream orders neither.  With a prefetch stage, each
-      input dist waits for the prefetches issued before it: a caching
-      module's input dist may read the cache state they write (torchrec PR
-      #4191, an open fix there for the Prefetch pipeline only).
-    * ``wait_sdd_fill_callback`` with nothing started (empty data) does
-      nothing instead of raising ``IndexError``.
-    * A batch whose forward raised can be trained again or skipped (see the
-      note above); upstream reads the next batch's input on a second forward,
-      or raises, and a skipped batch shifts every later batch's input by one.
+    Differences from torchrec: :ref:`the migration guide <migrating-sdd-util>` (docs/guides/migrating.md).
 
     Example::
 

@@ -46,80 +46,35 @@ class TrainPipelineSparseDist(PipelineCore, TrainPipeline[In, Out], AsyncInplace
     memcpy      ``new``  host-to-device copy
     ==========  =======  ==================================================
 
-    Each pipelined ``ShardedModule.forward`` is replaced by a
-    :class:`~trec_pipelines.forwards.PipelinedForward`, which finds the batch's
-    ``input_dist`` already under way.  How the modules are found is
-    ``rewrite_strategy``: "auto" (FX tracing, falling back to binding the
-    batch's KeyedJaggedTensor fields directly), "fx" or "direct".  Modules that
-    can't be pipelined keep their forward and are logged (see
-    :attr:`rewrite_result`).  With ``pipeline_postproc=True``, modules between
-    the batch and a sharded module (postprocs without parameters, e.g. a
-    negative sampler) run ahead in the input_dist stage, once per batch, and
-    the forward reuses their output (see :mod:`trec_pipelines.postproc`).
+    While ``cur`` trains, the ids of ``nxt`` travel to the ranks that hold
+    their embeddings and ``new`` travels to the device; each ``progress()``
+    returns ``cur``'s output and moves every batch up one slot.  Each pipelined
+    ``ShardedModule.forward`` is replaced by a
+    :class:`~trec_pipelines.forwards.PipelinedForward`, which finds its batch's
+    ``input_dist`` already under way; a module that can't be pipelined keeps
+    its forward, and :attr:`rewrite_result` says why.
 
-    End of data: with ``execute_all_batches=True`` (default) every batch is
-    trained; with ``False`` the pipeline stops as soon as the iterator ends,
-    dropping (and logging) the batches still in flight, as torchrec does (it
-    trains N-2 of N batches).  With ``sync_exhaustion=True`` the ranks agree on
-    each pull through an all-reduce of one int32 per rank on a gloo group, so
-    uneven data stops every rank at the same step instead of leaving the
-    others waiting in the all-to-all; :attr:`unused_batches` counts what a
-    rank pulled but could not use; with ``validate_batches`` the same
-    all-reduce carries each rank's verdict on its batch (see
-    ``[Note: agreeing on each batch]`` in :mod:`trec_pipelines.agreement`).
-    Without it, a rank whose data ends first stops while the others wait in
-    their next input_dist until the process group times out.
+    With ``execute_all_batches=True`` (the default) every batch is trained;
+    with ``False`` the batches still in flight when the iterator ends are
+    dropped (and logged).  A ``progress()`` that raises is rolled back: the
+    exception names the batch, and the next call retries it from the host
+    copy the pipeline keeps, with nothing pulled twice, lost or trained twice
+    (:meth:`skip_failed_batch` drops a batch that fails every time).  After
+    ``StopIteration`` the next call starts a new epoch, without ``reset()``.
+    Another iterator passed mid-epoch parks the previous one's batches,
+    input_dist and all, until that iterator comes back; ``detach()`` and
+    ``attach()`` keep the batches in flight, and ``progress()`` on a detached
+    pipeline attaches it again.  Each step trains only if ``model.training``
+    (in eval mode it runs the forward alone).  A pipeline that finds another
+    pipeline's wrappers on its model (an eval pipeline left attached) detaches
+    that one and takes the model over.  With ``pipeline_postproc=True``,
+    parameter-free modules between the batch and a sharded module run ahead in
+    the input_dist stage, once per batch (see :mod:`trec_pipelines.postproc`).
+    Our keyword-only options (``rewrite_strategy``, ``on_unpipelined``,
+    ``sync_exhaustion``, ``validate_batches``, ``input_dist_group``) are
+    described in the :doc:`options guide </guides/options>`.
 
-    ``on_unpipelined`` is "warn" (log each sharded module the rewrite could not
-    pipeline, with the reason; the default) or "raise".
-
-    A ``progress()`` that raises (model, loss, backward, optimizer, loader) is
-    rolled back: the exception carries a note naming the batch, and the next
-    ``progress()`` retries that batch from scratch, re-running what the failed
-    attempt consumed (copy, input_dist, lookup, prefetch) from the host copies
-    the pipeline keeps for its in-flight batches; nothing is pulled twice, lost
-    or trained twice.  :meth:`skip_failed_batch` drops a batch that fails every
-    time.  Each host batch's KeyedJaggedTensors are checked as it is pulled
-    (``validate_batches=True``): a malformed one raises ``ValueError`` before any
-    work (on every rank with ``sync_exhaustion=True``: the ranks agree on each
-    pull, and all drop the batch), and the next call goes on with the next
-    batch.  A pipeline that finds another pipeline's wrappers on
-    its model (an eval pipeline left attached) detaches it and takes the model
-    over; see ``_take_over_model``.
-
-    ``input_dist_group`` (keyword-only): "dedicated" (the default) runs the
-    pipelined input_dist on a process group of the same ranks that carries
-    nothing else, made once per sharding group at the first rewrite and
-    shared by every pipeline; "shared" keeps it on the model's group, as
-    torchrec does, where the next batch's ids queue ahead of this batch's
-    embedding all-to-alls.  Results are bit-identical either way; see
-    ``[Note: a dedicated input-dist group]`` in
-    :mod:`trec_pipelines.input_dist_group`.
-
-    ``async_inplace_copy`` (torchrec 1.9.2's flag, on every stack): the
-    in-place copy of ``new`` (memory allocated on the default stream, filled on
-    the memcpy stream) is issued by a background thread, and ``new``'s slot
-    holds its Future until the next step first reads it (see
-    [Note: async in-place copy] in :mod:`trec_pipelines.inplace_copy`).  It
-    implies ``enable_inplace_copy_batch`` (torchrec ignores the flag without
-    it).  On CPU, as torchrec, it is logged and the copy stays synchronous:
-    there is no device copy to issue.
-
-    Switching iterators: passing another iterator while batches of the
-    previous one are in flight (a train iterator, then an eval pass, then the
-    train iterator again) parks those batches, input_dist and all, and
-    resumes them when their iterator comes back, so no output is attributed to
-    the wrong batch (torchrec #3751) and training is identical to never having
-    switched.  The train/eval mode is the model's at each step.
-
-    Differences from torchrec 1.8.0, all fixes: a new epoch starts without
-    ``reset()`` (new iterator, or the same one refilled); a plain
-    ``torch.Tensor`` batch works; ``detach()``/``attach()`` keep the in-flight
-    batches' input_dist instead of restarting it; the next host batch is
-    pulled at the top of ``progress()``, so an exception raised by the iterator
-    reaches the caller before any work is issued and the next call carries on
-    with no batch lost or trained twice.  As upstream, ``progress()`` on a
-    detached pipeline attaches it again (logged) and carries on.
+    Differences from torchrec: :ref:`the migration guide <migrating-sparse-dist>` (docs/guides/migrating.md).
 
     Example::
 

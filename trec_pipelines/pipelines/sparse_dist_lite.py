@@ -34,13 +34,16 @@ class TrainPipelineSparseDistLite(TrainPipelineSparseDist[In, Out]):
     after the backward, so it overlaps the optimizer step and the next
     ``progress()`` call's host work.
 
-    Same constructor as torchrec 1.8.0's ``TrainPipelineSparseDistLite``
-    (plus ``rewrite_strategy``, see :class:`TrainPipelineSparseDist`), with the
-    same fixes as that class: a new epoch starts without ``reset()``, a plain
-    ``torch.Tensor`` batch works.  ``clear_data_dist_inputs`` is accepted but,
-    as upstream, this schedule has no step that releases the inputs early.
-    ``async_inplace_copy`` issues the in-place copy of ``nxt`` from a background
-    thread, as in :class:`TrainPipelineSparseDist`.
+    Everything else works as in :class:`TrainPipelineSparseDist`: the model
+    rewrite and its report, the end of the data, failed steps rolled back and
+    retried, epochs without ``reset()``, switching iterators, ``detach()`` and
+    ``attach()``.  ``clear_data_dist_inputs`` is accepted and does nothing,
+    since no step of this schedule could release the inputs early.  Our
+    keyword-only options are SparseDist's but ``input_dist_group`` (the input
+    dist runs in the step that trains its batch); see the
+    :doc:`options guide </guides/options>`.
+
+    Differences from torchrec: :ref:`the migration guide <migrating-lite>` (docs/guides/migrating.md).
 
     Example::
 

@@ -15,20 +15,39 @@ from trec_pipelines.pipelines.sparse_dist import TrainPipelineSparseDist
 class TrainPipelineSparseDistT(TrainPipelineSparseDist[In, Out]):
     """:class:`TrainPipelineSparseDist`'s schedule; a background thread issues the copies.
 
-    torchrec's experimental class (``experimental_pipelines``).  Every copy of
-    ``new``, in place (``enable_inplace_copy_batch``) or not, is submitted to
-    one worker thread, so the training thread does not spend the CPU time of
-    issuing it; ``new``'s slot holds the copy's Future until the next step
-    first reads it, before any stream waits for the copy (the machinery of
-    ``async_inplace_copy``, see [Note: async in-place copy] in
-    :mod:`trec_pipelines.inplace_copy`).  Everything else is SparseDist's,
-    results included, bit for bit.
+    ==========  =======  ==========================================================
+    stream      slot     work
+    ==========  =======  ==========================================================
+    default     ``cur``  zero_grad, wait, forward, backward, step
+    data_dist   ``nxt``  input_dist: splits all-to-all, then tensors all-to-all
+    memcpy      ``new``  host-to-device copy, issued by the worker thread
+    ==========  =======  ==========================================================
 
+    torchrec's experimental class (``experimental_pipelines``).  The slots are
+    SparseDist's; ``new``'s slot holds the copy's Future until the next step
+    first reads it, before any stream waits for the copy.
+
+    Every copy of ``new``, in place (``enable_inplace_copy_batch``) or not, is
+    submitted to one worker thread, so the training thread does not spend the
+    CPU time of issuing it (the machinery of ``async_inplace_copy``, see
+    [Note: async in-place copy] in :mod:`trec_pipelines.inplace_copy`).  The
+    copy is always issued before the forward: there is no
+    ``enqueue_batch_after_forward`` and no ``async_inplace_copy`` parameter.
     On a device without streams (CPU) there is no device copy to issue: the
-    copies stay on the training thread (logged once), with the same results.
-    torchrec's class has no ``enqueue_batch_after_forward`` (the copy is issued
-    before the forward) and no ``async_inplace_copy`` (it is always on); ours
-    neither.
+    copies stay on the training thread (logged once).  Everything else,
+    results included, is SparseDist's, bit for bit.
+
+    Differences from torchrec: :ref:`the migration guide <migrating-sparse-dist-t>` (docs/guides/migrating.md).
+
+    Example::
+
+        pipeline = TrainPipelineSparseDistT(dmp_model, optimizer, torch.device("cuda"))
+        it = iter(dataloader)
+        while True:
+            try:
+                output = pipeline.progress(it)
+            except StopIteration:
+                break
     """
 
     def __init__(

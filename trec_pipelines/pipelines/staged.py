@@ -200,71 +200,31 @@ class StagedTrainPipeline(
     batches and runs all N stages for batch 0, N-1 for batch 1, ..., stage 0
     only for batch N-1; then every ``progress()`` call loads one more.
 
-    ``progress()`` returns ``None`` once every batch has come out.
-    :meth:`set_flush` ``(True)`` stops loading; when the in-flight batches
-    have all come out, ``on_flush_end`` is called and the pipeline fills
-    again from the same iterator, in the same ``progress()`` call.  Use
+    ``progress()`` returns ``None`` once every batch has come out; called again,
+    it starts a new epoch, on a new iterator or the same one refilled.
+    :meth:`set_flush` ``(True)`` stops loading; when the in-flight batches have
+    all come out, ``on_flush_end`` is called and the pipeline fills again from
+    the same iterator, in the same ``progress()`` call.  A stage's stream may be
+    ``None`` (CPU), and a stage may run on the current stream.  Use
     :class:`~trec_pipelines.pipelines.sparse_data_dist_util.SparseDataDistUtil`
-    to put the sparse ``input_dist`` among the stages; it must come last.
+    to put the sparse ``input_dist`` among the stages; it must come last.  A
+    failure never wedges the pipeline: a stage, fill callback or iterator that
+    raises inside ``progress()`` is resumed at that unit of work by the next
+    call (a stage is re-run from its start, so it should raise before leaving
+    half its work done), and :meth:`skip_failed_batch` drops a batch a stage
+    fails on every time (while filling, or if stage 0 failed, the next batch
+    takes its place; otherwise the stages after the failed one find a gap and
+    call their ``data_exhausted_callback``; a stage's owner that keeps state per batch
+    learns of the skip through :class:`SkipAware`).  When the caller's forward, backward or optimizer step
+    raises, train the batch again or call ``progress()`` again to move on;
+    with several ranks, do the same on every rank.  Each loaded batch's
+    ``KeyedJaggedTensor`` objects are checked before stage 0
+    (``validate_batches=True``, keyword-only): a malformed one raises
+    :class:`~trec_pipelines.errors.MalformedBatchError` and is dropped, but the
+    ranks do not agree on it, so a batch malformed on one rank only leaves the
+    ranks out of step.  See :doc:`/guides/what-happens-when` for each case.
 
-    Failures (issue #16) never wedge it; each case ends as the plain loop
-    that does the same over the same batches:
-
-    * A stage, a fill callback or the data iterator raises inside
-      ``progress()``: the exception reaches the caller and the next
-      ``progress()`` resumes at the unit of work that raised (the same stage
-      on the same batch; ``next()`` again for the iterator).  Work done before
-      it is kept: no batch is loaded twice, lost, or reordered.  A stage is
-      re-run from its start, so it should raise before leaving half its work
-      done.  For a batch a stage fails on every time, call
-      :meth:`skip_failed_batch` before the next ``progress()``: the batch is
-      dropped (logged) and goes through no later stage.  While the pipeline
-      fills, the next batch takes its place from stage 0 on (the stages
-      before the failed one, and their fill callbacks, run again, on it);
-      once it is full, stage 0 loads the next batch in its place if stage 0
-      failed, and otherwise the later stages find no batch there and call
-      their ``data_exhausted_callback``, and ``progress()`` moves past the
-      gap.  A stage's owner that keeps state per batch learns of the skip
-      (:class:`SkipAware`; :class:`SparseDataDistUtil` forgets the batch's
-      context).  The run equals the plain loop over the batches without it.
-    * The caller's forward, loss, backward or optimizer step raises.  Retry:
-      train the same batch again; with :class:`SparseDataDistUtil` a sharded
-      module whose pipelined input the failed attempt used up (or whose batch's
-      forward had already finished) runs its ``input_dist`` again on the
-      arguments it is given, which gives the pipelined result bit for bit (with
-      a lookup stage the batch is looked up again, with the current weights).
-      Skip: call ``progress()`` again without finishing the batch's forward;
-      the pipeline moves on to the next batch.  What the failed attempt did to
-      the model stays done, as in a plain loop.  With several ranks, retry or
-      skip on every rank.
-
-    Batch validation (``validate_batches=True``, the default): each batch
-    the data iterator yields is checked by
-    :func:`~trec_pipelines.validation.batch_problem` before stage 0 runs on
-    it (its ``KeyedJaggedTensor`` objects, wherever they are in the batch; a
-    batch holding none passes).  A malformed one raises
-    :class:`~trec_pipelines.errors.MalformedBatchError` naming the batch
-    index, where the KJT is, the key and the mismatch; it is dropped before
-    any stage sees it, and the next ``progress()`` goes on with the next
-    batch.  ``validate_batches=False`` turns the checks off.  The ranks do
-    not agree on it (there is no ``sync_exhaustion`` here): a batch that is
-    malformed on one rank only leaves the ranks out of step.
-
-    Differences from torchrec 1.8.0, all fixes:
-
-    * It runs on CPU: a stage's stream may be ``None`` (or a CPU
-      ``torch.Stream``), and events are only used where there are streams.
-      Upstream's constructor fails there (the CPU current stream has no
-      ``device``), and it records device events unconditionally.
-    * A stage on the current stream hands its batch on with an event recorded
-      on the current stream; upstream assumes every stage has its own stream.
-    * After it returned ``None``, ``progress()`` starts a new epoch, on a new
-      iterator or the same one refilled.  Upstream does not refill: given a
-      new iterator it returns ``None`` for N more calls while the new batches
-      pass through the stages, so a ``while batch := progress(it)`` loop
-      stops at once.
-    * :meth:`flush_end` with batches in flight raises instead of dropping
-      them; a flush called off before it drained leaves no ``None`` behind.
+    Differences from torchrec: :ref:`the migration guide <migrating-staged>` (docs/guides/migrating.md).
 
     Example::
 

@@ -34,13 +34,6 @@ logger: logging.Logger = logging.getLogger(__name__)
 class TrainPipelineSparseDistOptStash(TrainPipelineSparseDist[In, Out]):
     """SparseDist's schedule; the optimizer state lives on the host between steps.
 
-    torchrec's experimental class (``experimental_pipelines``).  After each
-    optimizer step its state (Adam's moments, Shampoo's factors) is copied to
-    the host and its device memory freed, on a worker thread, so the next
-    forward and backward have that memory; the backward brings it back,
-    starting at ``site_fqn``'s output dist (overlapping that module's gradient
-    all-to-all), and the step waits for it:
-
     ==========  =======  ==========================================================
     stream      slot     work
     ==========  =======  ==========================================================
@@ -51,11 +44,33 @@ class TrainPipelineSparseDistOptStash(TrainPipelineSparseDist[In, Out]):
     memcpy      ``new``  host-to-device copy (and the restore's copies)
     ==========  =======  ==========================================================
 
-    On CPU the state is in host memory already: the stash and restore points
-    do nothing and the results are SparseDist's, bit for bit.  A fix: when the
-    site's hook did not run in a step's backward (no collective there, or the
-    module took no part in the loss), torchrec's class steps on state that was
-    never brought back; ours restores it before the step (logged once).
+    torchrec's experimental class (``experimental_pipelines``).  The slots are
+    :class:`TrainPipelineSparseDist`'s.
+
+    After each optimizer step its state (Adam's moments, Shampoo's factors) is
+    copied to the host and its device memory freed, on a worker thread, so the
+    next forward and backward have that memory; the backward brings it back,
+    starting at ``site_fqn``'s output dist (overlapping that module's gradient
+    all-to-all), and the step waits for it.  When the site's hook did not run
+    in a step's backward (no collective there, or the module took no part in
+    the loss), the state is restored before the step (logged once).
+    :meth:`stash_plan` says what is moved, and a warning says when there is
+    nothing to move.  On CPU the state is in host memory already: the stash and
+    restore points do nothing and the results are SparseDist's, bit for bit.
+
+    Differences from torchrec: :ref:`the migration guide <migrating-opt-stash>` (docs/guides/migrating.md).
+
+    Example::
+
+        pipeline = TrainPipelineSparseDistOptStash(
+            dmp_model, optimizer, device, site_fqn="sparse_arch.embedding_bag_collection"
+        )
+        it = iter(dataloader)
+        while True:
+            try:
+                output = pipeline.progress(it)
+            except StopIteration:
+                break
     """
 
     def __init__(
@@ -182,18 +197,44 @@ def _start_optimizer_restore(pipeline: Any) -> None:
 class TrainPipelineSparseDistEmbStash(TrainPipelineSparseDist[In, Out]):
     """SparseDist's schedule; stashed embedding weights come back during the backward.
 
-    torchrec's experimental class (``experimental_pipelines``).  The sharded
-    embedding modules of tables configured with ``stash_weights`` stash those
-    weights to the host right after their lookup (inside the forward, when the
-    stashing has streams); this pipeline brings them back at ``site_fqn`` (a
-    module name, whose first parameter's gradient hook is the site, or an
+    ==========  =======  ==========================================================
+    stream      slot     work
+    ==========  =======  ==========================================================
+    default     ``cur``  zero_grad, wait, forward (marked tables stashed after
+                         their lookup), backward (restored at ``site_fqn``), step
+    data_dist   ``nxt``  input_dist
+    memcpy      ``new``  host-to-device copy
+    ==========  =======  ==========================================================
+
+    torchrec's experimental class (``experimental_pipelines``).  The slots are
+    :class:`TrainPipelineSparseDist`'s.
+
+    The sharded embedding modules of tables configured with ``stash_weights``
+    stash those weights to the host right after their lookup (inside the
+    forward, when the stashing has streams), so the dense part has that device
+    memory; this pipeline brings them back at ``site_fqn`` (a module name,
+    whose first parameter's gradient hook is the site, or an
     :class:`~trec_pipelines.backward_hooks.InjectionSite`), before the backward
     reaches the embeddings.  With ``delay_stash`` the stashes wait until the
     forward reaches ``stash_site_fqn`` (a forward pre-hook there), or, without
-    one, until the backward reaches the site.
+    one, until the backward reaches the site.  :meth:`stash_plan` says what is
+    moved, and a warning says when no table is marked.  On CPU the weights are
+    in host memory already: nothing is stashed, the restore points do nothing,
+    and the results are SparseDist's, bit for bit.
 
-    On CPU the weights are in host memory already: nothing is stashed, the
-    restore points do nothing, and the results are SparseDist's, bit for bit.
+    Differences from torchrec: :ref:`the migration guide <migrating-emb-stash>` (docs/guides/migrating.md).
+
+    Example::
+
+        pipeline = TrainPipelineSparseDistEmbStash(
+            dmp_model, optimizer, device, site_fqn="over_arch"
+        )
+        it = iter(dataloader)
+        while True:
+            try:
+                output = pipeline.progress(it)
+            except StopIteration:
+                break
     """
 
     def __init__(

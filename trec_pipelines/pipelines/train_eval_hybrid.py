@@ -13,16 +13,32 @@ from trec_pipelines.pipelines.sparse_dist import TrainPipelineSparseDist
 class TrainEvalHybridPipelineBase(TrainPipelineSparseDist[In, Out]):
     """SparseDist's schedule; each step trains or evaluates as ``model.training`` says.
 
-    torchrec's experimental class (``experimental_pipelines``), with
-    :class:`TrainPipelineSparseDist`'s constructor.  In training mode a step is
-    SparseDist's: zero_grad, forward, backward, optimizer step.  In eval mode
-    (``model.eval()``) it runs the forward only, under ``torch.no_grad()``,
-    and returns its output; the next batches' copy and input dist overlap it
-    as in training.  When an eval iterator ends, the eval batches still in
-    flight are evaluated first (drained), then ``progress()`` raises
-    ``StopIteration``; the next call, with a train iterator, goes on.
+    ==========  =======  ==========================================================
+    stream      slot     work
+    ==========  =======  ==========================================================
+    default     ``cur``  training: zero_grad, wait, forward, backward, step;
+                         eval: wait, forward under ``torch.no_grad()``
+    data_dist   ``nxt``  input_dist
+    memcpy      ``new``  host-to-device copy
+    ==========  =======  ==========================================================
 
-    Train then eval then train, on one pipeline::
+    torchrec's experimental class (``experimental_pipelines``), with
+    :class:`TrainPipelineSparseDist`'s constructor and slots; in both modes the
+    next batches' copy and input dist overlap ``cur``'s step.
+
+    In training mode a step is SparseDist's.  In eval mode (``model.eval()``)
+    it runs the forward only, under ``torch.no_grad()``, and returns its
+    output.  When an eval iterator ends, the eval batches still in flight are
+    evaluated first, then ``progress()`` raises ``StopIteration``; the next
+    call, with a train iterator, goes on.  The train batches in flight when the
+    eval iterator is passed (two: one copied, one input-distributed) are set
+    aside with their input dist and trained when the train iterator comes
+    back, as SparseDist does for any change of iterator.  Training alone (one
+    iterator) equals torchrec's class bit for bit.
+
+    Differences from torchrec: :ref:`the migration guide <migrating-hybrid>` (docs/guides/migrating.md).
+
+    Example (train, then eval, then train again, on one pipeline)::
 
         model.train()
         for _ in range(steps):
@@ -35,14 +51,6 @@ class TrainEvalHybridPipelineBase(TrainPipelineSparseDist[In, Out]):
                 break
         model.train()
         pipeline.progress(train_it)  # picks up where training stopped
-
-    A fix: the train batches already in flight when the eval iterator is
-    passed (two of them: copied, and input-distributed) are set aside with
-    their input dist and trained when the train iterator comes back, as
-    SparseDist does for any change of iterator (torchrec #3751).  torchrec's
-    class evaluates them as the first eval steps instead, returning train
-    batches' predictions as eval outputs, and never trains them.  Training
-    alone (one iterator) equals torchrec's class bit for bit.
     """
 
     def _forward(self) -> Tuple[torch.Tensor, Any]:
