@@ -24,12 +24,8 @@ from trec_pipelines.testing.stream_checker import (
     schedule_by_stream,
     summarize,
 )
-from trec_pipelines.testing.stream_recorder import (
-    RecordingDevice,
-    RecordingEvent,
-    RecordingStream,
-    StreamRecorder,
-)
+from trec_pipelines.testing.stream_device import RecordingDevice, RecordingEvent, RecordingStream
+from trec_pipelines.testing.stream_recorder import StreamRecorder
 
 __all__ = [
     "ProtocolSummary",
