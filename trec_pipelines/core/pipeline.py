@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import inspect
 import logging
-from typing import Any, Iterator, Mapping, Optional
+from typing import Any, Iterator, Mapping, Optional, cast
 
 import torch
 
@@ -57,10 +57,11 @@ class WithOptions:
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
         expand_options(cls)
-        if cls.__dict__.get("__doc__") and accepted_options(cls):
+        doc = cls.__dict__.get("__doc__")
+        if doc and accepted_options(cls):
             cls.__doc__ = (
-                inspect.cleandoc(cls.__doc__)
-                + "\n\nOptions of trec_pipelines (keyword-only):\n\n"
+                inspect.cleandoc(doc)
+                + "\n\nOur keyword-only options (each described in the options guide):\n\n"
                 + options_doc(cls)
             )
 
@@ -100,7 +101,8 @@ class PipelineCore(WithOptions, Recordable, Resumable):
         self._device = check_device(device, name)
         check_model_device(model, self._device, name)
         self._model = model
-        self._optimizer = optimizer
+        # None only for the eval variants, which never step it.
+        self._optimizer: torch.optim.Optimizer = cast(torch.optim.Optimizer, optimizer)
         self._sync_group = agreement_group(self, model, self._options.sync_exhaustion)
         self._source = self._new_source()
         self._step_guard = StepGuard()

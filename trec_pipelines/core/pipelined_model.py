@@ -37,7 +37,13 @@ from trec_pipelines.forwards import BaseForward
 from trec_pipelines.input_dist import SplitsFusion
 from trec_pipelines.input_dist_group import InputDistGroup
 from trec_pipelines.postproc import PipelinedPostproc
-from trec_pipelines.rewrite import RewriteResult, reapply_rewrite, restore_model, rewrite_model
+from trec_pipelines.rewrite import (
+    RewriteResult,
+    Strategy,
+    reapply_rewrite,
+    restore_model,
+    rewrite_model,
+)
 from trec_pipelines.takeover import take_model_over
 
 logger: logging.Logger = logging.getLogger(__name__)
@@ -94,7 +100,7 @@ class PipelinedModel:
         self,
         batch: Any,
         make_forward: MakeForward,
-        strategy: str,
+        strategy: Strategy,
         on_unpipelined: str,
         make_postproc: Optional[MakePostproc] = None,
     ) -> RewriteResult:
@@ -102,7 +108,7 @@ class PipelinedModel:
         self.take_over()
         result = rewrite_model(
             self.model, batch, make_forward, strategy, make_postproc=make_postproc
-        )  # type: ignore[arg-type]
+        )
         self._claim(result)
         if result.not_pipelined and on_unpipelined == "raise":
             restore_model(result)

@@ -39,9 +39,8 @@ class TrainPipelineBase(PipelineCore, TrainPipeline[In, Out]):
     batch (:meth:`skip_failed_batch` drops one that fails every time).  In eval
     mode (``model.eval()``) a step is the forward only.  After
     ``StopIteration``, calling ``progress()`` again starts a new epoch, with a
-    new iterator or the same one refilled.  Our keyword-only options
-    (``sync_exhaustion``, ``validate_batches``) are described in the
-    :doc:`options guide </guides/options>`.
+    new iterator or the same one refilled.  Our keyword-only options are listed at the end
+    and in the :doc:`options guide </guides/options>`.
 
     Differences from torchrec: :ref:`the migration guide <migrating-base>` (docs/guides/migrating.md).
 

@@ -139,7 +139,7 @@ class EvalPipelineCPUSparse(TrainPipelineSparseDist[In, Out]):
 
     def _pipeline_model(self, batch: Any, context: TrainPipelineContext) -> None:
         """Rewrite the model on the first batch (its input dist runs in the host stage)."""
-        self._rewrite = self._rewrite_checked(batch)
+        self._rewrite_checked(batch)
         self._set_module_context(context)
 
     # ------------------------------------------------------------------ stages

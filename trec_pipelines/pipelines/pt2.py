@@ -86,8 +86,8 @@ class TrainPipelinePT2(PipelineCore, TrainPipeline[In, Out]):
     ``StopIteration``, and calling ``progress()`` again starts a new epoch.  A
     step that raises is rolled back and the next call retries its batch
     (:meth:`skip_failed_batch` drops one that fails every time).  Our
-    keyword-only options (``sync_exhaustion``, ``validate_batches``) are
-    described in the :doc:`options guide </guides/options>`.
+    keyword-only options are listed at the end and in the
+    :doc:`options guide </guides/options>`.
 
     Differences from torchrec: :ref:`the migration guide <migrating-pt2>` (docs/guides/migrating.md).
 

@@ -70,9 +70,8 @@ class TrainPipelineSparseDist(PipelineCore, TrainPipeline[In, Out], AsyncInplace
     that one and takes the model over.  With ``pipeline_postproc=True``,
     parameter-free modules between the batch and a sharded module run ahead in
     the input_dist stage, once per batch (see :mod:`trec_pipelines.postproc`).
-    Our keyword-only options (``rewrite_strategy``, ``on_unpipelined``,
-    ``sync_exhaustion``, ``validate_batches``, ``input_dist_group``) are
-    described in the :doc:`options guide </guides/options>`.
+    Our keyword-only options are listed at the end and in the
+    :doc:`options guide </guides/options>`.
 
     Differences from torchrec: :ref:`the migration guide <migrating-sparse-dist>` (docs/guides/migrating.md).
 
