@@ -25,8 +25,8 @@ import torch.distributed as dist
 import trec_pipelines
 from tests import devices
 from tests.distributed.dlrm import DLRM, make_batches, make_sharded
+from trec_pipelines.data.source import BatchSource
 from trec_pipelines.pipelines import sparse_dist
-from trec_pipelines.stages import BatchSource
 
 DEVICE = devices.device()
 SETTINGS = ("none", "at pull", "ahead")

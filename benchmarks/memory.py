@@ -4,7 +4,7 @@ Two measurements per pipeline contender:
 
 * from outside, alike for ours and torchrec's class: after every
   ``progress()`` the storages reachable from the pipeline object
-  (:func:`trec_pipelines.memory.footprint`, model and optimizer left out),
+  (:func:`trec_pipelines.observe.memory.footprint`, model and optimizer left out),
   keeping the largest; plus the process's resident memory (VmRSS) sampled at
   the same moments;
 * for ours only, the per-action memory ledger (schedule recording with
@@ -25,7 +25,7 @@ import contextlib
 from typing import Any, Dict, Iterator, Optional, Sequence, Tuple
 
 from benchmarks.contenders import Contender
-from trec_pipelines.memory import PeakTracker, footprint, owned_storages, rss_bytes
+from trec_pipelines.observe.memory import PeakTracker, footprint, owned_storages, rss_bytes
 
 # The variant whose memory options are measured, and the option sets, baseline first.
 OPTIONS_VARIANT = "TrainPipelineSparseDist"

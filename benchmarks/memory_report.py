@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from typing import Any, Dict, List, Optional, Sequence
 
-from trec_pipelines.memory import KINDS
+from trec_pipelines.observe.memory import KINDS
 
 MiB = float(2**20)
 

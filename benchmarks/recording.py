@@ -2,7 +2,7 @@
 
 Per variant of ours and batch size the runner runs one untimed epoch with
 schedule recording on (the timeline picture is drawn from it).  During that
-epoch :func:`~trec_pipelines.input_dist_tap.tap_input_dist` (in the package,
+epoch :func:`~trec_pipelines.sparse.input_dist_tap.tap_input_dist` (in the package,
 shared with ``trec_pipelines.advise``) also notes, on the training thread only:
 
 * the time spent inside torchrec's ``input_dist`` of each sharded module
@@ -24,7 +24,7 @@ from typing import Any, Callable, Dict, Optional
 
 from torch import nn
 
-from trec_pipelines.input_dist_tap import INPUT_DIST_AWAITABLES, InputDistTap, tap_input_dist
+from trec_pipelines.sparse.input_dist_tap import INPUT_DIST_AWAITABLES, InputDistTap, tap_input_dist
 
 
 def recorded_epoch(

@@ -66,8 +66,8 @@ from benchmarks.contenders import (
 )
 from benchmarks.model import ModelSpec, make_batches, tiny_spec
 from tests import devices
-from trec_pipelines.memory import peak_rss_bytes
-from trec_pipelines.validation import batch_problem
+from trec_pipelines.data.validation import batch_problem
+from trec_pipelines.observe.memory import peak_rss_bytes
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 LINK_REASON_ENV = "TREC_BENCH_LINK_REASON"

@@ -8,27 +8,11 @@ for ``from trec_pipelines import TrainPipelineSparseDist``.
 from torchrec.distributed.train_pipeline import In, Out, TrainPipeline
 
 from trec_pipelines._version import __version__
-from trec_pipelines.actions import Action
 from trec_pipelines.advise import Advice, advise
-from trec_pipelines.args import ArgInfo, ArgInfoStepFactory, CallArgs
-from trec_pipelines.backward_hooks import (
-    FirstGradTensorFinder,
-    GradTensorFinder,
-    InjectionSite,
-    InjectionTargetType,
-    OutputDistTensorFinder,
-    register_backward_hook,
-)
-from trec_pipelines.cache_prefetch import prefetch_embeddings
-from trec_pipelines.context import (
-    CPUEmbeddingTrainPipelineContext,
-    EmbeddingTrainPipelineContext,
-    PECTrainPipelineContext,
-    PrefetchTrainPipelineContext,
-    TrainPipelineContext,
-)
-from trec_pipelines.data_loading import DataLoadingThread
-from trec_pipelines.errors import MalformedBatchError, ModelDetachedException
+from trec_pipelines.core.errors import MalformedBatchError, ModelDetachedException
+from trec_pipelines.core.state import PipelineState
+from trec_pipelines.data.data_loading import DataLoadingThread
+from trec_pipelines.data.inplace_copy import AsyncInplaceCopyMixin
 from trec_pipelines.experimental_pipelines import (
     EvalPipelineCPUSparse,
     TrainEvalHybridPipelineBase,
@@ -38,7 +22,23 @@ from trec_pipelines.experimental_pipelines import (
     TrainPipelineSparseDistOptStash,
     TrainPipelineSparseDistT,
 )
-from trec_pipelines.forwards import (
+from trec_pipelines.model.args import ArgInfo, ArgInfoStepFactory, CallArgs
+from trec_pipelines.model.backward_hooks import (
+    FirstGradTensorFinder,
+    GradTensorFinder,
+    InjectionSite,
+    InjectionTargetType,
+    OutputDistTensorFinder,
+    register_backward_hook,
+)
+from trec_pipelines.model.context import (
+    CPUEmbeddingTrainPipelineContext,
+    EmbeddingTrainPipelineContext,
+    PECTrainPipelineContext,
+    PrefetchTrainPipelineContext,
+    TrainPipelineContext,
+)
+from trec_pipelines.model.forwards import (
     CPUEmbeddingPipelinedForward,
     EmbeddingPipelinedForward,
     InSyncEmbeddingPipelinedForward,
@@ -46,11 +46,11 @@ from trec_pipelines.forwards import (
     PipelinedForward,
     PrefetchPipelinedForward,
 )
-from trec_pipelines.gradient_accumulation import (
-    GradientAccumulationConfig,
-    GradientAccumulationWrapper,
-)
-from trec_pipelines.inplace_copy import AsyncInplaceCopyMixin
+from trec_pipelines.model.postproc import PipelinedPostproc, use_context_for_postprocs
+from trec_pipelines.model.rewrite import RewriteResult, restore_model, rewrite_model
+from trec_pipelines.model.tracing import Tracer
+from trec_pipelines.observe.actions import Action
+from trec_pipelines.observe.recorder import ScheduleRecorder
 from trec_pipelines.pipelines.base import TrainPipelineBase
 from trec_pipelines.pipelines.comp_autograd import TrainPipelineSparseDistCompAutograd
 from trec_pipelines.pipelines.eval_sparse_dist import EvalPipelineSparseDist
@@ -66,12 +66,12 @@ from trec_pipelines.pipelines.sparse_data_dist_util import SparseDataDistUtil
 from trec_pipelines.pipelines.sparse_dist import TrainPipelineSparseDist
 from trec_pipelines.pipelines.sparse_dist_lite import TrainPipelineSparseDistLite
 from trec_pipelines.pipelines.staged import PipelineStage, StagedTrainPipeline, StageOut
-from trec_pipelines.postproc import PipelinedPostproc, use_context_for_postprocs
-from trec_pipelines.recorder import ScheduleRecorder
-from trec_pipelines.rewrite import RewriteResult, restore_model, rewrite_model
-from trec_pipelines.stashing import StashPlan
-from trec_pipelines.state import PipelineState
-from trec_pipelines.tracing import Tracer
+from trec_pipelines.sparse.cache_prefetch import prefetch_embeddings
+from trec_pipelines.sparse.gradient_accumulation import (
+    GradientAccumulationConfig,
+    GradientAccumulationWrapper,
+)
+from trec_pipelines.sparse.stashing import StashPlan
 
 __all__ = [
     "__version__",

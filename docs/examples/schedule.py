@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Any, Iterator, List, Tuple
 
 from trec_pipelines import TrainPipelineSparseDist
-from trec_pipelines.ledger import LedgerSummary
+from trec_pipelines.observe.ledger import LedgerSummary
 
 
 def record(

@@ -109,7 +109,7 @@ def test_a_budget_excludes_the_fastest_and_the_largest_holder() -> None:
             "TrainPipelineSemiSync is" in limited.reason
             and "exceeds the budget by" in limited.reason
         )
-        from trec_pipelines.memory import format_bytes
+        from trec_pipelines.observe.memory import format_bytes
 
         assert format_bytes(over) in limited.reason
     # The same measurements against a budget just under what the fastest holds:

@@ -36,7 +36,7 @@ from tests.distributed.dlrm import (
     plain_loop,
     run_pipeline,
 )
-from trec_pipelines.backward_hooks import (
+from trec_pipelines.model.backward_hooks import (
     FirstGradTensorFinder,
     InjectionSite,
     InjectionTargetType,

@@ -25,7 +25,11 @@ from tests.distributed.dlrm import (
     plain_loop,
     weights,
 )
-from trec_pipelines.backward_hooks import FirstGradTensorFinder, InjectionSite, InjectionTargetType
+from trec_pipelines.model.backward_hooks import (
+    FirstGradTensorFinder,
+    InjectionSite,
+    InjectionTargetType,
+)
 from trec_pipelines.pipelines.comp_autograd import (
     TrainPipelineSparseDistCompAutograd,
     touched_settings,

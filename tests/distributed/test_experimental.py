@@ -230,7 +230,7 @@ def test_hybrid_eval_forward_runs_under_no_grad(name: str) -> None:
 # ------------------------------------------------------------ the stash variants
 
 
-class RecordingStashing(trec_pipelines.stashing.Stashing):
+class RecordingStashing(trec_pipelines.sparse.stashing.Stashing):
     """Stands in for torchrec's MemoryStashingManager: logs each call, in order."""
 
     def __init__(self, log: List[str], enabled: bool = True) -> None:
@@ -518,9 +518,9 @@ def test_emb_stash_plan_is_the_local_shards_of_the_marked_tables(
         t for t in names if _local_weight_bytes(dmp, [t]) > 0
     )
     assert (plan.optimizer_state_bytes, plan.moved) == (0, devices.on_gpu())
-    with caplog.at_level(logging.INFO, logger="trec_pipelines.stashing"):
+    with caplog.at_level(logging.INFO, logger="trec_pipelines.sparse.stashing"):
         run_pipeline(pipeline, make_batches(3, seed=DATA_SEED), model=dmp)
-    said = [r for r in caplog.records if r.name == "trec_pipelines.stashing"]
+    said = [r for r in caplog.records if r.name == "trec_pipelines.sparse.stashing"]
     assert len(said) == 1 and said[0].levelno == logging.INFO, said
     assert f"{expected / 2**20:.2f} MiB of embedding weights" in said[0].getMessage()
 
@@ -534,9 +534,9 @@ def test_emb_stash_with_no_marked_table_says_it_stashes_nothing(
         dmp, optimizer, DEVICE, site_fqn="over_arch"
     )
     assert pipeline.stash_plan().total_bytes == 0
-    with caplog.at_level(logging.WARNING, logger="trec_pipelines.stashing"):
+    with caplog.at_level(logging.WARNING, logger="trec_pipelines.sparse.stashing"):
         run_pipeline(pipeline, make_batches(2, seed=DATA_SEED), model=dmp)
-    warned = [r.getMessage() for r in caplog.records if r.name == "trec_pipelines.stashing"]
+    warned = [r.getMessage() for r in caplog.records if r.name == "trec_pipelines.sparse.stashing"]
     assert len(warned) == 1 and "stash_weights=True" in warned[0], warned
 
 
@@ -549,10 +549,10 @@ def test_opt_stash_plan_is_the_large_plain_optimizer_state(
     pipeline = trec_pipelines.TrainPipelineSparseDistOptStash(
         dmp, optimizer, DEVICE, site_fqn="ebc"
     )
-    with caplog.at_level(logging.WARNING, logger="trec_pipelines.stashing"):
+    with caplog.at_level(logging.WARNING, logger="trec_pipelines.sparse.stashing"):
         run_pipeline(pipeline, make_batches(2, seed=DATA_SEED), model=dmp)
     assert pipeline.stash_plan().total_bytes == 0
-    warned = [r.getMessage() for r in caplog.records if r.name == "trec_pipelines.stashing"]
+    warned = [r.getMessage() for r in caplog.records if r.name == "trec_pipelines.sparse.stashing"]
     assert len(warned) == 1 and "1 MiB or more" in warned[0], warned
 
     big = torch.nn.Parameter(torch.zeros(512, 1024, device=DEVICE))  # 2 MiB
@@ -560,7 +560,9 @@ def test_opt_stash_plan_is_the_large_plain_optimizer_state(
     adam = torch.optim.Adam([big, small])
     (big.sum() + small.sum()).backward()
     adam.step()  # Adam makes its state at the first step
-    plan = trec_pipelines.stashing.plan_stash(trec_pipelines.stashing.Stashing(), optimizer=adam)
+    plan = trec_pipelines.sparse.stashing.plan_stash(
+        trec_pipelines.sparse.stashing.Stashing(), optimizer=adam
+    )
     # exp_avg and exp_avg_sq of ``big``; ``small``'s and the step counters stay.
     assert (plan.optimizer_state_bytes, plan.optimizer_state_tensors) == (2 * 2 * 2**20, 2)
 

@@ -33,9 +33,18 @@ from tests.distributed.postproc_models import (
     run,
 )
 from trec_pipelines import restore_model, rewrite_model
-from trec_pipelines.args import ArgInfo, CallArgs, DictOf, GetAttr, GetItem, ListOf, Noop, Postproc
-from trec_pipelines.context import TrainPipelineContext
-from trec_pipelines.postproc import PipelinedPostproc
+from trec_pipelines.model.args import (
+    ArgInfo,
+    CallArgs,
+    DictOf,
+    GetAttr,
+    GetItem,
+    ListOf,
+    Noop,
+    Postproc,
+)
+from trec_pipelines.model.context import TrainPipelineContext
+from trec_pipelines.model.postproc import PipelinedPostproc
 
 
 def three_ways(layout: str, name: str = "TrainPipelineSparseDist") -> Any:

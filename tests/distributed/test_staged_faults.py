@@ -33,7 +33,7 @@ from tests.distributed.test_faults import (
     plain_loop_with_retry,
 )
 from tests.fault_injection import Fault, FlakyIterator
-from trec_pipelines.errors import MalformedBatchError
+from trec_pipelines.core.errors import MalformedBatchError
 from trec_pipelines.pipelines.sparse_data_dist_util import SparseDataDistUtil
 from trec_pipelines.pipelines.staged import PipelineStage, StagedTrainPipeline
 

@@ -4,7 +4,7 @@ Run with ``make soak`` (2 gloo ranks).  Passes when, after warm-up:
 
 * resident memory grows by less than 1%;
 * what the pipeline holds is flat: measured after every step
-  (:func:`trec_pipelines.memory.footprint`), the largest bytes and storage
+  (:func:`trec_pipelines.observe.memory.footprint`), the largest bytes and storage
   count of the last ``--window`` steps equal those of the first window after
   warm-up (the batches cycle through a fixed pool much shorter than a window,
   so both windows see every combination of in-flight batches);
@@ -31,7 +31,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspa
 
 import trec_pipelines as tp  # noqa: E402
 from tests.distributed.dlrm import DLRM, make_batches, make_sharded  # noqa: E402
-from trec_pipelines.memory import footprint, owned_storages  # noqa: E402
+from trec_pipelines.observe.memory import footprint, owned_storages  # noqa: E402
 
 DEPTH = {"TrainPipelineSparseDist": 3, "TrainPipelineSemiSync": 4}
 

@@ -43,7 +43,7 @@ def _run(names: List[str]) -> None:
     import torchrec.distributed.train_pipeline as upstream
 
     import trec_pipelines
-    import trec_pipelines.input_dist as input_dist
+    import trec_pipelines.sparse.input_dist as input_dist
     from tests.distributed.dlrm import DLRM, make_batches, make_sharded, plain_loop, run_pipeline
 
     batches = make_batches(seed=7)

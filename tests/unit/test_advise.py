@@ -12,7 +12,7 @@ from trec_pipelines.advise.cli import _without_nproc, load_build, parser
 from trec_pipelines.advise.measure import BuildError, _exposed_per_step, call_build, take
 from trec_pipelines.advise.run import _round_order
 from trec_pipelines.advise.variants import Variant, iterable_problem, not_applicable, resolve
-from trec_pipelines.memory import format_bytes
+from trec_pipelines.observe.memory import format_bytes
 
 MIB = 2**20
 

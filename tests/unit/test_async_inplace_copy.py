@@ -24,7 +24,7 @@ from tests.unit.fakes import (
     optimizer_for,
     plain_loop,
 )
-from trec_pipelines.inplace_copy import BatchQueue
+from trec_pipelines.data.inplace_copy import BatchQueue
 
 CPU = torch.device("cpu")
 VARIANTS = [

@@ -7,8 +7,8 @@ import torch
 
 import trec_pipelines
 from tests.unit.fakes import TinyModel, optimizer_for
-from trec_pipelines import input_dist_group as idg
-from trec_pipelines.input_dist import SplitsFusion
+from trec_pipelines.sparse import input_dist_group as idg
+from trec_pipelines.sparse.input_dist import SplitsFusion
 
 
 def test_the_choices_and_the_default() -> None:

@@ -11,7 +11,8 @@ from torch import nn
 from torchrec.distributed.types import Awaitable
 from torchrec.sparse.jagged_tensor import JaggedTensor, KeyedJaggedTensor, KeyedTensor
 
-from trec_pipelines.memory import (
+from trec_pipelines.core.streams import use_device_module
+from trec_pipelines.observe.memory import (
     BATCH,
     CONTEXT,
     EMBEDDINGS,
@@ -22,7 +23,6 @@ from trec_pipelines.memory import (
     owned_storages,
     refine,
 )
-from trec_pipelines.streams import use_device_module
 
 
 def nbytes(*tensors: torch.Tensor) -> int:

@@ -24,7 +24,7 @@ from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 import trec_pipelines as tp
 from tests.unit.fakes import FEATURES, ROWS, Batch, TinyModel, drain, optimizer_for
-from trec_pipelines.memory import BATCH, storage_of
+from trec_pipelines.observe.memory import BATCH, storage_of
 from trec_pipelines.pipelines.pt2 import TorchCompileConfig
 
 CPU = torch.device("cpu")
@@ -188,7 +188,7 @@ def test_timeline_gains_a_memory_track(tmp_path: Any) -> None:
     with_memory = tmp_path / "with.png"
     pipeline.save_timeline(str(with_memory), calls=(1, 3))
     plain = tmp_path / "plain.png"
-    from trec_pipelines.schedule_view import draw_timeline
+    from trec_pipelines.observe.schedule_view import draw_timeline
 
     draw_timeline(pipeline.schedule_actions, str(plain), calls=(1, 3))
     assert with_memory.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
@@ -228,7 +228,7 @@ class _Stepper:
 
 
 def test_model_state_in_a_running_method_s_locals_is_not_counted() -> None:
-    from trec_pipelines.ledger import MemoryLedger
+    from trec_pipelines.observe.ledger import MemoryLedger
 
     stepper = _Stepper()
     ledger = MemoryLedger(stepper)  # before the optimizer has any state

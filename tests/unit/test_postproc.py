@@ -35,7 +35,7 @@ from trec_pipelines import (
     rewrite_model,
     use_context_for_postprocs,
 )
-from trec_pipelines.args import (
+from trec_pipelines.model.args import (
     ArgInfo,
     ArgInfoStepFactory,
     CallArgs,
@@ -46,8 +46,8 @@ from trec_pipelines.args import (
     Noop,
     Postproc,
 )
-from trec_pipelines.context import TrainPipelineContext
-from trec_pipelines.postproc import PipelinedPostproc
+from trec_pipelines.model.context import TrainPipelineContext
+from trec_pipelines.model.postproc import PipelinedPostproc
 
 CPU = torch.device("cpu")
 
@@ -369,7 +369,7 @@ def test_eval_progress_after_detach_attaches_again() -> None:
 
 
 def test_record_stream_tree_reaches_every_tensor_and_multistreamable_in_an_output() -> None:
-    from trec_pipelines.streams import record_stream_tree
+    from trec_pipelines.core.streams import record_stream_tree
 
     class Recorded:
         def __init__(self) -> None:

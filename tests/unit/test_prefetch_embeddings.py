@@ -71,7 +71,7 @@ def test_reads_a_cache_only_false_for_torchrec_kernels_known_to_have_none() -> N
 
     from torchrec.distributed.embedding_types import EmbeddingComputeKernel
 
-    from trec_pipelines.cache_prefetch import reads_a_cache
+    from trec_pipelines.sparse.cache_prefetch import reads_a_cache
 
     def sharded(*kernels: EmbeddingComputeKernel) -> SimpleNamespace:
         ops = [SimpleNamespace(_config=SimpleNamespace(compute_kernel=k)) for k in kernels]

@@ -17,7 +17,7 @@ from tests.unit.fakes import (
     sparse_dist_pipeline,
 )
 from trec_pipelines import restore_model, rewrite_model
-from trec_pipelines.args import ArgInfo, CallArgs, GetAttr, GetItem
+from trec_pipelines.model.args import ArgInfo, CallArgs, GetAttr, GetItem
 
 
 def _noop_forward(name, call_args, module):  # type: ignore[no-untyped-def]

@@ -21,12 +21,12 @@ from tests.unit.fakes import (
     optimizer_for,
     plain_loop,
 )
-from trec_pipelines import streams
+from trec_pipelines.core import streams
+from trec_pipelines.observe.recorder import ScheduleRecorder
 from trec_pipelines.pipelines.fused_sparse_dist import (
     EvalPipelineFusedSparseDist,
     TrainPipelineFusedSparseDist,
 )
-from trec_pipelines.recorder import ScheduleRecorder
 
 CPU = torch.device("cpu")
 

@@ -23,7 +23,8 @@ from tests.unit.fakes import (
     plain_loop,
 )
 from tests.unit.test_step_guard import FaultyModel, FaultyOptimizer, plain_loop_with_retry
-from trec_pipelines import TrainPipelinePEC, pec_ops
+from trec_pipelines import TrainPipelinePEC
+from trec_pipelines.sparse import pec_ops
 
 CPU = torch.device("cpu")
 

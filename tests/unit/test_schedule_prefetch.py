@@ -24,7 +24,7 @@ from tests.unit.fakes import (
     optimizer_for,
     plain_loop,
 )
-from trec_pipelines import streams
+from trec_pipelines.core import streams
 from trec_pipelines.pipelines.prefetch import PrefetchTrainPipelineSparseDist
 
 CPU = torch.device("cpu")

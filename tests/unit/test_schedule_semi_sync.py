@@ -27,7 +27,7 @@ from tests.unit.fakes import (
     optimizer_for,
     plain_loop,
 )
-from trec_pipelines import streams
+from trec_pipelines.core import streams
 from trec_pipelines.pipelines.semi_sync import TrainPipelineSemiSync
 
 CPU = torch.device("cpu")

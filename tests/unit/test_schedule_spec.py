@@ -181,8 +181,8 @@ def test_schedule_table_and_views(tmp_path: Any) -> None:
 
 
 def test_views_accept_stream_roles_named_after_stages(tmp_path: Any) -> None:
-    from trec_pipelines.recorder import Action
-    from trec_pipelines.schedule_view import draw_timeline, stream_lanes, write_trace
+    from trec_pipelines.observe.recorder import Action
+    from trec_pipelines.observe.schedule_view import draw_timeline, stream_lanes, write_trace
 
     actions = [
         Action(

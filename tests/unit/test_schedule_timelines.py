@@ -38,7 +38,7 @@ import torch
 
 import trec_pipelines as tp
 from tests.unit.fakes import TinyModel, drain, make_batches, optimizer_for
-from trec_pipelines.backward_hooks import (
+from trec_pipelines.model.backward_hooks import (
     FirstGradTensorFinder,
     InjectionSite,
     InjectionTargetType,

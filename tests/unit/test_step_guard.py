@@ -24,7 +24,7 @@ from tests.unit.fakes import (
     make_batches,
     optimizer_for,
 )
-from trec_pipelines.stages import BatchSource
+from trec_pipelines.data.source import BatchSource
 
 CPU = torch.device("cpu")
 

@@ -40,9 +40,10 @@ from tests.unit.test_stream_protocol import (
     semi_sync_steps,
     table_updated_in_backward,
 )
-from trec_pipelines import postproc as postproc_module
-from trec_pipelines.args import ArgInfo, CallArgs, Noop
-from trec_pipelines.context import TrainPipelineContext
+from trec_pipelines.model import postproc as postproc_module
+from trec_pipelines.model.args import ArgInfo, CallArgs, Noop
+from trec_pipelines.model.context import TrainPipelineContext
+from trec_pipelines.model.postproc import PipelinedPostproc
 from trec_pipelines.pipelines.comp_autograd import TrainPipelineSparseDistCompAutograd
 from trec_pipelines.pipelines.eval_sparse_dist import EvalPipelineSparseDist
 from trec_pipelines.pipelines.fused_sparse_dist import (
@@ -53,7 +54,6 @@ from trec_pipelines.pipelines.prefetch import PrefetchTrainPipelineSparseDist
 from trec_pipelines.pipelines.semi_sync import TrainPipelineSemiSync
 from trec_pipelines.pipelines.sparse_dist import TrainPipelineSparseDist
 from trec_pipelines.pipelines.sparse_dist_lite import TrainPipelineSparseDistLite
-from trec_pipelines.postproc import PipelinedPostproc
 from trec_pipelines.testing import StreamRecorder, check_stream_protocol
 
 

@@ -7,7 +7,7 @@ from typing import Any, List, Tuple
 import pytest
 import torch
 
-from trec_pipelines import streams
+from trec_pipelines.core import streams
 
 
 def test_cpu_has_no_side_streams() -> None:
@@ -91,7 +91,7 @@ def test_helpers_call_the_device_module() -> None:
 def test_lookup_outputs_of_both_kinds_are_recorded(monkeypatch: Any) -> None:
     from torchrec.sparse.jagged_tensor import JaggedTensor, KeyedTensor
 
-    from trec_pipelines.forwards import record_output
+    from trec_pipelines.model.forwards import record_output
 
     seen: List[Tuple[int, str]] = []
     monkeypatch.setattr(

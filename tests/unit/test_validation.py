@@ -18,7 +18,7 @@ from tests.unit.fakes import (
     optimizer_for,
     plain_loop,
 )
-from trec_pipelines.validation import _looks_consistent, batch_problem, kjt_problem
+from trec_pipelines.data.validation import _looks_consistent, batch_problem, kjt_problem
 
 CPU = torch.device("cpu")
 KEYS = ["f0", "f1"]
@@ -118,7 +118,7 @@ def test_the_fast_check_agrees_with_the_full_one_on_random_corruptions(large: bo
     # A corruption the fast check lets through would train silently: every
     # KJT it passes, the torch path must pass too.  Small KJTs take the fast
     # check's list path, large ones (more than _SMALL lengths) its NumPy path.
-    from trec_pipelines.validation import _SMALL
+    from trec_pipelines.data.validation import _SMALL
 
     g = torch.Generator().manual_seed(3)
     disagreements = []
@@ -238,7 +238,7 @@ def test_the_fast_walk_finds_the_kjts_the_rewrite_finds() -> None:
     # batch_problem's walk (no paths) must see every KJT kjt_fields sees, nested or not.
     from types import SimpleNamespace
 
-    from trec_pipelines.rewrite import kjt_fields, kjts_in
+    from trec_pipelines.model.rewrite import kjt_fields, kjts_in
 
     k = lambda: _kjt(GOOD)  # noqa: E731
     nested = [

@@ -31,7 +31,7 @@ import statistics
 from dataclasses import asdict, dataclass, replace
 from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
 
-from trec_pipelines.memory import format_bytes
+from trec_pipelines.observe.memory import format_bytes
 
 _UNITS = {
     "": 1,

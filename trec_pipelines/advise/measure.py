@@ -29,11 +29,11 @@ import torch
 from torch import nn
 
 from trec_pipelines.advise.variants import Variant, examples_per_batch, iterable_problem
-from trec_pipelines.input_dist_tap import tap_input_dist
-from trec_pipelines.memory import device_memory, rss_bytes
+from trec_pipelines.core.streams import device_module, has_streams, new_stream
+from trec_pipelines.observe.memory import device_memory, rss_bytes
 from trec_pipelines.pipelines.sparse_data_dist_util import SparseDataDistUtil
 from trec_pipelines.pipelines.staged import PipelineStage
-from trec_pipelines.streams import device_module, has_streams, new_stream
+from trec_pipelines.sparse.input_dist_tap import tap_input_dist
 
 Build = Callable[[], Tuple[nn.Module, Any, Iterable[Any]]]
 PLAIN = "plain loop"

@@ -195,7 +195,7 @@ def compute_kernels(model: nn.Module) -> List[str]:
 
 def _pec_problem(model: nn.Module, pipeline: str) -> Optional[str]:
     """Why PEC has nothing to do on ``model``, or can't on this torchrec (None: it applies)."""
-    from trec_pipelines.pec_ops import check_pec_supported, is_pec
+    from trec_pipelines.sparse.pec_ops import check_pec_supported, is_pec
 
     modules = [
         (name, m) for name, m in model.named_modules() if isinstance(m, ShardedModule) and is_pec(m)
@@ -241,7 +241,7 @@ def not_applicable(
 
 def examples_per_batch(batch: Any) -> Optional[int]:
     """Samples in one rank's batch: the stride of its first KeyedJaggedTensor (None: it has none)."""
-    from trec_pipelines.rewrite import kjts_in
+    from trec_pipelines.model.rewrite import kjts_in
 
     kjts = kjts_in(batch)
     return int(kjts[0].stride()) if kjts else None

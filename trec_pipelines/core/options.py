@@ -33,12 +33,12 @@ import typing
 from dataclasses import dataclass, field
 from typing import Any, Dict, FrozenSet, Literal, Mapping, Optional, Tuple, TypedDict
 
-from trec_pipelines.input_dist_group import (
+from trec_pipelines.model.rewrite import STRATEGIES, Strategy
+from trec_pipelines.sparse.input_dist_group import (
     DEFAULT_INPUT_DIST_GROUP,
     InputDistGroup,
     check_input_dist_group,
 )
-from trec_pipelines.rewrite import STRATEGIES, Strategy
 
 UnpipelinedPolicy = Literal["warn", "raise"]
 UNPIPELINED_POLICIES: Tuple[str, ...] = ("warn", "raise")

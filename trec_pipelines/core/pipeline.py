@@ -7,8 +7,8 @@ every one of them and is written once, in :class:`PipelineCore`:
 
 * construction from torchrec's ``model``, ``optimizer`` and ``device`` plus
   our options (:mod:`trec_pipelines.core.options`): the checks, the
-  :class:`~trec_pipelines.stages.BatchSource` (validation, and the ranks'
-  agreement on each pull), the :class:`~trec_pipelines.step_guard.StepGuard`,
+  :class:`~trec_pipelines.data.source.BatchSource` (validation, and the ranks'
+  agreement on each pull), the :class:`~trec_pipelines.core.step_guard.StepGuard`,
   and the :class:`~trec_pipelines.core.pipelined_model.PipelinedModel`;
 * the start of a step (:meth:`PipelineCore._begin_step`): the schedule
   recorder's new call, the take-over of a model another pipeline left
@@ -31,7 +31,6 @@ from typing import Any, Iterator, Mapping, Optional, cast
 
 import torch
 
-from trec_pipelines.agreement import agreement_group
 from trec_pipelines.core.checks import check_device, check_model_device, check_optimizer
 from trec_pipelines.core.options import (
     PipelineOptions,
@@ -41,10 +40,11 @@ from trec_pipelines.core.options import (
     resolve_options,
 )
 from trec_pipelines.core.pipelined_model import PipelinedModel
-from trec_pipelines.recorder import Recordable
-from trec_pipelines.resume import Resumable
-from trec_pipelines.stages import BatchSource, ParkedEpochs
-from trec_pipelines.step_guard import StepGuard, skip_failed_batch
+from trec_pipelines.core.resume import Resumable
+from trec_pipelines.core.step_guard import StepGuard, skip_failed_batch
+from trec_pipelines.data.agreement import agreement_group
+from trec_pipelines.data.source import BatchSource, ParkedEpochs
+from trec_pipelines.observe.recorder import Recordable
 
 logger: logging.Logger = logging.getLogger(__name__)
 
@@ -138,7 +138,7 @@ class PipelineCore(WithOptions, Recordable, Resumable):
 
     def _drop_in_flight_state(self) -> None:
         """Forget the in-flight device batches; the step guard gives their host
-        batches back to the source (see :mod:`trec_pipelines.step_guard`)."""
+        batches back to the source (see :mod:`trec_pipelines.core.step_guard`)."""
         self._set_aside()
 
     # ----------------------------------------------------------- a step's start
@@ -156,7 +156,7 @@ class PipelineCore(WithOptions, Recordable, Resumable):
     def _take_over_model(self) -> None:
         """Detach any other pipeline whose forward wrappers are on this model
         (an eval pipeline left attached when its data ended; see
-        :mod:`trec_pipelines.takeover`)."""
+        :mod:`trec_pipelines.model.takeover`)."""
         self._pipelined.take_over()
 
     def _switch_iterator(self, dataloader_iter: Iterator[Any]) -> None:

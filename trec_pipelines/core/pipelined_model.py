@@ -32,19 +32,19 @@ from typing import Any, Callable, Dict, List, Optional
 import torch
 
 from trec_pipelines._types import AnyShardedModule
-from trec_pipelines.args import CallArgs
-from trec_pipelines.forwards import BaseForward
-from trec_pipelines.input_dist import SplitsFusion
-from trec_pipelines.input_dist_group import InputDistGroup
-from trec_pipelines.postproc import PipelinedPostproc
-from trec_pipelines.rewrite import (
+from trec_pipelines.model.args import CallArgs
+from trec_pipelines.model.forwards import BaseForward
+from trec_pipelines.model.postproc import PipelinedPostproc
+from trec_pipelines.model.rewrite import (
     RewriteResult,
     Strategy,
     reapply_rewrite,
     restore_model,
     rewrite_model,
 )
-from trec_pipelines.takeover import take_model_over
+from trec_pipelines.model.takeover import take_model_over
+from trec_pipelines.sparse.input_dist import SplitsFusion
+from trec_pipelines.sparse.input_dist_group import InputDistGroup
 
 logger: logging.Logger = logging.getLogger(__name__)
 

@@ -8,12 +8,12 @@ from typing import Any, Callable, Iterator, List, Optional, Tuple, Unpack
 import torch
 from torchrec.distributed.train_pipeline import In, Out, TrainPipeline
 
-from trec_pipelines import recorder as rec
 from trec_pipelines.core.options import BatchOptions
 from trec_pipelines.core.pipeline import PipelineCore
-from trec_pipelines.stages import backward, copy_to_device, wait_for_batch
-from trec_pipelines.step_guard import guarded_step
-from trec_pipelines.streams import make_streams
+from trec_pipelines.core.step_guard import guarded_step
+from trec_pipelines.core.streams import make_streams
+from trec_pipelines.core.verbs import backward, copy_to_device, wait_for_batch
+from trec_pipelines.observe import recorder as rec
 
 logger: logging.Logger = logging.getLogger(__name__)
 

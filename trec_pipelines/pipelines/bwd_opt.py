@@ -10,15 +10,15 @@ from torch.nn.parallel import DistributedDataParallel
 from torchrec.distributed.train_pipeline import In, Out
 from torchrec.distributed.types import ShardingType
 
-from trec_pipelines.backward_hooks import (
+from trec_pipelines.core.options import SparseDistOptions
+from trec_pipelines.core.step_guard import guarded_step
+from trec_pipelines.model.backward_hooks import (
     InjectionSite,
     InjectionTargetType,
     OutputDistTensorFinder,
 )
-from trec_pipelines.context import TrainPipelineContext
-from trec_pipelines.core.options import SparseDistOptions
+from trec_pipelines.model.context import TrainPipelineContext
 from trec_pipelines.pipelines.sparse_dist import TrainPipelineSparseDist
-from trec_pipelines.step_guard import guarded_step
 
 logger: logging.Logger = logging.getLogger(__name__)
 
@@ -38,7 +38,7 @@ class TrainPipelineSparseDistBwdOpt(TrainPipelineSparseDist[In, Out]):
     :class:`TrainPipelineSparseDist`'s.
 
     The step is a backward hook at ``site_fqn``'s output dist (an
-    :class:`~trec_pipelines.backward_hooks.OutputDistTensorFinder` of
+    :class:`~trec_pipelines.model.backward_hooks.OutputDistTensorFinder` of
     ``sharding_type``): it runs once the backward has launched that module's
     gradient all-to-all, overlapping it, instead of after the backward.  It
     steps on the gradients as they are at that point: what autograd has not

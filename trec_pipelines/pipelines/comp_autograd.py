@@ -24,13 +24,13 @@ from torch.nn.parallel import DistributedDataParallel
 from torchrec.distributed import comm_ops
 from torchrec.distributed.train_pipeline import In, Out
 
-from trec_pipelines import recorder as rec
-from trec_pipelines.compiler_settings import HeldSettings
-from trec_pipelines.context import TrainPipelineContext
 from trec_pipelines.core.options import SparseDistOptions
+from trec_pipelines.core.step_guard import guarded_step
+from trec_pipelines.core.verbs import backward
+from trec_pipelines.model.compiler_settings import HeldSettings
+from trec_pipelines.model.context import TrainPipelineContext
+from trec_pipelines.observe import recorder as rec
 from trec_pipelines.pipelines.sparse_dist import TrainPipelineSparseDist
-from trec_pipelines.stages import backward
-from trec_pipelines.step_guard import guarded_step
 
 logger: logging.Logger = logging.getLogger(__name__)
 

@@ -11,17 +11,10 @@ import torch
 from torchrec.distributed.train_pipeline import In, Out
 from torchrec.sparse.jagged_tensor import KeyedTensor
 
-from trec_pipelines import recorder as rec
 from trec_pipelines._types import AnyShardedModule
-from trec_pipelines.args import CallArgs
-from trec_pipelines.context import CPUEmbeddingTrainPipelineContext, TrainPipelineContext
 from trec_pipelines.core.options import EvalHostOptions
-from trec_pipelines.forwards import BaseForward, CPUEmbeddingPipelinedForward
-from trec_pipelines.input_dist import start_input_dist, wait_input_dist
-from trec_pipelines.pipelines.sparse_dist import TrainPipelineSparseDist
-from trec_pipelines.stages import copy_to_device, wait_for_batch
-from trec_pipelines.step_guard import guarded_step
-from trec_pipelines.streams import (
+from trec_pipelines.core.step_guard import guarded_step
+from trec_pipelines.core.streams import (
     StreamSet,
     current_stream,
     make_streams,
@@ -30,6 +23,13 @@ from trec_pipelines.streams import (
     record_stream_tree,
     wait_stream,
 )
+from trec_pipelines.core.verbs import copy_to_device, wait_for_batch
+from trec_pipelines.model.args import CallArgs
+from trec_pipelines.model.context import CPUEmbeddingTrainPipelineContext, TrainPipelineContext
+from trec_pipelines.model.forwards import BaseForward, CPUEmbeddingPipelinedForward
+from trec_pipelines.observe import recorder as rec
+from trec_pipelines.pipelines.sparse_dist import TrainPipelineSparseDist
+from trec_pipelines.sparse.input_dist import start_input_dist, wait_input_dist
 
 logger: logging.Logger = logging.getLogger(__name__)
 

@@ -26,14 +26,15 @@ from typing import Any, Callable, ContextManager, Iterator, Optional, Tuple, Uni
 import torch
 from torchrec.distributed.train_pipeline import In, Out
 
-from trec_pipelines import recorder as rec
 from trec_pipelines.core.checks import predictions
+from trec_pipelines.core.errors import MalformedBatchError
 from trec_pipelines.core.options import SparseDistOptions
-from trec_pipelines.errors import MalformedBatchError
-from trec_pipelines.handoff import OneSlotHandoff
+from trec_pipelines.core.streams import has_streams
+from trec_pipelines.core.verbs import copy_to_device, shares_kjt_storage
+from trec_pipelines.data.handoff import OneSlotHandoff
+from trec_pipelines.data.source import BatchSource
+from trec_pipelines.observe import recorder as rec
 from trec_pipelines.pipelines.sparse_dist import TrainPipelineSparseDist
-from trec_pipelines.stages import BatchSource, copy_to_device, shares_kjt_storage
-from trec_pipelines.streams import has_streams
 
 # A loaded batch and its index in the order of loading.
 Loaded = Tuple[Any, int]
@@ -91,7 +92,7 @@ class _BatchLoader:
     at most one batch.  It ends at the end of the data, on the first exception
     ``load`` raises (kept for :meth:`take`), or when :meth:`stop` is called;
     it never calls ``load`` again after any of these.  A malformed batch
-    (:class:`~trec_pipelines.errors.MalformedBatchError`) does not end it: the
+    (:class:`~trec_pipelines.core.errors.MalformedBatchError`) does not end it: the
     :meth:`take` that would have got that batch raises the error, and the
     thread goes on with the next one.
 

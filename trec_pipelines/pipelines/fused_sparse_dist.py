@@ -7,22 +7,23 @@ from typing import Any, Callable, Deque, Iterator, List, Literal, Optional, Tupl
 import torch
 from torchrec.distributed.train_pipeline import In, Out
 
-from trec_pipelines import lookup, recorder as rec
 from trec_pipelines._types import AnyShardedModule
-from trec_pipelines.args import CallArgs
-from trec_pipelines.context import EmbeddingTrainPipelineContext
 from trec_pipelines.core.checks import predictions
 from trec_pipelines.core.options import SparseDistOptions
-from trec_pipelines.forwards import BaseForward, InSyncEmbeddingPipelinedForward
-from trec_pipelines.pipelines.sparse_dist import TrainPipelineSparseDist
-from trec_pipelines.step_guard import guarded_step
-from trec_pipelines.streams import (
+from trec_pipelines.core.step_guard import guarded_step
+from trec_pipelines.core.streams import (
     StreamSet,
     current_stream,
     make_streams,
     record_event,
     wait_stream,
 )
+from trec_pipelines.model.args import CallArgs
+from trec_pipelines.model.context import EmbeddingTrainPipelineContext
+from trec_pipelines.model.forwards import BaseForward, InSyncEmbeddingPipelinedForward
+from trec_pipelines.observe import recorder as rec
+from trec_pipelines.pipelines.sparse_dist import TrainPipelineSparseDist
+from trec_pipelines.sparse import lookup
 
 EmbLookupStream = Literal["data_dist", "new", "current"]
 EMB_LOOKUP_STREAMS: Tuple[str, ...] = ("data_dist", "new", "current")
@@ -49,7 +50,7 @@ class TrainPipelineFusedSparseDist(TrainPipelineSparseDist[In, Out]):
     issued at the top of :meth:`progress`, before the dense forward, and on a
     GPU it overlaps the previous batch's optimizer step; each pipelined
     module's forward is an
-    :class:`~trec_pipelines.forwards.InSyncEmbeddingPipelinedForward`, which
+    :class:`~trec_pipelines.model.forwards.InSyncEmbeddingPipelinedForward`, which
     hands the result over still attached to autograd, so the backward reaches
     the embeddings as usual.
 

@@ -2,10 +2,10 @@
 
 [Note: PEC, retrying a step]
 A failed ``progress()`` is rolled back as in every train variant (see
-[Note: retrying a failed step] in :mod:`trec_pipelines.step_guard`), with one
+[Note: retrying a failed step] in :mod:`trec_pipelines.core.step_guard`), with one
 more thing to keep: the NOL gradient of the last trained batch ``i-1``, which
 its step left to ``i``'s.  It is held by the pipeline, not by a batch's
-context (:class:`~trec_pipelines.pec_ops.DeferredNolGrad`), so forgetting the
+context (:class:`~trec_pipelines.sparse.pec_ops.DeferredNolGrad`), so forgetting the
 contexts does not lose it, and the rollback issues nothing.  Whatever of it the
 failed step had not applied (not started, or started and not waited) is
 applied first thing by the retry, after the step guard's ``begin()`` and
@@ -38,15 +38,16 @@ from typing import Any, Callable, Deque, Iterator, List, Optional, Tuple, Unpack
 import torch
 from torchrec.distributed.train_pipeline import In, Out
 
-from trec_pipelines import lookup, pec_ops, recorder as rec
 from trec_pipelines._types import AnyShardedModule
-from trec_pipelines.args import CallArgs
-from trec_pipelines.context import PECTrainPipelineContext
 from trec_pipelines.core.options import SparseDistOptions
-from trec_pipelines.forwards import BaseForward, PECPipelinedForward
+from trec_pipelines.core.step_guard import guarded_step
+from trec_pipelines.core.streams import current_stream, record_stream, wait_event
+from trec_pipelines.model.args import CallArgs
+from trec_pipelines.model.context import PECTrainPipelineContext
+from trec_pipelines.model.forwards import BaseForward, PECPipelinedForward
+from trec_pipelines.observe import recorder as rec
 from trec_pipelines.pipelines.sparse_dist import TrainPipelineSparseDist
-from trec_pipelines.step_guard import guarded_step
-from trec_pipelines.streams import current_stream, record_stream, wait_event
+from trec_pipelines.sparse import lookup, pec_ops
 
 
 class TrainPipelinePEC(TrainPipelineSparseDist[In, Out]):
@@ -80,13 +81,13 @@ class TrainPipelinePEC(TrainPipelineSparseDist[In, Out]):
     and update the ids a batch shares with its neighbours in its own step, and
     the others a step early (lookup) or late (update), which is meant to give
     the same values as the plain loop: see [Note: PEC, compute ahead] in
-    :mod:`trec_pipelines.pec_ops`.  (On CPU with torchrec 1.9.2 the PEC
+    :mod:`trec_pipelines.sparse.pec_ops`.  (On CPU with torchrec 1.9.2 the PEC
     module's own gradient routing departs from the plain loop from the second
     step on, in torchrec's class as here; ours matches torchrec's bit for
     bit.)  Every other pipelined module is looked up on the default stream at
     the top of the step, as Fused does with ``emb_lookup_stream="current"``,
     after the previous step's update; its forward is an
-    :class:`~trec_pipelines.forwards.PECPipelinedForward`, which hands the
+    :class:`~trec_pipelines.model.forwards.PECPipelinedForward`, which hands the
     output over still attached to autograd.  With no PEC module the PEC verbs
     do nothing and are still recorded, so the schedule keeps its shape.  Before
     the model is used outside the pipeline's order (:meth:`detach`, another

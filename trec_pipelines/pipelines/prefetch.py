@@ -23,23 +23,23 @@ from typing import Any, Callable, Iterator, Optional, Tuple, Unpack, cast
 import torch
 from torchrec.distributed.train_pipeline import In, Out
 
-from trec_pipelines import recorder as rec
 from trec_pipelines._types import AnyShardedModule
-from trec_pipelines.args import CallArgs
-from trec_pipelines.cache_prefetch import prefetch_modules
-from trec_pipelines.context import PrefetchTrainPipelineContext, TrainPipelineContext
 from trec_pipelines.core.options import SparseDistOptions
-from trec_pipelines.forwards import BaseForward, PrefetchPipelinedForward
-from trec_pipelines.pipelines.sparse_dist import TrainPipelineSparseDist
-from trec_pipelines.stages import wait_for_batch
-from trec_pipelines.step_guard import guarded_step
-from trec_pipelines.streams import (
+from trec_pipelines.core.step_guard import guarded_step
+from trec_pipelines.core.streams import (
     StreamSet,
     current_stream,
     make_streams,
     record_event,
     wait_stream,
 )
+from trec_pipelines.core.verbs import wait_for_batch
+from trec_pipelines.model.args import CallArgs
+from trec_pipelines.model.context import PrefetchTrainPipelineContext, TrainPipelineContext
+from trec_pipelines.model.forwards import BaseForward, PrefetchPipelinedForward
+from trec_pipelines.observe import recorder as rec
+from trec_pipelines.pipelines.sparse_dist import TrainPipelineSparseDist
+from trec_pipelines.sparse.cache_prefetch import prefetch_modules
 
 
 class PrefetchTrainPipelineSparseDist(TrainPipelineSparseDist[In, Out]):
@@ -63,7 +63,7 @@ class PrefetchTrainPipelineSparseDist(TrainPipelineSparseDist[In, Out]):
     batch 0, then copies batch 1 and starts its input_dist.
 
     Each pipelined ``ShardedModule.forward`` becomes a
-    :class:`~trec_pipelines.forwards.PrefetchPipelinedForward`, which finds the
+    :class:`~trec_pipelines.model.forwards.PrefetchPipelinedForward`, which finds the
     batch's input distributed and its rows prefetched into the embedding cache,
     and only runs ``compute_and_output_dist``.  Every pipelined module goes
     through the prefetch stage, including those with nothing to prefetch (every

@@ -9,14 +9,14 @@ import torch
 from torchrec.distributed.train_pipeline import In, Out
 from torchrec.distributed.types import NoWait
 
-from trec_pipelines import recorder as rec
-from trec_pipelines.backward_hooks import InjectionSite
-from trec_pipelines.cache_prefetch import NO_CACHE_KERNELS, reads_a_cache
-from trec_pipelines.context import TrainPipelineContext
 from trec_pipelines.core.options import SparseDistOptions
+from trec_pipelines.core.step_guard import guarded_step
+from trec_pipelines.core.streams import current_stream, on_stream, record_stream, wait_stream
+from trec_pipelines.model.backward_hooks import InjectionSite
+from trec_pipelines.model.context import TrainPipelineContext
+from trec_pipelines.observe import recorder as rec
 from trec_pipelines.pipelines.stash import TrainPipelineSparseDistEmbStash
-from trec_pipelines.step_guard import guarded_step
-from trec_pipelines.streams import current_stream, on_stream, record_stream, wait_stream
+from trec_pipelines.sparse.cache_prefetch import NO_CACHE_KERNELS, reads_a_cache
 
 logger: logging.Logger = logging.getLogger(__name__)
 
@@ -46,7 +46,7 @@ class TrainPipelinePrefetchEMS(TrainPipelineSparseDistEmbStash[In, Out]):
     ``nxt``'s rows into the cache, on the current stream.  The restore and the
     prefetch run in eval mode too (the forward stashed).  A module without a
     cache (every kernel of
-    :data:`~trec_pipelines.cache_prefetch.NO_CACHE_KERNELS`) has nothing to
+    :data:`~trec_pipelines.sparse.cache_prefetch.NO_CACHE_KERNELS`) has nothing to
     prefetch: it is left out, and its input dist for ``nxt`` keeps overlapping
     the backward.  On CPU nothing is stashed, and the results are
     SparseDist's, bit for bit.

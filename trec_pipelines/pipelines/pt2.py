@@ -10,12 +10,12 @@ import torch
 from torchrec.distributed.train_pipeline import In, Out, TrainPipeline
 from torchrec.pt2.utils import default_pipeline_input_transformer
 
-from trec_pipelines import recorder as rec
-from trec_pipelines.compiler_settings import HeldSettings
 from trec_pipelines.core.options import BatchOptions
 from trec_pipelines.core.pipeline import PipelineCore
-from trec_pipelines.stages import copy_to_device
-from trec_pipelines.step_guard import guarded_step
+from trec_pipelines.core.step_guard import guarded_step
+from trec_pipelines.core.verbs import copy_to_device
+from trec_pipelines.model.compiler_settings import HeldSettings
+from trec_pipelines.observe import recorder as rec
 
 
 @dataclass

@@ -9,24 +9,24 @@ import torch
 from torchrec.distributed.train_pipeline import In, Out
 from torchrec.sparse.jagged_tensor import KeyedTensor
 
-from trec_pipelines import recorder as rec
 from trec_pipelines._types import AnyShardedModule
-from trec_pipelines.args import CallArgs
-from trec_pipelines.context import EmbeddingTrainPipelineContext, TrainPipelineContext
 from trec_pipelines.core.options import SparseDistOptions
-from trec_pipelines.forwards import BaseForward, EmbeddingPipelinedForward
-from trec_pipelines.input_dist import start_input_dist
-from trec_pipelines.lookup import start_embedding_lookup as run_embedding_lookup
-from trec_pipelines.pipelines.sparse_dist import TrainPipelineSparseDist
-from trec_pipelines.stages import backward, wait_for_batch
-from trec_pipelines.step_guard import guarded_step
-from trec_pipelines.streams import (
+from trec_pipelines.core.step_guard import guarded_step
+from trec_pipelines.core.streams import (
     current_stream,
     on_stream,
     record_event,
     record_stream,
     wait_event,
 )
+from trec_pipelines.core.verbs import backward, wait_for_batch
+from trec_pipelines.model.args import CallArgs
+from trec_pipelines.model.context import EmbeddingTrainPipelineContext, TrainPipelineContext
+from trec_pipelines.model.forwards import BaseForward, EmbeddingPipelinedForward
+from trec_pipelines.observe import recorder as rec
+from trec_pipelines.pipelines.sparse_dist import TrainPipelineSparseDist
+from trec_pipelines.sparse.input_dist import start_input_dist
+from trec_pipelines.sparse.lookup import start_embedding_lookup as run_embedding_lookup
 
 logger: logging.Logger = logging.getLogger(__name__)
 
@@ -56,7 +56,7 @@ class TrainPipelineSemiSync(TrainPipelineSparseDist[In, Out]):
     recorded.
 
     Pipelined modules get an
-    :class:`~trec_pipelines.forwards.EmbeddingPipelinedForward`: the forward
+    :class:`~trec_pipelines.model.forwards.EmbeddingPipelinedForward`: the forward
     reads the lookup already run for its batch, as detached leaves, so the
     dense backward stops there and :meth:`embedding_backward` then sends the
     leaves' gradients into the tables, whose fused optimizer updates them.

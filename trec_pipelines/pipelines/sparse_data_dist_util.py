@@ -24,35 +24,35 @@ from torch.utils.hooks import RemovableHandle
 from torchrec.distributed.train_pipeline import In
 
 from trec_pipelines._types import AnyShardedModule
-from trec_pipelines.args import CallArgs
-from trec_pipelines.cache_prefetch import prefetch_modules
-from trec_pipelines.context import (
-    EmbeddingTrainPipelineContext,
-    PrefetchTrainPipelineContext,
-    TrainPipelineContext,
-)
 from trec_pipelines.core.checks import check_apply_jit
 from trec_pipelines.core.options import ModelOptions, resolve_options
 from trec_pipelines.core.pipeline import WithOptions
 from trec_pipelines.core.pipelined_model import PipelinedModel
-from trec_pipelines.forwards import (
-    BaseForward,
-    InSyncEmbeddingPipelinedForward,
-    PipelinedForward,
-    PrefetchPipelinedForward,
-)
-from trec_pipelines.input_dist import SplitsFusion, start_input_dist, wait_input_dist
-from trec_pipelines.lookup import start_embedding_lookup
-from trec_pipelines.pipelines.staged import PipelineStage, side_stream
-from trec_pipelines.postproc import PipelinedPostproc
-from trec_pipelines.rewrite import RewriteResult
-from trec_pipelines.streams import (
+from trec_pipelines.core.streams import (
     current_stream,
     on_stream,
     record_event,
     wait_event,
     wait_stream,
 )
+from trec_pipelines.model.args import CallArgs
+from trec_pipelines.model.context import (
+    EmbeddingTrainPipelineContext,
+    PrefetchTrainPipelineContext,
+    TrainPipelineContext,
+)
+from trec_pipelines.model.forwards import (
+    BaseForward,
+    InSyncEmbeddingPipelinedForward,
+    PipelinedForward,
+    PrefetchPipelinedForward,
+)
+from trec_pipelines.model.postproc import PipelinedPostproc
+from trec_pipelines.model.rewrite import RewriteResult
+from trec_pipelines.pipelines.staged import PipelineStage, side_stream
+from trec_pipelines.sparse.cache_prefetch import prefetch_modules
+from trec_pipelines.sparse.input_dist import SplitsFusion, start_input_dist, wait_input_dist
+from trec_pipelines.sparse.lookup import start_embedding_lookup
 
 logger: logging.Logger = logging.getLogger(__name__)
 

@@ -10,27 +10,27 @@ import torch
 from torch.utils.hooks import RemovableHandle
 from torchrec.distributed.train_pipeline import In, Out, TrainPipeline
 
-from trec_pipelines import recorder as rec
 from trec_pipelines._types import AnyShardedModule
-from trec_pipelines.args import CallArgs
-from trec_pipelines.backward_hooks import pipeline_hook, register_backward_hook
-from trec_pipelines.context import TrainPipelineContext
 from trec_pipelines.core.checks import check_apply_jit
 from trec_pipelines.core.options import SparseDistOptions
 from trec_pipelines.core.pipeline import PipelineCore
-from trec_pipelines.forwards import BaseForward, PipelinedForward
-from trec_pipelines.inplace_copy import AsyncInplaceCopyMixin, BatchQueue, InplaceCopyWorker
-from trec_pipelines.input_dist import (
+from trec_pipelines.core.step_guard import guarded_step
+from trec_pipelines.core.streams import StreamSet, make_streams, on_stream
+from trec_pipelines.core.verbs import backward, copy_to_device, shares_kjt_storage, wait_for_batch
+from trec_pipelines.data.inplace_copy import AsyncInplaceCopyMixin, BatchQueue, InplaceCopyWorker
+from trec_pipelines.model.args import CallArgs
+from trec_pipelines.model.backward_hooks import pipeline_hook, register_backward_hook
+from trec_pipelines.model.context import TrainPipelineContext
+from trec_pipelines.model.forwards import BaseForward, PipelinedForward
+from trec_pipelines.model.postproc import PipelinedPostproc
+from trec_pipelines.model.rewrite import RewriteResult
+from trec_pipelines.observe import recorder as rec
+from trec_pipelines.sparse.input_dist import (
     SplitsFusion,
     release_input_dist_inputs,
     start_input_dist,
     wait_input_dist,
 )
-from trec_pipelines.postproc import PipelinedPostproc
-from trec_pipelines.rewrite import RewriteResult
-from trec_pipelines.stages import backward, copy_to_device, shares_kjt_storage, wait_for_batch
-from trec_pipelines.step_guard import guarded_step
-from trec_pipelines.streams import StreamSet, make_streams, on_stream
 
 logger: logging.Logger = logging.getLogger(__name__)
 
@@ -50,7 +50,7 @@ class TrainPipelineSparseDist(PipelineCore, TrainPipeline[In, Out], AsyncInplace
     their embeddings and ``new`` travels to the device; each ``progress()``
     returns ``cur``'s output and moves every batch up one slot.  Each pipelined
     ``ShardedModule.forward`` is replaced by a
-    :class:`~trec_pipelines.forwards.PipelinedForward`, which finds its batch's
+    :class:`~trec_pipelines.model.forwards.PipelinedForward`, which finds its batch's
     ``input_dist`` already under way; a module that can't be pipelined keeps
     its forward, and :attr:`rewrite_result` says why.
 
@@ -69,7 +69,7 @@ class TrainPipelineSparseDist(PipelineCore, TrainPipeline[In, Out], AsyncInplace
     pipeline's wrappers on its model (an eval pipeline left attached) detaches
     that one and takes the model over.  With ``pipeline_postproc=True``,
     parameter-free modules between the batch and a sharded module run ahead in
-    the input_dist stage, once per batch (see :mod:`trec_pipelines.postproc`).
+    the input_dist stage, once per batch (see :mod:`trec_pipelines.model.postproc`).
     Our keyword-only options are listed at the end and in the
     :doc:`options guide </guides/options>`.
 
@@ -259,10 +259,10 @@ class TrainPipelineSparseDist(PipelineCore, TrainPipeline[In, Out], AsyncInplace
     def register_backward_hook(self, site: Any, work: Callable[[Any], None]) -> RemovableHandle:
         """Run ``work(self)`` each training step when the backward reaches ``site``.
 
-        ``site`` is a :class:`~trec_pipelines.backward_hooks.InjectionSite` (or
+        ``site`` is a :class:`~trec_pipelines.model.backward_hooks.InjectionSite` (or
         torchrec's): with ``OutputDistTensorFinder`` on a pipelined EBC/EC the
         work runs while that module's backward all-to-all is in flight (see
-        :mod:`trec_pipelines.backward_hooks`).  Several works at one site run
+        :mod:`trec_pipelines.model.backward_hooks`).  Several works at one site run
         in registration order.  ``site.fqn`` is relative to the user's model.
         Returns a handle (torchrec returns None); ``handle.remove()`` stops it.
 

@@ -7,13 +7,13 @@ from typing import Any, Callable, Iterator, Optional, Tuple, Type, Unpack
 import torch
 from torchrec.distributed.train_pipeline import In, Out
 
-from trec_pipelines import recorder as rec
-from trec_pipelines.context import TrainPipelineContext
 from trec_pipelines.core.options import LiteOptions
+from trec_pipelines.core.step_guard import guarded_step
+from trec_pipelines.core.streams import StreamSet, make_streams
+from trec_pipelines.core.verbs import wait_for_batch
+from trec_pipelines.model.context import TrainPipelineContext
+from trec_pipelines.observe import recorder as rec
 from trec_pipelines.pipelines.sparse_dist import TrainPipelineSparseDist
-from trec_pipelines.stages import wait_for_batch
-from trec_pipelines.step_guard import guarded_step
-from trec_pipelines.streams import StreamSet, make_streams
 
 
 class TrainPipelineSparseDistLite(TrainPipelineSparseDist[In, Out]):

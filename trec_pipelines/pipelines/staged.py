@@ -24,13 +24,11 @@ import torch
 from torchrec.distributed.train_pipeline import In, TrainPipeline
 from torchrec.streamable import Pipelineable
 
-from trec_pipelines import recorder as rec
+from trec_pipelines.core.errors import MalformedBatchError
 from trec_pipelines.core.options import ValidationOptions, resolve_options
 from trec_pipelines.core.pipeline import WithOptions
-from trec_pipelines.errors import MalformedBatchError
-from trec_pipelines.recorder import Recordable
-from trec_pipelines.resume import Resumable
-from trec_pipelines.streams import (
+from trec_pipelines.core.resume import Resumable
+from trec_pipelines.core.streams import (
     current_stream,
     has_streams,
     on_stream,
@@ -38,7 +36,9 @@ from trec_pipelines.streams import (
     record_stream,
     wait_event,
 )
-from trec_pipelines.validation import batch_problem
+from trec_pipelines.data.validation import batch_problem
+from trec_pipelines.observe import recorder as rec
+from trec_pipelines.observe.recorder import Recordable
 
 logger: logging.Logger = logging.getLogger(__name__)
 
@@ -132,7 +132,7 @@ class _InFlight:
             a consumer on another stream waits on it.
         index: the batch's position in loading order (for recording and logs).
         host: the batch as the iterator gave it, for a checkpoint (see
-            ``[Note: exact resume]`` in :mod:`trec_pipelines.resume`).
+            ``[Note: exact resume]`` in :mod:`trec_pipelines.core.resume`).
     """
 
     value: Any
@@ -220,7 +220,7 @@ class StagedTrainPipeline(
     with several ranks, do the same on every rank.  Each loaded batch's
     ``KeyedJaggedTensor`` objects are checked before stage 0
     (``validate_batches=True``, keyword-only): a malformed one raises
-    :class:`~trec_pipelines.errors.MalformedBatchError` and is dropped, but the
+    :class:`~trec_pipelines.core.errors.MalformedBatchError` and is dropped, but the
     ranks do not agree on it, so a batch malformed on one rank only leaves the
     ranks out of step.  See :doc:`/guides/what-happens-when` for each case.
 

@@ -1,7 +1,7 @@
 """The memory-stashing variants: TrainPipelineSparseDistOptStash and TrainPipelineSparseDistEmbStash.
 
 Both keep SparseDist's schedule and add stash and restore points, through
-:mod:`trec_pipelines.stashing` (torchrec's ``MemoryStashingManager`` where the
+:mod:`trec_pipelines.sparse.stashing` (torchrec's ``MemoryStashingManager`` where the
 device has streams, nothing on CPU, where there is no device memory to free).
 """
 
@@ -14,19 +14,25 @@ import torch
 from torchrec.distributed.train_pipeline import In, Out
 from torchrec.distributed.types import ShardingType
 
-from trec_pipelines import recorder as rec
-from trec_pipelines.backward_hooks import (
+from trec_pipelines.core.options import SparseDistOptions
+from trec_pipelines.core.step_guard import guarded_step
+from trec_pipelines.model.backward_hooks import (
     FirstGradTensorFinder,
     InjectionSite,
     InjectionTargetType,
     OutputDistTensorFinder,
 )
-from trec_pipelines.context import TrainPipelineContext
-from trec_pipelines.core.options import SparseDistOptions
+from trec_pipelines.model.context import TrainPipelineContext
+from trec_pipelines.model.rewrite import unwrap
+from trec_pipelines.observe import recorder as rec
 from trec_pipelines.pipelines.sparse_dist import TrainPipelineSparseDist
-from trec_pipelines.rewrite import unwrap
-from trec_pipelines.stashing import Stashing, StashPlan, plan_stash, report_plan, stashing_for
-from trec_pipelines.step_guard import guarded_step
+from trec_pipelines.sparse.stashing import (
+    Stashing,
+    StashPlan,
+    plan_stash,
+    report_plan,
+    stashing_for,
+)
 
 logger: logging.Logger = logging.getLogger(__name__)
 
@@ -214,7 +220,7 @@ class TrainPipelineSparseDistEmbStash(TrainPipelineSparseDist[In, Out]):
     forward, when the stashing has streams), so the dense part has that device
     memory; this pipeline brings them back at ``site_fqn`` (a module name,
     whose first parameter's gradient hook is the site, or an
-    :class:`~trec_pipelines.backward_hooks.InjectionSite`), before the backward
+    :class:`~trec_pipelines.model.backward_hooks.InjectionSite`), before the backward
     reaches the embeddings.  With ``delay_stash`` the stashes wait until the
     forward reaches ``stash_site_fqn`` (a forward pre-hook there), or, without
     one, until the backward reaches the site.  :meth:`stash_plan` says what is

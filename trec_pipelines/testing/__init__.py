@@ -2,7 +2,7 @@
 
 :class:`StreamRecorder` runs a pipeline on a recording stand-in for a device
 with streams; :func:`assert_stream_protocol` checks the record against the
-rules of ``[Note: stream protocol]`` (:mod:`trec_pipelines.streams`).
+rules of ``[Note: stream protocol]`` (:mod:`trec_pipelines.core.streams`).
 
 Example::
 

@@ -99,7 +99,7 @@ class RecordingEvent:
 class RecordingDevice:
     """Stands in for ``torch.cuda``: streams, a per-thread current stream, events.
 
-    The pipeline reaches it through :func:`trec_pipelines.streams.device_module`
+    The pipeline reaches it through :func:`trec_pipelines.core.streams.device_module`
     while the owning :class:`~trec_pipelines.testing.stream_recorder.StreamRecorder`
     is active.  Each thread starts on
     the default stream, as on CUDA.

@@ -3,7 +3,7 @@ its stream protocol.
 
 [Note: recording the stream protocol]
 Inside ``with StreamRecorder() as recorder:`` every stream helper of
-:mod:`trec_pipelines.streams` goes to a
+:mod:`trec_pipelines.core.streams` goes to a
 :class:`~trec_pipelines.testing.stream_device.RecordingDevice`, a stand-in for
 ``torch.cuda`` (``streams.use_device_module``), so a pipeline built there
 creates its side streams even with ``device=torch.device("cpu")``.  Tensors
@@ -39,7 +39,7 @@ The recorder never changes what the pipeline computes, and no pipeline code
 knows it is there: it only sees a device module with streams.
 :func:`trec_pipelines.testing.stream_checker.check_stream_protocol` replays
 the records against the rules of ``[Note: stream protocol]``
-(:mod:`trec_pipelines.streams`).
+(:mod:`trec_pipelines.core.streams`).
 """
 
 from __future__ import annotations
@@ -56,8 +56,8 @@ from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
-from trec_pipelines import streams
-from trec_pipelines.recorder import ScheduleRecorder
+from trec_pipelines.core import streams
+from trec_pipelines.observe.recorder import ScheduleRecorder
 from trec_pipelines.testing.stream_checker import assert_stream_protocol, check_stream_protocol
 
 # The stand-in device is also importable from here, where it was first defined.

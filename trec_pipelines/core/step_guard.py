@@ -1,0 +1,149 @@
+"""Exception-safe steps: a ``progress()`` that raises leaves the pipeline ready to retry.
+
+[Note: retrying a failed step]
+
+A step touches several batches at once: it trains ``cur`` and, on the way,
+consumes ``cur``'s input_dist (or lookup, or prefetch) result, starts the
+input_dist of ``nxt`` and copies ``new``.  If anything raises half-way (the
+model, the loss, the backward, the optimizer, the data iterator), some of that
+work is done and some is not, and no single in-flight batch can be resumed
+where it stopped.  So a failed step is undone as a whole, without issuing
+anything: the pipeline forgets its in-flight device batches and contexts and
+gives their *host* batches back to its :class:`~trec_pipelines.data.source.BatchSource`,
+in order and with their indices.  The next ``progress()`` then finds an empty
+pipeline and fills it from those host batches, re-running every copy,
+input_dist, lookup and prefetch, and trains ``cur`` again from scratch: no
+batch is pulled twice from the iterator, none is lost, none is trained twice
+(a batch is retired only once its step returned).
+
+What the failed attempt already did to the model stays done, as in a plain
+loop that retries: a fused (in-backward) embedding update that ran before the
+optimizer raised is not undone; the dense gradients are cleared by the retry's
+``zero_grad``.  (A PEC module's update is not made in the backward, and
+TrainPipelinePEC keeps a gradient one step defers to the next across a
+rollback: see [Note: PEC, retrying a step] in
+:mod:`trec_pipelines.pipelines.pec`.)
+
+:func:`guarded_step` wraps each variant's ``progress()`` (one decorator line,
+so ``progress()`` stays a literal timeline) and :class:`StepGuard` holds the
+per-pipeline state.  A pipeline using it provides ``_step_guard``,
+``_source`` (with ``keep_in_flight=True``) and ``_drop_in_flight_state()``,
+and calls ``self._step_guard.begin()`` once the step starts issuing work:
+failures before that (a detached pipeline, an iterator error while pulling
+the host batches) change nothing and need no rollback.
+
+Several ranks: a rank whose step raised after some of the step's collectives
+were issued leaves the other ranks waiting in the matching collective; they
+fail with the process group's timeout error (the note added to every escaping
+exception says so).  Retrying on one rank only does not line the ranks up
+again: retry (or skip) on every rank, or tear the job down.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+from dataclasses import dataclass
+from typing import Any, Callable, Iterator, Optional, TypeVar
+
+import torch.distributed as dist
+
+logger: logging.Logger = logging.getLogger(__name__)
+
+P = TypeVar("P")
+
+
+@dataclass(frozen=True)
+class FailedStep:
+    """The last ``progress()`` that raised after issuing work."""
+
+    index: Optional[int]  # the batch it was training; retried by the next progress()
+    error: str  # the exception's type and message, for logs
+
+
+class StepGuard:
+    """Whether a step is running, whether it issued work, and the last failure."""
+
+    def __init__(self) -> None:
+        self.running = False
+        self.begun = False
+        self.failed: Optional[FailedStep] = None
+        self.steps = 0  # steps begun so far: tells state saved in this step from older
+
+    def begin(self) -> None:
+        """The step starts issuing work: from here a failure is rolled back."""
+        self.begun = True
+        self.steps += 1
+
+
+def _where() -> str:
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        return f"rank {dist.get_rank()}: "
+    return ""
+
+
+def _explain(error: BaseException, pipeline: Any, index: Optional[int]) -> None:
+    name = type(pipeline).__name__
+    batch = "its batch" if index is None else f"batch {index}"
+    note = (
+        f"trec_pipelines: {_where()}{name}.progress() raised while training "
+        f"{batch}; the pipeline rolled back, and the next progress() retries {batch} "
+        "from its host copy (call pipeline.skip_failed_batch() first to drop it "
+        "instead). With several ranks, do the same on every rank: a rank that raised "
+        "after issuing part of a step's collectives leaves the others waiting in "
+        "the matching collective until the process-group timeout."
+    )
+    error.add_note(note)
+
+
+def guarded_step(progress: Callable[[Any, Iterator[Any]], P]) -> Callable[[Any, Iterator[Any]], P]:
+    """Make ``progress`` roll the pipeline back when it raises (see the module note)."""
+
+    @functools.wraps(progress)
+    def step(self: Any, dataloader_iter: Iterator[Any]) -> P:
+        guard: StepGuard = self._step_guard
+        if guard.running:  # a nested call from the same step
+            return progress(self, dataloader_iter)
+        guard.running, guard.begun = True, False
+        try:
+            output = progress(self, dataloader_iter)
+        except StopIteration:
+            raise  # the end of the data: nothing is half done
+        except BaseException as error:
+            if guard.begun:
+                self._drop_in_flight_state()
+                index = self._source.rewind()
+                guard.failed = FailedStep(index, f"{type(error).__name__}: {error}")
+                _explain(error, self, index)
+            raise
+        finally:
+            guard.running = False
+        if guard.begun:
+            self._source.retire()
+            guard.failed = None
+        return output
+
+    return step
+
+
+def skip_failed_batch(pipeline: Any) -> int:
+    """Drop the batch the last, failed ``progress()`` was training; return its index."""
+    guard: StepGuard = pipeline._step_guard
+    failed = guard.failed
+    name = type(pipeline).__name__
+    if failed is None or failed.index is None:
+        raise RuntimeError(
+            f"{name}.skip_failed_batch(): the last progress() did not fail while "
+            "training a batch, so there is nothing to skip. Call it right after the "
+            "progress() that raised, before calling progress() again."
+        )
+    skipped: int = pipeline._source.skip_rewound()
+    assert skipped == failed.index, (skipped, failed.index)
+    guard.failed = None
+    logger.warning(
+        "%s: batch %d skipped after its step failed (%s); it is not trained",
+        name,
+        skipped,
+        failed.error,
+    )
+    return skipped

@@ -1,0 +1,86 @@
+"""The verbs every timeline is built from: check, copy and wait for a batch, and the backward.
+
+Each pipeline's ``progress()`` is a sequence of these calls (and of the sparse
+ops in :mod:`trec_pipelines.sparse`); the streams they run on are passed in
+explicitly.  Nothing here keeps pipeline state.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any, Optional
+
+import torch
+from torchrec.streamable import Multistreamable, Pipelineable
+
+from trec_pipelines.core.streams import hand_off, on_stream
+from trec_pipelines.model.rewrite import kjts_in
+
+logger: logging.Logger = logging.getLogger(__name__)
+
+
+def check_batch(batch: Any) -> None:
+    """Raise a ``TypeError`` naming the fix when ``batch`` can't be pipelined."""
+    if isinstance(batch, (torch.Tensor, Pipelineable)):
+        return
+    raise TypeError(
+        f"the data iterator yielded a {type(batch).__name__}, which is neither a "
+        "torch.Tensor nor a torchrec.streamable.Pipelineable. Wrap the batch in a "
+        "class that implements Pipelineable (to(device, non_blocking) and "
+        "record_stream(stream)), for example a dataclass of tensors and "
+        "KeyedJaggedTensors."
+    )
+
+
+def shares_kjt_storage(host: Any, device: Any) -> bool:
+    """True when a ``KeyedJaggedTensor`` of ``device`` (a batch's device copy)
+    still uses the storage of one of ``host``'s (the batch as the loader gave it).
+
+    That is the case when the batch was already on the device (any batch on
+    CPU, a loader that yields device tensors): the "copy" is the loader's own
+    tensors, which ``free_features_storage_early`` must not free.
+    """
+    owned = {kjt.values().untyped_storage().data_ptr() for kjt in kjts_in(host)}
+    return any(kjt.values().untyped_storage().data_ptr() in owned for kjt in kjts_in(device))
+
+
+def copy_to_device(
+    batch: Any,
+    device: torch.device,
+    stream: Optional[torch.Stream],
+    inplace: bool = False,
+    blocking: bool = False,
+) -> Any:
+    """Host-to-device copy of ``batch`` issued on ``stream``.
+
+    With ``inplace`` the batch allocates its device memory on the current stream
+    and copies on ``stream`` itself (``data_copy_stream``), so the consumer
+    needs no ``record_stream``.  ``blocking`` waits for the copy to finish.
+    """
+    check_batch(batch)
+    if blocking:
+        return batch.to(device=device, non_blocking=False)
+    if inplace and stream is not None:
+        return batch.to(device=device, non_blocking=True, data_copy_stream=stream)
+    with on_stream(stream):
+        return batch.to(device=device, non_blocking=True)
+
+
+def wait_for_batch(batch: Any, producer: Optional[torch.Stream], record: bool = True) -> None:
+    """Make the current stream wait for ``batch``, produced on ``producer``."""
+    if producer is None or batch is None:
+        return
+    if record:
+        if not isinstance(batch, (torch.Tensor, Multistreamable)):
+            raise TypeError(
+                f"{type(batch).__name__} must implement Multistreamable.record_stream "
+                "to cross streams"
+            )
+        hand_off(batch, producer)
+    else:
+        hand_off(None, producer)
+
+
+def backward(losses: torch.Tensor) -> None:
+    """Backward of the summed per-sample losses (what torchrec pipelines do)."""
+    torch.sum(losses, dim=0).backward()

@@ -1,0 +1,398 @@
+"""The batch source: pulls host batches from the user's iterator, one epoch at a time.
+
+It owns the epoch bookkeeping of the data iterator (see :class:`BatchSource`),
+the ranks' agreement on each pull, the host copies a failed step is retried
+from, and the epochs set aside when another iterator is passed.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any, Deque, Dict, Iterator, List, Optional, Tuple
+
+import torch.distributed as dist
+
+from trec_pipelines.core.errors import MalformedBatchError
+from trec_pipelines.core.verbs import check_batch
+from trec_pipelines.data.agreement import Agreed, Agreement
+from trec_pipelines.data.validation import batch_problem
+
+logger: logging.Logger = logging.getLogger(__name__)
+
+
+@dataclass
+class _Pending:
+    """A pulled batch (None: this rank's data ended) while the ranks agree on it."""
+
+    batch: Optional[Any]
+    problem: Optional[str]  # why it is malformed here, if it is
+    agreement: Agreement
+
+
+class BatchSource:
+    """Pulls batches from the user's iterator, one epoch at a time.
+
+    * ``next()`` is never called again on an iterator once it has raised
+      ``StopIteration``, in this epoch or later ones, unless it shows it was
+      refilled (see :meth:`_is_spent`): a torch ``DataLoader`` iterator reused
+      with ``persistent_workers=True`` works across epochs with no ``reset()``.
+    * An epoch ends when the pipeline says so (:meth:`end_epoch`, once the last
+      batch has been trained); the next pull starts a new epoch on whatever
+      iterator is passed, including the same iterator object refilled (a
+      ``DataLoader`` with ``persistent_workers=True``).  A new iterator object
+      also starts a new epoch.
+    * :meth:`fetch_ahead` pulls, at the top of ``progress()``, every host batch
+      the call will need, before any work is issued: an exception raised by
+      the iterator then reaches the caller with the pipeline untouched, and the
+      next call carries on.  :meth:`next` hands the held batches out in order.
+    * With ``sync_group`` every pull is agreed across ranks (one all-reduce,
+      see ``[Note: agreeing on each batch]`` in :mod:`trec_pipelines.data.agreement`):
+      a batch malformed on any rank is dropped on every rank, each raising
+      ``MalformedBatchError``; once any rank's iterator ends, every rank treats
+      its own as ended at the same step, so no rank waits in a collective for
+      a batch the others will never send.  Batches a rank pulled but could not
+      use are counted in :attr:`unused`.
+    * With ``keep_in_flight`` every batch handed out stays listed, host copy
+      and index, until the pipeline marks it trained (:meth:`retire`) or drops it.
+      :meth:`rewind` gives the listed batches back, in order and with their
+      indices, ahead of everything else: a failed step is retried from the
+      host copies (see :mod:`trec_pipelines.core.step_guard`).
+    """
+
+    # Start the next pull's agreement a call early (see [Note: agreeing on each
+    # batch]); False agrees on each pull as it is made (benchmarks/agreement_cost.py).
+    agree_ahead: bool = True
+
+    def __init__(
+        self,
+        sync_group: Optional[Any] = None,
+        keep_in_flight: bool = False,
+        validate: bool = False,
+    ) -> None:
+        self._iterator: Optional[Iterator[Any]] = None
+        self._sync_group = sync_group
+        self._held: Deque[Any] = deque()
+        self.exhausted = False
+        self.loaded = 0  # batches handed out so far, over all epochs: the next new one's index
+        self.last_index = -1  # the index of the batch :meth:`next` returned last
+        self._keep_in_flight = keep_in_flight
+        # (index, host batch) handed out and not trained yet, oldest first.
+        self._in_flight: Deque[Tuple[int, Any]] = deque()
+        # (index, host batch) given back by rewind(), served before anything else.
+        self._rewound: Deque[Tuple[int, Any]] = deque()
+        self.unused = 0  # batches pulled but dropped because another rank ran out
+        self._validate = validate
+        self.rejected = 0  # batches dropped as malformed (here, or on another rank: ``sync_group``)
+        # Pulls whose agreement is under way (sync_group), oldest first: after _held.
+        self._pending: Deque[_Pending] = deque()
+        # The iterator that last raised StopIteration, and its yield count then.
+        self._spent: Optional[Tuple[Iterator[Any], Optional[int]]] = None
+
+    def _switch_to(self, iterator: Iterator[Any]) -> None:
+        if iterator is self._iterator:
+            return
+        if self._iterator is None:
+            # The first iterator: batches given back by resume() are its own.
+            self._iterator = iterator
+            self.exhausted = False
+            return
+        self.settle()  # the previous iterator's pulls under way join its held batches
+        if self._rewound:
+            logger.warning(
+                "%d batch(es) of a failed step were dropped: a new iterator was passed "
+                "before they were retried",
+                len(self._rewound),
+            )
+            self._rewound.clear()
+        if self._held:
+            logger.warning(
+                "%d batch(es) fetched from the previous iterator were dropped: a new "
+                "iterator was passed mid-epoch",
+                len(self._held),
+            )
+            self._held.clear()
+        self._iterator = iterator
+        self.exhausted = False
+
+    def next(self, iterator: Iterator[Any]) -> Optional[Any]:
+        """The next batch, or None at the end of the epoch."""
+        self._switch_to(iterator)
+        if self._rewound:
+            index, batch = self._rewound.popleft()
+        else:
+            batch = self._held.popleft() if self._held else self._pull(iterator)
+            if batch is None:
+                return None
+            index = self.loaded
+            self.loaded += 1
+        self.last_index = index
+        if self._keep_in_flight:
+            self._in_flight.append((index, batch))
+        return batch
+
+    def fetch_ahead(self, iterator: Iterator[Any], count: int = 1) -> None:
+        """Hold ``count`` batches (fewer at the end of data) for :meth:`next`.
+
+        With ``sync_group``, one more pull is then started, its agreement left
+        under way for the next call (see ``[Note: agreeing on each batch]``).
+        """
+        self._switch_to(iterator)
+        while self.holding < count and not self.exhausted:
+            batch = self._pull(iterator)
+            if batch is not None:
+                self._held.append(batch)
+        ahead = self.agree_ahead and self._sync_group is not None
+        if ahead and not self.exhausted and not self._pending:
+            self._launch(iterator)
+
+    def _pull(self, iterator: Iterator[Any]) -> Optional[Any]:
+        """The next batch, agreed with the other ranks when there is a ``sync_group``."""
+        if self.exhausted:
+            return None
+        if self._sync_group is None:
+            batch = self._next_from(iterator)
+            problem = batch_problem(batch) if self._validate and batch is not None else None
+            return self._accept(batch, problem, None)
+        if not self._pending:
+            self._launch(iterator)
+        return self._resolve()
+
+    def _next_from(self, iterator: Iterator[Any]) -> Optional[Any]:
+        """``next(iterator)``, or None once it has ended (and was not refilled)."""
+        if self._is_spent(iterator):
+            return None  # it ended before and was not refilled: don't call next()
+        try:
+            return next(iterator)
+        except StopIteration:
+            self._spent = (iterator, getattr(iterator, "_num_yielded", None))
+            return None
+
+    def _launch(self, iterator: Iterator[Any]) -> None:
+        """Pull and check one batch, and start agreeing on it with the other ranks."""
+        batch = self._next_from(iterator)
+        problem = batch_problem(batch) if self._validate and batch is not None else None
+        assert self._sync_group is not None  # launched only with a group
+        agreement = Agreement(self._sync_group, batch is None, problem is not None)
+        self._pending.append(_Pending(batch, problem, agreement))
+
+    def _resolve(self) -> Optional[Any]:
+        """The oldest pull under agreement, agreed: its batch, or None at the end."""
+        pending = self._pending.popleft()
+        outcome = self._agreed(pending.batch, pending.problem, pending.agreement.result())
+        return self._accept(*outcome)
+
+    def _accept(
+        self, batch: Optional[Any], problem: Optional[str], malformed_on: Optional[List[int]]
+    ) -> Optional[Any]:
+        if problem is not None:
+            self.rejected += 1
+            raise MalformedBatchError.dropped(self.loaded + len(self._held), problem, malformed_on)
+        if batch is None:
+            self.exhausted = True
+            self._drop_pending()
+            return None
+        check_batch(batch)
+        return batch
+
+    def _drop_pending(self) -> None:
+        """Pulls started after the one where the data ended: agreed, and not used."""
+        while self._pending:
+            pending = self._pending.popleft()
+            pending.agreement.result()
+            if pending.batch is not None:
+                self.unused += 1
+
+    def settle(self) -> None:
+        """Finish agreeing on the pulls under way, holding their batches (a checkpoint,
+        parking an epoch).  A batch found malformed is dropped and logged."""
+        while self._pending and not self.exhausted:
+            try:
+                batch = self._resolve()
+            except MalformedBatchError as error:
+                logger.warning("%s", error)
+                continue
+            if batch is not None:
+                self._held.append(batch)
+
+    def _is_spent(self, iterator: Iterator[Any]) -> bool:
+        """True for the iterator that already raised StopIteration, unless it shows
+        it was refilled since: a torch ``DataLoader`` iterator (``persistent_workers``)
+        restarts its ``_num_yielded`` count when ``iter(loader)`` resets it."""
+        if self._spent is None or self._spent[0] is not iterator:
+            return False
+        ended_at = self._spent[1]
+        now = getattr(iterator, "_num_yielded", None)
+        if ended_at is not None and now is not None and now < ended_at:
+            self._spent = None  # refilled
+            return False
+        return True
+
+    def _agreed(
+        self, batch: Optional[Any], problem: Optional[str], agreed: Agreed
+    ) -> Tuple[Optional[Any], Optional[str], Optional[List[int]]]:
+        """Every rank's (batch, problem, ranks it is malformed on) after agreeing:
+        malformed if any rank's batch is (so all drop it in step), else ended if
+        any rank's data ended."""
+        if agreed.malformed_on:
+            here = "this rank's data has ended" if batch is None else "this rank's batch is fine"
+            problem = problem or f"{here}; the error raised there says what is wrong"
+            return None, problem, agreed.malformed_on
+        if batch is not None and agreed.ended:
+            self.unused += 1
+            logger.warning(
+                "rank %d: another rank's data ended; stopping here in step with it "
+                "(%d batch(es) left unused on this rank so far)",
+                dist.get_rank(),
+                self.unused,
+            )
+            return None, None, None
+        return batch, None, None
+
+    def end_epoch(self) -> None:
+        self.exhausted = False
+
+    def restart_count(self) -> None:
+        """Number the next batch 0 again (a pipeline's ``reset()``, as torchrec's).
+
+        Call with nothing in flight: the indices are what ``sync_embeddings``
+        and the records key on.
+        """
+        assert not self._in_flight and not self._rewound, "restart_count() with batches in flight"
+        self.loaded = 0
+        self.last_index = -1
+
+    # ----------------------------------------------------- failed-step retry
+
+    def retire(self) -> None:
+        """The oldest in-flight batch was trained: forget its host copy."""
+        if self._in_flight:
+            self._in_flight.popleft()
+
+    def drop_in_flight(self) -> None:
+        """The in-flight batches were dropped untrained (``reset()``, end of data)."""
+        self._in_flight.clear()
+        self._rewound.clear()
+
+    def rewind(self) -> Optional[int]:
+        """Give every in-flight batch back, in order, ahead of the held ones.
+
+        Returns the index of the oldest (the one the failed step was
+        training), or None when nothing was in flight.
+        """
+        first = self._in_flight[0][0] if self._in_flight else None
+        self._rewound.extendleft(reversed(self._in_flight))
+        self._in_flight.clear()
+        return first
+
+    def skip_rewound(self) -> Optional[int]:
+        """Drop the first batch given back by :meth:`rewind`; its index, or None."""
+        if not self._rewound:
+            return None
+        return self._rewound.popleft()[0]
+
+    @property
+    def rewound(self) -> int:
+        """Batches given back by :meth:`rewind` and not handed out again yet."""
+        return len(self._rewound)
+
+    @property
+    def in_flight(self) -> int:
+        """Batches handed out and neither trained nor dropped (``keep_in_flight``)."""
+        return len(self._in_flight)
+
+    @property
+    def iterator(self) -> Optional[Iterator[Any]]:
+        """The iterator the current epoch pulls from."""
+        return self._iterator
+
+    @property
+    def holding(self) -> int:
+        """Batches fetched ahead (or given back by :meth:`rewind`) and not handed out yet."""
+        return len(self._held) + len(self._rewound)
+
+    # ------------------------------------------------------ checkpoint / resume
+
+    def unfinished(self) -> Tuple[List[Tuple[int, Any]], int]:
+        """Every batch pulled and not trained, ``(index, host batch)`` oldest first,
+        and the index the next batch pulled from the iterator will take.
+
+        Needs ``keep_in_flight``: the batches handed out are only listed then.
+        """
+        assert self._keep_in_flight, "unfinished() needs keep_in_flight=True"
+        self.settle()
+        batches = list(self._in_flight) + list(self._rewound)
+        batches += [(self.loaded + k, batch) for k, batch in enumerate(self._held)]
+        return batches, self.loaded + len(self._held)
+
+    def is_fresh(self) -> bool:
+        """Nothing pulled and nothing held: a new source, or one after ``restart_count()``."""
+        return (
+            self.loaded == 0
+            and not self._in_flight
+            and not self._rewound
+            and not self._held
+            and not self._pending
+        )
+
+    def resume(self, batches: List[Tuple[int, Any]], next_index: int) -> None:
+        """Serve ``batches`` (``(index, host batch)``, from :meth:`unfinished`) first,
+        as a failed step's are, then number new batches from ``next_index``."""
+        assert self.is_fresh(), "resume() on a source that has pulled batches"
+        self._rewound = deque(batches)
+        self.loaded = next_index
+        self._iterator = None  # the next iterator passed continues these batches
+
+    def save(self) -> "SourceState":
+        """Set this iterator's epoch aside (see :meth:`restore`); start afresh."""
+        self.settle()
+        state = SourceState(
+            self._iterator, self._held, self.exhausted, self._in_flight, self._rewound
+        )
+        self._iterator, self._held, self.exhausted = None, deque(), False
+        self._in_flight, self._rewound = deque(), deque()
+        return state
+
+    def restore(self, state: "SourceState") -> None:
+        """Continue an epoch set aside by :meth:`save`."""
+        self._iterator, self._held, self.exhausted = state.iterator, state.held, state.exhausted
+        self._in_flight, self._rewound = state.in_flight, state.rewound
+
+
+@dataclass
+class SourceState:
+    """An iterator's epoch set aside: its fetched-ahead batches, whether it ended,
+    and (``keep_in_flight``) the host copies of its in-flight and rewound batches."""
+
+    iterator: Optional[Iterator[Any]]
+    held: Deque[Any]
+    exhausted: bool
+    in_flight: Deque[Tuple[int, Any]] = field(default_factory=deque)
+    rewound: Deque[Tuple[int, Any]] = field(default_factory=deque)
+
+
+class ParkedEpochs:
+    """The in-flight state of iterators set aside while another iterator runs.
+
+    A pipeline parks its in-flight batches (whatever state it keeps for them)
+    when a different iterator is passed, and resumes them when the parked
+    iterator comes back; see ``TrainPipelineSparseDist._switch_iterator``.
+    """
+
+    def __init__(self) -> None:
+        self._parked: Dict[int, Tuple[Iterator[Any], Any]] = {}
+
+    def park(self, iterator: Iterator[Any], state: Any) -> None:
+        # The entry keeps the iterator alive, so its id() stays unique while parked.
+        self._parked[id(iterator)] = (iterator, state)
+
+    def resume(self, iterator: Iterator[Any]) -> Optional[Any]:
+        entry = self._parked.pop(id(iterator), None)
+        return entry[1] if entry is not None and entry[0] is iterator else None
+
+    def states(self) -> List[Any]:
+        return [state for _, state in self._parked.values()]
+
+    def clear(self) -> None:
+        self._parked.clear()

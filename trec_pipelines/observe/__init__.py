@@ -1,0 +1,3 @@
+"""Observation: the tasks and actions a schedule records, the recorder, the schedule view, the
+memory ledger.
+"""

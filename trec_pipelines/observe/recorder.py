@@ -1,0 +1,277 @@
+"""The schedule recorder: what each ``progress()`` call actually did, as data.
+
+Every pipeline verb opens a span, ``with self._span(task, batch, stream):``,
+naming the task, the index of the batch it works on and the stream role it
+issues to.  Recording is off by default; a span then costs one ``None`` check
+(plus a ``torch.profiler.record_function`` label while a PyTorch profiler is
+running, so profiles show the same task names).
+
+With recording on, each span becomes an :class:`Action` with its ``progress()``
+call number and timing:
+
+* ``cpu_start``/``cpu_end``: wall time the training thread spent in the verb
+  (the task's *exposed* time: the thread was busy with it or blocked on it);
+* ``device_start``/``device_end``: when the work ran on its stream, from
+  events on CUDA; on CPU, where work runs as it is issued, the wall times.
+
+:mod:`trec_pipelines.observe.schedule_view` turns the actions into the schedule table,
+a Chrome/Perfetto trace and a timeline picture.
+
+With ``enable_schedule_recording(memory=True)`` the recorder also keeps a
+:class:`~trec_pipelines.observe.ledger.MemoryLedger`: after each verb of the training
+thread it measures the tensor storage the pipeline holds (see
+:mod:`trec_pipelines.observe.memory`).  That walk takes far longer than the verb's
+bookkeeping, so timings recorded with it on are not representative.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from dataclasses import dataclass, field
+from typing import Any, ContextManager, Dict, List, Optional, Tuple
+
+import torch
+
+from trec_pipelines.core.streams import current_stream, record_event
+from trec_pipelines.observe import schedule_view
+from trec_pipelines.observe.actions import (
+    Action as Action,  # also importable from here, its former home
+)
+from trec_pipelines.observe.ledger import LedgerSummary, MemoryLedger, MemorySample, summarize
+
+# Re-exported: the pipelines name the tasks rec.H2D, rec.FORWARD, ...
+from trec_pipelines.observe.tasks import (
+    BACKWARD as BACKWARD,
+    EMB_BACKWARD as EMB_BACKWARD,
+    EMB_LOOKUP as EMB_LOOKUP,
+    EMB_PREFETCH as EMB_PREFETCH,
+    FORWARD as FORWARD,
+    H2D as H2D,
+    INPUT_DIST_START as INPUT_DIST_START,
+    INPUT_DIST_WAIT as INPUT_DIST_WAIT,
+    NOL_GRAD_APPLY as NOL_GRAD_APPLY,
+    NOL_GRAD_START as NOL_GRAD_START,
+    NOL_LOOKUP as NOL_LOOKUP,
+    OL_GRAD_APPLY as OL_GRAD_APPLY,
+    OL_GRAD_START as OL_GRAD_START,
+    OL_LOOKUP as OL_LOOKUP,
+    OPT_STASH as OPT_STASH,
+    OPTIMIZER_STEP as OPTIMIZER_STEP,
+    OVERLAP_DIST as OVERLAP_DIST,
+    STASH_RESTORE as STASH_RESTORE,
+    STASH_WAIT as STASH_WAIT,
+    TASKS as TASKS,
+    WAIT_BATCH as WAIT_BATCH,
+    ZERO_GRAD as ZERO_GRAD,
+)
+
+_NO_SPAN: ContextManager[None] = contextlib.nullcontext()
+
+
+def _profiler_running() -> bool:
+    return torch.autograd.profiler._is_profiler_enabled
+
+
+@dataclass
+class ScheduleRecorder:
+    """Collects :class:`Action` records; a pipeline owns at most one.
+
+    ``streams`` maps a stream role to the device stream, so that on CUDA each
+    span also records events on the stream its work went to.
+    """
+
+    streams: Dict[str, Optional[torch.Stream]] = field(default_factory=dict)
+    actions: List[Action] = field(default_factory=list)
+    call: int = -1
+    call_starts: List[float] = field(default_factory=list)
+    _pending: List[Tuple[Action, Any, Any]] = field(default_factory=list, repr=False)
+    _origin: Optional[Tuple[float, Any]] = field(default=None, repr=False)
+    # Measures the pipeline after each training-thread verb; None: not asked for.
+    memory: Optional[MemoryLedger] = field(default=None, repr=False)
+
+    def begin_call(self) -> None:
+        """Mark the start of a ``progress()`` call."""
+        self.call += 1
+        self.call_starts.append(time.perf_counter())
+
+    def span(self, task: str, batch: Optional[int], stream: str, thread: str = "main") -> "_Span":
+        """Record ``task`` for ``batch`` on ``stream`` around the enclosed work."""
+        action = Action(max(self.call, 0), task, batch, stream, thread)
+        self.actions.append(action)
+        return _Span(self, action, self.streams.get(stream))
+
+    def _event(self, stream: Optional[torch.Stream]) -> Any:
+        if stream is None:
+            return None
+        event = record_event(stream)
+        if self._origin is None:
+            # Device times are measured from this event, placed at "now" on the CPU clock.
+            self._origin = (time.perf_counter(), event)
+        return event
+
+    def resolve(self) -> None:
+        """Turn recorded CUDA events into device times (waits for the work)."""
+        if not self._pending or self._origin is None:
+            return
+        origin_time, origin_event = self._origin
+        for action, start, end in self._pending:
+            end.synchronize()
+            action.device_start = origin_time + origin_event.elapsed_time(start) / 1e3
+            action.device_end = origin_time + origin_event.elapsed_time(end) / 1e3
+        self._pending.clear()
+
+    def clear(self) -> None:
+        self.actions.clear()
+        self.call_starts.clear()
+        self._pending.clear()
+        self.call = -1
+        if self.memory is not None:
+            self.memory.clear()
+
+
+class _Span:
+    """Times one action: wall clock on the issuing thread, events on its stream."""
+
+    __slots__ = ("_recorder", "_action", "_stream", "_start_event", "_label")
+
+    def __init__(
+        self, recorder: ScheduleRecorder, action: Action, stream: Optional[torch.Stream]
+    ) -> None:
+        self._recorder = recorder
+        self._action = action
+        self._stream = stream
+        self._start_event: Any = None
+        self._label: Any = None
+
+    def __enter__(self) -> None:
+        self._start_event = self._recorder._event(self._stream)
+        if _profiler_running():
+            self._label = torch.profiler.record_function(f"trec_pipelines::{self._action.task}")
+            self._label.__enter__()
+        self._action.cpu_start = time.perf_counter()
+
+    def __exit__(self, *exc: Any) -> None:
+        action = self._action
+        action.cpu_end = time.perf_counter()
+        if self._label is not None:
+            self._label.__exit__(*exc)
+        if self._start_event is None:
+            action.device_start, action.device_end = action.cpu_start, action.cpu_end
+        else:
+            self._recorder._pending.append(
+                (action, self._start_event, self._recorder._event(self._stream))
+            )
+        ledger = self._recorder.memory
+        # A loader thread's verbs are not measured: walking the pipeline from
+        # there would race with the training thread changing it.
+        if ledger is not None and action.thread == "main":
+            ledger.sample(action.call, action.task, action.batch, action.stream)
+
+
+class Recordable:
+    """Gives a pipeline the recording switch, the views, and the ``_span`` hook."""
+
+    _recorder: Optional[ScheduleRecorder] = None
+
+    def enable_schedule_recording(self, memory: bool = False) -> ScheduleRecorder:
+        """Record every verb, with timing, from the next ``progress()`` call on.
+
+        ``memory=True`` also measures, after each verb, the tensor storage the
+        pipeline holds (:meth:`memory_ledger`); it slows every verb down.
+        """
+        if self._recorder is None:
+            streams = getattr(self, "_streams", None)
+            roles: Dict[str, Optional[torch.Stream]] = {}
+            if streams is not None:
+                for role in ("memcpy", "data_dist", "prefetch", "emb_lookup"):
+                    roles[role] = getattr(streams, role, None)
+            device = getattr(self, "_device", None)
+            if device is not None:
+                roles["default"] = current_stream(device)
+            self._recorder = ScheduleRecorder(streams=roles)
+        if memory and self._recorder.memory is None:
+            ledger = MemoryLedger(self, getattr(self, "_device", None))
+            ledger.ignore(self._recorder)
+            self._recorder.memory = ledger
+        return self._recorder
+
+    def disable_schedule_recording(self) -> None:
+        self._recorder = None
+
+    @property
+    def schedule_actions(self) -> List[Action]:
+        """The recorded actions, oldest first (empty when recording is off)."""
+        if self._recorder is None:
+            return []
+        self._recorder.resolve()
+        return list(self._recorder.actions)
+
+    def schedule(self) -> List[Tuple[str, str, List[Any]]]:
+        """The schedule table: one ``(task, stream, cells)`` row per task.
+
+        ``cells[k]`` is the batch index the task handled in ``progress()`` call
+        ``k`` (a tuple when it handled several, as in the fill), or None.
+        """
+        return schedule_view.schedule_table(self.schedule_actions)
+
+    def print_schedule(self, n: Optional[int] = None) -> str:
+        """Print (and return) the first ``n`` columns of :meth:`schedule`."""
+        text = schedule_view.format_schedule(self.schedule(), n)
+        print(text)
+        return text
+
+    def export_trace(self, path: str) -> None:
+        """Write a Chrome/Perfetto trace: one track per stream plus the CPU thread
+        (and a counter of what the pipeline held, when the memory ledger is on)."""
+        schedule_view.write_trace(self.schedule_actions, path, memory=self.memory_samples)
+
+    def save_timeline(self, path: str, calls: Optional[Tuple[int, int]] = None) -> None:
+        """Draw the recorded timeline (streams x time) to a PNG, with a memory
+        track when the memory ledger is on."""
+        schedule_view.draw_timeline(
+            self.schedule_actions,
+            path,
+            calls=calls,
+            title=type(self).__name__,
+            memory=self.memory_samples,
+        )
+
+    @property
+    def memory_samples(self) -> List[MemorySample]:
+        """What the pipeline held after each recorded verb (empty unless ``memory=True``)."""
+        recorder = self._recorder
+        if recorder is None or recorder.memory is None:
+            return []
+        return list(recorder.memory.samples)
+
+    def memory_ledger(self) -> LedgerSummary:
+        """Peak and steady state of what the pipeline held, by kind (see :mod:`trec_pipelines.observe.ledger`)."""
+        return summarize(self.memory_samples)
+
+    def print_memory(self) -> str:
+        """Print (and return) :meth:`memory_ledger` as a table."""
+        text = self.memory_ledger().format()
+        print(text)
+        return text
+
+    def exposed_time(self) -> Dict[str, float]:
+        """Seconds the training thread spent in each task, plus ``"step"``: the total."""
+        recorder = self._recorder
+        return schedule_view.exposed_time(
+            self.schedule_actions, [] if recorder is None else recorder.call_starts
+        )
+
+    def _begin_call(self) -> None:
+        if self._recorder is not None:
+            self._recorder.begin_call()
+
+    def _span(
+        self, task: str, batch: Optional[int], stream: str = "default", thread: str = "main"
+    ) -> ContextManager[None]:
+        recorder = self._recorder
+        if recorder is not None:
+            return recorder.span(task, batch, stream, thread)
+        if _profiler_running():
+            return torch.profiler.record_function(f"trec_pipelines::{task}")
+        return _NO_SPAN
