@@ -38,9 +38,11 @@ from trec_pipelines.model.postproc import PipelinedPostproc
 from trec_pipelines.model.rewrite import (
     RewriteResult,
     Strategy,
+    note_wrapper_change,
     reapply_rewrite,
     restore_model,
     rewrite_model,
+    wrapper_changes,
 )
 from trec_pipelines.model.takeover import take_model_over
 from trec_pipelines.sparse.input_dist import SplitsFusion
@@ -69,6 +71,8 @@ class PipelinedModel:
         input_dist_group: InputDistGroup = "shared",
     ) -> None:
         self._owner = weakref.ref(owner)
+        # Its wrappers become orphans when it is collected: the next take-over looks.
+        weakref.finalize(owner, note_wrapper_change).atexit = False
         self.owner_name = type(owner).__name__
         self.model = model
         self.result: Optional[RewriteResult] = None
@@ -76,6 +80,8 @@ class PipelinedModel:
         self.attached = True
         # The model's sharded modules, found once: each take-over looks at their forwards.
         self._sharded: Optional[Dict[str, AnyShardedModule]] = None
+        # The wrapper-change count when the modules were last looked at.
+        self._looked_at = -1
         self.fusion = SplitsFusion(input_dist_group)
 
     @property
@@ -93,8 +99,16 @@ class PipelinedModel:
         return [] if self.result is None else list(self.result.postprocs)
 
     def take_over(self) -> None:
-        """Detach every other pipeline whose wrappers are on the model."""
+        """Detach every other pipeline whose wrappers are on the model.
+
+        Called at the start of every step: it looks at the modules' forwards
+        only when some wrapper was put on or taken off since it last looked
+        (anywhere in the process), so a steady state costs one comparison.
+        """
+        if self._looked_at == wrapper_changes():
+            return
         self._sharded = take_model_over(self.owner, self.model, self._sharded)
+        self._looked_at = wrapper_changes()
 
     def rewrite(
         self,

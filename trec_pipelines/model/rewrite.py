@@ -222,6 +222,23 @@ def rewrite_model(
 # None when the flag is not ours to set).
 _Saved = Tuple[torch.nn.Module, bool, Any, Optional[bool]]
 
+# How many times, in this process, forward wrappers were put on or taken off a
+# module, or a pipeline holding some was collected: a pipeline that looked at
+# its model's modules when the count was N needs no second look while it is N
+# (see PipelinedModel.take_over).
+_wrapper_changes = 0
+
+
+def note_wrapper_change() -> None:
+    """Count one change of the wrappers on some module (see :func:`wrapper_changes`)."""
+    global _wrapper_changes
+    _wrapper_changes += 1
+
+
+def wrapper_changes() -> int:
+    """The number of wrapper changes so far in this process."""
+    return _wrapper_changes
+
 
 def _install(module: torch.nn.Module, forward: Any, mark_pipelined: bool = True) -> _Saved:
     """Swap ``module.forward`` for ``forward``; return what restoring needs.
@@ -238,6 +255,7 @@ def _install(module: torch.nn.Module, forward: Any, mark_pipelined: bool = True)
     # Not nn.Module.__setattr__: a PipelinedPostproc is a Module and would be
     # registered as a child named "forward" (changing state_dict and named_modules).
     object.__setattr__(module, "forward", forward)
+    note_wrapper_change()
     if mark_pipelined:
         cast(Any, module).is_pipelined = True
     return saved
@@ -246,6 +264,7 @@ def _install(module: torch.nn.Module, forward: Any, mark_pipelined: bool = True)
 def restore_model(result: RewriteResult) -> None:
     """Give every module (sharded and postproc) back the forward it had before
     :func:`rewrite_model`."""
+    note_wrapper_change()
     for module, had_instance_forward, original, was_pipelined in reversed(result._saved):
         if had_instance_forward:
             object.__setattr__(module, "forward", original)

@@ -22,7 +22,7 @@ import torch
 
 from trec_pipelines._types import AnyShardedModule
 from trec_pipelines.model.forwards import BaseForward
-from trec_pipelines.model.rewrite import sharded_modules
+from trec_pipelines.model.rewrite import note_wrapper_change, sharded_modules
 from trec_pipelines.sparse.input_dist import unfuse_left_over
 
 logger: logging.Logger = logging.getLogger(__name__)
@@ -37,6 +37,7 @@ def strip_orphan(module: AnyShardedModule) -> None:
             break
         assert forward.replaced is not None, "wrappers are tagged when installed"
         had_instance_forward, original = forward.replaced
+        note_wrapper_change()
         if had_instance_forward:
             module.forward = original  # type: ignore[method-assign]
         else:
