@@ -145,3 +145,28 @@ def test_a_device_torch_does_not_know_is_refused_with_examples() -> None:
         tp.TrainPipelineBase(model, optimizer_for(model), "gpu0")
     with pytest.raises(TypeError, match="torch.device"):
         tp.TrainPipelineBase(model, optimizer_for(model), 1.5)
+
+
+def test_a_users_subclass_forwarding_options_keeps_the_parents_and_trains() -> None:
+    class Mine(tp.TrainPipelineSparseDist):  # type: ignore[type-arg]
+        """A user's subclass with a parameter of its own."""
+
+        def __init__(self, model: Any, optimizer: Any, device: Any, tag: str = "", **options: Any):
+            super().__init__(model, optimizer, device, **options)
+            self.tag = tag
+
+    class Plain(tp.TrainPipelineBase):  # type: ignore[type-arg]
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            super().__init__(*args, **kwargs)
+
+    assert opts.accepted_options(Mine) == EVERY_OPTION
+    assert opts.accepted_options(Plain) == EXPECTED["TrainPipelineBase"]
+    model, ref = TinyModel(), TinyModel()
+    batches = make_batches(3)
+    outputs = drain(
+        Mine(model, optimizer_for(model), "cpu", tag="x", validate_batches=False), iter(batches)
+    )
+    for got, want in zip(outputs, plain_loop(ref, batches), strict=True):
+        assert torch.equal(got, want)
+    with pytest.raises(TypeError, match="unexpected keyword argument 'rewrite_strategy'"):
+        Plain(model, optimizer_for(model), "cpu", rewrite_strategy="fx")

@@ -176,8 +176,12 @@ def _accepted(init: Any) -> Optional[FrozenSet[str]]:
         return None
     annotation: Any = var_kw.annotation
     if isinstance(annotation, str):
+        if not annotation.startswith("Unpack["):
+            return None
         module = sys.modules[init.__module__]
         annotation = eval(annotation, vars(module), {"Unpack": typing.Unpack})  # noqa: S307
+    if typing.get_origin(annotation) is not typing.Unpack:
+        return None  # a user's subclass forwarding **options as it likes
     (typed_dict,) = typing.get_args(annotation)
     return frozenset(typing.get_type_hints(typed_dict))
 
