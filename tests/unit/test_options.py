@@ -120,7 +120,7 @@ def test_an_option_the_class_does_not_take_is_a_type_error(make: Any) -> None:
 )
 def test_a_bad_value_is_refused_with_the_choices(option: str, value: Any, error: type) -> None:
     model = TinyModel()
-    with pytest.raises(error, match=option):
+    with pytest.raises(error, match=f"TrainPipelineSparseDist: {option}"):
         tp.TrainPipelineSparseDist(
             model, optimizer_for(model), torch.device("cpu"), **{option: value}
         )

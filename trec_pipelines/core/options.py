@@ -12,7 +12,7 @@ takes them, so each is declared here, once:
   :class:`RewriteOptions`, :class:`GroupOptions`, ...) names it for static
   checkers: a constructor takes ``**options: Unpack[...]`` of the concerns
   that apply to it, so an IDE and mypy see every option and its type;
-* :func:`expand_options` (run for every pipeline class as it is created)
+* :func:`expand_options` (run by :class:`WithOptions` for every pipeline class as it is created)
   writes the options the class accepts into its ``__init__`` signature as
   keyword-only parameters with their defaults, so ``help()``,
   ``inspect.signature`` and the API reference show them as if spelled out,
@@ -95,22 +95,23 @@ class PipelineOptions:
         ),
     )
 
-    def __post_init__(self) -> None:
-        if not isinstance(self.sync_exhaustion, bool):
-            raise TypeError(f"sync_exhaustion must be True or False, got {self.sync_exhaustion!r}")
-        if not isinstance(self.validate_batches, bool):
-            raise TypeError(
-                f"validate_batches must be True or False, got {self.validate_batches!r}"
-            )
+    def check(self, pipeline: str) -> None:
+        """Raise, naming ``pipeline`` and the choices, for a value that is not one."""
+        for name in ("sync_exhaustion", "validate_batches"):
+            value = getattr(self, name)
+            if not isinstance(value, bool):
+                raise TypeError(f"{pipeline}: {name} must be True or False, got {value!r}")
         if self.rewrite_strategy not in STRATEGIES:
             raise ValueError(
-                f"rewrite_strategy must be one of {STRATEGIES}, got {self.rewrite_strategy!r}"
+                f"{pipeline}: rewrite_strategy must be one of {STRATEGIES}, got "
+                f"{self.rewrite_strategy!r}"
             )
         if self.on_unpipelined not in UNPIPELINED_POLICIES:
             raise ValueError(
-                f"on_unpipelined must be one of {UNPIPELINED_POLICIES}, got {self.on_unpipelined!r}"
+                f"{pipeline}: on_unpipelined must be one of {UNPIPELINED_POLICIES}, got "
+                f"{self.on_unpipelined!r}"
             )
-        check_input_dist_group(self.input_dist_group, "input_dist_group")
+        check_input_dist_group(self.input_dist_group, pipeline)
 
     @staticmethod
     def doc(name: str) -> str:
@@ -201,15 +202,14 @@ def expand_options(cls: type) -> None:
         for p in inspect.signature(init).parameters.values()
         if p.kind is not inspect.Parameter.VAR_KEYWORD
     ]
-    hints = {f.name: f.type for f in dataclasses.fields(PipelineOptions)}
-    for name in (f.name for f in dataclasses.fields(PipelineOptions)):
-        if name in accepted:
+    for option in dataclasses.fields(PipelineOptions):
+        if option.name in accepted:
             params.append(
                 inspect.Parameter(
-                    name,
+                    option.name,
                     inspect.Parameter.KEYWORD_ONLY,
-                    default=_FIELDS[name].default,
-                    annotation=hints[name],
+                    default=option.default,
+                    annotation=option.type,
                 )
             )
     init.__signature__ = inspect.Signature(params)
@@ -235,10 +235,29 @@ def resolve_options(pipeline: str, cls: type, options: Mapping[str, Any]) -> Pip
             f"{pipeline}.__init__() got an unexpected keyword argument {unknown[0]!r} "
             f"(its keyword-only options: {takes})"
         )
-    return PipelineOptions(**options)
+    resolved = PipelineOptions(**options)
+    resolved.check(pipeline)
+    return resolved
 
 
 def options_doc(cls: type) -> str:
     """A reST list of the options ``cls`` takes, for its docstring."""
     names = [f.name for f in dataclasses.fields(PipelineOptions) if f.name in accepted_options(cls)]
     return "\n".join(f"* ``{name}``: {PipelineOptions.doc(name)}" for name in names)
+
+
+class WithOptions:
+    """A class whose constructor takes ``**options: Unpack[...]`` of ours: its
+    signature and docstring show each option it accepts
+    (see [Note: one declaration per option])."""
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        expand_options(cls)
+        doc = cls.__dict__.get("__doc__")
+        if doc and accepted_options(cls):
+            cls.__doc__ = (
+                inspect.cleandoc(doc)
+                + "\n\nOur keyword-only options (each described in the options guide):\n\n"
+                + options_doc(cls)
+            )

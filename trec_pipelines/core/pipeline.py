@@ -25,45 +25,22 @@ A variant says what it holds in flight through three small methods
 
 from __future__ import annotations
 
-import inspect
 import logging
 from typing import Any, Iterator, Mapping, Optional, cast
 
 import torch
 
 from trec_pipelines.core.checks import check_device, check_model_device, check_optimizer
-from trec_pipelines.core.options import (
-    PipelineOptions,
-    accepted_options,
-    expand_options,
-    options_doc,
-    resolve_options,
-)
+from trec_pipelines.core.options import PipelineOptions, WithOptions, resolve_options
 from trec_pipelines.core.pipelined_model import PipelinedModel
 from trec_pipelines.core.resume import Resumable
 from trec_pipelines.core.step_guard import StepGuard, skip_failed_batch
 from trec_pipelines.data.agreement import agreement_group
 from trec_pipelines.data.source import BatchSource, ParkedEpochs
 from trec_pipelines.observe.recorder import Recordable
+from trec_pipelines.sparse.input_dist_group import InputDistGroup
 
 logger: logging.Logger = logging.getLogger(__name__)
-
-
-class WithOptions:
-    """A class whose constructor takes ``**options: Unpack[...]`` of ours: its
-    signature and docstring show each option it accepts
-    (see [Note: one declaration per option])."""
-
-    def __init_subclass__(cls, **kwargs: Any) -> None:
-        super().__init_subclass__(**kwargs)
-        expand_options(cls)
-        doc = cls.__dict__.get("__doc__")
-        if doc and accepted_options(cls):
-            cls.__doc__ = (
-                inspect.cleandoc(doc)
-                + "\n\nOur keyword-only options (each described in the options guide):\n\n"
-                + options_doc(cls)
-            )
 
 
 class PipelineCore(WithOptions, Recordable, Resumable):
@@ -87,7 +64,7 @@ class PipelineCore(WithOptions, Recordable, Resumable):
         device: Any,
         options: Mapping[str, Any],
         *,
-        input_dist_group: Optional[str] = None,
+        input_dist_group: Optional[InputDistGroup] = None,
     ) -> None:
         """Check torchrec's arguments, resolve our options and build the shared parts.
 
@@ -109,7 +86,7 @@ class PipelineCore(WithOptions, Recordable, Resumable):
         # In-flight batches of iterators set aside by a switch (see _switch_iterator).
         self._parked = ParkedEpochs()
         group = input_dist_group or self._options.input_dist_group
-        self._pipelined = PipelinedModel(self, model, group)  # type: ignore[arg-type]
+        self._pipelined = PipelinedModel(self, model, group)
         # Set when another pipeline detached this one to take the model over.
         self._taken_over_by: Optional[str] = None
 

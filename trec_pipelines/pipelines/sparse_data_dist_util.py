@@ -25,8 +25,7 @@ from torchrec.distributed.train_pipeline import In
 
 from trec_pipelines._types import AnyShardedModule
 from trec_pipelines.core.checks import check_apply_jit
-from trec_pipelines.core.options import ModelOptions, resolve_options
-from trec_pipelines.core.pipeline import WithOptions
+from trec_pipelines.core.options import ModelOptions, WithOptions, resolve_options
 from trec_pipelines.core.pipelined_model import PipelinedModel
 from trec_pipelines.core.streams import (
     current_stream,

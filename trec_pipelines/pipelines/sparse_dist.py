@@ -88,8 +88,6 @@ class TrainPipelineSparseDist(PipelineCore, TrainPipeline[In, Out], AsyncInplace
 
     # Most batches in flight right after a step's H2D: what a call may pull.
     _depth: int = 3
-    # Variants that only run forwards (Eval) take optimizer=None.
-    _requires_optimizer: bool = True
     # The stream role input_dist is recorded on; Lite runs it on the default stream.
     _input_dist_role: str = "data_dist"
     # Whether a batch's input_dist starts in an earlier step than its forward

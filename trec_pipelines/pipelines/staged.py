@@ -25,8 +25,7 @@ from torchrec.distributed.train_pipeline import In, TrainPipeline
 from torchrec.streamable import Pipelineable
 
 from trec_pipelines.core.errors import MalformedBatchError
-from trec_pipelines.core.options import ValidationOptions, resolve_options
-from trec_pipelines.core.pipeline import WithOptions
+from trec_pipelines.core.options import ValidationOptions, WithOptions, resolve_options
 from trec_pipelines.core.resume import Resumable
 from trec_pipelines.core.streams import (
     current_stream,
