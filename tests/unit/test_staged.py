@@ -10,6 +10,7 @@ from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from tests.fault_injection import FlakyIterator
 from tests.unit.fakes import (
+    ModifyingModel,
     TinyModel,
     _head as fakes_head,
     assert_same_training,
@@ -260,6 +261,26 @@ def test_sdd_stage_matches_plain_loop(n: int) -> None:
         assert sdd.rewrite_result is not None and sdd.rewrite_result.names == ["sparse"]
         # Batch 1's input_dist was started before batch 0's lookup.
         assert kinds[:3] == ["input_dist", "input_dist", "compute"]
+
+
+@pytest.mark.parametrize("policy", ["warn", "raise"])
+def test_sdd_applies_the_on_unpipelined_policy(
+    policy: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A module whose input the model transforms cannot be pipelined: "warn" logs it
+    and trains it unpipelined, "raise" refuses, naming the module and the fix."""
+    batches = make_batches(4)
+    model, ref_model = ModifyingModel(), ModifyingModel()
+    sdd = SparseDataDistUtil(model, data_dist_stream=None, on_unpipelined=policy)
+    pipeline = StagedTrainPipeline([h2d_stage(), sdd.start_sparse_data_dist_stage()])
+    if policy == "raise":
+        with pytest.raises(RuntimeError, match="(?s)NOT pipelined: sparse.*on_unpipelined='warn'"):
+            train_staged(model, pipeline, batches, optimizer_for(model))
+        return
+    ours = train_staged(model, pipeline, batches, optimizer_for(model))
+    assert_same_training(ours, plain_loop(ref_model, batches), model, ref_model)
+    assert sdd.rewrite_result is not None and sdd.rewrite_result.names == []
+    assert "sharded module 'sparse' is NOT pipelined" in caplog.text
 
 
 def test_sdd_with_prefetch_stage_matches_plain_loop() -> None:
