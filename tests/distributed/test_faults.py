@@ -304,8 +304,8 @@ def test_malformed_kjt_raises_before_training_on_both_ranks(name: str) -> None:
     pipeline = _pipeline(name, dmp, optimizer)
     it = iter(batches)
     outputs = []
-    # Malformed on every rank: each rank's own check says so (no agreement by default).
-    expected = r"batch 2: KeyedJaggedTensor batch.sparse: key '.*'.*3 missing"
+    # Malformed on every rank: the ranks agree on it, and each says what is wrong.
+    expected = r"batch 2: malformed on ranks [0-9, ]+, dropped on every rank.*key '.*'.*3 missing"
     with pytest.raises(ValueError, match=expected):
         while True:
             outputs.append(_snapshot(pipeline.progress(it)))
@@ -324,7 +324,7 @@ EVAL_VARIANTS = [
 
 @pytest.mark.parametrize("name", VARIANTS + EVAL_VARIANTS)
 def test_malformed_kjt_on_one_rank_raises_on_every_rank_in_the_same_step(name: str) -> None:
-    """With sync_exhaustion=True, the ranks agree on each batch ([Note: agreeing on
+    """With default arguments the ranks agree on each batch ([Note: agreeing on
     each batch]): batch 3 is malformed on the last rank only.  Every rank raises for it in the
     same progress() call, naming that rank and the batch, and goes on in step:
     training (or evaluation) equals the plain loop over the batches without it.
@@ -347,12 +347,10 @@ def test_malformed_kjt_on_one_rank_raises_on_every_rank_in_the_same_step(name: s
             name.split("+")[0],
             {"loader_thread": True} if name.endswith("+thread") else {},
         )
-        pipeline = getattr(trec_pipelines, cls_name)(
-            dmp, None, DEVICE, sync_exhaustion=True, **thread
-        )
+        pipeline = getattr(trec_pipelines, cls_name)(dmp, None, DEVICE, **thread)
     else:
         ref = plain_loop(ref_dmp, ref_optimizer, good)
-        pipeline = _pipeline(name, dmp, optimizer, sync_exhaustion=True)
+        pipeline = _pipeline(name, dmp, optimizer)
     it = iter(batches)
     outputs: List[torch.Tensor] = []
     errors: List[Any] = []
@@ -374,23 +372,25 @@ def test_malformed_kjt_on_one_rank_raises_on_every_rank_in_the_same_step(name: s
     assert_runs_equal(ref, Run(outputs, weights(dmp)), ("plain loop without batch 3", name))
 
 
-def test_the_ranks_agree_only_with_sync_exhaustion() -> None:
-    """sync_exhaustion=True agrees on each pull (on a gloo group of its own,
-    destroyed once the pipeline is collected); by default nothing is agreed, and
-    no group is made (see [Note: agreeing on each batch] for why)."""
+def test_the_ranks_agree_by_default_and_not_with_sync_exhaustion_false() -> None:
+    """By default the ranks agree on each pull (on a gloo group of their own,
+    destroyed once the pipeline is collected): SparseDist's codes ride its splits
+    exchange, Base's have an all-reduce of their own; ``sync_exhaustion=False``
+    agrees on nothing and makes no group."""
     dmp, optimizer = make_sharded(DLRM, "table_wise", seed=SEED)
-    assert (
-        trec_pipelines.TrainPipelineSparseDist(dmp, optimizer, DEVICE)._source._sync_group is None
-    )
-    pipeline = trec_pipelines.TrainPipelineSparseDist(dmp, optimizer, DEVICE, sync_exhaustion=True)
-    agreed = pipeline._source._sync_group
-    assert (
-        agreed is not None and agreed is not current_group() and dist.get_backend(agreed) == "gloo"
-    )
+    off = trec_pipelines.TrainPipelineSparseDist(dmp, optimizer, DEVICE, sync_exhaustion=False)
+    assert off._agreement is None
+    del off
+    pipeline = trec_pipelines.TrainPipelineSparseDist(dmp, optimizer, DEVICE)
+    assert pipeline._agreement is not None and pipeline._agreement.carried
+    agreed = pipeline._agreement.group
+    assert agreed is not current_group() and dist.get_backend(agreed) == "gloo"
     run_pipeline(pipeline, make_batches(3, seed=DATA_SEED), model=dmp)
+    assert pipeline._agreement.carried, "a world-spanning splits exchange carries the codes"
     del pipeline
     gc.collect()
-    assert trec_pipelines.TrainPipelineBase(dmp, optimizer, DEVICE)._source._sync_group is None
+    base = trec_pipelines.TrainPipelineBase(dmp, optimizer, DEVICE)
+    assert base._agreement is not None and not base._agreement.carried
     # The next pipeline's constructor destroyed the collected pipeline's group.
     with pytest.raises((KeyError, ValueError, RuntimeError)):
         dist.get_process_group_ranks(agreed)

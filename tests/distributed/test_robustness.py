@@ -1,8 +1,10 @@
-"""Uneven data across ranks: sync_exhaustion stops every rank at the same step."""
+"""Uneven data across ranks: by default every rank stops at the same step."""
 
 from __future__ import annotations
 
-from typing import Any
+import time
+from datetime import timedelta
+from typing import Any, Callable, Dict, List, Optional
 
 import pytest
 import torch
@@ -12,68 +14,131 @@ import trec_pipelines
 from tests import devices
 from tests.distributed.dlrm import (
     DLRM,
+    Run,
     assert_runs_equal,
     make_batches,
     make_sharded,
     plain_loop,
     plain_loop_with_eval_pass,
     run_pipeline,
+    weights,
+)
+
+# The fixture puts back what CompAutograd's compiled autograd changes in the process.
+from tests.distributed.test_comp_autograd import (
+    _assert_close,
+    undo_python_reducer_side_effects,  # noqa: F401
 )
 
 DEVICE = devices.device()
 SEED, DATA_SEED = 1234, 7
 
 
-@pytest.mark.parametrize(
-    "name",
-    [
-        "TrainPipelineSparseDist",
-        "TrainPipelineBase",
-        "TrainPipelineSparseDistLite",
-        "TrainPipelineFusedSparseDist",
-        "PrefetchTrainPipelineSparseDist",
-        "TrainPipelineSemiSync",
-    ],
-)
-def test_sync_exhaustion_with_uneven_data(name: str) -> None:
-    rank = dist.get_rank()
-    # Rank 0 has 6 batches, rank 1 only 4: without agreement rank 0 would wait
-    # in the all-to-all of its 5th batch for a rank that has stopped.
-    batches = make_batches(6 if rank == 0 else 4, seed=DATA_SEED)
-    ref = plain_loop(*make_sharded(DLRM, "table_wise", seed=SEED), batches[:4])
-    dmp, optimizer = make_sharded(DLRM, "table_wise", seed=SEED)
-    # SemiSync stays synchronous here (start_batch past the data): the plain loop is its oracle.
-    extra = {"start_batch": 100} if name == "TrainPipelineSemiSync" else {}
-    pipeline: Any = getattr(trec_pipelines, name)(
-        dmp, optimizer, DEVICE, sync_exhaustion=True, **extra
-    )
+def _staged(dmp: torch.nn.Module, optimizer: Any) -> Any:
+    from tests.distributed.test_takeover import StagedLoop
+
+    return StagedLoop(dmp, optimizer)
+
+
+def _train(name: str, **kwargs: Any) -> Callable[[torch.nn.Module, Any], Any]:
+    return lambda dmp, opt: getattr(trec_pipelines, name)(dmp, opt, DEVICE, **kwargs)
+
+
+def _eval(name: str, **kwargs: Any) -> Callable[[torch.nn.Module, Any], Any]:
+    return lambda dmp, opt: getattr(trec_pipelines, name)(dmp, None, DEVICE, **kwargs)
+
+
+# Every pipeline that trains or evaluates a sharded model, with default arguments
+# (SemiSync kept synchronous, start_batch past the data: the plain loop is its oracle).
+TRAIN: Dict[str, Callable[[torch.nn.Module, Any], Any]] = {
+    "TrainPipelineBase": _train("TrainPipelineBase"),
+    "TrainPipelinePT2": _train(
+        "TrainPipelinePT2", compile_configs=trec_pipelines.TorchCompileConfig(compile_on_iter=1000)
+    ),
+    "TrainPipelineSparseDist": _train("TrainPipelineSparseDist"),
+    "TrainPipelineSparseDistLite": _train("TrainPipelineSparseDistLite"),
+    "TrainPipelineFusedSparseDist": _train("TrainPipelineFusedSparseDist"),
+    "TrainPipelineSemiSync": _train("TrainPipelineSemiSync", start_batch=100),
+    "PrefetchTrainPipelineSparseDist": _train("PrefetchTrainPipelineSparseDist"),
+    "TrainPipelineSparseDistCompAutograd": _train("TrainPipelineSparseDistCompAutograd"),
+    "TrainPipelinePEC": _train("TrainPipelinePEC"),
+    "TrainPipelineSparseDistT": _train("TrainPipelineSparseDistT"),
+    "TrainPipelineSparseDistBwdOpt": _train("TrainPipelineSparseDistBwdOpt", site_fqn="ebc"),
+    "TrainPipelineSparseDistEmbStash": _train(
+        "TrainPipelineSparseDistEmbStash", site_fqn="over_arch"
+    ),
+    "StagedTrainPipeline": _staged,
+}
+EVAL: Dict[str, Callable[[torch.nn.Module, Any], Any]] = {
+    "EvalPipelineSparseDist": _eval("EvalPipelineSparseDist"),
+    "EvalPipelineSparseDist+thread": _eval("EvalPipelineSparseDist", loader_thread=True),
+    "EvalPipelineFusedSparseDist": _eval("EvalPipelineFusedSparseDist"),
+    "EvalPipelineCPUSparse": _eval("EvalPipelineCPUSparse"),
+}
+
+
+@pytest.mark.parametrize("name", list(TRAIN) + list(EVAL))
+def test_uneven_data_ends_every_rank_at_the_same_step_by_default(name: str) -> None:
+    """The last rank has 4 batches, the others 6.  With default arguments every
+    rank ends its epoch after 4 steps, with StopIteration, as the plain loop over
+    the common 4 does; the longer ranks log and count the batch they pulled past
+    the end.  The model's group times out after 20 s, so a rank left waiting in a
+    collective fails the test instead of hanging it."""
+    rank, last = dist.get_rank(), dist.get_world_size() - 1
+    short = dist.new_group(backend=devices.backend(), timeout=timedelta(seconds=20))
+    batches = make_batches(4 if rank == last else 6, seed=DATA_SEED)
+    ref_dmp, ref_optimizer = make_sharded(DLRM, "table_wise", seed=SEED, pg=short)
+    dmp, optimizer = make_sharded(DLRM, "table_wise", seed=SEED, pg=short)
+    if name in EVAL:
+        ref_dmp.eval()
+        dmp.eval()
+        with torch.no_grad():
+            ref = Run([ref_dmp(b)[1] for b in batches[:4]], weights(ref_dmp))
+        pipeline = EVAL[name](dmp, None)
+    else:
+        ref = plain_loop(ref_dmp, ref_optimizer, batches[:4])
+        pipeline = TRAIN[name](dmp, optimizer)
+    started = time.monotonic()
     ours = run_pipeline(pipeline, batches, model=dmp)
-    assert_runs_equal(ref, ours, ("plain_loop[:4]", name))
-    # Rank 0 pulled its 5th batch before learning rank 1 had run out.
-    assert pipeline._source.unused == (1 if rank == 0 else 0)
+    elapsed = time.monotonic() - started
+    steps: List[Optional[int]] = [None] * dist.get_world_size()
+    dist.all_gather_object(steps, len(ours), group=short)
+    assert steps == [4] * len(steps), f"the ranks stopped after different steps: {steps}"
+    if name == "TrainPipelineSparseDistCompAutograd":  # compiled: equal to rounding
+        _assert_close(ours, ref)
+    else:
+        assert_runs_equal(ref, ours, ("plain_loop[:4]", name))
+    assert elapsed < 20, f"the epoch took {elapsed:.1f}s: a rank waited for another"
+    source = pipeline.staged if name == "StagedTrainPipeline" else pipeline
+    # A longer rank pulled its 5th batch before it learnt the last rank had none.
+    assert source.unused_batches == (0 if rank == last else 1)
 
 
 def test_uneven_data_stops_in_step_with_the_agreement_one_pull_ahead() -> None:
-    """sync_exhaustion=True agrees on each pull one pull ahead ([Note: agreeing on
-    each batch]): the rank that pulled a batch past the other's end counts it unused."""
+    """The agreement on each pull runs one pull ahead ([Note: agreeing on each
+    batch]): the rank that pulled a batch past the other's end counts it unused;
+    SparseDist's splits exchanges carried the codes (no collective of their own)."""
     rank = dist.get_rank()
     batches = make_batches(6 if rank == 0 else 4, seed=DATA_SEED)
     ref = plain_loop(*make_sharded(DLRM, "table_wise", seed=SEED), batches[:4])
     dmp, optimizer = make_sharded(DLRM, "table_wise", seed=SEED)
-    pipeline = trec_pipelines.TrainPipelineSparseDist(dmp, optimizer, DEVICE, sync_exhaustion=True)
+    pipeline = trec_pipelines.TrainPipelineSparseDist(dmp, optimizer, DEVICE)
     assert_runs_equal(
         ref, run_pipeline(pipeline, batches, model=dmp), ("plain_loop[:4]", "SparseDist")
     )
     assert pipeline.unused_batches == (1 if rank == 0 else 0)
+    # The fill's three pulls are agreed before any exchange; every later one rode one.
+    assert pipeline._agreement is not None
+    assert pipeline._agreement.carried_pulls == pipeline._source._pulls - 3 == 2
 
 
-def test_sync_exhaustion_next_epoch_carries_on() -> None:
+def test_after_uneven_data_the_next_epoch_carries_on() -> None:
     rank = dist.get_rank()
     first = make_batches(5 if rank == 0 else 3, seed=DATA_SEED)
     second = make_batches(3, seed=DATA_SEED + 1)
     ref = plain_loop(*make_sharded(DLRM, "table_wise", seed=SEED), first[:3] + second)
     dmp, optimizer = make_sharded(DLRM, "table_wise", seed=SEED)
-    pipeline = trec_pipelines.TrainPipelineSparseDist(dmp, optimizer, DEVICE, sync_exhaustion=True)
+    pipeline = trec_pipelines.TrainPipelineSparseDist(dmp, optimizer, DEVICE)
     epoch1 = run_pipeline(pipeline, first, model=dmp)
     epoch2 = run_pipeline(pipeline, second, model=dmp)
     assert len(epoch1) == 3 and len(epoch2) == 3

@@ -37,8 +37,36 @@ class MalformedBatchError(ValueError):
             where = (
                 f"malformed on rank{plural} {ranks}, dropped on every rank so they stay in step: "
             )
-        return cls(
+        error = cls(
             f"batch {index}: {where}{problem}. It was dropped before any work, and the next "
             "progress() goes on with the next batch. Fix the data, or pass "
             "validate_batches=False to turn these checks off."
+        )
+        error.index = index
+        return error
+
+    index: Optional[int] = None  # the dropped batch's index
+
+
+class OutOfStepError(RuntimeError):
+    """The ranks are no longer at the same batch: their collectives would pair the
+    wrong batches.  Raised on every rank, naming where each one is.
+
+    It follows a retry or ``skip_failed_batch()`` made on some ranks only (a step
+    that raised on one rank must be retried, or skipped, on every rank).  The
+    pipeline cannot go on: restart from the last checkpoint.
+    """
+
+    @classmethod
+    def at(cls, pulls: Sequence[Optional[int]], ranks: Sequence[int]) -> "OutOfStepError":
+        """The error for ranks ``ranks`` whose next batches are ``pulls`` (None: none)."""
+        where = ", ".join(
+            f"rank {r} at {'no batch' if p is None else f'pull {p}'}"
+            for r, p in zip(ranks, pulls, strict=True)
+        )
+        return cls(
+            f"the ranks are out of step ({where}): a step was retried or skipped on some "
+            "ranks only, so their collectives would pair different batches. Retry or "
+            "skip_failed_batch() on every rank alike; to go on now, restart from the last "
+            "checkpoint."
         )

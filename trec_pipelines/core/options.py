@@ -71,12 +71,14 @@ class PipelineOptions:
             ("warn"), or refused with the reason ("raise")."""
         ),
     )
-    sync_exhaustion: bool = field(
-        default=False,
+    sync_exhaustion: Optional[bool] = field(
+        default=None,
         metadata=_doc(
-            """The ranks agree on every batch they pull (one int32 all-reduce per pull on a
-            gloo group of their own), so data that ends on one rank first ends every rank's
-            epoch at the same step, and a batch malformed on one rank is dropped on all."""
+            """The ranks agree on every batch they pull, so data that ends on one rank first
+            ends every rank's epoch at the same step, and a batch malformed on one rank is
+            dropped on all. None (the default) agrees whenever the model's steps join
+            collectives across ranks; True insists (and needs torch.distributed); False
+            turns it off."""
         ),
     )
     validate_batches: bool = field(
@@ -97,10 +99,15 @@ class PipelineOptions:
 
     def check(self, pipeline: str) -> None:
         """Raise, naming ``pipeline`` and the choices, for a value that is not one."""
-        for name in ("sync_exhaustion", "validate_batches"):
-            value = getattr(self, name)
-            if not isinstance(value, bool):
-                raise TypeError(f"{pipeline}: {name} must be True or False, got {value!r}")
+        if self.sync_exhaustion is not None and not isinstance(self.sync_exhaustion, bool):
+            raise TypeError(
+                f"{pipeline}: sync_exhaustion must be None, True or False, got "
+                f"{self.sync_exhaustion!r}"
+            )
+        if not isinstance(self.validate_batches, bool):
+            raise TypeError(
+                f"{pipeline}: validate_batches must be True or False, got {self.validate_batches!r}"
+            )
         if self.rewrite_strategy not in STRATEGIES:
             raise ValueError(
                 f"{pipeline}: rewrite_strategy must be one of {STRATEGIES}, got "
@@ -136,7 +143,7 @@ class ValidationOptions(TypedDict, total=False):
 class BatchOptions(ValidationOptions, total=False):
     """Where the batches come from: validation, and the ranks' agreement on each pull."""
 
-    sync_exhaustion: bool
+    sync_exhaustion: Optional[bool]
 
 
 class RewriteOptions(TypedDict, total=False):
@@ -164,7 +171,7 @@ class ModelOptions(RewriteOptions, GroupOptions, total=False):
     """A component that pipelines a model it does not train (SparseDataDistUtil)."""
 
 
-class EvalHostOptions(ValidationOptions, RewriteOptions, total=False):
+class EvalHostOptions(BatchOptions, RewriteOptions, total=False):
     """An eval pipeline whose input_dist runs with its lookup, on the host."""
 
 

@@ -35,7 +35,7 @@ from trec_pipelines.core.options import PipelineOptions, WithOptions, resolve_op
 from trec_pipelines.core.pipelined_model import PipelinedModel
 from trec_pipelines.core.resume import Resumable
 from trec_pipelines.core.step_guard import StepGuard, skip_failed_batch
-from trec_pipelines.data.agreement import agreement_group
+from trec_pipelines.data.agreement import AgreementChannel, agreement_group
 from trec_pipelines.data.source import BatchSource, ParkedEpochs
 from trec_pipelines.observe.recorder import Recordable
 from trec_pipelines.sparse.input_dist_group import InputDistGroup
@@ -48,6 +48,10 @@ class PipelineCore(WithOptions, Recordable, Resumable):
 
     # Variants that only run forwards (Eval) take optimizer=None.
     _requires_optimizer: bool = True
+    # Variants whose steps start the pipelined input_dist, whose splits
+    # exchange carries the ranks' agreement on each pull (see
+    # [Note: agreeing on each batch]); the others agree by an all-reduce.
+    _carries_agreement: bool = False
 
     _options: PipelineOptions
     _model: torch.nn.Module
@@ -80,7 +84,12 @@ class PipelineCore(WithOptions, Recordable, Resumable):
         self._model = model
         # None only for the eval variants, which never step it.
         self._optimizer: torch.optim.Optimizer = cast(torch.optim.Optimizer, optimizer)
-        self._sync_group = agreement_group(self, model, self._options.sync_exhaustion)
+        agreed_over = agreement_group(self, model, self._options.sync_exhaustion)
+        self._agreement = (
+            None
+            if agreed_over is None
+            else AgreementChannel(agreed_over, carried=self._carries_agreement)
+        )
         self._source = self._new_source()
         self._step_guard = StepGuard()
         # In-flight batches of iterators set aside by a switch (see _switch_iterator).
@@ -93,7 +102,7 @@ class PipelineCore(WithOptions, Recordable, Resumable):
     def _new_source(self) -> BatchSource:
         """A source of host batches for a new epoch count, with the ranks' agreement."""
         return BatchSource(
-            self._sync_group, keep_in_flight=True, validate=self._options.validate_batches
+            self._agreement, keep_in_flight=True, validate=self._options.validate_batches
         )
 
     # ------------------------------------------------------- the in-flight batches

@@ -68,20 +68,31 @@ from __future__ import annotations
 
 import contextlib
 import weakref
+from collections import deque
 from dataclasses import dataclass
-from typing import Any, List, Optional
+from typing import Any, Deque, List, Optional, Sequence
 
 import torch
 import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel
 
+from trec_pipelines.core.errors import OutOfStepError
 from trec_pipelines.model.rewrite import sharded_modules
 from trec_pipelines.sparse.input_dist_group import _timeout_of
 
-# What a rank reports for one pull; MIN over the ranks is slot by slot.
-ENDED, MALFORMED, FINE = 0, 1, 2
+# What a rank reports for one pull (the low two bits of its code); NOTHING is
+# what a rank with no pull to report carries in a splits exchange.
+ENDED, MALFORMED, FINE, NOTHING = 0, 1, 2, 3
+# The pull number rides above the outcome, modulo this (an int32 splits tensor holds it).
+_PULLS = 1 << 28
 
 # Groups whose pipeline was collected, destroyed by the next agreement_group().
 _orphaned: List[dist.ProcessGroup] = []
+
+
+def encode(pull: int, outcome: int) -> int:
+    """One rank's report of pull number ``pull``."""
+    return (pull % _PULLS) << 2 | outcome
 
 
 @dataclass(frozen=True)
@@ -103,13 +114,28 @@ def _model_groups(model: torch.nn.Module) -> List[Optional[dist.ProcessGroup]]:
     return groups
 
 
+def steps_are_collective(model: Optional[torch.nn.Module]) -> bool:
+    """True when a training step of ``model`` joins collectives across ranks (it
+    has sharded modules or a ``DistributedDataParallel``), in a world of more
+    than one rank; with ``model=None`` (a pipeline that does not hold the model,
+    as ``StagedTrainPipeline``), whenever the world has more than one rank."""
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() < 2:
+        return False
+    if model is None:
+        return True
+    if sharded_modules(model):
+        return True
+    return any(isinstance(m, DistributedDataParallel) for m in model.modules())
+
+
 def agreement_group(
-    pipeline: Any, model: torch.nn.Module, sync_exhaustion: bool
+    pipeline: Any, model: Optional[torch.nn.Module], sync_exhaustion: Optional[bool]
 ) -> Optional[dist.ProcessGroup]:
     """The gloo group ``pipeline``'s :class:`~trec_pipelines.data.source.BatchSource`
     agrees on each pull over, or None when it agrees on nothing (see
-    ``[Note: agreeing on each batch]``).  Once ``pipeline`` is collected, the
-    next call destroys the group."""
+    ``[Note: agreeing on each batch]``).  ``sync_exhaustion=None`` agrees when
+    the model's steps are collective (:func:`steps_are_collective`).  Once
+    ``pipeline`` is collected, the next call destroys the group."""
     _destroy_orphans()
     initialized = dist.is_available() and dist.is_initialized()
     if sync_exhaustion and not initialized:
@@ -117,9 +143,11 @@ def agreement_group(
             "sync_exhaustion=True agrees on the end of data across ranks and needs "
             "torch.distributed initialised first (dist.init_process_group(...))"
         )
+    if sync_exhaustion is None:
+        sync_exhaustion = steps_are_collective(model)
     if not sync_exhaustion:
         return None
-    groups = _model_groups(model)
+    groups = _model_groups(model) if model is not None else []
     timeouts = [_timeout_of(pg) for pg in groups if pg is not None]
     group = dist.new_group(backend="gloo", timeout=next(filter(None, timeouts), None))
     assert isinstance(group, dist.ProcessGroup)  # every rank is a member
@@ -140,21 +168,122 @@ def _destroy_orphans() -> None:
 class Agreement:
     """One pull's agreement, under way: :meth:`result` waits for it."""
 
-    def __init__(self, group: dist.ProcessGroup, ended: bool, malformed: bool) -> None:
-        self._group = group
-        self._flags = torch.full((group.size(),), FINE, dtype=torch.int32)
-        self._flags[group.rank()] = ENDED if ended else MALFORMED if malformed else FINE
-        self._work: Optional[dist.Work] = dist.all_reduce(
-            self._flags, op=dist.ReduceOp.MIN, group=group, async_op=True
-        )
+    def __init__(self, channel: "AgreementChannel", pull: int, outcome: int) -> None:
+        self.code = encode(pull, outcome)
+        self._channel = channel
+        # Every rank's code (in the order of ``_ranks``), once known.
+        self._codes: Optional[List[int]] = None
+        self._ranks: Sequence[int] = channel.ranks
+        self._flags: Optional[torch.Tensor] = None
+        self._work: Optional[dist.Work] = None
+        # The splits exchange carrying this code, once one does (see CarriedCode).
+        self.carrier: Optional["CarriedCode"] = None
+
+    def all_reduce(self) -> None:
+        """Start exchanging this pull's code on the channel's own group."""
+        group = self._channel.group
+        self._flags = torch.zeros(group.size(), dtype=torch.int64)
+        self._flags[group.rank()] = self.code
+        self._work = dist.all_reduce(self._flags, group=group, async_op=True)
+
+    def deliver(self, codes: List[int], ranks: Sequence[int]) -> None:
+        """Every rank's code, as a splits exchange brought them (see CarriedCode)."""
+        self._codes, self._ranks = codes, ranks
+        self._channel.carried_pulls += 1
 
     def result(self) -> Agreed:
-        """Every rank's outcome of this pull (waits for the all-reduce)."""
-        if self._work is not None:
+        """Every rank's outcome of this pull (waits for the exchange carrying it)."""
+        if self._codes is None and self.carrier is not None:
+            self.carrier.wait_code()
+        if self._codes is None:
+            if self._work is None:  # carried by nothing yet: agree now
+                self._channel.withdraw(self)
+                self.all_reduce()
+            assert self._work is not None and self._flags is not None
             self._work.wait()
             self._work = None
-        outcomes = self._flags.tolist()
-        ranks = dist.get_process_group_ranks(self._group)
-        return Agreed(
-            [r for r, o in zip(ranks, outcomes, strict=True) if o == MALFORMED], ENDED in outcomes
-        )
+            self._codes = self._flags.tolist()
+        return decide(self._codes, self._ranks)
+
+
+def decide(codes: Sequence[int], ranks: Sequence[int]) -> Agreed:
+    """One pull's outcome from every rank's code; raises :class:`OutOfStepError`
+    on every rank alike when the ranks' pull numbers differ."""
+    pulls = {code >> 2 for code in codes}
+    outcomes = [code & 3 for code in codes]
+    if len(pulls) > 1 or NOTHING in outcomes:
+        raise OutOfStepError.at([None if c & 3 == NOTHING else c >> 2 for c in codes], ranks)
+    return Agreed(
+        [r for r, o in zip(ranks, outcomes, strict=True) if o == MALFORMED], ENDED in outcomes
+    )
+
+
+class CarriedCode:
+    """What a splits exchange needs to carry one pull's code (see
+    ``[Note: agreeing on each batch]``); implemented by the exchange."""
+
+    def wait_code(self) -> None:
+        """Wait for the exchange, which delivers the code to its agreement."""
+        raise NotImplementedError
+
+
+class AgreementChannel:
+    """How one batch source's pulls are agreed: each pull's code rides the next
+    splits exchange of the step (``carried``), or, where no exchange carries it, an
+    all-reduce of its own on ``group``, started as the pull is made."""
+
+    # A pipeline's first input_dist runs before its splits are fused (see
+    # trec_pipelines.sparse.input_dist), and a fill may start two.
+    MISSES_BEFORE_GIVING_UP = 4
+
+    def __init__(self, group: dist.ProcessGroup, carried: bool) -> None:
+        self.group = group
+        self.carried = carried
+        self.ranks: List[int] = dist.get_process_group_ranks(group)
+        # Pulls waiting for an exchange to carry them, oldest first.
+        self._waiting: Deque[Agreement] = deque()
+        self._missed = 0  # exchanges in a row that carried nothing (see missed())
+        self.carried_pulls = 0  # pulls whose codes a splits exchange carried
+
+    def start(self, pull: int, ended: bool, malformed: bool) -> Agreement:
+        """Report pull number ``pull``: a batch that ``ended`` or is ``malformed`` here."""
+        agreement = Agreement(self, pull, ENDED if ended else MALFORMED if malformed else FINE)
+        if self.carried:
+            self._waiting.append(agreement)
+        else:
+            agreement.all_reduce()
+        return agreement
+
+    def take(self) -> Optional[Agreement]:
+        """The oldest pull waiting to be carried, handed to the exchange that
+        carries it (None: nothing waits, the exchange carries NOTHING)."""
+        return self._waiting.popleft() if self._waiting else None
+
+    def withdraw(self, agreement: Agreement) -> None:
+        """``agreement`` is agreed on its own: no exchange will carry it."""
+        with contextlib.suppress(ValueError):
+            self._waiting.remove(agreement)
+
+    def missed(self) -> None:
+        """A splits exchange could carry no code (none of its groups spans the
+        world, or its splits are not fused yet: a model's first input_dist).
+        After a few in a row the steps' exchanges are taken never to carry."""
+        self._missed += 1
+        if self._missed >= self.MISSES_BEFORE_GIVING_UP:
+            self.no_carrier()
+
+    def carrying(self) -> None:
+        """A splits exchange carries a code: the misses so far were the first ones."""
+        self._missed = 0
+
+    def no_carrier(self) -> None:
+        """The step's exchanges cannot carry codes (none spans the world):
+        every pull from now on is agreed by an all-reduce of its own."""
+        self.carried = False
+        while self._waiting:
+            self._waiting.popleft().all_reduce()
+
+    @staticmethod
+    def nothing() -> int:
+        """The code of a rank with nothing to report in an exchange."""
+        return encode(0, NOTHING)

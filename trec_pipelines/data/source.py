@@ -16,7 +16,7 @@ import torch.distributed as dist
 
 from trec_pipelines.core.errors import MalformedBatchError
 from trec_pipelines.core.verbs import check_batch
-from trec_pipelines.data.agreement import Agreed, Agreement
+from trec_pipelines.data.agreement import Agreed, Agreement, AgreementChannel
 from trec_pipelines.data.validation import batch_problem
 
 logger: logging.Logger = logging.getLogger(__name__)
@@ -47,8 +47,8 @@ class BatchSource:
       the call will need, before any work is issued: an exception raised by
       the iterator then reaches the caller with the pipeline untouched, and the
       next call carries on.  :meth:`next` hands the held batches out in order.
-    * With ``sync_group`` every pull is agreed across ranks (one all-reduce,
-      see ``[Note: agreeing on each batch]`` in :mod:`trec_pipelines.data.agreement`):
+    * With an ``agreement`` channel every pull is agreed across ranks (see
+      ``[Note: agreeing on each batch]`` in :mod:`trec_pipelines.data.agreement`):
       a batch malformed on any rank is dropped on every rank, each raising
       ``MalformedBatchError``; once any rank's iterator ends, every rank treats
       its own as ended at the same step, so no rank waits in a collective for
@@ -67,12 +67,13 @@ class BatchSource:
 
     def __init__(
         self,
-        sync_group: Optional[Any] = None,
+        agreement: Optional[AgreementChannel] = None,
         keep_in_flight: bool = False,
         validate: bool = False,
     ) -> None:
         self._iterator: Optional[Iterator[Any]] = None
-        self._sync_group = sync_group
+        self.agreement = agreement
+        self._pulls = 0  # pulls agreed on so far: each one's number, the same on every rank
         self._held: Deque[Any] = deque()
         self.exhausted = False
         self.loaded = 0  # batches handed out so far, over all epochs: the next new one's index
@@ -84,8 +85,8 @@ class BatchSource:
         self._rewound: Deque[Tuple[int, Any]] = deque()
         self.unused = 0  # batches pulled but dropped because another rank ran out
         self._validate = validate
-        self.rejected = 0  # batches dropped as malformed (here, or on another rank: ``sync_group``)
-        # Pulls whose agreement is under way (sync_group), oldest first: after _held.
+        self.rejected = 0  # batches dropped as malformed (here, or on another rank: ``agreement``)
+        # Pulls whose agreement is under way (``agreement``), oldest first: after _held.
         self._pending: Deque[_Pending] = deque()
         # The iterator that last raised StopIteration, and its yield count then.
         self._spent: Optional[Tuple[Iterator[Any], Optional[int]]] = None
@@ -135,7 +136,7 @@ class BatchSource:
     def fetch_ahead(self, iterator: Iterator[Any], count: int = 1) -> None:
         """Hold ``count`` batches (fewer at the end of data) for :meth:`next`.
 
-        With ``sync_group``, one more pull is then started, its agreement left
+        With ``agreement``, one more pull is then started, its agreement left
         under way for the next call (see ``[Note: agreeing on each batch]``).
         """
         self._switch_to(iterator)
@@ -143,15 +144,15 @@ class BatchSource:
             batch = self._pull(iterator)
             if batch is not None:
                 self._held.append(batch)
-        ahead = self.agree_ahead and self._sync_group is not None
+        ahead = self.agree_ahead and self.agreement is not None
         if ahead and not self.exhausted and not self._pending:
             self._launch(iterator)
 
     def _pull(self, iterator: Iterator[Any]) -> Optional[Any]:
-        """The next batch, agreed with the other ranks when there is a ``sync_group``."""
+        """The next batch, agreed with the other ranks when there is an ``agreement``."""
         if self.exhausted:
             return None
-        if self._sync_group is None:
+        if self.agreement is None:
             batch = self._next_from(iterator)
             problem = batch_problem(batch) if self._validate and batch is not None else None
             return self._accept(batch, problem, None)
@@ -173,8 +174,9 @@ class BatchSource:
         """Pull and check one batch, and start agreeing on it with the other ranks."""
         batch = self._next_from(iterator)
         problem = batch_problem(batch) if self._validate and batch is not None else None
-        assert self._sync_group is not None  # launched only with a group
-        agreement = Agreement(self._sync_group, batch is None, problem is not None)
+        assert self.agreement is not None  # launched only with a channel
+        agreement = self.agreement.start(self._pulls, batch is None, problem is not None)
+        self._pulls += 1
         self._pending.append(_Pending(batch, problem, agreement))
 
     def _resolve(self) -> Optional[Any]:
@@ -325,6 +327,13 @@ class BatchSource:
         batches = list(self._in_flight) + list(self._rewound)
         batches += [(self.loaded + k, batch) for k, batch in enumerate(self._held)]
         return batches, self.loaded + len(self._held)
+
+    def ahead(self) -> List[Any]:
+        """The batches pulled and held for :meth:`next`, oldest first (their
+        agreements finished first): what a checkpoint keeps of the source
+        when the pipeline lists its in-flight batches itself."""
+        self.settle()
+        return list(self._held)
 
     def is_fresh(self) -> bool:
         """Nothing pulled and nothing held: a new source, or one after ``restart_count()``."""

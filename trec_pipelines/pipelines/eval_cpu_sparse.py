@@ -80,6 +80,7 @@ class EvalPipelineCPUSparse(TrainPipelineSparseDist[In, Out]):
     """
 
     _requires_optimizer = False
+    _carries_agreement = False  # its input_dist may run on a thread of its own
     _input_dist_role = "default"
     _input_dist_ahead = False
 

@@ -282,6 +282,10 @@ class EvalPipelineSparseDist(TrainPipelineSparseDist[In, Out]):
         self._loader_thread: bool = (
             has_streams(self._device) if loader_thread is None else loader_thread
         )
+        if self._loader_thread and self._agreement is not None:
+            # The loader thread pulls while the steps exchange splits: a pull
+            # must not race an exchange for its code, so each is agreed alone.
+            self._agreement.no_carrier()
 
     # ------------------------------------------------------------------ loader
 

@@ -213,7 +213,7 @@ class TrainPipelineSemiSync(TrainPipelineSparseDist[In, Out]):
             with on_stream(self._streams.data_dist):
                 wait_for_batch(batch, self._streams.memcpy)
                 model_input = self.extract_model_input_from_batch(batch)
-                start_input_dist(self._input_dist_modules(), model_input, context)
+                start_input_dist(self._input_dist_modules(), model_input, context, self._agreement)
 
     def start_embedding_lookup(
         self, batch: Optional[Any], context: EmbeddingTrainPipelineContext

@@ -93,6 +93,8 @@ class TrainPipelineSparseDist(PipelineCore, TrainPipeline[In, Out], AsyncInplace
     # Whether a batch's input_dist starts in an earlier step than its forward
     # (False for Lite): then it may run on a dedicated group (input_dist_group).
     _input_dist_ahead: bool = True
+    # Each step's splits exchange carries the ranks' agreement on a pull.
+    _carries_agreement: bool = True
 
     def __init__(
         self,
@@ -364,7 +366,7 @@ class TrainPipelineSparseDist(PipelineCore, TrainPipeline[In, Out], AsyncInplace
         with self._span(rec.INPUT_DIST_START, context.index, self._input_dist_role):
             with on_stream(self._streams.data_dist):
                 wait_for_batch(batch, self._streams.memcpy)
-                start_input_dist(self._input_dist_modules(), batch, context)
+                start_input_dist(self._input_dist_modules(), batch, context, self._agreement)
 
     def wait_sparse_data_dist(self, context: TrainPipelineContext) -> None:
         """Finish the splits all-to-all, which launches the tensors all-to-all."""

@@ -25,7 +25,7 @@ from torchrec.distributed.train_pipeline import In, TrainPipeline
 from torchrec.streamable import Pipelineable
 
 from trec_pipelines.core.errors import MalformedBatchError
-from trec_pipelines.core.options import ValidationOptions, WithOptions, resolve_options
+from trec_pipelines.core.options import BatchOptions, WithOptions, resolve_options
 from trec_pipelines.core.resume import Resumable
 from trec_pipelines.core.streams import (
     current_stream,
@@ -35,7 +35,8 @@ from trec_pipelines.core.streams import (
     record_stream,
     wait_event,
 )
-from trec_pipelines.data.validation import batch_problem
+from trec_pipelines.data.agreement import AgreementChannel, agreement_group
+from trec_pipelines.data.source import BatchSource
 from trec_pipelines.observe import recorder as rec
 from trec_pipelines.observe.recorder import Recordable
 
@@ -219,9 +220,11 @@ class StagedTrainPipeline(
     with several ranks, do the same on every rank.  Each loaded batch's
     ``KeyedJaggedTensor`` objects are checked before stage 0
     (``validate_batches=True``, keyword-only): a malformed one raises
-    :class:`~trec_pipelines.core.errors.MalformedBatchError` and is dropped, but the
-    ranks do not agree on it, so a batch malformed on one rank only leaves the
-    ranks out of step.  See :doc:`/guides/what-happens-when` for each case.
+    :class:`~trec_pipelines.core.errors.MalformedBatchError` and is dropped.  With
+    several ranks, the ranks agree on every batch they load
+    (``sync_exhaustion``): a batch malformed on one rank is dropped on every rank,
+    each raising for it, and data that ends on one rank first ends the epoch on
+    every rank at the same step.  See :doc:`/guides/what-happens-when` for each case.
 
     Differences from torchrec: :ref:`the migration guide <migrating-staged>` (docs/guides/migrating.md).
 
@@ -244,10 +247,17 @@ class StagedTrainPipeline(
         debug_mode: bool = False,
         compute_stream: Optional[torch.Stream] = None,
         on_flush_end: Optional[Callable[[], None]] = None,
-        **options: Unpack[ValidationOptions],
+        **options: Unpack[BatchOptions],
     ) -> None:
         super().__init__()
         self._options = resolve_options(type(self).__name__, type(self), options)
+        group = agreement_group(self, None, self._options.sync_exhaustion)
+        # Each load is agreed by an all-reduce started a call ahead (the stages
+        # are the user's: no exchange of ours to carry it).
+        self._source = BatchSource(
+            None if group is None else AgreementChannel(group, carried=False),
+            validate=self._options.validate_batches,
+        )
         if not pipeline_stages:
             raise ValueError(
                 "StagedTrainPipeline needs at least one PipelineStage, got none; "
@@ -276,10 +286,7 @@ class StagedTrainPipeline(
         self._slots: List[Optional[_InFlight]] = [None] * self.num_stages
         self._filled = False
         self._flushing = False
-        self._iterator: Optional[Iterator[Any]] = None
-        self._exhausted = False
         self._loaded = 0  # batches handed to stage 0 so far: the next one's index
-        self.rejected = 0  # malformed batches dropped (``validate_batches``)
         # Where the last progress() raised, if it did (see skip_failed_batch).
         self._failure: Optional[_Failure] = None
         # A fill or step that raised resumes at the unit that raised (see
@@ -297,39 +304,61 @@ class StagedTrainPipeline(
 
     # ------------------------------------------------------------------ verbs
 
+    def _fetch_ahead(self, dataloader_iter: Iterator[Any]) -> None:
+        """Pull the batches this call loads before any stage runs (with several
+        ranks, agreed; see :class:`~trec_pipelines.data.source.BatchSource`).
+
+        A malformed batch raises here, dropped, and takes no index: the next
+        load pulls the one after it, as in the other pipelines.
+        """
+        if self._flushing:
+            return
+        loads = self._loads_left()
+        with self._noting_failure("the data iterator"):
+            try:
+                self._source.fetch_ahead(dataloader_iter, loads)
+            except MalformedBatchError as error:
+                self._failure = _Failure("validation", None, error.index, str(error))
+                raise
+
+    def _loads_left(self) -> int:
+        """How many batches this call's units left to run load (stage 0 on an empty slot)."""
+        if self._filled:
+            # A step loads once, in its first unit, unless it raised after loading.
+            loaded = self._done_units > 0 or self._slots[-1] is not None
+            return 0 if self._mid_step and loaded else 1
+        units = self._fill_units()[self._done_units :]
+        return sum(
+            1
+            for stage_idx, slot, callback in units
+            if stage_idx == 0 and not callback and self._slots[slot] is None
+        )
+
     def _load(self, dataloader_iter: Iterator[Any]) -> Optional[_InFlight]:
         """The next batch, or None once the epoch's data ran out or while flushing."""
-        if dataloader_iter is not self._iterator:
-            self._iterator = dataloader_iter
-            self._exhausted = False
         if self._resumed:  # in flight when the checkpoint was taken: first, as they were
             index, host = self._resumed.popleft()
             return _InFlight(host, None, None, index, host)
-        if self._exhausted or self._flushing:
+        if self._flushing:
             return None
         with self._noting_failure("the data iterator"):
-            batch = next(dataloader_iter, None)
+            batch = self._source.next(dataloader_iter)
         if batch is None:
-            # Not asked again this epoch: some loaders block when they are.
-            self._exhausted = True
             return None
-        if self._options.validate_batches:
-            self._reject_if_malformed(batch)
         self._loaded += 1
         return _InFlight(batch, None, None, self._loaded - 1, batch)
 
-    def _reject_if_malformed(self, batch: Any) -> None:
-        """Raise :class:`MalformedBatchError` if ``batch``'s KJTs are inconsistent.
+    @property
+    def rejected(self) -> int:
+        """Malformed batches dropped (``validate_batches``; with several ranks, a
+        batch malformed on any rank)."""
+        return self._source.rejected
 
-        Nothing is kept of the batch: the next load pulls the one after it,
-        which takes this one's index, as in the other pipelines.
-        """
-        problem = batch_problem(batch)
-        if problem is None:
-            return
-        self.rejected += 1
-        self._failure = _Failure("validation", None, self._loaded, problem)
-        raise MalformedBatchError.dropped(self._loaded, problem)
+    @property
+    def unused_batches(self) -> int:
+        """Batches this rank pulled but did not train because another rank's data
+        ended first."""
+        return self._source.unused
 
     @contextlib.contextmanager
     def _noting_failure(
@@ -453,6 +482,7 @@ class StagedTrainPipeline(
         """
         self._begin_call()
         self._failure = None
+        self._fetch_ahead(dataloader_iter)
         if not self._filled:
             self._fill_pipeline(dataloader_iter)
         ready = self._step(dataloader_iter)
@@ -554,7 +584,9 @@ class StagedTrainPipeline(
         items = [self._ready] + self._slots
         held = sorted((item.index, item.host) for item in items if item is not None)
         held += list(self._resumed)
-        return held, self._loaded
+        ahead = self._source.ahead()
+        held += [(self._loaded + k, batch) for k, batch in enumerate(ahead)]
+        return held, self._loaded + len(ahead)
 
     def _is_fresh(self) -> bool:
         return (
@@ -562,15 +594,17 @@ class StagedTrainPipeline(
             and self._ready is None
             and all(slot is None for slot in self._slots)
             and not self._resumed
+            and self._source.is_fresh()
         )
 
     def _resume(self, batches: List[Tuple[int, Any]], next_index: int) -> None:
         self._resumed = deque(batches)
         self._loaded = next_index
+        self._source.resume([], next_index)
 
     def _end_epoch(self) -> None:
         self._filled = False
-        self._exhausted = False
+        self._source.end_epoch()
 
 
 __all__ = ["PipelineStage", "SkipAware", "StagedTrainPipeline", "side_stream"]

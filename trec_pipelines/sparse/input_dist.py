@@ -44,12 +44,14 @@ from torchrec.distributed.types import Awaitable
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from trec_pipelines._types import AnyShardedModule
+from trec_pipelines.data.agreement import AgreementChannel
 from trec_pipelines.model.context import TrainPipelineContext
 from trec_pipelines.model.postproc import (
     PipelinedPostproc,
     postprocs_read_by,
     use_context_for_postprocs,
 )
+from trec_pipelines.sparse.carried_agreement import CarryingFusedSplits, spans_world
 from trec_pipelines.sparse.input_dist_group import InputDistGroup, dedicated_groups
 
 logger: logging.Logger = logging.getLogger(__name__)
@@ -219,12 +221,15 @@ def start_input_dist(
     modules: Sequence[Tuple[str, AnyShardedModule, Any]],
     batch: Any,
     context: TrainPipelineContext,
+    agreement: Optional[AgreementChannel] = None,
 ) -> None:
     """Launch the splits phase of every module's ``input_dist`` for ``batch``.
 
     ``modules`` holds ``(name, module, call_args)``; writes ``module_contexts``,
     ``input_dist_splits_requests`` and ``fused_splits_awaitables`` (and, through
-    the postprocs the arguments are read from, ``postproc_fwd_results``).
+    the postprocs the arguments are read from, ``postproc_fwd_results``).  With
+    ``agreement``, the splits exchange carries the oldest pull it has not agreed
+    yet (see :mod:`trec_pipelines.sparse.carried_agreement`).
     """
     postprocs: Dict[int, PipelinedPostproc] = {}
     for _, _, call_args in modules:
@@ -237,7 +242,7 @@ def start_input_dist(
             args, kwargs = call_args.build_args_kwargs(batch)
             _start_module_input_dist(name, module, args, kwargs, context)
     _release_early_inputs(context)
-    _fuse_splits(context)
+    _fuse_splits(context, agreement)
 
 
 def _start_module_input_dist(
@@ -277,7 +282,9 @@ def _process_group_of(request: Awaitable[Any]) -> Optional[dist.ProcessGroup]:
     return None
 
 
-def _fuse_splits(context: TrainPipelineContext) -> None:
+def _fuse_splits(
+    context: TrainPipelineContext, agreement: Optional[AgreementChannel] = None
+) -> None:
     names_per_pg: Dict[dist.ProcessGroup, List[str]] = defaultdict(list)
     for name, request in context.input_dist_splits_requests.items():
         pg = _process_group_of(request) if isinstance(request, KJTListSplitsAwaitable) else None
@@ -287,12 +294,20 @@ def _fuse_splits(context: TrainPipelineContext) -> None:
             context.fused_splits_awaitables.append(([name], _Single(request)))
         else:
             names_per_pg[pg].append(name)
+    carrier = None
+    if agreement is not None and agreement.carried:
+        carrier = next((pg for pg in names_per_pg if spans_world(pg)), None)
+        if carrier is None:
+            agreement.missed()  # the same on every rank: the same modules, groups
     for pg, names in names_per_pg.items():
-        fused = FusedKJTListSplitsAwaitable(
-            requests=[cast(Any, context.input_dist_splits_requests[n]) for n in names],
-            contexts=[context.module_contexts[n] for n in names],
-            pg=pg,
-        )
+        requests = [cast(Any, context.input_dist_splits_requests[n]) for n in names]
+        contexts = [context.module_contexts[n] for n in names]
+        fused: Awaitable[Any]
+        if pg is carrier:
+            assert agreement is not None
+            fused = CarryingFusedSplits(requests, contexts, pg, agreement)
+        else:
+            fused = FusedKJTListSplitsAwaitable(requests=requests, contexts=contexts, pg=pg)
         context.fused_splits_awaitables.append((names, fused))
 
 
