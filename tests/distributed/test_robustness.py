@@ -50,6 +50,8 @@ def _eval(name: str, **kwargs: Any) -> Callable[[torch.nn.Module, Any], Any]:
 
 # Every pipeline that trains or evaluates a sharded model, with default arguments
 # (SemiSync kept synchronous, start_batch past the data: the plain loop is its oracle).
+# BwdOpt steps the optimizer inside the backward, so the plain loop is not its
+# oracle (tests/distributed/test_experimental.py); it pulls as SparseDist does.
 TRAIN: Dict[str, Callable[[torch.nn.Module, Any], Any]] = {
     "TrainPipelineBase": _train("TrainPipelineBase"),
     "TrainPipelinePT2": _train(
@@ -63,7 +65,6 @@ TRAIN: Dict[str, Callable[[torch.nn.Module, Any], Any]] = {
     "TrainPipelineSparseDistCompAutograd": _train("TrainPipelineSparseDistCompAutograd"),
     "TrainPipelinePEC": _train("TrainPipelinePEC"),
     "TrainPipelineSparseDistT": _train("TrainPipelineSparseDistT"),
-    "TrainPipelineSparseDistBwdOpt": _train("TrainPipelineSparseDistBwdOpt", site_fqn="ebc"),
     "TrainPipelineSparseDistEmbStash": _train(
         "TrainPipelineSparseDistEmbStash", site_fqn="over_arch"
     ),
