@@ -33,10 +33,11 @@ failures before that (a detached pipeline, an iterator error while pulling
 the host batches) change nothing and need no rollback.
 
 Several ranks: a rank whose step raised after some of the step's collectives
-were issued leaves the other ranks waiting in the matching collective; they
-fail with the process group's timeout error (the note added to every escaping
-exception says so).  Retrying on one rank only does not line the ranks up
-again: retry (or skip) on every rank, or tear the job down.
+were issued leaves the other ranks waiting in the matching collective.  It
+tells them (see ``[Note: a failed step on one rank]`` in
+:mod:`trec_pipelines.core.peer_failure`): a rank left waiting exits within
+seconds, naming the failed rank and batch, and a retry (or skip) on one rank
+only raises ``OutOfStepError`` instead of pairing the wrong collectives.
 """
 
 from __future__ import annotations
@@ -47,6 +48,8 @@ from dataclasses import dataclass
 from typing import Any, Callable, Iterator, Optional, TypeVar
 
 import torch.distributed as dist
+
+from trec_pipelines.core import peer_failure
 
 logger: logging.Logger = logging.getLogger(__name__)
 
@@ -104,20 +107,32 @@ def guarded_step(progress: Callable[[Any, Iterator[Any]], P]) -> Callable[[Any, 
         guard: StepGuard = self._step_guard
         if guard.running:  # a nested call from the same step
             return progress(self, dataloader_iter)
+        ranks = peer_failure.news()
+        if ranks is not None and guard.failed is not None:
+            ranks.retry_allowed(guard.failed.index)  # every rank failed there, or none goes on
         guard.running, guard.begun = True, False
+        if ranks is not None:
+            ranks.step_begins()
         try:
             output = progress(self, dataloader_iter)
         except StopIteration:
             raise  # the end of the data: nothing is half done
         except BaseException as error:
+            if ranks is not None:
+                peer_failure.note_peers(error)
             if guard.begun:
                 self._drop_in_flight_state()
                 index = self._source.rewind()
                 guard.failed = FailedStep(index, f"{type(error).__name__}: {error}")
                 _explain(error, self, index)
+                if ranks is not None:
+                    what = f"{type(self).__name__}.progress() raised {guard.failed.error}"
+                    ranks.failed(what, index)
             raise
         finally:
             guard.running = False
+            if ranks is not None:
+                ranks.step_ends()
         if guard.begun:
             self._source.retire()
             guard.failed = None
@@ -137,6 +152,9 @@ def skip_failed_batch(pipeline: Any) -> int:
             "training a batch, so there is nothing to skip. Call it right after the "
             "progress() that raised, before calling progress() again."
         )
+    ranks = peer_failure.news()
+    if ranks is not None:
+        ranks.retry_allowed(failed.index)  # every rank failed there, or none goes on
     skipped: int = pipeline._source.skip_rewound()
     assert skipped == failed.index, (skipped, failed.index)
     guard.failed = None

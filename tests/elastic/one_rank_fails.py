@@ -1,0 +1,78 @@
+"""A step raises on one rank only; what the other ranks do about it.
+
+Run under torchrun (any number of ranks).  Rank 0's model raises in its
+forward at batch ``--fail-at``; then, by ``--then``:
+
+* ``stay``: rank 0 catches the error and stays alive (a long save, say) without
+  retrying: the other ranks are in that step's collectives and must end
+  within seconds, naming rank 0 and the batch (status 1), not at the
+  process group's timeout;
+* ``retry``: rank 0 alone retries: it must raise ``OutOfStepError`` (the others,
+  waiting in the failed step, end as above).
+
+Every rank writes what happened to ``--out``/rank<r>.json; the model's
+process group times out after 120 s, far beyond what the test allows.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from datetime import timedelta
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+import trec_pipelines
+from tests.distributed.dlrm import DLRM, make_batches, make_sharded
+from tests.fault_injection import Fault
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--pipeline", default="TrainPipelineSparseDist")
+    parser.add_argument("--fail-at", type=int, default=2)
+    parser.add_argument("--then", choices=["stay", "retry"], default="stay")
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", timeout=timedelta(seconds=120))
+    rank = dist.get_rank()
+    dmp, optimizer = make_sharded(DLRM, "table_wise", seed=1)
+    calls = {"n": 0}
+
+    def fail_once(*_: object) -> None:
+        calls["n"] += 1
+        if rank == 0 and calls["n"] == args.fail_at + 1:
+            raise Fault(f"injected on rank 0 at forward {calls['n'] - 1}")
+
+    dmp.module.over_arch.register_forward_pre_hook(fail_once)
+    pipeline = getattr(trec_pipelines, args.pipeline)(dmp, optimizer, torch.device("cpu"))
+    it = iter(make_batches(8, seed=3))
+    record: dict = {"rank": rank, "steps": 0, "error": None}
+    started = time.monotonic()
+    try:
+        while True:
+            pipeline.progress(it)
+            record["steps"] += 1
+    except StopIteration:
+        pass
+    except Exception as error:  # noqa: BLE001  what a user's loop would catch
+        record["error"] = f"{type(error).__name__}: {error}"
+        if rank == 0 and args.then == "retry":
+            try:
+                pipeline.progress(it)
+                record["retry"] = "trained"
+            except Exception as again:  # noqa: BLE001
+                record["retry"] = f"{type(again).__name__}: {again}"
+    record["seconds"] = time.monotonic() - started
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / f"rank{rank}.json").write_text(json.dumps(record))
+    if rank == 0:
+        time.sleep(60)  # alive, and in no step: the others must not wait for it
+
+
+if __name__ == "__main__":
+    main()

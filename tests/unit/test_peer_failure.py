@@ -1,0 +1,71 @@
+"""A step that raises on one rank only ends the other ranks within seconds.
+
+tests/elastic/one_rank_fails.py under torchrun, on 2 and 4 gloo ranks: rank 0's
+forward raises at batch 2 and rank 0 stays alive (``stay``), or retries alone
+(``retry``).  The model's process group would time out after 120 s; the other
+ranks must instead exit with status 1 within 30 s of the failure, their log
+naming rank 0 and batch 2, and a lone retry must raise OutOfStepError.  Each
+launch has its own time limit, so a hang fails the test.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def _launch(out: Path, ranks: int, then: str) -> tuple[subprocess.CompletedProcess, float]:
+    command = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        f"--nproc_per_node={ranks}",
+        "-m",
+        "tests.elastic.one_rank_fails",
+        "--out",
+        str(out),
+        "--then",
+        then,
+    ]
+    env = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1")
+    started = time.monotonic()
+    done = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=240)
+    return done, time.monotonic() - started
+
+
+@pytest.mark.parametrize("ranks", [2, 4])
+@pytest.mark.parametrize("then", ["stay", "retry"])
+def test_the_other_ranks_end_within_seconds_naming_the_failed_rank(
+    tmp_path: Path, ranks: int, then: str
+) -> None:
+    done, _ = _launch(tmp_path, ranks, then)
+    log = done.stdout + done.stderr
+    assert done.returncode != 0, log[-3000:]
+    first = json.loads((tmp_path / "rank0.json").read_text())
+    assert first["steps"] == 2 and first["error"].startswith("Fault"), first
+    if then == "retry":
+        assert first["retry"].startswith("OutOfStepError"), first
+    for rank in range(1, ranks):
+        # Ended by the watcher (os._exit): they never reached the end of their loop.
+        assert not (tmp_path / f"rank{rank}.json").exists(), log[-3000:]
+    assert "rank 0 failed at batch 2" in log, log[-3000:]
+    assert "stops" in log and "waited" in log, log[-3000:]
+    # The grace is 10 s and the store is polled every second: well before 120 s.
+    waited = [float(w) for w in _waits(log)]
+    assert waited and max(waited) < 30, waited
+
+
+def _waits(log: str) -> list[str]:
+    marker = "This rank has waited "
+    return [
+        line.split(marker, 1)[1].split(" ", 1)[0] for line in log.splitlines() if marker in line
+    ]
