@@ -103,6 +103,9 @@ _HELP: Dict[str, str] = {
     "see [Note: the link's queue] in benchmarks/netns.py)",
     "input_dist_groups": "input_dist_group settings each of our pipelines that takes the option runs with "
     "(the first with its plain key, the others as their own rows, e.g. 'TrainPipelineSparseDist [shared]')",
+    "agreement_off": "also run each of our pipelines with sync_exhaustion=False (no agreement on "
+    "each pulled batch), as its own row, e.g. 'TrainPipelineSparseDist [no agreement]': what the "
+    "agreement costs, paired",
     "threads": "intra-op threads per rank",
     "seed": "seed of the model weights and the synthetic batches",
     "out_dir": "where results go (a sub-directory per run name)",
@@ -148,6 +151,7 @@ class BenchConfig:
     link_gbit: Optional[float] = None
     link_socket_queue_kb: int = 256
     input_dist_groups: Tuple[str, ...] = ("dedicated",)
+    agreement_off: bool = False
     threads: int = 1
     seed: int = 0
     out_dir: str = "benchmarks/results"

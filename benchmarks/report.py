@@ -208,6 +208,8 @@ COMPILED_VARIANTS = frozenset({"TrainPipelinePT2", "TrainPipelineSparseDistCompA
 
 # Key suffix of our pipeline run with validate_batches=False (the overhead phase only).
 UNVALIDATED = "+unvalidated"
+# Row-label suffix of our pipeline run with sync_exhaustion=False (--agreement-off).
+NO_AGREEMENT = "[no agreement]"
 
 # The plain loop doing a compiled variant's compiled work, by variant: the
 # overhead phase's second reference for it (benchmarks.contenders.CompiledPlainLoop),

@@ -229,6 +229,8 @@ def _contenders(variants: Sequence[Variant], cfg: BenchConfig, probe: bool) -> L
             out.append(make_contender(variant, "torchrec"))
         if probe:  # the throughput phase: each input_dist_group setting asked for
             out += _group_settings(ours, cfg.input_dist_groups)
+            if cfg.agreement_off:
+                out += _agreement_twin(ours)
     out.append(PlainLoop(TRAIN))
     if any(v.plain_mode == EVAL for v in variants):
         out.append(PlainLoop(EVAL))
@@ -249,6 +251,21 @@ def _group_settings(ours: Contender, groups: Sequence[str]) -> List[Contender]:
     if first != "dedicated":
         ours.extra_kwargs = {**ours.extra_kwargs, "input_dist_group": first}
     return [group_twin(ours, group) for group in others]
+
+
+def _agreement_twin(ours: Contender) -> List[Contender]:
+    """Our pipeline again with ``sync_exhaustion=False``, as the row
+    ``"<Variant> [no agreement]"`` (only for pipelines that take the option)."""
+    if not isinstance(ours, PipelineContender) or ours.side != "ours":
+        return []
+    if "sync_exhaustion" not in inspect.signature(ours.cls).parameters:
+        return []
+    twin = make_contender(ours.info, "ours")
+    assert isinstance(twin, PipelineContender)
+    twin.variant = f"{ours.info.name} {report.NO_AGREEMENT}"
+    twin.key = f"ours:{twin.variant}"
+    twin.extra_kwargs = {**ours.extra_kwargs, "sync_exhaustion": False}
+    return [twin]
 
 
 def _unvalidated_twins(contenders: Sequence[Contender]) -> List[Contender]:

@@ -69,8 +69,8 @@ def _run(names: List[str]) -> None:
     issued: List[str] = []
     real_fuse = input_dist._fuse_splits
 
-    def spy(context: Any) -> None:
-        real_fuse(context)
+    def spy(context: Any, agreement: Any = None) -> None:
+        real_fuse(context, agreement)
         issued.extend(type(awaitable).__name__ for _, awaitable in context.fused_splits_awaitables)
 
     input_dist._fuse_splits = spy  # type: ignore[assignment]

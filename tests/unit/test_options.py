@@ -34,9 +34,11 @@ EXPECTED: Dict[str, FrozenSet[str]] = {
     "TrainPipelineSparseDistLite": frozenset(
         {"sync_exhaustion", "validate_batches", "rewrite_strategy", "on_unpipelined"}
     ),
-    "EvalPipelineCPUSparse": frozenset({"validate_batches", "rewrite_strategy", "on_unpipelined"}),
+    "EvalPipelineCPUSparse": frozenset(
+        {"sync_exhaustion", "validate_batches", "rewrite_strategy", "on_unpipelined"}
+    ),
     "SparseDataDistUtil": frozenset({"rewrite_strategy", "on_unpipelined", "input_dist_group"}),
-    "StagedTrainPipeline": frozenset({"validate_batches"}),
+    "StagedTrainPipeline": frozenset({"sync_exhaustion", "validate_batches"}),
 }
 EVERY_OPTION = frozenset(OPTION_NAMES)
 SPARSE_DIST_FAMILY = [

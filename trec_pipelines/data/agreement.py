@@ -10,58 +10,63 @@ until the process group times out; if it then goes on, it trains batch
 ``k + 1`` against the others' ``k``, and the ranks stay out of step (at the
 end of the data one rank runs a step alone, and hangs).
 
-So each pull is agreed before the step issues any work: one all-reduce (MIN)
-of one int32 per rank on a gloo group of its own, each rank writing its own
-slot (:data:`ENDED`, :data:`MALFORMED` or :data:`FINE`); every rank then
-knows every rank's outcome.
+So each pull is agreed before the step issues any work on it.  Every rank
+reports one code per pull: the pull's number and its outcome (:data:`ENDED`,
+:data:`MALFORMED`, :data:`FINE`); every rank then knows every rank's code.
 
 * A batch malformed on any rank is dropped on every rank, and every rank
   raises ``MalformedBatchError`` for it, naming the batch and the ranks it was
   malformed on (there the error also says what is wrong).  This goes first,
   so the error is seen even when another rank's data ended at that pull.
-* Otherwise, when any rank's data ended, the epoch ends on every rank (a
-  rank that had a batch counts it in ``unused_batches``).
+* Otherwise, when any rank's data ended, the epoch ends on every rank, with
+  ``StopIteration``, at the same step.  A rank that had a batch logs it and
+  counts it in ``unused_batches``; the batch is not trained, and the next
+  epoch starts from the iterator passed then.
+* Codes whose pull numbers differ mean the ranks are out of step (a retry
+  or skip on some ranks only): every rank raises ``OutOfStepError``.
 
-When it runs: with ``sync_exhaustion=True``.  torchrec has no such
-agreement, and without it a rank whose batch is fine, when another rank's
-is malformed, sees nothing until the process group times out (30 minutes by
-default).  It is not on by default because it is not free: on the 2-core
-machine of the benchmarks the all-reduce's CPU (gloo's threads) comes out of
-the ranks' steps, +0.55-0.83 ms on a 6-10 ms step (``make bench-agreement``),
-and the default preset's batch-512 rows fell from 1.01-1.08x torchrec to
-0.92-1.02x with it on; one more host batch is also held (see below).  A job
-for which one rank's bad batch must not cost the others their timeout
-passes ``sync_exhaustion=True``; ``validate_batches`` then also agrees.  A
-pipeline without it validates alone: the malformed batch is dropped on its
-rank only, with the error, as before.
+How the codes travel, at no collective of their own in the steady state:
+every sharded step already makes one exchange every rank joins, the fused
+splits all-to-all of the pipelined ``input_dist``, and the code rides in it
+as one more int64 per rank (:mod:`trec_pipelines.sparse.carried_agreement`).
+Where a step makes no such exchange (Base and PT2 run the model's own
+forward; ``StagedTrainPipeline``'s stages are the user's; a loader thread
+pulls while steps run; a model with no world-spanning sharded group) each
+pull's code is all-reduced on a gloo group of its own instead, as are the
+pulls made before the first exchange (a fill).
 
-One pull ahead: waiting for the all-reduce where the batch is pulled would
-put a gloo round trip (a few hundred microseconds on this 2-core machine) in
-every step.  So :meth:`BatchSource.fetch_ahead
+One pull ahead: waiting for a code where the batch is pulled would put a
+round trip in every step.  So :meth:`BatchSource.fetch_ahead
 <trec_pipelines.data.source.BatchSource.fetch_ahead>`, at the top of each
-``progress()``, first takes the batches the call needs, whose agreements
-were started by the previous call and have had a whole step to finish, then
-pulls one more and starts its all-reduce (``async_op``), left under way for
-the next call.  The wait is then normally already over; a malformed batch
-still raises before its step issues any work, on every rank; every rank
-starts the same pulls in the same order, so the all-reduces pair up.  The
-price: one more host batch pulled from the iterator and held (also in a
-checkpoint, see ``[Note: exact resume]``).  A pipeline that only calls
+``progress()``, first takes the batches the call needs, whose codes went out
+during the previous call and have had a whole step to come back, then pulls
+one more, whose code goes out with this call's splits exchange (or its
+all-reduce is started, ``async_op``).  A malformed batch still raises before
+its step issues any work, on every rank.  The price: one more host batch
+pulled from the iterator and held (also in a checkpoint, see ``[Note: exact
+resume]``).  A pipeline that only calls
 :meth:`~trec_pipelines.data.source.BatchSource.next` (an eval loader thread)
 agrees on each pull as it makes it, inside its own thread.
 
-The group: gloo, so the flags are CPU tensors (no device synchronisation on
-any backend), and a group of its own, so the all-reduce never queues behind
-the model's all-to-alls in flight.  It spans the world (every rank that
-trains with this one), is made by the pipeline's constructor with
-``torch.distributed.new_group`` (so every rank of the world constructs its
-pipeline at the same point, as it builds the sharded model), and gets the
-timeout of the model's process group, so a peer that never comes fails the
-agreement as soon as it would fail the model's own collectives.  Once its
-pipeline is collected it is destroyed, by the next pipeline's constructor
-(not inside the garbage collector, which may run in the middle of
-``torch.distributed``'s own bookkeeping): a program that builds a pipeline
-per eval pass would otherwise keep a gloo group (threads, sockets) per pass.
+When it runs: whenever the model's steps join collectives across ranks
+(``sync_exhaustion=None``, the default; ``True`` insists, ``False`` turns it
+off).  torchrec has no such agreement: there a rank whose data ended leaves,
+and the others fail at their next collective, or wait for the process
+group's timeout (30 minutes by default).  What it costs is in the
+performance guide (``make bench`` with ``--agreement-off`` runs each of our
+pipelines with and without it, paired).
+
+The group for the all-reduces: gloo, so the codes are CPU tensors (no device
+synchronisation on any backend), and a group of its own, so an all-reduce
+never queues behind the model's all-to-alls in flight.  It spans the world,
+is made by the pipeline's constructor with ``torch.distributed.new_group``
+(so every rank of the world constructs its pipeline at the same point, as it
+builds the sharded model), and gets the timeout of the model's process
+group.  Once its pipeline is collected it is destroyed, by the next
+pipeline's constructor (not inside the garbage collector, which may run in
+the middle of ``torch.distributed``'s own bookkeeping): a program that builds
+a pipeline per eval pass would otherwise keep a gloo group (threads,
+sockets) per pass.
 """
 
 from __future__ import annotations

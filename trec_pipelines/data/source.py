@@ -70,6 +70,7 @@ class BatchSource:
         agreement: Optional[AgreementChannel] = None,
         keep_in_flight: bool = False,
         validate: bool = False,
+        pipelineable: bool = True,
     ) -> None:
         self._iterator: Optional[Iterator[Any]] = None
         self.agreement = agreement
@@ -85,6 +86,9 @@ class BatchSource:
         self._rewound: Deque[Tuple[int, Any]] = deque()
         self.unused = 0  # batches pulled but dropped because another rank ran out
         self._validate = validate
+        # Refuse a batch that is neither a Tensor nor Pipelineable (False: any
+        # object, for a pipeline whose own stages take the batch).
+        self._pipelineable = pipelineable
         self.rejected = 0  # batches dropped as malformed (here, or on another rank: ``agreement``)
         # Pulls whose agreement is under way (``agreement``), oldest first: after _held.
         self._pending: Deque[_Pending] = deque()
@@ -195,7 +199,8 @@ class BatchSource:
             self.exhausted = True
             self._drop_pending()
             return None
-        check_batch(batch)
+        if self._pipelineable:
+            check_batch(batch)
         return batch
 
     def _drop_pending(self) -> None:

@@ -257,6 +257,7 @@ class StagedTrainPipeline(
         self._source = BatchSource(
             None if group is None else AgreementChannel(group, carried=False),
             validate=self._options.validate_batches,
+            pipelineable=False,  # the stages take whatever the iterator yields
         )
         if not pipeline_stages:
             raise ValueError(
@@ -314,12 +315,12 @@ class StagedTrainPipeline(
         if self._flushing:
             return
         loads = self._loads_left()
-        with self._noting_failure("the data iterator"):
-            try:
+        try:
+            with self._noting_failure("the data iterator"):
                 self._source.fetch_ahead(dataloader_iter, loads)
-            except MalformedBatchError as error:
-                self._failure = _Failure("validation", None, error.index, str(error))
-                raise
+        except MalformedBatchError as error:
+            self._failure = _Failure("validation", None, error.index, str(error))
+            raise
 
     def _loads_left(self) -> int:
         """How many batches this call's units left to run load (stage 0 on an empty slot)."""
