@@ -9,7 +9,7 @@ from torchrec.distributed.train_pipeline import In, Out, TrainPipeline
 
 from trec_pipelines._version import __version__
 from trec_pipelines.advise import Advice, advise
-from trec_pipelines.core.errors import MalformedBatchError, ModelDetachedException
+from trec_pipelines.core.errors import MalformedBatchError, ModelDetachedException, OutOfStepError
 from trec_pipelines.core.state import PipelineState
 from trec_pipelines.data.data_loading import DataLoadingThread
 from trec_pipelines.data.inplace_copy import AsyncInplaceCopyMixin
@@ -95,6 +95,7 @@ __all__ = [
     "InjectionSite",
     "InjectionTargetType",
     "MalformedBatchError",
+    "OutOfStepError",
     "ModelDetachedException",
     "Out",
     "OutputDistTensorFinder",

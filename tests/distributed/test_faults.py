@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import gc
 import os
+import time
 from datetime import timedelta
 from typing import Any, List, Optional
 
@@ -193,6 +194,39 @@ def test_skip_failed_batch_on_every_rank(name: str) -> None:
             skipped.append(pipeline.skip_failed_batch())
     assert skipped == [2]
     assert_runs_equal(ref, Run(outputs, weights(dmp)), ("plain loop without batch 2", name))
+
+
+def test_skip_failed_batch_on_one_rank_only_raises_out_of_step_on_every_rank() -> None:
+    """Batch 2 fails on every rank; rank 0 skips it, the others retry it.  Their
+    collectives would now pair batch 3 with batch 2: every rank raises
+    OutOfStepError instead, naming where each rank is, within seconds (the
+    model's group would time out after 20 s)."""
+    rank = dist.get_rank()
+    short = dist.new_group(backend=devices.backend(), timeout=timedelta(seconds=20))
+    batches = make_batches(8, seed=DATA_SEED)
+    dmp, optimizer = make_sharded(DLRM, "table_wise", seed=SEED, pg=short)
+    pipeline = trec_pipelines.TrainPipelineSparseDist(dmp, optimizer, DEVICE)
+    poison = batches[2]
+    original_forward = dmp.module.forward
+
+    def forward(batch: Any) -> Any:
+        loss, out = original_forward(batch)
+        if torch.equal(batch.dense, poison.dense):
+            raise Fault("poison batch")
+        return loss, out
+
+    dmp.module.forward = forward
+    it = iter(batches)
+    started = time.monotonic()
+    with pytest.raises(Fault):
+        while True:
+            pipeline.progress(it)
+    if rank == 0:
+        assert pipeline.skip_failed_batch() == 2
+    with pytest.raises(trec_pipelines.OutOfStepError, match="the ranks are out of step"):
+        for _ in range(3):
+            pipeline.progress(it)
+    assert time.monotonic() - started < 20
 
 
 def test_after_an_eval_pipeline_left_attached_training_equals_the_plain_loop() -> None:
