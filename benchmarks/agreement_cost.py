@@ -4,9 +4,11 @@ Run under torchrun on 2 ranks (``make bench-agreement``).  The test DLRM
 (tests/distributed/dlrm.py), table-wise, trains the same batches three ways, in
 paired rounds (each round runs all three back to back, in a rotating order):
 
-* ``none``: no agreement (``validate_batches=True``, agreement group off);
-* ``at pull``: the all-reduce waited where the batch is pulled;
-* ``ahead`` (the default): started a call early, waited a step later.
+* ``none``: no agreement (``sync_exhaustion=False``);
+* ``all-reduce``: each pull's code all-reduced on a gloo group of its own,
+  started a pull ahead (what Base, PT2 and Staged do);
+* ``carried`` (SparseDist's default): each pull's code carried by the step's
+  own splits all-to-all.
 
 It prints the median step time of each and the median over rounds of the
 difference to ``none``, per batch size.  See [Note: agreeing on each batch].
@@ -25,37 +27,32 @@ import torch.distributed as dist
 import trec_pipelines
 from tests import devices
 from tests.distributed.dlrm import DLRM, make_batches, make_sharded
-from trec_pipelines.data.source import BatchSource
-from trec_pipelines.pipelines import sparse_dist
 
 DEVICE = devices.device()
-SETTINGS = ("none", "at pull", "ahead")
+SETTINGS = ("none", "all-reduce", "carried")
 
 
 def _epoch(setting: str, batches: List[Any]) -> float:
     """Seconds per step of one epoch over ``batches`` (after one warm-up step)."""
-    original = sparse_dist.agreement_group
-    if setting == "none":
-        sparse_dist.agreement_group = lambda *args, **kwargs: None  # type: ignore[assignment]
-    BatchSource.agree_ahead = setting == "ahead"
-    try:
-        dmp, optimizer = make_sharded(DLRM, "table_wise", seed=0)
-        pipeline = trec_pipelines.TrainPipelineSparseDist(dmp, optimizer, DEVICE)
-        it = iter(batches)
-        pipeline.progress(it)
-        dist.barrier()
-        start, steps = time.perf_counter(), 0
-        while True:
-            try:
-                pipeline.progress(it)
-            except StopIteration:
-                break
-            steps += 1
-        dist.barrier()
-        return (time.perf_counter() - start) / steps
-    finally:
-        sparse_dist.agreement_group = original
-        BatchSource.agree_ahead = True
+    dmp, optimizer = make_sharded(DLRM, "table_wise", seed=0)
+    pipeline = trec_pipelines.TrainPipelineSparseDist(
+        dmp, optimizer, DEVICE, sync_exhaustion=setting != "none"
+    )
+    if setting == "all-reduce":
+        assert pipeline._agreement is not None
+        pipeline._agreement.no_carrier()
+    it = iter(batches)
+    pipeline.progress(it)
+    dist.barrier()
+    start, steps = time.perf_counter(), 0
+    while True:
+        try:
+            pipeline.progress(it)
+        except StopIteration:
+            break
+        steps += 1
+    dist.barrier()
+    return (time.perf_counter() - start) / steps
 
 
 def main() -> None:

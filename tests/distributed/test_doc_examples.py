@@ -83,5 +83,6 @@ def test_schedule_example_records_the_steady_state(tmp_path: Any, monkeypatch: A
     # SparseDist's steady state: step k trains batch k and copies batch k+2.
     assert by_task[("Forward", "default")][3] == 3
     assert by_task[("H2D", "memcpy")][3] == 5
-    assert ledger.max_batches == 3
+    # Three in flight, and the batch pulled a step ahead while the ranks agree on it.
+    assert ledger.max_batches == 4
     assert (tmp_path / "trace.json").stat().st_size > 0
