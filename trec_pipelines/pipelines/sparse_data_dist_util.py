@@ -34,6 +34,7 @@ from trec_pipelines.core.streams import (
     wait_event,
     wait_stream,
 )
+from trec_pipelines.data.agreement import AgreementChannel
 from trec_pipelines.model.args import CallArgs
 from trec_pipelines.model.context import (
     EmbeddingTrainPipelineContext,
@@ -187,6 +188,8 @@ class SparseDataDistUtil(Generic[In], WithOptions):
         self._advanced_since_tick = False
         # The index of the last batch whose input_dist started.
         self._last_started = -1
+        # The ranks' agreement its splits exchanges carry (set by the Staged pipeline).
+        self._agreement: Optional[AgreementChannel] = None
 
     @property
     def _with_prefetch(self) -> bool:
@@ -195,6 +198,12 @@ class SparseDataDistUtil(Generic[In], WithOptions):
     @property
     def _with_embedding_lookup(self) -> bool:
         return self._third_stage == "start_embedding_lookup"
+
+    def carry_agreement(self, channel: AgreementChannel) -> None:
+        """Called by :class:`StagedTrainPipeline` before any batch: the splits
+        exchange of each ``start_sparse_data_dist`` carries ``channel``'s codes
+        (see ``[Note: agreeing on each batch]``)."""
+        self._agreement = channel
 
     def stage_declared(self, verb: str) -> None:
         """Called by :class:`StagedTrainPipeline` for every stage that runs one of
@@ -424,7 +433,7 @@ class SparseDataDistUtil(Generic[In], WithOptions):
             # stage writes (torchrec PR #4191): after the prefetches issued so far.
             wait_stream(self._dist_stream, self._prefetch_stream)
         with on_stream(self._dist_stream):
-            start_input_dist(modules, batch, ctx)
+            start_input_dist(modules, batch, ctx, self._agreement)
         assert ctx.index is not None
         self._last_started = ctx.index
         self._end_tick()

@@ -82,6 +82,15 @@ class StageAware(Protocol):
 
 
 @runtime_checkable
+class CarriesAgreement(Protocol):
+    """An object whose stage makes the step's splits all-to-all, which can carry
+    the ranks' agreement on each loaded batch (:class:`SparseDataDistUtil`; see
+    ``[Note: agreeing on each batch]``)."""
+
+    def carry_agreement(self, channel: AgreementChannel) -> None: ...
+
+
+@runtime_checkable
 class SkipAware(Protocol):
     """An object whose stages keep state per batch, told when
     :meth:`StagedTrainPipeline.skip_failed_batch` drops one
@@ -95,6 +104,16 @@ def _declare_stages(stages: List[PipelineStage]) -> None:
         owner = getattr(stage.runnable, "__self__", None)
         if isinstance(owner, StageAware):
             owner.stage_declared(stage.runnable.__name__)
+
+
+def _agreement_carriers(stages: List[PipelineStage]) -> List[CarriesAgreement]:
+    """The :class:`CarriesAgreement` objects whose verbs the stages run."""
+    found: List[CarriesAgreement] = []
+    for stage in stages:
+        owner = getattr(stage.runnable, "__self__", None)
+        if isinstance(owner, CarriesAgreement) and all(owner is not o for o in found):
+            found.append(owner)
+    return found
 
 
 def _skip_aware_owners(stages: List[PipelineStage]) -> List[Tuple[int, SkipAware]]:
@@ -252,10 +271,15 @@ class StagedTrainPipeline(
         super().__init__()
         self._options = resolve_options(type(self).__name__, type(self), options)
         group = agreement_group(self, None, self._options.sync_exhaustion)
-        # Each load is agreed by an all-reduce started a call ahead (the stages
-        # are the user's: no exchange of ours to carry it).
+        # Each load's agreement rides a SparseDataDistUtil stage's splits
+        # exchange where there is one, else an all-reduce started a call ahead.
+        carriers = _agreement_carriers(pipeline_stages)
+        channel = None if group is None else AgreementChannel(group, carried=bool(carriers))
+        if channel is not None:
+            for carrier in carriers:
+                carrier.carry_agreement(channel)
         self._source = BatchSource(
-            None if group is None else AgreementChannel(group, carried=False),
+            channel,
             validate=self._options.validate_batches,
             pipelineable=False,  # the stages take whatever the iterator yields
         )
