@@ -30,8 +30,9 @@ every sharded step already makes one exchange every rank joins, the fused
 splits all-to-all of the pipelined ``input_dist``, and the code rides in it
 as one more int64 per rank (:mod:`trec_pipelines.sparse.carried_agreement`).
 Where a step makes no such exchange (Base and PT2 run the model's own
-forward; ``StagedTrainPipeline``'s stages are the user's; a loader thread
-pulls while steps run; a model with no world-spanning sharded group) each
+forward; a ``StagedTrainPipeline`` without a ``SparseDataDistUtil`` stage; a
+loader thread pulls while steps run; a model with no world-spanning sharded
+group) each
 pull's code is all-reduced on a gloo group of its own instead, as are the
 pulls made before the first exchange (a fill).
 
