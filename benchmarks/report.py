@@ -37,7 +37,7 @@ import os
 import platform
 import statistics
 import subprocess
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 from benchmarks import bound_report, memory_report
@@ -600,6 +600,57 @@ def format_overhead(table: OverheadTable, repeats: int) -> str:
     )
 
 
+@dataclass
+class AgreementCost:
+    """One pipeline with and without the ranks' agreement (``--agreement-off``), paired.
+
+    ``paired`` is the median over rounds of (with / without) examples/s within a
+    round (the two run back to back); ``low``/``high`` the smallest and largest
+    of those per-round ratios: within noise when they straddle 1.
+    """
+
+    variant: str
+    paired: float
+    low: float
+    high: float
+    rounds: int
+
+
+def agreement_costs(table: "ThroughputTable") -> List[AgreementCost]:
+    """Each row that has a ``[no agreement]`` twin in ``table``, paired with it."""
+    rows = {r.variant: r for r in table.rows}
+    costs = []
+    for row in table.rows:
+        twin = rows.get(f"{row.variant} {NO_AGREEMENT}")
+        on, off = row.ours.samples, twin.ours.samples if twin is not None else []
+        if twin is None or row.ours.median is None or twin.ours.median is None:
+            continue
+        if len(on) != len(off) or not on:
+            continue
+        ratios = sorted(a / b for a, b in zip(on, off, strict=True))
+        costs.append(
+            AgreementCost(row.variant, statistics.median(ratios), ratios[0], ratios[-1], len(on))
+        )
+    return costs
+
+
+def format_agreement(table: "ThroughputTable") -> Optional[str]:
+    """The agreement's cost per pipeline at this batch size, or None without twins."""
+    costs = agreement_costs(table)
+    if not costs:
+        return None
+    body = [
+        [c.variant, f"{c.paired:.3f}", f"{c.low:.3f}..{c.high:.3f}", str(c.rounds)] for c in costs
+    ]
+    head = (
+        f"The ranks' agreement on each batch at batch {table.batch_size}/rank: examples/s with "
+        "it (the default) / without it (sync_exhaustion=False), paired within each round"
+    )
+    lines = [head] + _table(["variant", "paired", "per-round range", "rounds"], body)
+    lines.append("  within noise where the per-round range straddles 1.000")
+    return "\n".join(lines)
+
+
 def format_report(raw: Dict[str, Any], repeats: int, header: Sequence[str] = ()) -> str:
     parts = list(header)
     rss = memory_report.peak_rss_line(raw)
@@ -607,6 +658,9 @@ def format_report(raw: Dict[str, Any], repeats: int, header: Sequence[str] = ())
         parts.append(rss)
     for table in throughput_tables(raw):
         parts.append(format_throughput(table, repeats))
+        agreement = format_agreement(table)
+        if agreement is not None:
+            parts.append(agreement)
     overhead = overhead_table(raw)
     if overhead is not None:
         parts.append(format_overhead(overhead, raw["overhead"].get("rounds", repeats)))
@@ -654,6 +708,7 @@ def summary(raw: Dict[str, Any]) -> Dict[str, Any]:
                     for r in table.rows
                 ],
                 "plain": {mode: _measure_json(m) for mode, m in table.plain.items()},
+                "agreement": [asdict(c) for c in agreement_costs(table)],
                 "memory": memory_report.summary(
                     {"memory": table.memory, "memory_options": table.memory_options},
                     [r.variant for r in table.rows],
