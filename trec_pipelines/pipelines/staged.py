@@ -353,11 +353,12 @@ class StagedTrainPipeline(
             loaded = self._done_units > 0 or self._slots[-1] is not None
             return 0 if self._mid_step and loaded else 1
         units = self._fill_units()[self._done_units :]
-        return sum(
+        fill = sum(
             1
             for stage_idx, slot, callback in units
             if stage_idx == 0 and not callback and self._slots[slot] is None
         )
+        return fill + 1  # and the step that follows the fill in the same call
 
     def _load(self, dataloader_iter: Iterator[Any]) -> Optional[_InFlight]:
         """The next batch, or None once the epoch's data ran out or while flushing."""
