@@ -582,7 +582,10 @@ class StagedTrainPipeline(
         """Stop (``True``) or resume (``False``) loading new batches.
 
         While flushing the in-flight batches keep coming out; after the last one
-        :meth:`flush_end` runs and the pipeline fills again.
+        :meth:`flush_end` runs and the pipeline fills again.  With several ranks
+        agreeing on each batch (``sync_exhaustion``), the batch pulled a step
+        ahead stays held through the flush and is the first one after it (a
+        checkpoint taken at the flush's end includes it).
         """
         self._flushing = flush
 
