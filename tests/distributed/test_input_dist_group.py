@@ -172,7 +172,7 @@ def test_input_dist_runs_on_the_dedicated_group_on_the_data_dist_stream() -> Non
     # kernels as the Forward's own.
     recorder.assert_protocol(span_streams=False)
     model_group = current_group()
-    dedicated = {idg._dedicated[model_group]}
+    dedicated = {idg.dedicated_of(model_group)}
     on_dedicated = [stream for group, stream in calls if group in dedicated]
     on_model = [(i, stream) for i, (group, stream) in enumerate(calls) if group is model_group]
     assert on_dedicated and set(on_dedicated) == {"data_dist"}, calls

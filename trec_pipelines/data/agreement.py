@@ -63,11 +63,11 @@ never queues behind the model's all-to-alls in flight.  It spans the world,
 is made by the pipeline's constructor with ``torch.distributed.new_group``
 (so every rank of the world constructs its pipeline at the same point, as it
 builds the sharded model), and gets the timeout of the model's process
-group.  Once its pipeline is collected it is destroyed, by the next
-pipeline's constructor (not inside the garbage collector, which may run in
-the middle of ``torch.distributed``'s own bookkeeping): a program that builds
-a pipeline per eval pass would otherwise keep a gloo group (threads,
-sockets) per pass.
+group.  It is owned by :mod:`trec_pipelines.core.lifetime` (the pipeline's
+channel holds it weakly): once its pipeline is collected it is destroyed by
+the next pipeline's constructor, so a program that builds a pipeline per eval
+pass does not keep a gloo group (threads, sockets) per pass, and at
+interpreter exit in any case (see ``[Note: a clean exit]``).
 """
 
 from __future__ import annotations
@@ -82,6 +82,7 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
+from trec_pipelines.core import lifetime
 from trec_pipelines.core.errors import OutOfStepError
 from trec_pipelines.model.rewrite import sharded_modules
 from trec_pipelines.sparse.input_dist_group import _timeout_of
@@ -91,9 +92,6 @@ from trec_pipelines.sparse.input_dist_group import _timeout_of
 ENDED, MALFORMED, FINE, NOTHING = 0, 1, 2, 3
 # The pull number rides above the outcome, modulo this (an int32 splits tensor holds it).
 _PULLS = 1 << 28
-
-# Groups whose pipeline was collected, destroyed by the next agreement_group().
-_orphaned: List[dist.ProcessGroup] = []
 
 
 def encode(pull: int, outcome: int) -> int:
@@ -142,7 +140,7 @@ def agreement_group(
     ``[Note: agreeing on each batch]``).  ``sync_exhaustion=None`` agrees when
     the model's steps are collective (:func:`steps_are_collective`).  Once
     ``pipeline`` is collected, the next call destroys the group."""
-    _destroy_orphans()
+    lifetime.release_orphans()
     initialized = dist.is_available() and dist.is_initialized()
     if sync_exhaustion and not initialized:
         raise RuntimeError(
@@ -157,18 +155,7 @@ def agreement_group(
     timeouts = [_timeout_of(pg) for pg in groups if pg is not None]
     group = dist.new_group(backend="gloo", timeout=next(filter(None, timeouts), None))
     assert isinstance(group, dist.ProcessGroup)  # every rank is a member
-    # Not at interpreter exit: the process is going away, and torch may be too.
-    weakref.finalize(pipeline, _orphaned.append, group).atexit = False
-    return group
-
-
-def _destroy_orphans() -> None:
-    """Destroy the groups of the pipelines collected since the last call."""
-    while _orphaned:
-        orphan = _orphaned.pop()
-        if dist.is_available() and dist.is_initialized():
-            with contextlib.suppress(ValueError):  # destroyed already, with its world
-                dist.destroy_process_group(orphan)
+    return lifetime.own_group(group, owner=pipeline)
 
 
 class Agreement:
@@ -243,13 +230,25 @@ class AgreementChannel:
     MISSES_BEFORE_GIVING_UP = 4
 
     def __init__(self, group: dist.ProcessGroup, carried: bool) -> None:
-        self.group = group
+        # Weakly: the group is owned by trec_pipelines.core.lifetime (released at exit).
+        self._group = weakref.ref(group)
         self.carried = carried
         self.ranks: List[int] = dist.get_process_group_ranks(group)
         # Pulls waiting for an exchange to carry them, oldest first.
         self._waiting: Deque[Agreement] = deque()
         self._missed = 0  # exchanges in a row that carried nothing (see missed())
         self.carried_pulls = 0  # pulls whose codes a splits exchange carried
+
+    @property
+    def group(self) -> dist.ProcessGroup:
+        """The gloo group of the all-reduces."""
+        group = self._group()
+        if group is None:
+            raise RuntimeError(
+                "the process group the ranks agree on each batch over was released "
+                "(the interpreter is exiting); build a new pipeline to train again"
+            )
+        return group
 
     def start(self, pull: int, ended: bool, malformed: bool) -> Agreement:
         """Report pull number ``pull``: a batch that ``ended`` or is ``malformed`` here."""

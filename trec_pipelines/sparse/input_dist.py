@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import weakref
 from collections import defaultdict
 from dataclasses import dataclass
 from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple, cast
@@ -44,6 +45,7 @@ from torchrec.distributed.types import Awaitable
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from trec_pipelines._types import AnyShardedModule
+from trec_pipelines.core import lifetime
 from trec_pipelines.data.agreement import AgreementChannel
 from trec_pipelines.model.context import TrainPipelineContext
 from trec_pipelines.model.postproc import (
@@ -52,7 +54,7 @@ from trec_pipelines.model.postproc import (
     use_context_for_postprocs,
 )
 from trec_pipelines.sparse.carried_agreement import CarryingFusedSplits, spans_world
-from trec_pipelines.sparse.input_dist_group import InputDistGroup, dedicated_groups
+from trec_pipelines.sparse.input_dist_group import GroupRef, InputDistGroup, dedicated_groups
 
 logger: logging.Logger = logging.getLogger(__name__)
 
@@ -61,12 +63,27 @@ class SplitsOnlyKJTAllToAll:
     """Stands in for ``KJTAllToAll.forward``: returns the splits metadata only."""
 
     def __init__(self, pg: dist.ProcessGroup, splits: List[int], stagger: int) -> None:
-        self._pg = pg
+        # Weakly: a dedicated group is owned by trec_pipelines.core.lifetime, and
+        # one this override kept alive would keep its threads past the exit.
+        self._group: GroupRef = weakref.ref(pg)
+        # A dedicated group stays usable only until it is released.
+        self._owned = lifetime.is_owned(pg)
         self._splits = splits
         self._stagger = stagger
         self._bounds = [0] + list(itertools.accumulate(splits))
         # What this override replaced (set by fuse_kjt_splits), to undo it.
         self.replaced: Optional["KJTDistOverride"] = None
+
+    @property
+    def _pg(self) -> dist.ProcessGroup:
+        pg = self._group()
+        if pg is None or (self._owned and not lifetime.is_owned(pg)):
+            raise RuntimeError(
+                "the process group this pipelined input_dist ran on was released "
+                "(release_input_dist_groups(), or the interpreter is exiting); call the "
+                "pipeline's detach() then attach() to make a new one"
+            )
+        return pg
 
     def __call__(self, input: KeyedJaggedTensor) -> KJTSplitsAllToAllMeta:
         with torch.no_grad():
@@ -185,20 +202,27 @@ class SplitsFusion:
     rewrite, a collective every rank reaches at the same ``progress()`` (see
     :func:`~trec_pipelines.sparse.input_dist_group.dedicated_groups`), and reused
     when the same rewrite is fused again (``attach()`` after ``detach()``),
-    which then issues no collective.  :meth:`new_rewrite` forgets them.
+    which then issues no collective, unless they were released meanwhile
+    (:func:`~trec_pipelines.sparse.input_dist_group.release_input_dist_groups`,
+    the exit).  :meth:`new_rewrite` forgets them.
     """
 
     def __init__(self, input_dist_group: InputDistGroup) -> None:
         self.input_dist_group: InputDistGroup = input_dist_group
-        self._groups: Optional[Dict[dist.ProcessGroup, dist.ProcessGroup]] = None
+        # The dedicated groups held weakly (see SplitsOnlyKJTAllToAll).
+        self._groups: Optional[Dict[dist.ProcessGroup, GroupRef]] = None
         self.overrides: Tuple[KJTDistOverride, ...] = ()
         self.fused = False
 
     def fuse(self, modules: Sequence[AnyShardedModule]) -> None:
         """Install the overrides on ``modules`` (whose input_dists exist by now)."""
-        if self.input_dist_group == "dedicated" and self._groups is None:
-            self._groups = dedicated_groups(kjt_process_groups(modules))
-        self.overrides = fuse_kjt_splits(modules, self._groups)
+        if self.input_dist_group == "dedicated" and (
+            self._groups is None or len(self.groups) < len(self._groups)
+        ):
+            # The first fuse of a rewrite, or one after its groups were released.
+            found = dedicated_groups(kjt_process_groups(modules))
+            self._groups = {pg: weakref.ref(group) for pg, group in found.items()}
+        self.overrides = fuse_kjt_splits(modules, self.groups)
         self.fused = True
 
     def unfuse(self) -> None:
@@ -214,7 +238,8 @@ class SplitsFusion:
     @property
     def groups(self) -> Dict[dist.ProcessGroup, dist.ProcessGroup]:
         """Each module group -> the group its input_dist runs on, where they differ."""
-        return dict(self._groups or {})
+        live = {pg: ref() for pg, ref in (self._groups or {}).items()}
+        return {pg: g for pg, g in live.items() if g is not None and lifetime.is_owned(g)}
 
 
 def start_input_dist(

@@ -37,16 +37,22 @@ between the same ranks in the same order, so results are bit-identical.
   connects) and its initialisation time; on gloo, one more set of TCP pairs.
   :func:`release_input_dist_groups` destroys them;
   ``torch.distributed.destroy_process_group()`` destroys them with the rest.
+* Owned by :mod:`trec_pipelines.core.lifetime`, which releases them at
+  interpreter exit; everything else here holds them weakly, so that release
+  also stops their threads (see ``[Note: a clean exit]``).
 """
 
 from __future__ import annotations
 
 import datetime
 import logging
-from typing import Dict, Iterable, List, Literal, Optional, Tuple
+import weakref
+from typing import Dict, Iterable, List, Literal, Optional, Tuple, TypeAlias
 
 import torch
 import torch.distributed as dist
+
+from trec_pipelines.core import lifetime
 
 logger: logging.Logger = logging.getLogger(__name__)
 
@@ -57,8 +63,18 @@ DEFAULT_INPUT_DIST_GROUP: InputDistGroup = "dedicated"
 # What the ranks agree on for one group: its ranks and backend.
 GroupKey = Tuple[Tuple[int, ...], str]
 
-# The model's group -> the dedicated group made for it (this process).
-_dedicated: Dict[dist.ProcessGroup, dist.ProcessGroup] = {}
+GroupRef: TypeAlias = "weakref.ReferenceType[dist.ProcessGroup]"
+
+# The model's group -> the dedicated group made for it (this process), both
+# held weakly: the model's group lives as long as the model, ours in the registry.
+_dedicated: "weakref.WeakKeyDictionary[dist.ProcessGroup, GroupRef]" = weakref.WeakKeyDictionary()
+
+
+def dedicated_of(pg: dist.ProcessGroup) -> Optional[dist.ProcessGroup]:
+    """The dedicated group made for the model's group ``pg``, if not released."""
+    ref = _dedicated.get(pg)
+    group = ref() if ref is not None else None
+    return group if group is not None and lifetime.is_owned(group) else None
 
 
 def check_input_dist_group(value: str, pipeline: str) -> InputDistGroup:
@@ -133,23 +149,24 @@ def dedicated_groups(
         )
         if dist.get_rank() in ranks:
             assert isinstance(group, dist.ProcessGroup)
-            made[(ranks, backend)] = group
+            made[(ranks, backend)] = lifetime.own_group(group)
     for pg in mine:
         # A group made in this round replaces any older one: every member must
         # hold the one its peers made.
         if _key(pg) in made:
-            _dedicated[pg] = made[_key(pg)]
+            _dedicated[pg] = weakref.ref(made[_key(pg)])
     if made:
         logger.info(
             "trec_pipelines: made %d dedicated input_dist process group(s) for ranks %s",
             len(made),
             [list(ranks) for ranks, _ in made],
         )
-    return {pg: _dedicated[pg] for pg in mine}
+    found = {pg: dedicated_of(pg) for pg in mine}
+    return {pg: group for pg, group in found.items() if group is not None}
 
 
 def _has_live_dedicated(pg: dist.ProcessGroup) -> bool:
-    group = _dedicated.get(pg)
+    group = dedicated_of(pg)
     return group is not None and _registered(group)
 
 
@@ -158,15 +175,17 @@ def release_input_dist_groups(group: Optional[dist.ProcessGroup] = None) -> int:
 
     For a process that tears down one set of groups and goes on with another
     (``torch.distributed.destroy_process_group()`` with no argument already
-    destroys them).  A pipeline still attached to a model on that group makes
-    a new one at its next rewrite.  Returns how many were destroyed.
+    destroys them).  A pipeline that ran on one makes a new one when it next
+    fuses its input_dist (its next rewrite, or ``attach()`` after ``detach()``);
+    one still attached raises at its next input_dist.  Returns how many were
+    destroyed.
     """
     originals = list(_dedicated) if group is None else [group] if group in _dedicated else []
     destroyed = 0
     for original in originals:
-        dedicated = _dedicated.pop(original)
-        if dedicated in _dedicated.values() or not _registered(dedicated):
-            continue  # still serving another group with the same ranks, or gone already
-        dist.destroy_process_group(dedicated)
-        destroyed += 1
+        dedicated = dedicated_of(original)
+        del _dedicated[original]
+        if dedicated is None or any(dedicated_of(other) is dedicated for other in _dedicated):
+            continue  # released already, or still serving another group with the same ranks
+        destroyed += lifetime.release_group(dedicated)
     return destroyed

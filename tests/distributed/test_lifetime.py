@@ -1,0 +1,106 @@
+"""The package's process groups are released whole: destroyed, and their gloo threads gone.
+
+See [Note: a clean exit] in trec_pipelines/core/lifetime.py.  The exit itself
+is measured by tests/soak/exit_soak.py (many 2-rank runs under torchrun);
+here, on 2 gloo ranks, what the exit hook does is called directly.
+"""
+
+from __future__ import annotations
+
+import gc
+import os
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import trec_pipelines
+from tests import devices
+from tests.distributed.dlrm import (
+    DLRM,
+    assert_runs_equal,
+    current_group,
+    make_batches,
+    make_sharded,
+    plain_loop,
+    run_pipeline,
+)
+from trec_pipelines.core import lifetime
+from trec_pipelines.sparse import input_dist_group as idg
+
+DEVICE = devices.device()
+SEED, DATA_SEED = 77, 3
+
+pytestmark = pytest.mark.skipif(
+    devices.on_gpu(), reason="counts gloo's threads; the model's groups are NCCL on GPU"
+)
+
+
+def gloo_workers() -> int:
+    """How many gloo worker threads this process runs (two per gloo group)."""
+    count = 0
+    for task in os.listdir("/proc/self/task"):
+        with open(f"/proc/self/task/{task}/comm") as f:
+            count += f.read().strip() == "pt_gloo_runloop"
+    return count
+
+
+def test_release_all_destroys_the_groups_and_joins_their_threads() -> None:
+    """The dedicated input-dist group and the agreement group, made by a pipeline
+    that is still alive, are destroyed and their threads joined."""
+    dmp, optimizer = make_sharded(DLRM, "table_wise", seed=SEED)
+    gc.collect()  # the groups earlier tests left to the collector
+    before = gloo_workers()
+    pipeline = trec_pipelines.TrainPipelineSparseDist(dmp, optimizer, DEVICE, sync_exhaustion=True)
+    run_pipeline(pipeline, make_batches(4, seed=DATA_SEED), model=dmp)
+    assert pipeline._agreement is not None
+    agreed = pipeline._agreement.group
+    dedicated = idg.dedicated_of(current_group())
+    assert agreed is not None and dedicated is not None
+    assert lifetime.is_owned(agreed) and lifetime.is_owned(dedicated)
+    assert gloo_workers() == before + 4  # two groups, two workers each
+    del agreed, dedicated
+    released = lifetime.release_all()
+    assert released["groups"] == 2, released
+    assert gloo_workers() == before
+    assert idg.dedicated_of(current_group()) is None
+    # The pipeline, still attached, says what happened rather than using a dead group.
+    with pytest.raises(RuntimeError, match="was released"):
+        pipeline.progress(iter(make_batches(2, seed=DATA_SEED)))
+    dist.barrier(group=current_group())
+
+
+def test_a_detached_pipeline_makes_new_groups_after_a_release() -> None:
+    """release_input_dist_groups() then detach() and attach(): the pipeline makes a
+    new dedicated group and trains on as the plain loop does."""
+    batches = make_batches(6, seed=DATA_SEED)
+    ref = plain_loop(*make_sharded(DLRM, "table_wise", seed=SEED), batches)
+    dmp, optimizer = make_sharded(DLRM, "table_wise", seed=SEED)
+    pipeline = trec_pipelines.TrainPipelineSparseDist(dmp, optimizer, DEVICE)
+    it = iter(batches)
+    outputs = [pipeline.progress(it).detach().clone() for _ in range(2)]
+    first = idg.dedicated_of(current_group())
+    assert first is not None
+    del first
+    assert idg.release_input_dist_groups(current_group()) == 1
+    pipeline.detach()
+    pipeline.attach()
+    second = idg.dedicated_of(current_group())
+    assert second is not None and set(pipeline._fusion.groups.values()) == {second}
+    del second
+    rest = run_pipeline(pipeline, it, model=dmp)
+    assert_runs_equal(ref, type(rest)(outputs + list(rest), rest.weights))
+
+
+def test_a_collected_pipelines_agreement_group_goes_at_the_next_pipeline() -> None:
+    dmp, optimizer = make_sharded(DLRM, "table_wise", seed=SEED)
+    gc.collect()  # the groups earlier tests left to the collector
+    before = gloo_workers()
+    pipeline = trec_pipelines.TrainPipelineBase(dmp, optimizer, DEVICE, sync_exhaustion=True)
+    run_pipeline(pipeline, make_batches(2, seed=DATA_SEED), model=dmp)
+    assert gloo_workers() == before + 2
+    del pipeline
+    gc.collect()
+    trec_pipelines.TrainPipelineBase(dmp, optimizer, DEVICE)
+    assert gloo_workers() == before
+    torch.distributed.barrier(group=current_group())
