@@ -14,6 +14,7 @@ from typing import Generic, Iterator, Optional, cast
 import torch
 from torchrec.distributed.train_pipeline import In
 
+from trec_pipelines.core import lifetime
 from trec_pipelines.core.streams import device_module, new_stream, on_stream
 from trec_pipelines.data.handoff import OneSlotHandoff
 
@@ -54,6 +55,8 @@ class DataLoadingThread(threading.Thread, Generic[In]):
             else new_stream(device, memcpy_stream_priority)
         )
         self._handoff: OneSlotHandoff[In] = OneSlotHandoff()
+        # Stopped and joined at interpreter exit if still running (see [Note: a clean exit]).
+        lifetime.own_thread(self, self._handoff.stop)
 
     def run(self) -> None:
         if self._memcpy_stream is not None:

@@ -36,6 +36,7 @@ from typing import Any, Generic, Optional
 import torch
 from torchrec.distributed.train_pipeline import In
 
+from trec_pipelines.core import lifetime
 from trec_pipelines.core.streams import current_stream, has_streams, on_stream
 from trec_pipelines.core.verbs import copy_to_device
 
@@ -95,6 +96,7 @@ class InplaceCopyWorker:
         # Not a __del__: the executor must not keep the pipeline alive, and
         # finalize runs once whichever way the worker goes.
         self._finalizer = weakref.finalize(self, executor.shutdown, wait=False)
+        lifetime.own_executor(executor)  # shut down at interpreter exit if still running
 
     def submit(self, batch: Any) -> "Future[Any]":
         """Issue ``batch``'s copy on the worker; returns the device batch's future."""

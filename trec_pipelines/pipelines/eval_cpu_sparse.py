@@ -12,6 +12,7 @@ from torchrec.distributed.train_pipeline import In, Out
 from torchrec.sparse.jagged_tensor import KeyedTensor
 
 from trec_pipelines._types import AnyShardedModule
+from trec_pipelines.core import lifetime
 from trec_pipelines.core.options import EvalHostOptions
 from trec_pipelines.core.step_guard import guarded_step
 from trec_pipelines.core.streams import (
@@ -123,6 +124,9 @@ class EvalPipelineCPUSparse(TrainPipelineSparseDist[In, Out]):
             if multi_thread
             else None
         )
+        if self._sparse_executor is not None:
+            # Shut down once the pipeline is collected, or at interpreter exit.
+            lifetime.own_executor(self._sparse_executor, owner=self)
         self._sparse_future: Optional["Future[Any]"] = None
         # Pinned host buffers, two per module (batches alternate), each with the
         # event recorded after the copy that last read it.

@@ -26,6 +26,7 @@ from typing import Any, Callable, ContextManager, Iterator, Optional, Tuple, Uni
 import torch
 from torchrec.distributed.train_pipeline import In, Out
 
+from trec_pipelines.core import lifetime
 from trec_pipelines.core.checks import predictions
 from trec_pipelines.core.errors import MalformedBatchError
 from trec_pipelines.core.options import SparseDistOptions
@@ -106,6 +107,8 @@ class _BatchLoader:
             target=self._handoff.produce, args=(load,), name=LOADER_THREAD_NAME, daemon=True
         )
         self._thread.start()
+        # Stopped and joined at interpreter exit if still running (see [Note: a clean exit]).
+        lifetime.own_thread(self._thread, self._handoff.stop)
 
     def take(self, span: SpanFactory) -> Optional[Copied]:
         """The next batch, waiting for it; ``None`` once the data has ended.
