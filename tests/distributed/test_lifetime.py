@@ -49,7 +49,8 @@ def test_release_all_destroys_the_groups_and_joins_their_threads() -> None:
     """The dedicated input-dist group and the agreement group, made by a pipeline
     that is still alive, are destroyed and their threads joined."""
     dmp, optimizer = make_sharded(DLRM, "table_wise", seed=SEED)
-    gc.collect()  # the groups earlier tests left to the collector
+    lifetime.release_all()  # what earlier tests' pipelines left registered
+    gc.collect()  # and the groups they left to the collector
     before = gloo_workers()
     pipeline = trec_pipelines.TrainPipelineSparseDist(dmp, optimizer, DEVICE, sync_exhaustion=True)
     run_pipeline(pipeline, make_batches(4, seed=DATA_SEED), model=dmp)
