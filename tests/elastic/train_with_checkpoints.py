@@ -11,6 +11,7 @@ final weights and the indices of the batches its attempts trained.
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import pickle
@@ -140,6 +141,11 @@ def main() -> None:
     with open(os.path.join(args.out, f"steps_{me}_attempt_{attempt}.json"), "w") as f:
         json.dump({"resumed_from": resumed_from, "trained_steps": trained}, f)
     dist.destroy_process_group()
+    # The model and DDP hold torch's default group: drop them, so its gloo threads
+    # are joined here rather than in the interpreter's teardown (see "the program
+    # exits" in the what-happens-when guide).
+    del pipeline, dmp, optimizer, loader
+    gc.collect()
 
 
 if __name__ == "__main__":

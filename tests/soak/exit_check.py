@@ -132,9 +132,13 @@ RUNS: Dict[str, Run] = {
 }
 
 
+# ``--pipeline all``: these, one after the other, each on a model of its own.
+ALL = ["SparseDist", "Fused", "SemiSync", "Staged", "Eval", "EvalFused"]
+
+
 def main(argv: Optional[List[str]] = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--pipeline", choices=sorted(RUNS), required=True)
+    parser.add_argument("--pipeline", choices=sorted(RUNS) + ["all"], required=True)
     parser.add_argument("--keep-pg", action="store_true", help="do not destroy the default group")
     parser.add_argument(
         "--sync-exhaustion",
@@ -154,10 +158,11 @@ def main(argv: Optional[List[str]] = None) -> int:
     torch.set_num_threads(1)
     devices.bind()
     dist.init_process_group(backend=devices.backend())
-    dmp, optimizer = make_sharded(DLRM, "table_wise", seed=0)
     extra = {"sync_exhaustion": True} if args.sync_exhaustion else {}
-    steps = RUNS[args.pipeline](dmp, optimizer, make_batches(BATCHES, seed=1), extra)
-    assert steps == BATCHES, (args.pipeline, steps)
+    for name in ALL if args.pipeline == "all" else [args.pipeline]:
+        dmp, optimizer = make_sharded(DLRM, "table_wise", seed=0)
+        steps = RUNS[name](dmp, optimizer, make_batches(BATCHES, seed=1), dict(extra))
+        assert steps == BATCHES, (name, steps)
     if not args.keep_pg:
         dist.destroy_process_group()
     if args.release_model:
