@@ -33,6 +33,8 @@ import typing
 from dataclasses import dataclass, field
 from typing import Any, Dict, FrozenSet, Literal, Mapping, Optional, Tuple, TypedDict
 
+import torch
+
 from trec_pipelines.model.rewrite import STRATEGIES, Strategy
 from trec_pipelines.sparse.input_dist_group import (
     DEFAULT_INPUT_DIST_GROUP,
@@ -97,6 +99,24 @@ class PipelineOptions:
         ),
     )
 
+    autocast_dtype: Optional[torch.dtype] = field(
+        default=None,
+        metadata=_doc(
+            """Run each training forward under ``torch.autocast`` on the pipeline's device with
+            this dtype (``torch.bfloat16``, or ``torch.float16`` on CUDA); None runs it as the
+            model is."""
+        ),
+    )
+    grad_scaler: Optional[torch.amp.GradScaler] = field(
+        default=None,
+        metadata=_doc(
+            """A ``torch.amp.GradScaler``: the backward scales the summed loss, and the
+            optimizer steps through the scaler (unscale, skip the step on inf or nan, update the
+            scale). The fused (in-backward) embedding optimizers see the scaled gradients: see
+            the options guide."""
+        ),
+    )
+
     def check(self, pipeline: str) -> None:
         """Raise, naming ``pipeline`` and the choices, for a value that is not one."""
         if self.sync_exhaustion is not None and not isinstance(self.sync_exhaustion, bool):
@@ -119,6 +139,19 @@ class PipelineOptions:
                 f"{self.on_unpipelined!r}"
             )
         check_input_dist_group(self.input_dist_group, pipeline)
+        if self.autocast_dtype is not None and self.autocast_dtype not in (
+            torch.bfloat16,
+            torch.float16,
+        ):
+            raise ValueError(
+                f"{pipeline}: autocast_dtype must be torch.bfloat16, torch.float16 or None, got "
+                f"{self.autocast_dtype!r}"
+            )
+        if self.grad_scaler is not None and not isinstance(self.grad_scaler, torch.amp.GradScaler):
+            raise TypeError(
+                f"{pipeline}: grad_scaler must be a torch.amp.GradScaler (e.g. "
+                f"torch.amp.GradScaler('cuda')) or None, got {type(self.grad_scaler).__name__}"
+            )
 
     @staticmethod
     def doc(name: str) -> str:
@@ -146,6 +179,17 @@ class BatchOptions(ValidationOptions, total=False):
     sync_exhaustion: Optional[bool]
 
 
+class PrecisionOptions(TypedDict, total=False):
+    """Mixed precision of a training step: the forward's autocast, the loss scaler."""
+
+    autocast_dtype: Optional[torch.dtype]
+    grad_scaler: Optional[torch.amp.GradScaler]
+
+
+class TrainBatchOptions(BatchOptions, PrecisionOptions, total=False):
+    """A training pipeline that runs the model's own forward (Base, PT2)."""
+
+
 class RewriteOptions(TypedDict, total=False):
     """How the model's sharded modules are found and pipelined."""
 
@@ -159,12 +203,16 @@ class GroupOptions(TypedDict, total=False):
     input_dist_group: InputDistGroup
 
 
-class LiteOptions(BatchOptions, RewriteOptions, total=False):
+class LiteOptions(BatchOptions, RewriteOptions, PrecisionOptions, total=False):
     """A pipeline that rewrites the model but starts each input_dist in its own step."""
 
 
 class SparseDistOptions(BatchOptions, RewriteOptions, GroupOptions, total=False):
-    """Every option: the SparseDist family."""
+    """The SparseDist family's options, but mixed precision (the eval variants)."""
+
+
+class SparseDistTrainOptions(SparseDistOptions, PrecisionOptions, total=False):
+    """Every option: the SparseDist family's training variants."""
 
 
 class ModelOptions(RewriteOptions, GroupOptions, total=False):

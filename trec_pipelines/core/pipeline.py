@@ -26,15 +26,17 @@ A variant says what it holds in flight through three small methods
 from __future__ import annotations
 
 import logging
-from typing import Any, Iterator, Mapping, Optional, cast
+from typing import Any, Callable, Iterator, Mapping, Optional, cast
 
 import torch
 
 from trec_pipelines.core.checks import check_device, check_model_device, check_optimizer
+from trec_pipelines.core.hooks import Hooks, beginning_the_step
 from trec_pipelines.core.options import PipelineOptions, WithOptions, resolve_options
 from trec_pipelines.core.pipelined_model import PipelinedModel
+from trec_pipelines.core.precision import Precision
 from trec_pipelines.core.resume import Resumable
-from trec_pipelines.core.step_guard import StepGuard, skip_failed_batch
+from trec_pipelines.core.step_guard import StepGuard, guarded_step, skip_failed_batch
 from trec_pipelines.data.agreement import AgreementChannel, agreement_group
 from trec_pipelines.data.source import BatchSource, ParkedEpochs
 from trec_pipelines.observe.recorder import Recordable
@@ -43,7 +45,7 @@ from trec_pipelines.sparse.input_dist_group import InputDistGroup
 logger: logging.Logger = logging.getLogger(__name__)
 
 
-class PipelineCore(WithOptions, Recordable, Resumable):
+class PipelineCore(Hooks, WithOptions, Recordable, Resumable):
     """The shared part of every pipeline (see [Note: the core under every pipeline])."""
 
     # Variants that only run forwards (Eval) take optimizer=None.
@@ -52,6 +54,9 @@ class PipelineCore(WithOptions, Recordable, Resumable):
     # exchange carries the ranks' agreement on each pull (see
     # [Note: agreeing on each batch]); the others agree by an all-reduce.
     _carries_agreement: bool = False
+    # Whether each host batch is pulled through _next_batch (torchrec's hook);
+    # False where torchrec's class never calls it (it is then refused).
+    _pulls_through_next_batch: bool = True
 
     _options: PipelineOptions
     _model: torch.nn.Module
@@ -90,6 +95,9 @@ class PipelineCore(WithOptions, Recordable, Resumable):
             if agreed_over is None
             else AgreementChannel(agreed_over, carried=self._carries_agreement)
         )
+        self._precision = Precision(
+            self._device, self._options.autocast_dtype, self._options.grad_scaler
+        )
         self._source = self._new_source()
         self._step_guard = StepGuard()
         # In-flight batches of iterators set aside by a switch (see _switch_iterator).
@@ -102,8 +110,32 @@ class PipelineCore(WithOptions, Recordable, Resumable):
     def _new_source(self) -> BatchSource:
         """A source of host batches for a new epoch count, with the ranks' agreement."""
         return BatchSource(
-            self._agreement, keep_in_flight=True, validate=self._options.validate_batches
+            self._agreement,
+            keep_in_flight=True,
+            validate=self._options.validate_batches,
+            puller=self._next_batch if self._pulls_through_next_batch else None,
         )
+
+    # ------------------------------------------------------------ torchrec's hooks
+
+    def _next_batch(self, dataloader_iter: Iterator[Any]) -> Optional[Any]:
+        """The next host batch from ``dataloader_iter``, or None at the end of the data.
+
+        torchrec's hook, honoured: every host batch is pulled through it, once,
+        before the step that copies it issues any work (at the top of
+        ``progress()``; with several ranks agreeing, a step ahead).  An override
+        may skip batches (return the next one it keeps) or transform them;
+        ``super()._next_batch(dataloader_iter)`` pulls.  Returning None ends the
+        epoch.
+        """
+        return self._source.raw_next(dataloader_iter)
+
+    @classmethod
+    def _guard_user_progress(
+        cls, progress: Callable[[Any, Iterator[Any]], Any]
+    ) -> Callable[[Any, Iterator[Any]], Any]:
+        """A subclass's own ``progress()``, inside the step guard (see ``[Note: subclass hooks]``)."""
+        return guarded_step(beginning_the_step(progress))
 
     # ------------------------------------------------------- the in-flight batches
 

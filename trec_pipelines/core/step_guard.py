@@ -74,9 +74,10 @@ class StepGuard:
         self.steps = 0  # steps begun so far: tells state saved in this step from older
 
     def begin(self) -> None:
-        """The step starts issuing work: from here a failure is rolled back."""
-        self.begun = True
-        self.steps += 1
+        """The step starts issuing work: from here a failure is rolled back (once per call)."""
+        if not self.begun:
+            self.begun = True
+            self.steps += 1
 
 
 def _where() -> str:

@@ -10,7 +10,7 @@ from __future__ import annotations
 import logging
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Any, Deque, Dict, Iterator, List, Optional, Tuple
+from typing import Any, Callable, Deque, Dict, Iterator, List, Optional, Tuple
 
 import torch.distributed as dist
 
@@ -71,6 +71,7 @@ class BatchSource:
         keep_in_flight: bool = False,
         validate: bool = False,
         pipelineable: bool = True,
+        puller: Optional[Callable[[Iterator[Any]], Optional[Any]]] = None,
     ) -> None:
         self._iterator: Optional[Iterator[Any]] = None
         self.agreement = agreement
@@ -89,6 +90,9 @@ class BatchSource:
         # Refuse a batch that is neither a Tensor nor Pipelineable (False: any
         # object, for a pipeline whose own stages take the batch).
         self._pipelineable = pipelineable
+        # How a batch is pulled from the iterator (a pipeline's ``_next_batch``,
+        # which a subclass may override): None pulls with :meth:`raw_next`.
+        self._puller = puller
         self.rejected = 0  # batches dropped as malformed (here, or on another rank: ``agreement``)
         # Pulls whose agreement is under way (``agreement``), oldest first: after _held.
         self._pending: Deque[_Pending] = deque()
@@ -165,6 +169,16 @@ class BatchSource:
         return self._resolve()
 
     def _next_from(self, iterator: Iterator[Any]) -> Optional[Any]:
+        """The next batch through the pipeline's puller (None: the end of the data)."""
+        if self._puller is not None:
+            batch = self._puller(iterator)
+            if batch is None and not self._is_spent(iterator):
+                # The puller says the data ended: don't pull again this epoch.
+                self._spent = (iterator, getattr(iterator, "_num_yielded", None))
+            return batch
+        return self.raw_next(iterator)
+
+    def raw_next(self, iterator: Iterator[Any]) -> Optional[Any]:
         """``next(iterator)``, or None once it has ended (and was not refilled)."""
         if self._is_spent(iterator):
             return None  # it ended before and was not refilled: don't call next()

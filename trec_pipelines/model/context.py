@@ -52,6 +52,9 @@ class TrainPipelineContext:
             the batch the loader gave (it was already on the device), so
             ``free_features_storage_early`` must leave them alone.  Written by
             the copy verb (only with that option); read by ``start_sparse_data_dist``.
+        version: torchrec's context version, accepted so that a ``_create_context``
+            written for torchrec (``self._context_type(index=..., version=1)``)
+            works; nothing reads it.
     """
 
     index: Optional[int] = None
@@ -63,6 +66,7 @@ class TrainPipelineContext:
     postproc_fwd_results: Dict[str, Any] = field(default_factory=dict)
     postproc_events: Dict[str, torch.Event] = field(default_factory=dict)
     features_shared_with_loader: bool = False
+    version: int = 1
 
 
 @dataclass

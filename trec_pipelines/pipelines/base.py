@@ -8,11 +8,11 @@ from typing import Any, Callable, Iterator, List, Optional, Tuple, Unpack
 import torch
 from torchrec.distributed.train_pipeline import In, Out, TrainPipeline
 
-from trec_pipelines.core.options import BatchOptions
+from trec_pipelines.core.options import TrainBatchOptions
 from trec_pipelines.core.pipeline import PipelineCore
 from trec_pipelines.core.step_guard import guarded_step
 from trec_pipelines.core.streams import make_streams
-from trec_pipelines.core.verbs import backward, copy_to_device, wait_for_batch
+from trec_pipelines.core.verbs import copy_to_device, wait_for_batch
 from trec_pipelines.observe import recorder as rec
 
 logger: logging.Logger = logging.getLogger(__name__)
@@ -62,7 +62,7 @@ class TrainPipelineBase(PipelineCore, TrainPipeline[In, Out]):
         device: torch.device,
         custom_model_fwd: Optional[Callable[[Any], Tuple[torch.Tensor, List[torch.Tensor]]]] = None,
         enable_inplace_copy_batch: bool = False,
-        **options: Unpack[BatchOptions],
+        **options: Unpack[TrainBatchOptions],
     ) -> None:
         super().__init__()
         self._init_core(model, optimizer, device, options)
@@ -71,47 +71,89 @@ class TrainPipelineBase(PipelineCore, TrainPipeline[In, Out]):
         self._streams = make_streams(self._device, memcpy=True)
         self._cur_batch: Optional[Any] = None
         self._cur_index = 0
+        self._training = 0  # the index of the batch this step trains
         self._connected = False
 
-    def _copy(self, iterator: Iterator[Any]) -> None:
-        """Load the next batch and issue its copy on the memcpy stream."""
-        batch = self._source.next(iterator)
-        index = self._source.last_index
-        if batch is None:
+    # ------------------------------------------------------------ torchrec's hooks
+
+    def _connect(self, dataloader_iter: Iterator[Any]) -> None:
+        """The first batch of an epoch, copied (torchrec's hook, honoured: the first
+        ``progress()`` of each epoch calls it)."""
+        self._copy(dataloader_iter)
+        self._connected = True
+
+    def _copy(self, dataloader_iter: Iterator[Any]) -> None:
+        host = self._source.next(dataloader_iter)
+        if host is None:
             self._cur_batch = None
             return
+        self._copy_batch_to_gpu(host)
+
+    def _copy_batch_to_gpu(self, cur_batch: Any) -> None:
+        """Issue the copy of host batch ``cur_batch`` on the memcpy stream; it becomes
+        the batch the next step trains (torchrec's hook, honoured: after the forward)."""
+        index = self._source.last_index
         with self._span(rec.H2D, index, "memcpy"):
             self._cur_batch = copy_to_device(
-                batch, self._device, self._streams.memcpy, self._enable_inplace_copy_batch
+                cur_batch, self._device, self._streams.memcpy, self._enable_inplace_copy_batch
             )
         self._cur_index = index
 
+    def _wait_for_batch(self, cur_batch: Any) -> None:
+        """Order the default stream after ``cur_batch``'s copy (torchrec's hook, honoured)."""
+        with self._span(rec.WAIT_BATCH, self._cur_index):  # memcpy -> default
+            wait_for_batch(
+                cur_batch, self._streams.memcpy, record=not self._enable_inplace_copy_batch
+            )
+
+    def _backward(self, losses: torch.Tensor) -> None:
+        """The backward of the summed per-sample losses, through ``grad_scaler`` if any
+        (torchrec's hook, honoured)."""
+        with self._span(rec.BACKWARD, self._training):
+            self._precision.backward(torch.sum(losses, dim=0))
+
+    def _optimizer_step(self) -> None:
+        """The optimizer step, through ``grad_scaler`` if any (ours calls it where
+        torchrec's Base calls ``optimizer.step()`` itself, so an override takes effect)."""
+        with self._span(rec.OPTIMIZER_STEP, self._training):
+            self._precision.step(self._optimizer)
+
+    def _reset_data_iter(self) -> None:
+        """Forget the epoch's copied batch (torchrec's hook, honoured: ``reset()`` calls it)."""
+        self._cur_batch, self._connected = None, False
+
+    def reset(self) -> None:
+        super().reset()
+        self._reset_data_iter()
+
+    # --------------------------------------------------------------- schedule
+
     @guarded_step
     def progress(self, dataloader_iter: Iterator[Any]) -> Any:
+        # The timeline's comments stay in their columns.
+        # fmt: off
         self._begin_step(dataloader_iter)  # take-over, iterator switch, host batches
         if not self._connected:
-            self._copy(dataloader_iter)  # fill: the first batch's copy
-            self._connected = True
+            self._connect(dataloader_iter)                         # cur, memcpy (fill)
         cur, i = self._cur_batch, self._cur_index
+        self._training = i  # the copy of nxt below moves _cur_index on
         if cur is None:
             self._end_epoch()
             raise StopIteration
         training = self._model.training
         if training:
             with self._span(rec.ZERO_GRAD, i):
-                self._optimizer.zero_grad()
-        with self._span(rec.WAIT_BATCH, i):  # memcpy -> default
-            wait_for_batch(cur, self._streams.memcpy, record=not self._enable_inplace_copy_batch)
-        with self._span(rec.FORWARD, i):
-            losses, output = self._model_fwd(cur)
+                self._optimizer.zero_grad()                        # cur, default
+        self._wait_for_batch(cur)                                  # cur, memcpy -> default
+        with self._span(rec.FORWARD, i), self._precision.autocast():
+            losses, output = self._model_fwd(cur)                  # cur, default
         del cur  # from here only autograd holds what it saved of cur's input
-        self._copy(dataloader_iter)  # nxt: H2D on memcpy, overlaps backward + step
+        self._copy(dataloader_iter)                                # nxt, memcpy
         if training:
-            with self._span(rec.BACKWARD, i):
-                backward(losses)
-            with self._span(rec.OPTIMIZER_STEP, i):
-                self._optimizer.step()
+            self._backward(losses)                                 # cur, default
+            self._optimizer_step()                                 # cur, default
         return output
+        # fmt: on
 
     def _batches_to_fetch(self) -> int:
         return 1 if self._connected else 2  # the fill copies cur too

@@ -10,7 +10,7 @@ from torch.nn.parallel import DistributedDataParallel
 from torchrec.distributed.train_pipeline import In, Out
 from torchrec.distributed.types import ShardingType
 
-from trec_pipelines.core.options import SparseDistOptions
+from trec_pipelines.core.options import SparseDistTrainOptions
 from trec_pipelines.core.step_guard import guarded_step
 from trec_pipelines.model.backward_hooks import (
     InjectionSite,
@@ -87,7 +87,7 @@ class TrainPipelineSparseDistBwdOpt(TrainPipelineSparseDist[In, Out]):
         enable_inplace_copy_batch: bool = False,
         free_features_storage_early: bool = False,
         clear_data_dist_inputs: bool = False,
-        **options: Unpack[SparseDistOptions],
+        **options: Unpack[SparseDistTrainOptions],
     ) -> None:
         super().__init__(
             model,

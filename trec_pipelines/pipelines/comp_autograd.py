@@ -7,9 +7,11 @@ import logging
 from typing import (
     Any,
     Callable,
+    ClassVar,
     ContextManager,
     Dict,
     Iterator,
+    Mapping,
     Optional,
     Tuple,
     Type,
@@ -24,9 +26,9 @@ from torch.nn.parallel import DistributedDataParallel
 from torchrec.distributed import comm_ops
 from torchrec.distributed.train_pipeline import In, Out
 
-from trec_pipelines.core.options import SparseDistOptions
+from trec_pipelines.core.hooks import Refused, never_called
+from trec_pipelines.core.options import SparseDistTrainOptions
 from trec_pipelines.core.step_guard import guarded_step
-from trec_pipelines.core.verbs import backward
 from trec_pipelines.model.compiler_settings import HeldSettings
 from trec_pipelines.model.context import TrainPipelineContext
 from trec_pipelines.observe import recorder as rec
@@ -221,6 +223,14 @@ class TrainPipelineSparseDistCompAutograd(TrainPipelineSparseDist[In, Out]):
                 break
     """
 
+    # torchrec's CompAutograd runs its backward itself, under compiled autograd.
+    _refused_hooks: ClassVar[Mapping[str, Refused]] = {
+        "_backward": never_called(
+            "TrainPipelineSparseDistCompAutograd",
+            "nothing: pass grad_scaler= for a scaled backward",
+        ),
+    }
+
     def __init__(
         self,
         model: torch.nn.Module,
@@ -233,7 +243,7 @@ class TrainPipelineSparseDistCompAutograd(TrainPipelineSparseDist[In, Out]):
         custom_model_fwd: Optional[Callable[[Optional[Any]], Tuple[torch.Tensor, Any]]] = None,
         free_features_storage_early: bool = False,
         clear_data_dist_inputs: bool = False,
-        **options: Unpack[SparseDistOptions],
+        **options: Unpack[SparseDistTrainOptions],
     ) -> None:
         super().__init__(
             model,
@@ -285,7 +295,7 @@ class TrainPipelineSparseDistCompAutograd(TrainPipelineSparseDist[In, Out]):
     def _compiled_backward(self, losses: torch.Tensor) -> None:
         with self.get_compiled_autograd_ctx(), sync_collectives():
             with self._span(rec.BACKWARD, self.contexts[0].index):
-                backward(losses)
+                self._precision.backward(torch.sum(losses, dim=0))
 
     @guarded_step
     def progress(self, dataloader_iter: Iterator[Any]) -> Any:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import contextlib
 import logging
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Any, Dict, Iterator, Optional, Tuple, Unpack, cast
+from typing import Any, ClassVar, Dict, Iterator, Mapping, Optional, Tuple, Unpack, cast
 
 import torch
 from torchrec.distributed.train_pipeline import In, Out
@@ -13,6 +13,7 @@ from torchrec.sparse.jagged_tensor import KeyedTensor
 
 from trec_pipelines._types import AnyShardedModule
 from trec_pipelines.core import lifetime
+from trec_pipelines.core.hooks import Refused
 from trec_pipelines.core.options import EvalHostOptions
 from trec_pipelines.core.step_guard import guarded_step
 from trec_pipelines.core.streams import (
@@ -80,6 +81,25 @@ class EvalPipelineCPUSparse(TrainPipelineSparseDist[In, Out]):
                 break
     """
 
+    _refused_hooks: ClassVar[Mapping[str, Refused]] = {
+        "_get_or_alloc_pinned": Refused(
+            "the pinned buffers here are two per module, alternating between batches, each "
+            "released by the event of the copy that read it (one buffer per name would be "
+            "overwritten while its copy is in flight)",
+            "_sparse_forward(batch, context) or copy_data_to_gpu(batch, context)",
+        ),
+        "_embedding_lookup_and_pin": Refused(
+            "the host lookup and the pinning are one stage here",
+            "_sparse_forward(batch, context)",
+        ),
+        "_copy_to_gpu": Refused(
+            "the copy stage is one method here", "copy_data_to_gpu(batch, context)"
+        ),
+        "_inplace_copy_to_gpu": Refused(
+            "the copy stage is one method here", "copy_data_to_gpu(batch, context)"
+        ),
+    }
+
     _requires_optimizer = False
     _carries_agreement = False  # its input_dist may run on a thread of its own
     _input_dist_role = "default"
@@ -142,7 +162,12 @@ class EvalPipelineCPUSparse(TrainPipelineSparseDist[In, Out]):
         context = cast(CPUEmbeddingTrainPipelineContext, self._current_context())
         return CPUEmbeddingPipelinedForward(name, call_args, module, context)
 
-    def _pipeline_model(self, batch: Any, context: TrainPipelineContext) -> None:
+    def _pipeline_model(
+        self,
+        batch: Any,
+        context: TrainPipelineContext,
+        pipelined_forward: Optional[type] = None,
+    ) -> None:
         """Rewrite the model on the first batch (its input dist runs in the host stage)."""
         self._rewrite_checked(batch)
         self._set_module_context(context)
@@ -154,7 +179,8 @@ class EvalPipelineCPUSparse(TrainPipelineSparseDist[In, Out]):
         host = self._source.next(dataloader_iter)
         if host is None:
             return False
-        context = CPUEmbeddingTrainPipelineContext(index=self._source.last_index)
+        context = self._create_context()
+        assert isinstance(context, CPUEmbeddingTrainPipelineContext)
         context.dense_gpu_device = self._device.type
         self.batches.append(host)
         self.contexts.append(context)
@@ -217,16 +243,16 @@ class EvalPipelineCPUSparse(TrainPipelineSparseDist[In, Out]):
             context.embedding_a2a_requests.clear()
         return device_batch
 
-    def _dense_forward(self) -> Any:
-        """``cur``'s forward on the device, under ``no_grad``, once its copy is done."""
-        context = self.contexts[0]
+    def _dense_forward(self, batch: Any, context: TrainPipelineContext) -> Any:
+        """``batch``'s forward on the device, under ``no_grad``, once its copy is done
+        (torchrec's hook, honoured: called with ``cur`` each step)."""
         assert isinstance(context, CPUEmbeddingTrainPipelineContext)
         consumer = current_stream(self._device)
         with self._span(rec.WAIT_BATCH, context.index):  # memcpy -> default
-            wait_for_batch(self.batches[0], self._streams.memcpy, self._record_batch)
+            wait_for_batch(batch, self._streams.memcpy, self._record_batch)
             record_stream_tree(context.gpu_embedding_outputs, consumer)
         with self._span(rec.FORWARD, context.index), torch.no_grad():
-            output = self._model_fwd(self.batches[0])
+            output = self._model_fwd(batch)
         return output[1] if isinstance(output, tuple) and len(output) == 2 else output
 
     def _start_sparse_forward(self) -> None:
@@ -252,7 +278,7 @@ class EvalPipelineCPUSparse(TrainPipelineSparseDist[In, Out]):
         if not self.enqueue_batch(dataloader_iter):
             return
         if self._rewrite is None:
-            self._pipeline_model(self.batches[0], self.contexts[0])
+            self._pipeline_model(self.batches[0], self.contexts[0], self._pipelined_forward_type)
         cur = self.contexts[0]
         assert isinstance(cur, CPUEmbeddingTrainPipelineContext)
         batch = self._sparse_forward(self.batches[0], cur)
@@ -267,7 +293,7 @@ class EvalPipelineCPUSparse(TrainPipelineSparseDist[In, Out]):
         # fmt: off
         self._start_step(dataloader_iter)  # fill, pull host batches, stop at end of data
         self._finish_sparse_forward()                              # nxt, host (thread)
-        output = self._dense_forward()                             # cur, default
+        output = self._dense_forward(self.batches[0], self.contexts[0])  # cur, default
         if len(self.batches) > 1 and self._pipeline_depth == 2:
             nxt = self.contexts[1]
             assert isinstance(nxt, CPUEmbeddingTrainPipelineContext)

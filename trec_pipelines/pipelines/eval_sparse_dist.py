@@ -21,7 +21,18 @@ from __future__ import annotations
 
 import threading
 from dataclasses import dataclass
-from typing import Any, Callable, ContextManager, Iterator, Optional, Tuple, Union, Unpack
+from typing import (
+    Any,
+    Callable,
+    ClassVar,
+    ContextManager,
+    Iterator,
+    Mapping,
+    Optional,
+    Tuple,
+    Union,
+    Unpack,
+)
 
 import torch
 from torchrec.distributed.train_pipeline import In, Out
@@ -29,6 +40,7 @@ from torchrec.distributed.train_pipeline import In, Out
 from trec_pipelines.core import lifetime
 from trec_pipelines.core.checks import predictions
 from trec_pipelines.core.errors import MalformedBatchError
+from trec_pipelines.core.hooks import Refused, never_called
 from trec_pipelines.core.options import SparseDistOptions
 from trec_pipelines.core.streams import has_streams
 from trec_pipelines.core.verbs import copy_to_device, shares_kjt_storage
@@ -247,6 +259,14 @@ class EvalPipelineSparseDist(TrainPipelineSparseDist[In, Out]):
                 break
     """
 
+    # torchrec's Eval loads on its own thread and never pulls through _next_batch.
+    _pulls_through_next_batch = False
+    _refused_hooks: ClassVar[Mapping[str, Refused]] = {
+        "_next_batch": never_called(
+            "EvalPipelineSparseDist", "the iterator you pass (wrap it to filter batches)"
+        ),
+    }
+
     _requires_optimizer = False
 
     def __init__(
@@ -325,7 +345,9 @@ class EvalPipelineSparseDist(TrainPipelineSparseDist[In, Out]):
         if shared:
             self._warn_shared_features()
         self.batches.append(batch)
-        self.contexts.append(self._context_type(index=index, features_shared_with_loader=shared))
+        context = self._create_context()
+        context.index, context.features_shared_with_loader = index, shared  # the loader's
+        self.contexts.append(context)
         return True
 
     # --------------------------------------------------------------- schedule
@@ -357,7 +379,9 @@ class EvalPipelineSparseDist(TrainPipelineSparseDist[In, Out]):
             # fill: cur is copied by the loader, then input_dist (a malformed
             # first batch raises here, and the next call fills with the next)
             if self._take_batch():
-                self._init_input_dist(self.batches[0], self.contexts[0])
+                self._init_pipelined_modules(
+                    self.batches[0], self.contexts[0], self._pipelined_forward_type
+                )
                 self.wait_sparse_data_dist(self.contexts[0])
         has_nxt = self._take_batch()                               # nxt, copied by the loader
         if not self.batches:

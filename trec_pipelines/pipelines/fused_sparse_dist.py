@@ -9,7 +9,7 @@ from torchrec.distributed.train_pipeline import In, Out
 
 from trec_pipelines._types import AnyShardedModule
 from trec_pipelines.core.checks import predictions
-from trec_pipelines.core.options import SparseDistOptions
+from trec_pipelines.core.options import SparseDistOptions, SparseDistTrainOptions
 from trec_pipelines.core.step_guard import guarded_step
 from trec_pipelines.core.streams import (
     StreamSet,
@@ -100,7 +100,7 @@ class TrainPipelineFusedSparseDist(TrainPipelineSparseDist[In, Out]):
         enqueue_batch_after_forward: bool = False,
         free_features_storage_early: bool = False,
         clear_data_dist_inputs: bool = False,
-        **options: Unpack[SparseDistOptions],
+        **options: Unpack[SparseDistTrainOptions],
     ) -> None:
         if emb_lookup_stream not in EMB_LOOKUP_STREAMS:
             raise ValueError(
@@ -370,7 +370,9 @@ class EvalPipelineFusedSparseDist(TrainPipelineFusedSparseDist[In, Out]):
             return  # draining: the last batch's lookup is already under way
         if not self.enqueue_batch(dataloader_iter):
             return
-        self._init_input_dist(self.batches[0], self.contexts[0])
+        self._init_pipelined_modules(
+            self.batches[0], self.contexts[0], self._pipelined_forward_type
+        )
         self.wait_sparse_data_dist(self.contexts[0])
         self.start_embedding_lookup(self.batches[0], self.contexts[0])  # the first forward's
         self.enqueue_batch(dataloader_iter)

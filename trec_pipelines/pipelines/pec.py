@@ -33,13 +33,14 @@ that of the run that never failed, bit for bit (tests/distributed/test_pec.py).
 
 from __future__ import annotations
 
-from typing import Any, Callable, Deque, Iterator, List, Optional, Tuple, Unpack
+from typing import Any, Callable, ClassVar, Deque, Iterator, List, Mapping, Optional, Tuple, Unpack
 
 import torch
 from torchrec.distributed.train_pipeline import In, Out
 
 from trec_pipelines._types import AnyShardedModule
-from trec_pipelines.core.options import SparseDistOptions
+from trec_pipelines.core.hooks import Refused
+from trec_pipelines.core.options import SparseDistTrainOptions
 from trec_pipelines.core.step_guard import guarded_step
 from trec_pipelines.core.streams import current_stream, record_stream, wait_event
 from trec_pipelines.model.args import CallArgs
@@ -113,6 +114,32 @@ class TrainPipelinePEC(TrainPipelineSparseDist[In, Out]):
                 break
     """
 
+    # torchrec keeps the deferred NOL gradient on the next batch's context; ours
+    # keeps it on the pipeline, so it survives a rolled-back step and a checkpoint.
+    _refused_hooks: ClassVar[Mapping[str, Refused]] = {
+        hook: Refused(
+            "its PEC state lives on torchrec's contexts; here the deferred gradient and the "
+            "overlapped lookups are kept by the pipeline, to survive a failed step and a "
+            "checkpoint",
+            "progress(dataloader_iter), or the hooks every SparseDist pipeline honours",
+        )
+        for hook in (
+            "_compute_and_output_dist",
+            "_defer_nol_grad",
+            "_pec_module_ctx",
+            "_pec_nol_compute",
+            "_pec_ol_compute",
+            "_pec_overlap_dist",
+            "_precache_length_per_key",
+            "_record_stream_backward_ctx",
+            "_record_stream_forward_ctx",
+            "_start_deferred_nol_grad",
+            "_start_pec_ol_grad",
+            "_wait_pec_grad",
+            "_wait_pec_overlap_results",
+        )
+    }
+
     contexts: Deque[PECTrainPipelineContext]  # type: ignore[assignment]
 
     def __init__(
@@ -123,7 +150,7 @@ class TrainPipelinePEC(TrainPipelineSparseDist[In, Out]):
         execute_all_batches: bool = True,
         apply_jit: bool = False,
         custom_model_fwd: Optional[Callable[[Optional[Any]], Tuple[torch.Tensor, Any]]] = None,
-        **options: Unpack[SparseDistOptions],
+        **options: Unpack[SparseDistTrainOptions],
     ) -> None:
         super().__init__(
             model,
@@ -147,8 +174,10 @@ class TrainPipelinePEC(TrainPipelineSparseDist[In, Out]):
         # Lookups run on the default stream: nothing to hand over.
         return PECPipelinedForward(name, call_args, module, self._current_context())  # type: ignore[arg-type]
 
-    def _pipeline_model(self, batch: Any, context: Any) -> None:
-        super()._pipeline_model(batch, context)
+    def _pipeline_model(
+        self, batch: Any, context: Any, pipelined_forward: Optional[type] = None
+    ) -> None:
+        super()._pipeline_model(batch, context, pipelined_forward)
         pec_ops.check_pec_supported(self._pec_modules(), type(self).__name__)
 
     def _pec_modules(self) -> List[Tuple[str, Any]]:
@@ -248,7 +277,9 @@ class TrainPipelinePEC(TrainPipelineSparseDist[In, Out]):
         self._flush_deferred_nol_grad()
         if not self.enqueue_batch(dataloader_iter):
             return
-        self._init_input_dist(self.batches[0], self.contexts[0])
+        self._init_pipelined_modules(
+            self.batches[0], self.contexts[0], self._pipelined_forward_type
+        )
         self.wait_sparse_data_dist(self.contexts[0])
         self._overlap_dist(self.contexts[0], None)
         self._nol_lookup(self.contexts[0])
@@ -287,11 +318,11 @@ class TrainPipelinePEC(TrainPipelineSparseDist[In, Out]):
             ol_grad = self._start_ol_grad(cur)                     # cur, default
             self._optimizer_step()                                 # cur, default
             self._apply_ol_grad(ol_grad, cur)                      # cur, default
-            self._defer_nol_grad(cur, nxt)                         # cur's NOL gradient, kept for nxt's step
+            self._keep_nol_grad(cur, nxt)                          # cur's NOL gradient, kept for nxt's step
         self.dequeue_batch()
         return output
 
-    def _defer_nol_grad(
+    def _keep_nol_grad(
         self, cur: PECTrainPipelineContext, nxt: Optional[PECTrainPipelineContext]
     ) -> None:
         """Keep ``cur``'s NOL gradient for ``nxt``'s step; the last batch applies its own now."""

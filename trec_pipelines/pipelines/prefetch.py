@@ -24,7 +24,7 @@ import torch
 from torchrec.distributed.train_pipeline import In, Out
 
 from trec_pipelines._types import AnyShardedModule
-from trec_pipelines.core.options import SparseDistOptions
+from trec_pipelines.core.options import SparseDistTrainOptions
 from trec_pipelines.core.step_guard import guarded_step
 from trec_pipelines.core.streams import (
     StreamSet,
@@ -105,7 +105,7 @@ class PrefetchTrainPipelineSparseDist(TrainPipelineSparseDist[In, Out]):
         free_features_storage_early: bool = False,
         clear_data_dist_inputs: bool = False,
         async_inplace_copy: bool = False,
-        **options: Unpack[SparseDistOptions],
+        **options: Unpack[SparseDistTrainOptions],
     ) -> None:
         super().__init__(
             model,

@@ -9,7 +9,7 @@ import torch
 from torchrec.distributed.train_pipeline import In, Out
 from torchrec.distributed.types import NoWait
 
-from trec_pipelines.core.options import SparseDistOptions
+from trec_pipelines.core.options import SparseDistTrainOptions
 from trec_pipelines.core.step_guard import guarded_step
 from trec_pipelines.core.streams import current_stream, on_stream, record_stream, wait_stream
 from trec_pipelines.model.backward_hooks import InjectionSite
@@ -81,7 +81,7 @@ class TrainPipelinePrefetchEMS(TrainPipelineSparseDistEmbStash[In, Out]):
         enqueue_batch_after_forward: bool = False,
         enable_inplace_copy_batch: bool = False,
         free_features_storage_early: bool = False,
-        **options: Unpack[SparseDistOptions],
+        **options: Unpack[SparseDistTrainOptions],
     ) -> None:
         super().__init__(
             model,
@@ -121,9 +121,7 @@ class TrainPipelinePrefetchEMS(TrainPipelineSparseDistEmbStash[In, Out]):
             self.enqueue_batch(dataloader_iter)                    # new, memcpy (after lookup)
         if len(self.batches) >= 2:
             self.wait_sparse_data_dist(self.contexts[1])           # nxt, data_dist
-        self._restore_cur()                                        # cur, default
-        if len(self.batches) >= 2:
-            self._prefetch_nxt()                                   # nxt, data_dist -> default
+        self._restore_and_prefetch()                               # cur, default; nxt, data_dist
         if training:
             self._backward(losses)                                 # cur, default
             self.sync_embeddings(
@@ -153,6 +151,13 @@ class TrainPipelinePrefetchEMS(TrainPipelineSparseDistEmbStash[In, Out]):
                     "/".join(sorted(NO_CACHE_KERNELS)),
                 )
         return known
+
+    def _restore_and_prefetch(self) -> None:
+        """Bring ``cur``'s stashed rows back, then prefetch ``nxt``'s (torchrec's hook,
+        honoured: after ``nxt``'s input_dist, before ``cur``'s backward)."""
+        self._restore_cur()  # cur, default
+        if len(self.batches) >= 2:
+            self._prefetch_nxt()  # nxt, data_dist -> default
 
     def _restore_cur(self) -> None:
         """Bring back what ``cur``'s forward stashed: weights, then UVM caches."""

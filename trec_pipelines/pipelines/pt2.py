@@ -4,13 +4,24 @@ from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass
-from typing import Any, Callable, ContextManager, Dict, Iterator, Optional, Unpack
+from typing import (
+    Any,
+    Callable,
+    ClassVar,
+    ContextManager,
+    Dict,
+    Iterator,
+    Mapping,
+    Optional,
+    Unpack,
+)
 
 import torch
 from torchrec.distributed.train_pipeline import In, Out, TrainPipeline
 from torchrec.pt2.utils import default_pipeline_input_transformer
 
-from trec_pipelines.core.options import BatchOptions
+from trec_pipelines.core.hooks import Refused, never_called
+from trec_pipelines.core.options import TrainBatchOptions
 from trec_pipelines.core.pipeline import PipelineCore
 from trec_pipelines.core.step_guard import guarded_step
 from trec_pipelines.core.verbs import copy_to_device
@@ -104,6 +115,19 @@ class TrainPipelinePT2(PipelineCore, TrainPipeline[In, Out]):
                 break
     """
 
+    # torchrec's PT2 inlines its pull, copy, wait and backward: the Base hooks it
+    # inherits are never called there, so an override would change nothing.
+    _pulls_through_next_batch = False
+    _refused_hooks: ClassVar[Mapping[str, Refused]] = {
+        hook: never_called("TrainPipelinePT2", "progress(dataloader_iter)")
+        for hook in ("_next_batch", "_connect", "_copy_batch_to_gpu", "_wait_for_batch")
+    } | {
+        "_backward": never_called(
+            "TrainPipelinePT2",
+            "nothing: pass grad_scaler= (and autocast_dtype=) for mixed precision",
+        ),
+    }
+
     def __init__(
         self,
         model: torch.nn.Module,
@@ -113,7 +137,7 @@ class TrainPipelinePT2(PipelineCore, TrainPipeline[In, Out]):
         pre_compile_fn: Optional[Callable[[torch.nn.Module], None]] = None,
         post_compile_fn: Optional[Callable[[torch.nn.Module], None]] = None,
         input_transformer: Optional[Callable[[Any], Any]] = None,
-        **options: Unpack[BatchOptions],
+        **options: Unpack[TrainBatchOptions],
     ) -> None:
         super().__init__()
         self._init_core(model, optimizer, device, options)
@@ -161,17 +185,25 @@ class TrainPipelinePT2(PipelineCore, TrainPipeline[In, Out]):
         if self._iter == self._compile_configs.compile_on_iter:
             self._compile()
         with self._compiled_region():
-            with self._span(rec.FORWARD, i):
+            with self._span(rec.FORWARD, i), self._precision.autocast():
                 losses, output = self._model(batch)
             self._iter += 1
             if training:
                 with self._span(rec.BACKWARD, i):
                     # A plain sum: PT2 models may return a scalar loss.
-                    torch.sum(losses).backward()
+                    self._precision.backward(torch.sum(losses))
         if training:
             with self._span(rec.OPTIMIZER_STEP, i):
-                self._optimizer.step()
+                self._precision.step(self._optimizer)
         return output
+
+    def _reset_data_iter(self) -> None:
+        """Forget the epoch's batch (torchrec's hook, honoured: ``reset()`` calls it)."""
+        self._cur_batch = None
+
+    def reset(self) -> None:
+        super().reset()
+        self._reset_data_iter()
 
     def _set_aside(self) -> None:
         self._cur_batch = None  # trained already: nothing of it is in flight

@@ -3,14 +3,27 @@
 from __future__ import annotations
 
 import logging
-from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple, Unpack, cast
+from typing import (
+    Any,
+    Callable,
+    ClassVar,
+    Dict,
+    Iterator,
+    List,
+    Mapping,
+    Optional,
+    Tuple,
+    Unpack,
+    cast,
+)
 
 import torch
 from torchrec.distributed.train_pipeline import In, Out
 from torchrec.sparse.jagged_tensor import KeyedTensor
 
 from trec_pipelines._types import AnyShardedModule
-from trec_pipelines.core.options import SparseDistOptions
+from trec_pipelines.core.hooks import Refused, never_called
+from trec_pipelines.core.options import SparseDistTrainOptions
 from trec_pipelines.core.step_guard import guarded_step
 from trec_pipelines.core.streams import (
     current_stream,
@@ -19,7 +32,7 @@ from trec_pipelines.core.streams import (
     record_stream,
     wait_event,
 )
-from trec_pipelines.core.verbs import backward, wait_for_batch
+from trec_pipelines.core.verbs import wait_for_batch
 from trec_pipelines.model.args import CallArgs
 from trec_pipelines.model.context import EmbeddingTrainPipelineContext, TrainPipelineContext
 from trec_pipelines.model.forwards import BaseForward, EmbeddingPipelinedForward
@@ -92,6 +105,15 @@ class TrainPipelineSemiSync(TrainPipelineSparseDist[In, Out]):
     """
 
     _depth = 4
+    # torchrec's SemiSync runs its dense backward and step itself.
+    _refused_hooks: ClassVar[Mapping[str, Refused]] = {
+        "_backward": never_called(
+            "TrainPipelineSemiSync", "nothing: pass grad_scaler= for a scaled backward"
+        ),
+        "_optimizer_step": never_called(
+            "TrainPipelineSemiSync", "_mlp_optimizer_step(current_batch)"
+        ),
+    }
 
     def __init__(
         self,
@@ -109,7 +131,7 @@ class TrainPipelineSemiSync(TrainPipelineSparseDist[In, Out]):
         enable_inplace_copy_batch: bool = False,
         free_features_storage_early: bool = False,
         clear_data_dist_inputs: bool = False,
-        **options: Unpack[SparseDistOptions],
+        **options: Unpack[SparseDistTrainOptions],
     ) -> None:
         super().__init__(
             model,
@@ -236,7 +258,8 @@ class TrainPipelineSemiSync(TrainPipelineSparseDist[In, Out]):
             context.restored_embeddings = self._restored_lookup[1]
             self._restored_lookup = None
 
-    def _train_forward(self, batch: Any, context: TrainPipelineContext) -> Tuple[torch.Tensor, Any]:
+    def _mlp_forward(self, batch: Any, context: TrainPipelineContext) -> Tuple[torch.Tensor, Any]:
+        """``batch``'s forward once its copy is done (torchrec's hook, honoured)."""
         with self._span(rec.WAIT_BATCH, context.index):  # memcpy -> default, by event
             consumer = current_stream(self._device)
             for event in context.events:
@@ -245,12 +268,12 @@ class TrainPipelineSemiSync(TrainPipelineSparseDist[In, Out]):
             if not self._enable_inplace_copy_batch:
                 # Allocated on the memcpy stream; an inplace copy allocates here.
                 record_stream(batch, consumer)
-        with self._span(rec.FORWARD, context.index):
+        with self._span(rec.FORWARD, context.index), self._precision.autocast():
             return self._model_fwd(batch)
 
     def _dense_backward(self, losses: torch.Tensor, context: TrainPipelineContext) -> None:
         with self._span(rec.BACKWARD, context.index):
-            backward(losses)
+            self._precision.backward(torch.sum(losses, dim=0))
 
     def embedding_backward(self, context: EmbeddingTrainPipelineContext) -> None:
         """Send the gradients the dense backward left on the detached embeddings into them.
@@ -299,16 +322,17 @@ class TrainPipelineSemiSync(TrainPipelineSparseDist[In, Out]):
                 self._gradients[name] = param.grad.clone()
             param.grad = previous
 
-    def _dense_step(self, index: Optional[int], semi_sync: bool) -> None:
-        index = cast(int, index)
-        if semi_sync and self._stash_gradients:
-            self._grad_swap()
-            if index == self._start_batch:
-                # Nothing was stashed yet, and not every optimizer steps on None gradients.
-                return
-            index -= 1
-        with self._span(rec.OPTIMIZER_STEP, index):
-            self._optimizer.step()
+    def _mlp_optimizer_step(self, current_batch: int) -> None:
+        """The dense optimizer step of batch ``current_batch`` (torchrec's hook,
+        honoured): with ``stash_gradients`` once semi-sync, of the gradients the
+        previous batch stashed (none at ``start_batch``: no step), through
+        ``grad_scaler`` if any."""
+        stashed = self._stash_gradients and current_batch >= self._start_batch
+        if stashed and current_batch == self._start_batch:
+            # Nothing was stashed yet, and not every optimizer steps on None gradients.
+            return
+        with self._span(rec.OPTIMIZER_STEP, current_batch - 1 if stashed else current_batch):
+            self._precision.step(self._optimizer)
 
     def _dense_zero_grad(self, context: TrainPipelineContext) -> None:
         with self._span(rec.ZERO_GRAD, context.index):
@@ -360,7 +384,7 @@ class TrainPipelineSemiSync(TrainPipelineSparseDist[In, Out]):
             # optimizer wrapper (zero_grad only at accumulation boundaries) then
             # keeps the first micro-batch's gradient, and a retried step starts clean.
             self._dense_zero_grad(context)                         # cur, default
-        losses, output = self._train_forward(batch, context)       # cur, memcpy -> default
+        losses, output = self._mlp_forward(batch, context)         # cur, memcpy -> default
         self.dequeue_batch()  # nxt is now at the front, and the wrappers serve it
         del batch  # cur's input is only held by the autograd graph from here on
         self.enqueue_batch(dataloader_iter)                        # slot(3), memcpy
@@ -377,7 +401,9 @@ class TrainPipelineSemiSync(TrainPipelineSparseDist[In, Out]):
             )
             index = context.index
             del context  # cur's lookup outputs are not needed by the dense step
-            self._dense_step(index, semi_sync)                     # cur (i-1 stashed), default
+            if semi_sync and self._stash_gradients:
+                self._grad_swap()                                  # cur <-> i-1, default
+            self._mlp_optimizer_step(cast(int, index))             # cur (i-1 stashed), default
         if not semi_sync and self.batches:
             # nxt, data_dist -> default: issued after cur's update, so it sees it
             self.start_embedding_lookup(self.batches[0], self._embedding_context(0))

@@ -4,7 +4,20 @@ from __future__ import annotations
 
 import logging
 from collections import deque
-from typing import Any, Callable, Deque, Iterator, List, Optional, Tuple, Type, Unpack, cast
+from typing import (
+    Any,
+    Callable,
+    ClassVar,
+    Deque,
+    Iterator,
+    List,
+    Mapping,
+    Optional,
+    Tuple,
+    Type,
+    Unpack,
+    cast,
+)
 
 import torch
 from torch.utils.hooks import RemovableHandle
@@ -12,11 +25,12 @@ from torchrec.distributed.train_pipeline import In, Out, TrainPipeline
 
 from trec_pipelines._types import AnyShardedModule
 from trec_pipelines.core.checks import check_apply_jit
-from trec_pipelines.core.options import SparseDistOptions
+from trec_pipelines.core.hooks import ASYNC_COPY, FORWARD_TYPE, VERSION_0, Refused
+from trec_pipelines.core.options import SparseDistTrainOptions
 from trec_pipelines.core.pipeline import PipelineCore
 from trec_pipelines.core.step_guard import guarded_step
 from trec_pipelines.core.streams import StreamSet, make_streams, on_stream
-from trec_pipelines.core.verbs import backward, copy_to_device, shares_kjt_storage, wait_for_batch
+from trec_pipelines.core.verbs import copy_to_device, shares_kjt_storage, wait_for_batch
 from trec_pipelines.data.inplace_copy import AsyncInplaceCopyMixin, BatchQueue, InplaceCopyWorker
 from trec_pipelines.model.args import CallArgs
 from trec_pipelines.model.backward_hooks import pipeline_hook, register_backward_hook
@@ -95,6 +109,19 @@ class TrainPipelineSparseDist(PipelineCore, TrainPipeline[In, Out], AsyncInplace
     _input_dist_ahead: bool = True
     # Each step's splits exchange carries the ranks' agreement on a pull.
     _carries_agreement: bool = True
+    # torchrec's attribute: the forward wrapper class of the pipelined modules
+    # (read, not set: _make_forward builds each module's wrapper).
+    _pipelined_forward_type: type = PipelinedForward
+    _refused_hooks: ClassVar[Mapping[str, Refused]] = {
+        "_fill_pipeline": VERSION_0,
+        "_copy_batch_to_gpu": VERSION_0,
+        "_start_sparse_data_dist": VERSION_0,
+        "_wait_sparse_data_dist": VERSION_0,
+        "_pipelined_forward_type": FORWARD_TYPE,
+        "_setup_async_inplace_copy": ASYNC_COPY,
+        "_submit_inplace_copy": ASYNC_COPY,
+        "_shutdown_async_inplace_copy": ASYNC_COPY,
+    }
 
     def __init__(
         self,
@@ -112,7 +139,7 @@ class TrainPipelineSparseDist(PipelineCore, TrainPipeline[In, Out], AsyncInplace
         free_features_storage_early: bool = False,
         clear_data_dist_inputs: bool = False,
         async_inplace_copy: bool = False,
-        **options: Unpack[SparseDistOptions],
+        **options: Unpack[SparseDistTrainOptions],
     ) -> None:
         super().__init__()
         # Lite starts a batch's input_dist in the step that trains it: nothing
@@ -132,7 +159,6 @@ class TrainPipelineSparseDist(PipelineCore, TrainPipeline[In, Out], AsyncInplace
         self._model_fwd: Callable[[Optional[Any]], Tuple[torch.Tensor, Any]] = (
             custom_model_fwd or model
         )
-        self._dmp_collection_sync_interval_batches = dmp_collection_sync_interval_batches
         self._enqueue_batch_after_forward = enqueue_batch_after_forward
         self._enable_inplace_copy_batch = enable_inplace_copy_batch
         self._free_features_storage_early = free_features_storage_early
@@ -149,6 +175,23 @@ class TrainPipelineSparseDist(PipelineCore, TrainPipeline[In, Out], AsyncInplace
         # hooks of the experimental variants), then never again: hooks stay on
         # the model's modules.
         self._after_first_rewrite: List[Callable[[], None]] = []
+        self._batch_count = 0  # batches queued so far (torchrec's counter)
+        self._init_2d_sharding(dmp_collection_sync_interval_batches)
+
+    def _init_2d_sharding(self, dmp_collection_sync_interval_batches: Optional[int]) -> None:
+        """torchrec's hook, honoured: the last step of the constructor, which keeps how
+        often ``sync_embeddings`` syncs a ``DMPCollection``'s replicas."""
+        self._dmp_collection_sync_interval_batches = dmp_collection_sync_interval_batches
+
+    @property
+    def _dataloader_exhausted(self) -> bool:
+        """Whether this epoch's iterator has ended (torchrec's attribute, read-only)."""
+        return self._source.exhausted
+
+    @property
+    def _next_index(self) -> int:
+        """The index the next batch pulled from the iterator takes (read-only)."""
+        return self._source.loaded
 
     # ------------------------------------------------------------------ setup
 
@@ -211,8 +254,19 @@ class TrainPipelineSparseDist(PipelineCore, TrainPipeline[In, Out], AsyncInplace
             wait_on_current_stream=self._clear_data_dist_inputs,
         )
 
-    def _pipeline_model(self, batch: Any, context: TrainPipelineContext) -> None:
-        """Rewrite the model on the first batch, then start that batch's input_dist."""
+    def _pipeline_model(
+        self,
+        batch: Any,
+        context: TrainPipelineContext,
+        pipelined_forward: Optional[type] = None,
+    ) -> None:
+        """Rewrite the model on the first batch, then start that batch's input_dist.
+
+        torchrec's hook, honoured: called once per rewrite (an override that
+        calls ``super()`` and then registers hooks registers them once).
+        ``pipelined_forward`` is accepted for torchrec's signature; each
+        module's wrapper comes from :meth:`_make_forward`.
+        """
         result = self._rewrite_checked(batch)
         if self._free_features_storage_early:
             for module in result.modules:
@@ -224,10 +278,16 @@ class TrainPipelineSparseDist(PipelineCore, TrainPipeline[In, Out], AsyncInplace
         while self._after_first_rewrite:
             self._after_first_rewrite.pop(0)()
 
-    def _init_input_dist(self, batch: Any, context: TrainPipelineContext) -> None:
-        """Start ``batch``'s input_dist, rewriting the model first if not done yet."""
+    def _init_pipelined_modules(
+        self,
+        batch: Any,
+        context: TrainPipelineContext,
+        pipelined_forward: Optional[type] = None,
+    ) -> None:
+        """Start ``batch``'s input_dist, rewriting the model first if not done yet
+        (torchrec's hook, honoured: the fill calls it with an epoch's first batch)."""
         if self._rewrite is None:
-            self._pipeline_model(batch, context)
+            self._pipeline_model(batch, context, pipelined_forward)
         else:
             self._set_module_context(context)
             self.start_sparse_data_dist(batch, context)
@@ -287,13 +347,18 @@ class TrainPipelineSparseDist(PipelineCore, TrainPipeline[In, Out], AsyncInplace
         host = self._source.next(dataloader_iter)
         if host is None:
             return None, None
-        context = self._context_type(index=self._source.last_index)
+        context = self._create_context()
         with self._span(rec.H2D, context.index, "memcpy"):
             if self._copy_worker is not None:  # TrainPipelineSparseDistT's copy thread
                 return self._copy_worker.submit(host), context
             batch = copy_to_device(host, self._device, self._streams.memcpy)
         self._note_shared_features(host, batch, context)
         return batch, context
+
+    def _create_context(self) -> TrainPipelineContext:
+        """The context of the batch just pulled (torchrec's hook, honoured: one per
+        batch copied; an override must return an instance of ``context_type``)."""
+        return self._context_type(index=self._source.last_index)
 
     def _note_shared_features(self, host: Any, batch: Any, context: TrainPipelineContext) -> None:
         """With ``free_features_storage_early``: mark a batch whose "copy" kept the
@@ -325,7 +390,7 @@ class TrainPipelineSparseDist(PipelineCore, TrainPipeline[In, Out], AsyncInplace
         host = self._source.next(dataloader_iter)
         if host is None:
             return None, None
-        context = self._context_type(index=self._source.last_index)
+        context = self._create_context()
         with self._span(rec.H2D, context.index, "memcpy"):
             if self._copy_worker is not None:
                 # Not checked for shared storage: the copy is still to be made.  The
@@ -347,6 +412,7 @@ class TrainPipelineSparseDist(PipelineCore, TrainPipeline[In, Out], AsyncInplace
             return False
         self.batches.append(batch)
         self.contexts.append(context)
+        self._batch_count += 1
         return True
 
     def dequeue_batch(self) -> None:
@@ -394,19 +460,22 @@ class TrainPipelineSparseDist(PipelineCore, TrainPipeline[In, Out], AsyncInplace
         super().sync_embeddings(model, interval_batches, context)
 
     def _backward(self, losses: torch.Tensor) -> None:
+        """The backward of the summed per-sample losses, through ``grad_scaler`` if any
+        (torchrec's hook, honoured)."""
         with self._span(rec.BACKWARD, self.contexts[0].index):
-            backward(losses)
+            self._precision.backward(torch.sum(losses, dim=0))
 
     def _optimizer_step(self) -> None:
+        """The optimizer step, through ``grad_scaler`` if any (torchrec's hook, honoured)."""
         with self._span(rec.OPTIMIZER_STEP, self.contexts[0].index):
-            self._optimizer.step()
+            self._precision.step(self._optimizer)
 
     def _zero_grad(self) -> None:
         with self._span(rec.ZERO_GRAD, self.contexts[0].index):
             self._optimizer.zero_grad()
 
     def _forward(self) -> Tuple[torch.Tensor, Any]:
-        with self._span(rec.FORWARD, self.contexts[0].index):
+        with self._span(rec.FORWARD, self.contexts[0].index), self._precision.autocast():
             return self._model_fwd(self.batches[0])
 
     # --------------------------------------------------------------- schedule
@@ -420,7 +489,9 @@ class TrainPipelineSparseDist(PipelineCore, TrainPipeline[In, Out], AsyncInplace
         if not self.batches:
             if not self.enqueue_batch(dataloader_iter):
                 return
-            self._init_input_dist(self.batches[0], self.contexts[0])
+            self._init_pipelined_modules(
+                self.batches[0], self.contexts[0], self._pipelined_forward_type
+            )
             self.wait_sparse_data_dist(self.contexts[0])
         # One batch in flight and data left: only after an iterator error in the fill.
         self.enqueue_batch(dataloader_iter)

@@ -121,7 +121,7 @@ class TrainPipelineSparseDistLite(TrainPipelineSparseDist[In, Out]):
         if training:
             self._zero_grad()                                      # cur, default
         self._wait_for_batch()                                     # cur, memcpy -> default
-        self._init_input_dist(cur, ctx)                            # cur, default: critical path
+        self._init_pipelined_modules(cur, ctx, self._pipelined_forward_type)  # cur, default
         self.wait_sparse_data_dist(ctx)                            # cur, default
         losses, output = self._forward()                           # cur, default
         if training:

@@ -7,7 +7,7 @@ from typing import Any, Callable, Optional, Tuple, Type, Unpack
 import torch
 from torchrec.distributed.train_pipeline import In, Out
 
-from trec_pipelines.core.options import SparseDistOptions
+from trec_pipelines.core.options import SparseDistTrainOptions
 from trec_pipelines.model.context import TrainPipelineContext
 from trec_pipelines.pipelines.sparse_dist import TrainPipelineSparseDist
 
@@ -64,7 +64,7 @@ class TrainPipelineSparseDistT(TrainPipelineSparseDist[In, Out]):
         enable_inplace_copy_batch: bool = False,
         free_features_storage_early: bool = False,
         clear_data_dist_inputs: bool = False,
-        **options: Unpack[SparseDistOptions],
+        **options: Unpack[SparseDistTrainOptions],
     ) -> None:
         super().__init__(
             model,

@@ -9,9 +9,11 @@ from dataclasses import dataclass
 from typing import (
     Any,
     Callable,
+    ClassVar,
     Deque,
     Iterator,
     List,
+    Mapping,
     Optional,
     Protocol,
     Tuple,
@@ -25,6 +27,7 @@ from torchrec.distributed.train_pipeline import In, TrainPipeline
 from torchrec.streamable import Pipelineable
 
 from trec_pipelines.core.errors import MalformedBatchError
+from trec_pipelines.core.hooks import Hooks, Refused
 from trec_pipelines.core.options import BatchOptions, WithOptions, resolve_options
 from trec_pipelines.core.resume import Resumable
 from trec_pipelines.core.streams import (
@@ -196,7 +199,7 @@ class _Failure:
 
 
 class StagedTrainPipeline(
-    TrainPipeline[In, Optional[StageOut]], WithOptions, Recordable, Resumable
+    Hooks, TrainPipeline[In, Optional[StageOut]], WithOptions, Recordable, Resumable
 ):
     """N batches in flight, one per stage; the caller trains the batch it returns.
 
@@ -260,6 +263,17 @@ class StagedTrainPipeline(
             optimizer.step()
     """
 
+    # torchrec's stage bookkeeping (a list of outputs with events) has another
+    # shape here: batches in slots, each with its host copy and index.
+    _refused_hooks: ClassVar[Mapping[str, Refused]] = {
+        hook: Refused(
+            "it works on torchrec's per-stage output list, which is not how this pipeline "
+            "keeps its in-flight batches (slots, each with its host copy and index)",
+            "a PipelineStage's runnable (wrap it), or progress(dataloader_iter)",
+        )
+        for hook in ("_run_stage", "_advance", "_run_with_event")
+    }
+
     def __init__(
         self,
         pipeline_stages: List[PipelineStage],
@@ -282,6 +296,7 @@ class StagedTrainPipeline(
             channel,
             validate=self._options.validate_batches,
             pipelineable=False,  # the stages take whatever the iterator yields
+            puller=self._next_batch,
         )
         if not pipeline_stages:
             raise ValueError(
@@ -360,6 +375,16 @@ class StagedTrainPipeline(
         )
         return fill + 1  # and the step that follows the fill in the same call
 
+    def _next_batch(self, dataloader_iter: Iterator[Any]) -> Optional[Any]:
+        """The next batch from ``dataloader_iter``, or None at the end of the data.
+
+        torchrec's hook, honoured: every batch is pulled through it, once, at the
+        top of the ``progress()`` whose stage 0 takes it (with several ranks
+        agreeing, a call ahead).  An override may skip or transform batches;
+        ``super()._next_batch(dataloader_iter)`` pulls.  Not called while flushing.
+        """
+        return self._source.raw_next(dataloader_iter)
+
     def _load(self, dataloader_iter: Iterator[Any]) -> Optional[_InFlight]:
         """The next batch, or None once the epoch's data ran out or while flushing."""
         if self._resumed:  # in flight when the checkpoint was taken: first, as they were
@@ -418,7 +443,7 @@ class StagedTrainPipeline(
                 value = stage.runnable(item.value)
                 return _InFlight(value, runs_on, record_event(runs_on), item.index, item.host)
 
-    def _run_stage(self, stage_idx: int, slot: int, dataloader_iter: Iterator[Any]) -> None:
+    def _run_unit(self, stage_idx: int, slot: int, dataloader_iter: Iterator[Any]) -> None:
         """Stage ``stage_idx`` takes the batch in ``slot`` (stage 0 loads one) and puts it back."""
         stage = self._pipeline_stages[stage_idx]
         if stage_idx == 0 and self._slots[slot] is None:
@@ -482,7 +507,7 @@ class StagedTrainPipeline(
             if callback:
                 self._fill_callback(stage_idx)
             else:
-                self._run_stage(stage_idx, slot, dataloader_iter)
+                self._run_unit(stage_idx, slot, dataloader_iter)
             self._done_units += 1
         self._done_units = 0
 

@@ -8,13 +8,14 @@ device has streams, nothing on CPU, where there is no device memory to free).
 from __future__ import annotations
 
 import logging
-from typing import Any, Callable, Iterator, Optional, Tuple, Type, Union, Unpack
+from typing import Any, Callable, ClassVar, Iterator, Mapping, Optional, Tuple, Type, Union, Unpack
 
 import torch
 from torchrec.distributed.train_pipeline import In, Out
 from torchrec.distributed.types import ShardingType
 
-from trec_pipelines.core.options import SparseDistOptions
+from trec_pipelines.core.hooks import Refused
+from trec_pipelines.core.options import SparseDistTrainOptions
 from trec_pipelines.core.step_guard import guarded_step
 from trec_pipelines.model.backward_hooks import (
     FirstGradTensorFinder,
@@ -96,7 +97,7 @@ class TrainPipelineSparseDistOptStash(TrainPipelineSparseDist[In, Out]):
         enable_inplace_copy_batch: bool = False,
         free_features_storage_early: bool = False,
         clear_data_dist_inputs: bool = False,
-        **options: Unpack[SparseDistOptions],
+        **options: Unpack[SparseDistTrainOptions],
     ) -> None:
         super().__init__(
             model,
@@ -243,6 +244,14 @@ class TrainPipelineSparseDistEmbStash(TrainPipelineSparseDist[In, Out]):
                 break
     """
 
+    _refused_hooks: ClassVar[Mapping[str, Refused]] = {
+        hook: Refused(
+            "the stash sites are hooked once, after the first rewrite, through _hook_sites",
+            "_hook_sites()",
+        )
+        for hook in ("_try_hook_stash", "_log_ems_config")
+    }
+
     def __init__(
         self,
         model: torch.nn.Module,
@@ -261,7 +270,7 @@ class TrainPipelineSparseDistEmbStash(TrainPipelineSparseDist[In, Out]):
         delay_stash: bool = False,
         stash_site_fqn: Optional[str] = None,
         clear_data_dist_inputs: bool = False,
-        **options: Unpack[SparseDistOptions],
+        **options: Unpack[SparseDistTrainOptions],
     ) -> None:
         super().__init__(
             model,

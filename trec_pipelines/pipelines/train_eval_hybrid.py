@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
-from typing import Any, Tuple
+from typing import Any, ClassVar, Mapping, Tuple
 
 import torch
 from torchrec.distributed.train_pipeline import In, Out
 
+from trec_pipelines.core.hooks import Refused
 from trec_pipelines.pipelines.sparse_dist import TrainPipelineSparseDist
 
 
@@ -52,6 +53,15 @@ class TrainEvalHybridPipelineBase(TrainPipelineSparseDist[In, Out]):
         model.train()
         pipeline.progress(train_it)  # picks up where training stopped
     """
+
+    _refused_hooks: ClassVar[Mapping[str, Refused]] = {
+        "_prepare_pipeline_step": Refused(
+            "it pre-pulls the next host batch and drains eval batches by torchrec's own state; "
+            "here the batches are pulled at the top of each step and an iterator switch parks "
+            "the other mode's batches",
+            "_next_batch(dataloader_iter) to filter or transform batches",
+        ),
+    }
 
     def _forward(self) -> Tuple[torch.Tensor, Any]:
         if self._model.training:
