@@ -211,11 +211,9 @@ class PrefetchTrainPipelineSparseDist(TrainPipelineSparseDist[In, Out]):
             return
         if not self.enqueue_batch(dataloader_iter):
             return
-        if self._rewrite is None:
-            self._pipeline_model(self.batches[0], self.contexts[0])
-        else:
-            self._set_module_context(self.contexts[0])
-            self.start_sparse_data_dist(self.batches[0], self.contexts[0])
+        self._init_pipelined_modules(
+            self.batches[0], self.contexts[0], self._pipelined_forward_type
+        )
         self.wait_sparse_data_dist(self.contexts[0])
         self._prefetch(self.contexts[0])  # type: ignore[arg-type]
         if not self.enqueue_batch(dataloader_iter):

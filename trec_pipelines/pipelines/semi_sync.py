@@ -346,11 +346,9 @@ class TrainPipelineSemiSync(TrainPipelineSparseDist[In, Out]):
             return  # full, or draining: what is in flight trains first
         if not self.enqueue_batch(dataloader_iter):
             return
-        if self._rewrite is None:
-            self._pipeline_model(self.batches[0], self.contexts[0])
-        else:
-            self._set_module_context(self.contexts[0])
-            self.start_sparse_data_dist(self.batches[0], self.contexts[0])
+        self._init_pipelined_modules(
+            self.batches[0], self.contexts[0], self._pipelined_forward_type
+        )
         self.wait_sparse_data_dist(self.contexts[0])
         self._validate_optimizer()
         self.start_embedding_lookup(self.batches[0], self._embedding_context(0))
