@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import logging
-from typing import Any, Callable, Iterator, List, Optional, Tuple, Unpack
+from typing import Any, Callable, ClassVar, Iterator, List, Mapping, Optional, Tuple, Unpack
 
 import torch
 from torchrec.distributed.train_pipeline import In, Out, TrainPipeline
 
+from trec_pipelines.core.hooks import Refused, never_called
 from trec_pipelines.core.options import TrainBatchOptions
 from trec_pipelines.core.pipeline import PipelineCore
 from trec_pipelines.core.step_guard import guarded_step
@@ -54,6 +55,10 @@ class TrainPipelineBase(PipelineCore, TrainPipeline[In, Out]):
             except StopIteration:
                 break
     """
+
+    _refused_hooks: ClassVar[Mapping[str, Refused]] = {
+        "sync_embeddings": never_called("TrainPipelineBase", "nothing (call it yourself)"),
+    }
 
     def __init__(
         self,

@@ -265,6 +265,17 @@ class EvalPipelineSparseDist(TrainPipelineSparseDist[In, Out]):
         "_next_batch": never_called(
             "EvalPipelineSparseDist", "the iterator you pass (wrap it to filter batches)"
         ),
+    } | {
+        hook: never_called("EvalPipelineSparseDist", "progress(dataloader_iter)")
+        for hook in (
+            "_backward",
+            "_optimizer_step",
+            "sync_embeddings",
+            "copy_batch_to_gpu",
+            "inplace_copy_batch_to_gpu",
+            "enqueue_batch",
+            "fill_pipeline",
+        )
     }
 
     _requires_optimizer = False

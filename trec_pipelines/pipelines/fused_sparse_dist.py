@@ -2,13 +2,27 @@
 
 from __future__ import annotations
 
-from typing import Any, Callable, Deque, Iterator, List, Literal, Optional, Tuple, Unpack, cast
+from typing import (
+    Any,
+    Callable,
+    ClassVar,
+    Deque,
+    Iterator,
+    List,
+    Literal,
+    Mapping,
+    Optional,
+    Tuple,
+    Unpack,
+    cast,
+)
 
 import torch
 from torchrec.distributed.train_pipeline import In, Out
 
 from trec_pipelines._types import AnyShardedModule
 from trec_pipelines.core.checks import predictions
+from trec_pipelines.core.hooks import Refused, never_called
 from trec_pipelines.core.options import SparseDistOptions, SparseDistTrainOptions
 from trec_pipelines.core.step_guard import guarded_step
 from trec_pipelines.core.streams import (
@@ -80,6 +94,12 @@ class TrainPipelineFusedSparseDist(TrainPipelineSparseDist[In, Out]):
             except StopIteration:
                 break
     """
+
+    _refused_hooks: ClassVar[Mapping[str, Refused]] = {
+        "wait_embedding_lookup": never_called(
+            "TrainPipelineFusedSparseDist", "start_embedding_lookup(batch, context)"
+        ),
+    }
 
     # context_type is always EmbeddingTrainPipelineContext here.
     contexts: Deque[EmbeddingTrainPipelineContext]  # type: ignore[assignment]
@@ -303,6 +323,11 @@ class EvalPipelineFusedSparseDist(TrainPipelineFusedSparseDist[In, Out]):
             except StopIteration:
                 break
     """
+
+    _refused_hooks: ClassVar[Mapping[str, Refused]] = {
+        hook: never_called("EvalPipelineFusedSparseDist", "progress(dataloader_iter)")
+        for hook in ("_backward", "_optimizer_step", "sync_embeddings")
+    }
 
     # Nothing is trained: optimizer=None is fine.
     _requires_optimizer: bool = False

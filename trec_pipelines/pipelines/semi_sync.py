@@ -113,6 +113,7 @@ class TrainPipelineSemiSync(TrainPipelineSparseDist[In, Out]):
         "_optimizer_step": never_called(
             "TrainPipelineSemiSync", "_mlp_optimizer_step(current_batch)"
         ),
+        "_wait_for_batch": never_called("TrainPipelineSemiSync", "_mlp_forward(batch, context)"),
     }
 
     def __init__(

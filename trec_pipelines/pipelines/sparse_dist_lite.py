@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
-from typing import Any, Callable, Iterator, Optional, Tuple, Type, Unpack
+from typing import Any, Callable, ClassVar, Iterator, Mapping, Optional, Tuple, Type, Unpack
 
 import torch
 from torchrec.distributed.train_pipeline import In, Out
 
+from trec_pipelines.core.hooks import Refused, never_called
 from trec_pipelines.core.options import LiteOptions
 from trec_pipelines.core.step_guard import guarded_step
 from trec_pipelines.core.streams import StreamSet, make_streams
@@ -55,6 +56,12 @@ class TrainPipelineSparseDistLite(TrainPipelineSparseDist[In, Out]):
             except StopIteration:
                 break
     """
+
+    _refused_hooks: ClassVar[Mapping[str, Refused]] = {
+        "sync_embeddings": never_called(
+            "TrainPipelineSparseDistLite", "nothing (call it yourself)"
+        ),
+    }
 
     _depth = 2
 
