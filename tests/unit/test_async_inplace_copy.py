@@ -98,6 +98,7 @@ def test_async_inplace_copy_takes_torchrecs_position(name: str) -> None:
             "validate_batches",
         ]
         + dedicated
+        + ["autocast_dtype", "grad_scaler"]
     )
 
 

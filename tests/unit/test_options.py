@@ -25,15 +25,20 @@ CONCERNS = [
     opts.SparseDistOptions,
     opts.ModelOptions,
     opts.EvalHostOptions,
+    opts.PrecisionOptions,
+    opts.TrainBatchOptions,
+    opts.SparseDistTrainOptions,
 ]
 
 # What each class takes today: a change here is a change of the public API.
+PRECISION = frozenset({"autocast_dtype", "grad_scaler"})
 EXPECTED: Dict[str, FrozenSet[str]] = {
-    "TrainPipelineBase": frozenset({"sync_exhaustion", "validate_batches"}),
-    "TrainPipelinePT2": frozenset({"sync_exhaustion", "validate_batches"}),
+    "TrainPipelineBase": frozenset({"sync_exhaustion", "validate_batches"}) | PRECISION,
+    "TrainPipelinePT2": frozenset({"sync_exhaustion", "validate_batches"}) | PRECISION,
     "TrainPipelineSparseDistLite": frozenset(
         {"sync_exhaustion", "validate_batches", "rewrite_strategy", "on_unpipelined"}
-    ),
+    )
+    | PRECISION,
     "EvalPipelineCPUSparse": frozenset(
         {"sync_exhaustion", "validate_batches", "rewrite_strategy", "on_unpipelined"}
     ),
@@ -58,6 +63,13 @@ SPARSE_DIST_FAMILY = [
     "TrainPipelinePrefetchEMS",
 ]
 EXPECTED.update({name: EVERY_OPTION for name in SPARSE_DIST_FAMILY})
+# The eval variants take every option but mixed precision (they train nothing).
+EXPECTED.update(
+    {
+        name: EVERY_OPTION - PRECISION
+        for name in ("EvalPipelineSparseDist", "EvalPipelineFusedSparseDist")
+    }
+)
 
 
 def test_every_key_of_every_concern_is_a_declared_option_of_the_same_type() -> None:

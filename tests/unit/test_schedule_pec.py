@@ -142,6 +142,8 @@ def test_constructor_is_torchrecs() -> None:
         "sync_exhaustion",
         "validate_batches",
         "input_dist_group",
+        "autocast_dtype",
+        "grad_scaler",
     ]
 
 
