@@ -89,17 +89,12 @@ def test_async_inplace_copy_takes_torchrecs_position(name: str) -> None:
     ]
     # Lite starts a batch's input_dist in the step that trains it: no group to choose.
     dedicated = [] if name == "TrainPipelineSparseDistLite" else ["input_dist_group"]
-    assert (
-        keyword_only
-        == [
-            "rewrite_strategy",
-            "on_unpipelined",
-            "sync_exhaustion",
-            "validate_batches",
-        ]
-        + dedicated
-        + ["autocast_dtype", "grad_scaler"]
-    )
+    assert keyword_only == [
+        "rewrite_strategy",
+        "on_unpipelined",
+        "sync_exhaustion",
+        "validate_batches",
+    ] + dedicated + ["autocast_dtype", "grad_scaler"]
 
 
 @pytest.mark.parametrize("inplace", [False, True])
