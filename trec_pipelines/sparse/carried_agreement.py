@@ -65,14 +65,17 @@ class _SplitsWithCode(SplitsAllToAllAwaitable, CarriedCode):
         return self._splits
 
     def _deliver(self, codes: List[int]) -> None:
-        if self._agreement is None:
+        agreement, self._agreement = self._agreement, None
+        if agreement is not None:
+            agreement.carrier = None  # no cycle left to hold this exchange (and its group)
+        if agreement is None:
             if any(code & 3 != NOTHING for code in codes):
                 raise OutOfStepError.at(
                     [None if code & 3 == NOTHING else code >> 2 for code in codes], self._ranks
                 )
             return
-        self._agreement.deliver(codes, self._ranks)
-        self._agreement.result()  # raises here, on every rank, if they are out of step
+        agreement.deliver(codes, self._ranks)
+        agreement.result()  # raises here, on every rank, if they are out of step
 
     def wait_code(self) -> None:
         self.wait()
