@@ -386,11 +386,19 @@ class EvalPipelineSparseDist(TrainPipelineSparseDist[In, Out]):
                 "until StopIteration, or call reset() (dropping the batches in flight) "
                 "to switch now."
             )
-        if not self._loader_thread:
+        if not self._loader_thread and not self._source.exhausted:
             # Pull what this call takes before any work: with several ranks the
             # next pull's agreement then starts a step ahead, carried by this
             # step's splits exchange (see [Note: agreeing on each batch]).
-            self._source.fetch_ahead(dataloader_iter, 1 if self.batches else 2)
+            try:
+                self._source.fetch_ahead(dataloader_iter, 1 if self.batches else 2)
+            except MalformedBatchError:
+                raise  # dropped; the next call goes on with the next batch
+            except Exception:
+                # Loading ends on the iterator's first error, as on the loader
+                # thread: the batches already pulled are still evaluated.
+                self._source.exhausted = True
+                raise
         if not self.batches:
             # fill: cur is copied by the loader, then input_dist (a malformed
             # first batch raises here, and the next call fills with the next)
