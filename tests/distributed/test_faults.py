@@ -164,16 +164,8 @@ def test_fault_in_a_step_is_retried_and_training_equals_the_plain_loop(
     assert_runs_equal(ref, ours, ("plain loop with retry", name))
 
 
-@pytest.mark.parametrize(
-    "name", ["TrainPipelineSparseDist", "TrainPipelineSemiSync", "TrainPipelinePEC"]
-)
-def test_skip_failed_batch_on_every_rank(name: str) -> None:
-    """A batch that fails every time is skipped; training equals the plain loop without it."""
-    batches = make_batches(6, seed=DATA_SEED)
-    ref = plain_loop(*make_sharded(DLRM, "table_wise", seed=SEED), batches[:2] + batches[3:])
-    dmp, optimizer = make_sharded(DLRM, "table_wise", seed=SEED)
-    pipeline = _pipeline(name, dmp, optimizer)
-    poison = batches[2]
+def _poison(dmp: Any, poison: Any) -> None:
+    """Make ``dmp``'s forward raise :class:`Fault` on ``poison``, every time."""
     original_forward = dmp.module.forward
 
     def forward(batch: Any) -> Any:
@@ -183,6 +175,18 @@ def test_skip_failed_batch_on_every_rank(name: str) -> None:
         return loss, out
 
     dmp.module.forward = forward
+
+
+@pytest.mark.parametrize(
+    "name", ["TrainPipelineSparseDist", "TrainPipelineSemiSync", "TrainPipelinePEC"]
+)
+def test_skip_failed_batch_on_every_rank(name: str) -> None:
+    """A batch that fails every time is skipped; training equals the plain loop without it."""
+    batches = make_batches(6, seed=DATA_SEED)
+    ref = plain_loop(*make_sharded(DLRM, "table_wise", seed=SEED), batches[:2] + batches[3:])
+    dmp, optimizer = make_sharded(DLRM, "table_wise", seed=SEED)
+    pipeline = _pipeline(name, dmp, optimizer)
+    _poison(dmp, batches[2])
     it = iter(batches)
     outputs, skipped = [], []
     while True:
@@ -206,16 +210,7 @@ def test_skip_failed_batch_on_one_rank_only_raises_out_of_step_on_every_rank() -
     batches = make_batches(8, seed=DATA_SEED)
     dmp, optimizer = make_sharded(DLRM, "table_wise", seed=SEED, pg=short)
     pipeline = trec_pipelines.TrainPipelineSparseDist(dmp, optimizer, DEVICE)
-    poison = batches[2]
-    original_forward = dmp.module.forward
-
-    def forward(batch: Any) -> Any:
-        loss, out = original_forward(batch)
-        if torch.equal(batch.dense, poison.dense):
-            raise Fault("poison batch")
-        return loss, out
-
-    dmp.module.forward = forward
+    _poison(dmp, batches[2])
     it = iter(batches)
     started = time.monotonic()
     with pytest.raises(Fault):

@@ -79,8 +79,3 @@ def wait_for_batch(batch: Any, producer: Optional[torch.Stream], record: bool = 
         hand_off(batch, producer)
     else:
         hand_off(None, producer)
-
-
-def backward(losses: torch.Tensor) -> None:
-    """Backward of the summed per-sample losses (what torchrec pipelines do)."""
-    torch.sum(losses, dim=0).backward()

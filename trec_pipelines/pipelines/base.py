@@ -115,7 +115,7 @@ class TrainPipelineBase(PipelineCore, TrainPipeline[In, Out]):
         """The backward of the summed per-sample losses, through ``grad_scaler`` if any
         (torchrec's hook, honoured)."""
         with self._span(rec.BACKWARD, self._training):
-            self._precision.backward(torch.sum(losses, dim=0))
+            self._precision.backward_per_sample(losses)
 
     def _optimizer_step(self) -> None:
         """The optimizer step, through ``grad_scaler`` if any (ours calls it where

@@ -274,7 +274,7 @@ class TrainPipelineSemiSync(TrainPipelineSparseDist[In, Out]):
 
     def _dense_backward(self, losses: torch.Tensor, context: TrainPipelineContext) -> None:
         with self._span(rec.BACKWARD, context.index):
-            self._precision.backward(torch.sum(losses, dim=0))
+            self._precision.backward_per_sample(losses)
 
     def embedding_backward(self, context: EmbeddingTrainPipelineContext) -> None:
         """Send the gradients the dense backward left on the detached embeddings into them.

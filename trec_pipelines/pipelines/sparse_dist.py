@@ -463,7 +463,7 @@ class TrainPipelineSparseDist(PipelineCore, TrainPipeline[In, Out], AsyncInplace
         """The backward of the summed per-sample losses, through ``grad_scaler`` if any
         (torchrec's hook, honoured)."""
         with self._span(rec.BACKWARD, self.contexts[0].index):
-            self._precision.backward(torch.sum(losses, dim=0))
+            self._precision.backward_per_sample(losses)
 
     def _optimizer_step(self) -> None:
         """The optimizer step, through ``grad_scaler`` if any (torchrec's hook, honoured)."""
