@@ -3,9 +3,12 @@
 tests/elastic/one_rank_fails.py under torchrun, on 2 and 4 gloo ranks: rank 0's
 forward raises at batch 2 and rank 0 stays alive (``stay``), or retries alone
 (``retry``).  The model's process group would time out after 120 s; the other
-ranks must instead exit with status 1 within 30 s of the failure, their log
+ranks must instead exit with status 1 once the grace has passed, their log
 naming rank 0 and batch 2, and a lone retry must raise OutOfStepError.  Each
 launch has its own time limit, so a hang fails the test.
+
+The default grace (10 s) is kept in one case; the others set 3 s through the
+environment, which is also the documented way to change it.
 """
 
 from __future__ import annotations
@@ -16,13 +19,16 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Optional
 
 import pytest
 
 REPO = Path(__file__).resolve().parents[2]
 
 
-def _launch(out: Path, ranks: int, then: str) -> tuple[subprocess.CompletedProcess, float]:
+def _launch(
+    out: Path, ranks: int, then: str, grace: Optional[float]
+) -> tuple[subprocess.CompletedProcess, float]:
     command = [
         sys.executable,
         "-m",
@@ -37,17 +43,24 @@ def _launch(out: Path, ranks: int, then: str) -> tuple[subprocess.CompletedProce
         then,
     ]
     env = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1")
+    env.pop("TREC_PIPELINES_PEER_FAILURE_GRACE", None)
+    if grace is not None:
+        env["TREC_PIPELINES_PEER_FAILURE_GRACE"] = str(grace)
     started = time.monotonic()
     done = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=240)
     return done, time.monotonic() - started
 
 
-@pytest.mark.parametrize("ranks", [2, 4])
-@pytest.mark.parametrize("then", ["stay", "retry"])
+# (ranks, then, grace).  The lone retry keeps the default grace: it needs the
+# others alive until it has raised (torchrun ends every rank once one exits).
+CASES = [(2, "stay", 3.0), (2, "retry", None), (4, "stay", 3.0)]
+
+
+@pytest.mark.parametrize("ranks,then,grace", CASES)
 def test_the_other_ranks_end_within_seconds_naming_the_failed_rank(
-    tmp_path: Path, ranks: int, then: str
+    tmp_path: Path, ranks: int, then: str, grace: Optional[float]
 ) -> None:
-    done, _ = _launch(tmp_path, ranks, then)
+    done, _ = _launch(tmp_path, ranks, then, grace)
     log = done.stdout + done.stderr
     assert done.returncode != 0, log[-3000:]
     first = json.loads((tmp_path / "rank0.json").read_text())
@@ -59,9 +72,13 @@ def test_the_other_ranks_end_within_seconds_naming_the_failed_rank(
         assert not (tmp_path / f"rank{rank}.json").exists(), log[-3000:]
     assert "rank 0 failed at batch 2" in log, log[-3000:]
     assert "stops" in log and "waited" in log, log[-3000:]
-    # The grace is 10 s and the store is polled every second: well before 120 s.
+    # The store is polled every second: a rank ends a few seconds after the
+    # grace, never at the model group's 120 s timeout.
     waited = [float(w) for w in _waits(log)]
-    assert waited and max(waited) < 30, waited
+    least = 10.0 if grace is None else grace
+    # At least one waiting rank says so (torchrun ends the rest once one exits).
+    assert waited, log[-3000:]
+    assert least <= min(waited) and max(waited) < least + 20, waited
 
 
 def _waits(log: str) -> list[str]:
