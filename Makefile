@@ -60,10 +60,16 @@ distributed: $(STAMP)
 # any order, of four it is not), and it is the slowest file.
 DIST4_PORT ?= 29517
 DIST4_TESTS ?= $(filter-out tests/distributed/test_comp_autograd.py,$(wildcard tests/distributed/test_*.py))
+# DIST4_SHARD=k/n runs the k-th of n disjoint parts of the 4-rank tier (by a
+# hash of each test's id; empty: all of it).  .ci/run gives each stack one
+# half, so every test runs on 4 ranks once per CI run and on 2 ranks on both
+# stacks.
+DIST4_SHARD ?=
 
 # $(call run_4_ranks,venv): both agents of the 4-rank world; the second's tail is shown.
 define run_4_ranks
-@agent="$(1)/bin/torchrun --nnodes=2 --nproc_per_node=2 --rdzv_backend=c10d \
+@export TREC_TEST_SHARD="$(DIST4_SHARD)"; \
+	agent="$(1)/bin/torchrun --nnodes=2 --nproc_per_node=2 --rdzv_backend=c10d \
 	--rdzv_endpoint=localhost:$(DIST4_PORT) --rdzv_id=trec-dist4 \
 	-m pytest -q -p no:cacheprovider $(DIST4_TESTS)"; \
 	$$agent > .distributed-4.host1.log 2>&1 & host1=$$!; \

@@ -10,6 +10,7 @@ Every rank runs the same tests in the same order, so collectives line up.
 
 import os
 import time
+import zlib
 from datetime import timedelta
 
 import pytest
@@ -148,12 +149,31 @@ _KNOWN_WARNINGS = (
 )
 
 
+def _in_shard(nodeid: str, shard: str) -> bool:
+    """Whether a test belongs to ``shard`` ("k/n": the k-th of n parts, from 0).
+
+    The part is a hash of the test's id, so every rank (and every run) picks the
+    same tests, and the parts are disjoint and cover the tier.
+    """
+    index, count = (int(x) for x in shard.split("/"))
+    if not 0 <= index < count:
+        raise pytest.UsageError(f"TREC_TEST_SHARD={shard!r}: want k/n with 0 <= k < n")
+    return zlib.crc32(nodeid.encode()) % count == index
+
+
 def pytest_collection_modifyitems(config, items):
     here = os.path.dirname(os.path.abspath(__file__))
     for item in items:
         if str(item.path).startswith(here + os.sep):
             for spec in _KNOWN_WARNINGS:
                 item.add_marker(pytest.mark.filterwarnings(spec))
+    # TREC_TEST_SHARD=k/n runs one part of the tier (deselecting the rest): CI
+    # runs the 4-rank tier in two halves, one per stack (Makefile: DIST4_SHARD).
+    shard = os.environ.get("TREC_TEST_SHARD", "")
+    if shard:
+        kept = [item for item in items if _in_shard(item.nodeid, shard)]
+        config.hook.pytest_deselected(items=[item for item in items if item not in kept])
+        items[:] = kept
 
 
 def pytest_terminal_summary(terminalreporter, exitstatus, config):
