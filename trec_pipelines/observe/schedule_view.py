@@ -277,7 +277,10 @@ CPU_NOTE = (
     "On CPU the streams share one thread: a stream lane shows which stream each verb "
     "was issued to, not work running in parallel."
 )
-LINK_NOTE = "Link lanes: each all-to-all from its issue to the completion of its work."
+LINK_NOTE = (
+    "Link lanes: each all-to-all from its issue to the completion of its work (queueing "
+    "behind earlier ones on its group included), labelled with the verb that issued it."
+)
 
 # Lane height in the figure (inches), and the part of it a box fills.
 _LANE_INCHES = 0.62
@@ -343,6 +346,8 @@ def draw_timeline(
     else:
         fig, ax = plt.subplots(figsize=(fig_width, lanes_inches))
 
+    axes_points = 0.85 * fig_width * 72  # the time axis, roughly, in points
+
     def draw_box(y: float, height: float, x: float, width: float, batch: Any, label: str) -> None:
         width = max(width, 1e-3)
         ax.broken_barh(
@@ -352,8 +357,9 @@ def draw_timeline(
             edgecolors="black",
             linewidth=0.3,
         )
-        if width > total_ms * 0.045:  # label only boxes wide enough to read
-            size = 6 if height > 0.4 else 5
+        size = 6 if height > 0.4 else 5
+        # Label only a box its label fits in (a character is about 0.6 of the font size wide).
+        if width / total_ms * axes_points > 0.6 * size * (len(label) + 1):
             ax.text(x + width / 2, y, label, ha="center", va="center", fontsize=size, clip_on=True)
 
     def lane_y(lane: int) -> int:
@@ -403,9 +409,11 @@ def draw_timeline(
         mem_ax.set_xlabel("time (ms)")
     else:
         ax.set_xlabel("time (ms)")
+    # The notes, one a line, in a strip kept free below the axes.
+    notes_inches = 0.05 + 0.15 * len(notes) if notes else 0.0
     if notes:
-        fig.text(0.005, 0.005, " ".join(notes), fontsize=7, ha="left", va="bottom", color="dimgray")
-    fig.tight_layout(rect=(0, 0.035 if notes else 0, 1, 1))
+        fig.text(0.005, 0.01, "\n".join(notes), fontsize=7, ha="left", va="bottom", color="dimgray")
+    fig.tight_layout(rect=(0, notes_inches / fig.get_figheight(), 1, 1))
     fig.savefig(path, dpi=120)
     plt.close(fig)
 
