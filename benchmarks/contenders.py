@@ -38,6 +38,7 @@ from benchmarks import netns, shim
 from benchmarks.model import Batch, ModelSpec, make_sharded
 from benchmarks.report import COMPILED_PLAIN, COMPILED_VARIANTS
 from tests import devices
+from trec_pipelines.observe import tasks
 
 # Where the ranks train: CPU, or the rank's GPU (tests/devices.py, TREC_DEVICE).
 DEVICE = devices.device()
@@ -454,6 +455,12 @@ class StagedContender(PipelineContender):
     ``SparseDataDistUtil``); ours must export them next to the pipeline.
     """
 
+    def __init__(self, variant: Variant, side: str) -> None:
+        super().__init__(variant, side)
+        # Set for the recorded epoch only (benchmarks/recording.py): wraps each
+        # part of the loop's step, (task, batch index), so its timeline shows them.
+        self.step_span: Optional[Callable[[str, int], ContextManager[Any]]] = None
+
     def _helpers(self) -> Tuple[Any, Any]:
         if self.side == "torchrec":
             from torchrec.distributed.train_pipeline.pipeline_stage import (
@@ -506,10 +513,13 @@ class StagedContender(PipelineContender):
                 break
             if self.after_step is not None:
                 self.after_step()
-            optimizer.zero_grad()
-            losses, _ = model(batch)
-            torch.sum(losses, dim=0).backward()
-            optimizer.step()
+            if self.step_span is not None:
+                self._spanned_step(batch, steps)
+            else:
+                optimizer.zero_grad()
+                losses, _ = model(batch)
+                torch.sum(losses, dim=0).backward()
+                optimizer.step()
             steps += 1
         if self.side == "torchrec":
             # torchrec's pipeline never fills again after returning None;
@@ -518,6 +528,19 @@ class StagedContender(PipelineContender):
         if steps != len(batches):
             raise RuntimeError(f"{self.key} made {steps} steps over {len(batches)} batches")
         return steps
+
+    def _spanned_step(self, batch: Batch, index: int) -> None:
+        """The loop's step, each part in a ``step_span`` (the recorded epoch's timeline)."""
+        model, optimizer, span = self.model, self.optimizer, self.step_span
+        assert model is not None and optimizer is not None and span is not None
+        with span(tasks.ZERO_GRAD, index):
+            optimizer.zero_grad()
+        with span(tasks.FORWARD, index):
+            losses, _ = model(batch)
+        with span(tasks.BACKWARD, index):
+            torch.sum(losses, dim=0).backward()
+        with span(tasks.OPTIMIZER_STEP, index):
+            optimizer.step()
 
     def close(self) -> None:
         self.pipeline = None

@@ -612,10 +612,8 @@ def _recorded(
                 f"no recorded epoch for {contender.variant}: it has no enable_schedule_recording()"
             )
             continue
-        # "X [shared]" -> "X_shared"
-        picture_name = contender.variant.replace(" [", "_").replace("]", "")
         path = (
-            os.path.join(out_dir, f"{picture_name}_b{batch_size}.png")
+            os.path.join(out_dir, recording.picture_name(contender.variant, batch_size))
             if out_dir is not None
             else None
         )
@@ -626,6 +624,9 @@ def _recorded(
             contender.model,
             functools.partial(contender.run_epoch, recorded),
             path if session.rank == 0 else None,
+            title=recording.timeline_title(contender.variant, batch_size),
+            loop=contender if hasattr(contender, "step_span") else None,  # Staged: the loop steps
+            on_cpu=devices.device_type() == "cpu",
         )
         err, values = session.guarded(f"recorded:{contender.key}", record)
         session.bar.step(f"recorded {contender.variant} b{batch_size}")

@@ -39,3 +39,36 @@ class Action:
     def __str__(self) -> str:
         batch = "--" if self.batch is None else f"i{self.batch}"
         return f"P{self.call} {self.task}[{batch}]@{self.stream}"
+
+
+@dataclass
+class Transfer:
+    """One all-to-all a recorded pipeline put on the link.
+
+    Attributes:
+        call: the ``progress()`` call it was issued in.
+        task: the verb it was issued in (``InputDistStart``: the splits;
+            ``InputDistWait``: the ids; ``Forward``: the embeddings;
+            ``Backward``: their gradients), or None outside every verb.
+        batch: the batch of that verb, or None.
+        group: ``"input-dist group"`` when it ran on a dedicated input-dist
+            process group, else ``"model group"``.
+        nbytes: the bytes this rank sent in it.
+        issued: seconds (``time.perf_counter``) when it was issued; on CUDA,
+            when its stream reached it.
+        completed: seconds when its work completed, or None if it had not
+            (yet) when read.  Issue to completion includes the time it queued
+            behind earlier collectives of the same group.
+    """
+
+    call: int
+    task: Optional[str]
+    batch: Optional[int]
+    group: str
+    nbytes: int
+    issued: float
+    completed: Optional[float] = None
+
+    def __str__(self) -> str:
+        batch = "--" if self.batch is None else f"i{self.batch}"
+        return f"P{self.call} all-to-all[{batch}] in {self.task or '--'} on the {self.group}"

@@ -14,6 +14,10 @@ call number and timing:
 * ``device_start``/``device_end``: when the work ran on its stream, from
   events on CUDA; on CPU, where work runs as it is issued, the wall times.
 
+It also notes each all-to-all the pipeline puts on the link as a
+:class:`Transfer`, from its issue to the completion of its work, under the
+verb (and batch) it was issued in (see :mod:`trec_pipelines.observe.links`).
+
 :mod:`trec_pipelines.observe.schedule_view` turns the actions into the schedule table,
 a Chrome/Perfetto trace and a timeline picture.
 
@@ -27,16 +31,18 @@ bookkeeping, so timings recorded with it on are not representative.
 from __future__ import annotations
 
 import contextlib
+import threading
 import time
 from dataclasses import dataclass, field
 from typing import Any, ContextManager, Dict, List, Optional, Tuple
 
 import torch
 
-from trec_pipelines.core.streams import current_stream, record_event
-from trec_pipelines.observe import schedule_view
+from trec_pipelines.core.streams import current_stream, device_module
+from trec_pipelines.observe import links, schedule_view
 from trec_pipelines.observe.actions import (
     Action as Action,  # also importable from here, its former home
+    Transfer,
 )
 from trec_pipelines.observe.ledger import LedgerSummary, MemoryLedger, MemorySample, summarize
 
@@ -89,6 +95,14 @@ class ScheduleRecorder:
     _origin: Optional[Tuple[float, Any]] = field(default=None, repr=False)
     # Measures the pipeline after each training-thread verb; None: not asked for.
     memory: Optional[MemoryLedger] = field(default=None, repr=False)
+    # The all-to-alls put on the link (trec_pipelines.observe.links).
+    transfers: List[Transfer] = field(default_factory=list)
+    # The spans open now, innermost last, per thread.
+    _open: Dict[int, List[Action]] = field(default_factory=dict, repr=False)
+    # A device transfer's [start event, end event or None], until resolved.
+    _transfer_events: Dict[int, Tuple[Transfer, List[Any]]] = field(
+        default_factory=dict, repr=False
+    )
 
     def begin_call(self) -> None:
         """Mark the start of a ``progress()`` call."""
@@ -101,10 +115,48 @@ class ScheduleRecorder:
         self.actions.append(action)
         return _Span(self, action, self.streams.get(stream))
 
+    def enclosing(self) -> Optional[Action]:
+        """The verb an all-to-all issued now belongs to: the innermost span open
+        on this thread, else the latest opened on another (on CUDA, backward's
+        all-to-alls are issued by autograd's thread while ``Backward`` is open)."""
+        mine = self._open.get(threading.get_ident())
+        if mine:
+            return mine[-1]
+        others = [stack[-1] for stack in list(self._open.values()) if stack]
+        return max(others, key=lambda a: a.cpu_start) if others else None
+
+    def note_transfer(
+        self, group: str, nbytes: int, issued: float, device: torch.device
+    ) -> Transfer:
+        """Record an all-to-all being issued now (its completion is stamped later)."""
+        verb = self.enclosing()
+        transfer = Transfer(
+            max(self.call, 0),
+            None if verb is None else verb.task,
+            None if verb is None else verb.batch,
+            group,
+            nbytes,
+            issued,
+        )
+        self.transfers.append(transfer)
+        if device.type != "cpu":
+            start = self._event(current_stream(device))
+            if start is not None:
+                self._transfer_events[id(transfer)] = (transfer, [start, None])
+        return transfer
+
+    def end_transfer_on(self, transfer: Transfer, stream: Optional[torch.Stream]) -> None:
+        """Record ``transfer``'s end on ``stream``, which waits for its collective."""
+        entry = self._transfer_events.get(id(transfer))
+        if entry is not None and stream is not None:
+            entry[1][1] = self._event(stream)
+
     def _event(self, stream: Optional[torch.Stream]) -> Any:
         if stream is None:
             return None
-        event = record_event(stream)
+        # Timing events: resolve() reads the time between them.
+        event = device_module(stream.device).Event(enable_timing=True)
+        event.record(stream)
         if self._origin is None:
             # Device times are measured from this event, placed at "now" on the CPU clock.
             self._origin = (time.perf_counter(), event)
@@ -112,19 +164,29 @@ class ScheduleRecorder:
 
     def resolve(self) -> None:
         """Turn recorded CUDA events into device times (waits for the work)."""
-        if not self._pending or self._origin is None:
+        if self._origin is None:
             return
         origin_time, origin_event = self._origin
+
+        def time_of(event: Any) -> float:
+            event.synchronize()
+            return origin_time + float(origin_event.elapsed_time(event)) / 1e3
+
         for action, start, end in self._pending:
-            end.synchronize()
-            action.device_start = origin_time + origin_event.elapsed_time(start) / 1e3
-            action.device_end = origin_time + origin_event.elapsed_time(end) / 1e3
+            action.device_start, action.device_end = time_of(start), time_of(end)
         self._pending.clear()
+        for key, (transfer, (start, end)) in list(self._transfer_events.items()):
+            if end is None:
+                continue  # not completed yet: resolved by a later call
+            transfer.issued, transfer.completed = time_of(start), time_of(end)
+            del self._transfer_events[key]
 
     def clear(self) -> None:
         self.actions.clear()
         self.call_starts.clear()
         self._pending.clear()
+        self.transfers.clear()
+        self._transfer_events.clear()
         self.call = -1
         if self.memory is not None:
             self.memory.clear()
@@ -145,6 +207,7 @@ class _Span:
         self._label: Any = None
 
     def __enter__(self) -> None:
+        self._recorder._open.setdefault(threading.get_ident(), []).append(self._action)
         self._start_event = self._recorder._event(self._stream)
         if _profiler_running():
             self._label = torch.profiler.record_function(f"trec_pipelines::{self._action.task}")
@@ -154,6 +217,9 @@ class _Span:
     def __exit__(self, *exc: Any) -> None:
         action = self._action
         action.cpu_end = time.perf_counter()
+        open_spans = self._recorder._open.get(threading.get_ident())
+        if open_spans and open_spans[-1] is action:
+            open_spans.pop()
         if self._label is not None:
             self._label.__exit__(*exc)
         if self._start_event is None:
@@ -190,6 +256,7 @@ class Recordable:
             if device is not None:
                 roles["default"] = current_stream(device)
             self._recorder = ScheduleRecorder(streams=roles)
+            links.watch(self._recorder)
         if memory and self._recorder.memory is None:
             ledger = MemoryLedger(self, getattr(self, "_device", None))
             ledger.ignore(self._recorder)
@@ -197,6 +264,8 @@ class Recordable:
         return self._recorder
 
     def disable_schedule_recording(self) -> None:
+        if self._recorder is not None:
+            links.unwatch(self._recorder)
         self._recorder = None
 
     @property
@@ -206,6 +275,15 @@ class Recordable:
             return []
         self._recorder.resolve()
         return list(self._recorder.actions)
+
+    @property
+    def schedule_transfers(self) -> List[Transfer]:
+        """The all-to-alls the recorded verbs put on the link, oldest first
+        (empty when recording is off); ``completed`` is None for one still in flight."""
+        if self._recorder is None:
+            return []
+        self._recorder.resolve()
+        return list(self._recorder.transfers)
 
     def schedule(self) -> List[Tuple[str, str, List[Any]]]:
         """The schedule table: one ``(task, stream, cells)`` row per task.
@@ -224,17 +302,26 @@ class Recordable:
     def export_trace(self, path: str) -> None:
         """Write a Chrome/Perfetto trace: one track per stream plus the CPU thread
         (and a counter of what the pipeline held, when the memory ledger is on)."""
-        schedule_view.write_trace(self.schedule_actions, path, memory=self.memory_samples)
+        schedule_view.write_trace(
+            self.schedule_actions,
+            path,
+            memory=self.memory_samples,
+            transfers=self.schedule_transfers,
+        )
 
     def save_timeline(self, path: str, calls: Optional[Tuple[int, int]] = None) -> None:
-        """Draw the recorded timeline (streams x time) to a PNG, with a memory
-        track when the memory ledger is on."""
+        """Draw the recorded timeline (streams x time) to a PNG: a lane per
+        stream, one for the CPU thread, one per process group for the link, and
+        a memory track when the memory ledger is on."""
+        device = getattr(self, "_device", None)
         schedule_view.draw_timeline(
             self.schedule_actions,
             path,
             calls=calls,
             title=type(self).__name__,
             memory=self.memory_samples,
+            transfers=self.schedule_transfers,
+            on_cpu=None if device is None else torch.device(device).type == "cpu",
         )
 
     @property

@@ -1,25 +1,30 @@
 """Views of recorded actions: the schedule table, traces, timelines, exposed time.
 
 All functions take the list of :class:`~trec_pipelines.observe.actions.Action`
-records a pipeline recorded (``pipeline.schedule_actions``).
+records a pipeline recorded (``pipeline.schedule_actions``); the trace and the
+timeline also draw the all-to-alls it put on the link
+(:class:`~trec_pipelines.observe.actions.Transfer`, ``pipeline.schedule_transfers``).
 """
 
 from __future__ import annotations
 
 import json
 from collections import defaultdict
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Dict, List, Optional, Sequence, Tuple, Union
 
 from trec_pipelines.observe.tasks import TASKS
 
 if TYPE_CHECKING:
-    from trec_pipelines.observe.actions import Action
+    from trec_pipelines.observe.actions import Action, Transfer
     from trec_pipelines.observe.ledger import MemorySample
 
 Cell = Union[int, Tuple[int, ...], None]  # a batch, batches, or none
 Row = Tuple[str, str, List[Cell]]
 
 STREAM_ORDER = ("default", "emb_lookup", "data_dist", "prefetch", "memcpy")
+# The link lanes, top to bottom (trec_pipelines.observe.links names the groups).
+GROUP_ORDER = ("input-dist group", "model group")
 
 
 def stream_lanes(actions: Sequence["Action"]) -> List[str]:
@@ -103,21 +108,30 @@ def exposed_time(actions: Sequence["Action"], call_starts: Sequence[float]) -> D
 
 
 def write_trace(
-    actions: Sequence["Action"], path: str, memory: Sequence["MemorySample"] = ()
+    actions: Sequence["Action"],
+    path: str,
+    memory: Sequence["MemorySample"] = (),
+    transfers: Sequence["Transfer"] = (),
 ) -> None:
     """A Chrome trace (chrome://tracing, ui.perfetto.dev) of the recorded actions.
 
     Track "CPU thread" shows when the training thread issued (and was blocked
-    in) each task; one track per stream shows when the work ran on it.  With
-    ``memory`` samples (the memory ledger) a counter track "held MiB" shows
-    what the pipeline held after each action, by kind.
+    in) each task; one track per stream shows when the work ran on it; one per
+    process group, "link: ...", shows each of ``transfers`` from its issue to
+    the completion of its work.  With ``memory`` samples (the memory ledger) a
+    counter track "held MiB" shows what the pipeline held after each action, by kind.
     """
     if not actions:
         raise ValueError("nothing recorded: call enable_schedule_recording() before progress()")
     origin = min(a.cpu_start for a in actions)
     events: List[Dict[str, Any]] = []
     lanes = stream_lanes(actions)
-    tracks = ["CPU thread", "loader thread"] + [f"stream: {s}" for s in lanes]
+    groups = link_lanes(transfers)
+    tracks = (
+        ["CPU thread", "loader thread"]
+        + [f"stream: {s}" for s in lanes]
+        + [f"link: {g}" for g in groups]
+    )
     for tid, name in enumerate(tracks):
         events.append(
             {"ph": "M", "name": "thread_name", "pid": 0, "tid": tid, "args": {"name": name}}
@@ -150,6 +164,23 @@ def write_trace(
         if action.device_start is not None and action.device_end is not None:
             stream_tid = 2 + lanes.index(action.stream)
             events.append(span(label, stream_tid, action.device_start, action.device_end, action))
+    for index, transfer in enumerate(transfers):
+        if transfer.completed is None:
+            continue
+        # Async events: all-to-alls in flight together overlap without nesting.
+        common = {
+            "name": _transfer_label(transfer),
+            "cat": "link",
+            "id": index,
+            "pid": 0,
+            "tid": 2 + len(lanes) + groups.index(transfer.group),
+        }
+        begin_args = {"batch": transfer.batch, "progress_call": transfer.call}
+        begin_args["bytes"] = transfer.nbytes
+        events.append(
+            {**common, "ph": "b", "ts": (transfer.issued - origin) * 1e6, "args": begin_args}
+        )
+        events.append({**common, "ph": "e", "ts": (transfer.completed - origin) * 1e6})
     for sample in memory:
         events.append(
             {
@@ -166,69 +197,223 @@ def write_trace(
         json.dump({"traceEvents": events, "displayTimeUnit": "ms"}, f)
 
 
+def link_lanes(transfers: Sequence["Transfer"]) -> List[str]:
+    """The process groups that carried ``transfers``: the known ones in their
+    usual order (the input-dist group above the model's), then any others."""
+    used = list(dict.fromkeys(t.group for t in transfers))
+    return [g for g in GROUP_ORDER if g in used] + [g for g in used if g not in GROUP_ORDER]
+
+
+def _transfer_label(transfer: "Transfer") -> str:
+    task = transfer.task or "all-to-all"
+    return task if transfer.batch is None else f"{task} i{transfer.batch}"
+
+
+@dataclass(frozen=True)
+class LinkBox:
+    """One all-to-all as a link lane draws it.
+
+    Attributes:
+        group: the lane (the process group it ran on).
+        row: its row in the lane: all-to-alls in flight at once stack in rows, from 0.
+        start, end: milliseconds from the timeline's origin, from its issue to
+            the completion of its work.
+        batch: the batch it was issued for (its colour), or None.
+        label: the verb and batch it was issued in.
+    """
+
+    group: str
+    row: int
+    start: float
+    end: float
+    batch: Optional[int]
+    label: str
+
+
+def link_boxes(
+    transfers: Sequence["Transfer"], origin: float, calls: Optional[Tuple[int, int]] = None
+) -> List[LinkBox]:
+    """The boxes of the link lanes: each completed transfer (of ``progress()``
+    calls ``calls``, when given) from issue to completion, in ms from ``origin``.
+
+    In each group a box takes the lowest row free at its start, so boxes in
+    flight together never hide one another.  A transfer not completed when
+    read has no box.
+    """
+    chosen = [
+        t
+        for t in transfers
+        if t.completed is not None and (calls is None or calls[0] <= t.call <= calls[1])
+    ]
+    boxes: List[LinkBox] = []
+    row_ends: Dict[str, List[float]] = defaultdict(list)  # per group: each row's last end
+    for transfer in sorted(chosen, key=lambda t: t.issued):
+        assert transfer.completed is not None
+        start = (transfer.issued - origin) * 1e3
+        end = (transfer.completed - origin) * 1e3
+        rows = row_ends[transfer.group]
+        row = next((k for k, busy_until in enumerate(rows) if busy_until <= start), len(rows))
+        if row == len(rows):
+            rows.append(end)
+        else:
+            rows[row] = end
+        boxes.append(
+            LinkBox(transfer.group, row, start, end, transfer.batch, _transfer_label(transfer))
+        )
+    return boxes
+
+
+def runs_on_cpu(actions: Sequence["Action"]) -> bool:
+    """Whether ``actions`` were recorded on CPU, where a verb's stream time is its
+    issuing thread's (no stream runs work of its own)."""
+    return all(
+        a.device_start == a.cpu_start and a.device_end == a.cpu_end
+        for a in actions
+        if a.device_start is not None
+    )
+
+
+CPU_NOTE = (
+    "On CPU the streams share one thread: a stream lane shows which stream each verb "
+    "was issued to, not work running in parallel."
+)
+LINK_NOTE = (
+    "Link lanes: each all-to-all from its issue to the completion of its work (queueing "
+    "behind earlier ones on its group included), labelled with the verb that issued it."
+)
+
+# Lane height in the figure (inches), and the part of it a box fills.
+_LANE_INCHES = 0.62
+_BOX = 0.7
+
+
 def draw_timeline(
     actions: Sequence["Action"],
     path: str,
     calls: Optional[Tuple[int, int]] = None,
     title: str = "",
     memory: Sequence["MemorySample"] = (),
+    transfers: Sequence["Transfer"] = (),
+    on_cpu: Optional[bool] = None,
 ) -> None:
-    """A PNG timeline: one lane per stream (device time), one for the CPU thread.
+    """A PNG timeline: one lane per stream (device time), one for the CPU thread,
+    and one per process group for the link.
 
-    Boxes are coloured by batch and labelled with task and batch, in the style
-    of the reference timelines.  ``calls=(first, last)`` limits it to a window
-    of ``progress()`` calls.  With ``memory`` samples (the memory ledger) a
-    track below shows what the pipeline held after each action, stacked by kind.
+    Boxes are coloured by batch (a legend names them) and labelled with task
+    and batch, in the style of the reference timelines.  The link lanes draw
+    each of ``transfers`` (the all-to-alls) from its issue to the completion
+    of its work (:func:`link_boxes`).  ``calls=(first, last)`` limits it to a
+    window of ``progress()`` calls.  With ``memory`` samples (the memory
+    ledger) a track below shows what the pipeline held after each action,
+    stacked by kind.  ``on_cpu`` (inferred from the actions when None) adds a
+    note that on CPU the stream lanes are not parallel work.
     """
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.patches import Patch
 
     chosen = [a for a in actions if calls is None or calls[0] <= a.call <= calls[1]]
     if not chosen:
         raise ValueError("no recorded actions in the requested window")
+    if on_cpu is None:
+        on_cpu = runs_on_cpu(chosen)
     origin = min(a.cpu_start for a in chosen)
     streams = stream_lanes(chosen)
-    lanes = ["CPU thread"] + [f"{s} stream" for s in streams]
+    boxes = link_boxes(transfers, origin, calls)
+    groups = link_lanes([t for t in transfers if t.completed is not None])
+    groups = [g for g in groups if any(b.group == g for b in boxes)]
+    lanes = ["CPU thread"] + [f"{s} stream" for s in streams] + [f"link: {g}" for g in groups]
     colors = plt.get_cmap("tab10")
+
+    def color_of(batch: Optional[int]) -> Any:
+        return "lightgrey" if batch is None else colors(batch % 10)
+
     fig_width = 14
-    total_ms = (max(a.cpu_end for a in chosen) - origin) * 1e3
+    ends = [a.cpu_end for a in chosen] + [origin + b.end / 1e3 for b in boxes]
+    total_ms = (max(ends) - origin) * 1e3
     held = [m for m in memory if calls is None or calls[0] <= m.call <= calls[1]]
+    lanes_inches = _LANE_INCHES * len(lanes) + 0.9
     if held:
         fig, (ax, mem_ax) = plt.subplots(
             2,
             1,
             sharex=True,
-            figsize=(fig_width, 0.7 * len(lanes) + 3.2),
-            gridspec_kw={"height_ratios": [0.7 * len(lanes) + 0.6, 2.0]},
+            figsize=(fig_width, lanes_inches + 2.4),
+            gridspec_kw={"height_ratios": [lanes_inches, 2.0]},
         )
     else:
-        fig, ax = plt.subplots(figsize=(fig_width, 0.7 * len(lanes) + 1.2))
+        fig, ax = plt.subplots(figsize=(fig_width, lanes_inches))
+
+    axes_points = 0.85 * fig_width * 72  # the time axis, roughly, in points
+
+    def draw_box(y: float, height: float, x: float, width: float, batch: Any, label: str) -> None:
+        width = max(width, 1e-3)
+        ax.broken_barh(
+            [(x, width)],
+            (y - height / 2, height),
+            facecolors=color_of(batch),
+            edgecolors="black",
+            linewidth=0.3,
+        )
+        size = 6 if height > 0.4 else 5
+        # Label only a box its label fits in (a character is about 0.6 of the font size wide).
+        if width / total_ms * axes_points > 0.6 * size * (len(label) + 1):
+            ax.text(x + width / 2, y, label, ha="center", va="center", fontsize=size, clip_on=True)
+
+    def lane_y(lane: int) -> int:
+        return len(lanes) - 1 - lane
+
     for action in chosen:
-        color = colors((action.batch or 0) % 10)
         label = action.task if action.batch is None else f"{action.task} i{action.batch}"
-        boxes = [(0, action.cpu_start, action.cpu_end)]
+        spans = [(0, action.cpu_start, action.cpu_end)]
         if action.device_start is not None and action.device_end is not None:
-            boxes.append((1 + streams.index(action.stream), action.device_start, action.device_end))
-        for lane, start, end in boxes:
-            x, width = (start - origin) * 1e3, max((end - start) * 1e3, 1e-3)
-            y = len(lanes) - 1 - lane
-            ax.broken_barh(
-                [(x, width)], (y - 0.35, 0.7), facecolors=color, edgecolors="black", linewidth=0.3
-            )
-            if width > total_ms * 0.045:  # label only boxes wide enough to read
-                ax.text(x + width / 2, y, label, ha="center", va="center", fontsize=6, clip_on=True)
+            spans.append((1 + streams.index(action.stream), action.device_start, action.device_end))
+        for lane, start, end in spans:
+            x = (start - origin) * 1e3
+            draw_box(lane_y(lane), _BOX, x, (end - start) * 1e3, action.batch, label)
+    first_link = 1 + len(streams)
+    for group_index, group in enumerate(groups):
+        in_lane = [b for b in boxes if b.group == group]
+        rows = 1 + max(b.row for b in in_lane)
+        height = _BOX / rows
+        top = lane_y(first_link + group_index) + _BOX / 2
+        for box in in_lane:
+            y = top - height * (box.row + 0.5)
+            draw_box(y, height * 0.92, box.start, box.end - box.start, box.batch, box.label)
     ax.set_yticks(range(len(lanes)))
     ax.set_yticklabels(list(reversed(lanes)))
     ax.set_title(title or "pipeline timeline")
     ax.grid(axis="x", linestyle=":", linewidth=0.5)
+    batches = sorted(
+        {a.batch for a in chosen if a.batch is not None}
+        | {b.batch for b in boxes if b.batch is not None}
+    )
+    handles = [Patch(facecolor=color_of(b), edgecolor="black", label=f"i{b}") for b in batches]
+    if any(a.batch is None for a in chosen) or any(b.batch is None for b in boxes):
+        handles.append(Patch(facecolor=color_of(None), edgecolor="black", label="none"))
+    if handles:
+        ax.legend(
+            handles=handles,
+            title="batch",
+            loc="upper left",
+            bbox_to_anchor=(1.005, 1.0),
+            fontsize=7,
+            title_fontsize=7,
+            frameon=False,
+        )
+    notes = ([CPU_NOTE] if on_cpu else []) + ([LINK_NOTE] if boxes else [])
     if held:
         _draw_memory(mem_ax, held, origin)
         mem_ax.set_xlabel("time (ms)")
     else:
         ax.set_xlabel("time (ms)")
-    fig.tight_layout()
+    # The notes, one a line, in a strip kept free below the axes.
+    notes_inches = 0.05 + 0.15 * len(notes) if notes else 0.0
+    if notes:
+        fig.text(0.005, 0.01, "\n".join(notes), fontsize=7, ha="left", va="bottom", color="dimgray")
+    fig.tight_layout(rect=(0, notes_inches / fig.get_figheight(), 1, 1))
     fig.savefig(path, dpi=120)
     plt.close(fig)
 
