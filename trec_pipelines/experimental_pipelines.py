@@ -15,12 +15,13 @@ from trec_pipelines.pipelines.stash import (
 )
 from trec_pipelines.pipelines.train_eval_hybrid import TrainEvalHybridPipelineBase
 
+# In the order of the variants guide's table.
 __all__ = [
-    "EvalPipelineCPUSparse",
-    "TrainEvalHybridPipelineBase",
-    "TrainPipelinePrefetchEMS",
-    "TrainPipelineSparseDistBwdOpt",
-    "TrainPipelineSparseDistEmbStash",
-    "TrainPipelineSparseDistOptStash",
     "TrainPipelineSparseDistT",
+    "TrainPipelineSparseDistBwdOpt",
+    "TrainEvalHybridPipelineBase",
+    "TrainPipelineSparseDistOptStash",
+    "TrainPipelineSparseDistEmbStash",
+    "TrainPipelinePrefetchEMS",
+    "EvalPipelineCPUSparse",
 ]

@@ -130,15 +130,20 @@ def decode(blob: bytes) -> SavedPipeline:
 
 
 class Resumable:
-    """``state_dict()`` / ``load_state_dict()`` for a pipeline that pulls through a
-    :class:`~trec_pipelines.data.source.BatchSource` (see ``[Note: exact resume]``).
+    """The checkpoint methods every pipeline has, in the shape of
+    ``torch.distributed.checkpoint.stateful.Stateful``.
 
-    A pipeline provides ``_source`` (with ``keep_in_flight=True``) and may
-    override :meth:`_settle`, :meth:`_extra_state`, :meth:`_load_extra_state`
-    and :meth:`_resume_blocker`; one that pulls batches its own way
-    (StagedTrainPipeline) overrides :meth:`_unfinished`, :meth:`_is_fresh`
-    and :meth:`_resume` instead of providing ``_source``.
+    A pipeline's state is the batches it pulled and has not trained yet: saved
+    next to the model's, the optimizers' and the data loader's states and
+    loaded into a new pipeline, each batch is trained once and the resumed run
+    equals the uninterrupted one (see the :doc:`checkpoint guide </guides/checkpoint>`).
     """
+
+    # For a pipeline class (see [Note: exact resume]): it provides ``_source``, a
+    # BatchSource with ``keep_in_flight=True``, and may override _settle,
+    # _extra_state, _load_extra_state and _resume_blocker; one that pulls batches
+    # its own way (StagedTrainPipeline) overrides _unfinished, _is_fresh and
+    # _resume instead of providing ``_source``.
 
     _source: BatchSource
 

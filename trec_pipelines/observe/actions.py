@@ -21,9 +21,11 @@ class Action:
         batch: the index of the batch it worked on (order of loading, from 0).
         stream: the stream role it was issued to (``default``, ``memcpy``, ...).
         thread: "main", or "loader" for work done by a background loading thread.
-        cpu_start, cpu_end: wall-clock seconds the issuing thread spent in it.
-        device_start, device_end: seconds when it ran on its stream, or None
-            until resolved (CUDA events are read once the work has finished).
+        cpu_start: when the issuing thread entered it (``time.perf_counter()`` seconds).
+        cpu_end: when the issuing thread left it.
+        device_start: when it started on its stream (same clock), or None until
+            resolved (CUDA events are read once the work has finished).
+        device_end: when it finished on its stream, or None until resolved.
     """
 
     call: int

@@ -40,7 +40,10 @@ class MemorySample:
     """The pipeline's holdings right after one action.
 
     Attributes:
-        call, task, batch, stream: the action (as in :class:`~trec_pipelines.observe.actions.Action`).
+        call: the action's ``progress()`` call (as :attr:`trec_pipelines.Action.call`).
+        task: the action's task name.
+        batch: the index of the batch it worked on, or None.
+        stream: the stream role it was issued to.
         time: ``perf_counter()`` when measured (the action's end).
         held: what the pipeline held.
         device: the device allocator's counters, on a device that has them.
@@ -73,8 +76,9 @@ class LedgerSummary:
         steady_by_kind: the breakdown at that moment.
         max_by_kind: each kind's own largest value over all samples.
         max_batches: most batches in flight after any action.
-        device_max_allocated, device_max_reserved: the device allocator's peaks
-            at the last sample (None on CPU).
+        device_max_allocated: the device allocator's peak of allocated bytes at
+            the last sample (None on CPU).
+        device_max_reserved: its peak of reserved bytes then (None on CPU).
         samples: how many actions were measured.
     """
 

@@ -91,17 +91,17 @@ class ScheduleRecorder:
     actions: List[Action] = field(default_factory=list)
     call: int = -1
     call_starts: List[float] = field(default_factory=list)
-    _pending: List[Tuple[Action, Any, Any]] = field(default_factory=list, repr=False)
-    _origin: Optional[Tuple[float, Any]] = field(default=None, repr=False)
+    _pending: List[Tuple[Action, Any, Any]] = field(default_factory=list, repr=False, init=False)
+    _origin: Optional[Tuple[float, Any]] = field(default=None, repr=False, init=False)
     # Measures the pipeline after each training-thread verb; None: not asked for.
     memory: Optional[MemoryLedger] = field(default=None, repr=False)
     # The all-to-alls put on the link (trec_pipelines.observe.links).
     transfers: List[Transfer] = field(default_factory=list)
     # The spans open now, innermost last, per thread.
-    _open: Dict[int, List[Action]] = field(default_factory=dict, repr=False)
+    _open: Dict[int, List[Action]] = field(default_factory=dict, repr=False, init=False)
     # A device transfer's [start event, end event or None], until resolved.
     _transfer_events: Dict[int, Tuple[Transfer, List[Any]]] = field(
-        default_factory=dict, repr=False
+        default_factory=dict, repr=False, init=False
     )
 
     def begin_call(self) -> None:
@@ -182,6 +182,7 @@ class ScheduleRecorder:
             del self._transfer_events[key]
 
     def clear(self) -> None:
+        """Drop what was recorded; the next ``progress()`` is call 0 again."""
         self.actions.clear()
         self.call_starts.clear()
         self._pending.clear()
@@ -236,7 +237,16 @@ class _Span:
 
 
 class Recordable:
-    """Gives a pipeline the recording switch, the views, and the ``_span`` hook."""
+    """The recording methods every pipeline has: each verb a ``progress()`` ran,
+    on which stream, for which batch, with its timing and, with ``memory=True``,
+    what the pipeline held after it.
+
+    Off by default, and free then.  See "Seeing the schedule" in
+    :doc:`the variants guide </guides/variants>` and :doc:`the memory guide </guides/memory>`.
+    """
+
+    # A pipeline's verbs open ``self._span(...)`` around their work; it records
+    # nothing while recording is off.
 
     _recorder: Optional[ScheduleRecorder] = None
 
@@ -264,6 +274,7 @@ class Recordable:
         return self._recorder
 
     def disable_schedule_recording(self) -> None:
+        """Stop recording, and drop what was recorded."""
         if self._recorder is not None:
             links.unwatch(self._recorder)
         self._recorder = None

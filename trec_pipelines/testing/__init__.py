@@ -14,6 +14,8 @@ Example::
     assert_stream_protocol(recorder)
 """
 
+from typing import List
+
 from trec_pipelines.testing.stream_checker import (
     ProtocolSummary,
     StreamProtocolError,
@@ -27,17 +29,23 @@ from trec_pipelines.testing.stream_checker import (
 from trec_pipelines.testing.stream_device import RecordingDevice, RecordingEvent, RecordingStream
 from trec_pipelines.testing.stream_recorder import StreamRecorder
 
+# The recorder, the checks, what they report, then the stand-in device.
 __all__ = [
-    "ProtocolSummary",
-    "RecordingDevice",
-    "RecordingEvent",
-    "RecordingStream",
-    "StreamProtocolError",
     "StreamRecorder",
-    "Violation",
     "assert_stream_protocol",
-    "check_schedule",
     "check_stream_protocol",
-    "schedule_by_stream",
+    "check_schedule",
+    "StreamProtocolError",
+    "Violation",
+    "ProtocolSummary",
     "summarize",
+    "schedule_by_stream",
+    "RecordingDevice",
+    "RecordingStream",
+    "RecordingEvent",
 ]
+
+
+def __dir__() -> List[str]:
+    """``dir(trec_pipelines.testing)``: the public names, not the modules (PEP 562)."""
+    return list(__all__)
