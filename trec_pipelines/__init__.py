@@ -77,8 +77,7 @@ from trec_pipelines.model.rewrite import (
     rewrite_model as rewrite_model,
 )
 from trec_pipelines.model.tracing import Tracer as Tracer
-from trec_pipelines.observe.actions import Action as Action
-from trec_pipelines.observe.actions import Transfer as Transfer
+from trec_pipelines.observe.actions import Action as Action, Transfer as Transfer
 from trec_pipelines.observe.ledger import (
     LedgerSummary as LedgerSummary,
     MemorySample as MemorySample,
