@@ -8,6 +8,7 @@ under torchrun (``RANK`` set) it is one rank of the benchmark.
     python -m benchmarks --link-gbit 2        # same over an emulated 2 Gbit/s link
     python -m benchmarks --variants TrainPipelineSparseDist --batch-sizes 4096
     python -m benchmarks --include-compiled   # also PT2 / CompAutograd
+    python -m benchmarks replot benchmarks/results/<run>   # redraw a run's figure, nothing run
     python -m benchmarks --help
 """
 
@@ -76,7 +77,12 @@ def launch(cfg: BenchConfig) -> int:
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    cfg = parse_args(argv)
+    args = list(sys.argv[1:] if argv is None else argv)
+    if args[:1] == ["replot"]:
+        from benchmarks import replot
+
+        return replot.main(args[1:])
+    cfg = parse_args(args)
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
         from benchmarks.runner import worker
 

@@ -65,8 +65,9 @@ def _as_flags(values: Dict[str, Any]) -> str:
 _HELP: Dict[str, str] = {
     "nproc": "ranks (gloo processes) launched by torchrun",
     "sharding_type": f"sharding of every table: {', '.join(SHARDING_TYPES)}",
-    "batch_sizes": "per-rank batch sizes to measure (default: overhead-bound, compute-bound)",
-    "steps": "batches per timed epoch, one value per batch size or one for all (default: 24 up to batch 1024, else 8)",
+    "batch_sizes": "per-rank batch sizes to measure: one overhead-bound, one compute-bound",
+    "steps": "batches per timed epoch, one value per batch size or one for all "
+    "(default: 24 up to batch 1024, else 8)",
     "repeats": "timed epochs per contender; the result is their median",
     "warmup_steps": "batches of the untimed warm-up epoch before the first repeat",
     "rows": "rows of every embedding table",
@@ -96,7 +97,8 @@ _HELP: Dict[str, str] = {
     "free_features_storage_early / clear_data_dist_inputs save, at the largest batch size "
     "(builds a model and pipeline per option set and library)",
     "memory_steps": "batches of each memory-measuring epoch",
-    "link_gbit": "emulate an interconnect of this many Gbit/s (private network namespace, tbf on its loopback)",
+    "link_gbit": "emulate an interconnect of this many Gbit/s (private network namespace, tbf on its "
+    "loopback) (default: none, the plain loopback)",
     "link_socket_queue_kb": "KiB each TCP socket may queue for the emulated link "
     "(tcp_limit_output_bytes in the namespace; "
     "0 keeps the kernel's default, a queue deep enough for one all-to-all to hold up every other flow: "
@@ -111,7 +113,8 @@ _HELP: Dict[str, str] = {
     "out_dir": "where results go (a sub-directory per run name)",
     "name": "run name (default: the preset's name, else 'link-<G>gbit' with --link-gbit, else 'default')",
     "preset": "set several options at once (those given on the command line win): "
-    + "; ".join(f"{name} = {_as_flags(values)}" for name, values in PRESETS.items()),
+    + "; ".join(f"{name} = {_as_flags(values)}" for name, values in PRESETS.items())
+    + " (default: none)",
     "progress": "show a progress bar",
     "pg_timeout_s": "seconds before a stuck collective fails (a failing contender then becomes n/a)",
 }
@@ -260,34 +263,71 @@ def _tuple_parser(kind: Any, name: str) -> Any:
     return parse
 
 
+# Shown by --help above the options: what a run costs, and a look that costs less.
+_DESCRIPTION = """\
+QPS of each trec_pipelines variant next to torchrec's same-named class and a
+plain training loop, on CPU ranks (launched under torchrun by this command).
+
+How long: the default run takes about 20 minutes on a 2-core machine (every
+variant and torchrec's classes, two batch sizes, memory and overhead phases);
+--preset pipelining about 8 minutes.  A quick look (two variants on the
+pipelining preset, 3 rounds: a couple of minutes):
+
+  python -m benchmarks --preset pipelining --repeats 3 \\
+      --variants TrainPipelineSparseDist,StagedTrainPipeline
+
+make bench runs this command: pass options as make bench BENCH_ARGS="...".
+
+Results go to <out-dir>/<name>/: table.txt, results.json, qps.png and a
+timeline per variant of ours."""
+
+_EPILOG = """\
+Redraw a results folder's figure from its results.json (nothing is run):
+
+  python -m benchmarks replot benchmarks/results/<run> [--out DIR]"""
+
+
+def _default_text(value: Any) -> str:
+    """A field's default as --help shows it (tuples comma-separated, as they are typed)."""
+    if isinstance(value, bool):
+        return "on" if value else "off"
+    if isinstance(value, tuple):
+        return ",".join(str(v) for v in value)
+    return str(value)
+
+
+def _help(name: str, default: Any) -> str:
+    """A field's help line, its default appended unless the help already says it."""
+    text = _HELP.get(name, "")
+    if "(default:" in text:
+        return text.replace("%", "%%")
+    return f"{text} (default: {_default_text(default)})".replace("%", "%%")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="python -m benchmarks",
-        description=(
-            "QPS of each trec_pipelines variant next to torchrec's same-named class and a "
-            "plain training loop, on CPU ranks (launched under torchrun by this command)."
-        ),
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        description=_DESCRIPTION,
+        epilog=_EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     hints = typing.get_type_hints(BenchConfig)
     for f in fields(BenchConfig):
         flag = "--" + f.name.replace("_", "-")
         annotation = hints[f.name]
-        help_text = _HELP.get(f.name, "")
+        help_text = _help(f.name, f.default)
         origin = typing.get_origin(annotation)
         if annotation is bool:
             parser.add_argument(
                 flag, action=argparse.BooleanOptionalAction, default=f.default, help=help_text
             )
         elif origin in (tuple, typing.Tuple):
-            kind = _element_type(annotation)
-            default = ",".join(str(v) for v in f.default) if f.default else "(all)"
             parser.add_argument(
                 flag,
-                type=_tuple_parser(kind, f.name.replace("_", "-")),
+                type=_tuple_parser(_element_type(annotation), f.name.replace("_", "-")),
                 default=f.default,
                 metavar="A,B,...",
-                help=f"{help_text} (default: {default})",
+                help=help_text,
             )
         else:
             parser.add_argument(

@@ -89,6 +89,25 @@ def test_preset_sets_its_fields_and_names_the_run() -> None:
     assert "pipelining = --dims 8,8" in " ".join(build_parser().format_help().split())
 
 
+def test_help_says_each_default_once_and_its_quick_look_parses() -> None:
+    import dataclasses
+    import re
+    import shlex
+
+    text = " ".join(build_parser().format_help().split())
+    options = dataclasses.fields(BenchConfig)
+    # One "(default: ...)" per option, none for -h.
+    assert text.count("(default:") == len(options)
+    assert "(default: 512,4096)" in text and "(default: (512, 4096))" not in text
+    assert "(default: on)" in text and "(default: True)" not in text
+    assert "about 20 minutes" in text
+    # The quick look it shows is a command line that parses.
+    quick = re.search(r"python -m benchmarks (--preset pipelining [^\n]*?) make bench", text)
+    assert quick is not None
+    cfg = parse_args(shlex.split(quick.group(1).replace("\\ ", "")))
+    assert cfg.preset == "pipelining" and cfg.repeats == 3 and len(cfg.variants) == 2
+
+
 def test_options_next_to_a_preset_win() -> None:
     cfg = parse_args(
         [

@@ -1,0 +1,65 @@
+"""``python -m benchmarks replot DIR``: redraw a results folder's figures from its ``results.json``.
+
+Nothing is run or measured: the figure is drawn from the raw measurements
+the folder already holds, so the figures of a committed run can follow
+changes to how they are drawn.  ``results.json`` and ``table.txt`` are
+left as they are.
+
+    python -m benchmarks replot benchmarks/results/<run>               # rewrites <run>/qps.png
+    python -m benchmarks replot benchmarks/results/<run> --out /tmp/x  # writes /tmp/x/qps.png
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+from typing import List, Optional, Sequence
+
+from benchmarks import report
+
+CHART = "qps.png"
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="python -m benchmarks replot",
+        description="Redraw the QPS figure of a results folder from its results.json "
+        "(nothing is run; results.json and table.txt are left as they are).",
+    )
+    parser.add_argument("folder", help="a results folder (holds results.json)")
+    parser.add_argument(
+        "--out", default=None, help="folder to write the figure to (default: the results folder)"
+    )
+    return parser
+
+
+def replot(folder: str, out: Optional[str] = None) -> List[str]:
+    """Redraw ``folder``'s figures into ``out`` (default ``folder``); returns the files written."""
+    source = os.path.join(folder, "results.json")
+    if not os.path.isfile(source):
+        raise FileNotFoundError(
+            f"{source} not found: replot takes a results folder of the benchmark"
+        )
+    with open(source) as f:
+        document = json.load(f)
+    target = out if out is not None else folder
+    os.makedirs(target, exist_ok=True)
+    path = os.path.join(target, CHART)
+    report.write_chart(document["raw"], path)
+    return [path] if os.path.exists(path) else []
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        written = replot(args.folder, args.out)
+    except FileNotFoundError as error:
+        print(error)
+        return 2
+    for path in written:
+        print(f"wrote {path}")
+    return 0
+
+
+__all__ = ["CHART", "build_parser", "main", "replot"]
