@@ -1,12 +1,14 @@
 """``python -m benchmarks replot DIR``: redraw a results folder's figures from its ``results.json``.
 
-Nothing is run or measured: the figure is drawn from the raw measurements
-the folder already holds, so the figures of a committed run can follow
+Nothing is run or measured: the figures are drawn from the raw measurements
+the folder already holds (the QPS figure, and each timeline the run stored
+with its recorded epoch), so the figures of a committed run can follow
 changes to how they are drawn.  ``results.json`` and ``table.txt`` are
-left as they are.
+left as they are.  A run from before timelines were stored keeps its
+timeline pictures as they are.
 
-    python -m benchmarks replot benchmarks/results/<run>               # rewrites <run>/qps.png
-    python -m benchmarks replot benchmarks/results/<run> --out /tmp/x  # writes /tmp/x/qps.png
+    python -m benchmarks replot benchmarks/results/<run>               # <run>/qps.png, <run>/timelines/
+    python -m benchmarks replot benchmarks/results/<run> --out /tmp/x  # /tmp/x/qps.png, /tmp/x/timelines/
 """
 
 from __future__ import annotations
@@ -16,15 +18,17 @@ import json
 import os
 from typing import List, Optional, Sequence
 
-from benchmarks import report
+from benchmarks import recording, report
 
 CHART = "qps.png"
+TIMELINES = "timelines"
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="python -m benchmarks replot",
-        description="Redraw the QPS figure of a results folder from its results.json "
+        description="Redraw the QPS figure and the stored timelines of a results folder "
+        "from its results.json "
         "(nothing is run; results.json and table.txt are left as they are).",
     )
     parser.add_argument("folder", help="a results folder (holds results.json)")
@@ -47,7 +51,8 @@ def replot(folder: str, out: Optional[str] = None) -> List[str]:
     os.makedirs(target, exist_ok=True)
     path = os.path.join(target, CHART)
     report.write_chart(document["raw"], path)
-    return [path] if os.path.exists(path) else []
+    written = [path] if os.path.exists(path) else []
+    return written + recording.redraw_timelines(document, os.path.join(target, TIMELINES))
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
@@ -62,4 +67,4 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     return 0
 
 
-__all__ = ["CHART", "build_parser", "main", "replot"]
+__all__ = ["CHART", "TIMELINES", "build_parser", "main", "replot"]
