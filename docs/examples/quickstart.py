@@ -86,7 +86,12 @@ def main() -> None:
     )
     outputs = train_one_epoch(model, optimizer, batches, device)
     losses = [loss.item() for loss, _logits, _labels in outputs]
-    print(f"rank {dist.get_rank()}: {len(losses)} steps, loss {losses[0]:.3f} -> {losses[-1]:.3f}")
+    mine = f"{len(losses)} steps, loss {losses[0]:.3f} -> {losses[-1]:.3f}"
+    every_rank = [None] * dist.get_world_size()
+    dist.all_gather_object(every_rank, mine)
+    if dist.get_rank() == 0:  # one process prints: the lines stay whole and in order
+        for rank, line in enumerate(every_rank):
+            print(f"rank {rank}: {line}")
     dist.destroy_process_group()
 
 

@@ -123,8 +123,11 @@ def evaluate(
     # kept, and the next progress() pipelines the model again.
     sdd.detach()
     model.eval()
+    outputs = []
     with torch.no_grad():
-        outputs = [model(batch.to(device))[1] for batch in batches]
+        for batch in batches:
+            _loss, output = model(batch.to(device))
+            outputs.append(output)
     model.train()
     return outputs
 
@@ -145,10 +148,14 @@ def main() -> None:
     pipeline, sdd = build_pipeline(model, device, make_streams(device), prefetch=True)
     outputs = train_epoch(pipeline, model, optimizer, data)
     evaluated = evaluate(sdd, model, list(data)[:2], device)
+    mine = f"trained {len(outputs)} batches, evaluated {len(evaluated)}"
+    every_rank = [None] * dist.get_world_size()
+    dist.all_gather_object(every_rank, mine)
     if dist.get_rank() == 0:
         assert sdd.rewrite_result is not None
         print(sdd.rewrite_result.report())
-    print(f"rank {dist.get_rank()}: trained {len(outputs)} batches, evaluated {len(evaluated)}")
+        for rank, line in enumerate(every_rank):
+            print(f"rank {rank}: {line}")
     dist.destroy_process_group()
 
 
