@@ -1,16 +1,19 @@
-"""The code the guides show (docs/examples/), run on the test DLRM: each must do
-what its guide says, checked against the plain loop."""
+"""The code the guides and the README show (docs/examples/), run on the test DLRM
+(the quickstart also on its own model): each must do what its page says, checked
+against the plain loop."""
 
 from __future__ import annotations
 
 import tempfile
 from typing import Any, List
 
+import pytest
 import torch
 import torch.distributed as dist
 from torchdata.stateful_dataloader import StatefulDataLoader
+from torchrec.datasets.random import RandomRecDataset
 
-from docs.examples import checkpoint, quickstart, schedule
+from docs.examples import checkpoint, quickstart, schedule, staged
 from tests import devices
 from tests.distributed.dlrm import (
     DLRM,
@@ -20,6 +23,7 @@ from tests.distributed.dlrm import (
     make_sharded,
     plain_loop,
     plain_loop_restarted,
+    plain_loop_with_eval_pass,
     weights,
 )
 from tests.elastic.train_with_checkpoints import Batches
@@ -39,7 +43,31 @@ def test_quickstart_trains_as_the_plain_loop(capsys: Any) -> None:
     dmp, optimizer = make_sharded(DLRM, "table_wise", seed=SEED)
     ours = Run(_outputs(quickstart.train_one_epoch(dmp, optimizer, batches, DEVICE)), weights(dmp))
     assert_runs_equal(ref, ours, ("plain loop", "quickstart"))
-    assert "ebc" in capsys.readouterr().out  # the report names the pipelined module
+    if dist.get_rank() == 0:  # the report names the pipelined module
+        assert "pipelined (fx): ebc" in capsys.readouterr().out
+
+
+def test_quickstart_model_trains_as_the_plain_loop() -> None:
+    """The README's own model and data (a torchrec DLRM, RandomRecDataset), built
+    twice by the example: the pipeline's losses and weights are the plain loop's."""
+    data = RandomRecDataset(
+        keys=quickstart.FEATURES,
+        batch_size=64,
+        hash_size=1000,
+        ids_per_feature=3,
+        num_dense=8,
+        manual_seed=dist.get_rank(),
+        num_batches=N,
+    )
+    cpu = torch.device("cpu")
+    model, optimizer = quickstart.build_model(cpu)
+    ref = Run(
+        [staged.train_step(model, optimizer, batch)[0].clone() for batch in data],
+        weights(model),
+    )
+    model, optimizer = quickstart.build_model(cpu)
+    outputs = quickstart.train_one_epoch(model, optimizer, data, cpu)
+    assert_runs_equal(ref, Run([loss for loss, _, _ in outputs], weights(model)))
 
 
 def test_checkpoint_recipe_resumes_the_batches_in_flight() -> None:
@@ -86,3 +114,71 @@ def test_schedule_example_records_the_steady_state(tmp_path: Any, monkeypatch: A
     # Three in flight, and the batch pulled a step ahead while the ranks agree on it.
     assert ledger.max_batches == 4
     assert (tmp_path / "trace.json").stat().st_size > 0
+
+
+@pytest.mark.parametrize("prefetch", [False, True], ids=["two_stages", "prefetch"])
+def test_staged_example_trains_as_the_plain_loop(prefetch: bool) -> None:
+    """The guide's pipeline, built by the same function as on CUDA with every
+    stream None: the loop's outputs and the weights are the plain loop's."""
+    batches = make_batches(N, seed=DATA_SEED)
+    ref = plain_loop(*make_sharded(DLRM, "table_wise", seed=SEED), batches)
+    dmp, optimizer = make_sharded(DLRM, "table_wise", seed=SEED)
+    streams = staged.make_streams(DEVICE)
+    assert DEVICE.type != "cpu" or streams == staged.Streams(None, None, None)
+    pipeline, sdd = staged.build_pipeline(dmp, DEVICE, streams, prefetch=prefetch)
+    assert pipeline.num_stages == (3 if prefetch else 2)
+    outputs = staged.train_epoch(pipeline, dmp, optimizer, batches)
+    assert_runs_equal(ref, Run(_outputs(outputs), weights(dmp)), ("plain loop", "staged"))
+    assert sdd.rewrite_result is not None and sdd.rewrite_result.names == ["ebc"]
+
+
+@pytest.mark.parametrize("prefetch", [False, True], ids=["two_stages", "prefetch"])
+def test_staged_example_flush_then_evaluate(prefetch: bool) -> None:
+    """set_flush(True) after 2 steps: the batches in flight (one per stage) are
+    trained, then on_flush_end evaluates with nothing in flight, then training
+    carries on; equal to the plain loop evaluating after 2 + num_stages batches."""
+    train, evaluation = make_batches(N, seed=DATA_SEED), make_batches(2, seed=DATA_SEED + 1)
+    stages = 3 if prefetch else 2
+    first, evaluated_ref, rest = plain_loop_with_eval_pass(
+        *make_sharded(DLRM, "table_wise", seed=SEED), train, evaluation, at=2 + stages
+    )
+    dmp, optimizer = make_sharded(DLRM, "table_wise", seed=SEED)
+    evaluated: List[List[Any]] = []
+    pipeline, sdd = staged.build_pipeline(
+        dmp,
+        DEVICE,
+        staged.make_streams(DEVICE),
+        prefetch=prefetch,
+        on_flush_end=lambda: evaluated.append(staged.evaluate(sdd, dmp, evaluation, DEVICE)),
+    )
+    outputs = staged.train_epoch(pipeline, dmp, optimizer, train, flush_after=2)
+    assert_runs_equal(
+        Run(list(first) + list(rest), rest.weights),
+        Run(_outputs(outputs), weights(dmp)),
+        ("plain loop", "staged, flushed"),
+    )
+    assert len(evaluated) == 1
+    assert_runs_equal(Run(evaluated_ref, {}), Run(_outputs(evaluated[0]), {}))
+
+
+def test_staged_example_evaluates_mid_epoch_with_batches_in_flight() -> None:
+    """evaluate() between two steps, no flush: detach() keeps the batches in
+    flight and the next progress() pipelines the model again."""
+    train, evaluation = make_batches(N, seed=DATA_SEED), make_batches(2, seed=DATA_SEED + 1)
+    first, evaluated_ref, rest = plain_loop_with_eval_pass(
+        *make_sharded(DLRM, "table_wise", seed=SEED), train, evaluation, at=3
+    )
+    dmp, optimizer = make_sharded(DLRM, "table_wise", seed=SEED)
+    pipeline, sdd = staged.build_pipeline(dmp, DEVICE, staged.make_streams(DEVICE), prefetch=True)
+    outputs, evaluated = [], []
+    it = iter(train)
+    while (batch := pipeline.progress(it)) is not None:
+        outputs.append(staged.train_step(dmp, optimizer, batch))
+        if len(outputs) == 3:
+            evaluated = staged.evaluate(sdd, dmp, evaluation, DEVICE)
+    assert_runs_equal(
+        Run(list(first) + list(rest), rest.weights),
+        Run(_outputs(outputs), weights(dmp)),
+        ("plain loop", "staged, evaluated mid-epoch"),
+    )
+    assert_runs_equal(Run(evaluated_ref, {}), Run(_outputs(evaluated), {}))

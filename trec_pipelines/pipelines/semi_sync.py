@@ -74,7 +74,12 @@ class TrainPipelineSemiSync(TrainPipelineSparseDist[In, Out]):
     dense backward stops there and :meth:`embedding_backward` then sends the
     leaves' gradients into the tables, whose fused optimizer updates them.
     Batches before ``start_batch`` train synchronously: ``nxt`` is looked up
-    after ``cur``'s update, and training equals the plain loop.  From
+    after ``cur``'s update, and training equals the plain loop.  With the
+    default ``start_batch=900`` (torchrec's), a run shorter than 900 batches
+    (counted from construction or ``reset()``, across epochs) is never
+    semi-synchronous: it trains as ``TrainPipelineSparseDist`` does, bit for
+    bit; pass a smaller ``start_batch`` (0: from the first batch) to overlap
+    sooner.  From
     ``start_batch`` on, ``nxt`` is looked up before ``cur``'s update (batch
     ``i`` reads rows updated through ``i-2``), and the all-to-all of its
     embeddings overlaps ``cur``'s backward.  With ``stash_gradients`` every

@@ -62,7 +62,12 @@ class TrainPipelineSparseDist(PipelineCore, TrainPipeline[In, Out], AsyncInplace
 
     While ``cur`` trains, the ids of ``nxt`` travel to the ranks that hold
     their embeddings and ``new`` travels to the device; each ``progress()``
-    returns ``cur``'s output and moves every batch up one slot.  Each pipelined
+    returns ``cur``'s output and moves every batch up one slot.  The model's
+    forward returns ``(loss, output)``: the step backpropagates
+    ``torch.sum(loss, dim=0)`` and ``progress()`` returns ``output`` (as
+    torchrec), so put in ``output`` whatever the loop should see, the detached
+    loss included (torchrec's ``DLRMTrain`` returns ``(loss, (loss.detach(),
+    logits, labels))``).  Each pipelined
     ``ShardedModule.forward`` is replaced by a
     :class:`~trec_pipelines.model.forwards.PipelinedForward`, which finds its batch's
     ``input_dist`` already under way; a module that can't be pipelined keeps
