@@ -136,7 +136,9 @@ class BaseForward(Generic[C]):
             f"sharded module '{self._name}' has no pipelined input for batch "
             f"{self._context.index}: the model was called outside pipeline.progress(). "
             "Call pipeline.detach() before using the model directly, and "
-            "pipeline.attach() to resume."
+            "pipeline.attach() to resume (with StagedTrainPipeline: the "
+            "SparseDataDistUtil's detach(); its next progress() pipelines the "
+            "model again)."
         )
 
     def _runs_again(self, store: Dict[str, Any]) -> bool:
