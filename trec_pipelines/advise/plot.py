@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import importlib.util
 import textwrap
-from typing import Any, List, Tuple
+from typing import Any, List, Optional, Sequence, Tuple
 
 from trec_pipelines.advise.verdict import MARGIN, Answer
 from trec_pipelines.observe.memory import format_bytes
@@ -47,6 +47,74 @@ def _title(advice: Any) -> str:
 
 def _unit(largest: float) -> Tuple[str, float]:
     return ("MiB", MIB) if largest >= MIB else ("KiB", KIB)
+
+
+# Where a point's label may go, in points from it: right, left, above, below, then further out.
+_SPOTS = [
+    (9, 2, "left", "bottom"),
+    (9, -2, "left", "top"),
+    (-9, 2, "right", "bottom"),
+    (-9, -2, "right", "top"),
+    (0, 10, "center", "bottom"),
+    (0, -10, "center", "top"),
+    (9, 16, "left", "bottom"),
+    (-9, 16, "right", "bottom"),
+    (9, -16, "left", "top"),
+    (-9, -16, "right", "top"),
+]
+
+
+def _place_labels(
+    fig: Any,
+    ax: Any,
+    labels: Sequence[Tuple[float, float, str, bool]],
+    bars: Sequence[Tuple[float, float, float]],
+) -> None:
+    """Each label at the first spot around its point that overlaps no label placed before it,
+    no point and no error bar (or, failing that, the spot that overlaps least)."""
+    from matplotlib.transforms import Bbox
+
+    fig.canvas.draw()
+    renderer = fig.canvas.get_renderer()
+    frame = ax.get_window_extent(renderer)
+    to_px = ax.transData.transform
+    obstacles = []
+    for x, low, high in bars:
+        (x0, y0), (x1, y1) = to_px((x, low)), to_px((x, high))
+        obstacles.append(Bbox.from_extents(x0 - 6, min(y0, y1), x1 + 6, max(y0, y1)))
+    for x, y, _, _ in labels:
+        px, py = to_px((x, y))
+        obstacles.append(Bbox.from_extents(px - 8, py - 8, px + 8, py + 8))
+    placed: List[Any] = []
+    for x, y, text, bold in sorted(labels, key=lambda item: -item[1]):
+        best: Optional[Tuple[float, Any, Any]] = None
+        for dx, dy, ha, va in _SPOTS:
+            note = ax.annotate(
+                text,
+                (x, y),
+                textcoords="offset points",
+                xytext=(dx, dy),
+                ha=ha,
+                va=va,
+                fontsize=10,
+                fontweight="bold" if bold else "normal",
+            )
+            box = note.get_window_extent(renderer)
+            cost = 10.0 * sum(box.overlaps(b) for b in placed)
+            cost += sum(box.overlaps(b) for b in obstacles)
+            cost += (
+                0.0 if frame.contains(box.x0, box.y0) and frame.contains(box.x1, box.y1) else 5.0
+            )
+            if best is None or cost < best[0]:
+                if best is not None:
+                    best[1].remove()
+                best = (cost, note, box)
+            else:
+                note.remove()
+            if cost == 0:
+                break
+        assert best is not None
+        placed.append(best[2])
 
 
 def save_plot(advice: Any, path: str) -> None:
@@ -95,6 +163,8 @@ def save_plot(advice: Any, path: str) -> None:
         )
     # The pick in red; when it cannot tell, the one leading so far in orange.
     picked = advice.verdict.variant
+    labels: List[Tuple[float, float, str, bool]] = []
+    bars: List[Tuple[float, float, float]] = []
     for row in points:
         x, y = row.held_peak / scale, row.vs_plain
         over = row.within_budget is False
@@ -103,10 +173,13 @@ def save_plot(advice: Any, path: str) -> None:
             color = "tab:blue"
         else:
             color = "tab:red" if advice.recommended else "tab:orange"
+        # The band is symmetric (twice the standard error); a ratio is never below 0.
+        low, high = min(row.band or 0.0, y), row.band or 0.0
+        bars.append((x, y - low, y + high))
         ax.errorbar(
             [x],
             [y],
-            yerr=[[row.band or 0.0], [row.band or 0.0]],
+            yerr=[[low], [high]],
             fmt="*" if chosen else "o",
             markersize=14 if chosen else 8,
             color=color,
@@ -121,14 +194,7 @@ def save_plot(advice: Any, path: str) -> None:
             label += " (leads)"
         if row.unpipelined:
             label += f" ({len(row.unpipelined)} unpipelined)"
-        ax.annotate(
-            label,
-            (x, y),
-            textcoords="offset points",
-            xytext=(9, 3),
-            fontsize=10,
-            fontweight="bold" if chosen else "normal",
-        )
+        labels.append((x, y, label, chosen))
 
     notes: List[str] = []
     if log:
@@ -184,6 +250,7 @@ def save_plot(advice: Any, path: str) -> None:
     fig.text(0.01, 0.01, reason, fontsize=9, va="bottom", ha="left", color="0.2")
     lines = reason.count("\n") + 1
     fig.tight_layout(rect=(0, 0.01 + 0.03 * lines, 1, 1))
+    _place_labels(fig, ax, labels, bars)
     fig.savefig(path, dpi=110)
     plt.close(fig)
 
