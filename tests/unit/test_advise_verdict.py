@@ -107,8 +107,8 @@ def test_wide_noise_cannot_tell_and_says_how_many_rounds() -> None:
     assert verdict.answer is Answer.CANNOT_TELL
     assert verdict.variant == "Maybe" and verdict.rerun_rounds == 7 and verdict.rerun_steps is None
     assert str(verdict) == (
-        "cannot tell: Maybe leads at 1.10x plain ±0.12 over 3 rounds, but whether Maybe is more than "
-        "2% faster than the plain loop is within the noise (+0.10 ±0.12 in x plain over 3 rounds); "
+        "cannot tell: Maybe leads at 1.10x plain ±0.12 over 3 rounds, but the noise leaves open whether "
+        "Maybe is more than 2% faster than the plain loop (their difference: +0.10 ±0.12 in x plain); "
         "re-run with 7 rounds"
     )
     # With those 7 rounds at the same spread, the same lead is settled.

@@ -361,9 +361,10 @@ def judge(
                 "no one of them is clearly the choice; choose by held memory",
             )
         a, b, x, half, needed = pair
+        than = "it" if b is lead else _name(b)
         what = (
-            f"{leads}, but whether {_name(a)} is more than {MARGIN:.0%} faster than {_name(b)} "
-            f"is within the noise ({x:+.2f} ±{half:.2f} in x plain over {rounds} rounds)"
+            f"{leads}, but the noise leaves open whether {_name(a)} is more than {MARGIN:.0%} "
+            f"faster than {than} (their difference: {x:+.2f} ±{half:.2f} in x plain)"
         )
         if needed is None:
             what += (
