@@ -1,111 +1,22 @@
-"""advise without a process group: the recommendation rule, the helpers, the table, the PNG, the CLI."""
+"""advise without a process group: the helpers, the table, the PNG, the CLI (the verdict: test_advise_verdict)."""
 
 from __future__ import annotations
 
 import os
-from typing import Any, List, Optional, Tuple
+from dataclasses import replace
+from typing import Any, List, Optional
 
 import pytest
 
-from trec_pipelines.advise.advice import Advice, VariantReport, noise_band, parse_bytes, recommend
+from tests.unit.test_advise_verdict import STEPS, at, measured, plain
+from trec_pipelines.advise.advice import Advice, VariantReport, not_applicable_line, parse_bytes
 from trec_pipelines.advise.cli import _without_nproc, load_build, parser
 from trec_pipelines.advise.measure import BuildError, _exposed_per_step, call_build, take
 from trec_pipelines.advise.run import _round_order
 from trec_pipelines.advise.variants import Variant, iterable_problem, not_applicable, resolve
-from trec_pipelines.observe.memory import format_bytes
+from trec_pipelines.advise.verdict import Answer, band, judge, typical_spread
 
 MIB = 2**20
-
-
-def row(
-    name: str,
-    vs_plain: float,
-    held: int,
-    unpipelined: Tuple[Tuple[str, str], ...] = (),
-    paired: Tuple[float, ...] = (),
-    ran: bool = True,
-) -> VariantReport:
-    return VariantReport(
-        name=name,
-        ran=ran,
-        vs_plain=vs_plain,
-        qps=1000 * vs_plain,
-        held_peak=held,
-        unpipelined=unpipelined,
-        paired=paired or (vs_plain,),
-    )
-
-
-def test_fastest_without_a_budget() -> None:
-    rows = [row("A", 1.10, 5 * MIB), row("B", 1.31, 9 * MIB), row("C", 0.95, 1 * MIB)]
-    name, reason = recommend(rows, None, 0.0)
-    assert name == "B"
-    assert reason == "B: 1.31x plain, +9.0 MiB held; the fastest."
-
-
-def test_a_budget_excludes_the_fastest_and_the_reason_says_by_how_much() -> None:
-    rows = [
-        row("Fused", 1.31, int(9.2 * MIB)),
-        row("SemiSync", 1.34, int(49.2 * MIB)),
-        row("Base", 1.0, MIB),
-    ]
-    name, reason = recommend(rows, 10 * MIB, 0.0)
-    assert name == "Fused"
-    over = int(49.2 * MIB) - 10 * MIB
-    assert reason == (
-        f"Fused: 1.31x plain, +9.2 MiB held; SemiSync is 2% faster but exceeds the budget by {format_bytes(over)}."
-    )
-
-
-def test_within_the_noise_the_one_holding_less() -> None:
-    rows = [row("Big", 1.30, 20 * MIB), row("Small", 1.27, 4 * MIB), row("Slow", 1.10, MIB)]
-    name, reason = recommend(rows, None, 0.05)
-    assert name == "Small"
-    assert "Big is 2% faster, within the noise (±0.05), and holds 16.0 MiB more" in reason
-    # Outside the noise, the fastest.
-    assert recommend(rows, None, 0.01)[0] == "Big"
-
-
-def test_never_one_that_left_a_module_unpipelined_when_another_did_not() -> None:
-    rows = [
-        row("Sparse", 1.40, MIB, unpipelined=(("ebc", "postproc"),)),
-        row("Fused", 1.05, 2 * MIB),
-    ]
-    name, reason = recommend(rows, None, 0.0)
-    assert name == "Fused" and "Sparse is 33% faster but leaves ebc unpipelined" in reason
-    # When every variant left one, the rule falls back to speed.
-    both = [
-        row("Sparse", 1.40, MIB, unpipelined=(("ebc", "x"),)),
-        row("Lite", 1.05, MIB, unpipelined=(("ebc", "x"),)),
-    ]
-    assert recommend(both, None, 0.0)[0] == "Sparse"
-
-
-def test_slower_than_the_plain_loop_is_said() -> None:
-    rows = [row("A", 0.70, MIB), row("B", 0.85, 2 * MIB)]
-    name, reason = recommend(rows, None, 0.05)
-    assert name == "B" and "no variant beat the plain loop here beyond the noise" in reason
-    assert "plain loop" not in recommend(rows, None, 0.35)[1]  # within the noise of it: not said
-
-
-def test_nothing_fits_or_nothing_ran() -> None:
-    rows = [row("A", 1.1, 5 * MIB), row("B", 1.2, 3 * MIB)]
-    name, reason = recommend(rows, MIB, 0.0)
-    assert name is None and "the least is B with 3.0 MiB" in reason
-    assert recommend([row("A", 1.0, 0, ran=False)], None, 0.0)[0] is None
-
-
-def test_noise_band_is_the_median_half_range_of_per_round_ratios() -> None:
-    rows = [
-        row("A", 1.0, 0, paired=(1.0, 1.2, 1.1)),
-        row("B", 1.0, 0, paired=(0.9, 0.95)),
-        row("S", 1.0, 0, paired=(0.5, 2.5)),
-        row("C", 1.0, 0),
-    ]
-    assert noise_band(rows) == pytest.approx(
-        0.1
-    )  # half-ranges 0.1, 0.025, 1.0: the stalled S does not set it
-    assert noise_band([row("A", 1.0, 0)]) == 0.0
 
 
 def test_parse_bytes() -> None:
@@ -230,36 +141,58 @@ def test_exposed_input_dist_counts_steady_calls_only() -> None:
     assert _exposed_per_step([("issue", 1.0, 2.0)], [0.0], 5.0) is None
 
 
-def advice(recommended: Optional[str] = "B", budget: Optional[int] = 4 * MIB) -> Advice:
-    plain = VariantReport(name="plain loop", ran=True, qps=1000.0, vs_plain=1.0, held_peak=0)
+def advice(budget: Optional[int] = 4 * MIB, seconds: float = 1.0) -> Advice:
+    """Hand-written rounds: B is clearly the fastest of those that pipeline every module."""
+    base = (seconds,) * 3
     rows = (
-        row("A", 1.1, 2 * MIB),
-        row("B", 1.2, 3 * MIB, unpipelined=(("ebc", "postproc 'neg' modifies its input"),)),
-        VariantReport(name="C", applicable=False, reason="needs a cache"),
+        measured("A", base, at((1.09, 1.10, 1.11), base), 2 * MIB),
+        measured("B", base, at((1.19, 1.20, 1.21), base), 3 * MIB),
+        measured(
+            "E",
+            base,
+            at((1.24, 1.25, 1.26), base),
+            MIB,
+            (("ebc", "postproc 'neg' modifies its input"),),
+        ),
+        VariantReport(name="C", applicable=False, reason="needs a cache: the model has none"),
+        VariantReport(name="F", applicable=False, reason="needs a cache: none here either"),
+        VariantReport(name="G", applicable=False, reason="compiled, not timed unless asked: slow"),
         VariantReport(name="D", error="RuntimeError: boom (rank 1, round 1)"),
     )
-    return Advice(recommended, "B: why.", rows, plain, budget, 0.02, 2, 1, 4, 2)
+    rows = tuple(replace(r, band=band(r, typical_spread(rows))) for r in rows)
+    return Advice(
+        judge(plain(base), rows, budget), rows, plain(base), None, 0.01, 3, 1, STEPS, 2
+    ).for_budget(budget)
 
 
 def test_for_budget_judges_the_same_measurements_again() -> None:
-    a = advice(recommended="B", budget=None)
+    a = advice(budget=None)
+    assert a.recommended == "B" and a.verdict.answer is Answer.RECOMMEND
+    assert a.reason == str(a.verdict) and a.reason.startswith("recommend B: 1.20x plain ±0.01")
     tight = a.for_budget("2.5MiB")
-    assert (
-        tight.recommended == "A"
-        and tight["B"].within_budget is False
-        and tight["A"].within_budget is True
-    )
+    assert tight.recommended == "A" and tight["B"].within_budget is False
+    assert tight["A"].within_budget is True and tight["E"].within_budget is True
+    assert "B is 9% faster but exceeds the budget by 512.0 KiB" in tight.reason
     assert tight["C"].within_budget is None and tight["A"].qps == a["A"].qps
     assert a.for_budget(None)["A"].within_budget is None
+    nothing = a.for_budget(1)
+    assert nothing.recommended is None and nothing.verdict.answer is Answer.KEEP_PLAIN_LOOP
 
 
-def test_table_and_json(tmp_path: Any) -> None:
+def test_table_lists_the_applicable_and_the_rest_in_one_line(tmp_path: Any) -> None:
     a = advice()
     text = a.table()
-    assert "* B" in text and "recommended: B: why." in text
-    assert "C: not applicable: needs a cache" in text and "D: failed: RuntimeError: boom" in text
-    assert "B: ebc not pipelined: postproc 'neg' modifies its input" in text
-    assert a["A"].held_peak == 2 * MIB and a["plain loop"].qps == 1000.0
+    lines = text.splitlines()
+    assert lines[2].startswith("  plain loop") and any(line.startswith("* B ") for line in lines)
+    assert "1.20 ±0.01" in text
+    for name in ("C", "F", "G"):  # not in the table: in the one footer line
+        assert not any(line.startswith(f"  {name} ") for line in lines)
+    assert "not applicable: C, F (needs a cache); G (compiled, not timed unless asked)" in lines
+    assert "  D: failed: RuntimeError: boom" in text and "  D " in text  # applicable, failed: a row
+    assert "  E: ebc not pipelined: postproc 'neg' modifies its input" in text
+    assert "(shortest epoch 0.800 s)" in text
+    assert lines[-1] == f"verdict: {a.verdict}"
+    assert a["A"].held_peak == 2 * MIB and a["plain loop"].vs_plain == 1.0
     with pytest.raises(KeyError, match="no variant 'Z'"):
         a["Z"]
     path = os.path.join(tmp_path, "advice.json")
@@ -268,13 +201,16 @@ def test_table_and_json(tmp_path: Any) -> None:
 
     loaded = json.load(open(path))
     assert (
-        loaded["recommended"] == "B" and loaded["build"] == "x:y" and len(loaded["variants"]) == 4
+        loaded["recommended"] == "B" and loaded["build"] == "x:y" and len(loaded["variants"]) == 7
     )
+    assert loaded["verdict"]["answer"] == "recommend" and loaded["reason"] == a.reason
+    assert not_applicable_line(a.variants[:3]) == ""
 
 
-def test_plot_is_a_png(tmp_path: Any) -> None:
+@pytest.mark.parametrize("seconds", [1.0, 0.05])
+def test_plot_is_a_png(tmp_path: Any, seconds: float) -> None:
     path = os.path.join(tmp_path, "advice.png")
-    advice().save_plot(path)
+    advice(seconds=seconds).save_plot(path)  # 0.05 s: too short, the title says "cannot tell"
     with open(path, "rb") as f:
         assert f.read(8) == b"\x89PNG\r\n\x1a\n"
 
@@ -379,7 +315,9 @@ def test_the_command_line_end_to_end(tmp_path: Any) -> None:
         timeout=300,
     )
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
-    assert "recommended: TrainPipeline" in done.stdout and "memory budget 1.0 GiB" in done.stdout
+    # Two steps of a tiny model in one round: too short and too few to tell.
+    assert "verdict: cannot tell: the shortest timed epoch took" in done.stdout
+    assert "memory budget 1.0 GiB" in done.stdout
     document = json.load(open(os.path.join(out, "advice.json")))
     assert (
         document["build"] == "benchmarks.advise_build:tiny" and document["memory_budget"] == 2**30
@@ -388,6 +326,7 @@ def test_the_command_line_end_to_end(tmp_path: Any) -> None:
         "TrainPipelineSparseDist",
         "TrainPipelineBase",
     ]
-    assert document["recommended"] in ("TrainPipelineSparseDist", "TrainPipelineBase")
+    assert document["recommended"] is None and document["verdict"]["answer"] == "cannot tell"
+    assert document["verdict"]["rerun_steps"] > 2 and document["verdict"]["rerun_rounds"] == 3
     with open(os.path.join(out, "advice.png"), "rb") as f:
         assert f.read(8) == b"\x89PNG\r\n\x1a\n"

@@ -1,27 +1,8 @@
-"""What advise found: one row per variant, the recommendation and its reason.
+"""What advise found: one row per variant, and the verdict.
 
-[Note: the recommendation rule]
-Among the variants that ran (on every rank, every round):
-
-1. keep those whose pipeline-held bytes (the memory ledger's peak, the
-   largest rank's) are within ``memory_budget``, when one is given;
-2. if any of them pipelined every sharded module, drop those that left a
-   module unpipelined;
-3. the fastest of the rest (QPS / the plain loop's, as the bench's ratio),
-   unless another is within the measured noise of it and holds less: then
-   the one holding least among those within the noise.
-
-The sentence says what the faster variants left out would cost (over the
-budget by how much, which modules they leave unpipelined, how much more they
-hold), and says so when even the pick is slower than the plain loop beyond
-the noise.
-
-The noise is the median, over variants, of the half-range of each one's
-per-round ratio to the plain loop of the same round (each round builds and
-trains every contender once, so a ratio within one round shares the
-machine's state).  The median, not the largest: one variant hit by a stall
-would otherwise make every other one "within the noise".  With one round
-there is no noise figure and rule 3 is plain "fastest".
+The verdict (recommend a variant, keep the plain loop, or cannot tell) and
+its rule are :mod:`trec_pipelines.advise.verdict`'s ([Note: the verdict
+rule]); this module holds the rows, the table, the JSON and the budget.
 """
 
 from __future__ import annotations
@@ -31,6 +12,7 @@ import statistics
 from dataclasses import asdict, dataclass, replace
 from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
 
+from trec_pipelines.advise.verdict import Answer, Verdict, judge
 from trec_pipelines.observe.memory import format_bytes
 
 _UNITS = {
@@ -64,10 +46,6 @@ def parse_bytes(value: Union[int, float, str, None]) -> Optional[int]:
     return parse_bytes(float(number) * _UNITS[unit])
 
 
-# A noise band this wide (a tenth of the plain loop's speed) is flagged in the table.
-NOISY = 0.10
-
-
 @dataclass(frozen=True)
 class VariantReport:
     """One variant (or the plain loop) as advise measured it.
@@ -84,6 +62,8 @@ class VariantReport:
             when the batches have no KeyedJaggedTensor to count samples by.
         vs_plain: ``qps`` / the plain loop's ``qps`` (ratio of medians, as the bench).
         paired: per round, its ratio to the plain loop of that round.
+        band: twice the standard error of ``vs_plain`` over the rounds: the
+            ``±`` of the table (None: one round; see [Note: the verdict rule]).
         held_peak, held_steady: the memory ledger's peak and steady bytes
             held by the pipeline (model and optimizer excluded), largest rank.
         rss_peak: largest resident memory after a step of its measured
@@ -109,6 +89,7 @@ class VariantReport:
     qps: Optional[float] = None
     vs_plain: Optional[float] = None
     paired: Tuple[float, ...] = ()
+    band: Optional[float] = None
     held_peak: Optional[int] = None
     held_steady: Optional[int] = None
     rss_peak: Optional[int] = None
@@ -129,19 +110,21 @@ class Advice:
     """The result of :func:`trec_pipelines.advise`: every rank gets an equal one.
 
     Attributes:
-        recommended: the variant to use (None: no variant ran within the budget).
-        reason: one sentence saying why.
+        verdict: recommend a variant, keep the plain loop, or cannot tell,
+            with the reason and, when it cannot tell, what to re-run with
+            (:class:`~trec_pipelines.advise.verdict.Verdict`).
         variants: a row per variant asked for, in the order timed.
         plain: the plain loop's row (the reference of every ratio).
         memory_budget: the budget in bytes of pipeline-held memory (None: none).
-        noise: the noise band of the ratios (see [Note: the recommendation rule]).
+        noise: the run's typical spread of the per-round ratios to the plain
+            loop (the median over variants of their standard deviation), the
+            least the rule believes of any difference ([Note: the verdict rule]).
         rounds, warmup, steps: how it was measured.
         world_size: ranks that trained.
         qps_unit: ``"examples/s"`` or ``"steps/s"``.
     """
 
-    recommended: Optional[str]
-    reason: str
+    verdict: Verdict
     variants: Tuple[VariantReport, ...]
     plain: VariantReport
     memory_budget: Optional[int]
@@ -151,6 +134,16 @@ class Advice:
     steps: int
     world_size: int
     qps_unit: str = "examples/s"
+
+    @property
+    def recommended(self) -> Optional[str]:
+        """The variant to use; None when the verdict is to keep the plain loop, or it cannot tell."""
+        return self.verdict.variant if self.verdict.answer is Answer.RECOMMEND else None
+
+    @property
+    def reason(self) -> str:
+        """The verdict in one sentence, as the table's last line prints it."""
+        return str(self.verdict)
 
     def __getitem__(self, name: str) -> VariantReport:
         for row in self.variants + (self.plain,):
@@ -175,27 +168,26 @@ class Advice:
             )
             for r in self.variants
         )
-        recommended, reason = recommend(rows, memory_budget, self.noise)
         plain = replace(self.plain, within_budget=None if memory_budget is None else True)
         return replace(
             self,
             variants=rows,
             plain=plain,
             memory_budget=memory_budget,
-            recommended=recommended,
-            reason=reason,
+            verdict=judge(plain, rows, memory_budget),
         )
 
     def to_dict(self) -> Dict[str, Any]:
-        """Plain JSON types: what ``write_json`` writes."""
-        return asdict(self)
+        """Plain JSON types: what ``write_json`` writes (``recommended`` and ``reason`` included)."""
+        return {**asdict(self), "recommended": self.recommended, "reason": self.reason}
 
     def write_json(self, path: str, extra: Optional[Dict[str, Any]] = None) -> None:
         with open(path, "w") as f:
             json.dump({**self.to_dict(), **(extra or {})}, f, indent=1)
 
     def table(self) -> str:
-        """The advice as a text table, then the recommendation and the notes of each row."""
+        """The applicable variants as a text table, then a footer: how it was measured,
+        the variants that do not apply (one line), failures, unpipelined modules, the verdict."""
         header = (
             "variant",
             self.qps_unit,
@@ -208,13 +200,16 @@ class Advice:
             "status",
         )
         rows: List[Sequence[str]] = []
-        for r in (self.plain,) + self.variants:
+        for r in (self.plain,) + tuple(r for r in self.variants if r.applicable):
             mark = "*" if r.name == self.recommended else " "
+            ratio = "-" if r.vs_plain is None else f"{r.vs_plain:.2f}"
+            if r.band is not None and r is not self.plain:
+                ratio += f" ±{r.band:.2f}"
             rows.append(
                 (
                     f"{mark} {r.name}",
                     "-" if r.qps is None else f"{r.qps:,.0f}",
-                    "-" if r.vs_plain is None else f"{r.vs_plain:.2f}",
+                    ratio,
                     format_bytes(r.held_peak) + ("" if r.within_budget is not False else " (over)"),
                     format_bytes(r.rss_peak),
                     format_bytes(r.device_peak),
@@ -231,24 +226,26 @@ class Advice:
             for row in rows
         ]
         budget = "none" if self.memory_budget is None else format_bytes(self.memory_budget)
+        epochs = [statistics.median(r.seconds) for r in (self.plain, *self.variants) if r.seconds]
+        shortest = f" (shortest epoch {min(epochs):.3f} s)" if epochs else ""
         lines.append(
             f"{self.world_size} ranks, {self.rounds} round(s) of warm-up {self.warmup} "
-            f"+ {self.steps} timed steps; "
-            f"memory budget {budget}; noise band ±{self.noise:.3f}"
-            + (" (noisy: more --rounds or --steps narrow it)" if self.noise >= NOISY else "")
+            f"+ {self.steps} timed steps{shortest}; memory budget {budget}; "
+            "± is twice the standard error of x plain over the rounds"
         )
-        lines.append(f"recommended: {self.reason}")
+        skipped = not_applicable_line(self.variants)
+        if skipped:
+            lines.append(skipped)
         for r in self.variants:
-            if not r.applicable:
-                lines.append(f"  {r.name}: not applicable: {r.reason}")
-            elif not r.ran:
+            if r.applicable and not r.ran:
                 lines.append(f"  {r.name}: failed: {r.error}")
             for module, why in r.unpipelined:
                 lines.append(f"  {r.name}: {module} not pipelined: {why}")
+        lines.append(f"verdict: {self.verdict}")
         return "\n".join(lines)
 
     def save_plot(self, path: str) -> None:
-        """QPS against pipeline-held memory per variant, the budget as a vertical line (a PNG).
+        """x plain against pipeline-held memory per variant, with the rounds' spread (a PNG).
 
         Needs matplotlib (not a dependency of the package): ``pip install matplotlib``.
         """
@@ -257,81 +254,24 @@ class Advice:
         save_plot(self, path)
 
 
-def _pct(a: float, b: float) -> str:
-    """How much faster ``a`` is than ``b``: whole percent, one decimal under 1%."""
-    percent = 100 * (a / b - 1)
-    return f"{percent:.1f}%" if abs(percent) < 1 else f"{percent:.0f}%"
+def not_applicable_line(rows: Sequence[VariantReport]) -> str:
+    """The variants that do not apply, in one line, grouped by their reason's words before its colon.
 
-
-def recommend(
-    rows: Sequence[VariantReport], budget: Optional[int], noise: float
-) -> Tuple[Optional[str], str]:
-    """The recommended variant and the sentence saying why ([Note: the recommendation rule])."""
-    ran = [r for r in rows if r.ran and r.vs_plain is not None]
-    if not ran:
-        return None, "no variant ran; see each row's error or reason"
-    fits = [r for r in ran if budget is None or (r.held_peak is not None and r.held_peak <= budget)]
-    if not fits:
-        least = min(
-            (r for r in ran if r.held_peak is not None),
-            key=lambda r: r.held_peak or 0,
-            default=None,
-        )
-        smallest = (
-            f"; the least is {least.name} with {format_bytes(least.held_peak)}" if least else ""
-        )
-        return None, (
-            f"no variant holds within the budget of {format_bytes(budget)}{smallest}: "
-            "raise the budget or train without a pipeline"
-        )
-    clean = [r for r in fits if not r.unpipelined]
-    pool = clean or fits
-    fastest = max(pool, key=lambda r: r.vs_plain or 0.0)
-    near = [r for r in pool if (r.vs_plain or 0.0) >= (fastest.vs_plain or 0.0) - noise]
-    pick = min(
-        near,
-        key=lambda r: (
-            r.held_peak if r.held_peak is not None else float("inf"),
-            -(r.vs_plain or 0.0),
-        ),
+    ``advice[name].reason`` (and the JSON) has each reason in full.
+    """
+    groups: Dict[str, List[str]] = {}
+    for r in rows:
+        if not r.applicable:
+            groups.setdefault(r.reason.split(":")[0], []).append(r.name)
+    if not groups:
+        return ""
+    return "not applicable: " + "; ".join(
+        f"{', '.join(names)} ({why})" for why, names in groups.items()
     )
-    assert pick.vs_plain is not None
-    sentence = f"{pick.name}: {pick.vs_plain:.2f}x plain, +{format_bytes(pick.held_peak)} held"
-    faster = [r for r in ran if (r.vs_plain or 0.0) > pick.vs_plain]
-    over = [r for r in faster if r not in fits]
-    blocked = [r for r in faster if r in fits and r not in pool]
-    if over:
-        top = max(over, key=lambda r: r.vs_plain or 0.0)
-        excess = (top.held_peak or 0) - (budget or 0)
-        faster_by = _pct(top.vs_plain or 0.0, pick.vs_plain)
-        sentence += (
-            f"; {top.name} is {faster_by} faster but exceeds the budget by {format_bytes(excess)}"
-        )
-    elif blocked:
-        top = max(blocked, key=lambda r: r.vs_plain or 0.0)
-        names = ", ".join(m for m, _ in top.unpipelined)
-        sentence += f"; {top.name} is {_pct(top.vs_plain or 0.0, pick.vs_plain)} faster but leaves {names} unpipelined"
-    elif pick is not fastest:
-        more = (fastest.held_peak or 0) - (pick.held_peak or 0)
-        sentence += (
-            f"; {fastest.name} is {_pct(fastest.vs_plain or 0.0, pick.vs_plain)} faster, within the noise "
-            f"(±{noise:.2f}), and holds {format_bytes(more)} more"
-        )
-    elif len(pool) > 1:
-        sentence += "; the fastest" + (" within the budget" if budget is not None else "")
-    if pick.vs_plain < 1.0 - noise:
-        sentence += "; no variant beat the plain loop here beyond the noise, so a pipeline buys nothing on this model"
-    return pick.name, sentence + "."
-
-
-def noise_band(rows: Sequence[VariantReport]) -> float:
-    """The median over variants of the half-range of their per-round ratios to the plain loop (0 with one round)."""
-    spreads = [(max(r.paired) - min(r.paired)) / 2 for r in rows if r.ran and len(r.paired) >= 2]
-    return statistics.median(spreads) if spreads else 0.0
 
 
 def median(values: Sequence[float]) -> Optional[float]:
     return statistics.median(values) if values else None
 
 
-__all__ = ["Advice", "VariantReport", "median", "noise_band", "parse_bytes", "recommend"]
+__all__ = ["Advice", "VariantReport", "median", "not_applicable_line", "parse_bytes"]

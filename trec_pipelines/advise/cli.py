@@ -19,10 +19,17 @@ from typing import Any, Callable, List, Optional, Sequence, cast
 DESCRIPTION = """\
 Which pipeline for my model?  Builds your model once per variant and round
 (never two at once), trains each applicable train variant of trec_pipelines
-and a plain loop on the same batches, and recommends the fastest whose
-pipeline-held memory fits --memory-budget (within the measured noise, the one
-holding less; never one that left a sharded module unpipelined when another
-did not).
+and a plain loop on the same batches, and answers one of three:
+
+  recommend X          X is more than 2% faster than the plain loop beyond the
+                       noise, no variant is more than 2% faster than X, and X
+                       holds the least of those that qualify (within
+                       --memory-budget; never one that left a sharded module
+                       unpipelined when another did not);
+  keep your plain loop no variant is more than 2% faster than it, beyond the noise;
+  cannot tell          epochs under 0.5 s, fewer than 3 rounds, or the rounds
+                       disagree by more than the differences that decide:
+                       it says how many --steps or --rounds to re-run with.
 
 --build names a function of yours, importable from the current directory,
 that takes no arguments and returns (model, optimizer, batches): a
@@ -30,11 +37,12 @@ DMP-sharded model whose forward returns (loss, output), its optimizer, and a
 list (or a DataLoader) of at least warmup + steps batches for this rank.  It
 runs on every rank, inside the process group this command starts.
 
-Output: a table (QPS, ratio to the plain loop, bytes the pipeline holds by
-its memory ledger, peak resident and device memory, how much of the input
-dist each hides, modules left unpipelined, failures), the recommendation in
-one sentence, and advice.json + advice.png (QPS vs held memory, the budget as
-a line) in --out.
+Output: a table of the applicable variants (QPS, ratio to the plain loop
+with its spread, bytes the pipeline holds by its memory ledger, peak
+resident and device memory, how much of the input dist each hides, modules
+left unpipelined, failures), the others in one line, the verdict in one
+sentence, and advice.json + advice.png (ratio to the plain loop against held
+memory, with the rounds' spread) in --out.
 """
 
 EXAMPLES = """\
@@ -58,7 +66,12 @@ def parser() -> argparse.ArgumentParser:
         metavar="MODULE:FUNCTION",
         help="your factory: a function of no arguments returning (model, optimizer, batches)",
     )
-    p.add_argument("--steps", type=int, default=20, help="batches per timed epoch (default 20)")
+    p.add_argument(
+        "--steps",
+        type=int,
+        default=20,
+        help="batches per timed epoch (default 20); an epoch under 0.5 s is too short to judge by",
+    )
     p.add_argument(
         "--warmup", type=int, default=5, help="untimed batches before it, same model (default 5)"
     )
@@ -66,7 +79,10 @@ def parser() -> argparse.ArgumentParser:
         "--rounds",
         type=int,
         default=3,
-        help="times every contender is built and timed; the result is the median (default 3; the noise band needs 2)",
+        help=(
+            "times every contender is built and timed; the result is the median "
+            "(default 3, the fewest that can give a verdict)"
+        ),
     )
     p.add_argument(
         "--memory-budget",

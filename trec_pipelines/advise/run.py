@@ -10,8 +10,8 @@ epoch of ``steps`` batches, and frees it before the next is built.  Rounds
 repeat (the order rotated each round, as the bench's), and each contender's
 result is its median over rounds; its ratio to the plain loop is the ratio of
 the medians, the bench's ``x plain``.  The per-round ratio to the plain loop
-of the same round measures the noise ([Note: the recommendation rule] in
-:mod:`trec_pipelines.advise.advice`).  Building costs time between epochs
+of the same round measures the noise ([Note: the verdict rule] in
+:mod:`trec_pipelines.advise.verdict`).  Building costs time between epochs
 but is never timed; the price against the bench is that a round's
 contenders are minutes apart rather than seconds on a large model, so
 ``rounds`` should grow with the noise of the machine.
@@ -38,14 +38,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from trec_pipelines.advise.advice import (
-    Advice,
-    VariantReport,
-    median,
-    noise_band,
-    parse_bytes,
-    recommend,
-)
+from trec_pipelines.advise.advice import Advice, VariantReport, median, parse_bytes
 from trec_pipelines.advise.measure import (
     PLAIN,
     Build,
@@ -55,6 +48,7 @@ from trec_pipelines.advise.measure import (
     measure_round,
 )
 from trec_pipelines.advise.variants import Variant, VariantSpec, not_applicable, resolve
+from trec_pipelines.advise.verdict import band, judge, typical_spread
 
 # Progress callback: (what just finished, contenders done, contenders in all).
 Progress = Callable[[str, int, int], None]
@@ -130,7 +124,13 @@ def advise(
     timeout: Optional[datetime.timedelta] = None,
     progress: Optional[Progress] = None,
 ) -> Advice:
-    """Measure the model ``build()`` makes under every applicable variant, and recommend one.
+    """Measure the model ``build()`` makes under every applicable variant, and judge.
+
+    The verdict (``advice.verdict``) is one of three: recommend a variant,
+    keep your plain loop, or cannot tell -- when the epochs were too short to
+    time, or the rounds disagree by more than the differences that decide;
+    it then says how many steps or rounds to re-run with
+    ([Note: the verdict rule] in :mod:`trec_pipelines.advise.verdict`).
 
     Call it on every rank of an initialized process group.  ``build()``
     returns ``(model, optimizer, batches)`` as you build them to train: a
@@ -141,10 +141,11 @@ def advise(
     is alive at a time ([Note: fresh models in paired rounds]).
 
     Args:
-        steps: batches in each timed epoch.
+        steps: batches in each timed epoch (an epoch under 0.5 s is too
+            short to judge by).
         warmup: batches trained untimed before it, on the same model.
         rounds: how many times every contender is built and timed (>= 1;
-            the noise band needs 2).
+            a verdict other than "cannot tell" needs 3).
         memory_budget: most bytes a pipeline may hold (its memory ledger's
             peak, model and optimizer excluded): an int, or ``"64MiB"``.
         variants: class names of the package or pipeline classes (your own
@@ -369,11 +370,10 @@ def _compose(
                     row, vs_plain=vs_plain, within_budget=within, hidden_input_dist=hidden
                 )
             )
-    noise = noise_band(rows)
-    recommended, reason = recommend(rows, budget, noise)
+    noise = typical_spread(rows)
+    rows = [dataclasses.replace(r, band=band(r, noise)) for r in rows]
     return Advice(
-        recommended=recommended,
-        reason=reason,
+        verdict=judge(plain, rows, budget),
         variants=tuple(rows),
         plain=plain,
         memory_budget=budget,

@@ -201,11 +201,11 @@ def _pec_problem(model: nn.Module, pipeline: str) -> Optional[str]:
         (name, m) for name, m in model.named_modules() if isinstance(m, ShardedModule) and is_pec(m)
     ]
     if not modules:
-        return "the model has no PEC module (ShardedPECEmbeddingCollection), so PEC has nothing of its own to do"
+        return "no PEC module: the model has no ShardedPECEmbeddingCollection, so PEC has nothing of its own to do"
     try:
         check_pec_supported(modules, pipeline)
     except RuntimeError as exc:  # the torchrec installed has the old PEC API
-        return str(exc)
+        return f"its PEC modules need a newer torchrec: {exc}"
     return None
 
 
@@ -216,23 +216,23 @@ def not_applicable(
     cls = variant.cls
     if cls in EXPERIMENTAL and not named:
         return (
-            "experimental (torchrec's experimental_pipelines): not timed unless named in "
-            "variants= (--variants)"
+            "experimental, not timed unless named in variants= (--variants): "
+            "one of torchrec's experimental_pipelines"
         )
     if issubclass(cls, (EvalPipelineSparseDist, EvalPipelineFusedSparseDist)):
-        return "an eval pipeline (no backward, no optimizer step); advise times training"
+        return "an eval pipeline: no backward, no optimizer step; advise times training"
     if variant.compiled and not include_compiled:
         return (
-            "compiles the model with torch.compile (minutes, and it changes what is timed); "
-            "pass include_compiled=True (--include-compiled) to time it"
+            "compiled, not timed unless include_compiled=True (--include-compiled): "
+            "torch.compile takes minutes, and it changes what is timed"
         )
     if issubclass(cls, PrefetchTrainPipelineSparseDist):
         kernels = set(compute_kernels(model))
         if not kernels & PREFETCH_KERNELS:
             found = ", ".join(sorted(kernels)) or "none found"
             return (
-                f"no table has a prefetchable cache (compute kernel {' or '.join(sorted(PREFETCH_KERNELS))}; "
-                f"this model's: {found}), so its prefetch would do nothing"
+                "no table has a prefetchable cache: its prefetch would do nothing (compute kernel "
+                f"{' or '.join(sorted(PREFETCH_KERNELS))}; this model's: {found})"
             )
     if issubclass(cls, TrainPipelinePEC):
         return _pec_problem(model, variant.name)

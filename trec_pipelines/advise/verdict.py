@@ -1,0 +1,419 @@
+"""The verdict of advise: recommend a variant, keep the plain loop, or cannot tell.
+
+[Note: the verdict rule]
+:func:`judge` is a pure function of what was measured: each contender's
+timed epoch per round, its ratio to the plain loop (``x plain``, the ratio of
+the medians, as the bench's) and its per-round ratios to the plain loop of
+the same round, its held bytes, and the modules it left unpipelined.
+
+Which variants compete: those that ran, whose held bytes (the memory
+ledger's peak, the largest rank's) fit ``memory_budget``, and -- if any of
+them pipelined every sharded module -- only those.  The plain loop competes
+too, as the contender that holds nothing, at exactly 1.00x.
+
+When it cannot tell at all:
+
+* an epoch too short to time: the shortest median epoch of a contender
+  under ``MIN_EPOCH_SECONDS`` (0.5 s).  The scheduler's time slices and a
+  shared machine's stalls are milliseconds: on an epoch of 50 ms one stall
+  is several percent, and the pipeline's fill and drain weigh more the fewer
+  the steps.  Re-run with the steps that bring that epoch to 0.5 s
+  (``rerun_steps``, rounded up to a multiple of ten);
+* fewer than ``MIN_ROUNDS`` (3) rounds: no spread to judge by.
+
+Otherwise every difference is read with its noise.  For two contenders
+``a`` and ``b``, the difference ``a - b`` of their ``x plain`` is known to
+within twice its standard error: the standard deviation over the rounds of
+their per-round difference (but never less than the run's typical spread:
+the median, over the variants that ran, of the standard deviation of their
+per-round ratios, so that a pair whose few rounds happen to agree is not
+believed more than the machine allows), divided by the square root of the
+rounds.  A difference counts only beyond ``MARGIN`` (0.02, 2% of the plain
+loop's speed): a variant is *better* than another when its lead, less the
+noise, is over 2%, and *no better* when its lead, plus the noise, is at most
+2%.
+
+The pick is the contender, in order of held bytes (least first), that no
+contender is better than, and that is better than every contender holding
+less.  The plain loop is the pick ("keep your plain loop") when no variant
+is better than it; a variant is the pick ("recommend") when it is better
+than the plain loop and than every variant holding less, and no variant is
+better than it.  When no contender qualifies, the answer is "cannot tell":
+the leading contender (the one holding least among those within 2% of the
+fastest ``x plain``) is named, with the pair whose difference the noise
+leaves unsettled and the rounds it takes to settle it: the rounds ``n`` for
+which the standard error, ``sd / sqrt(n)``, falls below half of the
+difference's distance from the margin (``rerun_rounds``; none when that
+takes over ``MAX_ROUNDS_HINT``: the two are then about 2% apart, and either
+will do).
+
+Why this cannot flip: two runs give different confident answers only if one
+of them finds a pair better by over 2% and the other finds it no better
+than 2%, so at least one of them reads that difference wrongly by more than
+twice its standard error.  A run whose noise is wide says "cannot tell"
+instead of following its medians.
+"""
+
+from __future__ import annotations
+
+import enum
+import math
+import statistics
+import sys
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, List, Optional, Sequence, Tuple
+
+from trec_pipelines.observe.memory import format_bytes
+
+if TYPE_CHECKING:
+    from trec_pipelines.advise.advice import VariantReport
+
+# An epoch shorter than this is too short to time (see [Note: the verdict rule]).
+MIN_EPOCH_SECONDS = 0.5
+# Fewer rounds give no spread to judge by.
+MIN_ROUNDS = 3
+# A lead in x plain counts only beyond this (2% of the plain loop's speed).
+MARGIN = 0.02
+# A pair that would take more rounds than this to settle is as good as even.
+MAX_ROUNDS_HINT = 50
+
+PLAIN_NAME = "plain loop"
+
+
+class Answer(str, enum.Enum):
+    """What advise answers: one of three."""
+
+    RECOMMEND = "recommend"
+    KEEP_PLAIN_LOOP = "keep plain loop"
+    CANNOT_TELL = "cannot tell"
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """The answer of advise, with why, and what to re-run with when it cannot tell.
+
+    Attributes:
+        answer: recommend a variant, keep the plain loop, or cannot tell.
+        variant: the variant recommended; when it cannot tell, the one
+            leading so far (None: the plain loop leads, or nothing ran);
+            None when the answer is to keep the plain loop.
+        reason: why, in one sentence, with the numbers behind it.
+        rerun_steps: when epochs were too short to time: the steps per epoch
+            to re-run with (``build()`` must then return at least
+            ``warmup + rerun_steps`` batches).
+        rerun_rounds: when the noise left it open: the rounds to re-run with.
+    """
+
+    answer: Answer
+    variant: Optional[str]
+    reason: str
+    rerun_steps: Optional[int] = None
+    rerun_rounds: Optional[int] = None
+
+    def __str__(self) -> str:
+        if self.answer is Answer.RECOMMEND:
+            head = f"recommend {self.variant}"
+        elif self.answer is Answer.KEEP_PLAIN_LOOP:
+            head = "keep your plain loop"
+        else:
+            head = "cannot tell"
+        return f"{head}: {self.reason}"
+
+
+@dataclass(frozen=True)
+class _Contender:
+    """A variant (or the plain loop) as the rule sees it."""
+
+    name: str
+    ratio: float
+    per_round: Tuple[float, ...]
+    held: int
+
+    @property
+    def plain(self) -> bool:
+        return self.name == PLAIN_NAME
+
+
+def typical_spread(rows: Sequence["VariantReport"]) -> float:
+    """The median, over the variants that ran, of the standard deviation of their per-round
+    ratios (0 with one round)."""
+    spreads = [statistics.stdev(r.paired) for r in rows if r.ran and len(r.paired) >= 2]
+    return statistics.median(spreads) if spreads else 0.0
+
+
+def band(row: "VariantReport", noise: float) -> Optional[float]:
+    """Twice the standard error of ``row.vs_plain`` (None: fewer than two rounds)."""
+    n = len(row.paired)
+    if not row.ran or n < 2:
+        return None
+    return 2 * max(statistics.stdev(row.paired), noise) / math.sqrt(n)
+
+
+def _difference(a: _Contender, b: _Contender, noise: float) -> Tuple[float, float, float]:
+    """``a - b`` in x plain: the difference, its per-round deviation (at least ``noise``), twice its standard error."""
+    n = len(a.per_round)
+    per_round = [x - y for x, y in zip(a.per_round, b.per_round, strict=True)]
+    sd = max(statistics.stdev(per_round) if n >= 2 else 0.0, noise)
+    return a.ratio - b.ratio, sd, 2 * sd / math.sqrt(n)
+
+
+def _better(a: _Contender, b: _Contender, noise: float) -> bool:
+    """``a`` leads ``b`` by more than the margin, beyond the noise."""
+    x, _, half = _difference(a, b, noise)
+    return x - half > MARGIN
+
+
+def _no_better(a: _Contender, b: _Contender, noise: float) -> bool:
+    """``a`` leads ``b`` by at most the margin, beyond the noise."""
+    x, _, half = _difference(a, b, noise)
+    return x + half <= MARGIN
+
+
+def _by_memory(contenders: Sequence[_Contender]) -> List[_Contender]:
+    return sorted(contenders, key=lambda c: (c.held, -c.ratio))
+
+
+def _confident_pick(contenders: Sequence[_Contender], noise: float) -> Optional[_Contender]:
+    for pick in _by_memory(contenders):
+        unbeaten = all(_no_better(c, pick, noise) for c in contenders if c is not pick)
+        beats_cheaper = all(_better(pick, c, noise) for c in contenders if c.held < pick.held)
+        if unbeaten and beats_cheaper:
+            return pick
+    return None
+
+
+def _leading(contenders: Sequence[_Contender]) -> _Contender:
+    """On the medians alone: the one holding least among those within the margin of the fastest."""
+    fastest = max(c.ratio for c in contenders)
+    return _by_memory([c for c in contenders if c.ratio >= fastest - MARGIN])[0]
+
+
+def _rounds_to_settle(sd: float, gap: float) -> Optional[int]:
+    """Rounds for the standard error ``sd / sqrt(n)`` to fall below ``gap / 2`` (None: over MAX_ROUNDS_HINT)."""
+    if gap <= 0:
+        return None
+    n = math.floor((2 * sd / gap) ** 2) + 1
+    return n if n <= MAX_ROUNDS_HINT else None
+
+
+def _unsettled(
+    lead: _Contender, contenders: Sequence[_Contender], noise: float
+) -> Optional[Tuple[_Contender, _Contender, float, float, Optional[int]]]:
+    """The pair, around ``lead``, that takes the most rounds to settle: (a, b, a - b, ± of it, rounds)."""
+    pairs: List[Tuple[_Contender, _Contender]] = []
+    for c in contenders:
+        if c is lead:
+            continue
+        if not _no_better(c, lead, noise):
+            pairs.append((c, lead))
+        if c.held < lead.held and not _better(lead, c, noise):
+            pairs.append((lead, c))
+    worst: Optional[Tuple[_Contender, _Contender, float, float, Optional[int]]] = None
+    worst_key = -1.0
+    for a, b in pairs:
+        x, sd, half = _difference(a, b, noise)
+        if abs(x - MARGIN) > half:  # settled, the other way: not what holds the answer
+            continue
+        rounds = _rounds_to_settle(sd, abs(x - MARGIN))
+        key = float("inf") if rounds is None else float(rounds)
+        if key > worst_key:
+            worst, worst_key = (a, b, x, half, rounds), key
+    return worst
+
+
+def _steps_for(steps: int, shortest: float) -> int:
+    """The steps that bring an epoch of ``shortest`` seconds over ``steps`` to MIN_EPOCH_SECONDS."""
+    needed = math.ceil(steps * MIN_EPOCH_SECONDS / max(shortest, 1e-9))
+    return needed if needed <= 10 else 10 * math.ceil(needed / 10)
+
+
+def _name(c: _Contender) -> str:
+    return "the plain loop" if c.plain else c.name
+
+
+def _figure(row: "VariantReport", noise: float) -> str:
+    """``1.31x plain ±0.04 over 5 rounds``."""
+    half = band(row, noise)
+    spread = "" if half is None else f" ±{half:.2f} over {len(row.paired)} rounds"
+    return f"{row.vs_plain or 0.0:.2f}x plain{spread}"
+
+
+def _pct(a: float, b: float) -> str:
+    """How much faster ``a`` is than ``b``: whole percent, one decimal under 1%."""
+    percent = 100 * (a / b - 1)
+    return f"{percent:.1f}%" if abs(percent) < 1 else f"{percent:.0f}%"
+
+
+def _left_out(
+    ran: Sequence["VariantReport"],
+    pool: Sequence["VariantReport"],
+    budget: Optional[int],
+    than: float,
+) -> str:
+    """``; Y is 5% faster but exceeds the budget by ...``: the fastest variant left out for its
+    memory, or else for the modules it left unpipelined ("" when none left out is faster)."""
+    faster = [r for r in ran if r not in pool and (r.vs_plain or 0.0) > than]
+    over = [
+        r for r in faster if budget is not None and (r.held_peak is None or r.held_peak > budget)
+    ]
+    if over:
+        top = max(over, key=lambda r: r.vs_plain or 0.0)
+        excess = (top.held_peak or 0) - (budget or 0)
+        by = _pct(top.vs_plain or 0.0, than)
+        return f"; {top.name} is {by} faster but exceeds the budget by {format_bytes(excess)}"
+    if faster:
+        top = max(faster, key=lambda r: r.vs_plain or 0.0)
+        names = ", ".join(m for m, _ in top.unpipelined)
+        return f"; {top.name} is {_pct(top.vs_plain or 0.0, than)} faster but leaves {names} unpipelined"
+    return ""
+
+
+def judge(
+    plain: "VariantReport", rows: Sequence["VariantReport"], budget: Optional[int]
+) -> Verdict:
+    """The verdict on the measurements ([Note: the verdict rule]).
+
+    ``plain``: the plain loop's row (its ``seconds`` per round); ``rows``: a
+    row per variant asked for (``seconds``, ``paired``, ``vs_plain``,
+    ``held_peak``, ``unpipelined``); ``budget``: bytes a pipeline may hold.
+    """
+    ran = [r for r in rows if r.ran and r.vs_plain is not None]
+    if not ran:
+        if not any(r.applicable for r in rows):
+            return Verdict(Answer.KEEP_PLAIN_LOOP, None, "no variant applies to this model")
+        return Verdict(
+            Answer.KEEP_PLAIN_LOOP, None, "no variant ran; see each one's error or reason"
+        )
+    fits = [r for r in ran if budget is None or (r.held_peak is not None and r.held_peak <= budget)]
+    if not fits:
+        least = min(
+            (r for r in ran if r.held_peak is not None),
+            key=lambda r: r.held_peak or 0,
+            default=None,
+        )
+        smallest = (
+            f"; the least is {least.name} with {format_bytes(least.held_peak)}" if least else ""
+        )
+        return Verdict(
+            Answer.KEEP_PLAIN_LOOP,
+            None,
+            f"no variant holds within the budget of {format_bytes(budget)}{smallest}: "
+            "raise the budget to use one",
+        )
+    clean = [r for r in fits if not r.unpipelined]
+    pool = clean or fits
+    rounds = len(plain.seconds)
+    noise = typical_spread(ran)
+    # The plain loop holds least of all; a variant without a ledger figure, most.
+    contenders = [_Contender(PLAIN_NAME, 1.0, (1.0,) * rounds, -1)] + [
+        _Contender(
+            r.name, r.vs_plain or 0.0, r.paired, sys.maxsize if r.held_peak is None else r.held_peak
+        )
+        for r in pool
+    ]
+    by_name = {r.name: r for r in pool}
+    lead = _leading(contenders)
+    leads = (
+        "the plain loop leads"
+        if lead.plain
+        else f"{lead.name} leads at {_figure(by_name[lead.name], noise)}"
+    )
+
+    # Too short, or too few rounds: no confident answer, whatever the medians say.
+    shortest = min(statistics.median(r.seconds) for r in [plain, *ran] if r.seconds)
+    problems: List[str] = []
+    rerun_steps: Optional[int] = None
+    rerun_rounds: Optional[int] = None
+    if shortest < MIN_EPOCH_SECONDS:
+        rerun_steps = _steps_for(plain.steps, shortest)
+        problems.append(
+            f"the shortest timed epoch took {shortest:.3f} s, under the {MIN_EPOCH_SECONDS} s "
+            f"it takes to time one"
+        )
+    if rounds < MIN_ROUNDS:
+        rerun_rounds = MIN_ROUNDS
+        problems.append(f"{rounds} round(s) give no spread to judge by (it takes {MIN_ROUNDS})")
+    if problems:
+        again = []
+        if rerun_steps is not None:
+            again.append(
+                f"{rerun_steps} steps (build() returning at least warm-up + {rerun_steps} batches)"
+            )
+        if rerun_rounds is not None:
+            again.append(f"{rerun_rounds} rounds")
+        return Verdict(
+            Answer.CANNOT_TELL,
+            None if lead.plain else lead.name,
+            f"{'; '.join(problems)}; re-run with {' and '.join(again)} ({leads} so far)",
+            rerun_steps,
+            rerun_rounds,
+        )
+
+    pick = _confident_pick(contenders, noise)
+    if pick is None:
+        pair = _unsettled(lead, contenders, noise)
+        variant = None if lead.plain else lead.name
+        if pair is None:  # every pair settled, yet no pick: neighbours about the margin apart
+            return Verdict(
+                Answer.CANNOT_TELL,
+                variant,
+                f"{leads}, but the contenders are each about {MARGIN:.0%} from the next: "
+                "no one of them is clearly the choice; choose by held memory",
+            )
+        a, b, x, half, needed = pair
+        than = "it" if b is lead else _name(b)
+        what = (
+            f"{leads}, but the noise leaves open whether {_name(a)} is more than {MARGIN:.0%} "
+            f"faster than {than} (their difference: {x:+.2f} ±{half:.2f} in x plain)"
+        )
+        if needed is None:
+            what += (
+                f"; it would take over {MAX_ROUNDS_HINT} rounds to settle: the two are about "
+                f"{MARGIN:.0%} apart, and either will do"
+            )
+        else:
+            what += f"; re-run with {max(needed, rounds + 1)} rounds"
+        return Verdict(
+            Answer.CANNOT_TELL,
+            variant,
+            what,
+            rerun_rounds=None if needed is None else max(needed, rounds + 1),
+        )
+
+    if pick.plain:
+        best = max(pool, key=lambda r: r.vs_plain or 0.0)
+        return Verdict(
+            Answer.KEEP_PLAIN_LOOP,
+            None,
+            f"no variant is more than {MARGIN:.0%} faster than the plain loop beyond the noise "
+            f"(the fastest, {best.name}, is {_figure(best, noise)}), so a pipeline buys nothing "
+            f"on this model" + _left_out(ran, pool, budget, best.vs_plain or 0.0),
+        )
+    row = by_name[pick.name]
+    sentence = f"{_figure(row, noise)}, +{format_bytes(row.held_peak)} held"
+    fastest = max(pool, key=lambda r: r.vs_plain or 0.0)
+    left_out = _left_out(ran, pool, budget, row.vs_plain or 0.0)
+    if left_out:
+        sentence += left_out
+    elif fastest is not row and (fastest.vs_plain or 0.0) > (row.vs_plain or 0.0):
+        more = (fastest.held_peak or 0) - (row.held_peak or 0)
+        sentence += (
+            f"; {fastest.name} is {_pct(fastest.vs_plain or 0.0, row.vs_plain or 0.0)} faster, "
+            f"within {MARGIN:.0%} of it, and holds {format_bytes(more)} more"
+        )
+    else:
+        sentence += "; the fastest" + (" within the budget" if budget is not None else "")
+    return Verdict(Answer.RECOMMEND, pick.name, sentence)
+
+
+__all__ = [
+    "MARGIN",
+    "MAX_ROUNDS_HINT",
+    "MIN_EPOCH_SECONDS",
+    "MIN_ROUNDS",
+    "Answer",
+    "Verdict",
+    "band",
+    "judge",
+    "typical_spread",
+]
