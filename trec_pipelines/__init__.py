@@ -20,7 +20,13 @@ from torchrec.distributed.train_pipeline import In as In, Out as Out, TrainPipel
 
 from trec_pipelines import experimental_pipelines
 from trec_pipelines._version import __version__ as __version__
-from trec_pipelines.advise import Advice as Advice, VariantReport as VariantReport, advise as advise
+from trec_pipelines.advise import (
+    Advice as Advice,
+    Answer as Answer,
+    VariantReport as VariantReport,
+    Verdict as Verdict,
+    advise as advise,
+)
 from trec_pipelines.core.errors import (
     MalformedBatchError as MalformedBatchError,
     ModelDetachedException as ModelDetachedException,
@@ -160,7 +166,7 @@ _PUBLIC_GROUPS: Dict[str, Tuple[str, ...]] = {
         "ModelDetachedException",
     ),
     "Checkpoint and resume": ("Resumable",),
-    "Advisor": ("advise", "Advice", "VariantReport"),
+    "Advisor": ("advise", "Advice", "Verdict", "Answer", "VariantReport"),
     "Observation": (
         "Recordable",
         "Action",

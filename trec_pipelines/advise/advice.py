@@ -63,9 +63,11 @@ class VariantReport:
         vs_plain: ``qps`` / the plain loop's ``qps`` (ratio of medians, as the bench).
         paired: per round, its ratio to the plain loop of that round.
         band: twice the standard error of ``vs_plain`` over the rounds: the
-            ``±`` of the table (None: one round; see [Note: the verdict rule]).
-        held_peak, held_steady: the memory ledger's peak and steady bytes
-            held by the pipeline (model and optimizer excluded), largest rank.
+            ``±`` of the table (None: one round; how the verdict reads it:
+            the *Choosing a variant* guide).
+        held_peak: the memory ledger's peak bytes held by the pipeline (model
+            and optimizer excluded), largest rank.
+        held_steady: the same, in the steady state.
         rss_peak: largest resident memory after a step of its measured
             epochs, largest rank (the whole process, model included).  The
             contenders run one after another in one process and freed memory
@@ -118,8 +120,11 @@ class Advice:
         memory_budget: the budget in bytes of pipeline-held memory (None: none).
         noise: the run's typical spread of the per-round ratios to the plain
             loop (the median over variants of their standard deviation), the
-            least the rule believes of any difference ([Note: the verdict rule]).
-        rounds, warmup, steps: how it was measured.
+            least the verdict believes of any difference (the *Choosing a
+            variant* guide gives the rule).
+        rounds: rounds measured.
+        warmup: untimed steps before each timed epoch.
+        steps: steps per timed epoch.
         world_size: ranks that trained.
         qps_unit: ``"examples/s"`` or ``"steps/s"``.
     """

@@ -52,8 +52,9 @@ class RoundResult:
         steps: the steps it made (``progress()`` calls that returned).
         examples_per_step: samples of this rank's first timed batch (None: no KJT in it).
         unpipelined: the sharded modules the variant's rewrite left alone, and why.
-        held_peak, held_steady: the memory ledger's peak and steady bytes
-            (None: the class has no ledger, or not the first round).
+        held_peak: the memory ledger's peak bytes (None: the class has no
+            ledger, or not the first round).
+        held_steady: its steady bytes (None: as ``held_peak``).
         rss_peak: the largest resident memory sampled after a step of the
             measured epochs (None: not the first round, or no ``/proc``).
         device_peak: the device allocator's max allocated bytes over the round
