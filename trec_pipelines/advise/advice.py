@@ -1,8 +1,8 @@
-"""What advise found: one row per variant, and the verdict.
+"""What advise found: the rows, the verdict, the table, the JSON and the budget.
 
-The verdict (recommend a variant, keep the plain loop, or cannot tell) and
-its rule are :mod:`trec_pipelines.advise.verdict`'s ([Note: the verdict
-rule]); this module holds the rows, the table, the JSON and the budget.
+A variant's row is :mod:`trec_pipelines.advise.report`'s; the verdict
+(recommend a variant, keep the plain loop, or cannot tell) and its rule are
+:mod:`trec_pipelines.advise.verdict`'s ([Note: the verdict rule] there).
 """
 
 from __future__ import annotations
@@ -12,6 +12,7 @@ import statistics
 from dataclasses import asdict, dataclass, replace
 from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
 
+from trec_pipelines.advise.report import VariantReport
 from trec_pipelines.advise.verdict import Answer, Verdict, judge
 from trec_pipelines.observe.memory import format_bytes
 
@@ -44,67 +45,6 @@ def parse_bytes(value: Union[int, float, str, None]) -> Optional[int]:
             "B, KiB, MiB, GiB, KB, MB, GB (e.g. '64MiB')"
         )
     return parse_bytes(float(number) * _UNITS[unit])
-
-
-@dataclass(frozen=True)
-class VariantReport:
-    """One variant (or the plain loop) as advise measured it.
-
-    Attributes:
-        name: the pipeline class name, or ``"plain loop"``.
-        applicable: False when the model lacks what it needs (``reason`` says what).
-        ran: it trained every round on every rank.
-        reason: why it is not applicable; empty otherwise.
-        error: the first failure (rank and message) when it did not run.
-        seconds: the timed epoch per round, the slowest rank's.
-        steps: steps per timed epoch.
-        qps: examples (all ranks) per second, median over rounds; steps/s
-            when the batches have no KeyedJaggedTensor to count samples by.
-        vs_plain: ``qps`` / the plain loop's ``qps`` (ratio of medians, as the bench).
-        paired: per round, its ratio to the plain loop of that round.
-        band: twice the standard error of ``vs_plain`` over the rounds: the
-            ``±`` of the table (None: one round; how the verdict reads it:
-            the *Choosing a variant* guide).
-        held_peak: the memory ledger's peak bytes held by the pipeline (model
-            and optimizer excluded), largest rank.
-        held_steady: the same, in the steady state.
-        rss_peak: largest resident memory after a step of its measured
-            epochs, largest rank (the whole process, model included).  The
-            contenders run one after another in one process and freed memory
-            seldom leaves it, so a later contender's figure includes what
-            earlier ones left behind: compare variants by ``held_peak``.
-        device_peak: the device allocator's max allocated, largest rank (None on CPU).
-        hidden_input_dist: 1 - its training-thread input-dist time per steady
-            step / the plain loop's (each the median over steps, then over
-            rounds), clipped to [0, 1], mean over ranks.
-        unpipelined: sharded modules its rewrite left unpipelined, and why.
-        within_budget: whether ``held_peak`` fits the budget (None: no budget).
-    """
-
-    name: str
-    applicable: bool = True
-    ran: bool = False
-    reason: str = ""
-    error: str = ""
-    seconds: Tuple[float, ...] = ()
-    steps: int = 0
-    qps: Optional[float] = None
-    vs_plain: Optional[float] = None
-    paired: Tuple[float, ...] = ()
-    band: Optional[float] = None
-    held_peak: Optional[int] = None
-    held_steady: Optional[int] = None
-    rss_peak: Optional[int] = None
-    device_peak: Optional[int] = None
-    hidden_input_dist: Optional[float] = None
-    unpipelined: Tuple[Tuple[str, str], ...] = ()
-    within_budget: Optional[bool] = None
-
-    @property
-    def status(self) -> str:
-        if not self.applicable:
-            return "not applicable"
-        return "ok" if self.ran else "failed"
 
 
 @dataclass(frozen=True)

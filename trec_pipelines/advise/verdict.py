@@ -66,7 +66,7 @@ from typing import TYPE_CHECKING, List, Optional, Sequence, Tuple
 from trec_pipelines.observe.memory import format_bytes
 
 if TYPE_CHECKING:
-    from trec_pipelines.advise.advice import VariantReport
+    from trec_pipelines.advise.report import VariantReport
 
 # An epoch shorter than this is too short to time (see [Note: the verdict rule]).
 MIN_EPOCH_SECONDS = 0.5
