@@ -26,29 +26,40 @@ from __future__ import annotations
 import threading
 import time
 import weakref
-from typing import TYPE_CHECKING, Any, Callable, List, Optional
+from typing import Any, Callable, List, Optional, Protocol
 
 import torch
 import torch.distributed as dist
 
 from trec_pipelines.core import lifetime
 from trec_pipelines.core.streams import current_stream
+from trec_pipelines.observe.actions import Action, Transfer
 
-if TYPE_CHECKING:
-    from trec_pipelines.observe.actions import Transfer
-    from trec_pipelines.observe.recorder import ScheduleRecorder
+
+class Watcher(Protocol):
+    """What the link needs of a recorder (:class:`~trec_pipelines.observe.recorder.ScheduleRecorder`
+    is one; named here by what it does, since the recorder imports this module)."""
+
+    def enclosing(self) -> Optional[Action]: ...
+
+    def note_transfer(
+        self, group: str, nbytes: int, issued: float, device: torch.device
+    ) -> Transfer: ...
+
+    def end_transfer_on(self, transfer: Transfer, stream: Optional[torch.Stream]) -> None: ...
+
 
 INPUT_DIST_GROUP = "input-dist group"
 MODEL_GROUP = "model group"
 
 _lock = threading.Lock()
 # The recorders watching, by id (a recorder is a dataclass: not hashable).
-_watching: "weakref.WeakValueDictionary[int, ScheduleRecorder]" = weakref.WeakValueDictionary()
+_watching: "weakref.WeakValueDictionary[int, Watcher]" = weakref.WeakValueDictionary()
 # torch's all_to_all_single while ours is installed, else None.
 _original: Optional[Callable[..., Any]] = None
 
 
-def watch(recorder: "ScheduleRecorder") -> None:
+def watch(recorder: Watcher) -> None:
     """Note the all-to-alls issued from now on in ``recorder`` (installs the wrapper)."""
     global _original
     with _lock:
@@ -58,7 +69,7 @@ def watch(recorder: "ScheduleRecorder") -> None:
             dist.all_to_all_single = _all_to_all_single
 
 
-def unwatch(recorder: "ScheduleRecorder") -> None:
+def unwatch(recorder: Watcher) -> None:
     """Stop noting all-to-alls in ``recorder``; the last one out removes the wrapper."""
     global _original
     with _lock:
@@ -94,7 +105,7 @@ def _all_to_all_single(*args: Any, **kwargs: Any) -> Any:
     label = group_label(_argument(args, kwargs, 4, "group"))
     claimed = [r for r in recorders if r.enclosing() is not None] or recorders
     issued = time.perf_counter()
-    notes: List["Transfer"] = [r.note_transfer(label, nbytes, issued, device) for r in claimed]
+    notes: List[Transfer] = [r.note_transfer(label, nbytes, issued, device) for r in claimed]
     work = original(*args, **kwargs)
     if work is None:  # a blocking call: done when it returns
         done = time.perf_counter()
@@ -120,4 +131,12 @@ def _all_to_all_single(*args: Any, **kwargs: Any) -> Any:
     return work
 
 
-__all__ = ["INPUT_DIST_GROUP", "MODEL_GROUP", "group_label", "unwatch", "watch", "watched"]
+__all__ = [
+    "INPUT_DIST_GROUP",
+    "MODEL_GROUP",
+    "Watcher",
+    "group_label",
+    "unwatch",
+    "watch",
+    "watched",
+]
