@@ -130,7 +130,7 @@ def advise(
     keep your plain loop, or cannot tell -- when the epochs were too short to
     time, or the rounds disagree by more than the differences that decide;
     it then says how many steps or rounds to re-run with
-    ([Note: the verdict rule] in :mod:`trec_pipelines.advise.verdict`).
+    (the note "the verdict rule" in the source of ``trec_pipelines.advise.verdict``).
 
     Call it on every rank of an initialized process group.  ``build()``
     returns ``(model, optimizer, batches)`` as you build them to train: a
@@ -138,7 +138,7 @@ def advise(
     optimizer, and an iterable of this rank's batches that restarts on each
     ``iter()`` (a list, a DataLoader) with at least ``warmup + steps``
     batches.  It is called once per contender and round, and only one model
-    is alive at a time ([Note: fresh models in paired rounds]).
+    is alive at a time (the note "fresh models in paired rounds" in the source of ``trec_pipelines.advise.run``).
 
     Args:
         steps: batches in each timed epoch (an epoch under 0.5 s is too

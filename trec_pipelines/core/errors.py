@@ -28,7 +28,8 @@ class MalformedBatchError(ValueError):
         """The error for batch ``index`` with ``problem``, saying what happened and what to do.
 
         ``malformed_on``: the ranks the batch was malformed on, when the ranks
-        agreed on it (see ``[Note: agreeing on each batch]``); every rank dropped it.
+        agreed on it (see the note "agreeing on each batch" in the source of
+        ``trec_pipelines.data.agreement``); every rank dropped it.
         """
         where = ""
         if malformed_on is not None:

@@ -106,7 +106,8 @@ class EmbeddingTrainPipelineContext(TrainPipelineContext):
             embedding forward makes the consuming stream wait on it.
         restored_embeddings: per module, the values the dense part must see
             in place of the lookup's (a batch resumed from a checkpoint whose
-            lookup read older weights; see ``[Note: exact resume]``).  Written
+            lookup read older weights; see the note "exact resume" in the source of
+            ``trec_pipelines.core.resume``).  Written
             by SemiSync after the batch's lookup; popped by the embedding forward.
     """
 

@@ -204,7 +204,8 @@ class TrainPipelineSparseDistCompAutograd(TrainPipelineSparseDist[In, Out]):
     cannot trace the hooks of DDP's C++ reducer (what
     ``DistributedModelParallel`` builds for its dense part by default), so the
     constructor switches each such DDP to DDP's Python reducer, which does the
-    same arithmetic (see [Note: DDP's reducer under compiled autograd]); the
+    same arithmetic (see the note "DDP's reducer under compiled autograd" in the source of
+    ``trec_pipelines.pipelines.comp_autograd``); the
     switch stays with the model.  A model built under
     ``torch._dynamo.config.patch(optimize_ddp="python_reducer")`` is used as
     is.  Epochs, failed steps, iterators and our keyword-only options are as in

@@ -225,8 +225,8 @@ class EvalPipelineSparseDist(TrainPipelineSparseDist[In, Out]):
     GIL), ``False`` never does.  Both modes give the same batches, results and
     errors, and record the copy of batch ``k`` as ``H2D[ik]@memcpy`` (with
     ``thread="loader"`` or ``"main"``) just before the call's first action on
-    that batch (``[Note: recording the loader's copies]`` in
-    :mod:`trec_pipelines.pipelines.eval_sparse_dist`).
+    that batch (the note "recording the loader's copies" in the source of
+    ``trec_pipelines.pipelines.eval_sparse_dist``).
 
     There is no zero_grad, backward or optimizer step, and the model's mode is
     the caller's (call ``model.eval()`` first); ``optimizer`` is unused and may

@@ -81,8 +81,8 @@ class TrainPipelinePEC(TrainPipelineSparseDist[In, Out]):
     PEC modules (``ShardedPECEmbeddingCollection``, torchrec >= 1.9) look up
     and update the ids a batch shares with its neighbours in its own step, and
     the others a step early (lookup) or late (update), which is meant to give
-    the same values as the plain loop: see [Note: PEC, compute ahead] in
-    :mod:`trec_pipelines.sparse.pec_ops`.  (On CPU with torchrec 1.9.2 the PEC
+    the same values as the plain loop: see the note "PEC, compute ahead" in the source of
+    ``trec_pipelines.sparse.pec_ops``.  (On CPU with torchrec 1.9.2 the PEC
     module's own gradient routing departs from the plain loop from the second
     step on, in torchrec's class as here; ours matches torchrec's bit for
     bit.)  Every other pipelined module is looked up on the default stream at
@@ -96,7 +96,7 @@ class TrainPipelinePEC(TrainPipelineSparseDist[In, Out]):
     once.  A ``progress()`` that raises is rolled back and the next one retries
     its batch, with the deferred NOL gradient of the batch before it applied
     exactly once and the failed attempt's own PEC update discarded (see
-    [Note: PEC, retrying a step] in :mod:`trec_pipelines.pipelines.pec`).  The
+    the note "PEC, retrying a step" in the source of ``trec_pipelines.pipelines.pec``).  The
     rest (epochs, iterators, our keyword-only options) is
     :class:`TrainPipelineSparseDist`'s.  The schedule is drawn in
     :doc:`/guides/variants`.

@@ -72,7 +72,7 @@ class PrefetchTrainPipelineSparseDist(TrainPipelineSparseDist[In, Out]):
     ``forward(cur)``, the first point where every read of ``cur``'s cached rows
     is known to be issued, so it never evicts rows the forward still reads; it
     still overlaps ``cur``'s backward and optimizer step (see
-    ``[Note: prefetch ordering]`` in :mod:`trec_pipelines.pipelines.prefetch`).
+    the note "prefetch ordering" in the source of ``trec_pipelines.pipelines.prefetch``).
     ``clear_data_dist_inputs`` does nothing here (the prefetch stage has
     finished the batch's input_dist before its forward), and the embeddings of
     a ``DMPCollection`` are not synced between replicas, both as in torchrec.

@@ -94,8 +94,8 @@ class SparseDataDistUtil(Generic[In], WithOptions):
     whose pipelined input was used up runs its ``input_dist`` again on the
     arguments it is given, bit for bit; with a lookup stage the batch is looked
     up again with the current weights) or skipped by calling ``progress()``
-    again (see ``[Note: a failed forward in the caller's loop]`` in
-    :mod:`trec_pipelines.pipelines.sparse_data_dist_util`).  Our keyword-only
+    again (see the note "a failed forward in the caller's loop" in the source of
+    ``trec_pipelines.pipelines.sparse_data_dist_util``).  Our keyword-only
     options: ``rewrite_strategy`` and ``input_dist_group``, as in
     :class:`~trec_pipelines.pipelines.sparse_dist.TrainPipelineSparseDist`.
 
@@ -202,7 +202,7 @@ class SparseDataDistUtil(Generic[In], WithOptions):
     def carry_agreement(self, channel: AgreementChannel) -> None:
         """Called by :class:`StagedTrainPipeline` before any batch: the splits
         exchange of each ``start_sparse_data_dist`` carries ``channel``'s codes
-        (see ``[Note: agreeing on each batch]``)."""
+        (see the note "agreeing on each batch" in the source of ``trec_pipelines.data.agreement``)."""
         self._agreement = channel
 
     def stage_declared(self, verb: str) -> None:

@@ -390,7 +390,7 @@ class TrainPipelineSparseDist(PipelineCore, TrainPipeline[In, Out], AsyncInplace
 
         With ``async_inplace_copy`` the copy is submitted to the worker thread
         and the batch is a Future until its slot is read (see
-        [Note: async in-place copy]).
+        the note "async in-place copy" in the source of ``trec_pipelines.data.inplace_copy``).
         """
         host = self._source.next(dataloader_iter)
         if host is None:

@@ -30,7 +30,7 @@ class TrainPipelineSparseDistT(TrainPipelineSparseDist[In, Out]):
     Every copy of ``new``, in place (``enable_inplace_copy_batch``) or not, is
     submitted to one worker thread, so the training thread does not spend the
     CPU time of issuing it (the machinery of ``async_inplace_copy``, see
-    [Note: async in-place copy] in :mod:`trec_pipelines.data.inplace_copy`).  The
+    the note "async in-place copy" in the source of ``trec_pipelines.data.inplace_copy``).  The
     copy is always issued before the forward: there is no
     ``enqueue_batch_after_forward`` and no ``async_inplace_copy`` parameter.
     On a device without streams (CPU) there is no device copy to issue: the
