@@ -29,6 +29,7 @@ from tests.distributed.test_comp_autograd import (
     _assert_close,
     undo_python_reducer_side_effects,  # noqa: F401
 )
+from trec_pipelines.data import agreement
 
 DEVICE = devices.device()
 SEED, DATA_SEED = 1234, 7
@@ -176,3 +177,66 @@ def test_eval_pass_mid_training_with_input_dist_in_flight() -> None:
     ours = type(ref_rest)(first + list(rest), rest.weights)
     reference = type(ref_rest)(list(ref_first) + list(ref_rest), ref_rest.weights)
     assert_runs_equal(reference, ours, ("plain_loop", "with an eval pass"))
+
+
+class _Dense(torch.nn.Module):
+    """A dense model returning (loss, output), as a pipeline expects."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(5)
+        self.linear = torch.nn.Linear(4, 1)
+
+    def forward(self, batch: torch.Tensor) -> Any:
+        out = self.linear(batch)
+        return out.square().mean().unsqueeze(0), out.detach()
+
+
+def _train_alone(
+    pipeline_class: Any, batches: List[torch.Tensor], pg: Any, **options: Any
+) -> List[torch.Tensor]:
+    model = torch.nn.parallel.DistributedDataParallel(_Dense(), process_group=pg)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    if pipeline_class is None:  # the plain loop
+        for batch in batches:
+            optimizer.zero_grad()
+            loss, _ = model(batch)
+            loss.sum().backward()
+            optimizer.step()
+    else:
+        assert not agreement.steps_are_collective(model)
+        pipeline = pipeline_class(model, optimizer, devices.device(), **options)
+        it = iter(batches)
+        with pytest.raises(StopIteration):
+            while True:
+                pipeline.progress(it)
+    return [p.detach().clone() for p in model.parameters()]
+
+
+@pytest.mark.parametrize("sync_exhaustion", [None, True])
+def test_a_model_on_one_rank_trains_alone(sync_exhaustion: Optional[bool]) -> None:
+    """A model whose process group is this rank alone (a rank evaluating or
+    measuring on its own) runs no collective with the others, so a pipeline
+    over it makes no world group: rank 0 trains while rank 1 waits at a
+    barrier, and equals the plain loop.  By default it agrees with nobody;
+    with ``sync_exhaustion=True`` it agrees over a group of the model's ranks,
+    made among them alone.  (Before, the agreement group was made over the
+    world, which rank 1 never joined: a hang until the group's timeout.)"""
+    solo = dist.new_group(ranks=[0], backend="gloo")
+    try:
+        if dist.get_rank() == 0:
+            batches = [
+                torch.randn(8, 4, generator=torch.Generator().manual_seed(i)) for i in range(5)
+            ]
+            started = time.monotonic()
+            got = _train_alone(
+                trec_pipelines.TrainPipelineBase, batches, solo, sync_exhaustion=sync_exhaustion
+            )
+            assert time.monotonic() - started < 20, "the pipeline waited for another rank"
+            want = _train_alone(None, batches, solo)
+            for a, b in zip(got, want, strict=True):
+                assert torch.equal(a, b)
+        dist.barrier()
+    finally:
+        if dist.get_rank() == 0:
+            dist.destroy_process_group(solo)

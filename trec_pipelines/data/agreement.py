@@ -59,14 +59,16 @@ pipelines with and without it, paired).
 
 The group for the all-reduces: gloo, so the codes are CPU tensors (no device
 synchronisation on any backend), and a group of its own, so an all-reduce
-never queues behind the model's all-to-alls in flight.  It spans the world,
-is made by the pipeline's constructor with ``torch.distributed.new_group``
-(so every rank of the world constructs its pipeline at the same point, as it
-builds the sharded model), and gets the timeout of the model's process
-group.  It is owned by :mod:`trec_pipelines.core.lifetime` (the pipeline's
-channel holds it weakly): once its pipeline is collected it is destroyed by
-the next pipeline's constructor, so a program that builds a pipeline per eval
-pass does not keep a gloo group (threads, sockets) per pass, and at
+never queues behind the model's all-to-alls in flight. It spans the ranks the
+model trains on (the world, for a model sharded over every rank), is made by
+the pipeline's constructor with ``torch.distributed.new_group`` (so each of
+those ranks constructs its pipeline at the same point, as it builds the
+sharded model; a model on some ranks of the world makes it among those ranks
+alone), and gets the timeout of the model's process group. It is owned by
+:mod:`trec_pipelines.core.lifetime` (the pipeline's channel holds it weakly):
+once its pipeline is collected it is destroyed by the next pipeline's
+constructor, so a program that builds a pipeline per eval pass does not keep a
+gloo group (threads, sockets) per pass, and at
 interpreter exit in any case (see ``[Note: a clean exit]``).
 """
 
@@ -118,18 +120,39 @@ def _model_groups(model: torch.nn.Module) -> List[Optional[dist.ProcessGroup]]:
     return groups
 
 
+def _model_ranks(model: torch.nn.Module) -> Optional[List[int]]:
+    """The ranks ``model``'s steps join collectives with: those of its sharded
+    modules' and DDPs' process groups (a module that names none: the world);
+    None when it has neither."""
+    groups: List[Optional[dist.ProcessGroup]] = list(_model_groups(model))
+    groups += [
+        getattr(m, "process_group", None)
+        for m in model.modules()
+        if isinstance(m, DistributedDataParallel)
+    ]
+    if not groups:
+        return None
+    ranks: set[int] = set()
+    for pg in groups:
+        ranks.update(
+            range(dist.get_world_size()) if pg is None else dist.get_process_group_ranks(pg)
+        )
+    return sorted(ranks)
+
+
 def steps_are_collective(model: Optional[torch.nn.Module]) -> bool:
-    """True when a training step of ``model`` joins collectives across ranks (it
-    has sharded modules or a ``DistributedDataParallel``), in a world of more
-    than one rank; with ``model=None`` (a pipeline that does not hold the model,
-    as ``StagedTrainPipeline``), whenever the world has more than one rank."""
+    """True when a training step of ``model`` joins collectives with other ranks:
+    it has sharded modules or a ``DistributedDataParallel`` on a process group
+    of more than one rank; with ``model=None`` (a pipeline that does not hold
+    the model, as ``StagedTrainPipeline``), whenever the world has more than
+    one rank.  A model sharded over a one-rank group (a rank training on its
+    own) runs no collective."""
     if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() < 2:
         return False
     if model is None:
         return True
-    if sharded_modules(model):
-        return True
-    return any(isinstance(m, DistributedDataParallel) for m in model.modules())
+    ranks = _model_ranks(model)
+    return ranks is not None and len(ranks) > 1
 
 
 def agreement_group(
@@ -152,9 +175,17 @@ def agreement_group(
     if not sync_exhaustion:
         return None
     groups = _model_groups(model) if model is not None else []
-    timeouts = [_timeout_of(pg) for pg in groups if pg is not None]
-    group = dist.new_group(backend="gloo", timeout=next(filter(None, timeouts), None))
-    assert isinstance(group, dist.ProcessGroup)  # every rank is a member
+    timeout = next(filter(None, (_timeout_of(pg) for pg in groups if pg is not None)), None)
+    ranks = _model_ranks(model) if model is not None else None
+    if ranks is None or len(ranks) == dist.get_world_size():
+        group = dist.new_group(backend="gloo", timeout=timeout)
+    else:
+        # The model trains on some ranks of the world (or this rank alone):
+        # only they agree, and only they make the group.
+        group = dist.new_group(
+            ranks=ranks, backend="gloo", timeout=timeout, use_local_synchronization=True
+        )
+    assert isinstance(group, dist.ProcessGroup)  # this rank is a member
     return lifetime.own_group(group, owner=pipeline)
 
 
@@ -282,7 +313,7 @@ class AgreementChannel:
         self._missed = 0
 
     def no_carrier(self) -> None:
-        """The step's exchanges cannot carry codes (none spans the world):
+        """The step's exchanges cannot carry codes (none is on exactly the agreeing ranks):
         every pull from now on is agreed by an all-reduce of its own."""
         self.carried = False
         while self._waiting:
