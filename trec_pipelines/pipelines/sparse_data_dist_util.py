@@ -199,6 +199,11 @@ class SparseDataDistUtil(Generic[In], WithOptions):
     def _with_embedding_lookup(self) -> bool:
         return self._third_stage == "start_embedding_lookup"
 
+    @property
+    def trained_model(self) -> Optional[torch.nn.Module]:
+        """The model this util pipelines (the agreement's ranks are its groups')."""
+        return self.model
+
     def carry_agreement(self, channel: AgreementChannel) -> None:
         """Called by :class:`StagedTrainPipeline` before any batch: the splits
         exchange of each ``start_sparse_data_dist`` carries ``channel``'s codes

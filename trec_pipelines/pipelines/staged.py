@@ -92,6 +92,12 @@ class CarriesAgreement(Protocol):
 
     def carry_agreement(self, channel: AgreementChannel) -> None: ...
 
+    @property
+    def trained_model(self) -> Optional[torch.nn.Module]:
+        """The model whose steps the loaded batches feed (its process groups
+        say which ranks agree)."""
+        ...
+
 
 @runtime_checkable
 class SkipAware(Protocol):
@@ -284,10 +290,12 @@ class StagedTrainPipeline(
     ) -> None:
         super().__init__()
         self._options = resolve_options(type(self).__name__, type(self), options)
-        group = agreement_group(self, None, self._options.sync_exhaustion)
         # Each load's agreement rides a SparseDataDistUtil stage's splits
         # exchange where there is one, else an all-reduce started a call ahead.
+        # Its model says which ranks train together; without one, the world.
         carriers = _agreement_carriers(pipeline_stages)
+        model = next((c.trained_model for c in carriers if c.trained_model is not None), None)
+        group = agreement_group(self, model, self._options.sync_exhaustion)
         channel = None if group is None else AgreementChannel(group, carried=bool(carriers))
         if channel is not None:
             for carrier in carriers:
