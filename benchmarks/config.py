@@ -270,7 +270,7 @@ plain training loop, on CPU ranks (launched under torchrun by this command).
 
 How long: the default run takes about 20 minutes on a 2-core machine (every
 variant and torchrec's classes, two batch sizes, memory and overhead phases);
---preset pipelining about 8 minutes.  A quick look (two variants on the
+--preset pipelining about 6 minutes.  A quick look (two variants on the
 pipelining preset, 3 rounds: a couple of minutes):
 
   python -m benchmarks --preset pipelining --repeats 3 \\
