@@ -218,10 +218,12 @@ def test_a_model_on_one_rank_trains_alone(sync_exhaustion: Optional[bool]) -> No
     """A model whose process group is this rank alone (a rank evaluating or
     measuring on its own) runs no collective with the others, so a pipeline
     over it makes no world group: rank 0 trains while rank 1 waits at a
-    barrier, and equals the plain loop.  By default it agrees with nobody;
-    with ``sync_exhaustion=True`` it agrees over a group of the model's ranks,
-    made among them alone.  (Before, the agreement group was made over the
-    world, which rank 1 never joined: a hang until the group's timeout.)"""
+    barrier, and equals the plain loop.  It agrees with nobody, even with
+    ``sync_exhaustion=True``: there is no one to agree with, and a group made
+    by one rank alone would put its group count out of step with the others'
+    (torch >= 2.14 counts such groups too).  (Before, the agreement group was
+    made over the world, which rank 1 never joined: a hang until the group's
+    timeout.)"""
     solo = dist.new_group(ranks=[0], backend="gloo")
     try:
         if dist.get_rank() == 0:

@@ -59,12 +59,12 @@ pipelines with and without it, paired).
 
 The group for the all-reduces: gloo, so the codes are CPU tensors (no device
 synchronisation on any backend), and a group of its own, so an all-reduce
-never queues behind the model's all-to-alls in flight. It spans the ranks the
-model trains on (the world, for a model sharded over every rank), is made by
-the pipeline's constructor with ``torch.distributed.new_group`` (so each of
-those ranks constructs its pipeline at the same point, as it builds the
-sharded model; a model on some ranks of the world makes it among those ranks
-alone), and gets the timeout of the model's process group. It is owned by
+never queues behind the model's all-to-alls in flight. It spans the world, is
+made by the pipeline's constructor with ``torch.distributed.new_group`` (so
+every rank of the world constructs its pipeline at the same point, as it
+builds the sharded model), and gets the timeout of the model's process group.
+A model on a one-rank process group (a rank training or measuring on its own)
+has no one to agree with: no group is made, whatever ``sync_exhaustion``. It is owned by
 :mod:`trec_pipelines.core.lifetime` (the pipeline's channel holds it weakly):
 once its pipeline is collected it is destroyed by the next pipeline's
 constructor, so a program that builds a pipeline per eval pass does not keep a
@@ -174,18 +174,18 @@ def agreement_group(
         sync_exhaustion = steps_are_collective(model)
     if not sync_exhaustion:
         return None
+    ranks = _model_ranks(model) if model is not None else None
+    if ranks is not None and len(ranks) == 1:
+        # The model trains on this rank alone: there is no one to agree with,
+        # and a group made here alone would be one the other ranks never make.
+        return None
     groups = _model_groups(model) if model is not None else []
     timeout = next(filter(None, (_timeout_of(pg) for pg in groups if pg is not None)), None)
-    ranks = _model_ranks(model) if model is not None else None
-    if ranks is None or len(ranks) == dist.get_world_size():
-        group = dist.new_group(backend="gloo", timeout=timeout)
-    else:
-        # The model trains on some ranks of the world (or this rank alone):
-        # only they agree, and only they make the group.
-        group = dist.new_group(
-            ranks=ranks, backend="gloo", timeout=timeout, use_local_synchronization=True
-        )
-    assert isinstance(group, dist.ProcessGroup)  # this rank is a member
+    # Over the world, by every rank at the same point: a model on some ranks
+    # of the world (2D sharding's replica groups) still ends its data in step
+    # with the others.
+    group = dist.new_group(backend="gloo", timeout=timeout)
+    assert isinstance(group, dist.ProcessGroup)  # every rank is a member
     return lifetime.own_group(group, owner=pipeline)
 
 
