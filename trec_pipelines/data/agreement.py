@@ -313,7 +313,7 @@ class AgreementChannel:
         self._missed = 0
 
     def no_carrier(self) -> None:
-        """The step's exchanges cannot carry codes (none is on exactly the agreeing ranks):
+        """The step's exchanges cannot carry codes (none spans the world):
         every pull from now on is agreed by an all-reduce of its own."""
         self.carried = False
         while self._waiting:

@@ -7,8 +7,8 @@ rides in it: the code of the oldest pull the batch source has not agreed yet
 or NOTHING.  Waiting for the splits, as the step does anyway, then hands
 every rank's code to that pull's agreement, at no collective of its own.
 
-Only an exchange on a group of exactly the agreeing ranks carries codes
-(the first such group of a step; the others are left as they are).  Every rank builds
+Only an exchange on a group that spans the world carries codes (the first
+such group of a step; the others are left as they are).  Every rank builds
 the same exchanges in the same order, so the same exchange carries the same
 pull on every rank; a rank whose code differs in pull number, or carries
 NOTHING where the others carry a pull, is out of step, and every rank raises
@@ -32,9 +32,9 @@ from trec_pipelines.core.errors import OutOfStepError
 from trec_pipelines.data.agreement import NOTHING, Agreement, AgreementChannel, CarriedCode
 
 
-def can_carry(pg: dist.ProcessGroup, channel: AgreementChannel) -> bool:
-    """True when ``pg``'s ranks are exactly those that agree over ``channel``."""
-    return sorted(dist.get_process_group_ranks(pg)) == sorted(channel.ranks)
+def spans_world(pg: dist.ProcessGroup) -> bool:
+    """True when ``pg`` has every rank of the world (it can carry agreements)."""
+    return pg.size() == dist.get_world_size()
 
 
 class _SplitsWithCode(SplitsAllToAllAwaitable, CarriedCode):

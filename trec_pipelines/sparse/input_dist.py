@@ -53,7 +53,7 @@ from trec_pipelines.model.postproc import (
     postprocs_read_by,
     use_context_for_postprocs,
 )
-from trec_pipelines.sparse.carried_agreement import CarryingFusedSplits, can_carry
+from trec_pipelines.sparse.carried_agreement import CarryingFusedSplits, spans_world
 from trec_pipelines.sparse.input_dist_group import GroupRef, InputDistGroup, dedicated_groups
 
 logger: logging.Logger = logging.getLogger(__name__)
@@ -321,7 +321,7 @@ def _fuse_splits(
             names_per_pg[pg].append(name)
     carrier = None
     if agreement is not None and agreement.carried:
-        carrier = next((pg for pg in names_per_pg if can_carry(pg, agreement)), None)
+        carrier = next((pg for pg in names_per_pg if spans_world(pg)), None)
         if carrier is None:
             agreement.missed()  # the same on every rank: the same modules, groups
     for pg, names in names_per_pg.items():
