@@ -310,7 +310,11 @@ class TrainPipelineSparseDist(PipelineCore, TrainPipeline[In, Out], AsyncInplace
         )
 
     def _input_dist_modules(self) -> List[Tuple[str, AnyShardedModule, CallArgs]]:
-        assert self._rewrite is not None
+        # No rewrite: a subclass's _init_pipelined_modules (or _pipeline_model) did
+        # not call ours.  Then, as on torchrec, no module is pipelined and each runs
+        # its own input_dist inside the forward.
+        if self._rewrite is None:
+            return []
         return [(p.name, p.module, p.call_args) for p in self._rewrite.pipelined]
 
     def _current_context(self) -> TrainPipelineContext:
