@@ -25,7 +25,7 @@ from typing import Any
 
 import pytest
 
-from tests.hook_parity import ours, pairs, parameters, torchrec_class
+from tests.hook_parity import ours, pairs, parameters, reached, torchrec_class
 from trec_pipelines.core.hooks import (
     Refused,
     Uncalled,
@@ -131,6 +131,28 @@ def test_a_subclass_that_stubs_the_first_pipeline_api_is_created() -> None:
     assert warned == ["_start_sparse_data_dist", "_wait_sparse_data_dist"]
     assert all(w.filename == __file__ for w in caught), [w.filename for w in caught]
     assert issubclass(StubbingPipeline, EvalPipelineSparseDist)
+
+
+DECIDED = [(n, h) for n, h in PAIRS if h in decided_hooks(ours(n))]
+
+
+@pytest.mark.parametrize(("name", "hook"), DECIDED, ids=[f"{n}.{h}" for n, h in DECIDED])
+def test_the_decision_follows_torchrecs_source(name: str, hook: str) -> None:
+    """Refused only where torchrec's class reaches the hook from its constructor,
+    progress(), attach/detach/reset or finaliser; allowed with a warning only where it
+    never does.  One reached hook is still never called: _submit_inplace_copy, behind
+    the async_inplace_copy flag, in a class whose constructor does not take it."""
+    theirs = torchrec_class(name)
+    assert theirs is not None
+    decision = decided_hooks(ours(name))[hook]
+    called = hook in reached(theirs)
+    if isinstance(decision, Refused):
+        assert called, f"torchrec's {name} never calls {hook}: allow it with a warning"
+        return
+    takes_flag = "async_inplace_copy" in inspect.signature(theirs.__init__).parameters
+    if hook == "_submit_inplace_copy" and not takes_flag:
+        return
+    assert not called, f"torchrec's {name} calls {hook}: an override takes effect there"
 
 
 def test_a_hook_is_uncalled_or_refused_never_both() -> None:
