@@ -1,15 +1,19 @@
 """torchrec's overridable methods, per class, for the hook-parity tests.
 
-Shared by the unit tier (every hook honoured with torchrec's signature, or
+Shared by the unit tier (every hook honoured with torchrec's signature,
+allowed with one warning where neither torchrec's class nor ours calls it, or
 refused at class creation) and the distributed tier (the honoured ones called
-as torchrec calls them).
+as torchrec calls them, the uncalled ones called by neither).
 """
 
 from __future__ import annotations
 
+import ast
+import functools
 import importlib
 import inspect
-from typing import Any, Dict, List, Optional
+import textwrap
+from typing import Any, Dict, FrozenSet, List, Optional, Set, Tuple
 
 import trec_pipelines
 
@@ -66,13 +70,12 @@ def overridable(cls: type) -> Dict[str, Any]:
         if klass is object:
             continue
         for name, value in vars(klass).items():
+            if name == "_pipelined_forward_type":  # a class, read as a hook is called
+                found[name] = value
+                continue
             if name.startswith("__") or isinstance(value, (property, type)):
                 continue
-            if (
-                name == "_pipelined_forward_type"
-                or callable(value)
-                or isinstance(value, (staticmethod, classmethod))
-            ):
+            if callable(value) or isinstance(value, (staticmethod, classmethod)):
                 found[name] = value
     return found
 
@@ -96,3 +99,65 @@ def pairs() -> List[tuple]:
 
 def ours(name: str) -> type:
     return getattr(trec_pipelines, name)
+
+
+# What drives a pipeline without the user calling a hook: building it, stepping it,
+# attaching, detaching and resetting it, and collecting it.
+DRIVERS = ("__init__", "progress", "attach", "detach", "reset", "__del__")
+
+
+def _references(function: Any) -> Tuple[Set[str], Set[str]]:
+    """The ``self.<name>`` and ``super().<name>`` names ``function``'s source mentions."""
+    try:
+        source = textwrap.dedent(inspect.getsource(inspect.unwrap(function)))
+    except (OSError, TypeError):  # a builtin, or no source
+        return set(), set()
+    on_self: Set[str] = set()
+    on_super: Set[str] = set()
+    for node in ast.walk(ast.parse(source)):
+        if not isinstance(node, ast.Attribute):
+            continue
+        owner = node.value
+        if isinstance(owner, ast.Name) and owner.id == "self":
+            on_self.add(node.attr)
+        elif (
+            isinstance(owner, ast.Call)
+            and isinstance(owner.func, ast.Name)
+            and owner.func.id == "super"
+        ):
+            on_super.add(node.attr)
+    return on_self, on_super
+
+
+def _defined(cls: type, name: str, after: Optional[type] = None) -> Optional[Tuple[type, Any]]:
+    """Where ``cls`` finds ``name`` (after ``after`` in its MRO, for ``super()``)."""
+    mro = cls.__mro__
+    for klass in mro[mro.index(after) + 1 :] if after is not None else mro:
+        if name in vars(klass):
+            return klass, vars(klass)[name]
+    return None
+
+
+@functools.lru_cache(maxsize=None)
+def reached(cls: type) -> FrozenSet[str]:
+    """Every ``self.<name>`` torchrec's class ``cls`` reaches from its drivers, read
+    from its source: a hook in this set is one an override of which torchrec's
+    class may call (perhaps only under an option); one outside it, never."""
+    names: Set[str] = set()
+    seen: Set[Tuple[type, str]] = set()
+    todo: List[Tuple[str, Optional[Tuple[type, Any]]]] = [(n, _defined(cls, n)) for n in DRIVERS]
+    while todo:
+        name, found = todo.pop()
+        if found is None or (found[0], name) in seen:
+            continue
+        klass, value = found
+        seen.add((klass, name))
+        if isinstance(value, (staticmethod, classmethod)):
+            value = value.__func__
+        if not callable(value) or isinstance(value, type):  # data, or a class it reads
+            continue
+        on_self, on_super = _references(value)
+        names |= on_self
+        todo += [(ref, _defined(cls, ref)) for ref in on_self]
+        todo += [(ref, _defined(cls, ref, after=klass)) for ref in on_super]
+    return frozenset(names)

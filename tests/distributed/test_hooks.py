@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import warnings
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import pytest
@@ -24,7 +25,7 @@ from tests import devices
 from tests.distributed.dlrm import DLRM, make_batches, make_sharded, run_pipeline
 from tests.distributed.torchrec_shim import torchrec_on_cpu
 from tests.hook_parity import ours, overridable, torchrec_class
-from trec_pipelines.core.hooks import refused_hooks
+from trec_pipelines.core.hooks import UncalledHookWarning, decided_hooks, uncalled_hooks
 
 DEVICE = devices.device()
 SEED, DATA_SEED, STEPS = 1234, 5, 5
@@ -77,20 +78,20 @@ def recording(base: type, hooks: List[str], log: List[Call], batches: List[Any])
     """``base`` with every hook in ``hooks`` logging its call, then doing what it did."""
 
     def recorder(name: str) -> Callable[..., Any]:
-        original = getattr(base, name)
+        # An uncalled hook ours does not define: the override only records.
+        original = getattr(base, name, None)
 
-        @functools.wraps(original)
         def hook(self: Any, *args: Any, **kwargs: Any) -> Any:
             described = tuple(_describe(a, batches) for a in args) + tuple(
                 f"{k}={_describe(v, batches)}" for k, v in sorted(kwargs.items())
             )
-            result = original(self, *args, **kwargs)
+            result = None if original is None else original(self, *args, **kwargs)
             if name in _BY_RESULT:
                 described += ("->", _describe(result, batches))
             log.append((name, described))
             return result
 
-        return hook
+        return hook if original is None else functools.wraps(original)(hook)
 
     namespace: Dict[str, Any] = {"__module__": "user_subclass"}
     for name in hooks:
@@ -101,16 +102,24 @@ def recording(base: type, hooks: List[str], log: List[Call], batches: List[Any])
 
 
 def honoured(name: str) -> List[str]:
-    """The hooks of torchrec's ``name`` that ours honours (callable, not refused)."""
+    """The hooks of torchrec's ``name`` that ours honours (callable, neither uncalled
+    nor refused)."""
     theirs = torchrec_class(name)
     assert theirs is not None
-    refused = refused_hooks(ours(name))
+    decided = decided_hooks(ours(name))
     skip = {"progress", "_pipelined_forward_type", "state_dict", "load_state_dict"}
     return sorted(
         h
         for h, v in overridable(theirs).items()
-        if h not in refused and h not in skip and callable(getattr(ours(name), h, None))
+        if h not in decided and h not in skip and callable(getattr(ours(name), h, None))
     )
+
+
+def uncalled(name: str) -> List[str]:
+    """The hooks of torchrec's ``name`` that neither its class nor ours calls."""
+    theirs = torchrec_class(name)
+    assert theirs is not None
+    return sorted(h for h in uncalled_hooks(ours(name)) if callable(getattr(theirs, h, None)))
 
 
 def _run(cls: type, batches: List[Any], shim: bool, kwargs: Dict[str, Any]) -> None:
@@ -167,12 +176,20 @@ def test_hooks_are_called_as_torchrec_calls_them(name: str) -> None:
     batches = make_batches(STEPS, seed=DATA_SEED)
     hooks = honoured(name)
     shim, kwargs = RUNNABLE[name]
+    # The uncalled hooks are recorded too: neither class may call them.
+    not_called = uncalled(name)
     theirs_log: List[Call] = []
     ours_log: List[Call] = []
     theirs = torchrec_class(name)
     assert theirs is not None
-    _run(recording(theirs, hooks, theirs_log, batches), batches, shim, kwargs)
-    _run(recording(ours(name), hooks, ours_log, batches), batches, False, kwargs)
+    _run(recording(theirs, hooks + not_called, theirs_log, batches), batches, shim, kwargs)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UncalledHookWarning)  # the unit tier checks them
+        ours_cls = recording(ours(name), hooks + not_called, ours_log, batches)
+    _run(ours_cls, batches, False, kwargs)
+    assert not_called, name
+    assert [c for c in theirs_log if c[0] in not_called] == [], "torchrec's class called them"
+    assert [c for c in ours_log if c[0] in not_called] == [], "ours called them"
     theirs_calls, ours_calls = by_hook(theirs_log), by_hook(ours_log)
     extra = sorted(set(ours_calls) - set(theirs_calls))
     missing = sorted(set(theirs_calls) - set(ours_calls))

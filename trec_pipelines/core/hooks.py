@@ -1,24 +1,33 @@
-"""What a subclass may override: each of torchrec's hooks honoured, or refused out loud.
+"""What a subclass may override: each of torchrec's hooks honoured, allowed with a warning, or refused.
 
 [Note: subclass hooks]
 Code written for torchrec often subclasses its pipelines and overrides a
 method: ``_backward`` to add a ``GradScaler``, ``_next_batch`` to filter
 batches, a ``progress()`` rebuilt from ``enqueue_batch``, ``fill_pipeline``,
 ``_set_module_context`` and ``dequeue_batch``.  Every method of torchrec's
-same-named class is, in ours, either
+same-named class is, in ours, one of
 
 * honoured: defined with torchrec's signature and called at the equivalent
   point of the timeline, with the same meaning, so an override takes effect;
-  or
-* refused: where our schedule has no equivalent point (torchrec's own
-  ``progress()`` never calls it, or the state it works on has another shape
-  here), a subclass that defines it gets a ``TypeError`` as the class is
-  created, naming the hook, why, and what to override instead.
+* uncalled: torchrec's class never calls it (its progress(), fill,
+  constructor, attach, reset and finaliser never reach it) and neither does
+  ours.  An override changes nothing on either, so code that stubs it (a test
+  that overrides it with ``pass``) must still run: the class is created, with
+  one warning naming the hook;
+* refused: torchrec's class calls it (the call may depend on an option, as
+  the asynchronous in-place copy does on ``async_inplace_copy=True``) and ours
+  has no equivalent point to call it at (the state it works on has another
+  shape here).  A subclass that defines it gets a ``TypeError`` as the class
+  is created, naming the hook, why, and what to override instead.
 
-Never silently ignored.  Each class names its refusals in ``_refused_hooks``
-(merged along its bases); :class:`Hooks` checks a subclass defined outside
-this package as it is created.  The migration guide's "Subclassing" section
-lists every decision.
+Never silently ignored.  Each class declares its decisions in
+``_uncalled_hooks`` and ``_refused_hooks``, merged along its bases (the
+nearest class's decision wins); :class:`Hooks` checks a subclass defined
+outside this package as it is created.  Where torchrec's releases differ,
+a hook either release never calls is uncalled (a ``TypeError`` would stop
+code that runs on that release); a method one release does not have is
+decided by the release that has it.  The migration guide's "Subclassing"
+section lists every decision.
 
 A subclass's own ``progress()`` runs inside the step guard
 (:mod:`trec_pipelines.core.step_guard`): a progress rebuilt from the verbs
@@ -29,80 +38,178 @@ ours does.
 from __future__ import annotations
 
 import functools
+import sys
+import warnings
 from dataclasses import dataclass
-from typing import Any, Callable, ClassVar, Dict, Iterator, Mapping
+from typing import Any, Callable, ClassVar, Dict, Iterator, Mapping, Set, Tuple, Union
 
 
 @dataclass(frozen=True)
 class Refused:
-    """Why a hook is refused, and what to override instead."""
+    """A hook torchrec's class calls and ours cannot honour: why, and what to
+    override instead."""
 
     why: str
     instead: str
 
 
-# Refusals several classes share.
-NEVER_CALLED = "torchrec's {cls}.progress() never calls it either, so an override changes nothing"
-VERSION_0 = Refused(
+@dataclass(frozen=True)
+class Uncalled:
+    """A hook neither torchrec's class nor ours calls: why torchrec's does not,
+    and what to override to change the step."""
+
+    why: str
+    instead: str
+
+
+Decision = Union[Refused, Uncalled]
+
+
+class UncalledHookWarning(UserWarning):
+    """A subclass overrides a hook that neither torchrec's class nor ours calls."""
+
+
+# Decisions several classes share.
+VERSION_0 = Uncalled(
     "it belongs to torchrec's deprecated first pipeline API, which no progress() calls any more",
-    "fill_pipeline(dataloader_iter), copy_batch_to_gpu(dataloader_iter) and "
+    "fill_pipeline(dataloader_iter), copy_batch_to_gpu(dataloader_iter) or "
     "start_sparse_data_dist(batch, context) / wait_sparse_data_dist(context)",
 )
 FORWARD_TYPE = Refused(
-    "the forward wrappers are ours (they read our contexts and streams), chosen per module",
+    "torchrec reads it to wrap the sharded modules' forwards (as it fills the pipeline and on "
+    "attach()); here the forward wrappers are ours (they read our contexts and streams), chosen "
+    "per module",
     "_make_forward(name, call_args, module), which returns the wrapper for one module",
 )
 ASYNC_COPY = Refused(
-    "the asynchronous in-place copy runs on a worker of ours that owns the Future and the "
-    "stream protocol",
+    "torchrec calls it to run the asynchronous in-place copy (async_inplace_copy=True: set up in "
+    "the constructor, each batch submitted from inplace_copy_batch_to_gpu, shut down when the "
+    "pipeline is collected); here that copy runs on a worker of ours that owns the Future and "
+    "the stream protocol",
+    "inplace_copy_batch_to_gpu(dataloader_iter)",
+)
+# _submit_inplace_copy where the constructor takes no async_inplace_copy, so that
+# torchrec's flag stays False and inplace_copy_batch_to_gpu never submits.
+ASYNC_SUBMIT_OFF = Uncalled(
+    "this class's constructor takes no async_inplace_copy, so torchrec's never submits an "
+    "asynchronous copy",
     "inplace_copy_batch_to_gpu(dataloader_iter)",
 )
 
 
-def never_called(cls: str, instead: str) -> Refused:
-    """The refusal of a hook ``cls``'s progress() (torchrec's and ours) never calls."""
-    return Refused(NEVER_CALLED.format(cls=cls), instead)
+def never_called(cls: str, instead: str, why: str = "") -> Uncalled:
+    """The decision for a hook ``cls``'s progress() (torchrec's and ours) never calls."""
+    return Uncalled(f"torchrec's {cls} never calls it" + (f": {why}" if why else ""), instead)
 
 
-def refused_hooks(cls: type) -> Dict[str, Refused]:
-    """Every hook ``cls`` refuses, merged along its bases (the nearest wins)."""
-    merged: Dict[str, Refused] = {}
+def decided_hooks(cls: type) -> Dict[str, Decision]:
+    """Every hook ``cls`` does not honour, uncalled or refused, merged along its
+    bases (the nearest class's decision wins)."""
+    merged: Dict[str, Decision] = {}
     for base in reversed(cls.__mro__):
-        merged.update(base.__dict__.get("_refused_hooks", {}))
+        uncalled = base.__dict__.get("_uncalled_hooks", {})
+        refused = base.__dict__.get("_refused_hooks", {})
+        both = set(uncalled) & set(refused)
+        assert not both, f"{base.__name__} declares {sorted(both)} both uncalled and refused"
+        merged.update(uncalled)
+        merged.update(refused)
     return merged
 
 
-class Hooks:
-    """Checks, as a user's subclass is created, that it overrides no refused hook,
-    and runs its own ``progress()`` inside the step guard (see the module note)."""
+def refused_hooks(cls: type) -> Dict[str, Refused]:
+    """The hooks ``cls`` refuses: defining one is a ``TypeError``."""
+    return {n: d for n, d in decided_hooks(cls).items() if isinstance(d, Refused)}
 
+
+def uncalled_hooks(cls: type) -> Dict[str, Uncalled]:
+    """The hooks neither ``cls`` nor torchrec's class of that name calls: defining
+    one is allowed, with one :class:`UncalledHookWarning`."""
+    return {n: d for n, d in decided_hooks(cls).items() if isinstance(d, Uncalled)}
+
+
+# (module, qualified name, bases, hook) already warned about: a class statement run
+# again (in a function, in a test) warns once.
+_warned: Set[Tuple[str, str, Tuple[str, ...], str]] = set()
+
+
+class Hooks:
+    """Checks, as a user's subclass is created, the hooks it overrides (refused:
+    ``TypeError``; uncalled: one warning), and runs its own ``progress()`` inside
+    the step guard (see the module note)."""
+
+    _uncalled_hooks: ClassVar[Mapping[str, Uncalled]] = {}
     _refused_hooks: ClassVar[Mapping[str, Refused]] = {}
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
         if cls.__module__.split(".")[0] == "trec_pipelines":
             return  # ours: the decisions are made here
-        refused = refused_hooks(cls)
+        decided = decided_hooks(cls)
         for name in cls.__dict__:
-            if name in refused:
-                raise TypeError(refusal_message(cls, name, refused[name]))
+            decision = decided.get(name)
+            if isinstance(decision, Refused):
+                raise TypeError(refusal_message(cls, name, decision))
+        for name in cls.__dict__:
+            decision = decided.get(name)
+            if isinstance(decision, Uncalled):
+                _warn_uncalled(cls, name, decision)
         if "progress" in cls.__dict__:
             guard = getattr(cls, "_guard_user_progress", None)
             if guard is not None:
                 cls.progress = guard(cls.__dict__["progress"])  # type: ignore[attr-defined]
 
 
-def refusal_message(cls: type, name: str, refusal: Refused) -> str:
-    """The ``TypeError`` text for ``cls`` overriding refused hook ``name``."""
-    ours = next(
+def _ours(cls: type) -> str:
+    """The name of the nearest of our classes ``cls`` derives from."""
+    return next(
         (b.__name__ for b in cls.__mro__ if b.__module__.split(".")[0] == "trec_pipelines"),
         "the pipeline",
     )
+
+
+def refusal_message(cls: type, name: str, refusal: Refused) -> str:
+    """The ``TypeError`` text for ``cls`` overriding refused hook ``name``."""
     return (
-        f"{cls.__name__} overrides {name}, which trec_pipelines' {ours} does not call: "
-        f"{refusal.why}. Override {refusal.instead} instead (see 'Subclassing' in the "
+        f"{cls.__name__} overrides {name}, which torchrec's {_ours(cls)} calls and "
+        f"trec_pipelines' cannot honour: {refusal.why}. Override {refusal.instead} instead "
+        "(see 'Subclassing' in the migration guide)."
+    )
+
+
+def uncalled_message(cls: type, name: str, uncalled: Uncalled) -> str:
+    """The warning text for ``cls`` overriding uncalled hook ``name``."""
+    return (
+        f"{cls.__name__} overrides {name}, which trec_pipelines' {_ours(cls)} does not call, "
+        f"nor does torchrec's ({uncalled.why}): the override has no effect, as on torchrec. "
+        f"To change the step, override {uncalled.instead} (see 'Subclassing' in the "
         "migration guide)."
     )
+
+
+def _warn_uncalled(cls: type, name: str, uncalled: Uncalled) -> None:
+    key = (cls.__module__, cls.__qualname__, _bases(cls), name)
+    if key in _warned:
+        return
+    _warned.add(key)
+    warnings.warn(
+        uncalled_message(cls, name, uncalled), UncalledHookWarning, stacklevel=_user_frame()
+    )
+
+
+def _bases(cls: type) -> Tuple[str, ...]:
+    return tuple(f"{b.__module__}.{b.__qualname__}" for b in cls.__bases__)
+
+
+def _user_frame() -> int:
+    """The ``stacklevel`` of the frame that runs the class statement: the first
+    outside this package and the class machinery (``abc``, ``typing``)."""
+    frame, level = sys._getframe(1), 1
+    while frame is not None:
+        module = frame.f_globals.get("__name__", "")
+        if module.split(".")[0] not in ("trec_pipelines", "abc", "typing"):
+            return level
+        frame, level = frame.f_back, level + 1  # type: ignore[assignment]
+    return 1
 
 
 def beginning_the_step(

@@ -8,7 +8,7 @@ from typing import Any, Callable, ClassVar, Iterator, List, Mapping, Optional, T
 import torch
 from torchrec.distributed.train_pipeline import In, Out, TrainPipeline
 
-from trec_pipelines.core.hooks import Refused, never_called
+from trec_pipelines.core.hooks import Uncalled, never_called
 from trec_pipelines.core.options import TrainBatchOptions
 from trec_pipelines.core.pipeline import PipelineCore
 from trec_pipelines.core.step_guard import guarded_step
@@ -56,7 +56,7 @@ class TrainPipelineBase(PipelineCore, TrainPipeline[In, Out]):
                 break
     """
 
-    _refused_hooks: ClassVar[Mapping[str, Refused]] = {
+    _uncalled_hooks: ClassVar[Mapping[str, Uncalled]] = {
         "sync_embeddings": never_called("TrainPipelineBase", "nothing (call it yourself)"),
     }
 

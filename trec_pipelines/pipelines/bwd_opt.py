@@ -10,6 +10,7 @@ from torch.nn.parallel import DistributedDataParallel
 from torchrec.distributed.train_pipeline import In, Out
 from torchrec.distributed.types import ShardingType
 
+from trec_pipelines.core.hooks import ASYNC_SUBMIT_OFF
 from trec_pipelines.core.options import SparseDistTrainOptions
 from trec_pipelines.core.step_guard import guarded_step
 from trec_pipelines.model.backward_hooks import (
@@ -69,6 +70,9 @@ class TrainPipelineSparseDistBwdOpt(TrainPipelineSparseDist[In, Out]):
             except StopIteration:
                 break
     """
+
+    # torchrec's constructor takes no async_inplace_copy: it never submits a copy.
+    _uncalled_hooks = {"_submit_inplace_copy": ASYNC_SUBMIT_OFF}
 
     def __init__(
         self,

@@ -26,7 +26,7 @@ from torch.nn.parallel import DistributedDataParallel
 from torchrec.distributed import comm_ops
 from torchrec.distributed.train_pipeline import In, Out
 
-from trec_pipelines.core.hooks import Refused, never_called
+from trec_pipelines.core.hooks import ASYNC_SUBMIT_OFF, Uncalled, never_called
 from trec_pipelines.core.options import SparseDistTrainOptions
 from trec_pipelines.core.step_guard import guarded_step
 from trec_pipelines.model.compiler_settings import HeldSettings
@@ -225,11 +225,12 @@ class TrainPipelineSparseDistCompAutograd(TrainPipelineSparseDist[In, Out]):
     """
 
     # torchrec's CompAutograd runs its backward itself, under compiled autograd.
-    _refused_hooks: ClassVar[Mapping[str, Refused]] = {
+    _uncalled_hooks: ClassVar[Mapping[str, Uncalled]] = {
         "_backward": never_called(
             "TrainPipelineSparseDistCompAutograd",
             "nothing: pass grad_scaler= for a scaled backward",
         ),
+        "_submit_inplace_copy": ASYNC_SUBMIT_OFF,
     }
 
     def __init__(

@@ -13,7 +13,7 @@ from torchrec.sparse.jagged_tensor import KeyedTensor
 
 from trec_pipelines._types import AnyShardedModule
 from trec_pipelines.core import lifetime
-from trec_pipelines.core.hooks import Refused
+from trec_pipelines.core.hooks import ASYNC_SUBMIT_OFF, Refused, Uncalled
 from trec_pipelines.core.options import EvalHostOptions
 from trec_pipelines.core.step_guard import guarded_step
 from trec_pipelines.core.streams import (
@@ -81,6 +81,9 @@ class EvalPipelineCPUSparse(TrainPipelineSparseDist[In, Out]):
                 break
     """
 
+    _uncalled_hooks: ClassVar[Mapping[str, Uncalled]] = {
+        "_submit_inplace_copy": ASYNC_SUBMIT_OFF,
+    }
     _refused_hooks: ClassVar[Mapping[str, Refused]] = {
         "_get_or_alloc_pinned": Refused(
             "the pinned buffers here are two per module, alternating between batches, each "

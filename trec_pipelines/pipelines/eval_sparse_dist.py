@@ -40,7 +40,7 @@ from torchrec.distributed.train_pipeline import In, Out
 from trec_pipelines.core import lifetime
 from trec_pipelines.core.checks import predictions
 from trec_pipelines.core.errors import MalformedBatchError
-from trec_pipelines.core.hooks import Refused, never_called
+from trec_pipelines.core.hooks import Uncalled, never_called
 from trec_pipelines.core.options import SparseDistOptions
 from trec_pipelines.core.streams import has_streams
 from trec_pipelines.core.verbs import copy_to_device, shares_kjt_storage
@@ -201,6 +201,11 @@ class _InlineLoader:
 _Loader = Union[_BatchLoader, _InlineLoader]
 
 
+# Why torchrec's Eval never calls a hook (see "Subclassing" in the migration guide).
+_LOADS_ON_ITS_THREAD = "it pulls and copies each batch on its own loading thread"
+_EVALUATES = "it evaluates: no backward, no optimizer step"
+
+
 class EvalPipelineSparseDist(TrainPipelineSparseDist[In, Out]):
     """Forward only; ``cur`` runs while ``nxt`` is in input_dist, batches copied ahead by a loader.
 
@@ -261,22 +266,38 @@ class EvalPipelineSparseDist(TrainPipelineSparseDist[In, Out]):
 
     # torchrec's Eval loads on its own thread and never pulls through _next_batch.
     _pulls_through_next_batch = False
-    _refused_hooks: ClassVar[Mapping[str, Refused]] = {
-        "_next_batch": never_called(
-            "EvalPipelineSparseDist", "the iterator you pass (wrap it to filter batches)"
-        ),
-    } | {
-        hook: never_called("EvalPipelineSparseDist", "progress(dataloader_iter)")
-        for hook in (
-            "_backward",
-            "_optimizer_step",
-            "sync_embeddings",
-            "copy_batch_to_gpu",
-            "inplace_copy_batch_to_gpu",
-            "enqueue_batch",
-            "fill_pipeline",
-        )
-    }
+    _uncalled_hooks: ClassVar[Mapping[str, Uncalled]] = (
+        {
+            "_next_batch": never_called(
+                "EvalPipelineSparseDist",
+                "the iterator you pass (wrap it to filter batches)",
+                _LOADS_ON_ITS_THREAD,
+            ),
+            "_submit_inplace_copy": never_called(
+                "EvalPipelineSparseDist", "the iterator you pass", _LOADS_ON_ITS_THREAD
+            ),
+            "_shutdown_async_inplace_copy": never_called(
+                "EvalPipelineSparseDist",
+                "nothing: there is no asynchronous copy to shut down",
+                "its finaliser (1.9.2) stops its loading thread only",
+            ),
+        }
+        | {
+            hook: never_called("EvalPipelineSparseDist", "progress(dataloader_iter)", _EVALUATES)
+            for hook in ("_backward", "_optimizer_step", "sync_embeddings")
+        }
+        | {
+            hook: never_called(
+                "EvalPipelineSparseDist", "progress(dataloader_iter)", _LOADS_ON_ITS_THREAD
+            )
+            for hook in (
+                "copy_batch_to_gpu",
+                "inplace_copy_batch_to_gpu",
+                "enqueue_batch",
+                "fill_pipeline",
+            )
+        }
+    )
 
     _requires_optimizer = False
 

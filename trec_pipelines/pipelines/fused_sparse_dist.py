@@ -22,7 +22,7 @@ from torchrec.distributed.train_pipeline import In, Out
 
 from trec_pipelines._types import AnyShardedModule
 from trec_pipelines.core.checks import predictions
-from trec_pipelines.core.hooks import Refused, never_called
+from trec_pipelines.core.hooks import ASYNC_SUBMIT_OFF, Uncalled, never_called
 from trec_pipelines.core.options import SparseDistOptions, SparseDistTrainOptions
 from trec_pipelines.core.step_guard import guarded_step
 from trec_pipelines.core.streams import (
@@ -95,10 +95,11 @@ class TrainPipelineFusedSparseDist(TrainPipelineSparseDist[In, Out]):
                 break
     """
 
-    _refused_hooks: ClassVar[Mapping[str, Refused]] = {
+    _uncalled_hooks: ClassVar[Mapping[str, Uncalled]] = {
         "wait_embedding_lookup": never_called(
             "TrainPipelineFusedSparseDist", "start_embedding_lookup(batch, context)"
         ),
+        "_submit_inplace_copy": ASYNC_SUBMIT_OFF,
     }
 
     # context_type is always EmbeddingTrainPipelineContext here.
@@ -324,7 +325,7 @@ class EvalPipelineFusedSparseDist(TrainPipelineFusedSparseDist[In, Out]):
                 break
     """
 
-    _refused_hooks: ClassVar[Mapping[str, Refused]] = {
+    _uncalled_hooks: ClassVar[Mapping[str, Uncalled]] = {
         hook: never_called("EvalPipelineFusedSparseDist", "progress(dataloader_iter)")
         for hook in ("_backward", "_optimizer_step", "sync_embeddings")
     }

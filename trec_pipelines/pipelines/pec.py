@@ -39,7 +39,7 @@ import torch
 from torchrec.distributed.train_pipeline import In, Out
 
 from trec_pipelines._types import AnyShardedModule
-from trec_pipelines.core.hooks import Refused
+from trec_pipelines.core.hooks import ASYNC_SUBMIT_OFF, Refused, Uncalled
 from trec_pipelines.core.options import SparseDistTrainOptions
 from trec_pipelines.core.step_guard import guarded_step
 from trec_pipelines.core.streams import current_stream, record_stream, wait_event
@@ -116,6 +116,9 @@ class TrainPipelinePEC(TrainPipelineSparseDist[In, Out]):
 
     # torchrec keeps the deferred NOL gradient on the next batch's context; ours
     # keeps it on the pipeline, so it survives a rolled-back step and a checkpoint.
+    _uncalled_hooks: ClassVar[Mapping[str, Uncalled]] = {
+        "_submit_inplace_copy": ASYNC_SUBMIT_OFF,
+    }
     _refused_hooks: ClassVar[Mapping[str, Refused]] = {
         hook: Refused(
             "its PEC state lives on torchrec's contexts; here the deferred gradient and the "

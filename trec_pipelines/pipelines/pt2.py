@@ -20,7 +20,7 @@ import torch
 from torchrec.distributed.train_pipeline import In, Out, TrainPipeline
 from torchrec.pt2.utils import default_pipeline_input_transformer
 
-from trec_pipelines.core.hooks import Refused, never_called
+from trec_pipelines.core.hooks import Uncalled, never_called
 from trec_pipelines.core.options import TrainBatchOptions
 from trec_pipelines.core.pipeline import PipelineCore
 from trec_pipelines.core.step_guard import guarded_step
@@ -118,7 +118,7 @@ class TrainPipelinePT2(PipelineCore, TrainPipeline[In, Out]):
     # torchrec's PT2 inlines its pull, copy, wait and backward: the Base hooks it
     # inherits are never called there, so an override would change nothing.
     _pulls_through_next_batch = False
-    _refused_hooks: ClassVar[Mapping[str, Refused]] = {
+    _uncalled_hooks: ClassVar[Mapping[str, Uncalled]] = {
         hook: never_called("TrainPipelinePT2", "progress(dataloader_iter)")
         for hook in ("_next_batch", "_connect", "_copy_batch_to_gpu", "_wait_for_batch")
     } | {

@@ -22,7 +22,7 @@ from torchrec.distributed.train_pipeline import In, Out
 from torchrec.sparse.jagged_tensor import KeyedTensor
 
 from trec_pipelines._types import AnyShardedModule
-from trec_pipelines.core.hooks import Refused, never_called
+from trec_pipelines.core.hooks import ASYNC_SUBMIT_OFF, Uncalled, never_called
 from trec_pipelines.core.options import SparseDistTrainOptions
 from trec_pipelines.core.step_guard import guarded_step
 from trec_pipelines.core.streams import (
@@ -111,7 +111,7 @@ class TrainPipelineSemiSync(TrainPipelineSparseDist[In, Out]):
 
     _depth = 4
     # torchrec's SemiSync runs its dense backward and step itself.
-    _refused_hooks: ClassVar[Mapping[str, Refused]] = {
+    _uncalled_hooks: ClassVar[Mapping[str, Uncalled]] = {
         "_backward": never_called(
             "TrainPipelineSemiSync", "nothing: pass grad_scaler= for a scaled backward"
         ),
@@ -119,6 +119,7 @@ class TrainPipelineSemiSync(TrainPipelineSparseDist[In, Out]):
             "TrainPipelineSemiSync", "_mlp_optimizer_step(current_batch)"
         ),
         "_wait_for_batch": never_called("TrainPipelineSemiSync", "_mlp_forward(batch, context)"),
+        "_submit_inplace_copy": ASYNC_SUBMIT_OFF,
     }
 
     def __init__(

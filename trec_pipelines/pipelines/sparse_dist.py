@@ -25,7 +25,7 @@ from torchrec.distributed.train_pipeline import In, Out, TrainPipeline
 
 from trec_pipelines._types import AnyShardedModule
 from trec_pipelines.core.checks import check_apply_jit
-from trec_pipelines.core.hooks import ASYNC_COPY, FORWARD_TYPE, VERSION_0, Refused
+from trec_pipelines.core.hooks import ASYNC_COPY, FORWARD_TYPE, VERSION_0, Refused, Uncalled
 from trec_pipelines.core.options import SparseDistTrainOptions
 from trec_pipelines.core.pipeline import PipelineCore
 from trec_pipelines.core.step_guard import guarded_step
@@ -117,11 +117,13 @@ class TrainPipelineSparseDist(PipelineCore, TrainPipeline[In, Out], AsyncInplace
     # torchrec's attribute: the forward wrapper class of the pipelined modules
     # (read, not set: _make_forward builds each module's wrapper).
     _pipelined_forward_type: type = PipelinedForward
-    _refused_hooks: ClassVar[Mapping[str, Refused]] = {
+    _uncalled_hooks: ClassVar[Mapping[str, Uncalled]] = {
         "_fill_pipeline": VERSION_0,
         "_copy_batch_to_gpu": VERSION_0,
         "_start_sparse_data_dist": VERSION_0,
         "_wait_sparse_data_dist": VERSION_0,
+    }
+    _refused_hooks: ClassVar[Mapping[str, Refused]] = {
         "_pipelined_forward_type": FORWARD_TYPE,
         "_setup_async_inplace_copy": ASYNC_COPY,
         "_submit_inplace_copy": ASYNC_COPY,
@@ -308,7 +310,11 @@ class TrainPipelineSparseDist(PipelineCore, TrainPipeline[In, Out], AsyncInplace
         )
 
     def _input_dist_modules(self) -> List[Tuple[str, AnyShardedModule, CallArgs]]:
-        assert self._rewrite is not None
+        # No rewrite: a subclass's _init_pipelined_modules (or _pipeline_model) did
+        # not call ours.  Then, as on torchrec, no module is pipelined and each runs
+        # its own input_dist inside the forward.
+        if self._rewrite is None:
+            return []
         return [(p.name, p.module, p.call_args) for p in self._rewrite.pipelined]
 
     def _current_context(self) -> TrainPipelineContext:

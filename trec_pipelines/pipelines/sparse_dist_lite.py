@@ -7,7 +7,7 @@ from typing import Any, Callable, ClassVar, Iterator, Mapping, Optional, Tuple, 
 import torch
 from torchrec.distributed.train_pipeline import In, Out
 
-from trec_pipelines.core.hooks import Refused, never_called
+from trec_pipelines.core.hooks import Uncalled, never_called
 from trec_pipelines.core.options import LiteOptions
 from trec_pipelines.core.step_guard import guarded_step
 from trec_pipelines.core.streams import StreamSet, make_streams
@@ -57,7 +57,7 @@ class TrainPipelineSparseDistLite(TrainPipelineSparseDist[In, Out]):
                 break
     """
 
-    _refused_hooks: ClassVar[Mapping[str, Refused]] = {
+    _uncalled_hooks: ClassVar[Mapping[str, Uncalled]] = {
         "sync_embeddings": never_called(
             "TrainPipelineSparseDistLite", "nothing (call it yourself)"
         ),

@@ -7,6 +7,7 @@ from typing import Any, Callable, Optional, Tuple, Type, Unpack
 import torch
 from torchrec.distributed.train_pipeline import In, Out
 
+from trec_pipelines.core.hooks import ASYNC_SUBMIT_OFF
 from trec_pipelines.core.options import SparseDistTrainOptions
 from trec_pipelines.model.context import TrainPipelineContext
 from trec_pipelines.pipelines.sparse_dist import TrainPipelineSparseDist
@@ -49,6 +50,9 @@ class TrainPipelineSparseDistT(TrainPipelineSparseDist[In, Out]):
             except StopIteration:
                 break
     """
+
+    # torchrec's constructor takes no async_inplace_copy: it never submits a copy.
+    _uncalled_hooks = {"_submit_inplace_copy": ASYNC_SUBMIT_OFF}
 
     def __init__(
         self,

@@ -14,7 +14,7 @@ import torch
 from torchrec.distributed.train_pipeline import In, Out
 from torchrec.distributed.types import ShardingType
 
-from trec_pipelines.core.hooks import Refused
+from trec_pipelines.core.hooks import ASYNC_SUBMIT_OFF, Refused, Uncalled
 from trec_pipelines.core.options import SparseDistTrainOptions
 from trec_pipelines.core.step_guard import guarded_step
 from trec_pipelines.model.backward_hooks import (
@@ -79,6 +79,10 @@ class TrainPipelineSparseDistOptStash(TrainPipelineSparseDist[In, Out]):
             except StopIteration:
                 break
     """
+
+    _uncalled_hooks: ClassVar[Mapping[str, Uncalled]] = {
+        "_submit_inplace_copy": ASYNC_SUBMIT_OFF,
+    }
 
     def __init__(
         self,
@@ -244,6 +248,9 @@ class TrainPipelineSparseDistEmbStash(TrainPipelineSparseDist[In, Out]):
                 break
     """
 
+    _uncalled_hooks: ClassVar[Mapping[str, Uncalled]] = {
+        "_submit_inplace_copy": ASYNC_SUBMIT_OFF,
+    }
     _refused_hooks: ClassVar[Mapping[str, Refused]] = {
         hook: Refused(
             "the stash sites are hooked once, after the first rewrite, through _hook_sites",
