@@ -50,6 +50,7 @@ from typing import Any, Callable, Iterator, Optional, TypeVar
 import torch.distributed as dist
 
 from trec_pipelines.core import peer_failure
+from trec_pipelines.core.errors import is_users_mistake
 
 logger: logging.Logger = logging.getLogger(__name__)
 
@@ -125,7 +126,8 @@ def guarded_step(progress: Callable[[Any, Iterator[Any]], P]) -> Callable[[Any, 
                 self._drop_in_flight_state()
                 index = self._source.rewind()
                 guard.failed = FailedStep(index, f"{type(error).__name__}: {error}")
-                _explain(error, self, index)
+                if not is_users_mistake(error):  # a retry cannot fix the model or data
+                    _explain(error, self, index)
                 if ranks is not None:
                     what = f"{type(self).__name__}.progress() raised {guard.failed.error}"
                     ranks.failed(what, index)

@@ -71,7 +71,7 @@ class TrainPipelineBase(PipelineCore, TrainPipeline[In, Out]):
     ) -> None:
         super().__init__()
         self._init_core(model, optimizer, device, options)
-        self._model_fwd: Callable[[Any], Tuple[torch.Tensor, Any]] = custom_model_fwd or model
+        self._model_fwd = custom_model_fwd or model
         self._enable_inplace_copy_batch = enable_inplace_copy_batch
         self._streams = make_streams(self._device, memcpy=True)
         self._cur_batch: Optional[Any] = None

@@ -20,6 +20,7 @@ import torch
 from torchrec.distributed.train_pipeline import In, Out, TrainPipeline
 from torchrec.pt2.utils import default_pipeline_input_transformer
 
+from trec_pipelines.core.checks import check_forward_output
 from trec_pipelines.core.hooks import Refused, never_called
 from trec_pipelines.core.options import TrainBatchOptions
 from trec_pipelines.core.pipeline import PipelineCore
@@ -186,7 +187,7 @@ class TrainPipelinePT2(PipelineCore, TrainPipeline[In, Out]):
             self._compile()
         with self._compiled_region():
             with self._span(rec.FORWARD, i), self._precision.autocast():
-                losses, output = self._model(batch)
+                losses, output = check_forward_output(self._model(batch), type(self).__name__)
             self._iter += 1
             if training:
                 with self._span(rec.BACKWARD, i):

@@ -161,9 +161,7 @@ class TrainPipelineSparseDist(PipelineCore, TrainPipeline[In, Out], AsyncInplace
         self._context_type = context_type
         self._pipeline_postproc = pipeline_postproc
         self._custom_model_fwd = custom_model_fwd
-        self._model_fwd: Callable[[Optional[Any]], Tuple[torch.Tensor, Any]] = (
-            custom_model_fwd or model
-        )
+        self._model_fwd = custom_model_fwd or model
         self._enqueue_batch_after_forward = enqueue_batch_after_forward
         self._enable_inplace_copy_batch = enable_inplace_copy_batch
         self._free_features_storage_early = free_features_storage_early
