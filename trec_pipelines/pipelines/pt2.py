@@ -20,6 +20,7 @@ import torch
 from torchrec.distributed.train_pipeline import In, Out, TrainPipeline
 from torchrec.pt2.utils import default_pipeline_input_transformer
 
+from trec_pipelines.core.api_docs import documented
 from trec_pipelines.core.checks import check_forward_output
 from trec_pipelines.core.hooks import Refused, never_called
 from trec_pipelines.core.options import TrainBatchOptions
@@ -77,6 +78,7 @@ def dynamo_settings() -> ContextManager[None]:
     return _held_dynamo_settings().held()
 
 
+@documented()
 class TrainPipelinePT2(PipelineCore, TrainPipeline[In, Out]):
     """One batch in flight, one stream; the model is compiled on ``compile_on_iter``.
 

@@ -24,6 +24,7 @@ from torch.utils.hooks import RemovableHandle
 from torchrec.distributed.train_pipeline import In, Out, TrainPipeline
 
 from trec_pipelines._types import AnyShardedModule
+from trec_pipelines.core.api_docs import documented
 from trec_pipelines.core.checks import check_apply_jit
 from trec_pipelines.core.hooks import ASYNC_COPY, FORWARD_TYPE, VERSION_0, Refused
 from trec_pipelines.core.options import SparseDistTrainOptions
@@ -49,6 +50,7 @@ from trec_pipelines.sparse.input_dist import (
 logger: logging.Logger = logging.getLogger(__name__)
 
 
+@documented()
 class TrainPipelineSparseDist(PipelineCore, TrainPipeline[In, Out], AsyncInplaceCopyMixin[In]):
     """Three batches in flight: ``cur`` trains, ``nxt`` is in input_dist, ``new`` is copied.
 
