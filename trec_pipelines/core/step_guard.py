@@ -120,13 +120,14 @@ def guarded_step(progress: Callable[[Any, Iterator[Any]], P]) -> Callable[[Any, 
         except StopIteration:
             raise  # the end of the data: nothing is half done
         except BaseException as error:
-            if ranks is not None:
+            mistake = is_users_mistake(error)  # the model's or data's: retrying cannot help
+            if ranks is not None and not mistake:
                 peer_failure.note_peers(error)
             if guard.begun:
                 self._drop_in_flight_state()
                 index = self._source.rewind()
                 guard.failed = FailedStep(index, f"{type(error).__name__}: {error}")
-                if not is_users_mistake(error):  # a retry cannot fix the model or data
+                if not mistake:
                     _explain(error, self, index)
                 if ranks is not None:
                     what = f"{type(self).__name__}.progress() raised {guard.failed.error}"
