@@ -32,6 +32,12 @@ and calls ``self._step_guard.begin()`` once the step starts issuing work:
 failures before that (a detached pipeline, an iterator error while pulling
 the host batches) change nothing and need no rollback.
 
+A failure that is the user's mistake
+(:func:`~trec_pipelines.core.errors.is_users_mistake`: a forward that does not
+return ``(losses, output)``) is rolled back the same way, but its error gets
+no note offering a retry, nor one naming a peer that "failed first": every
+rank made the same mistake, and only a fix helps.
+
 Several ranks: a rank whose step raised after some of the step's collectives
 were issued leaves the other ranks waiting in the matching collective.  It
 tells them (see ``[Note: a failed step on one rank]`` in
