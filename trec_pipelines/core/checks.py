@@ -2,18 +2,158 @@
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Any, Callable, List, Optional, Sized, Tuple, cast
 
 import torch
 
+from trec_pipelines.core.errors import ForwardOutputError
 
-def check_optimizer(optimizer: Optional[torch.optim.Optimizer], pipeline: str) -> None:
+# How to build the dense optimizer torchrec's way, for messages.
+_DENSE_OPTIMIZER = (
+    "KeyedOptimizerWrapper(dict(in_backward_optimizer_filter(model.named_parameters())), "
+    "lambda params: torch.optim.SGD(params, lr=0.1))"
+)
+
+
+def check_optimizer(
+    optimizer: Optional[torch.optim.Optimizer],
+    pipeline: str,
+    model: Optional[torch.nn.Module] = None,
+) -> None:
+    """Refuse ``optimizer=None``, and an optimizer over no parameters when ``model``
+    has trainable parameters that no in-backward (fused) optimizer updates."""
     if optimizer is None:
         raise ValueError(
             f"{pipeline} trains the model and needs its dense optimizer, got "
             "optimizer=None. Pass the optimizer over the model's non-fused "
             "parameters; for inference use EvalPipelineSparseDist."
         )
+    groups = getattr(optimizer, "param_groups", None)
+    if model is None or not isinstance(groups, list):
+        return
+    if any(len(group.get("params", ())) for group in groups):
+        return
+    dense = _dense_trainable(model)
+    if dense:
+        shown = ", ".join(repr(name) for name in dense[:3])
+        more = f" and {len(dense) - 3} more" if len(dense) > 3 else ""
+        raise ValueError(
+            f"{pipeline}: the optimizer holds no parameters, so the model's {len(dense)} "
+            f"trainable parameter(s) that no fused optimizer updates ({shown}{more}) would "
+            "never change. Build the optimizer over them, e.g. "
+            f"{_DENSE_OPTIMIZER}, after wrapping the model in DistributedModelParallel "
+            "and from the wrapped model's parameters (a generator of parameters can be "
+            "read only once)."
+        )
+
+
+def _dense_trainable(model: torch.nn.Module) -> List[str]:
+    """The names of ``model``'s trainable parameters with no in-backward optimizer."""
+    return [
+        name
+        for name, param in model.named_parameters()
+        if param.requires_grad and not hasattr(param, "_in_backward_optimizers")
+    ]
+
+
+def check_iterator(dataloader_iter: Any) -> None:
+    """Refuse what ``progress()`` cannot pull from: an iterable that is not an iterator.
+
+    Called when a new iterator is passed (not at every step).
+    """
+    if hasattr(type(dataloader_iter), "__next__"):
+        return
+    kind = type(dataloader_iter).__name__
+    if isinstance(dataloader_iter, torch.utils.data.DataLoader):
+        raise TypeError(
+            "progress() takes an iterator, got a DataLoader (an iterable, not "
+            "an iterator). Pass iter(dataloader), once per epoch: "
+            "it = iter(dataloader), then progress(it) until it raises StopIteration."
+        )
+    if hasattr(type(dataloader_iter), "__iter__"):
+        size = f" ({len(dataloader_iter)} items)" if isinstance(dataloader_iter, Sized) else ""
+        raise TypeError(
+            f"progress() takes an iterator, got a {kind}{size}: an iterable, not an "
+            "iterator. Pass an iterator: it = iter(batches), then progress(it) until it "
+            "raises StopIteration."
+        )
+    raise TypeError(
+        f"progress() takes an iterator of batches, got a {kind}. Pass "
+        "iter(dataloader) (or iter(batches) for a list of batches)."
+    )
+
+
+def _describe(output: Any) -> str:
+    if output is None:
+        return "None"
+    if isinstance(output, torch.Tensor):
+        shape = "a 0-d (scalar)" if output.dim() == 0 else f"a {tuple(output.shape)}"
+        return f"{shape} tensor alone"
+    if isinstance(output, dict):
+        return f"a dict with keys {sorted(map(str, output))}"
+    if isinstance(output, (tuple, list)):
+        return f"a {type(output).__name__} of {len(output)} elements"
+    return f"a {type(output).__name__}"
+
+
+def forward_output_error(output: Any, pipeline: str) -> ForwardOutputError:
+    """The error for a forward that did not return ``(losses, output)``."""
+    return ForwardOutputError(
+        f"{pipeline}: the model's forward returned {_describe(output)}, but a training "
+        "pipeline needs torchrec's pair (losses, output): it backpropagates "
+        "torch.sum(losses, dim=0) and progress() returns output. Return e.g. "
+        "(loss, (loss.detach(), logits)) from the forward (torchrec's DLRMTrain returns "
+        "(loss, (loss.detach(), logits, labels))), or pass custom_model_fwd= a function "
+        "of the batch that returns the pair."
+    )
+
+
+def check_forward_output(output: Any, pipeline: str) -> Any:
+    """``output`` if it is a ``(losses, output)`` pair (a 2-tuple or 2-list), else raise
+    :class:`~trec_pipelines.core.errors.ForwardOutputError` naming the fix."""
+    if isinstance(output, (tuple, list)) and len(output) == 2:
+        return output
+    raise forward_output_error(output, pipeline)
+
+
+class _CheckedForward:
+    """A training forward whose result is checked to be ``(losses, output)``."""
+
+    __slots__ = ("forward", "pipeline")
+
+    def __init__(self, forward: Callable[..., Any], pipeline: str) -> None:
+        self.forward = forward
+        self.pipeline = pipeline
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        output = self.forward(*args, **kwargs)
+        if type(output) is tuple and len(output) == 2:  # the usual case, at once
+            return output
+        return check_forward_output(output, self.pipeline)
+
+
+class CheckedModelForward:
+    """The ``_model_fwd`` attribute of a pipeline: set to the model (or
+    ``custom_model_fwd``), read as a callable that checks, after each call, that a
+    training pipeline's forward returned ``(losses, output)`` (a type and a length
+    check, nothing more).  A pipeline whose ``_requires_optimizer`` is False (the
+    eval variants, which also take a model returning predictions alone) reads the
+    forward unchanged."""
+
+    def __set_name__(self, owner: type, name: str) -> None:
+        self._key = f"_{name}_checked"
+
+    def __get__(
+        self, instance: Any, owner: Optional[type] = None
+    ) -> Callable[..., Tuple[torch.Tensor, Any]]:
+        if instance is None:
+            return cast(Callable[..., Tuple[torch.Tensor, Any]], self)
+        return cast(Callable[..., Tuple[torch.Tensor, Any]], instance.__dict__[self._key])
+
+    def __set__(self, instance: Any, forward: Callable[..., Any]) -> None:
+        if getattr(instance, "_requires_optimizer", True):
+            forward = _CheckedForward(forward, type(instance).__name__)
+        instance.__dict__[self._key] = forward
 
 
 def check_device(device: Any, pipeline: str) -> torch.device:
@@ -70,3 +210,35 @@ def check_apply_jit(apply_jit: bool, pipeline: str) -> None:
             "apply_jit=False, and to speed up the dense part compile it instead "
             "(torch.compile, or TrainPipelinePT2 / TrainPipelineSparseDistCompAutograd)."
         )
+
+
+def unsharded_model_note(model: torch.nn.Module, pipeline: str) -> str:
+    """What to tell the user of a pipeline whose model has no sharded module.
+
+    Not an error: torchrec's pipelines train such a model too, unpipelined.
+    Embedding modules torchrec could shard (an unwrapped ``EmbeddingBagCollection``)
+    are named, with the fix.
+    """
+    from torchrec.modules.embedding_modules import (
+        EmbeddingBagCollection,
+        EmbeddingCollection,
+    )
+
+    tables = [
+        name or "the model"
+        for name, module in model.named_modules()
+        if isinstance(module, (EmbeddingBagCollection, EmbeddingCollection))
+    ]
+    head = (
+        f"{pipeline}: the model has no ShardedModule, so there is no input_dist to "
+        "pipeline; it trains unpipelined, as torchrec's class does (a plain loop with "
+        "the H2D copy overlapped)."
+    )
+    if tables:
+        return (
+            f"{head} Its embedding module(s) {', '.join(repr(t) for t in tables[:3])} "
+            "are not sharded: wrap the model in DistributedModelParallel "
+            "(DistributedModelParallel(model, device=device)) before building the "
+            "pipeline, so their input_dist is pipelined."
+        )
+    return f"{head} For a model without embedding tables TrainPipelineBase does the same."

@@ -71,3 +71,18 @@ class OutOfStepError(RuntimeError):
             "skip_failed_batch() on every rank alike; to go on now, restart from the last "
             "checkpoint."
         )
+
+
+class ForwardOutputError(TypeError):
+    """The model's forward returned something other than torchrec's ``(losses, output)``.
+
+    Raised by a training pipeline right after the forward, naming what came back
+    and how to return the pair.  It is the model's mistake, not the step's: the
+    pipeline rolls the step back as for any error, but retrying cannot help.  A
+    ``TypeError``.
+    """
+
+
+def is_users_mistake(error: BaseException) -> bool:
+    """Whether ``error`` says the caller's code or data is wrong (retrying cannot help)."""
+    return isinstance(error, ForwardOutputError)

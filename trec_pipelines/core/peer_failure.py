@@ -186,18 +186,26 @@ class _News:
             peers = self.peers_failed()
         except Exception:  # noqa: BLE001
             peers = {}
-        what = "; ".join(f"rank {r} failed at {d}" for r, d in sorted(peers.items()))
-        logger.error(
-            "trec_pipelines: rank %d stops: %s. This rank has waited %.0f s in a step "
-            "whose collectives the failed rank will not join. Restart from the last "
-            "checkpoint (torchrun --max-restarts does).",
-            self._rank,
-            what or "another rank's step failed",
-            waited,
-        )
+        logger.error("%s", stop_message(self._rank, peers, waited))
         for handler in logging.getLogger().handlers:
             handler.flush()
         os._exit(1)
+
+
+def stop_message(rank: int, peers: Dict[int, str], waited: float) -> str:
+    """What a rank that stops behind its peers' failures logs (``peers``: rank ->
+    "batch b: description", as :meth:`_News.peers_failed` returns)."""
+    what = "; ".join(f"rank {r} failed at {d}" for r, d in sorted(peers.items()))
+    failed = ", ".join(f"rank {r}" for r in sorted(peers)) or "the failed rank"
+    return (
+        f"trec_pipelines: rank {rank} stops: {what or 'another rank failed in its step'}. "
+        f"{failed}'s error is above in this job's output: this rank is not the root "
+        "cause, even if torchrun names it (it names the first rank to exit, which may be "
+        f"this one). This rank has waited {waited:.0f} s in a step whose collectives the "
+        "failed rank will not join (TREC_PIPELINES_PEER_FAILURE_GRACE sets how long, "
+        "in seconds; 0 turns this off). Fix the failed rank's error, then restart from "
+        "the last checkpoint (torchrun --max-restarts does)."
+    )
 
 
 _news: Optional[_News] = None

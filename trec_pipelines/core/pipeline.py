@@ -30,7 +30,12 @@ from typing import Any, Callable, Iterator, Mapping, Optional, cast
 
 import torch
 
-from trec_pipelines.core.checks import check_device, check_model_device, check_optimizer
+from trec_pipelines.core.checks import (
+    CheckedModelForward,
+    check_device,
+    check_model_device,
+    check_optimizer,
+)
 from trec_pipelines.core.hooks import Hooks, beginning_the_step
 from trec_pipelines.core.options import PipelineOptions, WithOptions, resolve_options
 from trec_pipelines.core.pipelined_model import PipelinedModel
@@ -65,6 +70,8 @@ class PipelineCore(Hooks, WithOptions, Recordable, Resumable):
     _step_guard: StepGuard
     _parked: ParkedEpochs
     _pipelined: PipelinedModel
+    # The model's forward (or custom_model_fwd), checked to return (losses, output).
+    _model_fwd = CheckedModelForward()
 
     def _init_core(
         self,
@@ -83,7 +90,7 @@ class PipelineCore(Hooks, WithOptions, Recordable, Resumable):
         name = type(self).__name__
         self._options = resolve_options(name, type(self), options)
         if self._requires_optimizer:
-            check_optimizer(optimizer, name)
+            check_optimizer(optimizer, name, model)
         self._device = check_device(device, name)
         check_model_device(model, self._device, name)
         self._model = model

@@ -32,6 +32,7 @@ from typing import Any, Callable, Dict, List, Optional
 import torch
 
 from trec_pipelines._types import AnyShardedModule
+from trec_pipelines.core.checks import unsharded_model_note
 from trec_pipelines.model.args import CallArgs
 from trec_pipelines.model.forwards import BaseForward
 from trec_pipelines.model.postproc import PipelinedPostproc
@@ -133,11 +134,7 @@ class PipelinedModel:
                 "forward), or pass on_unpipelined='warn' to train them unpipelined."
             )
         if not result.pipelined and not result.not_pipelined:
-            logger.warning(
-                "%s: the model has no ShardedModule, so there is no input_dist to "
-                "pipeline; it trains as a plain loop with the H2D copy overlapped",
-                self.owner_name,
-            )
+            logger.warning("%s", unsharded_model_note(self.model, self.owner_name))
         self.result = result
         self.attached = True
         return result

@@ -32,6 +32,12 @@ and calls ``self._step_guard.begin()`` once the step starts issuing work:
 failures before that (a detached pipeline, an iterator error while pulling
 the host batches) change nothing and need no rollback.
 
+A failure that is the user's mistake
+(:func:`~trec_pipelines.core.errors.is_users_mistake`: a forward that does not
+return ``(losses, output)``) is rolled back the same way, but its error gets
+no note offering a retry, nor one naming a peer that "failed first": every
+rank made the same mistake, and only a fix helps.
+
 Several ranks: a rank whose step raised after some of the step's collectives
 were issued leaves the other ranks waiting in the matching collective.  It
 tells them (see ``[Note: a failed step on one rank]`` in
@@ -50,6 +56,7 @@ from typing import Any, Callable, Iterator, Optional, TypeVar
 import torch.distributed as dist
 
 from trec_pipelines.core import peer_failure
+from trec_pipelines.core.errors import is_users_mistake
 
 logger: logging.Logger = logging.getLogger(__name__)
 
@@ -119,13 +126,15 @@ def guarded_step(progress: Callable[[Any, Iterator[Any]], P]) -> Callable[[Any, 
         except StopIteration:
             raise  # the end of the data: nothing is half done
         except BaseException as error:
-            if ranks is not None:
+            mistake = is_users_mistake(error)  # the model's or data's: retrying cannot help
+            if ranks is not None and not mistake:
                 peer_failure.note_peers(error)
             if guard.begun:
                 self._drop_in_flight_state()
                 index = self._source.rewind()
                 guard.failed = FailedStep(index, f"{type(error).__name__}: {error}")
-                _explain(error, self, index)
+                if not mistake:
+                    _explain(error, self, index)
                 if ranks is not None:
                     what = f"{type(self).__name__}.progress() raised {guard.failed.error}"
                     ranks.failed(what, index)

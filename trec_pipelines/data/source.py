@@ -14,6 +14,7 @@ from typing import Any, Callable, Deque, Dict, Iterator, List, Optional, Tuple
 
 import torch.distributed as dist
 
+from trec_pipelines.core.checks import check_iterator
 from trec_pipelines.core.errors import MalformedBatchError
 from trec_pipelines.core.verbs import check_batch
 from trec_pipelines.data.agreement import Agreed, Agreement, AgreementChannel
@@ -102,6 +103,7 @@ class BatchSource:
     def _switch_to(self, iterator: Iterator[Any]) -> None:
         if iterator is self._iterator:
             return
+        check_iterator(iterator)
         if self._iterator is None:
             # The first iterator: batches given back by resume() are its own.
             self._iterator = iterator

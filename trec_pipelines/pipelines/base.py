@@ -8,6 +8,7 @@ from typing import Any, Callable, ClassVar, Iterator, List, Mapping, Optional, T
 import torch
 from torchrec.distributed.train_pipeline import In, Out, TrainPipeline
 
+from trec_pipelines.core.api_docs import documented
 from trec_pipelines.core.hooks import Uncalled, never_called
 from trec_pipelines.core.options import TrainBatchOptions
 from trec_pipelines.core.pipeline import PipelineCore
@@ -19,6 +20,7 @@ from trec_pipelines.observe import recorder as rec
 logger: logging.Logger = logging.getLogger(__name__)
 
 
+@documented()
 class TrainPipelineBase(PipelineCore, TrainPipeline[In, Out]):
     """Two batches in flight: batch ``i`` trains while batch ``i+1`` is copied.
 
@@ -71,7 +73,7 @@ class TrainPipelineBase(PipelineCore, TrainPipeline[In, Out]):
     ) -> None:
         super().__init__()
         self._init_core(model, optimizer, device, options)
-        self._model_fwd: Callable[[Any], Tuple[torch.Tensor, Any]] = custom_model_fwd or model
+        self._model_fwd = custom_model_fwd or model
         self._enable_inplace_copy_batch = enable_inplace_copy_batch
         self._streams = make_streams(self._device, memcpy=True)
         self._cur_batch: Optional[Any] = None

@@ -10,6 +10,7 @@ from torch.nn.parallel import DistributedDataParallel
 from torchrec.distributed.train_pipeline import In, Out
 from torchrec.distributed.types import ShardingType
 
+from trec_pipelines.core.api_docs import documented
 from trec_pipelines.core.hooks import ASYNC_SUBMIT_OFF
 from trec_pipelines.core.options import SparseDistTrainOptions
 from trec_pipelines.core.step_guard import guarded_step
@@ -24,6 +25,7 @@ from trec_pipelines.pipelines.sparse_dist import TrainPipelineSparseDist
 logger: logging.Logger = logging.getLogger(__name__)
 
 
+@documented()
 class TrainPipelineSparseDistBwdOpt(TrainPipelineSparseDist[In, Out]):
     """SparseDist's schedule, with ``optimizer.step()`` run during the backward.
 

@@ -26,6 +26,7 @@ from torch.nn.parallel import DistributedDataParallel
 from torchrec.distributed import comm_ops
 from torchrec.distributed.train_pipeline import In, Out
 
+from trec_pipelines.core.api_docs import documented
 from trec_pipelines.core.hooks import ASYNC_SUBMIT_OFF, Uncalled, never_called
 from trec_pipelines.core.options import SparseDistTrainOptions
 from trec_pipelines.core.step_guard import guarded_step
@@ -176,6 +177,7 @@ def sync_collectives() -> Iterator[None]:
         comm_ops.set_use_sync_collectives(previous)
 
 
+@documented()
 class TrainPipelineSparseDistCompAutograd(TrainPipelineSparseDist[In, Out]):
     """Three batches in flight, as :class:`TrainPipelineSparseDist`; the backward is compiled.
 

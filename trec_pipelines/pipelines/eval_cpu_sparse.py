@@ -13,6 +13,7 @@ from torchrec.sparse.jagged_tensor import KeyedTensor
 
 from trec_pipelines._types import AnyShardedModule
 from trec_pipelines.core import lifetime
+from trec_pipelines.core.api_docs import EVAL_PROGRESS, documented
 from trec_pipelines.core.hooks import ASYNC_SUBMIT_OFF, Refused, Uncalled
 from trec_pipelines.core.options import EvalHostOptions
 from trec_pipelines.core.step_guard import guarded_step
@@ -39,6 +40,7 @@ logger: logging.Logger = logging.getLogger(__name__)
 SPARSE_THREAD = "trec_pipelines-cpu_sparse"
 
 
+@documented(progress=EVAL_PROGRESS)
 class EvalPipelineCPUSparse(TrainPipelineSparseDist[In, Out]):
     """Eval with every table on the host (data_parallel) and the dense part on the device.
 

@@ -38,6 +38,7 @@ import torch
 from torchrec.distributed.train_pipeline import In, Out
 
 from trec_pipelines.core import lifetime
+from trec_pipelines.core.api_docs import EVAL_PROGRESS, documented
 from trec_pipelines.core.checks import predictions
 from trec_pipelines.core.errors import MalformedBatchError
 from trec_pipelines.core.hooks import Uncalled, never_called
@@ -206,6 +207,7 @@ _LOADS_ON_ITS_THREAD = "it pulls and copies each batch on its own loading thread
 _EVALUATES = "it evaluates: no backward, no optimizer step"
 
 
+@documented(progress=EVAL_PROGRESS)
 class EvalPipelineSparseDist(TrainPipelineSparseDist[In, Out]):
     """Forward only; ``cur`` runs while ``nxt`` is in input_dist, batches copied ahead by a loader.
 

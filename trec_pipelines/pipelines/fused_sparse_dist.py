@@ -21,6 +21,7 @@ import torch
 from torchrec.distributed.train_pipeline import In, Out
 
 from trec_pipelines._types import AnyShardedModule
+from trec_pipelines.core.api_docs import EVAL_PROGRESS, documented
 from trec_pipelines.core.checks import predictions
 from trec_pipelines.core.hooks import ASYNC_SUBMIT_OFF, Uncalled, never_called
 from trec_pipelines.core.options import SparseDistOptions, SparseDistTrainOptions
@@ -43,6 +44,7 @@ EmbLookupStream = Literal["data_dist", "new", "current"]
 EMB_LOOKUP_STREAMS: Tuple[str, ...] = ("data_dist", "new", "current")
 
 
+@documented()
 class TrainPipelineFusedSparseDist(TrainPipelineSparseDist[In, Out]):
     """Three batches in flight as in SparseDist; ``cur``'s embedding lookup runs first, on its own stream.
 
@@ -280,6 +282,7 @@ class TrainPipelineFusedSparseDist(TrainPipelineSparseDist[In, Out]):
         return super().detach()
 
 
+@documented(progress=EVAL_PROGRESS)
 class EvalPipelineFusedSparseDist(TrainPipelineFusedSparseDist[In, Out]):
     """Inference in Fused's order: no backward or step, the forward under ``torch.no_grad()``.
 

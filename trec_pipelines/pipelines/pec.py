@@ -39,6 +39,7 @@ import torch
 from torchrec.distributed.train_pipeline import In, Out
 
 from trec_pipelines._types import AnyShardedModule
+from trec_pipelines.core.api_docs import documented
 from trec_pipelines.core.hooks import ASYNC_SUBMIT_OFF, Refused, Uncalled
 from trec_pipelines.core.options import SparseDistTrainOptions
 from trec_pipelines.core.step_guard import guarded_step
@@ -51,6 +52,7 @@ from trec_pipelines.pipelines.sparse_dist import TrainPipelineSparseDist
 from trec_pipelines.sparse import lookup, pec_ops
 
 
+@documented()
 class TrainPipelinePEC(TrainPipelineSparseDist[In, Out]):
     """Three batches in flight; every lookup of ``cur`` runs before its forward, part of it a step early.
 

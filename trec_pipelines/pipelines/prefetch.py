@@ -24,6 +24,7 @@ import torch
 from torchrec.distributed.train_pipeline import In, Out
 
 from trec_pipelines._types import AnyShardedModule
+from trec_pipelines.core.api_docs import documented
 from trec_pipelines.core.options import SparseDistTrainOptions
 from trec_pipelines.core.step_guard import guarded_step
 from trec_pipelines.core.streams import (
@@ -42,6 +43,7 @@ from trec_pipelines.pipelines.sparse_dist import TrainPipelineSparseDist
 from trec_pipelines.sparse.cache_prefetch import prefetch_modules
 
 
+@documented()
 class PrefetchTrainPipelineSparseDist(TrainPipelineSparseDist[In, Out]):
     """Three batches in flight; ``nxt``'s cache prefetch overlaps ``cur``'s backward.
 

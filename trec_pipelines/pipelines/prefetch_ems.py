@@ -9,6 +9,7 @@ import torch
 from torchrec.distributed.train_pipeline import In, Out
 from torchrec.distributed.types import NoWait
 
+from trec_pipelines.core.api_docs import documented
 from trec_pipelines.core.options import SparseDistTrainOptions
 from trec_pipelines.core.step_guard import guarded_step
 from trec_pipelines.core.streams import current_stream, on_stream, record_stream, wait_stream
@@ -21,6 +22,7 @@ from trec_pipelines.sparse.cache_prefetch import NO_CACHE_KERNELS, reads_a_cache
 logger: logging.Logger = logging.getLogger(__name__)
 
 
+@documented()
 class TrainPipelinePrefetchEMS(TrainPipelineSparseDistEmbStash[In, Out]):
     """EmbStash for tables behind a UVM cache: the cache is stashed, then restored and refilled.
 

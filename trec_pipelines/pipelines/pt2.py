@@ -20,6 +20,8 @@ import torch
 from torchrec.distributed.train_pipeline import In, Out, TrainPipeline
 from torchrec.pt2.utils import default_pipeline_input_transformer
 
+from trec_pipelines.core.api_docs import documented
+from trec_pipelines.core.checks import check_forward_output
 from trec_pipelines.core.hooks import Uncalled, never_called
 from trec_pipelines.core.options import TrainBatchOptions
 from trec_pipelines.core.pipeline import PipelineCore
@@ -76,6 +78,7 @@ def dynamo_settings() -> ContextManager[None]:
     return _held_dynamo_settings().held()
 
 
+@documented()
 class TrainPipelinePT2(PipelineCore, TrainPipeline[In, Out]):
     """One batch in flight, one stream; the model is compiled on ``compile_on_iter``.
 
@@ -186,7 +189,7 @@ class TrainPipelinePT2(PipelineCore, TrainPipeline[In, Out]):
             self._compile()
         with self._compiled_region():
             with self._span(rec.FORWARD, i), self._precision.autocast():
-                losses, output = self._model(batch)
+                losses, output = check_forward_output(self._model(batch), type(self).__name__)
             self._iter += 1
             if training:
                 with self._span(rec.BACKWARD, i):

@@ -22,6 +22,7 @@ from torchrec.distributed.train_pipeline import In, Out
 from torchrec.sparse.jagged_tensor import KeyedTensor
 
 from trec_pipelines._types import AnyShardedModule
+from trec_pipelines.core.api_docs import documented
 from trec_pipelines.core.hooks import ASYNC_SUBMIT_OFF, Uncalled, never_called
 from trec_pipelines.core.options import SparseDistTrainOptions
 from trec_pipelines.core.step_guard import guarded_step
@@ -44,6 +45,7 @@ from trec_pipelines.sparse.lookup import start_embedding_lookup as run_embedding
 logger: logging.Logger = logging.getLogger(__name__)
 
 
+@documented()
 class TrainPipelineSemiSync(TrainPipelineSparseDist[In, Out]):
     """Four batches in flight; once semi-sync, ``nxt`` is looked up before ``cur``'s backward.
 

@@ -24,6 +24,7 @@ from torch.utils.hooks import RemovableHandle
 from torchrec.distributed.train_pipeline import In
 
 from trec_pipelines._types import AnyShardedModule
+from trec_pipelines.core.api_docs import documented
 from trec_pipelines.core.checks import check_apply_jit
 from trec_pipelines.core.options import ModelOptions, WithOptions, resolve_options
 from trec_pipelines.core.pipelined_model import PipelinedModel
@@ -57,6 +58,7 @@ from trec_pipelines.sparse.lookup import start_embedding_lookup
 logger: logging.Logger = logging.getLogger(__name__)
 
 
+@documented()
 class SparseDataDistUtil(Generic[In], WithOptions):
     """Pipelines a model's sparse ``input_dist`` through :class:`StagedTrainPipeline` stages.
 

@@ -24,6 +24,7 @@ from torch.utils.hooks import RemovableHandle
 from torchrec.distributed.train_pipeline import In, Out, TrainPipeline
 
 from trec_pipelines._types import AnyShardedModule
+from trec_pipelines.core.api_docs import documented
 from trec_pipelines.core.checks import check_apply_jit
 from trec_pipelines.core.hooks import ASYNC_COPY, FORWARD_TYPE, VERSION_0, Refused, Uncalled
 from trec_pipelines.core.options import SparseDistTrainOptions
@@ -49,6 +50,7 @@ from trec_pipelines.sparse.input_dist import (
 logger: logging.Logger = logging.getLogger(__name__)
 
 
+@documented()
 class TrainPipelineSparseDist(PipelineCore, TrainPipeline[In, Out], AsyncInplaceCopyMixin[In]):
     """Three batches in flight: ``cur`` trains, ``nxt`` is in input_dist, ``new`` is copied.
 
@@ -163,9 +165,7 @@ class TrainPipelineSparseDist(PipelineCore, TrainPipeline[In, Out], AsyncInplace
         self._context_type = context_type
         self._pipeline_postproc = pipeline_postproc
         self._custom_model_fwd = custom_model_fwd
-        self._model_fwd: Callable[[Optional[Any]], Tuple[torch.Tensor, Any]] = (
-            custom_model_fwd or model
-        )
+        self._model_fwd = custom_model_fwd or model
         self._enqueue_batch_after_forward = enqueue_batch_after_forward
         self._enable_inplace_copy_batch = enable_inplace_copy_batch
         self._free_features_storage_early = free_features_storage_early

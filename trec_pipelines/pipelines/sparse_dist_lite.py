@@ -7,6 +7,7 @@ from typing import Any, Callable, ClassVar, Iterator, Mapping, Optional, Tuple, 
 import torch
 from torchrec.distributed.train_pipeline import In, Out
 
+from trec_pipelines.core.api_docs import documented
 from trec_pipelines.core.hooks import Uncalled, never_called
 from trec_pipelines.core.options import LiteOptions
 from trec_pipelines.core.step_guard import guarded_step
@@ -17,6 +18,7 @@ from trec_pipelines.observe import recorder as rec
 from trec_pipelines.pipelines.sparse_dist import TrainPipelineSparseDist
 
 
+@documented()
 class TrainPipelineSparseDistLite(TrainPipelineSparseDist[In, Out]):
     """Two batches in flight: ``cur`` runs input_dist and trains, ``nxt`` is copied.
 

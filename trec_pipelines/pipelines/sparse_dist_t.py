@@ -7,12 +7,14 @@ from typing import Any, Callable, Optional, Tuple, Type, Unpack
 import torch
 from torchrec.distributed.train_pipeline import In, Out
 
+from trec_pipelines.core.api_docs import documented
 from trec_pipelines.core.hooks import ASYNC_SUBMIT_OFF
 from trec_pipelines.core.options import SparseDistTrainOptions
 from trec_pipelines.model.context import TrainPipelineContext
 from trec_pipelines.pipelines.sparse_dist import TrainPipelineSparseDist
 
 
+@documented()
 class TrainPipelineSparseDistT(TrainPipelineSparseDist[In, Out]):
     """:class:`TrainPipelineSparseDist`'s schedule; a background thread issues the copies.
 

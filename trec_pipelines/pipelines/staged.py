@@ -26,6 +26,7 @@ import torch
 from torchrec.distributed.train_pipeline import In, TrainPipeline
 from torchrec.streamable import Pipelineable
 
+from trec_pipelines.core.api_docs import documented
 from trec_pipelines.core.errors import MalformedBatchError
 from trec_pipelines.core.hooks import Hooks, Refused
 from trec_pipelines.core.options import BatchOptions, WithOptions, resolve_options
@@ -204,6 +205,7 @@ class _Failure:
     stage: Optional[int] = None
 
 
+@documented()
 class StagedTrainPipeline(
     Hooks, TrainPipeline[In, Optional[StageOut]], WithOptions, Recordable, Resumable
 ):
@@ -348,6 +350,7 @@ class StagedTrainPipeline(
 
     @property
     def num_stages(self) -> int:
+        """How many stages each batch goes through (``len(pipeline_stages)``)."""
         return len(self._pipeline_stages)
 
     # ------------------------------------------------------------------ verbs

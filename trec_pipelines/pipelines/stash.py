@@ -14,6 +14,7 @@ import torch
 from torchrec.distributed.train_pipeline import In, Out
 from torchrec.distributed.types import ShardingType
 
+from trec_pipelines.core.api_docs import documented
 from trec_pipelines.core.hooks import ASYNC_SUBMIT_OFF, Refused, Uncalled
 from trec_pipelines.core.options import SparseDistTrainOptions
 from trec_pipelines.core.step_guard import guarded_step
@@ -38,6 +39,7 @@ from trec_pipelines.sparse.stashing import (
 logger: logging.Logger = logging.getLogger(__name__)
 
 
+@documented()
 class TrainPipelineSparseDistOptStash(TrainPipelineSparseDist[In, Out]):
     """SparseDist's schedule; the optimizer state lives on the host between steps.
 
@@ -205,6 +207,7 @@ def _start_optimizer_restore(pipeline: Any) -> None:
     pipeline._restore_now()
 
 
+@documented()
 class TrainPipelineSparseDistEmbStash(TrainPipelineSparseDist[In, Out]):
     """SparseDist's schedule; stashed embedding weights come back during the backward.
 

@@ -7,10 +7,12 @@ from typing import Any, ClassVar, Mapping, Tuple
 import torch
 from torchrec.distributed.train_pipeline import In, Out
 
+from trec_pipelines.core.api_docs import documented
 from trec_pipelines.core.hooks import Refused
 from trec_pipelines.pipelines.sparse_dist import TrainPipelineSparseDist
 
 
+@documented()
 class TrainEvalHybridPipelineBase(TrainPipelineSparseDist[In, Out]):
     """SparseDist's schedule; each step trains or evaluates as ``model.training`` says.
 

@@ -1,0 +1,133 @@
+"""Every public method and constructor parameter of every exported pipeline class is
+described where ``help()`` (pydoc) and ``inspect.getdoc`` look."""
+
+from __future__ import annotations
+
+import inspect
+import pydoc
+from typing import List, Tuple
+
+import pytest
+
+import trec_pipelines as tp
+from trec_pipelines.core import peer_failure
+from trec_pipelines.core.api_docs import (
+    PROGRESS,
+    TORCHREC_PARAMETERS,
+    parameters_of,
+    undocumented_parameters,
+)
+
+
+def _pipeline_classes() -> List[Tuple[str, type]]:
+    names = tp._PUBLIC_GROUPS["Pipelines"] + tp._PUBLIC_GROUPS["Experimental pipelines"]
+    found = []
+    for name in names:
+        obj = getattr(tp, name)
+        # TrainPipeline is torchrec's own interface, re-exported; In/Out are TypeVars.
+        if inspect.isclass(obj) and obj is not tp.TrainPipeline:
+            found.append((name, obj))
+    return found
+
+
+CLASSES = _pipeline_classes()
+SHARED = ("progress", "attach", "detach", "reset", "state_dict", "load_state_dict")
+
+
+def _public_methods(cls: type) -> List[str]:
+    names = []
+    for name in dir(cls):
+        if name.startswith("_"):
+            continue
+        static = inspect.getattr_static(cls, name)
+        if inspect.isfunction(static) or isinstance(static, (property, classmethod, staticmethod)):
+            names.append(name)
+    return names
+
+
+def test_the_table_is_the_exported_classes() -> None:
+    # Sanity of the table below: the classes checked are the exported ones.
+    assert len(CLASSES) == 21
+    assert {"TrainPipelineBase", "StagedTrainPipeline", "EvalPipelineCPUSparse"} <= {
+        n for n, _ in CLASSES
+    }
+
+
+@pytest.mark.parametrize("name,cls", CLASSES, ids=[n for n, _ in CLASSES])
+def test_every_public_method_has_a_description_in_help(name: str, cls: type) -> None:
+    text = pydoc.render_doc(cls, renderer=pydoc.plaintext)
+    missing = []
+    for method in _public_methods(cls):
+        static = inspect.getattr_static(cls, method)
+        doc = static.__doc__ if isinstance(static, property) else pydoc.getdoc(getattr(cls, method))
+        if not (doc or "").strip():
+            missing.append(method)
+            continue
+        # help() shows it: the first line of the description is in the rendered page.
+        first = inspect.cleandoc(doc).splitlines()[0].strip()
+        if first not in text:
+            missing.append(f"{method} (not in help())")
+    assert missing == [], f"{name}: {missing}"
+
+
+@pytest.mark.parametrize("name,cls", CLASSES, ids=[n for n, _ in CLASSES])
+def test_the_shared_methods_are_ours_where_a_class_has_them(name: str, cls: type) -> None:
+    # torchrec's TrainPipeline documents none of these (reset: a note for subclasses);
+    # ours say what they do, in the class that does it.
+    for method in SHARED:
+        if not hasattr(cls, method):
+            continue
+        owner = next(k for k in cls.__mro__ if method in k.__dict__)
+        if (name, method) == ("StagedTrainPipeline", "reset"):
+            continue  # torchrec's no-op reset(), which Staged inherits as torchrec's does
+        assert owner.__module__.startswith("trec_pipelines"), (name, method, owner)
+        assert inspect.getdoc(getattr(cls, method)), (name, method)
+
+
+@pytest.mark.parametrize("name,cls", CLASSES, ids=[n for n, _ in CLASSES])
+def test_every_constructor_parameter_is_described(name: str, cls: type) -> None:
+    assert undocumented_parameters(cls) == {}
+    doc = inspect.getdoc(cls) or ""
+    rendered = pydoc.render_doc(cls, renderer=pydoc.plaintext)
+    for param in parameters_of(cls):
+        if param in TORCHREC_PARAMETERS:
+            # Written from the one table, in help() too (a long line may be folded there).
+            assert f"    {param}: {TORCHREC_PARAMETERS[param]}" in doc, param
+            assert f"{param}: {TORCHREC_PARAMETERS[param][:40]}" in rendered, param
+
+
+def test_keyword_options_are_described_as_well() -> None:
+    # Our options (WithOptions) stay listed after torchrec's parameters.
+    doc = inspect.getdoc(tp.TrainPipelineSparseDist) or ""
+    args, options = doc.index("Args:"), doc.index("Our keyword-only options")
+    assert args < options
+    for param in inspect.signature(tp.TrainPipelineSparseDist).parameters.values():
+        if param.kind is param.KEYWORD_ONLY:
+            assert f"``{param.name}``:" in doc[options:], param.name
+
+
+def test_progress_says_to_pass_an_iterator_on_every_class() -> None:
+    for name, cls in CLASSES:
+        if hasattr(cls, "progress") and name != "StagedTrainPipeline":
+            assert (inspect.getdoc(cls.progress) or "").startswith(PROGRESS.splitlines()[0]), name
+
+
+def test_the_table_has_no_description_nobody_uses() -> None:
+    used = {p for _, cls in CLASSES for p in parameters_of(cls)}
+    assert set(TORCHREC_PARAMETERS) - used == set()
+
+
+def test_a_stopping_rank_says_where_the_error_is_and_how_to_set_the_grace() -> None:
+    message = peer_failure.stop_message(
+        1, {0: "batch 2: TrainPipelineSparseDist.progress() raised Fault: boom"}, 10.4
+    )
+    assert message == (
+        "trec_pipelines: rank 1 stops: rank 0 failed at batch 2: "
+        "TrainPipelineSparseDist.progress() raised Fault: boom. rank 0's error is above "
+        "in this job's output: this rank is not the root cause, even if torchrun names it "
+        "(it names the first rank to exit, which may be this one). This rank has waited "
+        "10 s in a step whose collectives the failed rank will not join "
+        "(TREC_PIPELINES_PEER_FAILURE_GRACE sets how long, in seconds; 0 turns this off). "
+        "Fix the failed rank's error, then restart from the last checkpoint (torchrun "
+        "--max-restarts does)."
+    )
