@@ -114,9 +114,11 @@ class Verdict:
             None when the answer is to keep the plain loop.
         reason: why, in one sentence, with the numbers behind it.
         rerun_steps: when epochs were too short to time: the steps per epoch
-            to re-run with (``build()`` must then return at least
-            ``warmup + rerun_steps`` batches).
+            to re-run with (the batches are cycled to fill them).
         rerun_rounds: when the noise left it open: the rounds to re-run with.
+        rerun_time_budget: when advise's time budget ran out before the
+            steps or rounds above could be measured: the budget, in seconds,
+            that would let it go on.
     """
 
     answer: Answer
@@ -124,6 +126,7 @@ class Verdict:
     reason: str
     rerun_steps: Optional[int] = None
     rerun_rounds: Optional[int] = None
+    rerun_time_budget: Optional[float] = None
 
     def __str__(self) -> str:
         if self.answer is Answer.RECOMMEND:
