@@ -11,6 +11,7 @@ import pytest
 from trec_pipelines.advise.advice import Advice
 from trec_pipelines.advise.budget import (
     EPOCH_AIM,
+    EPOCH_FLOOR,
     Cost,
     Move,
     first_epoch,
@@ -29,20 +30,22 @@ def test_round_up() -> None:
     assert [round_up(n) for n in (1, 10, 11, 20, 21, 139)] == [1, 10, 20, 20, 30, 140]
 
 
-def test_the_first_epoch_aims_at_a_second_of_the_plain_loop() -> None:
-    assert EPOCH_AIM == 1.0
-    # 7 ms a step: 143 steps make 1.0 s, rounded up to 150; plenty of budget.
-    assert first_epoch(20, 0.007, 5.0, 3, 3, 600.0) == 150
+def test_the_first_epoch_aims_at_a_second_and_a_half_of_the_plain_loop() -> None:
+    assert EPOCH_AIM == 1.5 and EPOCH_FLOOR == 1.0
+    # 7 ms a step: 215 steps make 1.5 s, rounded up to 220; plenty of budget.
+    assert first_epoch(20, 0.007, 5.0, 3, 3, 600.0) == 220
     # Never fewer than asked, however fast the step or however long it would take.
-    assert first_epoch(200, 0.007, 5.0, 3, 3, 600.0) == 200
-    assert first_epoch(20, 0.1, 5.0, 3, 3, 600.0) == 20
+    assert first_epoch(300, 0.007, 5.0, 3, 3, 600.0) == 300
+    assert first_epoch(20, 0.2, 5.0, 3, 3, 600.0) == 20
     # The budget affords (60 / 3 - 5) s = 15 s of timed epochs a round, over 3
-    # contenders at 7 ms a step: 714 steps; so the aim (150) stands ...
-    assert first_epoch(20, 0.007, 5.0, 3, 3, 60.0) == 150
-    # ... but with 21 s left: (7 - 5) / (3 * 0.007) = 95 steps.
-    assert first_epoch(20, 0.007, 5.0, 3, 3, 21.0) == 95
-    # Nothing left: the steps asked for.
-    assert first_epoch(20, 0.007, 5.0, 3, 3, 0.0) == 20
+    # contenders at 7 ms a step: 714 steps; so the aim (220) stands ...
+    assert first_epoch(20, 0.007, 5.0, 3, 3, 60.0) == 220
+    # ... but with 27 s left: (9 - 5) / (3 * 0.007) = 190 steps.
+    assert first_epoch(20, 0.007, 5.0, 3, 3, 27.0) == 190
+    # Never under the floor, 1 s of the plain loop (143 steps), whatever the budget.
+    assert first_epoch(20, 0.007, 5.0, 3, 3, 21.0) == 143
+    assert first_epoch(20, 0.007, 5.0, 3, 3, 0.0) == 143
+    # No probe figure: the steps asked for.
     assert first_epoch(20, 0.0, 5.0, 3, 3, 60.0) == 20
 
 
@@ -62,11 +65,11 @@ def test_an_answer_needs_no_move() -> None:
 
 def test_too_short_measures_every_round_again_at_the_epoch_that_brings_it_to_the_aim() -> None:
     short = Verdict(CANNOT, None, "too short", rerun_steps=130)
-    # The shortest epoch took 0.4 s at 100 steps: 250 steps bring it to 1.0 s.
-    assert next_move(short, 100, 3, 3, 0.4, COST) == Move(250, 3, 3 * COST.round(250))
+    # The shortest epoch took 0.4 s at 100 steps: 375 steps bring it to 1.5 s (380).
+    assert next_move(short, 100, 3, 3, 0.4, COST) == Move(380, 3, 3 * COST.round(380))
     # The verdict's own figure when larger, and its rounds when it asks for more.
-    both = Verdict(CANNOT, None, "x", rerun_steps=300, rerun_rounds=5)
-    assert next_move(both, 100, 3, 3, 0.4, COST) == Move(300, 5, 5 * COST.round(300))
+    both = Verdict(CANNOT, None, "x", rerun_steps=400, rerun_rounds=5)
+    assert next_move(both, 100, 3, 3, 0.4, COST) == Move(400, 5, 5 * COST.round(400))
     # Always longer than the epoch it had.
     assert next_move(Verdict(CANNOT, None, "x", rerun_steps=1), 100, 3, 3, 5.0, COST) == Move(
         101, 3, 3 * COST.round(101)
@@ -217,31 +220,31 @@ SD, BASE = "TrainPipelineSparseDist", "TrainPipelineBase"
 
 
 def test_the_probe_sizes_the_epoch_and_the_batches_are_cycled(monkeypatch: Any) -> None:
-    # 5 ms a step for the plain loop: 200 steps make the 1.0 s aimed at.
+    # 5 ms a step for the plain loop: 300 steps make the 1.5 s aimed at.
     machine = Machine({PLAIN: 0.005, SD: 0.004, BASE: 0.005})
     advice = run(monkeypatch, machine, [SD, BASE], 600.0)
     assert machine.probed == 1
-    assert machine.calls == [(name, 200) for name in (PLAIN, SD, BASE, PLAIN, BASE, SD)] + [
-        (name, 200) for name in (BASE, PLAIN, SD)
+    assert machine.calls == [(name, 300) for name in (PLAIN, SD, BASE, PLAIN, BASE, SD)] + [
+        (name, 300) for name in (BASE, PLAIN, SD)
     ]  # 3 rounds, each in the bench's order
-    assert advice.steps == 200 and advice.steps_asked == 20 and advice.rounds == 3
+    assert advice.steps == 300 and advice.steps_asked == 20 and advice.rounds == 3
     assert advice.batches_per_pass == 24 and not advice.exhausted
     assert advice.verdict.answer is Answer.RECOMMEND and advice.recommended == SD
     assert advice.cycling() == (
-        "timed epochs lengthened from 20 to 200 steps to be long enough to time; your 24 batches "
-        "cycled 8.5 times per round (warm-up + timed epoch), in the same order for every "
+        "timed epochs lengthened from 20 to 300 steps to be long enough to time; your 24 batches "
+        "cycled 12.7 times per round (warm-up + timed epoch), in the same order for every "
         f"contender; {advice.elapsed:.0f} s of a 600 s time budget"
     )
     assert advice.cycling() in advice.table().splitlines()
 
 
 def test_an_epoch_still_too_short_is_measured_again_longer(monkeypatch: Any) -> None:
-    # SparseDist is 5x faster than the plain loop: at 200 steps its epoch is
-    # 0.2 s, too short; every round again at the 1000 steps that make it 1.0 s.
+    # SparseDist is 5x faster than the plain loop: at 300 steps its epoch is
+    # 0.3 s, too short; every round again at the 1500 steps that make it 1.5 s.
     machine = Machine({PLAIN: 0.005, SD: 0.001})
     advice = run(monkeypatch, machine, [SD], 600.0)
-    assert [steps for _, steps in machine.calls] == [200] * 6 + [1000] * 6
-    assert advice.steps == 1000 and advice.rounds == 3 and len(advice[SD].seconds) == 3
+    assert [steps for _, steps in machine.calls] == [300] * 6 + [1500] * 6
+    assert advice.steps == 1500 and advice.rounds == 3 and len(advice[SD].seconds) == 3
     assert advice.recommended == SD and advice[SD].vs_plain == pytest.approx(5.0)
 
 
@@ -251,7 +254,7 @@ def test_noise_adds_rounds_until_it_settles(monkeypatch: Any) -> None:
     factor = {SD: (1 / 1.0, 1 / 1.1, 1 / 1.2, 1 / 1.1)}
     machine = Machine({PLAIN: 0.005, SD: 0.005}, factor)
     advice = run(monkeypatch, machine, [SD], 600.0)
-    assert advice.rounds == 5 and [steps for _, steps in machine.calls] == [200] * 10
+    assert advice.rounds == 5 and [steps for _, steps in machine.calls] == [300] * 10
     assert advice[SD].paired == pytest.approx((1.0, 1.1, 1.2, 1.1, 1.1))
     assert advice.verdict.answer is Answer.RECOMMEND and not advice.exhausted
 
@@ -271,12 +274,12 @@ def test_a_spent_budget_judges_with_no_rounds_to_come(monkeypatch: Any) -> None:
 def test_a_budget_too_small_for_long_enough_epochs_cannot_tell_and_says_what_would_do(
     monkeypatch: Any,
 ) -> None:
-    # 1 ms a step: 1000 steps to aim at.  After the first build and the probe
-    # (1.5 s), 3.5 s remain: 1.167 s a round, of which 2 * (0.5 + (5 + 1.5 * 20)
-    # * 0.001) = 1.07 s outside the timed epochs: 48 steps, 48 ms epochs.
-    machine = Machine({PLAIN: 0.001, SD: 0.001})
+    # 1 ms a step: 1500 steps to aim at; 5 s afford less than the floor's 1000
+    # (1 s), and at 1000 steps SparseDist, 2.5 times as fast, times 0.4 s:
+    # too short, and the rounds alone spent the budget.
+    machine = Machine({PLAIN: 0.001, SD: 0.0004})
     advice = run(monkeypatch, machine, [SD], 5.0)
-    assert advice.steps == 48 and advice.exhausted
+    assert advice.steps == 1000 and advice.exhausted and advice.rounds == 3
     verdict = advice.verdict
     assert verdict.answer is Answer.CANNOT_TELL and verdict.rerun_steps is not None
     assert verdict.rerun_time_budget is not None and verdict.rerun_time_budget > 5.0

@@ -10,11 +10,20 @@ budget allows:
 * before the rounds, the plain loop is timed once on the first build's
   model (:func:`~trec_pipelines.advise.measure.probe`), and the timed epoch
   is lengthened to ``EPOCH_AIM`` of the plain loop (:func:`first_epoch`):
-  twice the shortest epoch the verdict accepts, so that a variant up to twice
-  as fast as the plain loop still times one.  It is never shorter than the
+  three times the shortest epoch the verdict accepts, so that a variant up
+  to three times as fast as the plain loop still times one, the probe's own
+  error (one epoch, on a cold model) included.  It is never shorter than the
   ``steps`` asked for, and no longer than the budget affords for the rounds
-  asked for.  Batches that end sooner are cycled (the same batches, in the
-  same order, for every contender: :func:`~trec_pipelines.advise.measure.take`);
+  asked for -- but never shorter than ``EPOCH_FLOOR`` (1 s) of the plain loop
+  either: an epoch too short to time is wasted, and the floor costs a small
+  model at most a second per contender and round (a large one's ``steps``
+  take longer anyway).  The probe times the plain loop only: a variant far
+  faster than it shows in the first round, and when the shortest epoch of
+  that round is under 1.5 times the least the verdict accepts, the rounds
+  start again with the epoch that brings it to ``EPOCH_FLOOR``
+  (:func:`floor_epoch`), whatever the budget, once.  Batches that end
+  sooner are cycled (the same batches, in the same order, for every
+  contender: :func:`~trec_pipelines.advise.measure.take`);
 * after the rounds, while the verdict is "cannot tell" (:func:`next_move`):
   an epoch still too short re-measures every round with the epoch that
   brings the shortest contender's to ``EPOCH_AIM``; noise that more rounds
@@ -27,8 +36,8 @@ budget allows:
   the budget is spent and what budget would let it go on (:func:`spent`).
 
 The budget counts the whole run (builds, warm-ups, the untimed epochs);
-the rounds asked for are always measured, at least at the ``steps`` asked for,
-even when they alone exceed it.  Every decision here is taken from numbers
+the rounds asked for are always measured, with epochs at the floor, even
+when they alone exceed it.  Every decision here is taken from numbers
 all ranks agree on (the slowest rank's), so all ranks take the same one.
 """
 
@@ -41,8 +50,11 @@ from typing import Optional
 
 from trec_pipelines.advise.verdict import MIN_EPOCH_SECONDS, Answer, Verdict
 
-# The plain loop's timed epoch aimed at (see the note above).
-EPOCH_AIM = 2 * MIN_EPOCH_SECONDS
+# The plain loop's timed epoch aimed at, within the budget (see the note above).
+EPOCH_AIM = 3 * MIN_EPOCH_SECONDS
+# The least it is given, whatever the budget: a variant up to twice as fast
+# still times 0.5 s, and it costs at most this per contender and round.
+EPOCH_FLOOR = 2 * MIN_EPOCH_SECONDS
 # The time budget when none is given: about a minute of a small model's run.
 DEFAULT_TIME_BUDGET = 60.0
 
@@ -63,13 +75,25 @@ def first_epoch(
     """The timed epoch's steps before any round: ``EPOCH_AIM`` of the plain loop at
     ``step_seconds`` a step, within what ``remaining`` seconds afford for ``rounds`` rounds
     of ``contenders`` (``fixed_round_seconds`` of each round being outside the timed
-    epochs), never fewer than ``steps``."""
+    epochs), never fewer than ``steps`` nor than ``EPOCH_FLOOR`` of the plain loop takes."""
     if step_seconds <= 0:
         return steps
     want = round_up(math.ceil(EPOCH_AIM / step_seconds))
+    floor = math.ceil(EPOCH_FLOOR / step_seconds)
     per_round = remaining / max(rounds, 1) - fixed_round_seconds
     afford = math.floor(per_round / (contenders * step_seconds)) if per_round > 0 else 0
-    return max(steps, min(want, afford))
+    return max(steps, floor, min(want, afford))
+
+
+def floor_epoch(epoch_steps: int, shortest: float) -> Optional[int]:
+    """After the first round: the epoch that brings its shortest contender's (``shortest``
+    seconds at ``epoch_steps``) to ``EPOCH_FLOOR``, when that one was under 1.5 times the
+    least the verdict accepts (None: long enough)."""
+    if shortest >= 1.5 * MIN_EPOCH_SECONDS:
+        return None
+    return max(
+        round_up(math.ceil(epoch_steps * EPOCH_FLOOR / max(shortest, 1e-9))), epoch_steps + 1
+    )
 
 
 @dataclass(frozen=True)
@@ -153,9 +177,11 @@ def spent(verdict: Verdict, time_budget: float, wanted: Optional[float]) -> Verd
 __all__ = [
     "DEFAULT_TIME_BUDGET",
     "EPOCH_AIM",
+    "EPOCH_FLOOR",
     "Cost",
     "Move",
     "first_epoch",
+    "floor_epoch",
     "next_move",
     "round_up",
     "spent",

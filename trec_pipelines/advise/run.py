@@ -46,6 +46,7 @@ from trec_pipelines.advise.budget import (
     Cost,
     Move,
     first_epoch,
+    floor_epoch,
     next_move,
     spent,
 )
@@ -326,6 +327,7 @@ def _advise(
     measured = _Rounds(list(contenders))
     total = rounds * len(contenders)
     wanted: Optional[float] = None
+    resized = time_budget <= 0  # the first round's check, made once
     while True:
         while measured.count < rounds:
             _measure_round(
@@ -341,6 +343,14 @@ def _advise(
                 progress,
                 total,
             )
+            if not resized:
+                resized = True
+                longer = floor_epoch(epoch_steps, _shortest_of_round(measured, 0))
+                if longer is not None:  # a contender far faster than the probe's plain loop
+                    offset = measured.offset + measured.count * len(contenders)
+                    epoch_steps, measured = longer, _Rounds(list(contenders))
+                    measured.offset = offset
+                    total = offset + rounds * len(contenders)
         advice = _compose(
             asked,
             reasons,
@@ -368,6 +378,15 @@ def _advise(
         rounds = move.rounds
         total = measured.offset + rounds * len(contenders)
     return _finish(advice, steps, time_budget, clock.elapsed(), wanted)
+
+
+def _shortest_of_round(measured: _Rounds, k: int) -> float:
+    """The shortest timed epoch of round ``k`` over the contenders (the slowest rank's each)."""
+    return min(
+        max(r.seconds for r in per_round[k])
+        for per_round in measured.results.values()
+        if len(per_round) > k
+    )
 
 
 def _next(advice: Advice, epoch_steps: int, measured: _Rounds, rounds: int) -> Optional[Move]:
