@@ -15,6 +15,7 @@ from trec_pipelines.advise.budget import (
     Cost,
     Move,
     first_epoch,
+    floor_epoch,
     next_move,
     round_up,
     spent,
@@ -47,6 +48,14 @@ def test_the_first_epoch_aims_at_a_second_and_a_half_of_the_plain_loop() -> None
     assert first_epoch(20, 0.007, 5.0, 3, 3, 0.0) == 143
     # No probe figure: the steps asked for.
     assert first_epoch(20, 0.0, 5.0, 3, 3, 60.0) == 20
+
+
+def test_after_the_first_round_a_short_epoch_is_brought_to_the_floor() -> None:
+    assert floor_epoch(300, 0.75) is None and floor_epoch(300, 2.0) is None
+    # 0.3 s at 300 steps: 1000 steps make 1 s.
+    assert floor_epoch(300, 0.3) == 1000
+    # Rounded up as a reader would, and always longer.
+    assert floor_epoch(300, 0.7) == 430 and floor_epoch(1, 0.7) == 2
 
 
 COST = Cost(fixed=4.0, timed=2.0, steps=100)
@@ -238,14 +247,28 @@ def test_the_probe_sizes_the_epoch_and_the_batches_are_cycled(monkeypatch: Any) 
     assert advice.cycling() in advice.table().splitlines()
 
 
-def test_an_epoch_still_too_short_is_measured_again_longer(monkeypatch: Any) -> None:
-    # SparseDist is 5x faster than the plain loop: at 300 steps its epoch is
-    # 0.3 s, too short; every round again at the 1500 steps that make it 1.5 s.
+def test_a_variant_far_faster_than_the_probe_starts_the_rounds_again_longer(
+    monkeypatch: Any,
+) -> None:
+    # SparseDist is 5x faster than the plain loop: at 300 steps its first
+    # epoch is 0.3 s, under 0.75 s; the rounds start again, at once, at the
+    # 1000 steps that make it 1 s (the floor).
     machine = Machine({PLAIN: 0.005, SD: 0.001})
     advice = run(monkeypatch, machine, [SD], 600.0)
-    assert [steps for _, steps in machine.calls] == [300] * 6 + [1500] * 6
-    assert advice.steps == 1500 and advice.rounds == 3 and len(advice[SD].seconds) == 3
+    assert [steps for _, steps in machine.calls] == [300] * 2 + [1000] * 6
+    assert advice.steps == 1000 and advice.rounds == 3 and len(advice[SD].seconds) == 3
     assert advice.recommended == SD and advice[SD].vs_plain == pytest.approx(5.0)
+
+
+def test_epochs_too_short_after_the_rounds_are_measured_again_longer(monkeypatch: Any) -> None:
+    # SparseDist's first epoch is long enough (0.9 s), then it halves: its
+    # median, 0.375 s, is too short; every round again at the 1200 steps
+    # that bring it to 1.5 s (300 * 1.5 / 0.375).
+    machine = Machine({PLAIN: 0.005, SD: 0.0025}, {SD: (1.2, 0.5)})
+    advice = run(monkeypatch, machine, [SD], 600.0)
+    assert [steps for _, steps in machine.calls] == [300] * 6 + [1200] * 6
+    assert advice.steps == 1200 and advice.rounds == 3
+    assert advice.recommended == SD and advice[SD].vs_plain == pytest.approx(4.0)
 
 
 def test_noise_adds_rounds_until_it_settles(monkeypatch: Any) -> None:
@@ -275,9 +298,9 @@ def test_a_budget_too_small_for_long_enough_epochs_cannot_tell_and_says_what_wou
     monkeypatch: Any,
 ) -> None:
     # 1 ms a step: 1500 steps to aim at; 5 s afford less than the floor's 1000
-    # (1 s), and at 1000 steps SparseDist, 2.5 times as fast, times 0.4 s:
-    # too short, and the rounds alone spent the budget.
-    machine = Machine({PLAIN: 0.001, SD: 0.0004})
+    # (1 s).  SparseDist's first epoch is 1.08 s, then 0.45 s: too short, and
+    # the rounds alone spent the budget.
+    machine = Machine({PLAIN: 0.001, SD: 0.0009}, {SD: (1.2, 0.5)})
     advice = run(monkeypatch, machine, [SD], 5.0)
     assert advice.steps == 1000 and advice.exhausted and advice.rounds == 3
     verdict = advice.verdict
