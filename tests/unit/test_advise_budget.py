@@ -320,3 +320,19 @@ def test_no_time_budget_measures_what_was_asked_and_no_more(monkeypatch: Any) ->
     assert machine.probed == 0 and [steps for _, steps in machine.calls] == [20] * 6
     assert advice.verdict.answer is Answer.CANNOT_TELL and advice.verdict.rerun_steps
     assert not advice.exhausted and advice.batches_per_pass == 24
+
+
+def test_noise_no_number_of_rounds_would_narrow_is_judged_with_none_to_come(
+    monkeypatch: Any,
+) -> None:
+    # Per-round ratios 1.04, 1.30, 0.78: about 2% over the plain loop, give or
+    # take 0.3, which 50 rounds would not narrow to 2%: no move to make, so no
+    # rounds to come, with most of the budget left: nothing is faster than the
+    # plain loop beyond the noise.
+    factor = {SD: (1 / 1.04, 1 / 1.30, 1 / 0.78)}
+    machine = Machine({PLAIN: 0.005, SD: 0.005}, factor)
+    advice = run(monkeypatch, machine, [SD], 600.0)
+    assert advice.rounds == 3 and advice.exhausted
+    assert advice.verdict.answer is Answer.KEEP_PLAIN_LOOP
+    assert advice.verdict.rerun_time_budget is None and "time budget" not in advice.reason
+    assert advice.cycling().endswith("s of a 600 s time budget")

@@ -76,8 +76,10 @@ class Advice:
             None when no pass ended first.
         time_budget: the seconds the run was given (None: no budget given).
         elapsed: the seconds it took (None: not recorded).
-        exhausted: the time budget ran out before the verdict's hint could be
-            followed: the verdict was judged with no rounds to come.
+        exhausted: the verdict was judged with no rounds to come: the time
+            budget ran out before its hint could be followed, or it gave none.
+        budget_spent: the time budget stopped it: what the verdict asked to
+            measure next would not fit in it.
     """
 
     verdict: Verdict
@@ -95,6 +97,7 @@ class Advice:
     time_budget: Optional[float] = None
     elapsed: Optional[float] = None
     exhausted: bool = False
+    budget_spent: bool = False
 
     @property
     def recommended(self) -> Optional[str]:
@@ -131,7 +134,7 @@ class Advice:
         )
         plain = replace(self.plain, within_budget=None if memory_budget is None else True)
         verdict = judge(plain, rows, memory_budget, exhausted=self.exhausted)
-        if self.exhausted and self.time_budget is not None:
+        if self.verdict.rerun_time_budget is not None and self.time_budget is not None:
             verdict = spent(verdict, self.time_budget, self.verdict.rerun_time_budget)
         return replace(
             self,
@@ -229,7 +232,7 @@ class Advice:
         if self.time_budget is not None and self.elapsed is not None:
             parts.append(
                 f"{self.elapsed:.0f} s of a {self.time_budget:.0f} s time budget"
-                + (" (spent)" if self.exhausted else "")
+                + (" (spent)" if self.budget_spent else "")
             )
         return "; ".join(parts)
 

@@ -30,8 +30,8 @@ budget allows:
   would settle adds one round at a time (the verdict is judged again after
   each), as long as the next move fits in what is left of the budget, by the
   cost of the rounds measured so far (:class:`Cost`);
-* when the next move does not fit, the verdict is judged once more with no
-  rounds to come (``judge(..., exhausted=True)``): contenders the noise
+* when the next move does not fit, or "cannot tell" names none, the verdict
+  is judged once more with no rounds to come (``judge(..., exhausted=True)``): contenders the noise
   leaves even are then an answer ("either will do"), and "cannot tell" says
   the budget is spent and what budget would let it go on (:func:`spent`).
 

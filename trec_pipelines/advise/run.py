@@ -60,7 +60,7 @@ from trec_pipelines.advise.measure import (
     probe,
 )
 from trec_pipelines.advise.variants import Variant, VariantSpec, not_applicable, resolve
-from trec_pipelines.advise.verdict import band, judge, typical_spread
+from trec_pipelines.advise.verdict import Answer, band, judge, typical_spread
 
 # Progress callback: (what just finished, contenders done, contenders in all).
 Progress = Callable[[str, int, int], None]
@@ -377,7 +377,9 @@ def _advise(
             measured.offset = offset
         rounds = move.rounds
         total = measured.offset + rounds * len(contenders)
-    return _finish(advice, steps, time_budget, clock.elapsed(), wanted)
+    # No more rounds to come: the budget stopped it, or the verdict names none to measure.
+    final = time_budget > 0 and (wanted is not None or advice.verdict.answer is Answer.CANNOT_TELL)
+    return _finish(advice, steps, time_budget, clock.elapsed(), wanted, final)
 
 
 def _shortest_of_round(measured: _Rounds, k: int) -> float:
@@ -402,9 +404,15 @@ def _next(advice: Advice, epoch_steps: int, measured: _Rounds, rounds: int) -> O
 
 
 def _finish(
-    advice: Advice, steps: int, time_budget: float, elapsed: float, wanted: Optional[float]
+    advice: Advice,
+    steps: int,
+    time_budget: float,
+    elapsed: float,
+    wanted: Optional[float],
+    final: bool,
 ) -> Advice:
-    """The advice as measured: judged with no rounds to come when the budget stopped it."""
+    """The advice as measured: judged with no rounds to come when ``final``, saying the
+    budget is spent when ``wanted`` (what the next move would have taken) exceeded it."""
     import dataclasses
 
     advice = dataclasses.replace(
@@ -412,12 +420,15 @@ def _finish(
         steps_asked=steps,
         time_budget=time_budget,
         elapsed=elapsed,
-        exhausted=wanted is not None,
+        exhausted=final,
+        budget_spent=wanted is not None,
     )
-    if wanted is None:
+    if not final:
         return advice
     verdict = judge(advice.plain, advice.variants, advice.memory_budget, exhausted=True)
-    return dataclasses.replace(advice, verdict=spent(verdict, time_budget, wanted))
+    if wanted is not None:
+        verdict = spent(verdict, time_budget, wanted)
+    return dataclasses.replace(advice, verdict=verdict)
 
 
 def _measure_round(
