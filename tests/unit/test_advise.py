@@ -11,7 +11,7 @@ import pytest
 from tests.unit.test_advise_verdict import STEPS, at, measured, plain
 from trec_pipelines.advise.advice import Advice, VariantReport, not_applicable_line, parse_bytes
 from trec_pipelines.advise.cli import _without_nproc, load_build, parser
-from trec_pipelines.advise.measure import BuildError, _exposed_per_step, call_build, take
+from trec_pipelines.advise.measure import BuildError, Taken, _exposed_per_step, call_build, take
 from trec_pipelines.advise.run import _round_order
 from trec_pipelines.advise.variants import Variant, iterable_problem, not_applicable, resolve
 from trec_pipelines.advise.verdict import Answer, band, judge, typical_spread
@@ -93,10 +93,42 @@ def test_batches_checks() -> None:
         2,
         3,
     ]  # checking did not start it
-    assert take([1, 2, 3, 4], 1, 2, "timed") == [2, 3]
+    assert take([1, 2, 3, 4], 1, 2, "timed") == Taken([2, 3], None)
     take(one_shot, 0, 3, "warm-up")
     with pytest.raises(BuildError, match="batches gave 0 of the 2 timed batches"):
         take(one_shot, 0, 2, "timed")
+    with pytest.raises(BuildError, match="with at least one batch"):
+        take([], 0, 1, "warm-up")
+
+
+class Counting:
+    """A list that counts how often it is walked."""
+
+    def __init__(self, items: List[int]) -> None:
+        self.items, self.walks = items, 0
+
+    def __iter__(self) -> Any:
+        self.walks += 1
+        return iter(self.items)
+
+
+def test_a_pass_that_ends_first_is_cycled_in_order() -> None:
+    batches = Counting(list(range(24)))
+    # Warm-up 5, then an epoch of 40: items 5..23, then 0..20, a pass walked once.
+    warm, timed = take(batches, 0, 5, "warm-up"), take(batches, 5, 40, "timed")
+    assert warm == Taken([0, 1, 2, 3, 4], None) and batches.walks == 2
+    assert timed.items == list(range(5, 24)) + list(range(0, 21)) and timed.pass_length == 24
+    # The reference: the pass repeated, sliced where the epoch starts and ends.
+    assert timed.items == (list(range(24)) * 3)[5:45]
+    # Shorter than the warm-up alone: it cycles too, and the epoch goes on where it ends.
+    three = [10, 11, 12]
+    assert take(three, 0, 5, "warm-up") == Taken([10, 11, 12, 10, 11], 3)
+    assert take(three, 5, 4, "timed") == Taken([12, 10, 11, 12], 3)
+    # The same objects, not copies: every contender trains the same batches.
+    objects = [object(), object()]
+    assert all(a is b for a, b in zip(take(objects, 0, 4, "timed").items, objects * 2, strict=True))
+    # A pass exactly as long as asked is not cycled.
+    assert take(list(range(6)), 1, 5, "timed") == Taken([1, 2, 3, 4, 5], None)
 
 
 def test_call_build_says_what_to_return() -> None:
@@ -225,8 +257,10 @@ def test_cli_help_and_arguments() -> None:
         "--rounds",
         "--nproc",
         "--out",
+        "--time-budget",
     ):
         assert option in text
+    assert parser().parse_args(["--build", "a:b"]).time_budget == 60.0
     assert _without_nproc(["--build", "a:b", "--nproc", "4", "--nproc=3", "--steps", "2"]) == [
         "--build",
         "a:b",
@@ -251,6 +285,7 @@ def test_cli_help_and_arguments() -> None:
             "--variants 'Nope' is not a pipeline of trec_pipelines",
         ),
         (["--rounds", "0"], "need --steps >= 1, --warmup >= 0, --rounds >= 1"),
+        (["--time-budget", "-1"], "and --time-budget >= 0 (got 20, 5, 3, 2, -1.0)"),
     ],
 )
 def test_cli_refuses_bad_options_before_launching(
@@ -298,6 +333,8 @@ def test_the_command_line_end_to_end(tmp_path: Any) -> None:
             "1",
             "--rounds",
             "1",
+            "--time-budget",
+            "0",  # the steps and rounds asked for, no more
             "--variants",
             "TrainPipelineSparseDist,TrainPipelineBase",
             "--memory-budget",

@@ -130,7 +130,7 @@ def test_too_short_an_epoch_cannot_tell_and_says_how_many_steps() -> None:
     assert verdict.rerun_steps == 250 and verdict.rerun_rounds is None
     assert str(verdict).startswith(
         "cannot tell: the shortest timed epoch took 0.040 s, under the 0.5 s it takes to time one; "
-        "re-run with 250 steps (build() returning at least warm-up + 250 batches)"
+        "re-run with 250 steps (your batches are cycled to fill them)"
     )
 
 
@@ -183,15 +183,85 @@ def test_within_the_margin_of_the_fastest_the_one_holding_less() -> None:
     )
 
 
-def test_a_lead_about_the_margin_cannot_be_settled_by_more_rounds() -> None:
-    # Big leads Small by exactly the 2% margin: no number of rounds decides it.
+def test_a_lead_about_the_margin_asks_for_the_rounds_that_narrow_it_then_either_will_do() -> None:
+    # Big leads Small by exactly the 2% margin: no number of rounds settles
+    # whether it leads by more.  Their ± (2 * 0.05 / sqrt(3) = 0.058, the run's
+    # typical spread) is wider than the margin: it asks for the rounds that
+    # bring it within (sd / sqrt(n) < 0.01: n > 25).
     rows = [
         measured("Big", ONE, at((1.32, 1.37, 1.27), ONE), 20 * MIB),
         measured("Small", ONE, at((1.30, 1.35, 1.25), ONE), 4 * MIB),
     ]
     verdict = judge(plain(ONE), rows, None)
+    assert verdict.answer is Answer.CANNOT_TELL and verdict.rerun_rounds == 26
+    assert verdict.reason.endswith(
+        f"it would take over {MAX_ROUNDS_HINT} rounds to settle: the two are about 2% apart; "
+        "re-run with 26 rounds to tell whether either will do"
+    )
+    # No more rounds to come (the time budget spent): both are clear of the
+    # plain loop and even with each other: the one holding less.
+    final = judge(plain(ONE), rows, None, exhausted=True)
+    assert final.answer is Answer.RECOMMEND and final.variant == "Small"
+    assert final.rerun_rounds is None and final.rerun_steps is None
+    assert str(final) == (
+        "recommend Small: 1.30x plain ±0.06 over 3 rounds, +4.0 MiB held; Big is within the noise "
+        "of it: either will do, and Small holds least"
+    )
+    # With 26 rounds at a spread of 0.05 (± 0.0196, within the margin), the
+    # same 2% lead is an answer without the budget being spent.
+    n = 26
+    base = (1.0,) * n
+    wobble = tuple(0.05 * (-1) ** k * math.sqrt((n - 1) / n) for k in range(n))
+    narrow = [
+        measured("Big", base, at(tuple(1.32 + w for w in wobble), base), 20 * MIB),
+        measured("Small", base, at(tuple(1.30 + w for w in wobble), base), 4 * MIB),
+    ]
+    settled = judge(plain(base), narrow, None)
+    assert settled.answer is Answer.RECOMMEND and settled.variant == "Small", str(settled)
+    assert "Big is within the noise of it: either will do" in settled.reason
+
+
+def test_a_variant_about_the_margin_over_the_plain_loop_is_even_with_it() -> None:
+    # Even leads the plain loop by the 2% margin exactly; once no more rounds
+    # are to come, no variant is faster beyond the noise: keep the plain loop.
+    rows = [measured("Even", ONE, at((1.02, 1.07, 0.97), ONE), MIB)]
+    assert judge(plain(ONE), rows, None).rerun_rounds == 26
+    verdict = judge(plain(ONE), rows, None, exhausted=True)
+    assert verdict.answer is Answer.KEEP_PLAIN_LOOP and verdict.variant is None
+    assert str(verdict) == (
+        "keep your plain loop: no variant is more than 2% faster than the plain loop beyond the "
+        "noise (the fastest, Even, is 1.02x plain ±0.06 over 3 rounds, within the noise of the "
+        "plain loop: either will do), so a pipeline buys nothing measurable on this model"
+    )
+
+
+def test_noise_too_wide_to_narrow_cannot_tell_until_no_more_rounds_come() -> None:
+    # Big and Small about 2% over the plain loop, give or take 0.3: neither the
+    # lead nor the noise can be settled in 50 rounds.
+    rows = [
+        measured("Big", ONE, at((1.04, 1.30, 0.78), ONE), 20 * MIB),
+        measured("Small", ONE, at((1.02, 1.28, 0.76), ONE), 4 * MIB),
+    ]
+    verdict = judge(plain(ONE), rows, None)
     assert verdict.answer is Answer.CANNOT_TELL and verdict.rerun_rounds is None
-    assert f"it would take over {MAX_ROUNDS_HINT} rounds to settle" in verdict.reason
+    assert verdict.reason.endswith("and the noise too wide to tell whether either will do")
+    # Once no more rounds come: no variant is faster than the plain loop beyond the noise.
+    final = judge(plain(ONE), rows, None, exhausted=True)
+    assert final.answer is Answer.KEEP_PLAIN_LOOP
+    assert "Big, Small are within the noise of the plain loop: either will do" in final.reason
+
+
+def test_a_clear_lead_is_not_made_even_by_a_spent_budget() -> None:
+    # Still open and settleable (Maybe over the plain loop, 7 rounds): with no
+    # rounds to come, Maybe is not clear of the plain loop: keep it.
+    rows = [measured("Maybe", ONE, at((1.00, 1.10, 1.20), ONE), MIB)]
+    assert judge(plain(ONE), rows, None).rerun_rounds == 7
+    final = judge(plain(ONE), rows, None, exhausted=True)
+    assert final.answer is Answer.KEEP_PLAIN_LOOP and "Maybe," in final.reason
+    # Too-short epochs and too few rounds stay "cannot tell" either way.
+    short = (0.05, 0.05, 0.05)
+    fast = [measured("Fast", short, at((1.25, 1.26, 1.24), short), MIB)]
+    assert judge(plain(short), fast, None, exhausted=True).answer is Answer.CANNOT_TELL
 
 
 def test_the_budget_and_unpipelined_modules_decide_who_competes() -> None:

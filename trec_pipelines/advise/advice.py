@@ -12,6 +12,7 @@ import statistics
 from dataclasses import asdict, dataclass, replace
 from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
 
+from trec_pipelines.advise.budget import spent
 from trec_pipelines.advise.report import VariantReport
 from trec_pipelines.advise.verdict import Answer, Verdict, judge
 from trec_pipelines.observe.memory import format_bytes
@@ -67,6 +68,18 @@ class Advice:
         steps: steps per timed epoch.
         world_size: ranks that trained.
         qps_unit: ``"examples/s"`` or ``"steps/s"``.
+        steps_asked: the fewest steps per timed epoch asked for (``steps``
+            is longer when advise lengthened the epochs to time them; None:
+            as ``steps``).
+        batches_per_pass: batches in one pass of ``build()``'s, when a pass
+            ended before an epoch did and was cycled (the smallest rank's);
+            None when no pass ended first.
+        time_budget: the seconds the run was given (None: no budget given).
+        elapsed: the seconds it took (None: not recorded).
+        exhausted: the verdict was judged with no rounds to come: the time
+            budget ran out before its hint could be followed, or it gave none.
+        budget_spent: the time budget stopped it: what the verdict asked to
+            measure next would not fit in it.
     """
 
     verdict: Verdict
@@ -79,6 +92,12 @@ class Advice:
     steps: int
     world_size: int
     qps_unit: str = "examples/s"
+    steps_asked: Optional[int] = None
+    batches_per_pass: Optional[int] = None
+    time_budget: Optional[float] = None
+    elapsed: Optional[float] = None
+    exhausted: bool = False
+    budget_spent: bool = False
 
     @property
     def recommended(self) -> Optional[str]:
@@ -114,12 +133,15 @@ class Advice:
             for r in self.variants
         )
         plain = replace(self.plain, within_budget=None if memory_budget is None else True)
+        verdict = judge(plain, rows, memory_budget, exhausted=self.exhausted)
+        if self.verdict.rerun_time_budget is not None and self.time_budget is not None:
+            verdict = spent(verdict, self.time_budget, self.verdict.rerun_time_budget)
         return replace(
             self,
             variants=rows,
             plain=plain,
             memory_budget=memory_budget,
-            verdict=judge(plain, rows, memory_budget),
+            verdict=verdict,
         )
 
     def to_dict(self) -> Dict[str, Any]:
@@ -178,6 +200,9 @@ class Advice:
             f"+ {self.steps} timed steps{shortest}; memory budget {budget}; "
             "± is twice the standard error of x plain over the rounds"
         )
+        cycled = self.cycling()
+        if cycled:
+            lines.append(cycled)
         skipped = not_applicable_line(self.variants)
         if skipped:
             lines.append(skipped)
@@ -188,6 +213,28 @@ class Advice:
                 lines.append(f"  {r.name}: {module} not pipelined: {why}")
         lines.append(f"verdict: {self.verdict}")
         return "\n".join(lines)
+
+    def cycling(self) -> str:
+        """How the timed epochs were made long enough, and the time taken, in one line ("" if
+        the steps asked for were used as they were, with no time budget)."""
+        parts: List[str] = []
+        if self.steps_asked is not None and self.steps_asked != self.steps:
+            parts.append(
+                f"timed epochs lengthened from {self.steps_asked} to {self.steps} steps to be long "
+                "enough to time"
+            )
+        if self.batches_per_pass is not None:
+            passes = (self.warmup + self.steps) / self.batches_per_pass
+            parts.append(
+                f"your {self.batches_per_pass} batches cycled {passes:.1f} times per round "
+                f"(warm-up + timed epoch), in the same order for every contender"
+            )
+        if self.time_budget is not None and self.elapsed is not None:
+            parts.append(
+                f"{self.elapsed:.0f} s of a {self.time_budget:.0f} s time budget"
+                + (" (spent)" if self.budget_spent else "")
+            )
+        return "; ".join(parts)
 
     def save_plot(self, path: str) -> None:
         """x plain against pipeline-held memory per variant, with the rounds' spread (a PNG).

@@ -16,6 +16,8 @@ import subprocess
 import sys
 from typing import Any, Callable, List, Optional, Sequence, cast
 
+from trec_pipelines.advise.budget import DEFAULT_TIME_BUDGET
+
 DESCRIPTION = """\
 Which pipeline for my model?  Builds your model once per variant and round
 (never two at once), trains each applicable train variant of trec_pipelines
@@ -27,15 +29,25 @@ and a plain loop on the same batches, and answers one of three:
                        --memory-budget; never one that left a sharded module
                        unpipelined when another did not);
   keep your plain loop no variant is more than 2% faster than it, beyond the noise;
-  cannot tell          epochs under 0.5 s, fewer than 3 rounds, or the rounds
-                       disagree by more than the differences that decide:
-                       it says how many --steps or --rounds to re-run with.
+  cannot tell          the --time-budget ran out before the epochs were long
+                       enough to time (0.5 s) or the rounds settled the
+                       differences that decide: it says what budget would let
+                       it go on.
+
+Within --time-budget it lengthens the timed epochs until they are long
+enough to time (cycling your batches, in the same order for every contender,
+when they end first) and adds rounds while the noise leaves the answer open.
+Variants within the noise of each other are an answer: either will do, so
+the one holding least (or the plain loop, when no variant is faster than it
+beyond the noise).  The output says how long the epochs were, how many
+times the batches were cycled, and the time taken.
 
 --build names a function of yours, importable from the current directory,
 that takes no arguments and returns (model, optimizer, batches): a
 DMP-sharded model whose forward returns (loss, output), its optimizer, and a
-list (or a DataLoader) of at least warmup + steps batches for this rank.  It
-runs on every rank, inside the process group this command starts.
+list (or a DataLoader) of this rank's batches, the same ones on every call
+(fewer than an epoch needs are cycled).  It runs on every rank, inside the
+process group this command starts.
 
 Output: a table of the applicable variants (QPS, ratio to the plain loop
 with its spread, bytes the pipeline holds by its memory ledger, peak
@@ -49,6 +61,7 @@ EXAMPLES = """\
 examples:
   python -m trec_pipelines.advise --build mymodels.dlrm:build
   python -m trec_pipelines.advise --build mymodels.dlrm:build --memory-budget 64MiB --rounds 5
+  python -m trec_pipelines.advise --build mymodels.dlrm:build --time-budget 600   # a large model
   python -m trec_pipelines.advise --build benchmarks.advise_build:build   # the bench's DLRM, from the repo
 """
 
@@ -70,7 +83,10 @@ def parser() -> argparse.ArgumentParser:
         "--steps",
         type=int,
         default=20,
-        help="batches per timed epoch (default 20); an epoch under 0.5 s is too short to judge by",
+        help=(
+            "the fewest batches per timed epoch (default 20); advise lengthens the epoch, "
+            "cycling your batches, until it lasts long enough to time (0.5 s or more)"
+        ),
     )
     p.add_argument(
         "--warmup", type=int, default=5, help="untimed batches before it, same model (default 5)"
@@ -80,8 +96,20 @@ def parser() -> argparse.ArgumentParser:
         type=int,
         default=3,
         help=(
-            "times every contender is built and timed; the result is the median "
-            "(default 3, the fewest that can give a verdict)"
+            "times every contender is built and timed at least; the result is the median "
+            "(default 3, the fewest that can give a verdict); more are added while the noise "
+            "leaves the answer open, within --time-budget"
+        ),
+    )
+    p.add_argument(
+        "--time-budget",
+        type=float,
+        default=DEFAULT_TIME_BUDGET,
+        metavar="SECONDS",
+        help=(
+            f"seconds the whole run may take (default {DEFAULT_TIME_BUDGET:.0f}: enough for a small "
+            "model; give a large one more); 0 times exactly --steps and --rounds. "
+            "The --rounds asked for are always measured"
         ),
     )
     p.add_argument(
@@ -235,6 +263,7 @@ def worker(args: argparse.Namespace) -> int:
             include_compiled=args.include_compiled,
             device=device,
             progress=bar,
+            time_budget=args.time_budget,
         )
     finally:
         bar.close()
@@ -273,10 +302,16 @@ def check(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
             .replace("memory_budget=", "--memory-budget ")
             .replace("variants=", "--variants ")
         )
-    if args.steps < 1 or args.warmup < 0 or args.rounds < 1 or args.nproc < 1:
+    if (
+        args.steps < 1
+        or args.warmup < 0
+        or args.rounds < 1
+        or args.nproc < 1
+        or not args.time_budget >= 0
+    ):
         p.error(
-            f"need --steps >= 1, --warmup >= 0, --rounds >= 1 and --nproc >= 1 "
-            f"(got {args.steps}, {args.warmup}, {args.rounds}, {args.nproc})"
+            f"need --steps >= 1, --warmup >= 0, --rounds >= 1, --nproc >= 1 and --time-budget >= 0 "
+            f"(got {args.steps}, {args.warmup}, {args.rounds}, {args.nproc}, {args.time_budget})"
         )
 
 

@@ -1,8 +1,12 @@
 """One contender (the plain loop or one variant) measured for one round, on this rank.
 
 A round of a contender: ``build()`` a fresh model, train ``warmup`` batches
-(untimed), then time one epoch of the next ``steps`` batches -- fill and drain
-included, as the bench times an epoch.  Then, untimed, over the same batches:
+(untimed), then time one epoch of the next ``epoch_steps`` batches -- fill and
+drain included, as the bench times an epoch.  Batches that end sooner are
+cycled: one pass of them, repeated in the same order (the same objects), as
+long as the epoch asks -- the same for every contender, so each trains the
+same batches in the same order as the plain loop.  Then, untimed, over the
+first ``steps`` of those batches:
 in the first round an epoch with the memory ledger on (what the pipeline
 holds after every verb; resident and device memory sampled after every
 step), and in every round an epoch with the input dist tapped (the training
@@ -23,7 +27,7 @@ import itertools
 import statistics
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterable, Iterator, List, Optional, Tuple
+from typing import Any, Callable, Iterable, Iterator, List, NamedTuple, Optional, Tuple
 
 import torch
 from torch import nn
@@ -61,6 +65,9 @@ class RoundResult:
             (None on CPU).
         exposed_input_dist: training-thread input-dist seconds per steady step,
             the median over the steady steps of the tapped epoch (None: no steady step).
+        pass_length: batches in one pass of ``build()``'s batches when a pass
+            ended before the round had what it asked (they were cycled); None
+            when every pass went on past it.
     """
 
     seconds: float
@@ -72,6 +79,20 @@ class RoundResult:
     rss_peak: Optional[int] = None
     device_peak: Optional[int] = None
     exposed_input_dist: Optional[float] = None
+    pass_length: Optional[int] = None
+
+
+class Taken(NamedTuple):
+    """Batches taken from a pass, cycled if the pass ended first.
+
+    Attributes:
+        items: the batches, in order.
+        pass_length: the batches in one pass, when the pass ended before
+            ``start + count`` (so it was cycled); None otherwise.
+    """
+
+    items: List[Any]
+    pass_length: Optional[int]
 
 
 @dataclass
@@ -151,16 +172,23 @@ def call_build(build: Build) -> Tuple[nn.Module, Any, Iterable[Any]]:
     return model, optimizer, batches
 
 
-def take(batches: Iterable[Any], start: int, count: int, what: str) -> List[Any]:
-    """Batches ``start .. start+count`` of a fresh pass over ``batches``; a short pass is a BuildError."""
-    got = list(itertools.islice(iter(batches), start, start + count))
-    if len(got) < count:
+def take(batches: Iterable[Any], start: int, count: int, what: str) -> Taken:
+    """Items ``start .. start+count`` of a fresh pass over ``batches``, cycled.
+
+    A pass that ends first is repeated in the same order (its items held, not
+    walked again), so item ``k`` is the pass's item ``k % len(pass)``.  A pass
+    with no item is a :class:`BuildError`.
+    """
+    got = list(itertools.islice(iter(batches), start + count))
+    if not got:
         raise BuildError(
-            f"batches gave {len(got)} of the {count} {what} batches (items {start}..{start + count - 1} of a pass): "
-            "advise needs warmup + steps batches on every pass, and walks batches several times per build; "
-            "give more batches, lower steps/warmup, or return a list or an iterable that restarts on each iter()"
+            f"batches gave 0 of the {count} {what} batches (items {start}..{start + count - 1} of a pass): "
+            "advise walks batches several times per build (and cycles a pass that ends early); "
+            "return a list or an iterable that restarts on each iter(), with at least one batch"
         )
-    return got
+    if len(got) >= start + count:
+        return Taken(got[start:], None)
+    return Taken([got[(start + k) % len(got)] for k in range(count)], len(got))
 
 
 def _run_epoch(built: _Built, batches: List[Any], device: torch.device) -> int:
@@ -293,8 +321,12 @@ def measure_round(
     detailed: bool,
     barrier: Callable[[], None],
     agree: Callable[[Optional[str]], None],
+    epoch_steps: Optional[int] = None,
 ) -> RoundResult:
     """One round of ``variant`` (None: the plain loop) on this rank; see the module docstring.
+
+    The timed epoch has ``epoch_steps`` batches (default ``steps``), the
+    untimed ones ``steps``.
 
     ``barrier`` meets the other ranks right before the timed epoch, so each
     rank's clock starts together; ``agree`` is called on every rank with this
@@ -311,9 +343,13 @@ def measure_round(
             model, optimizer, batches = call_build(build)
         # Every pass the round makes, taken now: a short or one-shot iterable
         # fails here, on every rank, before any rank trains.
-        warm = take(batches, 0, warmup, "warm-up") if warmup else []
-        timed = take(batches, warmup, steps, "timed")
-        measured = take(batches, warmup, steps, "measured")
+        taken = [
+            take(batches, 0, warmup, "warm-up") if warmup else Taken([], None),
+            take(batches, warmup, steps if epoch_steps is None else epoch_steps, "timed"),
+            take(batches, warmup, steps, "measured"),
+        ]
+        warm, timed, measured = (t.items for t in taken)
+        lengths = [t.pass_length for t in taken if t.pass_length is not None]
         prepared = (model, optimizer, batches)
     except BuildError as exc:
         prepared = exc
@@ -331,6 +367,7 @@ def measure_round(
         if warm:
             _run_epoch(built, warm, device)
         result = _timed(built, timed, device, barrier)
+        result.pass_length = min(lengths) if lengths else None
         rewrite = getattr(built.rewrite, "rewrite_result", None)
         if rewrite is not None:
             result.unpipelined = tuple(rewrite.not_pipelined)
@@ -389,4 +426,34 @@ def _detail(built: _Built, result: RoundResult, batches: List[Any], device: torc
     result.rss_peak, result.device_peak = peaks
 
 
-__all__ = ["PLAIN", "Build", "BuildError", "RoundResult", "call_build", "measure_round", "take"]
+def probe(
+    model: nn.Module,
+    optimizer: Any,
+    batches: Iterable[Any],
+    device: torch.device,
+    warmup: int,
+    steps: int,
+    barrier: Callable[[], None],
+) -> float:
+    """Seconds per step of the plain loop on ``model``: ``warmup`` batches untimed, then
+    ``steps`` timed (cycled as a round's).  run.py sizes the timed epochs by it."""
+    built = _Built(model, optimizer, batches)
+    warm = take(batches, 0, warmup, "warm-up").items if warmup else []
+    timed = take(batches, warmup, steps, "timed").items
+    if warm:
+        _run_epoch(built, warm, device)
+    result = _timed(built, timed, device, barrier)
+    return result.seconds / max(result.steps, 1)
+
+
+__all__ = [
+    "PLAIN",
+    "Build",
+    "BuildError",
+    "RoundResult",
+    "Taken",
+    "call_build",
+    "measure_round",
+    "probe",
+    "take",
+]

@@ -31,6 +31,8 @@ timeout.
 from __future__ import annotations
 
 import datetime
+import statistics
+import time
 import traceback
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Union
 
@@ -39,6 +41,15 @@ import torch.distributed as dist
 from torch import nn
 
 from trec_pipelines.advise.advice import Advice, VariantReport, median, parse_bytes
+from trec_pipelines.advise.budget import (
+    DEFAULT_TIME_BUDGET,
+    Cost,
+    Move,
+    first_epoch,
+    floor_epoch,
+    next_move,
+    spent,
+)
 from trec_pipelines.advise.measure import (
     PLAIN,
     Build,
@@ -46,9 +57,10 @@ from trec_pipelines.advise.measure import (
     RoundResult,
     call_build,
     measure_round,
+    probe,
 )
 from trec_pipelines.advise.variants import Variant, VariantSpec, not_applicable, resolve
-from trec_pipelines.advise.verdict import band, judge, typical_spread
+from trec_pipelines.advise.verdict import Answer, band, judge, typical_spread
 
 # Progress callback: (what just finished, contenders done, contenders in all).
 Progress = Callable[[str, int, int], None]
@@ -123,29 +135,34 @@ def advise(
     device: Optional[torch.device] = None,
     timeout: Optional[datetime.timedelta] = None,
     progress: Optional[Progress] = None,
+    time_budget: float = DEFAULT_TIME_BUDGET,
 ) -> Advice:
     """Measure the model ``build()`` makes under every applicable variant, and judge.
 
     The verdict (``advice.verdict``) is one of three: recommend a variant,
-    keep your plain loop, or cannot tell -- when the epochs were too short to
-    time, or the rounds disagree by more than the differences that decide;
-    it then says how many steps or rounds to re-run with
-    (the note "the verdict rule" in the source of ``trec_pipelines.advise.verdict``).
+    keep your plain loop, or cannot tell (the note "the verdict rule" in the
+    source of ``trec_pipelines.advise.verdict``).  Within ``time_budget``
+    seconds it lengthens the timed epochs (cycling the batches when they end
+    first) until they are long enough to time, and adds rounds while the noise
+    leaves the answer open (the note "epochs long enough, within the time
+    budget" in ``trec_pipelines.advise.budget``); it cannot tell when the
+    budget is spent first, and then says what budget would let it go on.
 
     Call it on every rank of an initialized process group.  ``build()``
     returns ``(model, optimizer, batches)`` as you build them to train: a
     DMP-sharded model whose forward returns ``(loss, output)``, its
     optimizer, and an iterable of this rank's batches that restarts on each
-    ``iter()`` (a list, a DataLoader) with at least ``warmup + steps``
-    batches.  It is called once per contender and round, and only one model
+    ``iter()`` (a list, a DataLoader) and gives the same batches each time;
+    fewer than the epoch needs are cycled.  It is called once per contender and round, and only one model
     is alive at a time (the note "fresh models in paired rounds" in the source of ``trec_pipelines.advise.run``).
 
     Args:
-        steps: batches in each timed epoch (an epoch under 0.5 s is too
-            short to judge by).
+        steps: the fewest batches in each timed epoch; advise lengthens it
+            to time one (an epoch under 0.5 s is too short to judge by).
         warmup: batches trained untimed before it, on the same model.
-        rounds: how many times every contender is built and timed (>= 1;
-            a verdict other than "cannot tell" needs 3).
+        rounds: how many times every contender is built and timed at least
+            (>= 1; a verdict other than "cannot tell" needs 3); advise adds
+            rounds while the noise leaves the answer open.
         memory_budget: most bytes a pipeline may hold (its memory ledger's
             peak, model and optimizer excluded): an int, or ``"64MiB"``.
         variants: class names of the package or pipeline classes (your own
@@ -155,6 +172,10 @@ def advise(
         device: where the model trains; default its first parameter's device.
         timeout: of advise's own gloo group (default the process group's).
         progress: called after each contender's round as ``(label, done, total)``.
+        time_budget: seconds the whole run may take (about a minute by
+            default); 0 measures the ``steps`` and ``rounds`` asked for and no
+            more.  The rounds asked for are measured even when they alone take
+            longer.
 
     Returns:
         an :class:`~trec_pipelines.advise.advice.Advice`, equal on every rank.
@@ -162,14 +183,15 @@ def advise(
     Raises:
         RuntimeError: on every rank, when ``build()`` raised or returned
             something unusable on any rank -- not a 3-tuple, not a module,
-            batches that are an iterator, a one-shot iterable or shorter than
-            ``warmup + steps`` -- or the plain loop failed; or when there is
+            batches that are an iterator, a one-shot iterable or empty -- or
+            the plain loop failed; or when there is
             no process group.
         ValueError: bad arguments (steps, rounds, budget, variant names).
     """
-    if steps < 1 or warmup < 0 or rounds < 1:
+    if steps < 1 or warmup < 0 or rounds < 1 or not time_budget >= 0:
         raise ValueError(
-            f"advise: need steps >= 1, warmup >= 0 and rounds >= 1, got {steps}, {warmup}, {rounds}"
+            "advise: need steps >= 1, warmup >= 0, rounds >= 1 and time_budget >= 0, "
+            f"got {steps}, {warmup}, {rounds}, {time_budget}"
         )
     budget = parse_bytes(memory_budget)
     asked = resolve(variants)
@@ -188,9 +210,62 @@ def advise(
             include_compiled,
             device,
             progress,
+            time_budget,
         )
     finally:
         ranks.close()
+
+
+class _Clock:
+    """The run's elapsed seconds, the slowest rank's: every rank reads the same."""
+
+    def __init__(self, ranks: _Ranks) -> None:
+        self.ranks = ranks
+        self.start = time.monotonic()
+
+    def elapsed(self) -> float:
+        return float(max(self.ranks.gather(time.monotonic() - self.start)))
+
+
+def _probe(
+    ranks: _Ranks,
+    model: nn.Module,
+    optimizer: Any,
+    batches: Any,
+    device: torch.device,
+    warmup: int,
+    steps: int,
+) -> Optional[float]:
+    """The plain loop's seconds per step on the first build's model, the slowest rank's
+    (None: it failed on some rank; the first round's plain loop then reports why)."""
+    seconds: Optional[float]
+    try:
+        seconds = probe(model, optimizer, batches, device, warmup, steps, ranks.barrier)
+    except Exception:
+        seconds = None
+    gathered = ranks.gather(seconds)
+    return None if any(g is None for g in gathered) else float(max(gathered))
+
+
+class _Rounds:
+    """Every contender's results, round by round, and what each round cost."""
+
+    def __init__(self, names: Sequence[str]) -> None:
+        self.results: Dict[str, List[List[RoundResult]]] = {name: [] for name in names}
+        self.walls: List[float] = []  # each round's seconds, the slowest rank's
+        self.timed: List[float] = []  # of which its timed epochs
+        self.offset = 0  # contenders measured before these rounds (at a shorter epoch)
+
+    @property
+    def count(self) -> int:
+        return len(self.walls)
+
+    def cost(self, steps: int) -> Cost:
+        """A round's cost, by the rounds after the first (which also runs the ledger epoch)."""
+        later = list(range(1, self.count)) or [0]
+        timed = statistics.median(self.timed[k] for k in later)
+        wall = statistics.median(self.walls[k] for k in later)
+        return Cost(fixed=max(wall - timed, 0.0), timed=timed, steps=steps)
 
 
 def _advise(
@@ -205,69 +280,221 @@ def _advise(
     include_compiled: bool,
     device: Optional[torch.device],
     progress: Optional[Progress],
+    time_budget: float,
 ) -> Advice:
-    # A first build decides what applies (the model is dropped right after).
+    clock = _Clock(ranks)
+    # A first build decides what applies; its model times the plain loop once,
+    # to size the timed epoch (it is dropped right after).
     error: Optional[str] = None
     reasons: Dict[str, Optional[str]] = {}
+    model: Optional[nn.Module] = None
+    optimizer: Any = None
+    batches: Any = None
+    built_at = time.monotonic()
     try:
-        model, _, _ = call_build(build)
+        model, optimizer, batches = call_build(build)
+        build_seconds = time.monotonic() - built_at
         train_device = device if device is not None else _device_of(model)
         reasons = {
             v.name: not_applicable(v, model, include_compiled, variants_named) for v in asked
         }
-        del model
     except BuildError as exc:
-        error, train_device = str(exc), torch.device("cpu")
+        error, train_device, build_seconds = str(exc), torch.device("cpu"), 0.0
     _raise_build_errors(ranks, ranks.gather(error))
     timed = [v for v in asked if reasons[v.name] is None]
     contenders: Dict[str, Optional[Variant]] = {PLAIN: None, **{v.name: v for v in timed}}
 
-    results: Dict[str, List[List[RoundResult]]] = {name: [] for name in contenders}
-    failures: Dict[str, str] = {}
-    total, done = rounds * len(contenders), 0
-    for round_index in range(rounds):
-        for name in _round_order(list(contenders), round_index):
-            if name in failures:
-                done += 1
-                continue
-            outcome: Tuple[Optional[Tuple[str, str, bool]], Optional[RoundResult]]
-            try:
-                value = measure_round(
-                    build,
-                    contenders[name],
-                    train_device,
-                    warmup,
-                    steps,
-                    detailed=round_index == 0,
-                    barrier=ranks.barrier,
-                    agree=ranks.agree,
-                )
-                outcome = (None, value)
-            except BuildError as exc:
-                outcome = ((str(exc), traceback.format_exc(), True), None)
-            except Exception as exc:  # the variant's failure: reported, the others go on
-                message = f"{type(exc).__name__}: {exc}".splitlines()[0][:300]
-                outcome = ((message, traceback.format_exc(), False), None)
-            gathered = ranks.gather(outcome)
-            first = _first_error(gathered)
-            done += 1
-            if first is not None:
-                rank, message, _, is_build = first
-                if is_build:
-                    prefix = "" if message.startswith("on rank") else f"on rank {rank}: "
-                    raise RuntimeError(f"advise: {prefix}{message}")
-                if name == PLAIN:
-                    raise RuntimeError(
-                        f"advise: the plain loop (zero_grad, forward, sum(loss).backward(), step) failed on rank "
-                        f"{rank}: {message}; the model must train without a pipeline first"
-                    )
-                failures[name] = f"{message} (rank {rank}, round {round_index + 1})"
-            else:
-                results[name].append([value for _, value in gathered])
-            if progress is not None:
-                progress(f"round {round_index + 1}/{rounds} {name}", done, total)
+    epoch_steps = steps
+    if time_budget > 0:
+        assert model is not None
+        step_seconds = _probe(ranks, model, optimizer, batches, train_device, warmup, steps)
+        if step_seconds is not None:
+            build_seconds = float(max(ranks.gather(build_seconds)))
+            # Outside the timed epochs, a round builds, warms up and runs an untimed
+            # epoch for each contender; the first round one more each.
+            fixed = len(contenders) * (build_seconds + (warmup + 1.5 * steps) * step_seconds)
+            epoch_steps = first_epoch(
+                steps,
+                step_seconds,
+                fixed,
+                len(contenders),
+                rounds,
+                time_budget - clock.elapsed(),
+            )
+    del model, optimizer, batches
 
-    return _compose(asked, reasons, results, failures, budget, rounds, warmup, steps, ranks.world)
+    failures: Dict[str, str] = {}
+    measured = _Rounds(list(contenders))
+    total = rounds * len(contenders)
+    wanted: Optional[float] = None
+    resized = time_budget <= 0  # the first round's check, made once
+    while True:
+        while measured.count < rounds:
+            _measure_round(
+                build,
+                ranks,
+                contenders,
+                measured,
+                failures,
+                train_device,
+                warmup,
+                steps,
+                epoch_steps,
+                progress,
+                total,
+            )
+            if not resized:
+                resized = True
+                longer = floor_epoch(epoch_steps, _shortest_of_round(measured, 0))
+                if longer is not None:  # a contender far faster than the probe's plain loop
+                    offset = measured.offset + measured.count * len(contenders)
+                    epoch_steps, measured = longer, _Rounds(list(contenders))
+                    measured.offset = offset
+                    total = offset + rounds * len(contenders)
+        advice = _compose(
+            asked,
+            reasons,
+            measured.results,
+            failures,
+            budget,
+            measured.count,
+            warmup,
+            epoch_steps,
+            ranks.world,
+        )
+        if time_budget <= 0:
+            break
+        move = _next(advice, epoch_steps, measured, rounds)
+        if move is None:
+            break
+        elapsed = clock.elapsed()
+        if elapsed + move.seconds > time_budget:
+            wanted = elapsed + move.seconds
+            break
+        if move.epoch_steps != epoch_steps:  # every round again, at the longer epoch
+            offset = measured.offset + measured.count * len(contenders)
+            epoch_steps, measured = move.epoch_steps, _Rounds(list(contenders))
+            measured.offset = offset
+        rounds = move.rounds
+        total = measured.offset + rounds * len(contenders)
+    # No more rounds to come: the budget stopped it, or the verdict names none to measure.
+    final = time_budget > 0 and (wanted is not None or advice.verdict.answer is Answer.CANNOT_TELL)
+    return _finish(advice, steps, time_budget, clock.elapsed(), wanted, final)
+
+
+def _shortest_of_round(measured: _Rounds, k: int) -> float:
+    """The shortest timed epoch of round ``k`` over the contenders (the slowest rank's each)."""
+    return min(
+        max(r.seconds for r in per_round[k])
+        for per_round in measured.results.values()
+        if len(per_round) > k
+    )
+
+
+def _next(advice: Advice, epoch_steps: int, measured: _Rounds, rounds: int) -> Optional[Move]:
+    epochs = [statistics.median(r.seconds) for r in (advice.plain, *advice.variants) if r.seconds]
+    return next_move(
+        advice.verdict,
+        epoch_steps,
+        measured.count,
+        rounds,
+        min(epochs),
+        measured.cost(epoch_steps),
+    )
+
+
+def _finish(
+    advice: Advice,
+    steps: int,
+    time_budget: float,
+    elapsed: float,
+    wanted: Optional[float],
+    final: bool,
+) -> Advice:
+    """The advice as measured: judged with no rounds to come when ``final``, saying the
+    budget is spent when ``wanted`` (what the next move would have taken) exceeded it."""
+    import dataclasses
+
+    advice = dataclasses.replace(
+        advice,
+        steps_asked=steps,
+        time_budget=time_budget,
+        elapsed=elapsed,
+        exhausted=final,
+        budget_spent=wanted is not None,
+    )
+    if not final:
+        return advice
+    verdict = judge(advice.plain, advice.variants, advice.memory_budget, exhausted=True)
+    if wanted is not None:
+        verdict = spent(verdict, time_budget, wanted)
+    return dataclasses.replace(advice, verdict=verdict)
+
+
+def _measure_round(
+    build: Build,
+    ranks: _Ranks,
+    contenders: Dict[str, Optional[Variant]],
+    measured: _Rounds,
+    failures: Dict[str, str],
+    train_device: torch.device,
+    warmup: int,
+    steps: int,
+    epoch_steps: int,
+    progress: Optional[Progress],
+    total: int,
+) -> None:
+    """One round: each contender in the round's order, built, timed and freed."""
+    round_index = measured.count
+    started = time.monotonic()
+    timed_seconds = 0.0
+    for k, name in enumerate(_round_order(list(contenders), round_index)):
+        done = measured.offset + round_index * len(contenders) + k + 1
+        if name in failures:
+            continue
+        outcome: Tuple[Optional[Tuple[str, str, bool]], Optional[RoundResult]]
+        try:
+            value = measure_round(
+                build,
+                contenders[name],
+                train_device,
+                warmup,
+                steps,
+                detailed=round_index == 0,
+                barrier=ranks.barrier,
+                agree=ranks.agree,
+                epoch_steps=epoch_steps,
+            )
+            outcome = (None, value)
+        except BuildError as exc:
+            outcome = ((str(exc), traceback.format_exc(), True), None)
+        except Exception as exc:  # the variant's failure: reported, the others go on
+            message = f"{type(exc).__name__}: {exc}".splitlines()[0][:300]
+            outcome = ((message, traceback.format_exc(), False), None)
+        gathered = ranks.gather(outcome)
+        first = _first_error(gathered)
+        if first is not None:
+            rank, message, _, is_build = first
+            if is_build:
+                prefix = "" if message.startswith("on rank") else f"on rank {rank}: "
+                raise RuntimeError(f"advise: {prefix}{message}")
+            if name == PLAIN:
+                raise RuntimeError(
+                    f"advise: the plain loop (zero_grad, forward, sum(loss).backward(), step) failed on rank "
+                    f"{rank}: {message}; the model must train without a pipeline first"
+                )
+            failures[name] = f"{message} (rank {rank}, round {round_index + 1})"
+            # Its earlier rounds go with it: a contender is reported over every round or none.
+            measured.results[name] = []
+        else:
+            results = [value for _, value in gathered]
+            measured.results[name].append(results)
+            timed_seconds += max(r.seconds for r in results if r is not None)
+        if progress is not None:
+            progress(f"round {round_index + 1} {name}", done, max(total, done))
+    walls = ranks.gather(time.monotonic() - started)
+    measured.walls.append(float(max(walls)))
+    measured.timed.append(timed_seconds)
 
 
 def _raise_build_errors(ranks: _Ranks, errors: Sequence[Optional[str]]) -> None:
@@ -372,6 +599,13 @@ def _compose(
             )
     noise = typical_spread(rows)
     rows = [dataclasses.replace(r, band=band(r, noise)) for r in rows]
+    passes = [
+        r.pass_length
+        for per_round in results.values()
+        for ranks in per_round
+        for r in ranks
+        if r.pass_length is not None
+    ]
     return Advice(
         verdict=judge(plain, rows, budget),
         variants=tuple(rows),
@@ -383,6 +617,7 @@ def _compose(
         steps=steps,
         world_size=world,
         qps_unit="examples/s" if examples is not None else "steps/s",
+        batches_per_pass=min(passes) if passes else None,
     )
 
 

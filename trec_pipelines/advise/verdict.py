@@ -44,8 +44,23 @@ fastest ``x plain``) is named, with the pair whose difference the noise
 leaves unsettled and the rounds it takes to settle it: the rounds ``n`` for
 which the standard error, ``sd / sqrt(n)``, falls below half of the
 difference's distance from the margin (``rerun_rounds``; none when that
-takes over ``MAX_ROUNDS_HINT``: the two are then about 2% apart, and either
-will do).
+takes over ``MAX_ROUNDS_HINT``: the two are then about 2% apart).
+
+Either will do: when no pick is confident, the contenders the noise leaves
+open are even -- and that is an answer -- when more rounds would not
+decide it (every pair around the leader settled, or the open one about the
+margin apart, ``rerun_rounds`` over ``MAX_ROUNDS_HINT``, with its ``±``
+already within the margin), or when no more rounds will be measured
+(``judge(..., exhausted=True)``: advise's time budget is spent).  The pick
+is then the contender holding least that no other is better than (beyond
+the noise), provided it is the plain loop or better than it: "keep your
+plain loop" when it is the plain loop (no variant faster beyond the
+noise), "recommend" otherwise, the reason naming the variants within the
+noise of the pick.  Only when there is no such contender does it stay
+"cannot tell".  Otherwise a pair about the margin apart whose ``±`` is
+wider than the margin asks for the rounds that bring its ``±`` within the
+margin (then either will do).  Another run may name another of these peers
+(the noise does not separate them): the reason names them.
 
 Why this cannot flip: two runs give different confident answers only if one
 of them finds a pair better by over 2% and the other finds it no better
@@ -99,9 +114,11 @@ class Verdict:
             None when the answer is to keep the plain loop.
         reason: why, in one sentence, with the numbers behind it.
         rerun_steps: when epochs were too short to time: the steps per epoch
-            to re-run with (``build()`` must then return at least
-            ``warmup + rerun_steps`` batches).
+            to re-run with (the batches are cycled to fill them).
         rerun_rounds: when the noise left it open: the rounds to re-run with.
+        rerun_time_budget: when advise's time budget ran out before the
+            steps or rounds above could be measured: the budget, in seconds,
+            that would let it go on.
     """
 
     answer: Answer
@@ -109,6 +126,7 @@ class Verdict:
     reason: str
     rerun_steps: Optional[int] = None
     rerun_rounds: Optional[int] = None
+    rerun_time_budget: Optional[float] = None
 
     def __str__(self) -> str:
         if self.answer is Answer.RECOMMEND:
@@ -268,14 +286,71 @@ def _left_out(
     return ""
 
 
+def _either_will_do(contenders: Sequence[_Contender], noise: float) -> Optional[_Contender]:
+    """When no pick is confident and more rounds would not make one: the contender holding
+    least that no other is better than, provided it is the plain loop or better than it
+    (None: there is none such)."""
+    plain = next(c for c in contenders if c.plain)
+    for c in _by_memory(contenders):
+        unbeaten = not any(_better(o, c, noise) for o in contenders if o is not c)
+        if unbeaten and (c.plain or _better(c, plain, noise)):
+            return c
+    return None
+
+
+def _even_verdict(
+    pick: _Contender,
+    contenders: Sequence[_Contender],
+    pool: Sequence["VariantReport"],
+    noise: float,
+) -> Verdict:
+    """The answer when ``pick`` (from :func:`_either_will_do`) and its peers are within the noise
+    of each other: either will do, so the one holding least."""
+    # Its peers: those the noise leaves possibly more than the margin faster, and those
+    # holding less that it does not beat beyond the noise.
+    peers = [
+        c
+        for c in contenders
+        if c is not pick
+        and not c.plain
+        and (not _no_better(c, pick, noise) or (c.held < pick.held and not _better(pick, c, noise)))
+    ]
+    names = ", ".join(c.name for c in peers) or "the others"
+    are = "is" if len(peers) == 1 else "are"
+    by_name = {r.name: r for r in pool}
+    if pick.plain:
+        best = max(pool, key=lambda r: r.vs_plain or 0.0)
+        which = "," if names == best.name else f"; {names} {are}"
+        return Verdict(
+            Answer.KEEP_PLAIN_LOOP,
+            None,
+            f"no variant is more than {MARGIN:.0%} faster than the plain loop beyond the noise "
+            f"(the fastest, {best.name}, is {_figure(best, noise)}{which} within the noise "
+            "of the plain loop: either will do), so a pipeline buys nothing measurable on this model",
+        )
+    row = by_name[pick.name]
+    return Verdict(
+        Answer.RECOMMEND,
+        pick.name,
+        f"{_figure(row, noise)}, +{format_bytes(row.held_peak)} held; {names} {are} within the "
+        f"noise of it: either will do, and {pick.name} holds least",
+    )
+
+
 def judge(
-    plain: "VariantReport", rows: Sequence["VariantReport"], budget: Optional[int]
+    plain: "VariantReport",
+    rows: Sequence["VariantReport"],
+    budget: Optional[int],
+    exhausted: bool = False,
 ) -> Verdict:
     """The verdict on the measurements ([Note: the verdict rule]).
 
     ``plain``: the plain loop's row (its ``seconds`` per round); ``rows``: a
     row per variant asked for (``seconds``, ``paired``, ``vs_plain``,
-    ``held_peak``, ``unpipelined``); ``budget``: bytes a pipeline may hold.
+    ``held_peak``, ``unpipelined``); ``budget``: bytes a pipeline may hold;
+    ``exhausted``: no more rounds will be measured (the time budget is
+    spent), so contenders the noise leaves even are an answer ("either will
+    do") rather than a reason to re-run.
     """
     ran = [r for r in rows if r.ran and r.vs_plain is not None]
     if not ran:
@@ -336,9 +411,7 @@ def judge(
     if problems:
         again = []
         if rerun_steps is not None:
-            again.append(
-                f"{rerun_steps} steps (build() returning at least warm-up + {rerun_steps} batches)"
-            )
+            again.append(f"{rerun_steps} steps (your batches are cycled to fill them)")
         if rerun_rounds is not None:
             again.append(f"{rerun_rounds} rounds")
         return Verdict(
@@ -352,6 +425,12 @@ def judge(
     pick = _confident_pick(contenders, noise)
     if pick is None:
         pair = _unsettled(lead, contenders, noise)
+        even = _either_will_do(contenders, noise)
+        # More rounds cannot settle it when every pair is settled, or the open one is
+        # about the margin apart and already known to within the margin.
+        unsettleable = pair is None or (pair[4] is None and pair[3] <= MARGIN)
+        if even is not None and (exhausted or unsettleable):
+            return _even_verdict(even, contenders, pool, noise)
         variant = None if lead.plain else lead.name
         if pair is None:  # every pair settled, yet no pick: neighbours about the margin apart
             return Verdict(
@@ -367,10 +446,19 @@ def judge(
             f"faster than {than} (their difference: {x:+.2f} ±{half:.2f} in x plain)"
         )
         if needed is None:
+            # About the margin apart: more rounds can still narrow the noise to the
+            # margin, and then either will do.
+            needed = _rounds_to_settle(_difference(a, b, noise)[1], MARGIN)
             what += (
                 f"; it would take over {MAX_ROUNDS_HINT} rounds to settle: the two are about "
-                f"{MARGIN:.0%} apart, and either will do"
+                f"{MARGIN:.0%} apart"
             )
+            if needed is not None:
+                what += (
+                    f"; re-run with {max(needed, rounds + 1)} rounds to tell whether either will do"
+                )
+            else:
+                what += ", and the noise too wide to tell whether either will do"
         else:
             what += f"; re-run with {max(needed, rounds + 1)} rounds"
         return Verdict(
