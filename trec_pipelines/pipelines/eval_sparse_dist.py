@@ -31,17 +31,17 @@ from typing import (
     Optional,
     Tuple,
     Union,
-    Unpack,
 )
 
 import torch
 from torchrec.distributed.train_pipeline import In, Out
+from typing_extensions import Unpack
 
 from trec_pipelines.core import lifetime
 from trec_pipelines.core.checks import predictions
 from trec_pipelines.core.errors import MalformedBatchError
 from trec_pipelines.core.hooks import Refused, never_called
-from trec_pipelines.core.options import SparseDistOptions
+from trec_pipelines.core.options import SparseDistOptions, takes_options
 from trec_pipelines.core.streams import has_streams
 from trec_pipelines.core.verbs import copy_to_device, shares_kjt_storage
 from trec_pipelines.data.handoff import OneSlotHandoff
@@ -201,6 +201,7 @@ class _InlineLoader:
 _Loader = Union[_BatchLoader, _InlineLoader]
 
 
+@takes_options(SparseDistOptions)
 class EvalPipelineSparseDist(TrainPipelineSparseDist[In, Out]):
     """Forward only; ``cur`` runs while ``nxt`` is in input_dist, batches copied ahead by a loader.
 

@@ -13,15 +13,15 @@ from typing import (
     Iterator,
     Mapping,
     Optional,
-    Unpack,
 )
 
 import torch
 from torchrec.distributed.train_pipeline import In, Out, TrainPipeline
 from torchrec.pt2.utils import default_pipeline_input_transformer
+from typing_extensions import Unpack
 
 from trec_pipelines.core.hooks import Refused, never_called
-from trec_pipelines.core.options import TrainBatchOptions
+from trec_pipelines.core.options import TrainBatchOptions, takes_options
 from trec_pipelines.core.pipeline import PipelineCore
 from trec_pipelines.core.step_guard import guarded_step
 from trec_pipelines.core.verbs import copy_to_device
@@ -76,6 +76,7 @@ def dynamo_settings() -> ContextManager[None]:
     return _held_dynamo_settings().held()
 
 
+@takes_options(TrainBatchOptions)
 class TrainPipelinePT2(PipelineCore, TrainPipeline[In, Out]):
     """One batch in flight, one stream; the model is compiled on ``compile_on_iter``.
 

@@ -2,16 +2,18 @@
 
 from __future__ import annotations
 
-from typing import Any, Callable, Optional, Tuple, Type, Unpack
+from typing import Any, Callable, Optional, Tuple, Type
 
 import torch
 from torchrec.distributed.train_pipeline import In, Out
+from typing_extensions import Unpack
 
-from trec_pipelines.core.options import SparseDistTrainOptions
+from trec_pipelines.core.options import SparseDistTrainOptions, takes_options
 from trec_pipelines.model.context import TrainPipelineContext
 from trec_pipelines.pipelines.sparse_dist import TrainPipelineSparseDist
 
 
+@takes_options(SparseDistTrainOptions)
 class TrainPipelineSparseDistT(TrainPipelineSparseDist[In, Out]):
     """:class:`TrainPipelineSparseDist`'s schedule; a background thread issues the copies.
 
