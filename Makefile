@@ -3,7 +3,13 @@
 #   .venv         the pinned CPU stack (torch 2.13.0 CPU, torchrec 1.8.0)
 #   .venv-latest  the current release (torch 2.14.1, torchrec 1.9.2)
 
+# The interpreter each stack's venv is made with: PYTHON for all of them, or
+# PYTHON_PINNED / PYTHON_LATEST for one stack (CI runs the pinned stack on the
+# oldest Python supported and the current release on the newest).  An existing
+# venv is kept: `make clean` first to change a stack's Python.
 PYTHON ?= python3
+PYTHON_PINNED ?= $(PYTHON)
+PYTHON_LATEST ?= $(PYTHON)
 NPROC ?= 2
 
 VENV := .venv
@@ -19,27 +25,28 @@ STAMP_GPU := $(VENV_GPU)/.installed
 
 .PHONY: test unit distributed distributed-4 test-latest unit-latest distributed-latest distributed-4-latest lint docs test-gpu gpu-suite bench bench-agreement wheel soak clean
 
-# $(call build_stack,venv,requirements,torchrec requirements): torch and
-# torchrec's runtime deps first, then torchrec with --no-deps (its metadata asks
-# for the CUDA fbgemm-gpu), then this package, then an import check.
+# $(call build_stack,venv,requirements,torchrec requirements,python): the venv
+# made with that Python, torch and torchrec's runtime deps first, then torchrec
+# with --no-deps (its metadata asks for the CUDA fbgemm-gpu), then this package,
+# then an import check.
 define build_stack
-test -x $(1)/bin/python || $(PYTHON) -m venv $(1)
+test -x $(1)/bin/python || $(4) -m venv $(1)
 $(1)/bin/python -m pip install --quiet --upgrade "pip>=23" "setuptools>=68" wheel
 $(1)/bin/python -m pip install --quiet -r $(2)
 $(1)/bin/python -m pip install --quiet --no-deps -r $(3)
 $(1)/bin/python -m pip install --quiet --no-deps --no-build-isolation -e .
-$(1)/bin/python -c "import torch, torchrec, fbgemm_gpu, trec_pipelines; print('stack ok: torch', torch.__version__, 'torchrec', torchrec.__version__)"
+$(1)/bin/python -c "import sys, torch, torchrec, fbgemm_gpu, trec_pipelines; print('stack ok: Python', sys.version.split()[0], 'torch', torch.__version__, 'torchrec', torchrec.__version__)"
 touch $(1)/.installed
 endef
 
 $(STAMP): requirements-cpu.txt requirements-torchrec.txt setup.py
-	$(call build_stack,$(VENV),requirements-cpu.txt,requirements-torchrec.txt)
+	$(call build_stack,$(VENV),requirements-cpu.txt,requirements-torchrec.txt,$(PYTHON_PINNED))
 
 $(STAMP_LATEST): requirements-latest.txt requirements-torchrec-latest.txt setup.py
-	$(call build_stack,$(VENV_LATEST),requirements-latest.txt,requirements-torchrec-latest.txt)
+	$(call build_stack,$(VENV_LATEST),requirements-latest.txt,requirements-torchrec-latest.txt,$(PYTHON_LATEST))
 
 $(STAMP_GPU): requirements-gpu.txt requirements-torchrec-latest.txt setup.py
-	$(call build_stack,$(VENV_GPU),requirements-gpu.txt,requirements-torchrec-latest.txt)
+	$(call build_stack,$(VENV_GPU),requirements-gpu.txt,requirements-torchrec-latest.txt,$(PYTHON))
 
 # The two CPU stacks test on the CPU even on a GPU host (their fbgemm is the CPU
 # build); `make test-gpu` has a stack of its own.
@@ -121,9 +128,11 @@ lint: $(STAMP) $(STAMP_LATEST)
 	$(VENV_LATEST)/bin/mypy
 
 # The documentation site (Sphinx + MyST, docs/), warnings as errors, from scratch.
-docs: $(STAMP)
+# Built by the current-release stack: Sphinx and MyST need Python 3.11 or newer,
+# and CI runs the pinned stack on 3.10.
+docs: $(STAMP_LATEST)
 	rm -rf docs/_build
-	$(PY) -m sphinx -W --keep-going -b html docs docs/_build/html
+	$(PY_LATEST) -m sphinx -W --keep-going -b html docs docs/_build/html
 	@echo "docs: docs/_build/html/index.html"
 
 # A wheel and an sdist in dist/, then the wheel installed alone (no deps, into a

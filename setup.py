@@ -15,7 +15,7 @@ setup(
     version=_match.group(1),
     description="Drop-in replacements for TorchRec's training pipelines, on CPU and GPU.",
     license="BSD-3-Clause",
-    python_requires=">=3.11",  # typing.Unpack (keyword-only options)
+    python_requires=">=3.10",
     packages=find_packages(include=["trec_pipelines", "trec_pipelines.*"]),
     package_data={"trec_pipelines": ["py.typed"]},
     # torch, torchrec and fbgemm-gpu are the user's to install: CPU users get

@@ -7,7 +7,7 @@ must be ``torch.equal`` across all three.
 
 from __future__ import annotations
 
-from typing import Any, Callable, Type
+from typing import Any, Callable, Dict, Type
 
 import pytest
 import torch
@@ -26,6 +26,7 @@ from tests.distributed.dlrm import (
     plain_loop,
     run_pipeline,
 )
+from tests.user_subclass import TaggedSparseDist
 
 DEVICE = devices.device()
 SEED, DATA_SEED = 1234, 7
@@ -74,6 +75,26 @@ def test_sparse_dist_kjt_inside_a_dict(sharding_type: str) -> None:
 
 def test_sparse_dist_enqueue_after_forward() -> None:
     three_ways("TrainPipelineSparseDist", DLRM, "table_wise", enqueue_batch_after_forward=True)
+
+
+@pytest.mark.parametrize(
+    "options", [{}, {"rewrite_strategy": "direct", "sync_exhaustion": True}], ids=["none", "some"]
+)
+def test_a_users_subclass_with_options_for_type_checkers_only_trains_as_ours(
+    options: Dict[str, Any],
+) -> None:
+    """tests/user_subclass.py (its options' types imported under TYPE_CHECKING only)
+    trains as TrainPipelineSparseDist itself, bit for bit."""
+    batches = make_batches(seed=DATA_SEED)
+    dmp, optimizer = make_sharded(DLRM, "table_wise", seed=SEED)
+    pipeline = trec_pipelines.TrainPipelineSparseDist(dmp, optimizer, DEVICE, **options)
+    ours = run_pipeline(pipeline, batches, model=dmp)
+    dmp, optimizer = make_sharded(DLRM, "table_wise", seed=SEED)
+    subclass = TaggedSparseDist(dmp, optimizer, DEVICE, tag="mine", **options)
+    users = run_pipeline(subclass, batches, model=dmp)
+    assert len(ours) == len(batches)
+    assert subclass.rewrite_result.strategy == pipeline.rewrite_result.strategy
+    assert_runs_equal(ours, users, ("TrainPipelineSparseDist", "TaggedSparseDist"))
 
 
 def test_sparse_dist_detach_attach_mid_epoch() -> None:

@@ -13,6 +13,7 @@ import torch
 
 import trec_pipelines as tp
 from tests.unit.fakes import TinyModel, drain, make_batches, optimizer_for, plain_loop
+from tests.user_subclass import TaggedSparseDist
 from trec_pipelines.core import options as opts
 
 OPTION_NAMES = [f.name for f in dataclasses.fields(opts.PipelineOptions)]
@@ -184,3 +185,66 @@ def test_a_users_subclass_forwarding_options_keeps_the_parents_and_trains() -> N
         assert torch.equal(got, want)
     with pytest.raises(TypeError, match="unexpected keyword argument 'rewrite_strategy'"):
         Plain(model, optimizer_for(model), "cpu", rewrite_strategy="fx")
+
+
+@pytest.mark.parametrize("name", sorted(EXPECTED))
+def test_each_class_declares_the_concern_its_options_unpack(name: str) -> None:
+    """@takes_options names the TypedDict the constructor's ``**options`` unpacks (read
+    as the annotation's text: nothing evaluates it)."""
+    cls = getattr(tp, name)
+    concern = cls.__dict__["_trec_options_concern"]  # declared on the class itself
+    assert opts.options_concern(cls) is concern
+    init = next(k.__dict__["__init__"] for k in cls.__mro__ if "__init__" in k.__dict__)
+    assert init.__annotations__["options"] == f"Unpack[{concern.__name__}]", name
+    assert opts.accepted_options(cls) == EXPECTED[name]
+
+
+def test_a_users_subclass_with_options_for_type_checkers_only_is_left_as_written() -> None:
+    """tests/user_subclass.py: postponed annotations, Unpack and the TypedDict imported
+    under TYPE_CHECKING only."""
+    import tests.user_subclass as module
+
+    assert not hasattr(module, "SparseDistTrainOptions") and not hasattr(module, "Unpack")
+    params = inspect.signature(TaggedSparseDist).parameters
+    assert [(p.name, p.kind) for p in params.values()] == [
+        ("args", inspect.Parameter.VAR_POSITIONAL),
+        ("tag", inspect.Parameter.KEYWORD_ONLY),
+        ("options", inspect.Parameter.VAR_KEYWORD),
+    ]
+    assert TaggedSparseDist.__doc__ == (
+        "SparseDist with a parameter of the user's own, forwarding every option."
+    )
+    assert "_trec_options_concern" not in TaggedSparseDist.__dict__
+    assert opts.accepted_options(TaggedSparseDist) == EVERY_OPTION
+
+
+@pytest.mark.parametrize(
+    "options",
+    [{}, {"validate_batches": False, "sync_exhaustion": False, "rewrite_strategy": "direct"}],
+    ids=["no options", "options"],
+)
+def test_a_users_subclass_with_options_for_type_checkers_only_trains(
+    options: Dict[str, Any],
+) -> None:
+    model, ref = TinyModel(), TinyModel()
+    batches = make_batches(4)
+    pipeline = TaggedSparseDist(model, optimizer_for(model), "cpu", tag="mine", **options)
+    assert pipeline.tag == "mine"
+    for name, value in options.items():
+        assert getattr(pipeline._options, name) == value
+    outputs = drain(pipeline, iter(batches))
+    expected = plain_loop(ref, batches)
+    assert len(outputs) == len(expected) == 4
+    for got, want in zip(outputs, expected, strict=True):
+        assert torch.equal(got, want)
+
+
+def test_a_users_subclass_refuses_an_unknown_option_naming_the_accepted_ones() -> None:
+    model = TinyModel()
+    takes = ", ".join(sorted(EVERY_OPTION))
+    with pytest.raises(TypeError) as failure:
+        TaggedSparseDist(model, optimizer_for(model), "cpu", no_such_option=1)  # type: ignore[call-arg]
+    assert str(failure.value) == (
+        "TaggedSparseDist.__init__() got an unexpected keyword argument 'no_such_option' "
+        f"(its keyword-only options: {takes})"
+    )

@@ -10,28 +10,45 @@ takes them, so each is declared here, once:
   a pipeline reads its options from one of these (``self._options``);
 * a small ``TypedDict`` per concern (:class:`BatchOptions`,
   :class:`RewriteOptions`, :class:`GroupOptions`, ...) names it for static
-  checkers: a constructor takes ``**options: Unpack[...]`` of the concerns
-  that apply to it, so an IDE and mypy see every option and its type;
-* :func:`expand_options` (run by :class:`WithOptions` for every pipeline class as it is created)
-  writes the options the class accepts into its ``__init__`` signature as
-  keyword-only parameters with their defaults, so ``help()``,
-  ``inspect.signature`` and the API reference show them as if spelled out,
-  and :func:`resolve_options` refuses any other keyword with the
-  ``TypeError`` Python gives for an unknown argument.
+  checkers: a constructor takes ``**options: Unpack[...]`` of the concern
+  that applies to it, so an IDE and mypy see every option and its type;
+* each pipeline class names that same concern once more, for the running
+  program, with :func:`takes_options` (``@takes_options(SparseDistOptions)``
+  above the class): it writes the options the class accepts into the
+  signature of the class's own ``__init__`` as keyword-only parameters with
+  their defaults, so ``help()``, ``inspect.signature`` and the API reference
+  show them as if spelled out, and lists them in the class's docstring;
+* :func:`resolve_options` refuses any other keyword with the ``TypeError``
+  Python gives for an unknown argument.
+
+Nothing reads the annotation of ``**options`` at run time, and nothing
+touches a class that is not decorated: a user's subclass, however it
+annotates its own ``__init__`` (with imports under ``TYPE_CHECKING`` only,
+say), accepts what the nearest of its bases that is ours accepts.
 
 Adding an option touches this module (a field, and the key in the concern it
 belongs to) and the constructors of the classes it applies to, if their
-concern is new.  A unit test checks that the two declarations agree.
+concern is new.  Unit tests check that the declarations agree: the concerns
+with the fields, and each class's ``@takes_options`` with its ``**options``.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import inspect
-import sys
-import typing
 from dataclasses import dataclass, field
-from typing import Any, Dict, FrozenSet, Literal, Mapping, Optional, Tuple, TypedDict
+from typing import (
+    Any,
+    Callable,
+    Dict,
+    FrozenSet,
+    Literal,
+    Mapping,
+    Optional,
+    Tuple,
+    TypedDict,
+    TypeVar,
+)
 
 import torch
 
@@ -223,60 +240,68 @@ class EvalHostOptions(BatchOptions, RewriteOptions, total=False):
     """An eval pipeline whose input_dist runs with its lookup, on the host."""
 
 
-def _accepted(init: Any) -> Optional[FrozenSet[str]]:
-    """The option names ``init``'s ``**options: Unpack[X]`` accepts, or None when
-    ``init`` takes no ``**options``."""
-    params = inspect.signature(init).parameters.values()
-    var_kw = next((p for p in params if p.kind is inspect.Parameter.VAR_KEYWORD), None)
-    if var_kw is None or var_kw.name != "options":
-        return None
-    annotation: Any = var_kw.annotation
-    if isinstance(annotation, str):
-        if not annotation.startswith("Unpack["):
-            return None
-        module = sys.modules[init.__module__]
-        annotation = eval(annotation, vars(module), {"Unpack": typing.Unpack})  # noqa: S307
-    if typing.get_origin(annotation) is not typing.Unpack:
-        return None  # a user's subclass forwarding **options as it likes
-    (typed_dict,) = typing.get_args(annotation)
-    return frozenset(typing.get_type_hints(typed_dict))
+_CONCERN = "_trec_options_concern"  # the class attribute @takes_options sets
+
+C = TypeVar("C", bound=type)
 
 
-def expand_options(cls: type) -> None:
-    """Show the options ``cls`` accepts as keyword-only parameters of its
-    ``__init__`` signature (see [Note: one declaration per option])."""
-    init = cls.__dict__.get("__init__")
-    if init is None:
-        return
-    accepted = _accepted(init)
-    if accepted is None:
-        return
-    init._trec_options = accepted  # noqa: SLF001
-    params = [
-        p
-        for p in inspect.signature(init).parameters.values()
-        if p.kind is not inspect.Parameter.VAR_KEYWORD
-    ]
-    for option in dataclasses.fields(PipelineOptions):
-        if option.name in accepted:
-            params.append(
+def _keys(concern: Any) -> FrozenSet[str]:
+    """The keys of a concern (a ``TypedDict`` class), its bases' included."""
+    return frozenset(concern.__required_keys__ | concern.__optional_keys__)
+
+
+def takes_options(concern: Any) -> Callable[[C], C]:
+    """Declare that a class's constructor takes the options of ``concern`` (one
+    of the ``TypedDict`` classes above, the one its ``**options`` unpacks); see
+    [Note: one declaration per option]."""
+    accepted = _keys(concern)
+    unknown = accepted - set(_FIELDS)
+    assert not unknown, f"{concern.__name__}: not a field of PipelineOptions: {sorted(unknown)}"
+
+    def declare(cls: C) -> C:
+        init = cls.__dict__.get("__init__")
+        if init is None:  # the constructor, and its signature, are a base's
+            assert accepted_options(cls) == accepted, f"{cls.__name__}: declare its own __init__"
+        else:
+            params = [
+                p
+                for p in inspect.signature(init).parameters.values()
+                if p.kind is not inspect.Parameter.VAR_KEYWORD
+            ]
+            params += [
                 inspect.Parameter(
                     option.name,
                     inspect.Parameter.KEYWORD_ONLY,
                     default=option.default,
                     annotation=option.type,
                 )
+                for option in _FIELDS.values()
+                if option.name in accepted
+            ]
+            init.__signature__ = inspect.Signature(params)
+        setattr(cls, _CONCERN, concern)
+        doc = cls.__dict__.get("__doc__")
+        if doc and accepted:
+            cls.__doc__ = (
+                inspect.cleandoc(doc)
+                + "\n\nOur keyword-only options (each described in the options guide):\n\n"
+                + options_doc(cls)
             )
-    init.__signature__ = inspect.Signature(params)
+        return cls
+
+    return declare
+
+
+def options_concern(cls: type) -> Any:
+    """The concern (a ``TypedDict`` class) whose options ``cls`` takes: its own
+    ``@takes_options``, or that of its nearest base with one; None if none has."""
+    return getattr(cls, _CONCERN, None)
 
 
 def accepted_options(cls: type) -> FrozenSet[str]:
     """The option names the constructor of ``cls`` takes."""
-    for klass in cls.__mro__:
-        init = klass.__dict__.get("__init__")
-        if init is not None and hasattr(init, "_trec_options"):
-            return frozenset(init._trec_options)
-    return frozenset()
+    concern = options_concern(cls)
+    return frozenset() if concern is None else _keys(concern)
 
 
 def resolve_options(pipeline: str, cls: type, options: Mapping[str, Any]) -> PipelineOptions:
@@ -299,20 +324,3 @@ def options_doc(cls: type) -> str:
     """A reST list of the options ``cls`` takes, for its docstring."""
     names = [f.name for f in dataclasses.fields(PipelineOptions) if f.name in accepted_options(cls)]
     return "\n".join(f"* ``{name}``: {PipelineOptions.doc(name)}" for name in names)
-
-
-class WithOptions:
-    """A class whose constructor takes ``**options: Unpack[...]`` of ours: its
-    signature and docstring show each option it accepts
-    (see [Note: one declaration per option])."""
-
-    def __init_subclass__(cls, **kwargs: Any) -> None:
-        super().__init_subclass__(**kwargs)
-        expand_options(cls)
-        doc = cls.__dict__.get("__doc__")
-        if doc and accepted_options(cls):
-            cls.__doc__ = (
-                inspect.cleandoc(doc)
-                + "\n\nOur keyword-only options (each described in the options guide):\n\n"
-                + options_doc(cls)
-            )

@@ -45,6 +45,7 @@ from typing import Any, Dict, List, Optional, Tuple
 import torch.distributed as dist
 
 from trec_pipelines.core.errors import OutOfStepError
+from trec_pipelines.core.notes import add_note
 
 logger: logging.Logger = logging.getLogger(__name__)
 
@@ -242,4 +243,4 @@ def note_peers(error: BaseException) -> None:
         return
     lines: List[str] = [f"rank {r} failed first, at {d}" for r, d in sorted(peers.items())]
     if lines:
-        error.add_note("trec_pipelines: " + "; ".join(lines))
+        add_note(error, "trec_pipelines: " + "; ".join(lines))

@@ -37,7 +37,7 @@ from trec_pipelines.core.checks import (
     check_optimizer,
 )
 from trec_pipelines.core.hooks import Hooks, beginning_the_step
-from trec_pipelines.core.options import PipelineOptions, WithOptions, resolve_options
+from trec_pipelines.core.options import PipelineOptions, resolve_options
 from trec_pipelines.core.pipelined_model import PipelinedModel
 from trec_pipelines.core.precision import Precision
 from trec_pipelines.core.resume import Resumable
@@ -50,7 +50,7 @@ from trec_pipelines.sparse.input_dist_group import InputDistGroup
 logger: logging.Logger = logging.getLogger(__name__)
 
 
-class PipelineCore(Hooks, WithOptions, Recordable, Resumable):
+class PipelineCore(Hooks, Recordable, Resumable):
     """The shared part of every pipeline (see [Note: the core under every pipeline])."""
 
     # Variants that only run forwards (Eval) take optimizer=None.

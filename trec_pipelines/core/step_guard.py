@@ -57,6 +57,7 @@ import torch.distributed as dist
 
 from trec_pipelines.core import peer_failure
 from trec_pipelines.core.errors import is_users_mistake
+from trec_pipelines.core.notes import add_note
 
 logger: logging.Logger = logging.getLogger(__name__)
 
@@ -104,7 +105,7 @@ def _explain(error: BaseException, pipeline: Any, index: Optional[int]) -> None:
         "after issuing part of a step's collectives leaves the others waiting in "
         "the matching collective until the process-group timeout."
     )
-    error.add_note(note)
+    add_note(error, note)
 
 
 def guarded_step(progress: Callable[[Any, Iterator[Any]], P]) -> Callable[[Any, Iterator[Any]], P]:

@@ -3,14 +3,15 @@
 from __future__ import annotations
 
 import logging
-from typing import Any, Callable, ClassVar, Iterator, List, Mapping, Optional, Tuple, Unpack
+from typing import Any, Callable, ClassVar, Iterator, List, Mapping, Optional, Tuple
 
 import torch
 from torchrec.distributed.train_pipeline import In, Out, TrainPipeline
+from typing_extensions import Unpack
 
 from trec_pipelines.core.api_docs import documented
 from trec_pipelines.core.hooks import Uncalled, never_called
-from trec_pipelines.core.options import TrainBatchOptions
+from trec_pipelines.core.options import TrainBatchOptions, takes_options
 from trec_pipelines.core.pipeline import PipelineCore
 from trec_pipelines.core.step_guard import guarded_step
 from trec_pipelines.core.streams import make_streams
@@ -21,6 +22,7 @@ logger: logging.Logger = logging.getLogger(__name__)
 
 
 @documented()
+@takes_options(TrainBatchOptions)
 class TrainPipelineBase(PipelineCore, TrainPipeline[In, Out]):
     """Two batches in flight: batch ``i`` trains while batch ``i+1`` is copied.
 

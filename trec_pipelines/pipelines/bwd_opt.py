@@ -3,16 +3,17 @@
 from __future__ import annotations
 
 import logging
-from typing import Any, Callable, Iterator, Optional, Tuple, Type, Unpack
+from typing import Any, Callable, Iterator, Optional, Tuple, Type
 
 import torch
 from torch.nn.parallel import DistributedDataParallel
 from torchrec.distributed.train_pipeline import In, Out
 from torchrec.distributed.types import ShardingType
+from typing_extensions import Unpack
 
 from trec_pipelines.core.api_docs import documented
 from trec_pipelines.core.hooks import ASYNC_SUBMIT_OFF
-from trec_pipelines.core.options import SparseDistTrainOptions
+from trec_pipelines.core.options import SparseDistTrainOptions, takes_options
 from trec_pipelines.core.step_guard import guarded_step
 from trec_pipelines.model.backward_hooks import (
     InjectionSite,
@@ -26,6 +27,7 @@ logger: logging.Logger = logging.getLogger(__name__)
 
 
 @documented()
+@takes_options(SparseDistTrainOptions)
 class TrainPipelineSparseDistBwdOpt(TrainPipelineSparseDist[In, Out]):
     """SparseDist's schedule, with ``optimizer.step()`` run during the backward.
 

@@ -16,7 +16,6 @@ from typing import (
     Tuple,
     Type,
     Union,
-    Unpack,
 )
 
 import torch
@@ -25,10 +24,11 @@ import torch._inductor.config
 from torch.nn.parallel import DistributedDataParallel
 from torchrec.distributed import comm_ops
 from torchrec.distributed.train_pipeline import In, Out
+from typing_extensions import Unpack
 
 from trec_pipelines.core.api_docs import documented
 from trec_pipelines.core.hooks import ASYNC_SUBMIT_OFF, Uncalled, never_called
-from trec_pipelines.core.options import SparseDistTrainOptions
+from trec_pipelines.core.options import SparseDistTrainOptions, takes_options
 from trec_pipelines.core.step_guard import guarded_step
 from trec_pipelines.model.compiler_settings import HeldSettings
 from trec_pipelines.model.context import TrainPipelineContext
@@ -178,6 +178,7 @@ def sync_collectives() -> Iterator[None]:
 
 
 @documented()
+@takes_options(SparseDistTrainOptions)
 class TrainPipelineSparseDistCompAutograd(TrainPipelineSparseDist[In, Out]):
     """Three batches in flight, as :class:`TrainPipelineSparseDist`; the backward is compiled.
 

@@ -5,17 +5,18 @@ from __future__ import annotations
 import contextlib
 import logging
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Any, ClassVar, Dict, Iterator, Mapping, Optional, Tuple, Unpack, cast
+from typing import Any, ClassVar, Dict, Iterator, Mapping, Optional, Tuple, cast
 
 import torch
 from torchrec.distributed.train_pipeline import In, Out
 from torchrec.sparse.jagged_tensor import KeyedTensor
+from typing_extensions import Unpack
 
 from trec_pipelines._types import AnyShardedModule
 from trec_pipelines.core import lifetime
 from trec_pipelines.core.api_docs import EVAL_PROGRESS, documented
 from trec_pipelines.core.hooks import ASYNC_SUBMIT_OFF, Refused, Uncalled
-from trec_pipelines.core.options import EvalHostOptions
+from trec_pipelines.core.options import EvalHostOptions, takes_options
 from trec_pipelines.core.step_guard import guarded_step
 from trec_pipelines.core.streams import (
     StreamSet,
@@ -41,6 +42,7 @@ SPARSE_THREAD = "trec_pipelines-cpu_sparse"
 
 
 @documented(progress=EVAL_PROGRESS)
+@takes_options(EvalHostOptions)
 class EvalPipelineCPUSparse(TrainPipelineSparseDist[In, Out]):
     """Eval with every table on the host (data_parallel) and the dense part on the device.
 

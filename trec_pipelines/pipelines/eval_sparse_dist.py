@@ -31,18 +31,18 @@ from typing import (
     Optional,
     Tuple,
     Union,
-    Unpack,
 )
 
 import torch
 from torchrec.distributed.train_pipeline import In, Out
+from typing_extensions import Unpack
 
 from trec_pipelines.core import lifetime
 from trec_pipelines.core.api_docs import EVAL_PROGRESS, documented
 from trec_pipelines.core.checks import predictions
 from trec_pipelines.core.errors import MalformedBatchError
 from trec_pipelines.core.hooks import Uncalled, never_called
-from trec_pipelines.core.options import SparseDistOptions
+from trec_pipelines.core.options import SparseDistOptions, takes_options
 from trec_pipelines.core.streams import has_streams
 from trec_pipelines.core.verbs import copy_to_device, shares_kjt_storage
 from trec_pipelines.data.handoff import OneSlotHandoff
@@ -208,6 +208,7 @@ _EVALUATES = "it evaluates: no backward, no optimizer step"
 
 
 @documented(progress=EVAL_PROGRESS)
+@takes_options(SparseDistOptions)
 class EvalPipelineSparseDist(TrainPipelineSparseDist[In, Out]):
     """Forward only; ``cur`` runs while ``nxt`` is in input_dist, batches copied ahead by a loader.
 

@@ -13,18 +13,18 @@ from typing import (
     Mapping,
     Optional,
     Tuple,
-    Unpack,
     cast,
 )
 
 import torch
 from torchrec.distributed.train_pipeline import In, Out
+from typing_extensions import Unpack
 
 from trec_pipelines._types import AnyShardedModule
 from trec_pipelines.core.api_docs import EVAL_PROGRESS, documented
 from trec_pipelines.core.checks import predictions
 from trec_pipelines.core.hooks import ASYNC_SUBMIT_OFF, Uncalled, never_called
-from trec_pipelines.core.options import SparseDistOptions, SparseDistTrainOptions
+from trec_pipelines.core.options import SparseDistOptions, SparseDistTrainOptions, takes_options
 from trec_pipelines.core.step_guard import guarded_step
 from trec_pipelines.core.streams import (
     StreamSet,
@@ -45,6 +45,7 @@ EMB_LOOKUP_STREAMS: Tuple[str, ...] = ("data_dist", "new", "current")
 
 
 @documented()
+@takes_options(SparseDistTrainOptions)
 class TrainPipelineFusedSparseDist(TrainPipelineSparseDist[In, Out]):
     """Three batches in flight as in SparseDist; ``cur``'s embedding lookup runs first, on its own stream.
 
@@ -283,6 +284,7 @@ class TrainPipelineFusedSparseDist(TrainPipelineSparseDist[In, Out]):
 
 
 @documented(progress=EVAL_PROGRESS)
+@takes_options(SparseDistOptions)
 class EvalPipelineFusedSparseDist(TrainPipelineFusedSparseDist[In, Out]):
     """Inference in Fused's order: no backward or step, the forward under ``torch.no_grad()``.
 

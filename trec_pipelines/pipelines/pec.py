@@ -33,15 +33,16 @@ that of the run that never failed, bit for bit (tests/distributed/test_pec.py).
 
 from __future__ import annotations
 
-from typing import Any, Callable, ClassVar, Deque, Iterator, List, Mapping, Optional, Tuple, Unpack
+from typing import Any, Callable, ClassVar, Deque, Iterator, List, Mapping, Optional, Tuple
 
 import torch
 from torchrec.distributed.train_pipeline import In, Out
+from typing_extensions import Unpack
 
 from trec_pipelines._types import AnyShardedModule
 from trec_pipelines.core.api_docs import documented
 from trec_pipelines.core.hooks import ASYNC_SUBMIT_OFF, Refused, Uncalled
-from trec_pipelines.core.options import SparseDistTrainOptions
+from trec_pipelines.core.options import SparseDistTrainOptions, takes_options
 from trec_pipelines.core.step_guard import guarded_step
 from trec_pipelines.core.streams import current_stream, record_stream, wait_event
 from trec_pipelines.model.args import CallArgs
@@ -53,6 +54,7 @@ from trec_pipelines.sparse import lookup, pec_ops
 
 
 @documented()
+@takes_options(SparseDistTrainOptions)
 class TrainPipelinePEC(TrainPipelineSparseDist[In, Out]):
     """Three batches in flight; every lookup of ``cur`` runs before its forward, part of it a step early.
 

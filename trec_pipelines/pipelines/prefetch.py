@@ -18,14 +18,15 @@ step; the embedding kernel orders it against its own backward (FBGEMM
 
 from __future__ import annotations
 
-from typing import Any, Callable, Iterator, Optional, Tuple, Unpack, cast
+from typing import Any, Callable, Iterator, Optional, Tuple, cast
 
 import torch
 from torchrec.distributed.train_pipeline import In, Out
+from typing_extensions import Unpack
 
 from trec_pipelines._types import AnyShardedModule
 from trec_pipelines.core.api_docs import documented
-from trec_pipelines.core.options import SparseDistTrainOptions
+from trec_pipelines.core.options import SparseDistTrainOptions, takes_options
 from trec_pipelines.core.step_guard import guarded_step
 from trec_pipelines.core.streams import (
     StreamSet,
@@ -44,6 +45,7 @@ from trec_pipelines.sparse.cache_prefetch import prefetch_modules
 
 
 @documented()
+@takes_options(SparseDistTrainOptions)
 class PrefetchTrainPipelineSparseDist(TrainPipelineSparseDist[In, Out]):
     """Three batches in flight; ``nxt``'s cache prefetch overlaps ``cur``'s backward.
 

@@ -3,14 +3,15 @@
 from __future__ import annotations
 
 import logging
-from typing import Any, Callable, Dict, Iterator, Optional, Tuple, Type, Union, Unpack
+from typing import Any, Callable, Dict, Iterator, Optional, Tuple, Type, Union
 
 import torch
 from torchrec.distributed.train_pipeline import In, Out
 from torchrec.distributed.types import NoWait
+from typing_extensions import Unpack
 
 from trec_pipelines.core.api_docs import documented
-from trec_pipelines.core.options import SparseDistTrainOptions
+from trec_pipelines.core.options import SparseDistTrainOptions, takes_options
 from trec_pipelines.core.step_guard import guarded_step
 from trec_pipelines.core.streams import current_stream, on_stream, record_stream, wait_stream
 from trec_pipelines.model.backward_hooks import InjectionSite
@@ -23,6 +24,7 @@ logger: logging.Logger = logging.getLogger(__name__)
 
 
 @documented()
+@takes_options(SparseDistTrainOptions)
 class TrainPipelinePrefetchEMS(TrainPipelineSparseDistEmbStash[In, Out]):
     """EmbStash for tables behind a UVM cache: the cache is stashed, then restored and refilled.
 

@@ -13,17 +13,17 @@ from typing import (
     Iterator,
     Mapping,
     Optional,
-    Unpack,
 )
 
 import torch
 from torchrec.distributed.train_pipeline import In, Out, TrainPipeline
 from torchrec.pt2.utils import default_pipeline_input_transformer
+from typing_extensions import Unpack
 
 from trec_pipelines.core.api_docs import documented
 from trec_pipelines.core.checks import check_forward_output
 from trec_pipelines.core.hooks import Uncalled, never_called
-from trec_pipelines.core.options import TrainBatchOptions
+from trec_pipelines.core.options import TrainBatchOptions, takes_options
 from trec_pipelines.core.pipeline import PipelineCore
 from trec_pipelines.core.step_guard import guarded_step
 from trec_pipelines.core.verbs import copy_to_device
@@ -79,6 +79,7 @@ def dynamo_settings() -> ContextManager[None]:
 
 
 @documented()
+@takes_options(TrainBatchOptions)
 class TrainPipelinePT2(PipelineCore, TrainPipeline[In, Out]):
     """One batch in flight, one stream; the model is compiled on ``compile_on_iter``.
 

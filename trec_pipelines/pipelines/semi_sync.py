@@ -13,18 +13,18 @@ from typing import (
     Mapping,
     Optional,
     Tuple,
-    Unpack,
     cast,
 )
 
 import torch
 from torchrec.distributed.train_pipeline import In, Out
 from torchrec.sparse.jagged_tensor import KeyedTensor
+from typing_extensions import Unpack
 
 from trec_pipelines._types import AnyShardedModule
 from trec_pipelines.core.api_docs import documented
 from trec_pipelines.core.hooks import ASYNC_SUBMIT_OFF, Uncalled, never_called
-from trec_pipelines.core.options import SparseDistTrainOptions
+from trec_pipelines.core.options import SparseDistTrainOptions, takes_options
 from trec_pipelines.core.step_guard import guarded_step
 from trec_pipelines.core.streams import (
     current_stream,
@@ -46,6 +46,7 @@ logger: logging.Logger = logging.getLogger(__name__)
 
 
 @documented()
+@takes_options(SparseDistTrainOptions)
 class TrainPipelineSemiSync(TrainPipelineSparseDist[In, Out]):
     """Four batches in flight; once semi-sync, ``nxt`` is looked up before ``cur``'s backward.
 

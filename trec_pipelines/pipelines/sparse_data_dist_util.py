@@ -17,16 +17,17 @@ from __future__ import annotations
 
 import logging
 from collections import deque
-from typing import Any, Callable, Deque, Generic, List, Optional, Set, Unpack, cast
+from typing import Any, Callable, Deque, Generic, List, Optional, Set, cast
 
 import torch
 from torch.utils.hooks import RemovableHandle
 from torchrec.distributed.train_pipeline import In
+from typing_extensions import Unpack
 
 from trec_pipelines._types import AnyShardedModule
 from trec_pipelines.core.api_docs import documented
 from trec_pipelines.core.checks import check_apply_jit
-from trec_pipelines.core.options import ModelOptions, WithOptions, resolve_options
+from trec_pipelines.core.options import ModelOptions, resolve_options, takes_options
 from trec_pipelines.core.pipelined_model import PipelinedModel
 from trec_pipelines.core.streams import (
     current_stream,
@@ -59,7 +60,8 @@ logger: logging.Logger = logging.getLogger(__name__)
 
 
 @documented()
-class SparseDataDistUtil(Generic[In], WithOptions):
+@takes_options(ModelOptions)
+class SparseDataDistUtil(Generic[In]):
     """Pipelines a model's sparse ``input_dist`` through :class:`StagedTrainPipeline` stages.
 
     The caller trains in its own loop; this class rewrites the model so each

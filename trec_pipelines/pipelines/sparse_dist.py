@@ -15,19 +15,19 @@ from typing import (
     Optional,
     Tuple,
     Type,
-    Unpack,
     cast,
 )
 
 import torch
 from torch.utils.hooks import RemovableHandle
 from torchrec.distributed.train_pipeline import In, Out, TrainPipeline
+from typing_extensions import Unpack
 
 from trec_pipelines._types import AnyShardedModule
 from trec_pipelines.core.api_docs import documented
 from trec_pipelines.core.checks import check_apply_jit
 from trec_pipelines.core.hooks import ASYNC_COPY, FORWARD_TYPE, VERSION_0, Refused, Uncalled
-from trec_pipelines.core.options import SparseDistTrainOptions
+from trec_pipelines.core.options import SparseDistTrainOptions, takes_options
 from trec_pipelines.core.pipeline import PipelineCore
 from trec_pipelines.core.step_guard import guarded_step
 from trec_pipelines.core.streams import StreamSet, make_streams, on_stream
@@ -51,6 +51,7 @@ logger: logging.Logger = logging.getLogger(__name__)
 
 
 @documented()
+@takes_options(SparseDistTrainOptions)
 class TrainPipelineSparseDist(PipelineCore, TrainPipeline[In, Out], AsyncInplaceCopyMixin[In]):
     """Three batches in flight: ``cur`` trains, ``nxt`` is in input_dist, ``new`` is copied.
 

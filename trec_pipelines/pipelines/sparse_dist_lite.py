@@ -2,14 +2,15 @@
 
 from __future__ import annotations
 
-from typing import Any, Callable, ClassVar, Iterator, Mapping, Optional, Tuple, Type, Unpack
+from typing import Any, Callable, ClassVar, Iterator, Mapping, Optional, Tuple, Type
 
 import torch
 from torchrec.distributed.train_pipeline import In, Out
+from typing_extensions import Unpack
 
 from trec_pipelines.core.api_docs import documented
 from trec_pipelines.core.hooks import Uncalled, never_called
-from trec_pipelines.core.options import LiteOptions
+from trec_pipelines.core.options import LiteOptions, takes_options
 from trec_pipelines.core.step_guard import guarded_step
 from trec_pipelines.core.streams import StreamSet, make_streams
 from trec_pipelines.core.verbs import wait_for_batch
@@ -19,6 +20,7 @@ from trec_pipelines.pipelines.sparse_dist import TrainPipelineSparseDist
 
 
 @documented()
+@takes_options(LiteOptions)
 class TrainPipelineSparseDistLite(TrainPipelineSparseDist[In, Out]):
     """Two batches in flight: ``cur`` runs input_dist and trains, ``nxt`` is copied.
 

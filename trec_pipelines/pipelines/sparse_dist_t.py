@@ -2,19 +2,21 @@
 
 from __future__ import annotations
 
-from typing import Any, Callable, Optional, Tuple, Type, Unpack
+from typing import Any, Callable, Optional, Tuple, Type
 
 import torch
 from torchrec.distributed.train_pipeline import In, Out
+from typing_extensions import Unpack
 
 from trec_pipelines.core.api_docs import documented
 from trec_pipelines.core.hooks import ASYNC_SUBMIT_OFF
-from trec_pipelines.core.options import SparseDistTrainOptions
+from trec_pipelines.core.options import SparseDistTrainOptions, takes_options
 from trec_pipelines.model.context import TrainPipelineContext
 from trec_pipelines.pipelines.sparse_dist import TrainPipelineSparseDist
 
 
 @documented()
+@takes_options(SparseDistTrainOptions)
 class TrainPipelineSparseDistT(TrainPipelineSparseDist[In, Out]):
     """:class:`TrainPipelineSparseDist`'s schedule; a background thread issues the copies.
 

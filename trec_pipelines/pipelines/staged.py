@@ -18,18 +18,18 @@ from typing import (
     Protocol,
     Tuple,
     TypeVar,
-    Unpack,
     runtime_checkable,
 )
 
 import torch
 from torchrec.distributed.train_pipeline import In, TrainPipeline
 from torchrec.streamable import Pipelineable
+from typing_extensions import Unpack
 
 from trec_pipelines.core.api_docs import documented
 from trec_pipelines.core.errors import MalformedBatchError
 from trec_pipelines.core.hooks import Hooks, Refused
-from trec_pipelines.core.options import BatchOptions, WithOptions, resolve_options
+from trec_pipelines.core.options import BatchOptions, resolve_options, takes_options
 from trec_pipelines.core.resume import Resumable
 from trec_pipelines.core.streams import (
     current_stream,
@@ -206,9 +206,8 @@ class _Failure:
 
 
 @documented()
-class StagedTrainPipeline(
-    Hooks, TrainPipeline[In, Optional[StageOut]], WithOptions, Recordable, Resumable
-):
+@takes_options(BatchOptions)
+class StagedTrainPipeline(Hooks, TrainPipeline[In, Optional[StageOut]], Recordable, Resumable):
     """N batches in flight, one per stage; the caller trains the batch it returns.
 
     With stages ``s0 .. s(N-1)``, one ``progress()`` call issues, in order:

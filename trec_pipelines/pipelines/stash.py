@@ -8,15 +8,16 @@ device has streams, nothing on CPU, where there is no device memory to free).
 from __future__ import annotations
 
 import logging
-from typing import Any, Callable, ClassVar, Iterator, Mapping, Optional, Tuple, Type, Union, Unpack
+from typing import Any, Callable, ClassVar, Iterator, Mapping, Optional, Tuple, Type, Union
 
 import torch
 from torchrec.distributed.train_pipeline import In, Out
 from torchrec.distributed.types import ShardingType
+from typing_extensions import Unpack
 
 from trec_pipelines.core.api_docs import documented
 from trec_pipelines.core.hooks import ASYNC_SUBMIT_OFF, Refused, Uncalled
-from trec_pipelines.core.options import SparseDistTrainOptions
+from trec_pipelines.core.options import SparseDistTrainOptions, takes_options
 from trec_pipelines.core.step_guard import guarded_step
 from trec_pipelines.model.backward_hooks import (
     FirstGradTensorFinder,
@@ -40,6 +41,7 @@ logger: logging.Logger = logging.getLogger(__name__)
 
 
 @documented()
+@takes_options(SparseDistTrainOptions)
 class TrainPipelineSparseDistOptStash(TrainPipelineSparseDist[In, Out]):
     """SparseDist's schedule; the optimizer state lives on the host between steps.
 
@@ -208,6 +210,7 @@ def _start_optimizer_restore(pipeline: Any) -> None:
 
 
 @documented()
+@takes_options(SparseDistTrainOptions)
 class TrainPipelineSparseDistEmbStash(TrainPipelineSparseDist[In, Out]):
     """SparseDist's schedule; stashed embedding weights come back during the backward.
 

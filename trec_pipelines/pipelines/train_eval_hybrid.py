@@ -9,10 +9,12 @@ from torchrec.distributed.train_pipeline import In, Out
 
 from trec_pipelines.core.api_docs import documented
 from trec_pipelines.core.hooks import Refused
+from trec_pipelines.core.options import SparseDistTrainOptions, takes_options
 from trec_pipelines.pipelines.sparse_dist import TrainPipelineSparseDist
 
 
 @documented()
+@takes_options(SparseDistTrainOptions)
 class TrainEvalHybridPipelineBase(TrainPipelineSparseDist[In, Out]):
     """SparseDist's schedule; each step trains or evaluates as ``model.training`` says.
 
