@@ -38,6 +38,7 @@ from trec_pipelines.model.context import EmbeddingTrainPipelineContext, TrainPip
 from trec_pipelines.model.forwards import BaseForward, EmbeddingPipelinedForward
 from trec_pipelines.observe import recorder as rec
 from trec_pipelines.pipelines.sparse_dist import TrainPipelineSparseDist
+from trec_pipelines.sparse.deferred_lookup import DeferralPlan, deferring, plan_deferral
 from trec_pipelines.sparse.input_dist import start_input_dist
 from trec_pipelines.sparse.lookup import start_embedding_lookup as run_embedding_lookup
 
@@ -163,6 +164,8 @@ class TrainPipelineSemiSync(TrainPipelineSparseDist[In, Out]):
         self._warned_unused_features = False
         # A resumed batch's looked-up values, from the checkpoint (load_state_dict).
         self._restored_lookup: Optional[Tuple[int, Dict[str, List[torch.Tensor]]]] = None
+        # The sharding groups looked up in their batch's forward (set at the first batch).
+        self._deferral: Optional[DeferralPlan] = None
         logger.debug("%s: semi-sync from batch %d", type(self).__name__, start_batch)
 
     # ------------------------------------------------------------------ setup
@@ -182,13 +185,32 @@ class TrainPipelineSemiSync(TrainPipelineSparseDist[In, Out]):
         assert self._rewrite is not None
         return [(p.name, p.module) for p in self._rewrite.pipelined]
 
+    def _plan_deferral(self) -> None:
+        """Find the tables looked up in their batch's forward; refuse a group mixing kernels.
+
+        See ``[Note: semi-sync and tables the dense optimizer updates]``
+        (``trec_pipelines/sparse/deferred_lookup.py``).
+        """
+        if self._deferral is not None:
+            return
+        self._deferral = plan_deferral(self._lookup_modules(), type(self).__name__)
+        if self._deferral.deferred:
+            logger.info("%s: tables %s", type(self).__name__, self._deferral.describe())
+
     def _validate_optimizer(self) -> None:
-        """Report pipelined modules whose parameters the optimizer also holds."""
+        """Report pipelined modules whose fused tables the optimizer also holds.
+
+        Dense-kernel tables (``data_parallel`` ones among them) have no fused
+        optimizer: the dense optimizer is meant to hold them.
+        """
         held = {id(p) for group in self._optimizer.param_groups for p in group["params"]}
         shared = [
             p.name
             for p in (self._rewrite.pipelined if self._rewrite is not None else ())
-            if any(id(param) in held for param in p.module.parameters())
+            if any(
+                id(param) in held and hasattr(param, "_in_backward_optimizers")
+                for param in p.module.parameters()
+            )
         ]
         if not shared:
             return
@@ -249,7 +271,9 @@ class TrainPipelineSemiSync(TrainPipelineSparseDist[In, Out]):
         """Finish ``batch``'s input_dist and run its lookup on the current stream."""
         if batch is None:
             return
-        with self._span(rec.EMB_LOOKUP, context.index):  # data_dist -> default
+        assert self._deferral is not None
+        with self._span(rec.EMB_LOOKUP, context.index), deferring(self._deferral):
+            # data_dist -> default; dense-kernel groups wait for the forward
             run_embedding_lookup(
                 self._lookup_modules(),
                 context,
@@ -356,6 +380,7 @@ class TrainPipelineSemiSync(TrainPipelineSparseDist[In, Out]):
             self.batches[0], self.contexts[0], self._pipelined_forward_type
         )
         self.wait_sparse_data_dist(self.contexts[0])
+        self._plan_deferral()
         self._validate_optimizer()
         self.start_embedding_lookup(self.batches[0], self._embedding_context(0))
         if not self.enqueue_batch(dataloader_iter):
