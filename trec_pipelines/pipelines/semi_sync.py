@@ -88,10 +88,24 @@ class TrainPipelineSemiSync(TrainPipelineSparseDist[In, Out]):
     at ``start_batch``: that step is skipped).  ``reset()`` restarts the batch
     count (synchronous again for ``start_batch`` batches), and every loaded
     batch is trained whatever ``execute_all_batches`` says.  The optimizer
-    should hold the dense parameters only: a pipelined module's parameter in it
-    is reported when an epoch starts, as an error with ``strict``.  Epochs,
-    failed steps, iterators and our keyword-only options are as in
-    :class:`TrainPipelineSparseDist`.
+    should hold the dense parameters (and the dense-kernel tables) only: a
+    pipelined module's fused table in it is reported when an epoch starts, as
+    an error with ``strict``.  Epochs, failed steps, iterators and our
+    keyword-only options are as in :class:`TrainPipelineSparseDist`.
+
+    Looking up a step ahead is for tables with a fused kernel, updated inside
+    the embedding backward.  A table with the ``dense`` kernel, every
+    ``data_parallel`` table among them (torchrec's planner picks that for
+    small tables), is updated in place by the dense optimizer and has no
+    embeddings all-to-all to hide: its sharding group is looked up in its own
+    batch's forward, after the previous step's update, so those tables train
+    synchronously, like the dense parameters (with ``stash_gradients``, from
+    the previous batch's gradient, like them).  A sharding type whose tables
+    mix the dense kernel with a fused one is looked up as one group and
+    cannot be split: the first batch raises ``ValueError`` naming the tables;
+    give them one kind of kernel, or shard the dense-kernel ones
+    ``data_parallel``.  See ``[Note: semi-sync and tables the dense optimizer
+    updates]`` (``trec_pipelines/sparse/deferred_lookup.py``).
 
     Differences from torchrec: :ref:`the migration guide <migrating-semi-sync>` (docs/guides/migrating.md).
 
