@@ -146,6 +146,9 @@ def test_the_options_are_checked() -> None:
         trec_pipelines.TrainPipelineSparseDist(dmp, optimizer, DEVICE, autocast_dtype=torch.int8)
     with pytest.raises(TypeError, match="grad_scaler must be a torch.amp.GradScaler"):
         trec_pipelines.TrainPipelineBase(dmp, optimizer, DEVICE, grad_scaler=object())
+    # A disabled scaler scales nothing: accepted with the fused tables.
+    disabled = torch.amp.GradScaler(DEVICE.type, enabled=False)
+    trec_pipelines.TrainPipelineSparseDist(dmp, optimizer, DEVICE, grad_scaler=disabled)
     with pytest.raises(TypeError):  # the eval variants take no precision options
         trec_pipelines.EvalPipelineSparseDist(dmp, None, DEVICE, grad_scaler=_scaler())
 

@@ -75,8 +75,8 @@ def refuse_scaled_in_backward(
 
     See ``[Note: mixed precision]``.
     """
-    if scaler is None:
-        return
+    if scaler is None or not scaler.is_enabled():
+        return  # a disabled scaler (GradScaler(enabled=False)) scales nothing
     names = in_backward_parameters(model)
     if not names:
         return
@@ -84,8 +84,7 @@ def refuse_scaled_in_backward(
     raise ValueError(
         f"{pipeline}: grad_scaler cannot be used with in-backward (fused) optimizers, "
         f"and {len(names)} parameter(s) have one ({shown}). They are updated inside "
-        "the backward from the scaled gradient (scale "
-        f"{scaler.get_scale() if scaler.is_enabled() else 'disabled'}), before the "
+        f"the backward from the scaled gradient (scale {scaler.get_scale()}), before the "
         "scaler can find an inf or nan and skip the step, and a fused update cannot be "
         "undone after it. Either use autocast_dtype=torch.bfloat16 without a scaler "
         "(bfloat16 has float32's range: no loss scaling is needed), or keep the scaler "
