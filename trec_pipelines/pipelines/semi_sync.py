@@ -212,18 +212,21 @@ class TrainPipelineSemiSync(TrainPipelineSparseDist[In, Out]):
             logger.info("%s: tables %s", type(self).__name__, self._deferral.describe())
 
     def _validate_optimizer(self) -> None:
-        """Report pipelined modules whose fused tables the optimizer also holds.
+        """Report pipelined modules whose parameters the optimizer also holds.
 
-        Dense-kernel tables (``data_parallel`` ones among them) have no fused
-        optimizer: the dense optimizer is meant to hold them.
+        The tables looked up in the forward (dense kernel, ``data_parallel``
+        ones among them) have no fused optimizer: the optimizer is meant to
+        hold them.
         """
         held = {id(p) for group in self._optimizer.param_groups for p in group["params"]}
+        deferral = self._deferral
         shared = [
             p.name
             for p in (self._rewrite.pipelined if self._rewrite is not None else ())
             if any(
-                id(param) in held and hasattr(param, "_in_backward_optimizers")
-                for param in p.module.parameters()
+                id(param) in held
+                and not (deferral is not None and deferral.is_deferred(p.name, name))
+                for name, param in p.module.named_parameters()
             )
         ]
         if not shared:
@@ -285,6 +288,7 @@ class TrainPipelineSemiSync(TrainPipelineSparseDist[In, Out]):
         """Finish ``batch``'s input_dist and run its lookup on the current stream."""
         if batch is None:
             return
+        self._plan_deferral()  # done at the first batch; here for subclasses' own fills
         assert self._deferral is not None
         with self._span(rec.EMB_LOOKUP, context.index), deferring(self._deferral):
             # data_dist -> default; dense-kernel groups wait for the forward

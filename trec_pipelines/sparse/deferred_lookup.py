@@ -54,6 +54,7 @@ class DeferredGroup:
     index: int  # the group's position in those lists
     sharding_type: str
     tables: Tuple[str, ...]
+    module: str  # the name of the pipelined module it belongs to
 
 
 @dataclass(frozen=True)
@@ -63,6 +64,14 @@ class DeferralPlan:
     deferred: Tuple[DeferredGroup, ...]
     # (module name, sharding type, tables) of the groups looked up ahead.
     ahead: Tuple[Tuple[str, str, Tuple[str, ...]], ...]
+
+    def is_deferred(self, module: str, parameter: str) -> bool:
+        """Whether ``parameter`` (a name within pipelined ``module``, such as
+        ``embedding_bags.t0.weight``) is the weight of a deferred table."""
+        parts = parameter.split(".")
+        return len(parts) >= 2 and any(
+            g.module == module and parts[-2] in g.tables for g in self.deferred
+        )
 
     def describe(self) -> str:
         """One line for the log: the synchronous and the semi-synchronous tables."""
@@ -124,7 +133,7 @@ def plan_deferral(modules: Sequence[Tuple[str, nn.Module]], pipeline: str) -> De
                         "(synchronous, looked up in their own batch's forward)."
                     )
                 if dense:
-                    deferred.append(DeferredGroup(owner, index, kind, dense))
+                    deferred.append(DeferredGroup(owner, index, kind, dense, name))
                 elif fused:
                     ahead.append((name, kind, fused))
     return DeferralPlan(tuple(deferred), tuple(ahead))
