@@ -38,8 +38,9 @@ substitute: Adam moves on one, and so does weight decay).  So the
 combination would train silently wrong whenever a step overflows.  With
 ``bfloat16`` (the dtype for CPUs, and the usual one on recent GPUs) no scaler
 is needed; with ``float16``, keep the scaler and give the tables a dense
-optimizer (the ``dense`` compute kernel, their weights then in the optimizer
-the pipeline steps through the scaler).
+optimizer (``data_parallel`` with the ``dense`` kernel, the one torchrec's
+planner offers for it, their weights in the optimizer the pipeline steps
+through the scaler).
 
 The hooks torchrec's subclasses override (``_backward``,
 ``_optimizer_step``) call :class:`Precision`, so a subclass that overrides
@@ -88,10 +89,10 @@ def refuse_scaled_in_backward(
         "scaler can find an inf or nan and skip the step, and a fused update cannot be "
         "undone after it. Either use autocast_dtype=torch.bfloat16 without a scaler "
         "(bfloat16 has float32's range: no loss scaling is needed), or keep the scaler "
-        "and give these tables a dense optimizer: shard them with the dense compute "
-        "kernel (ParameterConstraints(compute_kernels=['dense'])) or data_parallel, so "
-        "that their weights are in the optimizer you pass, which steps through the "
-        "scaler."
+        "and give these tables a dense optimizer: shard them data_parallel with the "
+        "dense kernel (ParameterConstraints(sharding_types=['data_parallel'], "
+        "compute_kernels=['dense'])) and put their weights in the optimizer you pass, "
+        "which steps through the scaler."
     )
 
 
