@@ -103,7 +103,11 @@ class PipelineCore(Hooks, Recordable, Resumable):
             else AgreementChannel(agreed_over, carried=self._carries_agreement)
         )
         self._precision = Precision(
-            self._device, self._options.autocast_dtype, self._options.grad_scaler
+            self._device,
+            self._options.autocast_dtype,
+            self._options.grad_scaler,
+            model=model,
+            pipeline=name,
         )
         self._source = self._new_source()
         self._step_guard = StepGuard()

@@ -39,6 +39,7 @@ from trec_pipelines.model.context import EmbeddingTrainPipelineContext, TrainPip
 from trec_pipelines.model.forwards import BaseForward, EmbeddingPipelinedForward
 from trec_pipelines.observe import recorder as rec
 from trec_pipelines.pipelines.sparse_dist import TrainPipelineSparseDist
+from trec_pipelines.sparse.deferred_lookup import DeferralPlan, deferring, plan_deferral
 from trec_pipelines.sparse.input_dist import start_input_dist
 from trec_pipelines.sparse.lookup import start_embedding_lookup as run_embedding_lookup
 
@@ -90,10 +91,24 @@ class TrainPipelineSemiSync(TrainPipelineSparseDist[In, Out]):
     at ``start_batch``: that step is skipped).  ``reset()`` restarts the batch
     count (synchronous again for ``start_batch`` batches), and every loaded
     batch is trained whatever ``execute_all_batches`` says.  The optimizer
-    should hold the dense parameters only: a pipelined module's parameter in it
-    is reported when an epoch starts, as an error with ``strict``.  Epochs,
-    failed steps, iterators and our keyword-only options are as in
-    :class:`TrainPipelineSparseDist`.
+    should hold the dense parameters (and the dense-kernel tables) only: a
+    pipelined module's fused table in it is reported when an epoch starts, as
+    an error with ``strict``.  Epochs, failed steps, iterators and our
+    keyword-only options are as in :class:`TrainPipelineSparseDist`.
+
+    Looking up a step ahead is for tables with a fused kernel, updated inside
+    the embedding backward.  A table with the ``dense`` kernel, every
+    ``data_parallel`` table among them (torchrec's planner picks that for
+    small tables), is updated in place by the dense optimizer and has no
+    embeddings all-to-all to hide: its sharding group is looked up in its own
+    batch's forward, after the previous step's update, so those tables train
+    synchronously, like the dense parameters (with ``stash_gradients``, from
+    the previous batch's gradient, like them).  A sharding type whose tables
+    mix the dense kernel with a fused one is looked up as one group and
+    cannot be split: the first batch raises ``ValueError`` naming the tables;
+    give them one kind of kernel, or shard the dense-kernel ones
+    ``data_parallel``.  See ``[Note: semi-sync and tables the dense optimizer
+    updates]`` (``trec_pipelines/sparse/deferred_lookup.py``).
 
     Differences from torchrec: :ref:`the migration guide <migrating-semi-sync>` (docs/guides/migrating.md).
 
@@ -167,6 +182,8 @@ class TrainPipelineSemiSync(TrainPipelineSparseDist[In, Out]):
         self._warned_unused_features = False
         # A resumed batch's looked-up values, from the checkpoint (load_state_dict).
         self._restored_lookup: Optional[Tuple[int, Dict[str, List[torch.Tensor]]]] = None
+        # The sharding groups looked up in their batch's forward (set at the first batch).
+        self._deferral: Optional[DeferralPlan] = None
         logger.debug("%s: semi-sync from batch %d", type(self).__name__, start_batch)
 
     # ------------------------------------------------------------------ setup
@@ -186,13 +203,35 @@ class TrainPipelineSemiSync(TrainPipelineSparseDist[In, Out]):
         assert self._rewrite is not None
         return [(p.name, p.module) for p in self._rewrite.pipelined]
 
+    def _plan_deferral(self) -> None:
+        """Find the tables looked up in their batch's forward; refuse a group mixing kernels.
+
+        See ``[Note: semi-sync and tables the dense optimizer updates]``
+        (``trec_pipelines/sparse/deferred_lookup.py``).
+        """
+        if self._deferral is not None:
+            return
+        self._deferral = plan_deferral(self._lookup_modules(), type(self).__name__)
+        if self._deferral.deferred:
+            logger.info("%s: tables %s", type(self).__name__, self._deferral.describe())
+
     def _validate_optimizer(self) -> None:
-        """Report pipelined modules whose parameters the optimizer also holds."""
+        """Report pipelined modules whose parameters the optimizer also holds.
+
+        The tables looked up in the forward (dense kernel, ``data_parallel``
+        ones among them) have no fused optimizer: the optimizer is meant to
+        hold them.
+        """
         held = {id(p) for group in self._optimizer.param_groups for p in group["params"]}
+        deferral = self._deferral
         shared = [
             p.name
             for p in (self._rewrite.pipelined if self._rewrite is not None else ())
-            if any(id(param) in held for param in p.module.parameters())
+            if any(
+                id(param) in held
+                and not (deferral is not None and deferral.is_deferred(p.name, name))
+                for name, param in p.module.named_parameters()
+            )
         ]
         if not shared:
             return
@@ -253,7 +292,10 @@ class TrainPipelineSemiSync(TrainPipelineSparseDist[In, Out]):
         """Finish ``batch``'s input_dist and run its lookup on the current stream."""
         if batch is None:
             return
-        with self._span(rec.EMB_LOOKUP, context.index):  # data_dist -> default
+        self._plan_deferral()  # done at the first batch; here for subclasses' own fills
+        assert self._deferral is not None
+        with self._span(rec.EMB_LOOKUP, context.index), deferring(self._deferral):
+            # data_dist -> default; dense-kernel groups wait for the forward
             run_embedding_lookup(
                 self._lookup_modules(),
                 context,
@@ -360,6 +402,7 @@ class TrainPipelineSemiSync(TrainPipelineSparseDist[In, Out]):
             self.batches[0], self.contexts[0], self._pipelined_forward_type
         )
         self.wait_sparse_data_dist(self.contexts[0])
+        self._plan_deferral()
         self._validate_optimizer()
         self.start_embedding_lookup(self.batches[0], self._embedding_context(0))
         if not self.enqueue_batch(dataloader_iter):
