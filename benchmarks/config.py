@@ -304,6 +304,15 @@ def _help(name: str, default: Any) -> str:
     return f"{text} (default: {_default_text(default)})".replace("%", "%%")
 
 
+class _Toggle(argparse.BooleanOptionalAction):
+    """``--x`` / ``--no-x`` whose help is exactly as written: Python 3.10's action
+    appends its own "(default: ...)" to help that already says it."""
+
+    def __init__(self, *args: Any, help: Optional[str] = None, **kwargs: Any) -> None:  # noqa: A002
+        super().__init__(*args, help=help, **kwargs)
+        self.help = help
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="python -m benchmarks",
@@ -318,9 +327,7 @@ def build_parser() -> argparse.ArgumentParser:
         help_text = _help(f.name, f.default)
         origin = typing.get_origin(annotation)
         if annotation is bool:
-            parser.add_argument(
-                flag, action=argparse.BooleanOptionalAction, default=f.default, help=help_text
-            )
+            parser.add_argument(flag, action=_Toggle, default=f.default, help=help_text)
         elif origin in (tuple, typing.Tuple):
             parser.add_argument(
                 flag,
