@@ -98,6 +98,12 @@ class BatchSource:
         self._pending: Deque[_Pending] = deque()
         # The iterator that last raised StopIteration, and its yield count then.
         self._spent: Optional[Tuple[Iterator[Any], Optional[int]]] = None
+        # torchrec's view of the end of the data (see :attr:`ended`): set when a
+        # copy stage asked for a batch and got none, or by the user; cleared when
+        # the next epoch's first pull is made.
+        self._ended = False
+        self._epoch_over = False  # end_epoch() was called: the next pull starts an epoch
+        self._pulling = False  # inside the puller (a pipeline's _next_batch)
 
     def _switch_to(self, iterator: Iterator[Any]) -> None:
         if iterator is self._iterator:
@@ -105,7 +111,7 @@ class BatchSource:
         if self._iterator is None:
             # The first iterator: batches given back by resume() are its own.
             self._iterator = iterator
-            self.exhausted = False
+            self.exhausted = self._ended = False
             return
         self.settle()  # the previous iterator's pulls under way join its held batches
         if self._rewound:
@@ -123,7 +129,7 @@ class BatchSource:
             )
             self._held.clear()
         self._iterator = iterator
-        self.exhausted = False
+        self.exhausted = self._ended = False
 
     def next(self, iterator: Iterator[Any]) -> Optional[Any]:
         """The next batch, or None at the end of the epoch."""
@@ -133,6 +139,7 @@ class BatchSource:
         else:
             batch = self._held.popleft() if self._held else self._pull(iterator)
             if batch is None:
+                self._ended = True  # as torchrec's flag: a copy stage found no batch
                 return None
             index = self.loaded
             self.loaded += 1
@@ -160,6 +167,8 @@ class BatchSource:
         """The next batch, agreed with the other ranks when there is an ``agreement``."""
         if self.exhausted:
             return None
+        if self._epoch_over:  # the first pull of a new epoch
+            self._epoch_over = self._ended = False
         if self.agreement is None:
             batch = self._next_from(iterator)
             problem = batch_problem(batch) if self._validate and batch is not None else None
@@ -171,7 +180,11 @@ class BatchSource:
     def _next_from(self, iterator: Iterator[Any]) -> Optional[Any]:
         """The next batch through the pipeline's puller (None: the end of the data)."""
         if self._puller is not None:
-            batch = self._puller(iterator)
+            self._pulling = True
+            try:
+                batch = self._puller(iterator)
+            finally:
+                self._pulling = False
             if batch is None and not self._is_spent(iterator):
                 # The puller says the data ended: don't pull again this epoch.
                 self._spent = (iterator, getattr(iterator, "_num_yielded", None))
@@ -273,6 +286,50 @@ class BatchSource:
 
     def end_epoch(self) -> None:
         self.exhausted = False
+        self._epoch_over = True
+
+    # ------------------------------------------- torchrec's view of the data's end
+
+    @property
+    def ended(self) -> bool:
+        """Whether the epoch's data has ended, as torchrec's ``_dataloader_exhausted``
+        reads at the same point: True from the step whose copy stage asks for a
+        batch and finds none (not from the earlier pull that found the end, with
+        the ranks agreeing a step ahead), or once the user set it; False again
+        from the next epoch's first pull."""
+        return self._ended
+
+    def set_ended(self, ended: bool) -> None:
+        """A write of torchrec's ``_dataloader_exhausted``.
+
+        Inside a pull (a ``_next_batch`` override) it is only recorded: the
+        override's return value says whether a batch came (None ends the
+        epoch).  Between steps, True ends the epoch here: nothing more is
+        pulled, batches already pulled ahead and not yet copied are dropped
+        (counted in :attr:`unused`), and the batches in flight still train;
+        False lets pulls resume from the iterator.
+        """
+        self._ended = ended
+        if self._pulling:
+            return
+        if ended and not self.exhausted:
+            self.settle()
+            self.unused += len(self._held)
+            self._held.clear()
+            self.exhausted = True
+        elif not ended:
+            self.exhausted = False
+
+    def assign_iterator(self, iterator: Optional[Iterator[Any]]) -> None:
+        """A write of torchrec's ``_dataloader_iter``: the next pulls come from
+        ``iterator``; the batches in flight still train (nothing is parked)."""
+        if iterator is self._iterator:
+            return
+        if iterator is None or self._pulling:
+            self._iterator = iterator
+            self.exhausted = self._ended = False
+            return
+        self._switch_to(iterator)
 
     def restart_count(self) -> None:
         """Number the next batch 0 again (a pipeline's ``reset()``, as torchrec's).
@@ -376,15 +433,16 @@ class BatchSource:
         """Set this iterator's epoch aside (see :meth:`restore`); start afresh."""
         self.settle()
         state = SourceState(
-            self._iterator, self._held, self.exhausted, self._in_flight, self._rewound
+            self._iterator, self._held, self.exhausted, self._ended, self._in_flight, self._rewound
         )
-        self._iterator, self._held, self.exhausted = None, deque(), False
+        self._iterator, self._held, self.exhausted, self._ended = None, deque(), False, False
         self._in_flight, self._rewound = deque(), deque()
         return state
 
     def restore(self, state: "SourceState") -> None:
         """Continue an epoch set aside by :meth:`save`."""
         self._iterator, self._held, self.exhausted = state.iterator, state.held, state.exhausted
+        self._ended = state.ended
         self._in_flight, self._rewound = state.in_flight, state.rewound
 
 
@@ -396,6 +454,7 @@ class SourceState:
     iterator: Optional[Iterator[Any]]
     held: Deque[Any]
     exhausted: bool
+    ended: bool
     in_flight: Deque[Tuple[int, Any]] = field(default_factory=deque)
     rewound: Deque[Tuple[int, Any]] = field(default_factory=deque)
 

@@ -78,6 +78,10 @@ class TrainPipelineBase(PipelineCore, TrainPipeline[In, Out]):
         self._cur_index = 0
         self._training = 0  # the index of the batch this step trains
         self._connected = False
+        self._batch_count = 0  # steps that trained a batch (torchrec's counter)
+        # The epoch ended: the next step starts a new one.  ``_connected`` stays
+        # True until then, as torchrec's reads after the end.
+        self._epoch_ended = False
 
     # ------------------------------------------------------------ torchrec's hooks
 
@@ -145,6 +149,7 @@ class TrainPipelineBase(PipelineCore, TrainPipeline[In, Out]):
         if cur is None:
             self._end_epoch()
             raise StopIteration
+        self._batch_count += 1
         training = self._model.training
         if training:
             with self._span(rec.ZERO_GRAD, i):
@@ -159,6 +164,11 @@ class TrainPipelineBase(PipelineCore, TrainPipeline[In, Out]):
             self._optimizer_step()                                 # cur, default
         return output
         # fmt: on
+
+    def _begin_step(self, dataloader_iter: Iterator[Any]) -> None:
+        if self._epoch_ended:  # the fill of the new epoch copies its first batch
+            self._epoch_ended = self._connected = False
+        super()._begin_step(dataloader_iter)
 
     def _batches_to_fetch(self) -> int:
         return 1 if self._connected else 2  # the fill copies cur too
@@ -175,5 +185,5 @@ class TrainPipelineBase(PipelineCore, TrainPipeline[In, Out]):
         self._cur_batch, self._cur_index, self._connected = state
 
     def _end_epoch(self) -> None:
-        self._connected = False
+        self._epoch_ended = True
         self._source.end_epoch()

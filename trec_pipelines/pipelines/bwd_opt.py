@@ -8,6 +8,7 @@ from typing import Any, Callable, Iterator, Optional, Tuple, Type, Unpack
 import torch
 from torch.nn.parallel import DistributedDataParallel
 from torchrec.distributed.train_pipeline import In, Out
+from torchrec.distributed.train_pipeline.types import PipelineState
 from torchrec.distributed.types import ShardingType
 
 from trec_pipelines.core.options import SparseDistTrainOptions
@@ -156,6 +157,7 @@ class TrainPipelineSparseDistBwdOpt(TrainPipelineSparseDist[In, Out]):
             self.wait_sparse_data_dist(self.contexts[1])           # nxt, data_dist
         if training:
             self._stepped_in_backward = False
+            self._enter_phase(PipelineState.CALL_BWD)
             self._backward(losses)                                 # cur, default: step inside
             self.sync_embeddings(
                 self._model, self._dmp_collection_sync_interval_batches, self.contexts[0]

@@ -224,6 +224,9 @@ class TrainPipelineSparseDistCompAutograd(TrainPipelineSparseDist[In, Out]):
                 break
     """
 
+    # torchrec's class leaves _state IDLE.
+    _tracks_state = False
+
     # torchrec's CompAutograd runs its backward itself, under compiled autograd.
     _refused_hooks: ClassVar[Mapping[str, Refused]] = {
         "_backward": never_called(

@@ -81,6 +81,9 @@ class EvalPipelineCPUSparse(TrainPipelineSparseDist[In, Out]):
                 break
     """
 
+    # torchrec's class leaves _state IDLE.
+    _tracks_state = False
+
     _refused_hooks: ClassVar[Mapping[str, Refused]] = {
         "_get_or_alloc_pinned": Refused(
             "the pinned buffers here are two per module, alternating between batches, each "

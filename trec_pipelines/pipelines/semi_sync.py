@@ -109,6 +109,9 @@ class TrainPipelineSemiSync(TrainPipelineSparseDist[In, Out]):
                 break
     """
 
+    # torchrec's class leaves _state IDLE.
+    _tracks_state = False
+
     _depth = 4
     # torchrec's SemiSync runs its dense backward and step itself.
     _refused_hooks: ClassVar[Mapping[str, Refused]] = {

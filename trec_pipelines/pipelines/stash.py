@@ -12,6 +12,7 @@ from typing import Any, Callable, ClassVar, Iterator, Mapping, Optional, Tuple, 
 
 import torch
 from torchrec.distributed.train_pipeline import In, Out
+from torchrec.distributed.train_pipeline.types import PipelineState
 from torchrec.distributed.types import ShardingType
 
 from trec_pipelines.core.hooks import Refused
@@ -156,6 +157,7 @@ class TrainPipelineSparseDistOptStash(TrainPipelineSparseDist[In, Out]):
             self.wait_sparse_data_dist(self.contexts[1])           # nxt, data_dist
         if training:
             self._finish_optimizer_stash()                         # prv's stash issued (worker)
+            self._enter_phase(PipelineState.CALL_BWD)
             self._backward(losses)                                 # cur, default: restore starts
             self.sync_embeddings(
                 self._model, self._dmp_collection_sync_interval_batches, self.contexts[0]
