@@ -21,13 +21,13 @@ import torch
 NOT_APPLICABLE: Dict[str, str] = {
     "_batch_i": "torchrec's deprecated version-0 slot, only set by the version-0 API, "
     "which ours refuses (`_fill_pipeline`, `_copy_batch_to_gpu`)",
-    "_batch_ip1": "as `_batch_i`",
-    "_batch_ip2": "as `_batch_i`",
+    "_batch_ip1": "as `_batch_i`: torchrec's deprecated version-0 slot",
+    "_batch_ip2": "as `_batch_i`: torchrec's deprecated version-0 slot",
     "_context": "torchrec's deprecated version-0 context (`version=0`), only used by the "
     "version-0 API; each batch's context is in `contexts`",
     "_original_forwards": "the shape of torchrec's rewrite is its own; "
     "`rewrite_result` lists what ours replaced, and `detach()` restores it",
-    "_original_kjt_dist_forwards": "as `_original_forwards`",
+    "_original_kjt_dist_forwards": "as `_original_forwards`: the shape of torchrec's rewrite",
     "_stream_context": "torchrec's stream-context factory (`torch.cuda.stream` even on CPU); "
     "ours enters streams through `trec_pipelines.core.streams.on_stream`",
     "_inplace_copy_batch_size_logged": "a flag of torchrec's logging",
@@ -36,8 +36,51 @@ NOT_APPLICABLE: Dict[str, str] = {
     "`_submit_inplace_copy` are refused)",
 }
 
+PT2_REASON = (
+    "set by the constructor of torchrec's Base, which its PT2 inherits; PT2's step never "
+    "reads or changes it"
+)
+
 # Attributes not applicable in one class only: class name -> attribute -> why.
 NOT_APPLICABLE_IN: Dict[str, Dict[str, str]] = {
+    "TrainPipelinePT2": {
+        "_batch_count": PT2_REASON,
+        "_connected": PT2_REASON,
+        "_enable_inplace_copy_batch": PT2_REASON,
+        "_memcpy_stream": PT2_REASON + " (its copy is blocking, on the default stream)",
+    },
+    "StagedTrainPipeline": {
+        "_num_steps": "a counter torchrec's Staged only prints in its debug log lines",
+        "_stage_outputs": "torchrec's per-stage output list has another shape in ours "
+        "(slots with host copies and indices); its `_run_stage` and `_advance` are refused",
+    },
+    "TrainPipelineSparseDistT": {
+        "_copy_executor": "torchrec's thread pool for the copies; ours issues them on a "
+        "worker of its own",
+    },
+    "TrainPipelineSparseDistOptStash": {
+        "_await_restore": "torchrec's handles of the stash and restore in flight; ours "
+        "keeps them in a stashing object of its own, which also survives a failed step",
+        "_restore_future": "as `_await_restore`: torchrec's handle of the restore in flight",
+        "_stash_future": "as `_await_restore`: torchrec's handle of the stash in flight",
+    },
+    "TrainPipelineSparseDistEmbStash": {
+        "_stash_hook_handle": "torchrec's handle of its forward pre-hook; ours hooks the "
+        "stash sites once, after the first rewrite (`_hook_sites()`)",
+    },
+    "TrainPipelinePrefetchEMS": {
+        "_stash_hook_handle": "torchrec's handle of its forward pre-hook; ours hooks the "
+        "stash sites once, after the first rewrite (`_hook_sites()`)",
+    },
+    "TrainPipelinePEC": {
+        "_input_dist_event": "an event of torchrec's PEC plumbing (refused, see the hook "
+        "table); ours orders the deferred gradient with events of its own",
+        "_overlap_dist_event": "as `_input_dist_event`: an event of torchrec's PEC plumbing",
+    },
+    "EvalPipelineCPUSparse": {
+        "_pinned_buffers": "torchrec's one pinned buffer per module; ours keeps two per "
+        "module, each written again only once the copy that read it has finished",
+    },
     "EvalPipelineSparseDist": {
         "_batch_loader": "torchrec's loading thread (a `DataLoadingThread`); ours loads "
         "through a loader of its own, on a thread or inline",

@@ -71,6 +71,11 @@ class TrainPipelineSparseDistBwdOpt(TrainPipelineSparseDist[In, Out]):
                 break
     """
 
+    @property
+    def _output_dist_site(self) -> InjectionSite:
+        """Where the optimizer steps in the backward (torchrec's attribute)."""
+        return self._step_site
+
     def __init__(
         self,
         model: torch.nn.Module,

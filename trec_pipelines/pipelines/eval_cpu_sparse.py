@@ -141,6 +141,7 @@ class EvalPipelineCPUSparse(TrainPipelineSparseDist[In, Out]):
             **options,
         )
         self._pipeline_depth = pipeline_depth
+        self._multi_thread = multi_thread
         self._depth = pipeline_depth
         self._sparse_executor: Optional[ThreadPoolExecutor] = (
             ThreadPoolExecutor(max_workers=1, thread_name_prefix=SPARSE_THREAD)

@@ -95,6 +95,16 @@ class PrefetchTrainPipelineSparseDist(TrainPipelineSparseDist[In, Out]):
     # torchrec's class leaves _state IDLE.
     _tracks_state = False
 
+    @property
+    def _prefetch_stream(self) -> Optional[torch.Stream]:
+        """The stream of the cache prefetch (torchrec's attribute; None on CPU)."""
+        return self._streams.prefetch
+
+    @property
+    def _default_stream(self) -> Optional[torch.Stream]:
+        """The device's current stream (torchrec's attribute; None on CPU)."""
+        return current_stream(self._device)
+
     def __init__(
         self,
         model: torch.nn.Module,

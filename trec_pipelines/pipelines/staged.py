@@ -38,6 +38,7 @@ from trec_pipelines.core.streams import (
     record_stream,
     wait_event,
 )
+from trec_pipelines.core.torchrec_state import TorchrecState
 from trec_pipelines.data.agreement import AgreementChannel, agreement_group
 from trec_pipelines.data.source import BatchSource
 from trec_pipelines.observe import recorder as rec
@@ -205,7 +206,12 @@ class _Failure:
 
 
 class StagedTrainPipeline(
-    Hooks, TrainPipeline[In, Optional[StageOut]], WithOptions, Recordable, Resumable
+    TorchrecState,
+    Hooks,
+    TrainPipeline[In, Optional[StageOut]],
+    WithOptions,
+    Recordable,
+    Resumable,
 ):
     """N batches in flight, one per stage; the caller trains the batch it returns.
 
@@ -279,6 +285,11 @@ class StagedTrainPipeline(
         )
         for hook in ("_run_stage", "_advance", "_run_with_event")
     }
+
+    @property
+    def _initialized(self) -> bool:
+        """Whether the stages are filled (torchrec's attribute)."""
+        return self._filled
 
     def __init__(
         self,

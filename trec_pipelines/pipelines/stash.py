@@ -81,6 +81,11 @@ class TrainPipelineSparseDistOptStash(TrainPipelineSparseDist[In, Out]):
                 break
     """
 
+    @property
+    def _output_dist_site(self) -> InjectionSite:
+        """Where the optimizer state's restore starts in the backward (torchrec's attribute)."""
+        return self._restore_site
+
     def __init__(
         self,
         model: torch.nn.Module,
@@ -253,6 +258,12 @@ class TrainPipelineSparseDistEmbStash(TrainPipelineSparseDist[In, Out]):
         )
         for hook in ("_try_hook_stash", "_log_ems_config")
     }
+
+    @property
+    def _injection_site(self) -> Any:
+        """Where the stashed embeddings' restore starts in the backward (torchrec's
+        attribute: an ``InjectionSite``, or the fqn given)."""
+        return self._restore_site
 
     def __init__(
         self,
