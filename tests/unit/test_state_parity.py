@@ -10,6 +10,7 @@ torchrec attribute fails here until it is decided.
 
 from __future__ import annotations
 
+import pathlib
 from typing import Any, Dict, List, Tuple
 
 import pytest
@@ -24,6 +25,8 @@ from tests.state_parity import (
     not_applicable,
 )
 from trec_pipelines import PipelineStage
+
+GUIDE = pathlib.Path(__file__).resolve().parents[2] / "docs" / "guides" / "migrating.md"
 
 CPU = torch.device("cpu")
 
@@ -93,3 +96,21 @@ def test_every_listed_attribute_is_one_torchrec_sets() -> None:
         theirs = torchrec_class(name)
         if theirs is not None:
             assert set(per_class) <= set(init_attributes(theirs)) | other_stack, name
+
+
+def guide_rows() -> List[str]:
+    """The migration guide's not-applicable table, one row per (attribute, class)."""
+    rows = [f"| `{a}` | every class that has it | {why} |" for a, why in NOT_APPLICABLE.items()]
+    for name, per_class in NOT_APPLICABLE_IN.items():
+        rows += [f"| `{a}` | {name} | {why} |" for a, why in per_class.items()]
+    return rows
+
+
+def test_the_migration_guide_lists_every_attribute_not_applicable_with_its_reason() -> None:
+    text = GUIDE.read_text()
+    missing = [row for row in guide_rows() if row not in text]
+    assert not missing, "the guide's 'Subclassing' table lacks (or words otherwise):\n" + (
+        "\n".join(missing)
+    )
+    for attribute in UNTIL_THE_END:
+        assert f"`{attribute}` after the end of the data" in text
