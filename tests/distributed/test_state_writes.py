@@ -13,7 +13,7 @@ train and nothing more is pulled.
 
 from __future__ import annotations
 
-from typing import Any, Iterator, List, Optional
+from typing import Any, Iterator, List, Optional, Tuple
 
 import pytest
 import torch
@@ -107,40 +107,43 @@ def test_a_next_batch_that_ends_the_epoch_on_any_rank_trains_as_on_torchrec(name
     assert_runs_equal(reference, got, ("torchrec", name))
 
 
-def _ended_from_outside(cls: type, after: int) -> tuple:
-    """Train, set ``_dataloader_exhausted = True`` after ``after`` steps, train on until
-    StopIteration; the run, and what the attribute and the iterator read at the end."""
+def _ended_from_outside(cls: type, flag: str, after: int) -> Tuple[Run, bool]:
+    """Train, set ``flag`` (``_dataloader_exhausted``, Base: ``_data_iter_stopped``) to
+    True after ``after`` steps, train on until StopIteration; the run, and what the
+    flag reads at the end."""
     dmp, optimizer = make_sharded(DLRM, "table_wise", seed=SEED)
     pipeline = cls(dmp, optimizer, DEVICE)
-    batches = make_batches(8, seed=DATA_SEED)
-    it = iter(batches)
+    it = iter(make_batches(8, seed=DATA_SEED))
     outputs: List[torch.Tensor] = []
     while True:
         if len(outputs) == after:
-            pipeline._dataloader_exhausted = True
+            setattr(pipeline, flag, True)
         try:
             outputs.append(pipeline.progress(it).detach().clone())
         except StopIteration:
             break
-    return (
-        Run(outputs, weights(dmp)),
-        pipeline._dataloader_exhausted,
-        pipeline._dataloader_iter is it,
-    )
+    return Run(outputs, weights(dmp)), getattr(pipeline, flag)
 
 
-def test_setting_dataloader_exhausted_between_steps_ends_the_epoch_as_on_torchrec() -> None:
-    name = "TrainPipelineSparseDist"
+# name -> (the flag, how many batches train when it is set after 3 steps: SparseDist's two
+# in flight still train; Base's copied batch does not, its next progress() ends the epoch).
+OUTSIDE = {
+    "TrainPipelineSparseDist": ("_dataloader_exhausted", 5),
+    "TrainPipelineBase": ("_data_iter_stopped", 3),
+}
+
+
+@pytest.mark.parametrize("name", sorted(OUTSIDE))
+def test_setting_the_end_of_data_between_steps_ends_the_epoch_as_on_torchrec(name: str) -> None:
+    flag, trained = OUTSIDE[name]
     theirs = torchrec_class(name)
     assert theirs is not None
-    reference, theirs_exhausted, theirs_iter = _ended_from_outside(theirs, after=3)
-    # The two batches in flight when it was set still train; nothing more is pulled.
-    assert len(reference) == 5
-    assert_runs_equal(
-        plain_loop(*make_sharded(DLRM, "table_wise", seed=SEED), make_batches(5, seed=DATA_SEED)),
-        reference,
-        ("plain loop over the first 5", name),
+    reference, theirs_flag = _ended_from_outside(theirs, flag, after=3)
+    assert len(reference) == trained
+    plain = plain_loop(
+        *make_sharded(DLRM, "table_wise", seed=SEED), make_batches(trained, seed=DATA_SEED)
     )
-    got, exhausted, same_iter = _ended_from_outside(ours(name), after=3)
+    assert_runs_equal(plain, reference, (f"plain loop over the first {trained}", name))
+    got, ours_flag = _ended_from_outside(ours(name), flag, after=3)
     assert_runs_equal(reference, got, ("torchrec", name))
-    assert (exhausted, same_iter) == (theirs_exhausted, theirs_iter) == (True, True)
+    assert ours_flag is theirs_flag is True

@@ -63,11 +63,12 @@ class TorchrecState:
     def _dataloader_exhausted(self) -> bool:
         """Whether this epoch's data has ended, read as torchrec's at the same point.
 
-        Writable, as in torchrec: inside a ``_next_batch`` override it is only
-        recorded (returning None ends the epoch); set to True between steps, on
-        every rank, it ends the epoch there: the batches in flight still train
-        and nothing more is pulled (a batch pulled ahead and not yet copied is
-        dropped, and counted in ``unused_batches``).
+        Writable, as in torchrec: inside a ``_next_batch`` override the override
+        reads back what it wrote, and returning None ends the epoch (seen by the
+        rest of the pipeline when the copy stage reaches that pull); set to True
+        between steps, on every rank, it ends the epoch there: the batches in
+        flight still train and nothing more is pulled (a batch pulled ahead and
+        not yet copied is dropped, and counted in ``unused_batches``).
         """
         return self._source.ended
 

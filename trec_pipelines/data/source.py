@@ -102,6 +102,10 @@ class BatchSource:
         # copy stage asked for a batch and got none, or by the user; cleared when
         # the next epoch's first pull is made.
         self._ended = False
+        # What a puller wrote of the end of the data during the pulls of this epoch:
+        # it reads its own write back, and the pipeline sees the end when the copy
+        # stage reaches the pull that returned None (a step later, pulling ahead).
+        self._puller_said_ended = False
         self._epoch_over = False  # end_epoch() was called: the next pull starts an epoch
         self._pulling = False  # inside the puller (a pipeline's _next_batch)
 
@@ -111,7 +115,7 @@ class BatchSource:
         if self._iterator is None:
             # The first iterator: batches given back by resume() are its own.
             self._iterator = iterator
-            self.exhausted = self._ended = False
+            self.exhausted = self._ended = self._puller_said_ended = False
             return
         self.settle()  # the previous iterator's pulls under way join its held batches
         if self._rewound:
@@ -129,7 +133,7 @@ class BatchSource:
             )
             self._held.clear()
         self._iterator = iterator
-        self.exhausted = self._ended = False
+        self.exhausted = self._ended = self._puller_said_ended = False
 
     def next(self, iterator: Iterator[Any]) -> Optional[Any]:
         """The next batch, or None at the end of the epoch."""
@@ -168,7 +172,7 @@ class BatchSource:
         if self.exhausted:
             return None
         if self._epoch_over:  # the first pull of a new epoch
-            self._epoch_over = self._ended = False
+            self._epoch_over = self._ended = self._puller_said_ended = False
         if self.agreement is None:
             batch = self._next_from(iterator)
             problem = batch_problem(batch) if self._validate and batch is not None else None
@@ -295,23 +299,29 @@ class BatchSource:
         """Whether the epoch's data has ended, as torchrec's ``_dataloader_exhausted``
         reads at the same point: True from the step whose copy stage asks for a
         batch and finds none (not from the earlier pull that found the end, with
-        the ranks agreeing a step ahead), or once the user set it; False again
-        from the next epoch's first pull."""
+        the ranks agreeing a step ahead), or once the user set it between steps;
+        False again from the next epoch's first pull.  Inside a pull (a
+        ``_next_batch`` override) it reads what the override last wrote.
+        """
+        if self._pulling:
+            return self._ended or self._puller_said_ended
         return self._ended
 
     def set_ended(self, ended: bool) -> None:
         """A write of torchrec's ``_dataloader_exhausted``.
 
-        Inside a pull (a ``_next_batch`` override) it is only recorded: the
-        override's return value says whether a batch came (None ends the
-        epoch).  Between steps, True ends the epoch here: nothing more is
-        pulled, batches already pulled ahead and not yet copied are dropped
-        (counted in :attr:`unused`), and the batches in flight still train;
-        False lets pulls resume from the iterator.
+        Inside a pull (a ``_next_batch`` override) it is only recorded for the
+        override to read back: the override's return value says whether a batch
+        came, and a None ends the epoch when the copy stage reaches it.  Between
+        steps, True ends the epoch here: nothing more is pulled, batches already
+        pulled ahead and not yet copied are dropped (counted in :attr:`unused`),
+        and the batches in flight still train; False lets pulls resume from the
+        iterator.
         """
-        self._ended = ended
         if self._pulling:
+            self._puller_said_ended = ended
             return
+        self._ended = ended
         if ended and not self.exhausted:
             self.settle()
             self.unused += len(self._held)
@@ -327,7 +337,7 @@ class BatchSource:
             return
         if iterator is None or self._pulling:
             self._iterator = iterator
-            self.exhausted = self._ended = False
+            self.exhausted = self._ended = self._puller_said_ended = False
             return
         self._switch_to(iterator)
 

@@ -144,6 +144,8 @@ class TrainPipelineBase(PipelineCore, TrainPipeline[In, Out]):
         self._begin_step(dataloader_iter)  # take-over, iterator switch, host batches
         if not self._connected:
             self._connect(dataloader_iter)                         # cur, memcpy (fill)
+        if self._data_iter_stopped:
+            self._drop_copied_batch()  # set from outside: as torchrec's, cur is not trained
         cur, i = self._cur_batch, self._cur_index
         self._training = i  # the copy of nxt below moves _cur_index on
         if cur is None:
@@ -164,6 +166,13 @@ class TrainPipelineBase(PipelineCore, TrainPipeline[In, Out]):
             self._optimizer_step()                                 # cur, default
         return output
         # fmt: on
+
+    def _drop_copied_batch(self) -> None:
+        """Forget the batch copied for this step, untrained (the data was declared
+        ended by a write of ``_data_iter_stopped`` after it was copied)."""
+        if self._cur_batch is not None:
+            self._cur_batch = None
+            self._source.drop_in_flight()
 
     def _begin_step(self, dataloader_iter: Iterator[Any]) -> None:
         if self._epoch_ended:  # the fill of the new epoch copies its first batch
