@@ -106,6 +106,7 @@ class BatchSource:
         # it reads its own write back, and the pipeline sees the end when the copy
         # stage reaches the pull that returned None (a step later, pulling ahead).
         self._puller_said_ended = False
+        self.stopped_from_outside = False  # set_ended(True) between steps, this epoch
         self._epoch_over = False  # end_epoch() was called: the next pull starts an epoch
         self._pulling = False  # inside the puller (a pipeline's _next_batch)
 
@@ -115,7 +116,9 @@ class BatchSource:
         if self._iterator is None:
             # The first iterator: batches given back by resume() are its own.
             self._iterator = iterator
-            self.exhausted = self._ended = self._puller_said_ended = False
+            self.exhausted = self._ended = self._puller_said_ended = self.stopped_from_outside = (
+                False
+            )
             return
         self.settle()  # the previous iterator's pulls under way join its held batches
         if self._rewound:
@@ -133,7 +136,7 @@ class BatchSource:
             )
             self._held.clear()
         self._iterator = iterator
-        self.exhausted = self._ended = self._puller_said_ended = False
+        self.exhausted = self._ended = self._puller_said_ended = self.stopped_from_outside = False
 
     def next(self, iterator: Iterator[Any]) -> Optional[Any]:
         """The next batch, or None at the end of the epoch."""
@@ -172,7 +175,9 @@ class BatchSource:
         if self.exhausted:
             return None
         if self._epoch_over:  # the first pull of a new epoch
-            self._epoch_over = self._ended = self._puller_said_ended = False
+            self._epoch_over = self._ended = self._puller_said_ended = self.stopped_from_outside = (
+                False
+            )
         if self.agreement is None:
             batch = self._next_from(iterator)
             problem = batch_problem(batch) if self._validate and batch is not None else None
@@ -321,7 +326,7 @@ class BatchSource:
         if self._pulling:
             self._puller_said_ended = ended
             return
-        self._ended = ended
+        self._ended = self.stopped_from_outside = ended
         if ended and not self.exhausted:
             self.settle()
             self.unused += len(self._held)
@@ -337,7 +342,9 @@ class BatchSource:
             return
         if iterator is None or self._pulling:
             self._iterator = iterator
-            self.exhausted = self._ended = self._puller_said_ended = False
+            self.exhausted = self._ended = self._puller_said_ended = self.stopped_from_outside = (
+                False
+            )
             return
         self._switch_to(iterator)
 
