@@ -42,6 +42,7 @@ from trec_pipelines.core.pipelined_model import PipelinedModel
 from trec_pipelines.core.precision import Precision
 from trec_pipelines.core.resume import Resumable
 from trec_pipelines.core.step_guard import StepGuard, guarded_step, skip_failed_batch
+from trec_pipelines.core.torchrec_state import TorchrecState
 from trec_pipelines.data.agreement import AgreementChannel, agreement_group
 from trec_pipelines.data.source import BatchSource, ParkedEpochs
 from trec_pipelines.observe.recorder import Recordable
@@ -50,7 +51,7 @@ from trec_pipelines.sparse.input_dist_group import InputDistGroup
 logger: logging.Logger = logging.getLogger(__name__)
 
 
-class PipelineCore(Hooks, Recordable, Resumable):
+class PipelineCore(TorchrecState, Hooks, Recordable, Resumable):
     """The shared part of every pipeline (see [Note: the core under every pipeline])."""
 
     # Variants that only run forwards (Eval) take optimizer=None.

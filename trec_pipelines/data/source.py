@@ -99,6 +99,17 @@ class BatchSource:
         self._pending: Deque[_Pending] = deque()
         # The iterator that last raised StopIteration, and its yield count then.
         self._spent: Optional[Tuple[Iterator[Any], Optional[int]]] = None
+        # torchrec's view of the end of the data (see :attr:`ended`): set when a
+        # copy stage asked for a batch and got none, or by the user; cleared when
+        # the next epoch's first pull is made.
+        self._ended = False
+        # What a puller wrote of the end of the data during the pulls of this epoch:
+        # it reads its own write back, and the pipeline sees the end when the copy
+        # stage reaches the pull that returned None (a step later, pulling ahead).
+        self._puller_said_ended = False
+        self.stopped_from_outside = False  # set_ended(True) between steps, this epoch
+        self._epoch_over = False  # end_epoch() was called: the next pull starts an epoch
+        self._pulling = False  # inside the puller (a pipeline's _next_batch)
 
     def _switch_to(self, iterator: Iterator[Any]) -> None:
         if iterator is self._iterator:
@@ -107,7 +118,9 @@ class BatchSource:
         if self._iterator is None:
             # The first iterator: batches given back by resume() are its own.
             self._iterator = iterator
-            self.exhausted = False
+            self.exhausted = self._ended = self._puller_said_ended = self.stopped_from_outside = (
+                False
+            )
             return
         self.settle()  # the previous iterator's pulls under way join its held batches
         if self._rewound:
@@ -125,7 +138,7 @@ class BatchSource:
             )
             self._held.clear()
         self._iterator = iterator
-        self.exhausted = False
+        self.exhausted = self._ended = self._puller_said_ended = self.stopped_from_outside = False
 
     def next(self, iterator: Iterator[Any]) -> Optional[Any]:
         """The next batch, or None at the end of the epoch."""
@@ -135,6 +148,7 @@ class BatchSource:
         else:
             batch = self._held.popleft() if self._held else self._pull(iterator)
             if batch is None:
+                self._ended = True  # as torchrec's flag: a copy stage found no batch
                 return None
             index = self.loaded
             self.loaded += 1
@@ -162,6 +176,10 @@ class BatchSource:
         """The next batch, agreed with the other ranks when there is an ``agreement``."""
         if self.exhausted:
             return None
+        if self._epoch_over:  # the first pull of a new epoch
+            self._epoch_over = self._ended = self._puller_said_ended = self.stopped_from_outside = (
+                False
+            )
         if self.agreement is None:
             batch = self._next_from(iterator)
             problem = batch_problem(batch) if self._validate and batch is not None else None
@@ -173,7 +191,11 @@ class BatchSource:
     def _next_from(self, iterator: Iterator[Any]) -> Optional[Any]:
         """The next batch through the pipeline's puller (None: the end of the data)."""
         if self._puller is not None:
-            batch = self._puller(iterator)
+            self._pulling = True
+            try:
+                batch = self._puller(iterator)
+            finally:
+                self._pulling = False
             if batch is None and not self._is_spent(iterator):
                 # The puller says the data ended: don't pull again this epoch.
                 self._spent = (iterator, getattr(iterator, "_num_yielded", None))
@@ -275,6 +297,58 @@ class BatchSource:
 
     def end_epoch(self) -> None:
         self.exhausted = False
+        self._epoch_over = True
+
+    # ------------------------------------------- torchrec's view of the data's end
+
+    @property
+    def ended(self) -> bool:
+        """Whether the epoch's data has ended, as torchrec's ``_dataloader_exhausted``
+        reads at the same point: True from the step whose copy stage asks for a
+        batch and finds none (not from the earlier pull that found the end, with
+        the ranks agreeing a step ahead), or once the user set it between steps;
+        False again from the next epoch's first pull.  Inside a pull (a
+        ``_next_batch`` override) it reads what the override last wrote.
+        """
+        if self._pulling:
+            return self._ended or self._puller_said_ended
+        return self._ended
+
+    def set_ended(self, ended: bool) -> None:
+        """A write of torchrec's ``_dataloader_exhausted``.
+
+        Inside a pull (a ``_next_batch`` override) it is only recorded for the
+        override to read back: the override's return value says whether a batch
+        came, and a None ends the epoch when the copy stage reaches it.  Between
+        steps, True ends the epoch here: nothing more is pulled, batches already
+        pulled ahead and not yet copied are dropped (counted in :attr:`unused`),
+        and the batches in flight still train; False lets pulls resume from the
+        iterator.
+        """
+        if self._pulling:
+            self._puller_said_ended = ended
+            return
+        self._ended = self.stopped_from_outside = ended
+        if ended and not self.exhausted:
+            self.settle()
+            self.unused += len(self._held)
+            self._held.clear()
+            self.exhausted = True
+        elif not ended:
+            self.exhausted = False
+
+    def assign_iterator(self, iterator: Optional[Iterator[Any]]) -> None:
+        """A write of torchrec's ``_dataloader_iter``: the next pulls come from
+        ``iterator``; the batches in flight still train (nothing is parked)."""
+        if iterator is self._iterator:
+            return
+        if iterator is None or self._pulling:
+            self._iterator = iterator
+            self.exhausted = self._ended = self._puller_said_ended = self.stopped_from_outside = (
+                False
+            )
+            return
+        self._switch_to(iterator)
 
     def restart_count(self) -> None:
         """Number the next batch 0 again (a pipeline's ``reset()``, as torchrec's).
@@ -378,15 +452,16 @@ class BatchSource:
         """Set this iterator's epoch aside (see :meth:`restore`); start afresh."""
         self.settle()
         state = SourceState(
-            self._iterator, self._held, self.exhausted, self._in_flight, self._rewound
+            self._iterator, self._held, self.exhausted, self._ended, self._in_flight, self._rewound
         )
-        self._iterator, self._held, self.exhausted = None, deque(), False
+        self._iterator, self._held, self.exhausted, self._ended = None, deque(), False, False
         self._in_flight, self._rewound = deque(), deque()
         return state
 
     def restore(self, state: "SourceState") -> None:
         """Continue an epoch set aside by :meth:`save`."""
         self._iterator, self._held, self.exhausted = state.iterator, state.held, state.exhausted
+        self._ended = state.ended
         self._in_flight, self._rewound = state.in_flight, state.rewound
 
 
@@ -398,6 +473,7 @@ class SourceState:
     iterator: Optional[Iterator[Any]]
     held: Deque[Any]
     exhausted: bool
+    ended: bool
     in_flight: Deque[Tuple[int, Any]] = field(default_factory=deque)
     rewound: Deque[Tuple[int, Any]] = field(default_factory=deque)
 

@@ -82,6 +82,10 @@ class TrainPipelineBase(PipelineCore, TrainPipeline[In, Out]):
         self._cur_index = 0
         self._training = 0  # the index of the batch this step trains
         self._connected = False
+        self._batch_count = 0  # steps that trained a batch (torchrec's counter)
+        # The epoch ended: the next step starts a new one.  ``_connected`` stays
+        # True until then, as torchrec's reads after the end.
+        self._epoch_ended = False
 
     # ------------------------------------------------------------ torchrec's hooks
 
@@ -144,11 +148,14 @@ class TrainPipelineBase(PipelineCore, TrainPipeline[In, Out]):
         self._begin_step(dataloader_iter)  # take-over, iterator switch, host batches
         if not self._connected:
             self._connect(dataloader_iter)                         # cur, memcpy (fill)
+        if self._source.stopped_from_outside:
+            self._drop_copied_batch()  # set from outside: as torchrec's, cur is not trained
         cur, i = self._cur_batch, self._cur_index
         self._training = i  # the copy of nxt below moves _cur_index on
         if cur is None:
             self._end_epoch()
             raise StopIteration
+        self._batch_count += 1
         training = self._model.training
         if training:
             with self._span(rec.ZERO_GRAD, i):
@@ -163,6 +170,18 @@ class TrainPipelineBase(PipelineCore, TrainPipeline[In, Out]):
             self._optimizer_step()                                 # cur, default
         return output
         # fmt: on
+
+    def _drop_copied_batch(self) -> None:
+        """Forget the batch copied for this step, untrained (the data was declared
+        ended by a write of ``_data_iter_stopped`` after it was copied)."""
+        if self._cur_batch is not None:
+            self._cur_batch = None
+            self._source.drop_in_flight()
+
+    def _begin_step(self, dataloader_iter: Iterator[Any]) -> None:
+        if self._epoch_ended:  # the fill of the new epoch copies its first batch
+            self._epoch_ended = self._connected = False
+        super()._begin_step(dataloader_iter)
 
     def _batches_to_fetch(self) -> int:
         return 1 if self._connected else 2  # the fill copies cur too
@@ -179,5 +198,5 @@ class TrainPipelineBase(PipelineCore, TrainPipeline[In, Out]):
         self._cur_batch, self._cur_index, self._connected = state
 
     def _end_epoch(self) -> None:
-        self._connected = False
+        self._epoch_ended = True
         self._source.end_epoch()

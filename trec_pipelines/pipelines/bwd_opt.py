@@ -8,6 +8,7 @@ from typing import Any, Callable, Iterator, Optional, Tuple, Type
 import torch
 from torch.nn.parallel import DistributedDataParallel
 from torchrec.distributed.train_pipeline import In, Out
+from torchrec.distributed.train_pipeline.types import PipelineState
 from torchrec.distributed.types import ShardingType
 from typing_extensions import Unpack
 
@@ -77,6 +78,11 @@ class TrainPipelineSparseDistBwdOpt(TrainPipelineSparseDist[In, Out]):
 
     # torchrec's constructor takes no async_inplace_copy: it never submits a copy.
     _uncalled_hooks = {"_submit_inplace_copy": ASYNC_SUBMIT_OFF}
+
+    @property
+    def _output_dist_site(self) -> InjectionSite:
+        """Where the optimizer steps in the backward (torchrec's attribute)."""
+        return self._step_site
 
     def __init__(
         self,
@@ -164,6 +170,7 @@ class TrainPipelineSparseDistBwdOpt(TrainPipelineSparseDist[In, Out]):
             self.wait_sparse_data_dist(self.contexts[1])           # nxt, data_dist
         if training:
             self._stepped_in_backward = False
+            self._enter_phase(PipelineState.CALL_BWD)
             self._backward(losses)                                 # cur, default: step inside
             self.sync_embeddings(
                 self._model, self._dmp_collection_sync_interval_batches, self.contexts[0]

@@ -227,6 +227,9 @@ class TrainPipelineSparseDistCompAutograd(TrainPipelineSparseDist[In, Out]):
                 break
     """
 
+    # torchrec's class leaves _state IDLE.
+    _tracks_state = False
+
     # torchrec's CompAutograd runs its backward itself, under compiled autograd.
     _uncalled_hooks: ClassVar[Mapping[str, Uncalled]] = {
         "_backward": never_called(

@@ -85,6 +85,9 @@ class EvalPipelineCPUSparse(TrainPipelineSparseDist[In, Out]):
                 break
     """
 
+    # torchrec's class leaves _state IDLE.
+    _tracks_state = False
+
     _uncalled_hooks: ClassVar[Mapping[str, Uncalled]] = {
         "_submit_inplace_copy": ASYNC_SUBMIT_OFF,
     }
@@ -145,6 +148,7 @@ class EvalPipelineCPUSparse(TrainPipelineSparseDist[In, Out]):
             **options,
         )
         self._pipeline_depth = pipeline_depth
+        self._multi_thread = multi_thread
         self._depth = pipeline_depth
         self._sparse_executor: Optional[ThreadPoolExecutor] = (
             ThreadPoolExecutor(max_workers=1, thread_name_prefix=SPARSE_THREAD)

@@ -267,6 +267,9 @@ class EvalPipelineSparseDist(TrainPipelineSparseDist[In, Out]):
                 break
     """
 
+    # torchrec's class leaves _state IDLE.
+    _tracks_state = False
+
     # torchrec's Eval loads on its own thread and never pulls through _next_batch.
     _pulls_through_next_batch = False
     _uncalled_hooks: ClassVar[Mapping[str, Uncalled]] = (

@@ -98,6 +98,9 @@ class TrainPipelineFusedSparseDist(TrainPipelineSparseDist[In, Out]):
                 break
     """
 
+    # torchrec's class leaves _state IDLE.
+    _tracks_state = False
+
     _uncalled_hooks: ClassVar[Mapping[str, Uncalled]] = {
         "wait_embedding_lookup": never_called(
             "TrainPipelineFusedSparseDist", "start_embedding_lookup(batch, context)"
@@ -107,6 +110,11 @@ class TrainPipelineFusedSparseDist(TrainPipelineSparseDist[In, Out]):
 
     # context_type is always EmbeddingTrainPipelineContext here.
     contexts: Deque[EmbeddingTrainPipelineContext]  # type: ignore[assignment]
+
+    @property
+    def _emb_lookup_stream(self) -> Optional[torch.Stream]:
+        """The stream the embedding lookup runs on (torchrec's attribute; None on CPU)."""
+        return self._lookup_stream
 
     def __init__(
         self,

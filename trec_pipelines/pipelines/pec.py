@@ -118,6 +118,9 @@ class TrainPipelinePEC(TrainPipelineSparseDist[In, Out]):
                 break
     """
 
+    # torchrec's class leaves _state IDLE.
+    _tracks_state = False
+
     # torchrec keeps the deferred NOL gradient on the next batch's context; ours
     # keeps it on the pipeline, so it survives a rolled-back step and a checkpoint.
     _uncalled_hooks: ClassVar[Mapping[str, Uncalled]] = {

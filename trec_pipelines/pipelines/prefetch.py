@@ -96,6 +96,19 @@ class PrefetchTrainPipelineSparseDist(TrainPipelineSparseDist[In, Out]):
                 break
     """
 
+    # torchrec's class leaves _state IDLE.
+    _tracks_state = False
+
+    @property
+    def _prefetch_stream(self) -> Optional[torch.Stream]:
+        """The stream of the cache prefetch (torchrec's attribute; None on CPU)."""
+        return self._streams.prefetch
+
+    @property
+    def _default_stream(self) -> Optional[torch.Stream]:
+        """The device's current stream (torchrec's attribute; None on CPU)."""
+        return current_stream(self._device)
+
     def __init__(
         self,
         model: torch.nn.Module,

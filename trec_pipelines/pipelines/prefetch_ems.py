@@ -7,6 +7,7 @@ from typing import Any, Callable, Dict, Iterator, Optional, Tuple, Type, Union
 
 import torch
 from torchrec.distributed.train_pipeline import In, Out
+from torchrec.distributed.train_pipeline.types import PipelineState
 from torchrec.distributed.types import NoWait
 from typing_extensions import Unpack
 
@@ -127,6 +128,7 @@ class TrainPipelinePrefetchEMS(TrainPipelineSparseDistEmbStash[In, Out]):
             self.wait_sparse_data_dist(self.contexts[1])           # nxt, data_dist
         self._restore_and_prefetch()                               # cur, default; nxt, data_dist
         if training:
+            self._enter_phase(PipelineState.CALL_BWD)
             self._backward(losses)                                 # cur, default
             self.sync_embeddings(
                 self._model, self._dmp_collection_sync_interval_batches, self.contexts[0]

@@ -17,6 +17,7 @@ from typing import (
 
 import torch
 from torchrec.distributed.train_pipeline import In, Out, TrainPipeline
+from torchrec.distributed.train_pipeline.types import PipelineState
 from torchrec.pt2.utils import default_pipeline_input_transformer
 from typing_extensions import Unpack
 
@@ -119,6 +120,9 @@ class TrainPipelinePT2(PipelineCore, TrainPipeline[In, Out]):
                 break
     """
 
+    # Each step moves _state through IDLE, CALL_FWD and CALL_BWD, as torchrec's.
+    _tracks_state = True
+
     # torchrec's PT2 inlines its pull, copy, wait and backward: the Base hooks it
     # inherits are never called there, so an override would change nothing.
     _pulls_through_next_batch = False
@@ -172,6 +176,7 @@ class TrainPipelinePT2(PipelineCore, TrainPipeline[In, Out]):
 
     @guarded_step
     def progress(self, dataloader_iter: Iterator[Any]) -> Any:
+        self._enter_phase(PipelineState.IDLE)
         self._begin_step(dataloader_iter)  # take-over, iterator switch, host batch
         host_batch = self._source.next(dataloader_iter)
         if host_batch is None:
@@ -189,10 +194,12 @@ class TrainPipelinePT2(PipelineCore, TrainPipeline[In, Out]):
         if self._iter == self._compile_configs.compile_on_iter:
             self._compile()
         with self._compiled_region():
+            self._enter_phase(PipelineState.CALL_FWD)
             with self._span(rec.FORWARD, i), self._precision.autocast():
                 losses, output = check_forward_output(self._model(batch), type(self).__name__)
             self._iter += 1
             if training:
+                self._enter_phase(PipelineState.CALL_BWD)
                 with self._span(rec.BACKWARD, i):
                     # A plain sum: PT2 models may return a scalar loss.
                     self._precision.backward(torch.sum(losses))

@@ -127,6 +127,9 @@ class TrainPipelineSemiSync(TrainPipelineSparseDist[In, Out]):
                 break
     """
 
+    # torchrec's class leaves _state IDLE.
+    _tracks_state = False
+
     _depth = 4
     # torchrec's SemiSync runs its dense backward and step itself.
     _uncalled_hooks: ClassVar[Mapping[str, Uncalled]] = {

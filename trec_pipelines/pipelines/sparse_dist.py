@@ -21,6 +21,7 @@ from typing import (
 import torch
 from torch.utils.hooks import RemovableHandle
 from torchrec.distributed.train_pipeline import In, Out, TrainPipeline
+from torchrec.distributed.train_pipeline.types import PipelineState
 from typing_extensions import Unpack
 
 from trec_pipelines._types import AnyShardedModule
@@ -117,6 +118,8 @@ class TrainPipelineSparseDist(PipelineCore, TrainPipeline[In, Out], AsyncInplace
     _input_dist_ahead: bool = True
     # Each step's splits exchange carries the ranks' agreement on a pull.
     _carries_agreement: bool = True
+    # Each step moves _state through IDLE, CALL_FWD and CALL_BWD, as torchrec's.
+    _tracks_state: ClassVar[bool] = True
     # torchrec's attribute: the forward wrapper class of the pipelined modules
     # (read, not set: _make_forward builds each module's wrapper).
     _pipelined_forward_type: type = PipelinedForward
@@ -190,11 +193,6 @@ class TrainPipelineSparseDist(PipelineCore, TrainPipeline[In, Out], AsyncInplace
         """torchrec's hook, honoured: the last step of the constructor, which keeps how
         often ``sync_embeddings`` syncs a ``DMPCollection``'s replicas."""
         self._dmp_collection_sync_interval_batches = dmp_collection_sync_interval_batches
-
-    @property
-    def _dataloader_exhausted(self) -> bool:
-        """Whether this epoch's iterator has ended (torchrec's attribute, read-only)."""
-        return self._source.exhausted
 
     @property
     def _next_index(self) -> int:
@@ -487,6 +485,7 @@ class TrainPipelineSparseDist(PipelineCore, TrainPipeline[In, Out], AsyncInplace
             self._optimizer.zero_grad()
 
     def _forward(self) -> Tuple[torch.Tensor, Any]:
+        self._enter_phase(PipelineState.CALL_FWD)
         with self._span(rec.FORWARD, self.contexts[0].index), self._precision.autocast():
             return self._model_fwd(self.batches[0])
 
@@ -530,6 +529,7 @@ class TrainPipelineSparseDist(PipelineCore, TrainPipeline[In, Out], AsyncInplace
         if len(self.batches) >= 2:
             self.wait_sparse_data_dist(self.contexts[1])           # nxt, data_dist
         if training:
+            self._enter_phase(PipelineState.CALL_BWD)
             self._backward(losses)                                 # cur, default
             self.sync_embeddings(
                 self._model, self._dmp_collection_sync_interval_batches, self.contexts[0]
@@ -543,6 +543,7 @@ class TrainPipelineSparseDist(PipelineCore, TrainPipeline[In, Out], AsyncInplace
         iterator error surfaces before any work), fill an empty pipeline, end the
         epoch when nothing is left (``StopIteration``), and point the forward
         wrappers at ``cur``."""
+        self._enter_phase(PipelineState.IDLE)
         self._begin_step(dataloader_iter)  # take-over, iterator switch, host batches
         self.fill_pipeline(dataloader_iter)
         self._stop_if_done()

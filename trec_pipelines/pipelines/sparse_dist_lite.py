@@ -6,6 +6,7 @@ from typing import Any, Callable, ClassVar, Iterator, Mapping, Optional, Tuple, 
 
 import torch
 from torchrec.distributed.train_pipeline import In, Out
+from torchrec.distributed.train_pipeline.types import PipelineState
 from typing_extensions import Unpack
 
 from trec_pipelines.core.api_docs import documented
@@ -136,6 +137,7 @@ class TrainPipelineSparseDistLite(TrainPipelineSparseDist[In, Out]):
         self.wait_sparse_data_dist(ctx)                            # cur, default
         losses, output = self._forward()                           # cur, default
         if training:
+            self._enter_phase(PipelineState.CALL_BWD)
             self._backward(losses)                                 # cur, default
         self.enqueue_batch(dataloader_iter)                        # nxt, memcpy: overlaps the step
         if training:

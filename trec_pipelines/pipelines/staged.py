@@ -39,6 +39,7 @@ from trec_pipelines.core.streams import (
     record_stream,
     wait_event,
 )
+from trec_pipelines.core.torchrec_state import TorchrecState
 from trec_pipelines.data.agreement import AgreementChannel, agreement_group
 from trec_pipelines.data.source import BatchSource
 from trec_pipelines.observe import recorder as rec
@@ -207,7 +208,9 @@ class _Failure:
 
 @documented()
 @takes_options(BatchOptions)
-class StagedTrainPipeline(Hooks, TrainPipeline[In, Optional[StageOut]], Recordable, Resumable):
+class StagedTrainPipeline(
+    TorchrecState, Hooks, TrainPipeline[In, Optional[StageOut]], Recordable, Resumable
+):
     """N batches in flight, one per stage; the caller trains the batch it returns.
 
     With stages ``s0 .. s(N-1)``, one ``progress()`` call issues, in order:
@@ -280,6 +283,11 @@ class StagedTrainPipeline(Hooks, TrainPipeline[In, Optional[StageOut]], Recordab
         )
         for hook in ("_run_stage", "_advance", "_run_with_event")
     }
+
+    @property
+    def _initialized(self) -> bool:
+        """Whether the stages are filled (torchrec's attribute)."""
+        return self._filled
 
     def __init__(
         self,

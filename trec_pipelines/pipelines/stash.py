@@ -12,6 +12,7 @@ from typing import Any, Callable, ClassVar, Iterator, Mapping, Optional, Tuple, 
 
 import torch
 from torchrec.distributed.train_pipeline import In, Out
+from torchrec.distributed.train_pipeline.types import PipelineState
 from torchrec.distributed.types import ShardingType
 from typing_extensions import Unpack
 
@@ -87,6 +88,11 @@ class TrainPipelineSparseDistOptStash(TrainPipelineSparseDist[In, Out]):
     _uncalled_hooks: ClassVar[Mapping[str, Uncalled]] = {
         "_submit_inplace_copy": ASYNC_SUBMIT_OFF,
     }
+
+    @property
+    def _output_dist_site(self) -> InjectionSite:
+        """Where the optimizer state's restore starts in the backward (torchrec's attribute)."""
+        return self._restore_site
 
     def __init__(
         self,
@@ -164,6 +170,7 @@ class TrainPipelineSparseDistOptStash(TrainPipelineSparseDist[In, Out]):
             self.wait_sparse_data_dist(self.contexts[1])           # nxt, data_dist
         if training:
             self._finish_optimizer_stash()                         # prv's stash issued (worker)
+            self._enter_phase(PipelineState.CALL_BWD)
             self._backward(losses)                                 # cur, default: restore starts
             self.sync_embeddings(
                 self._model, self._dmp_collection_sync_interval_batches, self.contexts[0]
@@ -264,6 +271,12 @@ class TrainPipelineSparseDistEmbStash(TrainPipelineSparseDist[In, Out]):
         )
         for hook in ("_try_hook_stash", "_log_ems_config")
     }
+
+    @property
+    def _injection_site(self) -> Any:
+        """Where the stashed embeddings' restore starts in the backward (torchrec's
+        attribute: an ``InjectionSite``, or the fqn given)."""
+        return self._restore_site
 
     def __init__(
         self,
