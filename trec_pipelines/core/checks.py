@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any, Callable, List, Optional, Sized, Tuple, cast
+from typing import Any, List, Optional, Sized
 
 import torch
 
@@ -114,46 +114,6 @@ def check_forward_output(output: Any, pipeline: str) -> Any:
     if isinstance(output, (tuple, list)) and len(output) == 2:
         return output
     raise forward_output_error(output, pipeline)
-
-
-class _CheckedForward:
-    """A training forward whose result is checked to be ``(losses, output)``."""
-
-    __slots__ = ("forward", "pipeline")
-
-    def __init__(self, forward: Callable[..., Any], pipeline: str) -> None:
-        self.forward = forward
-        self.pipeline = pipeline
-
-    def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        output = self.forward(*args, **kwargs)
-        if type(output) is tuple and len(output) == 2:  # the usual case, at once
-            return output
-        return check_forward_output(output, self.pipeline)
-
-
-class CheckedModelForward:
-    """The ``_model_fwd`` attribute of a pipeline: set to the model (or
-    ``custom_model_fwd``), read as a callable that checks, after each call, that a
-    training pipeline's forward returned ``(losses, output)`` (a type and a length
-    check, nothing more).  A pipeline whose ``_requires_optimizer`` is False (the
-    eval variants, which also take a model returning predictions alone) reads the
-    forward unchanged."""
-
-    def __set_name__(self, owner: type, name: str) -> None:
-        self._key = f"_{name}_checked"
-
-    def __get__(
-        self, instance: Any, owner: Optional[type] = None
-    ) -> Callable[..., Tuple[torch.Tensor, Any]]:
-        if instance is None:
-            return cast(Callable[..., Tuple[torch.Tensor, Any]], self)
-        return cast(Callable[..., Tuple[torch.Tensor, Any]], instance.__dict__[self._key])
-
-    def __set__(self, instance: Any, forward: Callable[..., Any]) -> None:
-        if getattr(instance, "_requires_optimizer", True):
-            forward = _CheckedForward(forward, type(instance).__name__)
-        instance.__dict__[self._key] = forward
 
 
 def check_device(device: Any, pipeline: str) -> torch.device:

@@ -26,13 +26,13 @@ A variant says what it holds in flight through three small methods
 from __future__ import annotations
 
 import logging
-from typing import Any, Callable, Iterator, Mapping, Optional, cast
+from typing import Any, Callable, Iterator, Mapping, Optional, Tuple, cast
 
 import torch
 
 from trec_pipelines.core.checks import (
-    CheckedModelForward,
     check_device,
+    check_forward_output,
     check_model_device,
     check_optimizer,
 )
@@ -71,8 +71,9 @@ class PipelineCore(TorchrecState, Hooks, Recordable, Resumable):
     _step_guard: StepGuard
     _parked: ParkedEpochs
     _pipelined: PipelinedModel
-    # The model's forward (or custom_model_fwd), checked to return (losses, output).
-    _model_fwd = CheckedModelForward()
+    # The model's forward, or custom_model_fwd (torchrec's attribute, read and
+    # called by subclasses as it is: see _call_forward for ours).
+    _model_fwd: Callable[..., Any]
 
     def _init_core(
         self,
@@ -139,8 +140,26 @@ class PipelineCore(TorchrecState, Hooks, Recordable, Resumable):
         may skip batches (return the next one it keeps) or transform them;
         ``super()._next_batch(dataloader_iter)`` pulls.  Returning None ends the
         epoch.
+
+        Called by a subclass's own ``progress()`` (not by ours), it is torchrec's
+        pull at torchrec's point: a new iterator starts a new epoch, an ended
+        epoch gives None without calling ``next()``, and the end of the data sets
+        ``_dataloader_exhausted`` (Base: ``_data_iter_stopped``) there and then.
         """
-        return self._source.raw_next(dataloader_iter)
+        if self._source.pulling:
+            return self._source.raw_next(dataloader_iter)
+        return self._source.direct_next(dataloader_iter)
+
+    def _call_forward(self, batch: Any) -> Tuple[torch.Tensor, Any]:
+        """``self._model_fwd(batch)``, checked in a training pipeline to have returned
+        torchrec's pair ``(losses, output)`` (a type and a length check): a forward
+        that returns a bare loss, a dict or a longer tuple gets an error naming the
+        fix instead of Python's unpacking error.  A subclass's own step that calls
+        ``_model_fwd`` directly gets what it returns, as on torchrec."""
+        output = self._model_fwd(batch)
+        if (type(output) is tuple and len(output) == 2) or not self._requires_optimizer:
+            return cast(Tuple[torch.Tensor, Any], output)
+        return cast(Tuple[torch.Tensor, Any], check_forward_output(output, type(self).__name__))
 
     @classmethod
     def _guard_user_progress(

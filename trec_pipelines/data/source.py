@@ -202,6 +202,24 @@ class BatchSource:
             return batch
         return self.raw_next(iterator)
 
+    @property
+    def pulling(self) -> bool:
+        """Whether this source is pulling through its puller right now."""
+        return self._pulling
+
+    def direct_next(self, iterator: Iterator[Any]) -> Optional[Any]:
+        """A pull made by a subclass's own step through torchrec's ``_next_batch``:
+        torchrec's end-of-data flag (:attr:`ended`) follows it at once."""
+        if iterator is not self._iterator:
+            self.assign_iterator(iterator)
+            self._ended = self.exhausted = False
+        if self._ended:
+            return None
+        batch = self.raw_next(iterator)
+        if batch is None:
+            self.set_ended(True)
+        return batch
+
     def raw_next(self, iterator: Iterator[Any]) -> Optional[Any]:
         """``next(iterator)``, or None once it has ended (and was not refilled)."""
         if self._is_spent(iterator):

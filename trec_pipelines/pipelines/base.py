@@ -162,7 +162,7 @@ class TrainPipelineBase(PipelineCore, TrainPipeline[In, Out]):
                 self._optimizer.zero_grad()                        # cur, default
         self._wait_for_batch(cur)                                  # cur, memcpy -> default
         with self._span(rec.FORWARD, i), self._precision.autocast():
-            losses, output = self._model_fwd(cur)                  # cur, default
+            losses, output = self._call_forward(cur)               # cur, default
         del cur  # from here only autograd holds what it saved of cur's input
         self._copy(dataloader_iter)                                # nxt, memcpy
         if training:

@@ -324,7 +324,7 @@ class TrainPipelineSemiSync(TrainPipelineSparseDist[In, Out]):
                 # Allocated on the memcpy stream; an inplace copy allocates here.
                 record_stream(batch, consumer)
         with self._span(rec.FORWARD, context.index), self._precision.autocast():
-            return self._model_fwd(batch)
+            return self._call_forward(batch)
 
     def _dense_backward(self, losses: torch.Tensor, context: TrainPipelineContext) -> None:
         with self._span(rec.BACKWARD, context.index):

@@ -487,7 +487,7 @@ class TrainPipelineSparseDist(PipelineCore, TrainPipeline[In, Out], AsyncInplace
     def _forward(self) -> Tuple[torch.Tensor, Any]:
         self._enter_phase(PipelineState.CALL_FWD)
         with self._span(rec.FORWARD, self.contexts[0].index), self._precision.autocast():
-            return self._model_fwd(self.batches[0])
+            return self._call_forward(self.batches[0])
 
     # --------------------------------------------------------------- schedule
 
