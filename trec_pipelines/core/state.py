@@ -9,9 +9,11 @@ import enum
 class PipelineState(enum.Enum):
     """The phase of a training step: between steps, in forward, in backward.
 
-    Our pipelines do not set it; it is offered with torchrec's names and values
-    (``IDLE`` 0, ``CALL_FWD`` 1, ``CALL_BWD`` 2, ``UNKNOWN`` 3) for code that
-    stores or compares them.
+    torchrec's names and values (``IDLE`` 0, ``CALL_FWD`` 1, ``CALL_BWD`` 2,
+    ``UNKNOWN`` 3).  A pipeline's ``_state`` holds torchrec's own members (code
+    written against torchrec compares it with them); each member here compares
+    equal to torchrec's of the same name, and hashes alike, so code that imports
+    this one instead reads ``_state`` the same way.
     """
 
     IDLE = 0
@@ -21,3 +23,11 @@ class PipelineState(enum.Enum):
 
     def __str__(self) -> str:
         return self.name
+
+    def __eq__(self, other: object) -> bool:
+        if isinstance(other, enum.Enum) and type(other).__name__ == "PipelineState":
+            return self.name == other.name and self.value == other.value
+        return NotImplemented
+
+    def __hash__(self) -> int:
+        return hash(self.name)
