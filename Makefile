@@ -69,8 +69,8 @@ DIST4_PORT ?= 29517
 DIST4_TESTS ?= $(filter-out tests/distributed/test_comp_autograd.py,$(wildcard tests/distributed/test_*.py))
 # DIST4_SHARD=k/n runs the k-th of n disjoint parts of the 4-rank tier (by a
 # hash of each test's id; empty: all of it).  .ci/run gives each stack one
-# half, so every test runs on 4 ranks once per CI run and on 2 ranks on both
-# stacks.
+# quarter (half the tier per CI run, which half following the commit); every
+# test runs on 2 ranks on both stacks.
 DIST4_SHARD ?=
 
 # $(call run_4_ranks,venv): both agents of the 4-rank world; the second's tail is shown.
