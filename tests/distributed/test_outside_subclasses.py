@@ -40,9 +40,11 @@ from tests.distributed.dlrm import (
     make_batches,
     make_sharded,
     plain_loop,
+    run_pipeline,
     weights,
 )
 from tests.distributed.torchrec_shim import torchrec_on_cpu
+from tests.hook_parity import torchrec_class
 
 DEVICE = devices.device()
 SEED, DATA_SEED = 4321, 11
@@ -306,19 +308,6 @@ class _FixedScaler:
                     param.grad.div_(self.scale_factor)
 
 
-def _train(pipeline: Any, batches: List[Any], model: torch.nn.Module) -> Run:
-    it = iter(batches)
-    outputs = []
-    for _ in range(100):
-        try:
-            outputs.append(_snapshot(pipeline.progress(it)))
-        except StopIteration:
-            break
-    else:
-        raise AssertionError("the pipeline did not stop within 100 steps")
-    return Run(outputs, weights(model))
-
-
 def _scaled_model() -> Tuple[torch.nn.Module, ScaledOptimizer]:
     # SGD on the embeddings: the fused update sees the scaled gradient the same way
     # in both runs, and Adagrad on the dense part sees it unscaled.
@@ -357,7 +346,7 @@ def test_sparse_dist_subclass_trains_as_on_torchrec(stop_at_shortest: bool) -> N
             False,
             stop_at_shortest,
         )
-        runs[which] = _train(pipeline, batches, dmp)
+        runs[which] = run_pipeline(pipeline, batches, dmp)
         assert pipeline.states_seen == [PipelineState.CALL_FWD, PipelineState.CALL_BWD] * len(
             runs[which]
         )
@@ -380,7 +369,7 @@ def test_sparse_dist_subclass_with_our_context_type_trains_as_on_torchrec() -> N
         cls = outside_sparse_dist(_parent("TrainPipelineSparseDist", which))
         dmp, optimizer = _scaled_model()
         pipeline = cls(dmp, optimizer, DEVICE, True, False, context)
-        runs[which] = _train(pipeline, batches, dmp)
+        runs[which] = run_pipeline(pipeline, batches, dmp)
     assert_runs_equal(runs["torchrec"], runs["ours"], ("torchrec parent", "our parent"))
 
 
@@ -393,7 +382,7 @@ def test_sparse_dist_subclass_switches_iterators_as_on_torchrec() -> None:
         cls = outside_sparse_dist(_parent("TrainPipelineSparseDist", which))
         dmp, optimizer = _scaled_model()
         pipeline = cls(dmp, optimizer, DEVICE)
-        one = _train(pipeline, first, dmp)
+        one = run_pipeline(pipeline, first, dmp)
         assert pipeline._dataloader_exhausted is True
         it = iter(second)
         two = []
@@ -415,7 +404,7 @@ def test_base_subclass_trains_as_on_torchrec() -> None:
         cls = outside_base(_parent("TrainPipelineBase", which))
         dmp, optimizer = _scaled_model()
         pipeline = cls(dmp, optimizer, DEVICE, None)
-        runs[which] = _train(pipeline, batches, dmp)
+        runs[which] = run_pipeline(pipeline, batches, dmp)
         assert pipeline.steps_taken == 5
         assert pipeline._data_iter_stopped and pipeline._cur_batch is None
     assert_runs_equal(runs["torchrec"], runs["ours"], ("torchrec parent", "our parent"))
@@ -457,16 +446,15 @@ def test_padded_predict_scores_every_rank_s_batches_as_on_torchrec() -> None:
 # Every class built with torchrec's arguments, positionally
 # --------------------------------------------------------------------------
 
-# Classes whose torchrec twin trains here (some under the CPU shim), with the
-# keyword arguments both are given past the positional ones.
-POSITIONAL: Dict[str, Tuple[bool, Dict[str, Any]]] = {
-    "TrainPipelineBase": (False, {}),
-    "TrainPipelineSparseDist": (False, {}),
-    "TrainPipelineSparseDistLite": (False, {}),
-    "TrainPipelineFusedSparseDist": (True, {}),
-    "TrainPipelineSemiSync": (True, {}),
-    "EvalPipelineSparseDist": (False, {}),
-    "EvalPipelineFusedSparseDist": (True, {}),
+# Classes whose torchrec twin trains here -> whether it needs the CPU shim to.
+POSITIONAL: Dict[str, bool] = {
+    "TrainPipelineBase": False,
+    "TrainPipelineSparseDist": False,
+    "TrainPipelineSparseDistLite": False,
+    "TrainPipelineFusedSparseDist": True,
+    "TrainPipelineSemiSync": True,
+    "EvalPipelineSparseDist": False,
+    "EvalPipelineFusedSparseDist": True,
 }
 
 
@@ -518,7 +506,7 @@ def _positional_arguments(theirs: type, ours: type, model: Any, optimizer: Any) 
 def test_every_class_built_positionally_trains_as_torchrecs(name: str) -> None:
     theirs = getattr(upstream, name)
     ours = getattr(trec_pipelines, name)
-    shim, _ = POSITIONAL[name]
+    shim = POSITIONAL[name]
     batches = _my_batches(5)
     runs: Dict[str, Run] = {}
     for which, cls in (("torchrec", theirs), ("ours", ours)):
@@ -527,9 +515,9 @@ def test_every_class_built_positionally_trains_as_torchrecs(name: str) -> None:
         assert len(arguments) >= 3
         if shim and which == "torchrec":
             with torchrec_on_cpu():
-                runs[which] = _train(cls(*arguments), batches, dmp)
+                runs[which] = run_pipeline(cls(*arguments), batches, dmp)
         else:
-            runs[which] = _train(cls(*arguments), batches, dmp)
+            runs[which] = run_pipeline(cls(*arguments), batches, dmp)
     assert len(runs["ours"]) == 5
     assert_runs_equal(runs["torchrec"], runs["ours"], (f"torchrec's {name}", f"our {name}"))
 
@@ -546,19 +534,13 @@ POSITIONAL_PLAIN = [
 ]
 
 
-def _torchrec_twin(name: str) -> Optional[type]:
-    from tests.hook_parity import torchrec_class
-
-    return torchrec_class(name)
-
-
-@pytest.mark.parametrize("name", [n for n in POSITIONAL_PLAIN if _torchrec_twin(n) is not None])
+@pytest.mark.parametrize("name", [n for n in POSITIONAL_PLAIN if torchrec_class(n) is not None])
 def test_every_class_built_positionally_trains_as_the_plain_loop(name: str) -> None:
-    theirs = _torchrec_twin(name)
+    theirs = torchrec_class(name)
     assert theirs is not None
     ours = getattr(trec_pipelines, name)
     batches = _my_batches(5)
     reference = plain_loop(*make_sharded(DLRM, "table_wise", seed=SEED), batches)
     dmp, optimizer = make_sharded(DLRM, "table_wise", seed=SEED)
     pipeline = ours(*_positional_arguments(theirs, ours, dmp, optimizer))
-    assert_runs_equal(reference, _train(pipeline, batches, dmp), ("plain loop", name))
+    assert_runs_equal(reference, run_pipeline(pipeline, batches, dmp), ("plain loop", name))

@@ -210,9 +210,7 @@ class BatchSource:
     def direct_next(self, iterator: Iterator[Any]) -> Optional[Any]:
         """A pull made by a subclass's own step through torchrec's ``_next_batch``:
         torchrec's end-of-data flag (:attr:`ended`) follows it at once."""
-        if iterator is not self._iterator:
-            self.assign_iterator(iterator)
-            self._ended = self.exhausted = False
+        self.assign_iterator(iterator)  # a new iterator clears the end of the data
         if self._ended:
             return None
         batch = self.raw_next(iterator)
