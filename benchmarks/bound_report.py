@@ -142,6 +142,19 @@ def _terms(bound: Bound) -> str:
     return ", ".join(f"{name} {value:.2f}" for name, value in bound.terms.items())
 
 
+def _link_detail(c: StepCosts) -> str:
+    """The link's time (and bytes, when recorded) of the input dist and of the model's own collectives."""
+    text = f"link time input dist {c.link_input_dist_ms:.2f} ms + fwd+bwd+opt {c.link_compute_ms:.2f} ms"
+    if c.link_input_dist_bytes is None or c.link_compute_bytes is None:
+        return text
+    total = c.link_input_dist_bytes + c.link_compute_bytes
+    share = c.link_input_dist_bytes / total if total > 0 else None
+    return (
+        f"{text} (input dist {c.link_input_dist_bytes / 1e6:.2f} MB vs the model's own all-to-alls "
+        f"and all-reduce {c.link_compute_bytes / 1e6:.2f} MB: input dist {_pct(share)} of the link's bytes)"
+    )
+
+
 TableLayout = Callable[[Sequence[str], Sequence[Sequence[str]]], List[str]]
 
 
@@ -160,9 +173,7 @@ def format_bound(report: BoundReport, table: TableLayout) -> str:
     if c.cpu_ms is not None:
         detail.append(f"CPU of all ranks {c.cpu_ms:.2f} ms on {c.cores} cores")
     if c.link_input_dist_ms is not None and c.link_compute_ms is not None:
-        detail.append(
-            f"link time input dist {c.link_input_dist_ms:.2f} ms + fwd+bwd+opt {c.link_compute_ms:.2f} ms"
-        )
+        detail.append(_link_detail(c))
     else:
         detail.append("no emulated link (loopback taken as memory speed: no link terms)")
     lines.append("  measured per step: " + ", ".join(detail))
@@ -245,6 +256,10 @@ def summary(report: Optional[BoundReport]) -> Optional[Dict[str, Any]]:
             "cores": c.cores,
             "link_input_dist": c.link_input_dist_ms,
             "link_compute": c.link_compute_ms,
+        },
+        "link_bytes_per_step": {
+            "input_dist": c.link_input_dist_bytes,
+            "compute": c.link_compute_bytes,
         },
         "any_schedule": {
             "terms_ms": report.any_schedule.terms,

@@ -17,7 +17,33 @@ import typing
 from dataclasses import dataclass, fields
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
-from benchmarks.model import SHARDING_TYPES, ModelSpec
+from benchmarks.model import INTERACTIONS, SHARDING_TYPES, ModelSpec
+
+# Ids per sample of each of the 26 tables of MLPerf's DLRM-DCNv2 reference
+# (its multi-hot sizes; 214 in all).
+DLRM_DCNV2_POOLINGS: Tuple[int, ...] = (
+    3, 2, 1, 2, 6, 1, 1, 1, 1, 7, 3, 8, 1, 6, 9, 5, 1, 1, 1, 12, 100, 27, 10, 3, 1, 1,
+)  # fmt: skip
+DLRM_BATCH = 256
+
+_DLRM_DCNV2: Dict[str, Any] = {
+    "dims": (128,) * len(DLRM_DCNV2_POOLINGS),
+    "poolings": DLRM_DCNV2_POOLINGS,
+    "interaction": "dcn",
+    "dcn_layers": 3,
+    "dcn_rank": 16,
+    "rows": 10_000,
+    "dense_arch": (256, 128),
+    "over_arch": (128, 64),
+    "batch_sizes": (DLRM_BATCH,),
+    "steps": (12,),
+    "repeats": 5,
+    "warmup_steps": 3,
+    "link_gbit": 1.0,
+    "memory": False,
+    "memory_options": False,
+    "overhead": False,
+}
 
 # Named sets of field values (``--preset``).  Each says in its comment what it is for.
 PRESETS: Dict[str, Dict[str, Any]] = {
@@ -44,6 +70,17 @@ PRESETS: Dict[str, Dict[str, Any]] = {
         "memory_options": False,
         "overhead": False,
     },
+    # The other regime: MLPerf's DLRM-DCNv2 shapes (26 tables of dim 128, the
+    # reference's multi-hot bag size per table, 214 ids per sample; a low-rank
+    # DCNv2 cross network), where the embeddings' output all-to-all (~13 KB per
+    # sample forward, as much backward) outweighs the ids (~1.7 KB per sample)
+    # about 15 to 1: the input dist is a small part of the link's bytes.  Rows,
+    # the cross network's rank and the top MLP are scaled down to fit every
+    # contender's model on this machine and a plain step of ~50-150 ms at batch
+    # DLRM_BATCH on 2 cores, over an emulated 1 Gbit/s link.
+    "dlrm-dcnv2": _DLRM_DCNV2,
+    # The same over an emulated 10 Gbit/s link (a second run: one run, one link).
+    "dlrm-dcnv2-10gbit": dict(_DLRM_DCNV2, link_gbit=10.0),
 }
 
 
@@ -72,7 +109,13 @@ _HELP: Dict[str, str] = {
     "warmup_steps": "batches of the untimed warm-up epoch before the first repeat",
     "rows": "rows of every embedding table",
     "dims": "embedding dimension of each table (their count is the number of tables)",
-    "pooling": "mean ids per sample and feature",
+    "pooling": "mean ids per sample and feature (bag lengths uniform in [0, 2 x pooling])",
+    "poolings": "fixed ids per sample of each table, one value per table (multi-hot bags of "
+    "fixed size, as in MLPerf's DLRM-DCNv2); replaces --pooling (default: none)",
+    "interaction": "how the dense output meets the pooled embeddings: 'concat', or 'dcn' "
+    "(concatenated, then a low-rank DCNv2 cross network)",
+    "dcn_layers": "cross layers of --interaction dcn",
+    "dcn_rank": "rank of each cross layer's low-rank weight (--interaction dcn)",
     "dense_in": "dense input features",
     "dense_arch": "hidden sizes of the bottom MLP",
     "over_arch": "hidden sizes of the top MLP",
@@ -133,6 +176,10 @@ class BenchConfig:
     rows: int = 100_000
     dims: Tuple[int, ...] = (16, 32, 64, 24, 48, 16, 32, 64)
     pooling: int = 8
+    poolings: Tuple[int, ...] = ()
+    interaction: str = "concat"
+    dcn_layers: int = 3
+    dcn_rank: int = 64
     dense_in: int = 13
     dense_arch: Tuple[int, ...] = (128, 64)
     over_arch: Tuple[int, ...] = (128, 64)
@@ -186,6 +233,7 @@ class BenchConfig:
             raise ValueError(f"--overhead-repeats must be >= 1, got {self.overhead_repeats}")
         if not self.dims or self.pooling < 1 or self.rows < 1:
             raise ValueError("--dims, --pooling and --rows must be non-empty / positive")
+        self._check_model()
         if self.link_gbit is not None and self.link_gbit <= 0:
             raise ValueError(f"--link-gbit must be > 0 Gbit/s, got {self.link_gbit}")
         if self.link_socket_queue_kb < 0:
@@ -212,6 +260,29 @@ class BenchConfig:
                 f"--timeline-steps must be >= 6 to draw progress() calls 2..5, got {self.timeline_steps}"
             )
 
+    def _check_model(self) -> None:
+        if self.poolings and len(self.poolings) != len(self.dims):
+            raise ValueError(
+                f"--poolings takes one bag size per table of --dims ({len(self.dims)}), "
+                f"got {len(self.poolings)}"
+            )
+        if self.poolings and min(self.poolings) < 1:
+            raise ValueError(f"--poolings must be positive, got {self.poolings}")
+        if self.interaction not in INTERACTIONS:
+            raise ValueError(
+                f"--interaction must be one of {', '.join(INTERACTIONS)}, got {self.interaction!r}"
+            )
+        if self.dcn_layers < 1 or self.dcn_rank < 1:
+            raise ValueError(
+                f"--dcn-layers and --dcn-rank must be >= 1, got {self.dcn_layers}, {self.dcn_rank}"
+            )
+
+    def pooling_text(self) -> str:
+        """The bags' sizes as a results header says them."""
+        if self.poolings:
+            return f"fixed bags of {sum(self.poolings)} ids/sample over the tables"
+        return f"pooling ~{self.pooling}"
+
     def steps_for(self, batch_size: int) -> int:
         """Batches per timed epoch at ``batch_size``."""
         if not self.steps:
@@ -229,6 +300,10 @@ class BenchConfig:
             dense_in=self.dense_in,
             dense_arch=tuple(self.dense_arch),
             over_arch=tuple(self.over_arch),
+            poolings=tuple(self.poolings),
+            interaction=self.interaction,
+            dcn_layers=self.dcn_layers,
+            dcn_rank=self.dcn_rank,
         )
 
     def run_name(self) -> str:
@@ -384,4 +459,12 @@ def to_argv(config: BenchConfig) -> List[str]:
     return argv
 
 
-__all__ = ["PRESETS", "BenchConfig", "build_parser", "parse_args", "to_argv"]
+__all__ = [
+    "DLRM_BATCH",
+    "DLRM_DCNV2_POOLINGS",
+    "PRESETS",
+    "BenchConfig",
+    "build_parser",
+    "parse_args",
+    "to_argv",
+]

@@ -1,6 +1,6 @@
 """The benchmark's model and data: a DLRM-style network over a sharded EmbeddingBagCollection.
 
-* :class:`ModelSpec` holds the shapes (tables, arches, pooling);
+* :class:`ModelSpec` holds the shapes (tables, arches, pooling, interaction);
   :func:`default_spec` is the model the issue asks for, :func:`tiny_spec` the
   one whose step is so cheap that the pipeline's own Python work dominates.
 * :func:`make_batches` builds synthetic batches up front, so the timed loops
@@ -13,7 +13,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import List, Sequence, Tuple
+from typing import List, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
@@ -23,6 +23,7 @@ from torchrec.distributed.embeddingbag import EmbeddingBagCollectionSharder
 from torchrec.distributed.model_parallel import DistributedModelParallel
 from torchrec.distributed.planner import EmbeddingShardingPlanner, ParameterConstraints, Topology
 from torchrec.distributed.types import ShardingEnv
+from torchrec.modules.crossnet import LowRankCrossNet
 from torchrec.modules.embedding_configs import EmbeddingBagConfig, PoolingType
 from torchrec.modules.embedding_modules import EmbeddingBagCollection
 from torchrec.optim.keyed import CombinedOptimizer, KeyedOptimizerWrapper
@@ -33,6 +34,7 @@ from torchrec.streamable import Pipelineable
 from tests import devices
 
 SHARDING_TYPES = ("table_wise", "row_wise", "column_wise", "table_row_wise", "data_parallel")
+INTERACTIONS = ("concat", "dcn")
 
 
 @dataclass(frozen=True)
@@ -43,10 +45,18 @@ class ModelSpec:
         rows: rows of every embedding table.
         dims: one embedding dimension per table (the number of tables).
         pooling: mean ids per sample and feature; lengths are uniform in
-            ``[0, 2 * pooling]``, so some bags are empty.
+            ``[0, 2 * pooling]``, so some bags are empty.  Unused with ``poolings``.
         dense_in: dense input features.
-        dense_arch: hidden sizes of the bottom MLP (its last size feeds the over arch).
+        dense_arch: hidden sizes of the bottom MLP (its last size feeds the interaction).
         over_arch: hidden sizes of the top MLP, before the final logit.
+        poolings: fixed ids per sample of each table (every bag of table ``i``
+            holds exactly ``poolings[i]`` ids, as in a multi-hot data set such
+            as MLPerf's DLRM-DCNv2); empty: random lengths around ``pooling``.
+        interaction: how the dense output and the pooled embeddings meet before
+            the top MLP: ``"concat"`` (concatenated) or ``"dcn"`` (concatenated,
+            then a low-rank DCNv2 cross network, as in MLPerf's DLRM-DCNv2).
+        dcn_layers: cross layers of the ``"dcn"`` interaction.
+        dcn_rank: rank of each cross layer's low-rank weight (``"dcn"``).
         stash_weights: mark every table ``stash_weights`` (the embedding-stash
             variants' contenders: what they move off a GPU between lookup and
             backward; nothing else reads it).
@@ -59,6 +69,37 @@ class ModelSpec:
     dense_arch: Tuple[int, ...]
     over_arch: Tuple[int, ...]
     stash_weights: bool = False
+    poolings: Tuple[int, ...] = ()
+    interaction: str = "concat"
+    dcn_layers: int = 3
+    dcn_rank: int = 64
+
+    def __post_init__(self) -> None:
+        if self.poolings and len(self.poolings) != len(self.dims):
+            raise ValueError(
+                f"poolings takes one bag size per table ({len(self.dims)}), got {len(self.poolings)}"
+            )
+        if self.poolings and min(self.poolings) < 1:
+            raise ValueError(f"poolings must be positive, got {self.poolings}")
+        if self.interaction not in INTERACTIONS:
+            raise ValueError(
+                f"interaction must be one of {', '.join(INTERACTIONS)}, got {self.interaction!r}"
+            )
+        if self.dcn_layers < 1 or self.dcn_rank < 1:
+            raise ValueError(
+                f"dcn_layers and dcn_rank must be >= 1, got {self.dcn_layers}, {self.dcn_rank}"
+            )
+
+    @property
+    def ids_per_sample(self) -> float:
+        """Ids per sample over every table (the mean with random lengths)."""
+        return float(sum(self.poolings)) if self.poolings else float(self.pooling * len(self.dims))
+
+    def lengths(self, batch_size: int, g: torch.Generator) -> torch.Tensor:
+        """One batch's bag lengths, key-major (a KJT's layout): fixed per table with ``poolings``."""
+        if self.poolings:
+            return torch.tensor(self.poolings).repeat_interleave(batch_size)
+        return torch.randint(0, 2 * self.pooling + 1, (len(self.dims) * batch_size,), generator=g)
 
     @property
     def features(self) -> List[str]:
@@ -127,9 +168,7 @@ def make_batches(spec: ModelSpec, n: int, batch_size: int, seed: int, rank: int)
     g = torch.Generator().manual_seed(seed * 100_003 + rank * 7919 + batch_size)
     batches = []
     for _ in range(n):
-        lengths = torch.randint(
-            0, 2 * spec.pooling + 1, (len(spec.dims) * batch_size,), generator=g
-        )
+        lengths = spec.lengths(batch_size, g)
         values = torch.randint(0, spec.rows, (int(lengths.sum()),), generator=g)
         sparse = KeyedJaggedTensor.from_lengths_sync(
             keys=spec.features, values=values, lengths=lengths.int()
@@ -156,6 +195,10 @@ def _mlp(sizes: Sequence[int], last_activation: bool) -> nn.Sequential:
 class DLRM(nn.Module):
     """Bottom MLP on the dense features, pooled embeddings, top MLP to one logit.
 
+    The interaction (``spec.interaction``) joins the bottom MLP's output and
+    the pooled embeddings: concatenated, or concatenated and crossed by a
+    low-rank DCNv2 cross network (torchrec's ``LowRankCrossNet``).
+
     ``forward(batch)`` returns ``(loss, logits)``: the per-sample BCE loss
     (pipelines backprop ``sum(loss)``) and the detached logits.
     """
@@ -172,11 +215,18 @@ class DLRM(nn.Module):
         self.ebc = EmbeddingBagCollection(tables=spec.table_configs(), device=torch.device("meta"))
         self.dense_arch = _mlp((spec.dense_in, *spec.dense_arch), last_activation=True)
         over_in = spec.dense_arch[-1] + sum(spec.dims)
+        self.cross: Optional[nn.Module] = (
+            LowRankCrossNet(over_in, num_layers=spec.dcn_layers, low_rank=spec.dcn_rank)
+            if spec.interaction == "dcn"
+            else None
+        )
         self.over_arch = _mlp((over_in, *spec.over_arch, 1), last_activation=False)
 
     def forward(self, batch: Batch) -> Tuple[torch.Tensor, torch.Tensor]:
         pooled = self.ebc(batch.sparse).to_dict()
         x = torch.cat([self.dense_arch(batch.dense)] + [pooled[f] for f in self.features], dim=1)
+        if self.cross is not None:
+            x = self.cross(x)
         logits = self.over_arch(x).squeeze(-1)
         loss = nn.functional.binary_cross_entropy_with_logits(
             logits, batch.labels, reduction="none"

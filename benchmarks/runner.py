@@ -46,7 +46,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 import torch
 import torch.distributed as dist
 
-from benchmarks import memory, netns, recording, report
+from benchmarks import memory, netns, recording, report, run_header
 from benchmarks.config import BenchConfig
 from benchmarks.contenders import (
     COMPILED_PLAIN,
@@ -775,13 +775,15 @@ def write_results(
     seconds: float,
 ) -> None:
     link = link_facts(cfg)
-    header = [
-        f"trec_pipelines benchmark '{cfg.run_name()}': {raw['world']} {devices.backend()} ranks "
-        f"on {devices.device_type().upper()}, "
-        f"{cfg.sharding_type}, {len(cfg.dims)} tables x {cfg.rows:,} rows, pooling ~{cfg.pooling}, "
-        f"{cfg.threads} thread(s)/rank; wall time {seconds / 60:.1f} min",
+    header = run_header.header(
+        cfg,
+        raw["world"],
+        devices.backend(),
+        devices.device_type(),
+        seconds,
         _link_line(link),
-    ] + [f"note: {n}" for n in notes]
+        notes,
+    )
     text = report.format_report(raw, cfg.repeats, header)
     print("\n" + text, flush=True)
     document = {

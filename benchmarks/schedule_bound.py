@@ -135,6 +135,10 @@ class StepCosts:
     cores: Optional[int] = None
     link_input_dist_ms: Optional[float] = None
     link_compute_ms: Optional[float] = None
+    # Bytes per step on the emulated link (every rank): the input dist's, and
+    # the model's own collectives' (output all-to-alls, gradient all-reduce).
+    link_input_dist_bytes: Optional[float] = None
+    link_compute_bytes: Optional[float] = None
 
     def stage_ms(self) -> Dict[str, float]:
         """The three stage times, as the old bound printed them."""
@@ -174,6 +178,10 @@ def step_costs(
         # percent more than its rate through: its bucket, its rounding).
         return min(at_rate, stage_ms)
 
+    def link_bytes(key: str) -> Optional[float]:
+        per_step = _median_ms(stages, key, steps)
+        return None if per_step is None or not link_gbit else per_step / 1e3
+
     return StepCosts(
         h2d_ms=h2d,
         input_dist_ms=input_dist,
@@ -183,6 +191,8 @@ def step_costs(
         cores=cores,
         link_input_dist_ms=link_ms("link_bytes_input_dist", input_dist),
         link_compute_ms=link_ms("link_bytes_compute", compute),
+        link_input_dist_bytes=link_bytes("link_bytes_input_dist"),
+        link_compute_bytes=link_bytes("link_bytes_compute"),
     )
 
 

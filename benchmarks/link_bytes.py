@@ -1,0 +1,120 @@
+"""What a training step puts on the link, by collective, from the model's shapes alone.
+
+The stage probe measures two byte counts per step on an emulated link: the
+input dist's and everything else the step sends (``fwd+bwd+opt``).  This
+module splits the second by collective, by arithmetic over the shapes, so a
+results table can say which of them fills the link:
+
+* ``input dist``: each rank sends every other rank the ids (int64) and bag
+  lengths (int32) of the tables that rank holds, for its own batch.
+* ``output dist``: the pooled embeddings of a rank's tables for every other
+  rank's batch (float32) forward, and their gradients backward.
+* ``gradient all-reduce``: DDP's ring all-reduce of the dense parameters'
+  gradients (float32): each rank sends ``2 (W - 1) / W`` times their size.
+
+It assumes table-wise sharding with the tables spread evenly over the ranks
+(the fraction ``(W - 1) / W`` of a batch's ids and embeddings crosses the
+link), and leaves out the splits all-to-alls (a few bytes per table).  The
+measured totals sit next to it in the results, so a gap shows.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Dict, Optional
+
+from benchmarks.model import ModelSpec
+
+ID_BYTES = 8  # int64 ids
+LENGTH_BYTES = 4  # int32 lengths
+FLOAT_BYTES = 4
+
+
+@dataclass(frozen=True)
+class LinkBytes:
+    """Bytes one training step puts on the link, every rank together, by collective.
+
+    Attributes:
+        input_dist: the ids and lengths all-to-all.
+        output_dist: the pooled embeddings' all-to-all forward and their
+            gradients' backward.
+        allreduce: DDP's all-reduce of the dense gradients.
+    """
+
+    input_dist: float
+    output_dist: float
+    allreduce: float
+
+    @property
+    def model(self) -> float:
+        """The model's own collectives: everything but the input dist."""
+        return self.output_dist + self.allreduce
+
+    @property
+    def total(self) -> float:
+        return self.input_dist + self.model
+
+    def shares(self) -> Dict[str, float]:
+        """Each collective's fraction of the step's bytes."""
+        total = self.total or 1.0
+        return {
+            "input dist": self.input_dist / total,
+            "output dist": self.output_dist / total,
+            "gradient all-reduce": self.allreduce / total,
+        }
+
+
+def dense_parameters(spec: ModelSpec) -> int:
+    """Parameters of the model outside its embedding tables (what DDP all-reduces)."""
+    from benchmarks.model import DLRM  # builds the tables on the meta device: no memory
+
+    model = DLRM(spec)
+    return sum(p.numel() for name, p in model.named_parameters() if not name.startswith("ebc."))
+
+
+def step_bytes(
+    spec: ModelSpec, batch_size: int, world: int, dense_params: Optional[int] = None
+) -> LinkBytes:
+    """:class:`LinkBytes` of one training step at ``batch_size`` per rank on ``world`` ranks.
+
+    ``dense_params``: the dense parameter count when known (else counted
+    from ``spec``).
+    """
+    if world < 1 or batch_size < 1:
+        raise ValueError(f"world and batch_size must be >= 1, got {world}, {batch_size}")
+    remote = (world - 1) / world  # the share of the tables another rank holds
+    samples = world * batch_size
+    per_sample_ids = spec.ids_per_sample * ID_BYTES + len(spec.dims) * LENGTH_BYTES
+    params = dense_parameters(spec) if dense_params is None else dense_params
+    return LinkBytes(
+        input_dist=samples * remote * per_sample_ids,
+        output_dist=2 * samples * remote * sum(spec.dims) * FLOAT_BYTES,
+        allreduce=world * 2 * remote * params * FLOAT_BYTES,
+    )
+
+
+def link_ms(n_bytes: float, link_gbit: float) -> float:
+    """Milliseconds ``n_bytes`` take at ``link_gbit`` Gbit/s."""
+    return n_bytes * 8 / (link_gbit * 1e9) * 1e3
+
+
+def describe(spec: ModelSpec, batch_size: int, world: int, link_gbit: Optional[float]) -> str:
+    """One line: the step's link bytes by collective (and their time at the link's rate)."""
+    b = step_bytes(spec, batch_size, world)
+    shares = b.shares()
+    parts = []
+    for name, n in (
+        ("input dist", b.input_dist),
+        ("output dist", b.output_dist),
+        ("gradient all-reduce", b.allreduce),
+    ):
+        at_rate = f" = {link_ms(n, link_gbit):.1f} ms" if link_gbit else ""
+        parts.append(f"{name} {n / 1e6:.2f} MB{at_rate} ({100 * shares[name]:.0f}%)")
+    return (
+        f"link bytes per step at batch {batch_size}/rank, from the shapes (table-wise, all ranks): "
+        + ", ".join(parts)
+        + (f" at {link_gbit:g} Gbit/s" if link_gbit else "")
+    )
+
+
+__all__ = ["LinkBytes", "dense_parameters", "describe", "link_ms", "step_bytes"]
