@@ -776,13 +776,7 @@ def write_results(
 ) -> None:
     link = link_facts(cfg)
     header = run_header.header(
-        cfg,
-        raw["world"],
-        devices.backend(),
-        devices.device_type(),
-        seconds,
-        _link_line(link),
-        notes,
+        cfg, raw["world"], devices.backend(), devices.device_type(), seconds, link, notes
     )
     text = report.format_report(raw, cfg.repeats, header)
     print("\n" + text, flush=True)
@@ -811,11 +805,3 @@ def write_results(
         + ")",
         flush=True,
     )
-
-
-def _link_line(link: Dict[str, Any]) -> str:
-    if link["requested_gbit"] is None:
-        return "interconnect: none emulated (loopback at memory speed)"
-    if link["emulated"]:
-        return f"interconnect: emulated {link['requested_gbit']:g} Gbit/s ({link['qdisc']}, private network namespace)"
-    return f"interconnect: {link['requested_gbit']:g} Gbit/s requested but NOT emulated: {link['not_emulated_because']}"
