@@ -9,6 +9,7 @@ under torchrun (``RANK`` set) it is one rank of the benchmark.
     python -m benchmarks --variants TrainPipelineSparseDist --batch-sizes 4096
     python -m benchmarks --include-compiled   # also PT2 / CompAutograd
     python -m benchmarks replot benchmarks/results/<run>   # redraw a run's figure, nothing run
+    python -m benchmarks sweep                # the regime map: dims x link speeds (benchmarks/sweep.py)
     python -m benchmarks --help
 """
 
@@ -82,6 +83,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         from benchmarks import replot
 
         return replot.main(args[1:])
+    if args[:1] == ["sweep"]:
+        from benchmarks import sweep
+
+        return sweep.main(args[1:])
     cfg = parse_args(args)
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
         from benchmarks.runner import worker

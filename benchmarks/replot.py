@@ -5,10 +5,12 @@ the folder already holds (the QPS figure, and each timeline the run stored
 with its recorded epoch), so the figures of a committed run can follow
 changes to how they are drawn.  ``results.json`` and ``table.txt`` are
 left as they are.  A run from before timelines were stored keeps its
-timeline pictures as they are.
+timeline pictures as they are.  A sweep's folder (``python -m benchmarks
+sweep``: it holds ``sweep.json``) gets its ``sweep.png`` redrawn.
 
     python -m benchmarks replot benchmarks/results/<run>               # <run>/qps.png, <run>/timelines/
     python -m benchmarks replot benchmarks/results/<run> --out /tmp/x  # /tmp/x/qps.png, /tmp/x/timelines/
+    python -m benchmarks replot benchmarks/results/sweep               # sweep/sweep.png
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ import json
 import os
 from typing import List, Optional, Sequence
 
-from benchmarks import recording, report
+from benchmarks import recording, report, sweep
 
 CHART = "qps.png"
 TIMELINES = "timelines"
@@ -28,7 +30,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="python -m benchmarks replot",
         description="Redraw the QPS figure and the stored timelines of a results folder "
-        "from its results.json "
+        "from its results.json, or a sweep folder's sweep.png from its sweep.json "
         "(nothing is run; results.json and table.txt are left as they are).",
     )
     parser.add_argument("folder", help="a results folder (holds results.json)")
@@ -40,10 +42,13 @@ def build_parser() -> argparse.ArgumentParser:
 
 def replot(folder: str, out: Optional[str] = None) -> List[str]:
     """Redraw ``folder``'s figures into ``out`` (default ``folder``); returns the files written."""
+    if os.path.isfile(os.path.join(folder, sweep.SWEEP_JSON)):
+        return _replot_sweep(folder, out if out is not None else folder)
     source = os.path.join(folder, "results.json")
     if not os.path.isfile(source):
         raise FileNotFoundError(
-            f"{source} not found: replot takes a results folder of the benchmark"
+            f"{source} not found: replot takes a results folder of the benchmark "
+            f"(or of a sweep, holding {sweep.SWEEP_JSON})"
         )
     with open(source) as f:
         document = json.load(f)
@@ -53,6 +58,18 @@ def replot(folder: str, out: Optional[str] = None) -> List[str]:
     report.write_chart(document["raw"], path)
     written = [path] if os.path.exists(path) else []
     return written + recording.redraw_timelines(document, os.path.join(target, TIMELINES))
+
+
+def _replot_sweep(folder: str, target: str) -> List[str]:
+    """A sweep folder's ``sweep.png`` from its ``sweep.json``."""
+    from benchmarks import sweep_chart  # matplotlib only when drawing
+
+    with open(os.path.join(folder, sweep.SWEEP_JSON)) as f:
+        document = json.load(f)
+    os.makedirs(target, exist_ok=True)
+    path = os.path.join(target, sweep.SWEEP_FIGURE)
+    sweep_chart.write_chart(document, path)
+    return [path]
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
