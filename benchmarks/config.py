@@ -32,7 +32,7 @@ _DLRM_DCNV2: Dict[str, Any] = {
     "interaction": "dcn",
     "dcn_layers": 3,
     "dcn_rank": 16,
-    "rows": 10_000,
+    "rows": 5_000,
     "dense_arch": (256, 128),
     "over_arch": (128, 64),
     "batch_sizes": (DLRM_BATCH,),

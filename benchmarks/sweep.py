@@ -40,6 +40,8 @@ SWEEP_VARIANTS: Tuple[str, ...] = (
     "TrainPipelineSemiSync",
     "StagedTrainPipeline",
 )
+# The modes of the throughput rows the sweep keeps: the training ones (Staged's is its own).
+TRAINING_MODES = ("train", "staged")
 SWEEP_JSON = "sweep.json"
 SWEEP_FIGURE = "sweep.png"
 POINTS = "points"
@@ -184,7 +186,7 @@ def point_record(point: SweepPoint, document: Mapping[str, Any]) -> Dict[str, An
                 "ours_vs_plain": row.get("ours_vs_plain"),
             }
             for row in block.get("variants") or []
-            if row.get("mode") == "train"
+            if row.get("mode") in TRAINING_MODES
         },
     )
     return record

@@ -18,6 +18,16 @@ from dataclasses import dataclass, field
 from typing import Any, Dict, List, Mapping, Optional, Tuple
 
 BOUND_COLOR = "tab:green"
+# The variants' colours: any but the bound's.
+VARIANT_COLORS = (
+    "tab:blue",
+    "tab:orange",
+    "tab:red",
+    "tab:purple",
+    "tab:brown",
+    "tab:pink",
+    "tab:olive",
+)
 BOUND_LABEL = "any-schedule bound"
 
 Series = List[Tuple[int, Optional[float]]]
@@ -71,9 +81,10 @@ def _tick(dim: int, share: Optional[float]) -> str:
 
 
 def _draw_panel(ax: Any, panel: Panel) -> None:
-    for variant, series in sorted(panel.variants.items()):
+    for k, (variant, series) in enumerate(sorted(panel.variants.items())):
         xs = [d for d, r in series if r is not None]
-        ax.plot(xs, [r for _, r in series if r is not None], marker="o", label=variant)
+        color = VARIANT_COLORS[k % len(VARIANT_COLORS)]
+        ax.plot(xs, [r for _, r in series if r is not None], marker="o", color=color, label=variant)
     xs = [d for d, r in panel.bound if r is not None]
     ax.plot(
         xs,
@@ -115,8 +126,8 @@ def write_chart(document: Mapping[str, Any], path: str) -> None:
     axes[0][-1].legend(fontsize="small", loc="best")
     config = document.get("config") or {}
     fig.suptitle(
-        f"Where pipelining pays: preset {config.get('preset', '?')}, batch {config.get('batch_size', '?')}/rank, "
-        f"{config.get('repeats', '?')} x {config.get('steps', '?')} steps per point"
+        f"Where pipelining pays: preset {config.get('preset', '?')}, batch {config.get('batch_size', '?')}/rank,\n"
+        f"median of {config.get('repeats', '?')} epochs of {config.get('steps', '?')} steps per point"
     )
     fig.tight_layout()
     fig.savefig(path, dpi=110)

@@ -66,7 +66,12 @@ def _results(
 ) -> Dict[str, Any]:
     """A point's results.json, as far as the sweep reads it."""
     rows = [
-        {"variant": v, "mode": "train", "ours": {"median": q}, "ours_vs_plain": q / plain}
+        {
+            "variant": v,
+            "mode": "staged" if v.startswith("Staged") else "train",
+            "ours": {"median": q},
+            "ours_vs_plain": q / plain,
+        }
         for v, q in ours.items()
     ]
     rows.append({"variant": "EvalPipelineSparseDist", "mode": "eval", "ours": {"median": 1.0}})
@@ -137,6 +142,7 @@ def test_panels_are_what_is_drawn() -> None:
     share: Optional[float] = slow.input_dist_share[8]
     assert share == pytest.approx(0.8) and slow.input_dist_share[128] == pytest.approx(4e5 / 1.34e7)
     assert list(fast.variants["TrainPipelineSparseDist"]) == [(8, pytest.approx(1.3))]
+    assert set(slow.variants) == set(sweep.SWEEP_VARIANTS)  # Staged's rows are training rows too
 
 
 def test_write_and_replot(tmp_path: Any) -> None:
