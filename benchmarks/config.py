@@ -345,7 +345,8 @@ plain training loop, on CPU ranks (launched under torchrun by this command).
 
 How long: the default run takes about 20 minutes on a 2-core machine (every
 variant and torchrec's classes, two batch sizes, memory and overhead phases);
---preset pipelining about 6 minutes.  A quick look (two variants on the
+--preset pipelining about 6 minutes, --preset dlrm-dcnv2 and dlrm-dcnv2-10gbit
+about 6 each.  A quick look (two variants on the
 pipelining preset, 3 rounds: a couple of minutes):
 
   python -m benchmarks --preset pipelining --repeats 3 \\
@@ -359,7 +360,11 @@ timeline per variant of ours."""
 _EPILOG = """\
 Redraw a results folder's figure from its results.json (nothing is run):
 
-  python -m benchmarks replot benchmarks/results/<run> [--out DIR]"""
+  python -m benchmarks replot benchmarks/results/<run> [--out DIR]
+
+The regime map (short runs over embedding dim x link speed; its own --help):
+
+  python -m benchmarks sweep"""
 
 
 def _default_text(value: Any) -> str:

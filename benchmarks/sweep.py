@@ -5,12 +5,13 @@ per point of a grid of embedding dimension x link speed, on the
 ``dlrm-dcnv2`` preset's model (26 tables, 214 ids per sample; only the
 dimension changes).  The ids a step sends stay the same while the embeddings'
 all-to-alls grow with the dimension, so the grid runs from the regime where the
-input dist dominates the link (dim 8: the ids outweigh the pooled
-embeddings) to the one where the model's own collectives do (dim 128), each
-at a slow and a fast link.  Each point also records the any-schedule bound
+ids are a large share of the link's bytes (dim 8: as many bytes as the pooled
+embeddings, a quarter of the step's with the gradient all-reduce) to the one
+where the model's own collectives fill it (dim 128: the ids are 3%), each at a
+slow and a fast link.  Each point also records the any-schedule bound
 (``benchmarks/schedule_bound.py``), drawn as a curve next to the variants.
 
-    python -m benchmarks sweep                               # 3 dims x 2 links, ~6 min
+    python -m benchmarks sweep                               # 3 dims x 2 links, ~6-8 min
     python -m benchmarks sweep --dims 8,128 --link-gbits 1   # 2 points
     python -m benchmarks sweep --dry-run                     # print the planned runs only
     python -m benchmarks replot benchmarks/results/sweep     # redraw sweep.png
