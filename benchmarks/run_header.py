@@ -17,7 +17,8 @@ def header(
     link: Dict[str, Any],
     notes: Sequence[str],
 ) -> List[str]:
-    """The run line, the interconnect line, the link's bytes per batch size, then the notes.
+    """The run line, the interconnect line, the link's bytes per batch size (table_wise
+    sharding only), then the notes.
 
     ``link``: the runner's link facts (``runner.link_facts``).
     """
@@ -28,8 +29,9 @@ def header(
         f"wall time {seconds / 60:.1f} min",
         link_line(link),
     ]
-    spec = cfg.model_spec()
-    lines += [link_bytes.describe(spec, b, world, cfg.link_gbit) for b in cfg.batch_sizes]
+    if cfg.sharding_type == "table_wise":  # what benchmarks/link_bytes.py assumes
+        spec = cfg.model_spec()
+        lines += [link_bytes.describe(spec, b, world, cfg.link_gbit) for b in cfg.batch_sizes]
     return lines + [f"note: {n}" for n in notes]
 
 

@@ -107,5 +107,9 @@ def test_the_header_names_the_bags_the_interaction_and_the_link_s_bytes() -> Non
     assert lines[1].startswith("interconnect: emulated 1 Gbit/s")
     assert "input dist" in lines[2] and "output dist" in lines[2] and "Gbit/s" in lines[2]
     assert lines[-1] == "note: a note"
+    other = parse_args(["--preset", "dlrm-dcnv2", "--sharding-type", "row_wise"])
+    assert not any(
+        "link bytes" in line for line in run_header.header(other, 2, "gloo", "cpu", 1.0, link, [])
+    )
     plain = run_header.link_line({"requested_gbit": None})
     assert plain.startswith("interconnect: none emulated")
