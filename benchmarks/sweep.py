@@ -310,7 +310,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--name", default=defaults.name, help=f"the sweep's folder name (default: {defaults.name})"
     )
     parser.add_argument("--dry-run", action="store_true", help="print the planned runs and exit")
-    return parser  # fmt: skip
+    return parser
 
 
 def parse_args(argv: Optional[Sequence[str]] = None) -> Tuple[SweepConfig, bool]:
