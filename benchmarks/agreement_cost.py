@@ -1,14 +1,16 @@
 """What the ranks' agreement on each pulled batch costs a SparseDist step.
 
 Run under torchrun on 2 ranks (``make bench-agreement``).  The test DLRM
-(tests/distributed/dlrm.py), table-wise, trains the same batches three ways, in
-paired rounds (each round runs all three back to back, in a rotating order):
+(tests/distributed/dlrm.py), table-wise, trains the same batches four ways, in
+paired rounds (each round runs all four back to back, in a rotating order):
 
 * ``none``: no agreement (``sync_exhaustion=False``);
 * ``all-reduce``: each pull's code all-reduced on a gloo group of its own,
   started a pull ahead (what Base, PT2 and Staged do);
 * ``carried`` (SparseDist's default): each pull's code carried by the step's
-  own splits all-to-all.
+  own splits all-to-all;
+* ``blocking`` (``agree_ahead=False``): each pull agreed as it is made, with a
+  blocking all-reduce, and no host batch pulled ahead for it.
 
 It prints the median step time of each and the median over rounds of the
 difference to ``none``, per batch size.  See [Note: agreeing on each batch].
@@ -29,14 +31,14 @@ from tests import devices
 from tests.distributed.dlrm import DLRM, make_batches, make_sharded
 
 DEVICE = devices.device()
-SETTINGS = ("none", "all-reduce", "carried")
+SETTINGS = ("none", "all-reduce", "carried", "blocking")
 
 
 def _epoch(setting: str, batches: List[Any]) -> float:
     """Seconds per step of one epoch over ``batches`` (after one warm-up step)."""
     dmp, optimizer = make_sharded(DLRM, "table_wise", seed=0)
     pipeline = trec_pipelines.TrainPipelineSparseDist(
-        dmp, optimizer, DEVICE, sync_exhaustion=setting != "none"
+        dmp, optimizer, DEVICE, sync_exhaustion=setting != "none", agree_ahead=setting != "blocking"
     )
     if setting == "all-reduce":
         assert pipeline._agreement is not None
@@ -68,7 +70,8 @@ def main() -> None:
         batches = make_batches(args.steps + 1, seed=3, batch_size=batch_size)
         times: Dict[str, List[float]] = {s: [] for s in SETTINGS}
         for round_index in range(args.rounds):
-            order = SETTINGS[round_index % 3 :] + SETTINGS[: round_index % 3]
+            turn = round_index % len(SETTINGS)
+            order = SETTINGS[turn:] + SETTINGS[:turn]
             for setting in order:
                 times[setting].append(_epoch(setting, batches))
         if dist.get_rank() == 0:

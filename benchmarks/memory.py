@@ -11,6 +11,13 @@ Two measurements per pipeline contender:
   ``memory=True``), which also sees what ``progress()`` holds in its locals
   while it runs, so its peak is at least the outside one.
 
+Held memory is split by place (``[Note: memory places]`` in
+``trec_pipelines/observe/memory.py``): a host batch is one of the batches this
+epoch feeds the pipeline, as the iterator gave it, held by the pipeline and not
+yet copied (``Batch.to()`` always makes a new object), for torchrec's classes
+and ours alike; ours' batch sources also list theirs.  Every other batch held is
+a device batch.
+
 And, for SparseDist, what the memory options save: a fresh pipeline per
 option set, each measured from outside (``option_sets``).  Every epoch here
 runs on batches made for it alone, and the options' batches copy in ``to()``
@@ -65,7 +72,7 @@ def held_epoch(contender: Contender, batches: Sequence[Any]) -> Dict[str, Any]:
 
     def after_step() -> None:
         nonlocal rss_peak
-        tracker.add(footprint(pipeline, skip))
+        tracker.add(footprint(pipeline, skip, host_objects=batches))
         rss_peak = max(rss_peak, rss_bytes() or 0)
 
     rss_before = rss_bytes()
@@ -79,11 +86,25 @@ def held_epoch(contender: Contender, batches: Sequence[Any]) -> Dict[str, Any]:
         "held_by_kind": dict(peak.bytes_by_kind),
         "storages": peak.storages,
         "max_batches": tracker.max_batches,
+        "held_by_place": peak.bytes_by_place,
+        "place_peaks": dict(tracker.peak_by_place),
+        "max_host_batches": tracker.max_host_batches,
+        "max_device_batches": tracker.max_device_batches,
+        "agree_ahead": agrees_ahead(pipeline),
         "truncated": peak.truncated,
         "rss_before": rss_before,
         "rss_peak": rss_peak,
         "steps": tracker.samples,
     }
+
+
+def agrees_ahead(pipeline: Any) -> bool:
+    """Whether ``pipeline`` (ours) pulls a host batch ahead for the ranks' agreement
+    (``agree_ahead``, with an agreement); False for torchrec's classes."""
+    source = getattr(pipeline, "_source", None)
+    return bool(
+        getattr(source, "agree_ahead", False) and getattr(source, "agreement", None) is not None
+    )
 
 
 def ledger_epoch(
@@ -114,9 +135,13 @@ def ledger_epoch(
         "steady": summary.steady_bytes,
         "steady_by_kind": dict(summary.steady_by_kind),
         "max_batches": summary.max_batches,
+        "peak_by_place": dict(summary.peak_by_place),
+        "steady_by_place": dict(summary.steady_by_place),
+        "max_host_batches": summary.max_host_batches,
+        "max_device_batches": summary.max_device_batches,
         "device_max_allocated": summary.device_max_allocated,
         "device_max_reserved": summary.device_max_reserved,
     }
 
 
-__all__ = ["OPTIONS_VARIANT", "OPTION_SETS", "held_epoch", "ledger_epoch"]
+__all__ = ["OPTIONS_VARIANT", "OPTION_SETS", "agrees_ahead", "held_epoch", "ledger_epoch"]

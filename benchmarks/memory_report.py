@@ -13,9 +13,11 @@ A number shown for a contender is the largest over its ranks.
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any, Dict, List, Optional, Sequence
 
-from trec_pipelines.observe.memory import KINDS
+from benchmarks import memory_places
+from trec_pipelines.observe.memory import KINDS, PLACES
 
 MiB = float(2**20)
 
@@ -87,10 +89,36 @@ def _table(header: Sequence[str], body: Sequence[Sequence[str]]) -> List[str]:
     return [line(header), line(["-" * w for w in widths])] + [line(r) for r in body]
 
 
+def _places(rank: Optional[Dict[str, Any]]) -> str:
+    """A rank's bytes at its peak by place (host/device/context/embeddings/other);
+    by kind, the batches in one, for results measured before places."""
+    if not rank:
+        return "-"
+    by_place = rank.get("held_by_place")
+    if by_place is None:
+        return "by kind " + "/".join(mib(rank["held_by_kind"].get(k, 0)) for k in KINDS)
+    return "/".join(mib(by_place.get(p, 0)) for p in PLACES)
+
+
+def _batches(figures: Optional[memory_places.PlaceFigures], place: str) -> str:
+    if figures is None:
+        return "-"
+    return str(figures.host_batches if place == "host" else figures.device_batches)
+
+
+def _ledger_batches(book: Optional[Dict[str, Any]]) -> str:
+    if not book:
+        return "-"
+    if "max_host_batches" not in book:
+        return str(book["max_batches"])
+    return f"{book['max_host_batches']}+{book['max_device_batches']}"
+
+
 def format_memory(
     memory: Dict[str, Any], variants: Sequence[str], batch_size: int, world: int
 ) -> str:
-    """Per variant: held at peak (both libraries, by kind for ours), ours' ledger, batches in flight."""
+    """Per variant: held at peak (both libraries, by place), host and device batches
+    against torchrec's, ours' ledger, resident memory's rise."""
     body = []
     for variant in variants:
         ours, theirs = memory.get(f"ours:{variant}"), memory.get(f"torchrec:{variant}")
@@ -98,29 +126,22 @@ def format_memory(
             continue
         o, t = held_peak(ours), held_peak(theirs)
         ratio = "-" if o is None or t is None or t == 0 else f"{o / t:.2f}"
-        at_peak = _rank_at_peak(ours)
-        kinds = "/".join(mib(at_peak["held_by_kind"].get(k, 0)) for k in KINDS) if at_peak else "-"
-        theirs_at_peak = _rank_at_peak(theirs)
-        theirs_kinds = (
-            "/".join(mib(theirs_at_peak["held_by_kind"].get(k, 0)) for k in KINDS)
-            if theirs_at_peak
-            else "-"
-        )
+        places_o, places_t = memory_places.figures(ours), memory_places.figures(theirs)
         book = ledger(ours)
-        batches_o = str(at_peak["max_batches"]) if at_peak else "-"
-        batches_t = str(theirs_at_peak["max_batches"]) if theirs_at_peak else "-"
         body.append(
             [
                 variant,
                 mib(o) if ours and ours.get("status") == "ok" else "n/a",
                 mib(t) if theirs and theirs.get("status") == "ok" else ("n/a" if theirs else "-"),
                 ratio,
-                kinds,
-                theirs_kinds,
-                f"{batches_o}/{batches_t}",
+                _places(_rank_at_peak(ours)),
+                _places(_rank_at_peak(theirs)),
+                f"{_batches(places_o, 'host')}/{_batches(places_t, 'host')}",
+                f"{_batches(places_o, 'device')}/{_batches(places_t, 'device')}",
+                memory_places.verdict(places_o, places_t),
                 mib(book["peak"]) if book else "-",
                 mib(book["steady"]) if book else "-",
-                str(book["max_batches"]) if book else "-",
+                _ledger_batches(book),
                 f"{mib(rss_growth(ours))}/{mib(rss_growth(theirs))}",
             ]
         )
@@ -129,12 +150,14 @@ def format_memory(
         "held ours",
         "held torchrec",
         "ours/torchrec",
-        "ours " + "/".join(KINDS),
-        "torchrec " + "/".join(KINDS),
-        "batches o/t",
+        "ours " + "/".join(p.split()[0] for p in PLACES),
+        "torchrec " + "/".join(p.split()[0] for p in PLACES),
+        "host batches o/t",
+        "device batches o/t",
+        "by place vs torchrec",
         "ledger peak",
         "ledger steady",
-        "ledger batches",
+        "ledger batches h+d",
         "RSS rise o/t",
     ]
     title = (
@@ -142,13 +165,19 @@ def format_memory(
         "reachable from the pipeline object after each progress(), model and optimizer excluded, each storage once"
     )
     notes = [
-        "  held = the largest over an epoch's steps; by kind at that step; batches = most batches in flight seen "
-        "after a step (ours/torchrec)",
+        "  held = the largest over an epoch's steps; by place at that step: host = host batches (pulled from "
+        "the iterator, not yet copied to the device), device = device batches (copied, or in the pipeline's "
+        "device-side work), then context/embeddings/other; batches = most of each seen after a step (ours/torchrec)",
+        "  by place vs torchrec: '<=' holds no more host and no more device batches than torchrec's class; "
+        "'+1 host (agreement)' one host batch more, see below; 'ABOVE' more than that",
         "  ledger = ours only, measured after every recorded action, progress()'s local variables included "
         "(the batch being trained, its losses); its peak is within a step, so it can exceed 'held'",
         "  RSS rise = resident memory at its peak during the epoch minus before it (ours/torchrec); the RSS "
         "columns above are the whole process's, every contender's model included",
     ]
+    agreement = memory_places.agreement_note(memory, variants)
+    if agreement is not None:
+        notes.insert(2, agreement)
     return "\n".join([title] + _table(header, body) + notes)
 
 
@@ -163,8 +192,7 @@ def format_options(rows: Sequence[Dict[str, Any]], batch_size: int) -> str:
         value = held_peak(row)
         base = baseline.get(row["side"])
         saved = "-" if value is None or base is None else mib(base - value)
-        at_peak = _rank_at_peak(row)
-        kinds = "/".join(mib(at_peak["held_by_kind"].get(k, 0)) for k in KINDS) if at_peak else "-"
+        kinds = _places(_rank_at_peak(row))
         book = ledger(row)
         body.append(
             [
@@ -186,7 +214,7 @@ def format_options(rows: Sequence[Dict[str, Any]], batch_size: int) -> str:
         "options",
         "held",
         "saved vs none",
-        "/".join(KINDS),
+        "/".join(p.split()[0] for p in PLACES),
         "ledger peak",
         "ledger steady",
     ]
@@ -210,6 +238,10 @@ def peak_rss_line(raw: Dict[str, Any]) -> Optional[str]:
     )
 
 
+def _asdict(figures: Optional[memory_places.PlaceFigures]) -> Optional[Dict[str, Any]]:
+    return None if figures is None else dataclasses.asdict(figures)
+
+
 def summary(block: Dict[str, Any], variants: Sequence[str]) -> Dict[str, Any]:
     """JSON-ready memory numbers of one throughput block."""
     memory = block.get("memory") or {}
@@ -226,6 +258,9 @@ def summary(block: Dict[str, Any], variants: Sequence[str]) -> Dict[str, Any]:
                 "ours_rss_rise": rss_growth(ours),
                 "torchrec_rss_rise": rss_growth(theirs),
                 "ours_ledger": ledger(ours),
+                "ours_by_place": _asdict(memory_places.figures(ours)),
+                "torchrec_by_place": _asdict(memory_places.figures(theirs)),
+                "above_torchrec": memory_places.above_torchrec(memory, [variant]).get(variant, []),
             }
         )
     for row in block.get("memory_options") or []:

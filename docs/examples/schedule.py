@@ -15,6 +15,6 @@ def record(
     for _ in range(steps):
         pipeline.progress(it)
     pipeline.print_schedule(steps - 1)  # task x progress() call -> batch index, with streams
-    pipeline.print_memory()  # by kind: at the peak, in steady state, each kind's own max
+    pipeline.print_memory()  # host and device batches, then by kind: at the peak, steady, own max
     pipeline.export_trace("trace.json")  # Chrome / Perfetto: a track per stream + the CPU thread
     return pipeline.schedule(), pipeline.memory_ledger()

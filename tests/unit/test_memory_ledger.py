@@ -206,8 +206,11 @@ def test_trace_gains_a_held_memory_counter(tmp_path: Any) -> None:
     counters = [e for e in json.loads(path.read_text())["traceEvents"] if e["ph"] == "C"]
     samples = pipeline.memory_samples
     assert len(counters) == len(samples)
-    assert [c["args"]["batch"] for c in counters] == [
-        s.held.bytes_by_kind[BATCH] / 2**20 for s in samples
+    assert [c["args"]["host batch"] + c["args"]["device batch"] for c in counters] == [
+        pytest.approx(s.held.bytes_by_kind[BATCH] / 2**20) for s in samples
+    ]
+    assert [c["args"]["host batch"] for c in counters] == [
+        s.held.host_batch_bytes / 2**20 for s in samples
     ]
 
 

@@ -33,18 +33,14 @@ CONCERNS = [
 
 # What each class takes today: a change here is a change of the public API.
 PRECISION = frozenset({"autocast_dtype", "grad_scaler"})
+BATCHES = frozenset({"sync_exhaustion", "agree_ahead", "validate_batches"})
 EXPECTED: Dict[str, FrozenSet[str]] = {
-    "TrainPipelineBase": frozenset({"sync_exhaustion", "validate_batches"}) | PRECISION,
-    "TrainPipelinePT2": frozenset({"sync_exhaustion", "validate_batches"}) | PRECISION,
-    "TrainPipelineSparseDistLite": frozenset(
-        {"sync_exhaustion", "validate_batches", "rewrite_strategy", "on_unpipelined"}
-    )
-    | PRECISION,
-    "EvalPipelineCPUSparse": frozenset(
-        {"sync_exhaustion", "validate_batches", "rewrite_strategy", "on_unpipelined"}
-    ),
+    "TrainPipelineBase": BATCHES | PRECISION,
+    "TrainPipelinePT2": BATCHES | PRECISION,
+    "TrainPipelineSparseDistLite": BATCHES | {"rewrite_strategy", "on_unpipelined"} | PRECISION,
+    "EvalPipelineCPUSparse": BATCHES | {"rewrite_strategy", "on_unpipelined"},
     "SparseDataDistUtil": frozenset({"rewrite_strategy", "on_unpipelined", "input_dist_group"}),
-    "StagedTrainPipeline": frozenset({"sync_exhaustion", "validate_batches"}),
+    "StagedTrainPipeline": BATCHES,
 }
 EVERY_OPTION = frozenset(OPTION_NAMES)
 SPARSE_DIST_FAMILY = [
@@ -131,6 +127,7 @@ def test_an_option_the_class_does_not_take_is_a_type_error(make: Any) -> None:
         ("input_dist_group", "mine", ValueError),
         ("sync_exhaustion", "yes", TypeError),
         ("validate_batches", None, TypeError),
+        ("agree_ahead", "no", TypeError),
     ],
 )
 def test_a_bad_value_is_refused_with_the_choices(option: str, value: Any, error: type) -> None:

@@ -34,7 +34,7 @@ from torch import nn
 
 from trec_pipelines.advise.variants import Variant, examples_per_batch, iterable_problem
 from trec_pipelines.core.streams import device_module, has_streams, new_stream
-from trec_pipelines.observe.memory import device_memory, rss_bytes
+from trec_pipelines.observe.memory import DEVICE_BATCH, HOST_BATCH, device_memory, rss_bytes
 from trec_pipelines.pipelines.sparse_data_dist_util import SparseDataDistUtil
 from trec_pipelines.pipelines.staged import PipelineStage
 from trec_pipelines.sparse.input_dist_tap import tap_input_dist
@@ -59,6 +59,9 @@ class RoundResult:
         held_peak: the memory ledger's peak bytes (None: the class has no
             ledger, or not the first round).
         held_steady: its steady bytes (None: as ``held_peak``).
+        held_host: the ledger's largest bytes in host batches (pulled, not yet
+            copied to the device) after any action (None: as ``held_peak``).
+        held_device: the same in device batches (None: as ``held_peak``).
         rss_peak: the largest resident memory sampled after a step of the
             measured epochs (None: not the first round, or no ``/proc``).
         device_peak: the device allocator's max allocated bytes over the round
@@ -76,6 +79,8 @@ class RoundResult:
     unpipelined: Tuple[Tuple[str, str], ...] = ()
     held_peak: Optional[int] = None
     held_steady: Optional[int] = None
+    held_host: Optional[int] = None
+    held_device: Optional[int] = None
     rss_peak: Optional[int] = None
     device_peak: Optional[int] = None
     exposed_input_dist: Optional[float] = None
@@ -417,12 +422,15 @@ def _detail(built: _Built, result: RoundResult, batches: List[Any], device: torc
             finally:
                 pipeline.disable_schedule_recording()
             result.held_peak, result.held_steady = summary.peak_bytes, summary.steady_bytes
+            result.held_host = summary.max_by_place[HOST_BATCH]
+            result.held_device = summary.max_by_place[DEVICE_BATCH]
         else:
             _run_epoch(built, batches, device)
             if pipeline is None:
                 result.held_peak = result.held_steady = (
                     0  # the plain loop keeps nothing between steps
                 )
+                result.held_host = result.held_device = 0
     result.rss_peak, result.device_peak = peaks
 
 

@@ -33,6 +33,11 @@ class VariantReport:
         held_peak: the memory ledger's peak bytes held by the pipeline (model
             and optimizer excluded), largest rank.
         held_steady: the same, in the steady state.
+        held_host: the ledger's largest bytes in host batches (pulled from the
+            iterator, not yet copied to the device: host memory on a GPU),
+            largest rank; part of ``held_peak``.
+        held_device: the same in device batches (copied, or in the pipeline's
+            device-side work: device memory on a GPU).
         rss_peak: largest resident memory after a step of its measured
             epochs, largest rank (the whole process, model included).  The
             contenders run one after another in one process and freed memory
@@ -59,6 +64,8 @@ class VariantReport:
     band: Optional[float] = None
     held_peak: Optional[int] = None
     held_steady: Optional[int] = None
+    held_host: Optional[int] = None
+    held_device: Optional[int] = None
     rss_peak: Optional[int] = None
     device_peak: Optional[int] = None
     hidden_input_dist: Optional[float] = None

@@ -530,6 +530,8 @@ def _row(
         paired=paired,
         held_peak=largest([r.held_peak for r in first]),
         held_steady=largest([r.held_steady for r in first]),
+        held_host=largest([r.held_host for r in first]),
+        held_device=largest([r.held_device for r in first]),
         rss_peak=largest([r.rss_peak for r in first]),
         device_peak=largest([r.device_peak for r in first]),
         unpipelined=first[0].unpipelined,

@@ -100,6 +100,16 @@ class PipelineOptions:
             turns it off."""
         ),
     )
+    agree_ahead: bool = field(
+        default=True,
+        metadata=_doc(
+            """With the ranks agreeing on each batch (``sync_exhaustion``), pull one host batch
+            a step ahead so its agreement rides the current step's exchange, at the cost of
+            one more host batch held (pulled from the iterator, not yet copied to the device;
+            see the memory guide). False holds none: each pull is agreed as it is made, with a
+            blocking round trip of its own on a gloo group. No effect without the agreement."""
+        ),
+    )
     validate_batches: bool = field(
         default=True,
         metadata=_doc(
@@ -140,6 +150,10 @@ class PipelineOptions:
             raise TypeError(
                 f"{pipeline}: sync_exhaustion must be None, True or False, got "
                 f"{self.sync_exhaustion!r}"
+            )
+        if not isinstance(self.agree_ahead, bool):
+            raise TypeError(
+                f"{pipeline}: agree_ahead must be True or False, got {self.agree_ahead!r}"
             )
         if not isinstance(self.validate_batches, bool):
             raise TypeError(
@@ -194,6 +208,7 @@ class BatchOptions(ValidationOptions, total=False):
     """Where the batches come from: validation, and the ranks' agreement on each pull."""
 
     sync_exhaustion: Optional[bool]
+    agree_ahead: bool
 
 
 class PrecisionOptions(TypedDict, total=False):

@@ -127,6 +127,7 @@ class PipelineCore(TorchrecState, Hooks, Recordable, Resumable):
             keep_in_flight=True,
             validate=self._options.validate_batches,
             puller=self._next_batch if self._pulls_through_next_batch else None,
+            agree_ahead=self._options.agree_ahead,
         )
 
     # ------------------------------------------------------------ torchrec's hooks

@@ -45,7 +45,9 @@ one more, whose code goes out with this call's splits exchange (or its
 all-reduce is started, ``async_op``).  A malformed batch still raises before
 its step issues any work, on every rank.  The price: one more host batch
 pulled from the iterator and held (also in a checkpoint, see ``[Note: exact
-resume]``).  A pipeline that only calls
+resume]``), host memory on a GPU, never device memory; ``agree_ahead=False``
+drops it and agrees on each pull as it is made, a round trip in every step
+(the memory guide shows the batch's bytes).  A pipeline that only calls
 :meth:`~trec_pipelines.data.source.BatchSource.next` (an eval loader thread)
 agrees on each pull as it makes it, inside its own thread.
 

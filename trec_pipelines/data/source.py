@@ -62,10 +62,6 @@ class BatchSource:
       host copies (see :mod:`trec_pipelines.core.step_guard`).
     """
 
-    # Start the next pull's agreement a call early (see [Note: agreeing on each
-    # batch]); False agrees on each pull as it is made (benchmarks/agreement_cost.py).
-    agree_ahead: bool = True
-
     def __init__(
         self,
         agreement: Optional[AgreementChannel] = None,
@@ -73,7 +69,12 @@ class BatchSource:
         validate: bool = False,
         pipelineable: bool = True,
         puller: Optional[Callable[[Iterator[Any]], Optional[Any]]] = None,
+        agree_ahead: bool = True,
     ) -> None:
+        # Start the next pull's agreement a call early, holding one more host batch
+        # (see [Note: agreeing on each batch]); False agrees on each pull as it is
+        # made, with a blocking round trip (the ``agree_ahead`` option).
+        self.agree_ahead = agree_ahead
         self._iterator: Optional[Iterator[Any]] = None
         self.agreement = agreement
         self._pulls = 0  # pulls agreed on so far: each one's number, the same on every rank
@@ -420,6 +421,15 @@ class BatchSource:
         """The iterator the current epoch pulls from."""
         return self._iterator
 
+    def host_batches(self) -> List[Any]:
+        """Every batch this source holds that is not copied to the device yet:
+        fetched ahead, under agreement, or given back by :meth:`rewind`; what the
+        memory ledger counts as host batches (see ``[Note: memory places]`` in
+        :mod:`trec_pipelines.observe.memory`).  The host copies of the in-flight
+        batches (``keep_in_flight``) were copied already: not listed."""
+        batches = list(self._held) + [p.batch for p in self._pending if p.batch is not None]
+        return batches + [b for _, b in self._rewound]
+
     @property
     def holding(self) -> int:
         """Batches fetched ahead (or given back by :meth:`rewind`) and not handed out yet."""
@@ -492,6 +502,10 @@ class SourceState:
     ended: bool
     in_flight: Deque[Tuple[int, Any]] = field(default_factory=deque)
     rewound: Deque[Tuple[int, Any]] = field(default_factory=deque)
+
+    def host_batches(self) -> List[Any]:
+        """The host batches set aside (see :meth:`BatchSource.host_batches`)."""
+        return list(self.held) + [b for _, b in self.rewound]
 
 
 class ParkedEpochs:

@@ -24,6 +24,7 @@ import torch
 
 from trec_pipelines.observe.memory import (
     KINDS,
+    PLACES,
     DeviceMemory,
     Footprint,
     StorageKey,
@@ -80,6 +81,12 @@ class LedgerSummary:
             the last sample (None on CPU).
         device_max_reserved: its peak of reserved bytes then (None on CPU).
         samples: how many actions were measured.
+        peak_by_place: the breakdown at the peak by place: host batches, device
+            batches, then the other kinds (see ``[Note: memory places]``).
+        steady_by_place: the same at the steady-state moment.
+        max_by_place: each place's own largest value over all samples.
+        max_host_batches: most host batches (pulled, not yet copied) after any action.
+        max_device_batches: most device batches after any action.
     """
 
     peak_bytes: int
@@ -92,24 +99,30 @@ class LedgerSummary:
     device_max_allocated: Optional[int]
     device_max_reserved: Optional[int]
     samples: int
+    peak_by_place: Dict[str, int]
+    steady_by_place: Dict[str, int]
+    max_by_place: Dict[str, int]
+    max_host_batches: int
+    max_device_batches: int
 
     def format(self) -> str:
         lines = [
-            f"{'kind':<12} {'at peak':>12} {'steady':>12} {'own max':>12}",
+            f"{'place/kind':<12} {'at peak':>12} {'steady':>12} {'own max':>12}",
             " ".join("-" * 12 for _ in range(4)),
         ]
-        for kind in KINDS:
+        for place in PLACES:
             lines.append(
-                f"{kind:<12} {format_bytes(self.peak_by_kind.get(kind, 0)):>12} "
-                f"{format_bytes(self.steady_by_kind.get(kind, 0)):>12} "
-                f"{format_bytes(self.max_by_kind.get(kind, 0)):>12}"
+                f"{place:<12} {format_bytes(self.peak_by_place.get(place, 0)):>12} "
+                f"{format_bytes(self.steady_by_place.get(place, 0)):>12} "
+                f"{format_bytes(self.max_by_place.get(place, 0)):>12}"
             )
         lines.append(
             f"{'total':<12} {format_bytes(self.peak_bytes):>12} {format_bytes(self.steady_bytes):>12}"
         )
         lines.append(
-            f"peak after {self.peak_at}; at most {self.max_batches} batch(es) in flight; "
-            f"{self.samples} action(s) measured"
+            f"peak after {self.peak_at}; at most {self.max_batches} batch(es) in flight "
+            f"(at most {self.max_host_batches} on the host, pulled and not yet copied; "
+            f"{self.max_device_batches} on the device); {self.samples} action(s) measured"
         )
         if self.device_max_allocated is not None:
             lines.append(
@@ -188,6 +201,7 @@ def summarize(samples: List[MemorySample]) -> LedgerSummary:
     tops = sorted((per_call[c] for c in steady_calls), key=lambda s: s.held.total)
     steady = tops[(len(tops) - 1) // 2]  # the lower median: a moment that really happened
     max_by_kind = {kind: max(s.held.bytes_by_kind[kind] for s in samples) for kind in KINDS}
+    max_by_place = {p: max(s.held.bytes_by_place[p] for s in samples) for p in PLACES}
     last_device = samples[-1].device
     return LedgerSummary(
         peak_bytes=peak.held.total,
@@ -200,6 +214,11 @@ def summarize(samples: List[MemorySample]) -> LedgerSummary:
         device_max_allocated=None if last_device is None else last_device.max_allocated,
         device_max_reserved=None if last_device is None else last_device.max_reserved,
         samples=len(samples),
+        peak_by_place=peak.held.bytes_by_place,
+        steady_by_place=steady.held.bytes_by_place,
+        max_by_place=max_by_place,
+        max_host_batches=max(s.held.host_batches for s in samples),
+        max_device_batches=max(s.held.device_batches for s in samples),
     )
 
 

@@ -36,6 +36,28 @@ Batches are counted as the outermost ``Pipelineable`` (or plain tensor)
 under a ``batch`` name; two such objects sharing a storage are one batch (on
 CPU a host batch and its "device" copy are the same memory).
 
+[Note: memory places]
+The ``batch`` kind is split by place, by the batch's role (on CPU both are
+CPU tensors, so the device a tensor is on cannot say it):
+
+* ``host batch``: a batch as the data iterator gave it, not copied to the
+  device: what a batch source holds (an object with a ``host_batches()``
+  method: the batches pulled ahead, those whose agreement is under way, those
+  given back to retry a failed step), and any
+  object passed in ``host_objects`` (the bench passes the batches it feeds a
+  pipeline, so torchrec's classes are measured alike);
+* ``device batch``: every other batch (copied to the device, or in the
+  pipeline's device-side work).
+
+The host copies a pipeline keeps of its in-flight batches, to retry a failed
+step from them, are not batches here (their names are no batch holder's): on
+CPU they share the device batches' storage, and once those are freed they
+count as ``other`` (on a GPU, host memory).
+
+A batch that shares a storage with a device batch is one device batch (on CPU
+a copy may hand over the host batch's own tensors): only batches all of whose
+objects are host batches are counted on the host.
+
 What is not seen: memory held only by C++ objects (a collective's work
 handle, the autograd graph's saved tensors behind a ``grad_fn``) and by
 other threads' frames.
@@ -57,6 +79,9 @@ from torchrec.streamable import Pipelineable
 BATCH, CONTEXT, EMBEDDINGS, OTHER = "batch", "context", "embeddings", "other"
 # Attribution order when a storage is reached under several kinds.
 KINDS: Tuple[str, ...] = (BATCH, CONTEXT, EMBEDDINGS, OTHER)
+# The batch kind by place (see [Note: memory places]), then the other kinds.
+HOST_BATCH, DEVICE_BATCH = "host batch", "device batch"
+PLACES: Tuple[str, ...] = (HOST_BATCH, DEVICE_BATCH, CONTEXT, EMBEDDINGS, OTHER)
 
 # (device, data pointer) of a storage: equal for every tensor viewing it.
 StorageKey = Tuple[str, int]
@@ -192,6 +217,9 @@ class Footprint:
         batches: distinct in-flight batches (see the module docstring).
         batch_storages: the storage keys of each of those batches.
         truncated: True when the walk stopped at ``max_objects``.
+        host_batch_bytes: the part of ``bytes_by_kind["batch"]`` held in host
+            batches (see ``[Note: memory places]``).
+        host_batches: how many of ``batches`` are host batches.
     """
 
     bytes_by_kind: Dict[str, int]
@@ -199,10 +227,27 @@ class Footprint:
     batches: int
     batch_storages: Tuple[FrozenSet[StorageKey], ...] = ()
     truncated: bool = False
+    host_batch_bytes: int = 0
+    host_batches: int = 0
 
     @property
     def total(self) -> int:
         return sum(self.bytes_by_kind.values())
+
+    @property
+    def device_batches(self) -> int:
+        """Batches copied to the device (or in its work): ``batches`` less the host ones."""
+        return self.batches - self.host_batches
+
+    @property
+    def bytes_by_place(self) -> Dict[str, int]:
+        """Bytes per place of :data:`PLACES`: the batches split into host and device."""
+        by_place = {
+            HOST_BATCH: self.host_batch_bytes,
+            DEVICE_BATCH: self.bytes_by_kind.get(BATCH, 0) - self.host_batch_bytes,
+        }
+        by_place.update({k: self.bytes_by_kind.get(k, 0) for k in KINDS if k != BATCH})
+        return by_place
 
 
 def _children(obj: Any) -> Iterable[Tuple[Optional[str], Any]]:
@@ -233,12 +278,18 @@ def _opaque(obj: Any) -> bool:
     return hasattr(type(obj), "__next__")
 
 
+def _host_holder(obj: Any) -> bool:
+    """Whether ``obj`` holds host batches and lists them (a batch source)."""
+    return callable(getattr(type(obj), "host_batches", None))
+
+
 def footprint(
     root: Any,
     skip: Iterable[StorageKey] = (),
     frames: Iterable[Dict[str, Any]] = (),
     skip_objects: Iterable[Any] = (),
     max_objects: int = 200_000,
+    host_objects: Iterable[Any] = (),
 ) -> Footprint:
     """The storage reachable from ``root`` (and from ``frames``' local variables), by kind.
 
@@ -249,8 +300,11 @@ def footprint(
             is ignored); each local's name picks its kind like an attribute's.
         skip_objects: objects never entered (the recorder walking its own pipeline).
         max_objects: stop after entering this many objects (``truncated`` is then set).
+        host_objects: batches known to be host batches wherever they are
+            reached (see ``[Note: memory places]``).
     """
     skipped = set(skip)
+    host_ids = {id(o) for o in host_objects}
     opaque_ids = {id(o) for o in skip_objects}
     kinds_of: Dict[StorageKey, Set[str]] = {}
     nbytes_of: Dict[StorageKey, int] = {}
@@ -283,6 +337,11 @@ def footprint(
         if entered > max_objects:
             truncated = True
             break
+        if _host_holder(obj):
+            for held in obj.host_batches():
+                host_ids.add(id(held))
+                keep_alive.append(held)
+                stack.append((held, BATCH, None))
         if isinstance(obj, torch.Tensor):
             for inner in _inner_tensors(obj):
                 found = storage_of(inner)
@@ -299,23 +358,42 @@ def footprint(
     by_kind = {k: 0 for k in KINDS}
     for key, kinds in kinds_of.items():
         by_kind[next(k for k in KINDS if k in kinds)] += nbytes_of[key]
-    groups = _batch_groups(owner_storages)
-    return Footprint(by_kind, len(nbytes_of), len(groups), tuple(groups), truncated)
+    groups = _batch_groups(owner_storages, host_ids)
+    host_groups = [g for g, host in groups if host]
+    host_bytes = sum(
+        nbytes_of[key]
+        for group in host_groups
+        for key in group
+        if next(k for k in KINDS if k in kinds_of[key]) == BATCH
+    )
+    return Footprint(
+        by_kind,
+        len(nbytes_of),
+        len(groups),
+        tuple(g for g, _ in groups),
+        truncated,
+        host_bytes,
+        len(host_groups),
+    )
 
 
-def _batch_groups(owner_storages: Dict[int, Set[StorageKey]]) -> List[FrozenSet[StorageKey]]:
-    """Merge batch objects that share a storage; one group per batch."""
-    groups: List[Set[StorageKey]] = []
-    for storages in owner_storages.values():
-        merged = set(storages)
-        rest: List[Set[StorageKey]] = []
-        for group in groups:
+def _batch_groups(
+    owner_storages: Dict[int, Set[StorageKey]], host_ids: Set[int]
+) -> List[Tuple[FrozenSet[StorageKey], bool]]:
+    """Merge batch objects that share a storage; one group per batch, with
+    whether every object in it is a host batch (see [Note: memory places])."""
+    groups: List[Tuple[Set[StorageKey], bool]] = []
+    for owner, storages in owner_storages.items():
+        merged, host = set(storages), owner in host_ids
+        rest: List[Tuple[Set[StorageKey], bool]] = []
+        for group, group_host in groups:
             if group & merged:
                 merged |= group
+                host = host and group_host
             else:
-                rest.append(group)
-        groups = rest + [merged]
-    return [frozenset(g) for g in groups if g]
+                rest.append((group, group_host))
+        groups = rest + [(merged, host)]
+    return [(frozenset(g), host) for g, host in groups if g]
 
 
 def pipeline_frames(root: Any, start: Optional[types.FrameType]) -> List[Dict[str, Any]]:
@@ -384,6 +462,10 @@ class PeakTracker:
     peak_by_kind: Dict[str, int] = field(default_factory=lambda: {k: 0 for k in KINDS})
     max_batches: int = 0
     samples: int = 0
+    # Each place's own largest bytes, and the most host and device batches, over the samples.
+    peak_by_place: Dict[str, int] = field(default_factory=lambda: {p: 0 for p in PLACES})
+    max_host_batches: int = 0
+    max_device_batches: int = 0
 
     def add(self, measured: Footprint) -> None:
         self.samples += 1
@@ -391,7 +473,11 @@ class PeakTracker:
             self.peak = measured
         for kind, nbytes in measured.bytes_by_kind.items():
             self.peak_by_kind[kind] = max(self.peak_by_kind.get(kind, 0), nbytes)
+        for place, nbytes in measured.bytes_by_place.items():
+            self.peak_by_place[place] = max(self.peak_by_place.get(place, 0), nbytes)
         self.max_batches = max(self.max_batches, measured.batches)
+        self.max_host_batches = max(self.max_host_batches, measured.host_batches)
+        self.max_device_batches = max(self.max_device_batches, measured.device_batches)
 
 
 def format_bytes(nbytes: Optional[float]) -> str:
@@ -407,11 +493,14 @@ def format_bytes(nbytes: Optional[float]) -> str:
 __all__ = [
     "BATCH",
     "CONTEXT",
+    "DEVICE_BATCH",
     "DeviceMemory",
     "EMBEDDINGS",
     "Footprint",
+    "HOST_BATCH",
     "KINDS",
     "OTHER",
+    "PLACES",
     "PeakTracker",
     "device_memory",
     "footprint",

@@ -189,7 +189,7 @@ def write_trace(
                 "pid": 0,
                 "ts": (sample.time - origin) * 1e6,
                 "args": {
-                    kind: nbytes / 2**20 for kind, nbytes in sample.held.bytes_by_kind.items()
+                    place: nbytes / 2**20 for place, nbytes in sample.held.bytes_by_place.items()
                 },
             }
         )
@@ -419,12 +419,13 @@ def draw_timeline(
 
 
 def _draw_memory(ax: Any, samples: Sequence["MemorySample"], origin: float) -> None:
-    """What the pipeline held after each action, in MiB, stacked by kind (a step plot)."""
-    from trec_pipelines.observe.memory import KINDS
+    """What the pipeline held after each action, in MiB, stacked by place (host and
+    device batches) and kind (a step plot)."""
+    from trec_pipelines.observe.memory import PLACES
 
     xs = [(m.time - origin) * 1e3 for m in samples]
-    layers = [[m.held.bytes_by_kind.get(kind, 0) / 2**20 for m in samples] for kind in KINDS]
-    ax.stackplot(xs, *layers, labels=list(KINDS), step="post", alpha=0.8)
+    layers = [[m.held.bytes_by_place.get(place, 0) / 2**20 for m in samples] for place in PLACES]
+    ax.stackplot(xs, *layers, labels=list(PLACES), step="post", alpha=0.8)
     ax.set_ylabel("held (MiB)")
-    ax.legend(fontsize=6, loc="upper left", ncol=len(KINDS))
+    ax.legend(fontsize=6, loc="upper left", ncol=len(PLACES))
     ax.grid(axis="x", linestyle=":", linewidth=0.5)

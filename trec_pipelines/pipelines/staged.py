@@ -314,6 +314,7 @@ class StagedTrainPipeline(
             validate=self._options.validate_batches,
             pipelineable=False,  # the stages take whatever the iterator yields
             puller=self._next_batch,
+            agree_ahead=self._options.agree_ahead,
         )
         if not pipeline_stages:
             raise ValueError(
