@@ -333,7 +333,8 @@ class BatchSource:
         kept, and a rank without one pads with its last; with no batch accepted this
         epoch (true on every rank alike at that pull), every rank raises."""
         if self._last_real is None:
-            raise nothing_to_pad_with(dist.get_rank(), batch is None)
+            rank = dist.get_rank() if dist.is_initialized() else 0
+            raise nothing_to_pad_with(rank, batch is None)
         return batch if batch is not None else Padding(self._last_real)
 
     def end_epoch(self) -> None:
