@@ -88,8 +88,9 @@ def test_uneven_data_ends_every_rank_at_the_same_step_by_default(name: str) -> N
     """The last rank has 4 batches, the others 6.  With default arguments (the
     eval pipelines with ``uneven_data="stop"``) every rank ends its epoch after 4
     steps, with StopIteration, as the plain loop over the common 4 does; the
-    longer ranks log and count the batch they pulled past the end.  The model's group times out after 20 s, so a rank left waiting in a
-    collective fails the test instead of hanging it."""
+    longer ranks log and count the batch they pulled past the end.  The model's
+    group times out after 20 s, so a rank left waiting in a collective fails the
+    test instead of hanging it."""
     rank, last = dist.get_rank(), dist.get_world_size() - 1
     short = dist.new_group(backend=devices.backend(), timeout=timedelta(seconds=20))
     batches = make_batches(4 if rank == last else 6, seed=DATA_SEED)
