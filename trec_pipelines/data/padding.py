@@ -33,6 +33,11 @@ rank hanging.
 the user's own loop runs the model on each batch the pipeline returns, so a
 padding batch would reach the user's loop as a batch, changing what the loop
 sees; the pipeline cannot run the model's forward for it in the user's place.
+``TrainEvalHybridPipelineBase`` keeps ``"stop"`` too: its one source
+alternates train and eval iterators, and a train iterator's pull, agreed one
+step ahead, can be settled after the switch to eval, where a per-call
+policy would pad a training batch; a padded eval pass mid-training runs an
+eval pipeline on the same model instead.
 """
 
 from __future__ import annotations
