@@ -146,7 +146,9 @@ class EvalPipelineCPUSparse(TrainPipelineSparseDist[In, Out]):
             enable_inplace_copy_batch=enable_inplace_copy_batch,
             free_features_storage_early=free_features_storage_early,
             clear_data_dist_inputs=clear_data_dist_inputs,
-            **options,
+            # uneven_data is ours, not the training parent's: the options are
+            # checked against this class (resolve_options reads type(self)).
+            **cast(Any, options),
         )
         self._pipeline_depth = pipeline_depth
         self._multi_thread = multi_thread

@@ -31,6 +31,7 @@ from typing import (
     Optional,
     Tuple,
     Union,
+    cast,
 )
 
 import torch
@@ -342,7 +343,9 @@ class EvalPipelineSparseDist(TrainPipelineSparseDist[In, Out]):
             enable_inplace_copy_batch=enable_inplace_copy_batch,
             free_features_storage_early=free_features_storage_early,
             clear_data_dist_inputs=clear_data_dist_inputs,
-            **options,
+            # uneven_data is ours, not the training parent's: the options are
+            # checked against this class (resolve_options reads type(self)).
+            **cast(Any, options),
         )
         # Decided as the streams were made above: a thread where copies overlap.
         self._loader_thread: bool = (

@@ -385,7 +385,9 @@ class EvalPipelineFusedSparseDist(TrainPipelineFusedSparseDist[In, Out]):
             enqueue_batch_after_forward=enqueue_batch_after_forward,
             free_features_storage_early=free_features_storage_early,
             clear_data_dist_inputs=clear_data_dist_inputs,
-            **options,
+            # uneven_data is ours, not the training parent's: the options are
+            # checked against this class (resolve_options reads type(self)).
+            **cast(Any, options),
         )
         self._enable_embedding_lookup_prefetch = enable_embedding_lookup_prefetch
 
