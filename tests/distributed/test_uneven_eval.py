@@ -182,3 +182,17 @@ def test_uneven_eval_mid_training(name: str) -> None:
     assert_runs_equal(ref_eval, Run(evaluated, {}), ("plain padded eval", name))
     assert len(evaluated) == len(evaluation)
     assert_runs_equal(ref_rest, rest, ("plain_loop", "training after the eval"))
+
+
+def test_hybrid_evaluates_with_the_training_policy() -> None:
+    """TrainEvalHybridPipelineBase keeps stopping at the shortest rank in eval mode (see
+    the what-happens-when guide): every rank stops in step, with its first batches."""
+    short = dist.new_group(backend=devices.backend(), timeout=TIMEOUT)
+    batches = make_batches(_count(COUNTS["5_vs_3"]), seed=DATA_SEED)
+    shortest = min(c for c in _all(len(batches), short) if c is not None)
+    dmp, optimizer = make_sharded(DLRM, "table_wise", seed=SEED, pg=short)
+    dmp.eval()
+    pipeline = trec_pipelines.TrainEvalHybridPipelineBase(dmp, optimizer, DEVICE)
+    ours = run_pipeline(pipeline, batches, model=dmp)
+    assert _all(len(ours), short) == [shortest] * dist.get_world_size()
+    _assert_close(ours, _unsharded(batches[:shortest]), "TrainEvalHybridPipelineBase, eval mode")
