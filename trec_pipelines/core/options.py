@@ -95,7 +95,8 @@ class PipelineOptions:
         default=None,
         metadata=_doc(
             """The ranks agree on every batch they pull, so data that ends on one rank first
-            ends every rank's epoch at the same step, and a batch malformed on one rank is
+            ends every rank's epoch at the same step (an eval pipeline pads until every
+            rank's data ended instead: ``uneven_data``), and a batch malformed on one rank is
             dropped on all. None (the default) agrees whenever the model's steps join
             collectives across ranks; True insists (and needs torch.distributed); False
             turns it off."""

@@ -81,9 +81,8 @@ class BatchSource:
     ) -> None:
         self._iterator: Optional[Iterator[Any]] = None
         self.agreement = agreement
-        self.pad_uneven = (
-            pad_uneven  # pad until every rank ended (see [Note: padding uneven eval data])
-        )
+        # Pad until every rank's data ended (see [Note: padding uneven eval data]).
+        self.pad_uneven = pad_uneven
         self._last_real: Optional[Any] = None  # this epoch's last accepted batch: what pads
         self._pulls = 0  # pulls agreed on so far: each one's number, the same on every rank
         self._held: Deque[Any] = deque()

@@ -80,7 +80,7 @@ class _Load:
     free_features: bool = False  # free_features_storage_early: check for shared storage
 
     def pull(self) -> Optional[Loaded]:
-        """The next host batch and its index; ``None`` at the end of the data."""
+        """The next host batch, its index and whether it pads; ``None`` at the end of the data."""
         batch = self.source.next(self.iterator)
         if batch is None:
             return None
