@@ -71,21 +71,26 @@ TRAIN: Dict[str, Callable[[torch.nn.Module, Any], Any]] = {
     ),
     "StagedTrainPipeline": _staged,
 }
+# The eval pipelines with uneven_data="stop": by default they pad instead, and every
+# rank scores all its batches (tests/distributed/test_uneven_eval.py).
 EVAL: Dict[str, Callable[[torch.nn.Module, Any], Any]] = {
-    "EvalPipelineSparseDist": _eval("EvalPipelineSparseDist"),
-    "EvalPipelineSparseDist+thread": _eval("EvalPipelineSparseDist", loader_thread=True),
-    "EvalPipelineFusedSparseDist": _eval("EvalPipelineFusedSparseDist"),
-    "EvalPipelineCPUSparse": _eval("EvalPipelineCPUSparse"),
+    "EvalPipelineSparseDist": _eval("EvalPipelineSparseDist", uneven_data="stop"),
+    "EvalPipelineSparseDist+thread": _eval(
+        "EvalPipelineSparseDist", loader_thread=True, uneven_data="stop"
+    ),
+    "EvalPipelineFusedSparseDist": _eval("EvalPipelineFusedSparseDist", uneven_data="stop"),
+    "EvalPipelineCPUSparse": _eval("EvalPipelineCPUSparse", uneven_data="stop"),
 }
 
 
 @pytest.mark.parametrize("name", list(TRAIN) + list(EVAL))
 def test_uneven_data_ends_every_rank_at_the_same_step_by_default(name: str) -> None:
-    """The last rank has 4 batches, the others 6.  With default arguments every
-    rank ends its epoch after 4 steps, with StopIteration, as the plain loop over
-    the common 4 does; the longer ranks log and count the batch they pulled past
-    the end.  The model's group times out after 20 s, so a rank left waiting in a
-    collective fails the test instead of hanging it."""
+    """The last rank has 4 batches, the others 6.  With default arguments (the
+    eval pipelines with ``uneven_data="stop"``) every rank ends its epoch after 4
+    steps, with StopIteration, as the plain loop over the common 4 does; the
+    longer ranks log and count the batch they pulled past the end.  The model's
+    group times out after 20 s, so a rank left waiting in a collective fails the
+    test instead of hanging it."""
     rank, last = dist.get_rank(), dist.get_world_size() - 1
     short = dist.new_group(backend=devices.backend(), timeout=timedelta(seconds=20))
     batches = make_batches(4 if rank == last else 6, seed=DATA_SEED)

@@ -29,6 +29,8 @@ CONCERNS = [
     opts.PrecisionOptions,
     opts.TrainBatchOptions,
     opts.SparseDistTrainOptions,
+    opts.EvalDataOptions,
+    opts.EvalSparseDistOptions,
 ]
 
 # What each class takes today: a change here is a change of the public API.
@@ -38,11 +40,13 @@ EXPECTED: Dict[str, FrozenSet[str]] = {
     "TrainPipelineBase": BATCHES | PRECISION,
     "TrainPipelinePT2": BATCHES | PRECISION,
     "TrainPipelineSparseDistLite": BATCHES | {"rewrite_strategy", "on_unpipelined"} | PRECISION,
-    "EvalPipelineCPUSparse": BATCHES | {"rewrite_strategy", "on_unpipelined"},
+    "EvalPipelineCPUSparse": BATCHES | {"rewrite_strategy", "on_unpipelined", "uneven_data"},
     "SparseDataDistUtil": frozenset({"rewrite_strategy", "on_unpipelined", "input_dist_group"}),
     "StagedTrainPipeline": BATCHES,
 }
 EVERY_OPTION = frozenset(OPTION_NAMES)
+# What the SparseDist training variants take: every option but the eval ones.
+TRAIN_OPTIONS = EVERY_OPTION - {"uneven_data"}
 SPARSE_DIST_FAMILY = [
     "TrainPipelineSparseDist",
     "TrainPipelineFusedSparseDist",
@@ -59,7 +63,8 @@ SPARSE_DIST_FAMILY = [
     "TrainPipelineSparseDistEmbStash",
     "TrainPipelinePrefetchEMS",
 ]
-EXPECTED.update({name: EVERY_OPTION for name in SPARSE_DIST_FAMILY})
+# Training stops at the shortest rank, always: uneven_data is the eval variants' alone.
+EXPECTED.update({name: TRAIN_OPTIONS for name in SPARSE_DIST_FAMILY})
 # The eval variants take every option but mixed precision (they train nothing).
 EXPECTED.update(
     {
@@ -138,6 +143,28 @@ def test_a_bad_value_is_refused_with_the_choices(option: str, value: Any, error:
         )
 
 
+def test_uneven_data_is_an_eval_option_with_two_policies() -> None:
+    model = TinyModel()
+    with pytest.raises(
+        ValueError,
+        match=r"EvalPipelineSparseDist: uneven_data must be one of \('pad', 'stop'\), got 'longest'",
+    ):
+        tp.EvalPipelineSparseDist(model, None, torch.device("cpu"), uneven_data="longest")
+    # Training always stops at the shortest rank: no train pipeline takes the option.
+    with pytest.raises(TypeError, match="unexpected keyword argument 'uneven_data'"):
+        tp.TrainPipelineSparseDist(
+            model, optimizer_for(model), torch.device("cpu"), uneven_data="pad"
+        )
+    pads = {
+        policy: tp.EvalPipelineSparseDist(
+            model, None, torch.device("cpu"), uneven_data=policy
+        )._source.pad_uneven
+        for policy in ("pad", "stop")
+    }
+    train = tp.TrainPipelineSparseDist(model, optimizer_for(model), torch.device("cpu"))
+    assert pads == {"pad": True, "stop": False} and train._source.pad_uneven is False
+
+
 @pytest.mark.parametrize("device", ["cpu", torch.device("cpu")], ids=["str", "torch.device"])
 @pytest.mark.parametrize("name", ["TrainPipelineBase", "TrainPipelineSparseDist"])
 def test_device_may_be_what_torch_accepts(name: str, device: Any) -> None:
@@ -171,7 +198,7 @@ def test_a_users_subclass_forwarding_options_keeps_the_parents_and_trains() -> N
         def __init__(self, *args: Any, **kwargs: Any) -> None:
             super().__init__(*args, **kwargs)
 
-    assert opts.accepted_options(Mine) == EVERY_OPTION
+    assert opts.accepted_options(Mine) == TRAIN_OPTIONS
     assert opts.accepted_options(Plain) == EXPECTED["TrainPipelineBase"]
     model, ref = TinyModel(), TinyModel()
     batches = make_batches(3)
@@ -212,7 +239,7 @@ def test_a_users_subclass_with_options_for_type_checkers_only_is_left_as_written
         "SparseDist with a parameter of the user's own, forwarding every option."
     )
     assert "_trec_options_concern" not in TaggedSparseDist.__dict__
-    assert opts.accepted_options(TaggedSparseDist) == EVERY_OPTION
+    assert opts.accepted_options(TaggedSparseDist) == TRAIN_OPTIONS
 
 
 @pytest.mark.parametrize(
@@ -238,7 +265,7 @@ def test_a_users_subclass_with_options_for_type_checkers_only_trains(
 
 def test_a_users_subclass_refuses_an_unknown_option_naming_the_accepted_ones() -> None:
     model = TinyModel()
-    takes = ", ".join(sorted(EVERY_OPTION))
+    takes = ", ".join(sorted(TRAIN_OPTIONS))
     with pytest.raises(TypeError) as failure:
         TaggedSparseDist(model, optimizer_for(model), "cpu", no_such_option=1)  # type: ignore[call-arg]
     assert str(failure.value) == (

@@ -237,4 +237,8 @@ def undocumented_parameters(cls: type) -> Dict[str, str]:
 # What the eval pipelines' progress() adds to PROGRESS.
 EVAL_PROGRESS = """An eval pipeline runs the forward alone, under ``no_grad`` (no backward, no
 optimizer step), and returns the predictions: ``pred`` of a ``(loss, pred)``
-pair, or the forward's output as it is."""
+pair, or the forward's output as it is.  With ranks holding different numbers
+of batches, it returns one output per batch of this rank's own: once this
+rank's data has ended, the call runs padding steps (their outputs thrown away)
+until every rank's has, then raises ``StopIteration`` (``uneven_data="pad"``,
+the default; see the what-happens-when guide)."""

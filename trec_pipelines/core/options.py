@@ -52,6 +52,7 @@ from typing import (
 
 import torch
 
+from trec_pipelines.data.padding import UNEVEN_DATA_POLICIES, UnevenData
 from trec_pipelines.model.rewrite import STRATEGIES, Strategy
 from trec_pipelines.sparse.input_dist_group import (
     DEFAULT_INPUT_DIST_GROUP,
@@ -94,7 +95,8 @@ class PipelineOptions:
         default=None,
         metadata=_doc(
             """The ranks agree on every batch they pull, so data that ends on one rank first
-            ends every rank's epoch at the same step, and a batch malformed on one rank is
+            ends every rank's epoch at the same step (an eval pipeline pads until every
+            rank's data ended instead: ``uneven_data``), and a batch malformed on one rank is
             dropped on all. None (the default) agrees whenever the model's steps join
             collectives across ranks; True insists (and needs torch.distributed); False
             turns it off."""
@@ -108,6 +110,18 @@ class PipelineOptions:
             one more host batch held (pulled from the iterator, not yet copied to the device;
             see the memory guide). False holds none: each pull is agreed as it is made, with a
             blocking round trip of its own on a gloo group. No effect without the agreement."""
+        ),
+    )
+    uneven_data: UnevenData = field(
+        default="pad",
+        metadata=_doc(
+            """What an eval pipeline does when the ranks hold different numbers of batches
+            (with the ranks agreeing on each batch, see ``sync_exhaustion``). "pad" (the
+            default) scores every rank's batches: a rank whose data ended runs padding steps,
+            whose outputs no one sees, until every rank's data has ended, then raises
+            ``StopIteration``. "stop" ends every rank's epoch where the first rank's data
+            ends, as training always does; the other ranks' remaining batches are not
+            scored (``unused_batches``)."""
         ),
     )
     validate_batches: bool = field(
@@ -154,6 +168,11 @@ class PipelineOptions:
         if not isinstance(self.agree_ahead, bool):
             raise TypeError(
                 f"{pipeline}: agree_ahead must be True or False, got {self.agree_ahead!r}"
+            )
+        if self.uneven_data not in UNEVEN_DATA_POLICIES:
+            raise ValueError(
+                f"{pipeline}: uneven_data must be one of {UNEVEN_DATA_POLICIES}, got "
+                f"{self.uneven_data!r}"
             )
         if not isinstance(self.validate_batches, bool):
             raise TypeError(
@@ -211,6 +230,12 @@ class BatchOptions(ValidationOptions, total=False):
     agree_ahead: bool
 
 
+class EvalDataOptions(TypedDict, total=False):
+    """An eval pipeline's end of data when the ranks hold uneven numbers of batches."""
+
+    uneven_data: UnevenData
+
+
 class PrecisionOptions(TypedDict, total=False):
     """Mixed precision of a training step: the forward's autocast, the loss scaler."""
 
@@ -244,14 +269,18 @@ class SparseDistOptions(BatchOptions, RewriteOptions, GroupOptions, total=False)
 
 
 class SparseDistTrainOptions(SparseDistOptions, PrecisionOptions, total=False):
-    """Every option: the SparseDist family's training variants."""
+    """The SparseDist family's training variants."""
+
+
+class EvalSparseDistOptions(SparseDistOptions, EvalDataOptions, total=False):
+    """The SparseDist family's eval variants."""
 
 
 class ModelOptions(RewriteOptions, GroupOptions, total=False):
     """A component that pipelines a model it does not train (SparseDataDistUtil)."""
 
 
-class EvalHostOptions(BatchOptions, RewriteOptions, total=False):
+class EvalHostOptions(BatchOptions, RewriteOptions, EvalDataOptions, total=False):
     """An eval pipeline whose input_dist runs with its lookup, on the host."""
 
 

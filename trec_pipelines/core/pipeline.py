@@ -37,7 +37,7 @@ from trec_pipelines.core.checks import (
     check_optimizer,
 )
 from trec_pipelines.core.hooks import Hooks, beginning_the_step
-from trec_pipelines.core.options import PipelineOptions, resolve_options
+from trec_pipelines.core.options import PipelineOptions, accepted_options, resolve_options
 from trec_pipelines.core.pipelined_model import PipelinedModel
 from trec_pipelines.core.precision import Precision
 from trec_pipelines.core.resume import Resumable
@@ -128,6 +128,9 @@ class PipelineCore(TorchrecState, Hooks, Recordable, Resumable):
             validate=self._options.validate_batches,
             puller=self._next_batch if self._pulls_through_next_batch else None,
             agree_ahead=self._options.agree_ahead,
+            # An eval pipeline pads a rank whose data ended (training stops at the shortest).
+            pad_uneven="uneven_data" in accepted_options(type(self))
+            and self._options.uneven_data == "pad",
         )
 
     # ------------------------------------------------------------ torchrec's hooks

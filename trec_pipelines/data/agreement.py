@@ -21,7 +21,12 @@ reports one code per pull: the pull's number and its outcome (:data:`ENDED`,
 * Otherwise, when any rank's data ended, the epoch ends on every rank, with
   ``StopIteration``, at the same step.  A rank that had a batch logs it and
   counts it in ``unused_batches``; the batch is not trained, and the next
-  epoch starts from the iterator passed then.
+  epoch starts from the iterator passed then.  That is the training policy
+  (stop at the shortest rank).  The eval pipelines pad instead
+  (``uneven_data="pad"``, see ``[Note: padding uneven eval data]`` in
+  :mod:`trec_pipelines.data.padding`): the decision tells "some rank ended"
+  (:attr:`Agreed.ended`) from "every rank ended" (:attr:`Agreed.all_ended`),
+  and the epoch ends only at the latter.
 * Codes whose pull numbers differ mean the ranks are out of step (a retry
   or skip on some ranks only): every rank raises ``OutOfStepError``.
 
@@ -109,6 +114,7 @@ class Agreed:
 
     malformed_on: List[int]  # the (global) ranks whose batch is malformed
     ended: bool  # some rank's data ended
+    all_ended: bool = False  # every rank's data ended (padding waits for this)
 
 
 def _model_groups(model: torch.nn.Module) -> List[Optional[dist.ProcessGroup]]:
@@ -240,7 +246,9 @@ def decide(codes: Sequence[int], ranks: Sequence[int]) -> Agreed:
     if len(pulls) > 1 or NOTHING in outcomes:
         raise OutOfStepError.at([None if c & 3 == NOTHING else c >> 2 for c in codes], ranks)
     return Agreed(
-        [r for r, o in zip(ranks, outcomes, strict=True) if o == MALFORMED], ENDED in outcomes
+        [r for r, o in zip(ranks, outcomes, strict=True) if o == MALFORMED],
+        ENDED in outcomes,
+        all(o == ENDED for o in outcomes),
     )
 
 

@@ -18,6 +18,7 @@ from trec_pipelines.core.checks import check_iterator
 from trec_pipelines.core.errors import MalformedBatchError
 from trec_pipelines.core.verbs import check_batch
 from trec_pipelines.data.agreement import Agreed, Agreement, AgreementChannel
+from trec_pipelines.data.padding import Padding, nothing_to_pad_with
 from trec_pipelines.data.validation import batch_problem
 
 logger: logging.Logger = logging.getLogger(__name__)
@@ -54,7 +55,10 @@ class BatchSource:
       ``MalformedBatchError``; once any rank's iterator ends, every rank treats
       its own as ended at the same step, so no rank waits in a collective for
       a batch the others will never send.  Batches a rank pulled but could not
-      use are counted in :attr:`unused`.
+      use are counted in :attr:`unused`.  With ``pad_uneven`` the epoch ends
+      only once every rank's data ended; until then a rank whose data ended
+      gets :class:`~trec_pipelines.data.padding.Padding` batches (see
+      ``[Note: padding uneven eval data]`` in :mod:`trec_pipelines.data.padding`).
     * With ``keep_in_flight`` every batch handed out stays listed, host copy
       and index, until the pipeline marks it trained (:meth:`retire`) or drops it.
       :meth:`rewind` gives the listed batches back, in order and with their
@@ -70,6 +74,7 @@ class BatchSource:
         pipelineable: bool = True,
         puller: Optional[Callable[[Iterator[Any]], Optional[Any]]] = None,
         agree_ahead: bool = True,
+        pad_uneven: bool = False,
     ) -> None:
         # Start the next pull's agreement a call early, holding one more host batch
         # (see [Note: agreeing on each batch]); False agrees on each pull as it is
@@ -77,6 +82,9 @@ class BatchSource:
         self.agree_ahead = agree_ahead
         self._iterator: Optional[Iterator[Any]] = None
         self.agreement = agreement
+        # Pad until every rank's data ended (see [Note: padding uneven eval data]).
+        self.pad_uneven = pad_uneven
+        self._last_real: Optional[Any] = None  # this epoch's last accepted batch: what pads
         self._pulls = 0  # pulls agreed on so far: each one's number, the same on every rank
         self._held: Deque[Any] = deque()
         self.exhausted = False
@@ -139,6 +147,7 @@ class BatchSource:
             )
             self._held.clear()
         self._iterator = iterator
+        self._last_real = None
         self.exhausted = self._ended = self._puller_said_ended = self.stopped_from_outside = False
 
     def next(self, iterator: Iterator[Any]) -> Optional[Any]:
@@ -151,6 +160,8 @@ class BatchSource:
             if batch is None:
                 self._ended = True  # as torchrec's flag: a copy stage found no batch
                 return None
+            if isinstance(batch, Padding):
+                return batch  # not counted nor kept in flight: its output is thrown away
             index = self.loaded
             self.loaded += 1
         self.last_index = index
@@ -254,8 +265,11 @@ class BatchSource:
             self.exhausted = True
             self._drop_pending()
             return None
+        if isinstance(batch, Padding):
+            return batch
         if self._pipelineable:
             check_batch(batch)
+        self._last_real = batch
         return batch
 
     def _drop_pending(self) -> None:
@@ -301,6 +315,8 @@ class BatchSource:
             here = "this rank's data has ended" if batch is None else "this rank's batch is fine"
             problem = problem or f"{here}; the error raised there says what is wrong"
             return None, problem, agreed.malformed_on
+        if agreed.ended and self.pad_uneven and not agreed.all_ended:
+            return self._padded(batch), None, None
         if batch is not None and agreed.ended:
             self.unused += 1
             logger.warning(
@@ -312,9 +328,19 @@ class BatchSource:
             return None, None, None
         return batch, None, None
 
+    def _padded(self, batch: Optional[Any]) -> Any:
+        """Some rank's data ended, not every rank's (``pad_uneven``): a batch here is
+        kept, and a rank without one pads with its last; with no batch accepted this
+        epoch (true on every rank alike at that pull), every rank raises."""
+        if self._last_real is None:
+            rank = dist.get_rank() if dist.is_initialized() else 0
+            raise nothing_to_pad_with(rank, batch is None)
+        return batch if batch is not None else Padding(self._last_real)
+
     def end_epoch(self) -> None:
         self.exhausted = False
         self._epoch_over = True
+        self._last_real = None
 
     # ------------------------------------------- torchrec's view of the data's end
 

@@ -52,6 +52,10 @@ class TrainPipelineContext:
             the batch the loader gave (it was already on the device), so
             ``free_features_storage_early`` must leave them alone.  Written by
             the copy verb (only with that option); read by ``start_sparse_data_dist``.
+        padding: the batch is a padding batch (an eval pipeline's rank whose data
+            ended, running steps until every rank's has; see the note "padding
+            uneven eval data" in ``trec_pipelines.data.padding``): its output is
+            thrown away.  Written by the copy verb; read by the eval ``progress()``.
         version: torchrec's context version, accepted so that a ``_create_context``
             written for torchrec (``self._context_type(index=..., version=1)``)
             works; nothing reads it.
@@ -66,6 +70,7 @@ class TrainPipelineContext:
     postproc_fwd_results: Dict[str, Any] = field(default_factory=dict)
     postproc_events: Dict[str, torch.Event] = field(default_factory=dict)
     features_shared_with_loader: bool = False
+    padding: bool = False
     version: int = 1
 
 

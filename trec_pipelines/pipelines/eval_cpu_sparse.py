@@ -28,6 +28,7 @@ from trec_pipelines.core.streams import (
     wait_stream,
 )
 from trec_pipelines.core.verbs import copy_to_device, wait_for_batch
+from trec_pipelines.data.padding import unwrap
 from trec_pipelines.model.args import CallArgs
 from trec_pipelines.model.context import CPUEmbeddingTrainPipelineContext, TrainPipelineContext
 from trec_pipelines.model.forwards import BaseForward, CPUEmbeddingPipelinedForward
@@ -145,7 +146,9 @@ class EvalPipelineCPUSparse(TrainPipelineSparseDist[In, Out]):
             enable_inplace_copy_batch=enable_inplace_copy_batch,
             free_features_storage_early=free_features_storage_early,
             clear_data_dist_inputs=clear_data_dist_inputs,
-            **options,
+            # uneven_data is ours, not the training parent's: the options are
+            # checked against this class (resolve_options reads type(self)).
+            **cast(Any, options),
         )
         self._pipeline_depth = pipeline_depth
         self._multi_thread = multi_thread
@@ -187,12 +190,13 @@ class EvalPipelineCPUSparse(TrainPipelineSparseDist[In, Out]):
 
     def enqueue_batch(self, dataloader_iter: Iterator[Any]) -> bool:
         """Queue the next host batch with its context; False at the end of the data."""
-        host = self._source.next(dataloader_iter)
+        host, padding = unwrap(self._source.next(dataloader_iter))
         if host is None:
             return False
         context = self._create_context()
         assert isinstance(context, CPUEmbeddingTrainPipelineContext)
         context.dense_gpu_device = self._device.type
+        context.padding = padding
         self.batches.append(host)
         self.contexts.append(context)
         return True
@@ -300,9 +304,19 @@ class EvalPipelineCPUSparse(TrainPipelineSparseDist[In, Out]):
 
     @guarded_step
     def progress(self, dataloader_iter: Iterator[Any]) -> Any:
+        # A padding batch's step runs for the other ranks' collectives; its output is
+        # no one's (see [Note: padding uneven eval data] in trec_pipelines.data.padding).
+        while True:
+            output, padding = self._evaluate_step(dataloader_iter)
+            if not padding:
+                return output
+
+    def _evaluate_step(self, dataloader_iter: Iterator[Any]) -> Tuple[Any, bool]:
+        """One step: ``cur``'s output, and whether ``cur`` was a padding batch."""
         # The timeline's comments stay in their columns.
         # fmt: off
         self._start_step(dataloader_iter)  # fill, pull host batches, stop at end of data
+        padding = self.contexts[0].padding
         self._finish_sparse_forward()                              # nxt, host (thread)
         output = self._dense_forward(self.batches[0], self.contexts[0])  # cur, default
         if len(self.batches) > 1 and self._pipeline_depth == 2:
@@ -312,7 +326,7 @@ class EvalPipelineCPUSparse(TrainPipelineSparseDist[In, Out]):
         self.dequeue_batch()
         if self.enqueue_batch(dataloader_iter):
             self._start_sparse_forward()                           # new, host (thread)
-        return output
+        return output, padding
 
     def reset(self) -> None:
         self._finish_sparse_forward()

@@ -31,6 +31,7 @@ from typing import (
     Optional,
     Tuple,
     Union,
+    cast,
 )
 
 import torch
@@ -42,19 +43,21 @@ from trec_pipelines.core.api_docs import EVAL_PROGRESS, documented
 from trec_pipelines.core.checks import predictions
 from trec_pipelines.core.errors import MalformedBatchError
 from trec_pipelines.core.hooks import Uncalled, never_called
-from trec_pipelines.core.options import SparseDistOptions, takes_options
+from trec_pipelines.core.options import EvalSparseDistOptions, takes_options
 from trec_pipelines.core.streams import has_streams
 from trec_pipelines.core.verbs import copy_to_device, shares_kjt_storage
 from trec_pipelines.data.handoff import OneSlotHandoff
+from trec_pipelines.data.padding import unwrap
 from trec_pipelines.data.source import BatchSource
 from trec_pipelines.observe import recorder as rec
 from trec_pipelines.pipelines.sparse_dist import TrainPipelineSparseDist
 
-# A loaded batch and its index in the order of loading.
-Loaded = Tuple[Any, int]
-# A batch on the device, its index, and whether it still uses the loader's
-# storage (it was on the device already; see shares_kjt_storage).
-Copied = Tuple[Any, int, bool]
+# A loaded batch, its index in the order of loading, and whether it pads
+# (see [Note: padding uneven eval data] in trec_pipelines.data.padding).
+Loaded = Tuple[Any, int, bool]
+# A batch on the device, its index, whether it still uses the loader's
+# storage (it was on the device already; see shares_kjt_storage), and whether it pads.
+Copied = Tuple[Any, int, bool, bool]
 
 # Opens a schedule-recorder span: (task, batch index, stream role, thread label).
 SpanFactory = Callable[[str, Optional[int], str, str], ContextManager[None]]
@@ -77,9 +80,12 @@ class _Load:
     free_features: bool = False  # free_features_storage_early: check for shared storage
 
     def pull(self) -> Optional[Loaded]:
-        """The next host batch and its index; ``None`` at the end of the data."""
+        """The next host batch, its index and whether it pads; ``None`` at the end of the data."""
         batch = self.source.next(self.iterator)
-        return None if batch is None else (batch, self.source.last_index)
+        if batch is None:
+            return None
+        host, padding = unwrap(batch)
+        return host, self.source.last_index, padding
 
     def copy(self, host: Any) -> Tuple[Any, bool]:
         """Issue ``host``'s host-to-device copy on ``stream``: the device batch, and
@@ -92,9 +98,9 @@ class _Load:
         pulled = self.pull()
         if pulled is None:
             return None
-        host, index = pulled
+        host, index, padding = pulled
         batch, shared = self.copy(host)
-        return batch, index, shared
+        return batch, index, shared, padding
 
 
 class _BatchLoader:
@@ -184,11 +190,11 @@ class _InlineLoader:
             raise
         if pulled is None:
             return None
-        host, index = pulled
+        host, index, padding = pulled
         with span(rec.H2D, index, "memcpy", _MAIN_THREAD):
             batch, shared = load.copy(host)
         self._load = load
-        return batch, index, shared
+        return batch, index, shared, padding
 
     def settle(self) -> None:
         """Nothing runs between calls (see :meth:`_BatchLoader.settle`)."""
@@ -208,7 +214,7 @@ _EVALUATES = "it evaluates: no backward, no optimizer step"
 
 
 @documented(progress=EVAL_PROGRESS)
-@takes_options(SparseDistOptions)
+@takes_options(EvalSparseDistOptions)
 class EvalPipelineSparseDist(TrainPipelineSparseDist[In, Out]):
     """Forward only; ``cur`` runs while ``nxt`` is in input_dist, batches copied ahead by a loader.
 
@@ -319,7 +325,7 @@ class EvalPipelineSparseDist(TrainPipelineSparseDist[In, Out]):
         clear_data_dist_inputs: bool = False,
         *,
         loader_thread: Optional[bool] = None,
-        **options: Unpack[SparseDistOptions],
+        **options: Unpack[EvalSparseDistOptions],
     ) -> None:
         self._loader: Optional[_Loader] = None  # first: __del__ reads it
         self._loader_iter: Optional[Iterator[Any]] = None
@@ -337,7 +343,9 @@ class EvalPipelineSparseDist(TrainPipelineSparseDist[In, Out]):
             enable_inplace_copy_batch=enable_inplace_copy_batch,
             free_features_storage_early=free_features_storage_early,
             clear_data_dist_inputs=clear_data_dist_inputs,
-            **options,
+            # uneven_data is ours, not the training parent's: the options are
+            # checked against this class (resolve_options reads type(self)).
+            **cast(Any, options),
         )
         # Decided as the streams were made above: a thread where copies overlap.
         self._loader_thread: bool = (
@@ -379,12 +387,13 @@ class EvalPipelineSparseDist(TrainPipelineSparseDist[In, Out]):
         loaded = self._loader.take(self._span)  # records its H2D
         if loaded is None:
             return False
-        batch, index, shared = loaded
+        batch, index, shared, padding = loaded
         if shared:
             self._warn_shared_features()
         self.batches.append(batch)
         context = self._create_context()
         context.index, context.features_shared_with_loader = index, shared  # the loader's
+        context.padding = padding
         self.contexts.append(context)
         return True
 
@@ -396,6 +405,15 @@ class EvalPipelineSparseDist(TrainPipelineSparseDist[In, Out]):
                 return predictions(self._model(self.batches[0]))
 
     def progress(self, dataloader_iter: Iterator[Any]) -> Any:
+        # A padding batch's step runs for the other ranks' collectives; its output is
+        # no one's (see [Note: padding uneven eval data] in trec_pipelines.data.padding).
+        while True:
+            output, padding = self._evaluate_step(dataloader_iter)
+            if not padding:
+                return output
+
+    def _evaluate_step(self, dataloader_iter: Iterator[Any]) -> Tuple[Any, bool]:
+        """One step: ``cur``'s predictions, and whether ``cur`` was a padding batch."""
         # The timeline's comments stay in their columns.
         # fmt: off
         self._begin_call()
@@ -451,7 +469,7 @@ class EvalPipelineSparseDist(TrainPipelineSparseDist[In, Out]):
             self.wait_sparse_data_dist(self.contexts[1])           # nxt, data_dist
         self.dequeue_batch()
         self._source.retire()  # cur's host copy: a checkpoint from here goes on with nxt
-        return output
+        return output, ctx.padding
 
     # ------------------------------------------------------------ lifecycle
 

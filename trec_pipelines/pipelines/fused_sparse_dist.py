@@ -24,7 +24,11 @@ from trec_pipelines._types import AnyShardedModule
 from trec_pipelines.core.api_docs import EVAL_PROGRESS, documented
 from trec_pipelines.core.checks import predictions
 from trec_pipelines.core.hooks import ASYNC_SUBMIT_OFF, Uncalled, never_called
-from trec_pipelines.core.options import SparseDistOptions, SparseDistTrainOptions, takes_options
+from trec_pipelines.core.options import (
+    EvalSparseDistOptions,
+    SparseDistTrainOptions,
+    takes_options,
+)
 from trec_pipelines.core.step_guard import guarded_step
 from trec_pipelines.core.streams import (
     StreamSet,
@@ -292,7 +296,7 @@ class TrainPipelineFusedSparseDist(TrainPipelineSparseDist[In, Out]):
 
 
 @documented(progress=EVAL_PROGRESS)
-@takes_options(SparseDistOptions)
+@takes_options(EvalSparseDistOptions)
 class EvalPipelineFusedSparseDist(TrainPipelineFusedSparseDist[In, Out]):
     """Inference in Fused's order: no backward or step, the forward under ``torch.no_grad()``.
 
@@ -364,7 +368,7 @@ class EvalPipelineFusedSparseDist(TrainPipelineFusedSparseDist[In, Out]):
         clear_data_dist_inputs: bool = False,
         *,
         enable_embedding_lookup_prefetch: bool = False,
-        **options: Unpack[SparseDistOptions],
+        **options: Unpack[EvalSparseDistOptions],
     ) -> None:
         super().__init__(
             model,
@@ -381,7 +385,9 @@ class EvalPipelineFusedSparseDist(TrainPipelineFusedSparseDist[In, Out]):
             enqueue_batch_after_forward=enqueue_batch_after_forward,
             free_features_storage_early=free_features_storage_early,
             clear_data_dist_inputs=clear_data_dist_inputs,
-            **options,
+            # uneven_data is ours, not the training parent's: the options are
+            # checked against this class (resolve_options reads type(self)).
+            **cast(Any, options),
         )
         self._enable_embedding_lookup_prefetch = enable_embedding_lookup_prefetch
 
@@ -417,13 +423,23 @@ class EvalPipelineFusedSparseDist(TrainPipelineFusedSparseDist[In, Out]):
         self.enqueue_batch(dataloader_iter)
 
     def progress(self, dataloader_iter: Iterator[Any]) -> Any:
+        # A padding batch's step runs for the other ranks' collectives; its output is
+        # no one's (see [Note: padding uneven eval data] in trec_pipelines.data.padding).
+        while True:
+            output, padding = self._evaluate_step(dataloader_iter)
+            if not padding:
+                return output
+
+    def _evaluate_step(self, dataloader_iter: Iterator[Any]) -> Tuple[Any, bool]:
+        """One step: ``cur``'s predictions, and whether ``cur`` was a padding batch."""
         self._start_step(dataloader_iter)  # fill, pull host batches, stop at end of data
+        padding = self.contexts[0].padding
         if self._enable_embedding_lookup_prefetch:
             output = self._progress_prefetch(dataloader_iter)
         else:
             output = self._progress_in_order(dataloader_iter)
         self._source.retire()  # cur's host copy: a checkpoint from here goes on with nxt
-        return output
+        return output, padding
 
     def _progress_in_order(self, dataloader_iter: Iterator[Any]) -> Any:
         """``cur``'s lookup, then its forward (the Fused training order without the update)."""

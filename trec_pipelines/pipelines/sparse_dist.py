@@ -34,6 +34,7 @@ from trec_pipelines.core.step_guard import guarded_step
 from trec_pipelines.core.streams import StreamSet, make_streams, on_stream
 from trec_pipelines.core.verbs import copy_to_device, shares_kjt_storage, wait_for_batch
 from trec_pipelines.data.inplace_copy import AsyncInplaceCopyMixin, BatchQueue, InplaceCopyWorker
+from trec_pipelines.data.padding import unwrap
 from trec_pipelines.model.args import CallArgs
 from trec_pipelines.model.backward_hooks import pipeline_hook, register_backward_hook
 from trec_pipelines.model.context import TrainPipelineContext
@@ -354,10 +355,11 @@ class TrainPipelineSparseDist(PipelineCore, TrainPipeline[In, Out], AsyncInplace
 
         Returns ``(None, None)`` once the iterator is exhausted.
         """
-        host = self._source.next(dataloader_iter)
+        host, padding = unwrap(self._source.next(dataloader_iter))
         if host is None:
             return None, None
         context = self._create_context()
+        context.padding = padding  # an eval pipeline's padding batch (trec_pipelines.data.padding)
         with self._span(rec.H2D, context.index, "memcpy"):
             if self._copy_worker is not None:  # TrainPipelineSparseDistT's copy thread
                 return self._copy_worker.submit(host), context
@@ -397,10 +399,11 @@ class TrainPipelineSparseDist(PipelineCore, TrainPipeline[In, Out], AsyncInplace
         and the batch is a Future until its slot is read (see
         the note "async in-place copy" in the source of ``trec_pipelines.data.inplace_copy``).
         """
-        host = self._source.next(dataloader_iter)
+        host, padding = unwrap(self._source.next(dataloader_iter))
         if host is None:
             return None, None
         context = self._create_context()
+        context.padding = padding  # an eval pipeline's padding batch (trec_pipelines.data.padding)
         with self._span(rec.H2D, context.index, "memcpy"):
             if self._copy_worker is not None:
                 # Not checked for shared storage: the copy is still to be made.  The

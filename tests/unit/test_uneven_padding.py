@@ -1,0 +1,97 @@
+"""The agreement's decision on an end of data, and the source's padding, with no process group.
+
+A fake channel stands in for the other rank: it holds ``other`` batches per
+epoch, and each pull's agreement is :func:`~trec_pipelines.data.agreement.decide`
+over this rank's code and the other rank's, as the real exchange delivers them.
+"""
+
+from __future__ import annotations
+
+from typing import Any, List, Optional
+
+import pytest
+import torch.distributed
+
+from trec_pipelines.data.agreement import ENDED, FINE, MALFORMED, Agreed, decide, encode
+from trec_pipelines.data.padding import Padding, unwrap
+from trec_pipelines.data.source import BatchSource
+
+
+def test_decide_tells_some_ended_from_all_ended() -> None:
+    ranks = [0, 1]
+    assert decide([encode(7, FINE), encode(7, FINE)], ranks) == Agreed([], False, False)
+    assert decide([encode(7, ENDED), encode(7, FINE)], ranks) == Agreed([], True, False)
+    assert decide([encode(7, ENDED), encode(7, ENDED)], ranks) == Agreed([], True, True)
+    assert decide([encode(7, MALFORMED), encode(7, ENDED)], ranks) == Agreed([0], True, False)
+
+
+class _Decided:
+    def __init__(self, agreed: Agreed) -> None:
+        self._agreed = agreed
+
+    def result(self) -> Agreed:
+        return self._agreed
+
+
+class _OtherRank:
+    """The channel of a two-rank world whose other rank holds ``other`` batches an epoch."""
+
+    def __init__(self, other: int) -> None:
+        self.other = other
+        self._epoch_start = 0
+
+    def start(self, pull: int, ended: bool, malformed: bool) -> _Decided:
+        here = ENDED if ended else MALFORMED if malformed else FINE
+        there = ENDED if pull - self._epoch_start >= self.other else FINE
+        return _Decided(decide([encode(pull, here), encode(pull, there)], [0, 1]))
+
+    def new_epoch(self, pull: int) -> None:
+        self._epoch_start = pull
+
+
+def _epoch(source: BatchSource, batches: List[Any]) -> List[Any]:
+    """What an eval pipeline's copy stage gets from ``source`` over one epoch."""
+    it, got = iter(batches), []
+    while True:
+        source.fetch_ahead(it)
+        batch: Optional[Any] = source.next(it)
+        if batch is None:
+            source.end_epoch()
+            return got
+        got.append(batch)
+
+
+@pytest.mark.parametrize("here, other", [(2, 5), (5, 2), (3, 3)])
+def test_a_rank_whose_data_ended_pads_with_its_last_batch_until_all_ended(
+    here: int, other: int
+) -> None:
+    channel = _OtherRank(other)
+    source = BatchSource(channel, pipelineable=False, pad_uneven=True)  # type: ignore[arg-type]
+    batches = [f"b{i}" for i in range(here)]
+    got = _epoch(source, batches)
+    assert [unwrap(b)[0] for b in got] == batches + [batches[-1]] * max(0, other - here)
+    assert [isinstance(b, Padding) for b in got] == [False] * here + [True] * max(0, other - here)
+    assert source.unused == 0 and source.loaded == here
+
+
+def test_the_stop_policy_ends_at_the_shortest_rank(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(torch.distributed, "get_rank", lambda: 0)  # its warning names the rank
+    source = BatchSource(_OtherRank(2), pipelineable=False)  # type: ignore[arg-type]
+    assert _epoch(source, ["a", "b", "c", "d"]) == ["a", "b"]
+    assert source.unused == 1  # the pull ahead, made before the end was known
+
+
+def test_a_rank_with_no_batch_has_nothing_to_pad_with_and_says_what_to_do() -> None:
+    for here, other in [(0, 3), (3, 0)]:
+        source = BatchSource(_OtherRank(other), pipelineable=False, pad_uneven=True)  # type: ignore[arg-type]
+        where = "this rank" if here == 0 else "another rank"
+        with pytest.raises(RuntimeError, match=f"{where} has no batch at all.*uneven_data='stop'"):
+            _epoch(source, [f"b{i}" for i in range(here)])
+
+
+def test_the_next_epoch_pads_with_its_own_last_batch() -> None:
+    channel = _OtherRank(3)
+    source = BatchSource(channel, pipelineable=False, pad_uneven=True)  # type: ignore[arg-type]
+    assert [unwrap(b)[0] for b in _epoch(source, ["a", "b"])] == ["a", "b", "b"]
+    channel.new_epoch(source._pulls)
+    assert [unwrap(b)[0] for b in _epoch(source, ["x"])] == ["x", "x", "x"]
