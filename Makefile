@@ -23,7 +23,7 @@ STAMP_LATEST := $(VENV_LATEST)/.installed
 VENV_GPU := .venv-gpu
 STAMP_GPU := $(VENV_GPU)/.installed
 
-.PHONY: test unit distributed distributed-4 test-latest unit-latest distributed-latest distributed-4-latest lint docs test-gpu gpu-suite bench bench-agreement wheel soak clean
+.PHONY: venv venv-latest test unit distributed distributed-4 test-latest unit-latest distributed-latest distributed-4-latest lint docs test-gpu gpu-suite bench bench-agreement wheel soak clean
 
 # $(call build_stack,venv,requirements,torchrec requirements,python): the venv
 # made with that Python, torch and torchrec's runtime deps first, then torchrec
@@ -47,6 +47,10 @@ $(STAMP_LATEST): requirements-latest.txt requirements-torchrec-latest.txt setup.
 
 $(STAMP_GPU): requirements-gpu.txt requirements-torchrec-latest.txt setup.py
 	$(call build_stack,$(VENV_GPU),requirements-gpu.txt,requirements-torchrec-latest.txt,$(PYTHON))
+
+# Each stack's venv alone (CI builds .venv-latest while the pinned stack tests).
+venv: $(STAMP)
+venv-latest: $(STAMP_LATEST)
 
 # The two CPU stacks test on the CPU even on a GPU host (their fbgemm is the CPU
 # build); `make test-gpu` has a stack of its own.

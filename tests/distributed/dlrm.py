@@ -31,11 +31,7 @@ from torch.distributed.optim import (
 )
 from torchrec.distributed.embeddingbag import EmbeddingBagCollectionSharder
 from torchrec.distributed.model_parallel import DistributedModelParallel
-from torchrec.distributed.planner import (
-    EmbeddingShardingPlanner,
-    ParameterConstraints,
-    Topology,
-)
+from torchrec.distributed.planner import ParameterConstraints
 from torchrec.distributed.types import ShardingEnv
 from torchrec.modules.embedding_configs import EmbeddingBagConfig, PoolingType
 from torchrec.modules.embedding_modules import EmbeddingBagCollection
@@ -45,6 +41,7 @@ from torchrec.sparse.jagged_tensor import KeyedJaggedTensor, KeyedTensor
 from torchrec.streamable import Pipelineable
 
 from tests import devices
+from tests.distributed import plans
 
 # --------------------------------------------------------------------------
 # Shapes
@@ -362,7 +359,6 @@ def make_sharded(
     assert dist.is_initialized(), "make_sharded needs the default process group"
     device = devices.device()
     pg = pg if pg is not None else current_group()
-    world_size = dist.get_world_size(pg)
 
     torch.manual_seed(seed)
     model = model_factory()
@@ -376,11 +372,7 @@ def make_sharded(
         for name, *_ in TABLE_SPECS
     }
     sharders = [EmbeddingBagCollectionSharder()]
-    planner = EmbeddingShardingPlanner(
-        topology=Topology(world_size=world_size, compute_device=device.type),
-        constraints=constraints,
-    )
-    plan = planner.collective_plan(model, sharders, pg)
+    plan = plans.plan(model, sharders, pg, constraints)
     for pname, ps in plan.plan["ebc"].items():  # type: ignore[union-attr]
         assert ps.sharding_type == sharding_type, (pname, ps.sharding_type)
 

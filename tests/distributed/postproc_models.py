@@ -28,13 +28,14 @@ from torch import nn
 from torchrec import EmbeddingBagCollection, EmbeddingBagConfig, KeyedJaggedTensor
 from torchrec.distributed import DistributedModelParallel
 from torchrec.distributed.embeddingbag import EmbeddingBagCollectionSharder
-from torchrec.distributed.planner import EmbeddingShardingPlanner, ParameterConstraints, Topology
+from torchrec.distributed.planner import ParameterConstraints
 from torchrec.distributed.types import ShardingEnv
 from torchrec.optim.apply_optimizer_in_backward import apply_optimizer_in_backward
 from torchrec.optim.keyed import CombinedOptimizer, KeyedOptimizerWrapper
 from torchrec.optim.optimizers import in_backward_optimizer_filter
 
 from tests import devices
+from tests.distributed import plans
 from tests.distributed.dlrm import FieldwiseBatch, Run, current_group, run_pipeline, weights
 
 DEVICE = devices.device()
@@ -239,10 +240,7 @@ def build(
     sharders = [EmbeddingBagCollectionSharder()]
     tables = [c.name for tower in towers for c in tower.embedding_bag_configs()]
     constraints = {t: ParameterConstraints(sharding_types=[sharding_type]) for t in tables}
-    plan = EmbeddingShardingPlanner(
-        topology=Topology(world_size=dist.get_world_size(pg), compute_device=DEVICE.type),
-        constraints=constraints,
-    ).collective_plan(model, sharders, pg)
+    plan = plans.plan(model, sharders, pg, constraints)
     dmp = DistributedModelParallel(
         model, env=ShardingEnv.from_process_group(pg), device=DEVICE, plan=plan, sharders=sharders
     )

@@ -26,7 +26,7 @@ from torchrec import (
 from torchrec.distributed import DistributedModelParallel
 from torchrec.distributed.embedding import EmbeddingCollectionSharder
 from torchrec.distributed.embeddingbag import EmbeddingBagCollectionSharder
-from torchrec.distributed.planner import EmbeddingShardingPlanner, ParameterConstraints, Topology
+from torchrec.distributed.planner import ParameterConstraints
 from torchrec.distributed.train_pipeline.train_pipelines import (
     TrainPipelineSemiSync as UpstreamSemiSync,
 )
@@ -37,6 +37,7 @@ from torchrec.optim.optimizers import in_backward_optimizer_filter
 
 import trec_pipelines
 from tests import devices
+from tests.distributed import plans
 from tests.distributed.dlrm import (
     FieldwiseBatch,
     Run,
@@ -145,10 +146,7 @@ def build(sharding_type: str, cls: type = ThreeTowers) -> Tuple[nn.Module, Any]:
     constraints = {
         t: ParameterConstraints(sharding_types=[sharding_type]) for t in ("u0", "u1", "i0", "s0")
     }
-    plan = EmbeddingShardingPlanner(
-        topology=Topology(world_size=dist.get_world_size(pg), compute_device=DEVICE.type),
-        constraints=constraints,
-    ).collective_plan(model, sharders, pg)
+    plan = plans.plan(model, sharders, pg, constraints)
     dmp = DistributedModelParallel(
         model, env=ShardingEnv.from_process_group(pg), device=DEVICE, plan=plan, sharders=sharders
     )

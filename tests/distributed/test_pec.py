@@ -26,13 +26,12 @@ from typing import Any, Callable, Optional
 
 import pytest
 import torch
-import torch.distributed as dist
 import torchrec
 from torch import nn
 from torch.distributed.optim import _apply_optimizer_in_backward as apply_optimizer_in_backward
 from torchrec.distributed.model_parallel import DistributedModelParallel
 from torchrec.distributed.pec_embedding import PECEmbeddingCollectionSharder
-from torchrec.distributed.planner import EmbeddingShardingPlanner, ParameterConstraints, Topology
+from torchrec.distributed.planner import ParameterConstraints
 from torchrec.distributed.types import ShardingEnv
 from torchrec.modules.embedding_configs import EmbeddingConfig
 from torchrec.modules.embedding_modules import EmbeddingCollection
@@ -42,6 +41,7 @@ from torchrec.optim.optimizers import in_backward_optimizer_filter
 
 import trec_pipelines
 from tests import devices
+from tests.distributed import plans
 from tests.distributed.dlrm import (
     DENSE_IN,
     DLRM,
@@ -180,15 +180,11 @@ def make_pec_sharded(seed: int = SEED, factory: Callable[[], PECModel] = PECMode
         for name, *_ in TABLE_SPECS
     }
     group = current_group()
-    planner = EmbeddingShardingPlanner(
-        topology=Topology(world_size=dist.get_world_size(group), compute_device=DEVICE.type),
-        constraints=constraints,
-    )
     dmp = DistributedModelParallel(
         module=model,
         env=ShardingEnv.from_process_group(group),
         device=DEVICE,
-        plan=planner.collective_plan(model, sharders, group),
+        plan=plans.plan(model, sharders, group, constraints),
         sharders=sharders,
     )
     dense = KeyedOptimizerWrapper(
