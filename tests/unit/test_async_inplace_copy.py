@@ -93,6 +93,7 @@ def test_async_inplace_copy_takes_torchrecs_position(name: str) -> None:
         "rewrite_strategy",
         "on_unpipelined",
         "sync_exhaustion",
+        "agree_ahead",
         "validate_batches",
     ] + dedicated + ["autocast_dtype", "grad_scaler"]
 

@@ -140,6 +140,7 @@ def test_constructor_is_torchrecs() -> None:
         "rewrite_strategy",
         "on_unpipelined",
         "sync_exhaustion",
+        "agree_ahead",
         "validate_batches",
         "input_dist_group",
         "autocast_dtype",
