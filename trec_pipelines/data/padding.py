@@ -43,7 +43,7 @@ eval pipeline on the same model instead.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Literal, Tuple
+from typing import Any, Callable, Literal, Tuple
 
 # What a rank does when its data ends before the other ranks' (see the note above).
 UnevenData = Literal["pad", "stop"]
@@ -67,6 +67,17 @@ def unwrap(host: Any) -> Tuple[Any, bool]:
     if isinstance(host, Padding):
         return host.batch, True
     return host, False
+
+
+def first_real_output(step: Callable[[], Tuple[Any, bool]]) -> Any:
+    """Run ``step`` (one eval step: its output, and whether its batch pads) until a
+    real batch's step returns, and return that output.  A padding batch's step runs
+    for the other ranks' collectives; its output is no one's.  Once every rank's
+    data ended, a step raises ``StopIteration``, which ends the loop."""
+    while True:
+        output, padding = step()
+        if not padding:
+            return output
 
 
 def nothing_to_pad_with(rank: int, here_empty: bool) -> RuntimeError:

@@ -28,7 +28,7 @@ from trec_pipelines.core.streams import (
     wait_stream,
 )
 from trec_pipelines.core.verbs import copy_to_device, wait_for_batch
-from trec_pipelines.data.padding import unwrap
+from trec_pipelines.data.padding import first_real_output, unwrap
 from trec_pipelines.model.args import CallArgs
 from trec_pipelines.model.context import CPUEmbeddingTrainPipelineContext, TrainPipelineContext
 from trec_pipelines.model.forwards import BaseForward, CPUEmbeddingPipelinedForward
@@ -304,12 +304,8 @@ class EvalPipelineCPUSparse(TrainPipelineSparseDist[In, Out]):
 
     @guarded_step
     def progress(self, dataloader_iter: Iterator[Any]) -> Any:
-        # A padding batch's step runs for the other ranks' collectives; its output is
-        # no one's (see [Note: padding uneven eval data] in trec_pipelines.data.padding).
-        while True:
-            output, padding = self._evaluate_step(dataloader_iter)
-            if not padding:
-                return output
+        # See [Note: padding uneven eval data] in trec_pipelines.data.padding.
+        return first_real_output(lambda: self._evaluate_step(dataloader_iter))
 
     def _evaluate_step(self, dataloader_iter: Iterator[Any]) -> Tuple[Any, bool]:
         """One step: ``cur``'s output, and whether ``cur`` was a padding batch."""

@@ -47,7 +47,7 @@ from trec_pipelines.core.options import EvalSparseDistOptions, takes_options
 from trec_pipelines.core.streams import has_streams
 from trec_pipelines.core.verbs import copy_to_device, shares_kjt_storage
 from trec_pipelines.data.handoff import OneSlotHandoff
-from trec_pipelines.data.padding import unwrap
+from trec_pipelines.data.padding import first_real_output, unwrap
 from trec_pipelines.data.source import BatchSource
 from trec_pipelines.observe import recorder as rec
 from trec_pipelines.pipelines.sparse_dist import TrainPipelineSparseDist
@@ -405,12 +405,8 @@ class EvalPipelineSparseDist(TrainPipelineSparseDist[In, Out]):
                 return predictions(self._model(self.batches[0]))
 
     def progress(self, dataloader_iter: Iterator[Any]) -> Any:
-        # A padding batch's step runs for the other ranks' collectives; its output is
-        # no one's (see [Note: padding uneven eval data] in trec_pipelines.data.padding).
-        while True:
-            output, padding = self._evaluate_step(dataloader_iter)
-            if not padding:
-                return output
+        # See [Note: padding uneven eval data] in trec_pipelines.data.padding.
+        return first_real_output(lambda: self._evaluate_step(dataloader_iter))
 
     def _evaluate_step(self, dataloader_iter: Iterator[Any]) -> Tuple[Any, bool]:
         """One step: ``cur``'s predictions, and whether ``cur`` was a padding batch."""

@@ -37,6 +37,7 @@ from trec_pipelines.core.streams import (
     record_event,
     wait_stream,
 )
+from trec_pipelines.data.padding import first_real_output
 from trec_pipelines.model.args import CallArgs
 from trec_pipelines.model.context import EmbeddingTrainPipelineContext
 from trec_pipelines.model.forwards import BaseForward, InSyncEmbeddingPipelinedForward
@@ -423,12 +424,8 @@ class EvalPipelineFusedSparseDist(TrainPipelineFusedSparseDist[In, Out]):
         self.enqueue_batch(dataloader_iter)
 
     def progress(self, dataloader_iter: Iterator[Any]) -> Any:
-        # A padding batch's step runs for the other ranks' collectives; its output is
-        # no one's (see [Note: padding uneven eval data] in trec_pipelines.data.padding).
-        while True:
-            output, padding = self._evaluate_step(dataloader_iter)
-            if not padding:
-                return output
+        # See [Note: padding uneven eval data] in trec_pipelines.data.padding.
+        return first_real_output(lambda: self._evaluate_step(dataloader_iter))
 
     def _evaluate_step(self, dataloader_iter: Iterator[Any]) -> Tuple[Any, bool]:
         """One step: ``cur``'s predictions, and whether ``cur`` was a padding batch."""
