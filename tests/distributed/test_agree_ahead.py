@@ -3,7 +3,6 @@ pulled ahead for it (see the memory guide and [Note: agreeing on each batch]).""
 
 from __future__ import annotations
 
-import time
 from datetime import timedelta
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
@@ -75,14 +74,11 @@ def test_uneven_data_stops_every_rank_together_with_no_batch_pulled_ahead(name: 
         dmp, optimizer = make_sharded(DLRM, "table_wise", seed=SEED, pg=short)
         pipeline = PIPELINES[name](dmp, optimizer, agree_ahead=ahead)
         assert pipeline._source.agree_ahead is ahead and pipeline._agreement is not None
-        started = time.monotonic()
         ours, held[ahead] = _run_measuring(pipeline, batches, dmp)
-        elapsed = time.monotonic() - started
         steps: List[Optional[int]] = [None] * dist.get_world_size()
         dist.all_gather_object(steps, len(ours), group=short)
         assert steps == [4] * len(steps), f"agree_ahead={ahead}: stopped after {steps} steps"
         assert_runs_equal(ref, ours, ("plain_loop[:4]", f"{name}(agree_ahead={ahead})"))
-        assert elapsed < 20, f"the epoch took {elapsed:.1f}s: a rank waited for another"
         if not ahead:
             # Every pull was agreed as it was made: no exchange carried a code.
             assert pipeline._agreement.carried_pulls == 0

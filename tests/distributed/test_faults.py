@@ -10,7 +10,6 @@ from __future__ import annotations
 import contextlib
 import gc
 import os
-import time
 from datetime import timedelta
 from typing import Any, List, Optional
 
@@ -203,8 +202,8 @@ def test_skip_failed_batch_on_every_rank(name: str) -> None:
 def test_skip_failed_batch_on_one_rank_only_raises_out_of_step_on_every_rank() -> None:
     """Batch 2 fails on every rank; rank 0 skips it, the others retry it.  Their
     collectives would now pair batch 3 with batch 2: every rank raises
-    OutOfStepError instead, naming where each rank is, within seconds (the
-    model's group would time out after 20 s)."""
+    OutOfStepError instead, naming where each rank is (a rank left waiting
+    would fail by the model's group timing out after 20 s, a different error)."""
     rank = dist.get_rank()
     short = dist.new_group(backend=devices.backend(), timeout=timedelta(seconds=20))
     batches = make_batches(8, seed=DATA_SEED)
@@ -212,7 +211,6 @@ def test_skip_failed_batch_on_one_rank_only_raises_out_of_step_on_every_rank() -
     pipeline = trec_pipelines.TrainPipelineSparseDist(dmp, optimizer, DEVICE)
     _poison(dmp, batches[2])
     it = iter(batches)
-    started = time.monotonic()
     with pytest.raises(Fault):
         while True:
             pipeline.progress(it)
@@ -221,7 +219,6 @@ def test_skip_failed_batch_on_one_rank_only_raises_out_of_step_on_every_rank() -
     with pytest.raises(trec_pipelines.OutOfStepError, match="the ranks are out of step"):
         for _ in range(3):
             pipeline.progress(it)
-    assert time.monotonic() - started < 20
 
 
 def test_after_an_eval_pipeline_left_attached_training_equals_the_plain_loop() -> None:

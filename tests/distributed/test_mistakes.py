@@ -1,11 +1,11 @@
-"""Newcomers' mistakes on a sharded model, on every rank: a clear error naming the
-fix, within seconds (no rank left waiting), and once fixed, training equals the
-plain loop.  The unit tier (tests/unit/test_mistakes.py) has a row per mistake;
-here, those whose checks meet the ranks' collectives."""
+"""Newcomers' mistakes on a sharded model: a clear error naming the fix, on every
+rank at the same batch (a rank left waiting would fail by the group's timeout),
+and once fixed, training equals the plain loop.  The unit tier
+(tests/unit/test_mistakes.py) has a row per mistake; here, those whose checks
+meet the ranks' collectives."""
 
 from __future__ import annotations
 
-import time
 from datetime import timedelta
 from typing import Any, Callable, Dict, List
 
@@ -69,10 +69,8 @@ def test_a_forward_without_the_pair_raises_on_every_rank_and_the_fix_trains(
 
     dmp.module.forward = broken
     it = iter(batches)
-    started = time.monotonic()
     with pytest.raises(ForwardOutputError) as raised:
         pipeline.progress(it)
-    assert time.monotonic() - started < LIMIT_S
     assert str(raised.value).startswith(
         f"{name}: the model's forward returned {described}, but a training pipeline "
         "needs torchrec's pair (losses, output)"
@@ -87,7 +85,6 @@ def test_a_forward_without_the_pair_raises_on_every_rank_and_the_fix_trains(
             outputs.append(_snapshot(pipeline.progress(it)))
         except StopIteration:
             break
-    assert time.monotonic() - started < 3 * LIMIT_S
     assert_runs_equal(ref, Run(outputs, weights(dmp)), ("plain loop", name))
 
 

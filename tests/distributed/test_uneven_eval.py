@@ -13,7 +13,6 @@ instead of hanging it.
 
 from __future__ import annotations
 
-import time
 from datetime import timedelta
 from typing import Any, Callable, Dict, List, Optional, Sequence
 
@@ -103,9 +102,7 @@ def test_every_rank_scores_all_its_own_batches(name: str, counts: List[int]) -> 
     dmp, _ = make_sharded(DLRM, "table_wise", seed=SEED, pg=short)
     dmp.eval()
     pipeline = EVAL[name](dmp)
-    started = time.monotonic()
     ours = run_pipeline(pipeline, batches, model=dmp)
-    elapsed = time.monotonic() - started
     assert _all(len(ours), short) == _all(len(batches), short)
     _assert_close(ours, _unsharded(batches), f"{name} against the unsharded model")
     steps = max(c for c in _all(len(batches), short) if c is not None)
@@ -114,8 +111,6 @@ def test_every_rank_scores_all_its_own_batches(name: str, counts: List[int]) -> 
     )
     assert_runs_equal(plain, Run(ours, {}), ("plain padded eval", name))
     assert pipeline.unused_batches == 0
-    # A rank left waiting would fail by the group's timeout; this bounds the whole epoch.
-    assert elapsed < 60, f"the epoch took {elapsed:.1f}s: a rank waited for another"
     # The next epoch starts afresh, uneven the other way round.
     again = make_batches(_count(counts[::-1]), seed=DATA_SEED + 1)
     _assert_close(run_pipeline(pipeline, again, model=dmp), _unsharded(again), f"{name}, epoch 2")
@@ -158,10 +153,8 @@ def test_a_rank_without_batches_stops_every_rank_with_an_error(name: str) -> Non
     dmp, _ = make_sharded(DLRM, "table_wise", seed=SEED, pg=short)
     dmp.eval()
     pipeline = EVAL[name](dmp)
-    started = time.monotonic()
     with pytest.raises(RuntimeError, match="has no batch at all in this epoch.*uneven_data='stop'"):
         run_pipeline(pipeline, batches, model=dmp)
-    assert time.monotonic() - started < 20
     dist.barrier(group=short)
 
 
