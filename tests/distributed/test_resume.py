@@ -10,6 +10,8 @@ for bit (the plain loop, which every variant here equals uninterrupted).
 from __future__ import annotations
 
 import io
+import multiprocessing
+import multiprocessing.context
 import os
 import tempfile
 from typing import Any, Dict, Iterator, List, Optional, Tuple
@@ -371,6 +373,14 @@ def test_a_state_from_another_rank_or_world_is_refused() -> None:
         pipeline.load_state_dict(state)
 
 
+def _worker_context() -> multiprocessing.context.BaseContext:
+    """The fork-server context, its server preloading this module (set before the
+    server starts; later calls find it running)."""
+    context = multiprocessing.get_context("forkserver")
+    context.set_forkserver_preload([__name__])
+    return context
+
+
 @pytest.mark.parametrize(
     "name,workers",
     [("TrainPipelineSparseDist", 0), ("TrainPipelineSemiSync", 0), ("TrainPipelineSparseDist", 2)],
@@ -384,11 +394,16 @@ def test_stateful_data_loader_resumes_with_the_pipeline(name: str, workers: int)
     ref = _reference(batches, 3)
 
     def loader() -> Any:
-        # Spawned workers: a forked one inherits the rank's gloo threads mid-flight
-        # (at 4 ranks on 2 cores, a fork-started job hung in its first all-to-all).
-        context = "spawn" if workers else None
+        # Workers forked from a fork server, not from the rank: a worker forked from
+        # the rank inherits its gloo threads mid-flight (at 4 ranks on 2 cores, a
+        # fork-started job hung in its first all-to-all).  The server is started
+        # once, with this module (so torch and torchrec) already imported: each
+        # worker is a cheap fork of it, where spawned ones import everything anew.
         return StatefulDataLoader(
-            Batches(batches), batch_size=None, num_workers=workers, multiprocessing_context=context
+            Batches(batches),
+            batch_size=None,
+            num_workers=workers,
+            multiprocessing_context=_worker_context() if workers else None,
         )
 
     dmp, optimizer = make_sharded(DLRM, "table_wise", seed=SEED)
