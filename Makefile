@@ -59,7 +59,7 @@ unit distributed distributed-4 unit-latest distributed-latest distributed-4-late
 test: unit distributed distributed-4
 
 unit: $(STAMP)
-	$(PY) -m pytest -q -n $(NPROC) tests/unit
+	$(PY) -m pytest -q -n $(NPROC) --dist worksteal tests/unit
 
 distributed: $(STAMP)
 	$(VENV)/bin/torchrun --standalone --nproc_per_node=$(NPROC) -m pytest -q -p no:cacheprovider tests/distributed
@@ -72,14 +72,16 @@ distributed: $(STAMP)
 DIST4_PORT ?= 29517
 DIST4_TESTS ?= $(filter-out tests/distributed/test_comp_autograd.py,$(wildcard tests/distributed/test_*.py))
 # DIST4_SHARD=k/n runs the k-th of n disjoint parts of the 4-rank tier (by a
-# hash of each test's id; empty: all of it).  .ci/run gives each stack one
-# quarter (half the tier per CI run, which half following the commit); every
-# test runs on 2 ranks on both stacks.
+# hash of each test's id; empty: all of it).  .ci/run runs one eighth per CI
+# run, on one stack (DIST4_TESTS= empty on the other: nothing); every test runs
+# on 2 ranks on both stacks.
 DIST4_SHARD ?=
 
 # $(call run_4_ranks,venv): both agents of the 4-rank world; the second's tail is shown.
 define run_4_ranks
-@export TREC_TEST_SHARD="$(DIST4_SHARD)"; \
+@if [ -z "$(strip $(DIST4_TESTS))" ]; then \
+	echo "4-rank tier: DIST4_TESTS is empty, nothing to run"; exit 0; fi; \
+	export TREC_TEST_SHARD="$(DIST4_SHARD)"; \
 	agent="$(1)/bin/torchrun --nnodes=2 --nproc_per_node=2 --rdzv_backend=c10d \
 	--rdzv_endpoint=localhost:$(DIST4_PORT) --rdzv_id=trec-dist4 \
 	-m pytest -q -p no:cacheprovider $(DIST4_TESTS)"; \
@@ -95,7 +97,7 @@ distributed-4: $(STAMP)
 test-latest: unit-latest distributed-latest distributed-4-latest
 
 unit-latest: $(STAMP_LATEST)
-	$(PY_LATEST) -m pytest -q -n $(NPROC) tests/unit
+	$(PY_LATEST) -m pytest -q -n $(NPROC) --dist worksteal tests/unit
 
 distributed-latest: $(STAMP_LATEST)
 	$(VENV_LATEST)/bin/torchrun --standalone --nproc_per_node=$(NPROC) -m pytest -q -p no:cacheprovider tests/distributed
