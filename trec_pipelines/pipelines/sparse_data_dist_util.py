@@ -51,7 +51,7 @@ from trec_pipelines.model.forwards import (
 )
 from trec_pipelines.model.postproc import PipelinedPostproc
 from trec_pipelines.model.rewrite import RewriteResult
-from trec_pipelines.pipelines.staged import PipelineStage, side_stream
+from trec_pipelines.pipelines.stages import PipelineStage, side_stream
 from trec_pipelines.sparse.cache_prefetch import prefetch_modules
 from trec_pipelines.sparse.input_dist import SplitsFusion, start_input_dist, wait_input_dist
 from trec_pipelines.sparse.lookup import start_embedding_lookup
@@ -478,7 +478,7 @@ class SparseDataDistUtil(Generic[In]):
 
     def batch_skipped(self, passed: bool, filling: bool) -> None:
         """Called by :meth:`StagedTrainPipeline.skip_failed_batch` when it drops a
-        batch a stage raised on (see :class:`~trec_pipelines.pipelines.staged.SkipAware`).
+        batch a stage raised on (see :class:`~trec_pipelines.pipelines.stages.SkipAware`).
 
         ``passed``: the batch had started its input_dist, and the stage after
         it (prefetch or lookup) raised.  Otherwise its input_dist raised (what
