@@ -585,4 +585,4 @@ class StagedTrainPipeline(
         self._source.end_epoch()
 
 
-__all__ = ["PipelineStage", "SkipAware", "StagedTrainPipeline", "side_stream"]
+__all__ = ["PipelineStage", "SkipAware", "StagedTrainPipeline", "StageOut", "side_stream"]
