@@ -36,6 +36,7 @@ from trec_pipelines.data.padding import unwrap
 from trec_pipelines.model.backward_hooks import pipeline_hook, register_backward_hook
 from trec_pipelines.model.context import TrainPipelineContext
 from trec_pipelines.model.forwards import PipelinedForward
+from trec_pipelines.model.rewrite import RewriteResult
 from trec_pipelines.observe import recorder as rec
 from trec_pipelines.pipelines.sparse_dist_rewrite import SparseDistRewrite
 from trec_pipelines.sparse.input_dist import (
@@ -210,6 +211,11 @@ class TrainPipelineSparseDist(
         a ``record_stream`` would do nothing.
         """
         return not self._enable_inplace_copy_batch
+
+    @property
+    def rewrite_result(self) -> Optional[RewriteResult]:
+        """What the model rewrite pipelined and what it left alone (after the first batch)."""
+        return self._rewrite
 
     def register_backward_hook(self, site: Any, work: Callable[[Any], None]) -> RemovableHandle:
         """Run ``work(self)`` each training step when the backward reaches ``site``.

@@ -46,11 +46,6 @@ class SparseDistRewrite:
         raise NotImplementedError
 
     @property
-    def rewrite_result(self) -> Optional[RewriteResult]:
-        """What the model rewrite pipelined and what it left alone (after the first batch)."""
-        return self._rewrite
-
-    @property
     def _rewrite(self) -> Optional[RewriteResult]:
         return self._pipelined.result
 
