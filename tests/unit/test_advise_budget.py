@@ -212,16 +212,13 @@ def run(
     return run_module._advise(
         lambda: None,  # type: ignore[arg-type,return-value]
         FakeRanks(),  # type: ignore[arg-type]
+        run_module._Epochs(steps=20, warmup=5, rounds=rounds, time_budget=time_budget),
         resolve(list(names)),
         True,
-        20,
-        5,
-        rounds,
         None,
         False,
         torch.device("cpu"),
         None,
-        time_budget,
     )
 
 

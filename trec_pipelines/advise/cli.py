@@ -79,6 +79,13 @@ def parser() -> argparse.ArgumentParser:
         metavar="MODULE:FUNCTION",
         help="your factory: a function of no arguments returning (model, optimizer, batches)",
     )
+    _add_measure_arguments(p)
+    _add_launch_arguments(p)
+    return p
+
+
+def _add_measure_arguments(p: argparse.ArgumentParser) -> None:
+    """What to measure: the epochs, the rounds, the budgets and the variants."""
     p.add_argument(
         "--steps",
         type=int,
@@ -129,6 +136,10 @@ def parser() -> argparse.ArgumentParser:
         action="store_true",
         help="also time TrainPipelinePT2 and TrainPipelineSparseDistCompAutograd (they compile: minutes)",
     )
+
+
+def _add_launch_arguments(p: argparse.ArgumentParser) -> None:
+    """How to run: the ranks, the device, the threads, and where the results go."""
     p.add_argument("--nproc", type=int, default=2, help="ranks to launch (default 2)")
     p.add_argument(
         "--backend", default="gloo", help="the process group's backend (default gloo; nccl on GPUs)"
@@ -146,7 +157,6 @@ def parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--no-plot", action="store_true", help="no PNG (it needs matplotlib)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
-    return p
 
 
 def load_build(spec: str) -> Callable[[], Any]:

@@ -117,28 +117,8 @@ def _place_labels(
         placed.append(best[2])
 
 
-def save_plot(advice: Any, path: str) -> None:
-    """Write ``advice`` (an :class:`~trec_pipelines.advise.advice.Advice`, which calls this;
-    typed loosely so this module needs nothing of that one) to the PNG ``path``."""
-    if importlib.util.find_spec("matplotlib") is None:
-        raise RuntimeError(
-            "advise: the PNG needs matplotlib, which is not installed; `pip install matplotlib`, "
-            "or leave the picture out (--no-plot; the table and the JSON have every number)"
-        )
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    points = [
-        r for r in advice.variants if r.ran and r.vs_plain is not None and r.held_peak is not None
-    ]
-    held = [r.held_peak for r in points]
-    unit, scale = _unit(max(held, default=0))
-    nonzero = [h for h in held if h > 0]
-    log = len(nonzero) >= 2 and max(nonzero) > 30 * min(nonzero)
-
-    fig, ax = plt.subplots(figsize=(9, 5.6))
+def _draw_reference(ax: Any, log: bool) -> None:
+    """The plain loop's line, the band within the margin of it and, on a linear axis, its point."""
     ax.axhspan(1.0, 1.0 + MARGIN, color="0.85", zorder=0)
     ax.axhline(1.0, color="0.45", linestyle=":", linewidth=1.2, zorder=1)
     ax.text(
@@ -161,6 +141,12 @@ def save_plot(advice: Any, path: str) -> None:
             fontsize=10,
             color="0.3",
         )
+
+
+def _draw_variants(
+    ax: Any, advice: Any, points: List[Any], scale: float
+) -> Tuple[List[Tuple[float, float, str, bool]], List[Tuple[float, float, float]]]:
+    """Each variant that ran at (held, x plain) with its noise band; their labels and bars."""
     # The pick in red; when it cannot tell, the one leading so far in orange.
     picked = advice.verdict.variant
     labels: List[Tuple[float, float, str, bool]] = []
@@ -195,7 +181,11 @@ def save_plot(advice: Any, path: str) -> None:
         if row.unpipelined:
             label += f" ({len(row.unpipelined)} unpipelined)"
         labels.append((x, y, label, chosen))
+    return labels, bars
 
+
+def _draw_memory_axis(ax: Any, advice: Any, held: List[int], scale: float, log: bool) -> List[str]:
+    """The held-memory axis and the budget's line; the notes on what the picture leaves out."""
     notes: List[str] = []
     if log:
         ax.set_xscale("log")
@@ -229,7 +219,11 @@ def save_plot(advice: Any, path: str) -> None:
     absent = sum(not r.applicable for r in advice.variants)
     if absent:
         notes.append(f"{absent} variant(s) not applicable to this model")
+    return notes
 
+
+def _write_text(fig: Any, ax: Any, advice: Any, unit: str, notes: List[str]) -> None:
+    """The axes' labels, the throughput axis, the title and the verdict under the picture."""
     ax.set_xlabel(f"held by the pipeline (memory ledger peak), {unit}", fontsize=11)
     ax.set_ylabel(
         f"x plain loop (± twice the standard error over {advice.rounds} rounds)", fontsize=11
@@ -250,6 +244,34 @@ def save_plot(advice: Any, path: str) -> None:
     fig.text(0.01, 0.01, reason, fontsize=9, va="bottom", ha="left", color="0.2")
     lines = reason.count("\n") + 1
     fig.tight_layout(rect=(0, 0.01 + 0.03 * lines, 1, 1))
+
+
+def save_plot(advice: Any, path: str) -> None:
+    """Write ``advice`` (an :class:`~trec_pipelines.advise.advice.Advice`, which calls this;
+    typed loosely so this module needs nothing of that one) to the PNG ``path``."""
+    if importlib.util.find_spec("matplotlib") is None:
+        raise RuntimeError(
+            "advise: the PNG needs matplotlib, which is not installed; `pip install matplotlib`, "
+            "or leave the picture out (--no-plot; the table and the JSON have every number)"
+        )
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    points = [
+        r for r in advice.variants if r.ran and r.vs_plain is not None and r.held_peak is not None
+    ]
+    held = [r.held_peak for r in points]
+    unit, scale = _unit(max(held, default=0))
+    nonzero = [h for h in held if h > 0]
+    log = len(nonzero) >= 2 and max(nonzero) > 30 * min(nonzero)
+
+    fig, ax = plt.subplots(figsize=(9, 5.6))
+    _draw_reference(ax, log)
+    labels, bars = _draw_variants(ax, advice, points, scale)
+    notes = _draw_memory_axis(ax, advice, held, scale, log)
+    _write_text(fig, ax, advice, unit, notes)
     _place_labels(fig, ax, labels, bars)
     fig.savefig(path, dpi=110)
     plt.close(fig)

@@ -34,13 +34,14 @@ import datetime
 import statistics
 import time
 import traceback
+from dataclasses import dataclass
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Union
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
-from trec_pipelines.advise.advice import Advice, VariantReport, median, parse_bytes
+from trec_pipelines.advise.advice import Advice, parse_bytes
 from trec_pipelines.advise.budget import (
     DEFAULT_TIME_BUDGET,
     Cost,
@@ -50,6 +51,7 @@ from trec_pipelines.advise.budget import (
     next_move,
     spent,
 )
+from trec_pipelines.advise.compose import compose
 from trec_pipelines.advise.measure import (
     PLAIN,
     Build,
@@ -60,7 +62,7 @@ from trec_pipelines.advise.measure import (
     probe,
 )
 from trec_pipelines.advise.variants import Variant, VariantSpec, not_applicable, resolve
-from trec_pipelines.advise.verdict import Answer, band, judge, typical_spread
+from trec_pipelines.advise.verdict import Answer, judge
 
 # Progress callback: (what just finished, contenders done, contenders in all).
 Progress = Callable[[str, int, int], None]
@@ -188,32 +190,42 @@ def advise(
             no process group.
         ValueError: bad arguments (steps, rounds, budget, variant names).
     """
-    if steps < 1 or warmup < 0 or rounds < 1 or not time_budget >= 0:
-        raise ValueError(
-            "advise: need steps >= 1, warmup >= 0, rounds >= 1 and time_budget >= 0, "
-            f"got {steps}, {warmup}, {rounds}, {time_budget}"
-        )
-    budget = parse_bytes(memory_budget)
-    asked = resolve(variants)
+    epochs = _Epochs.checked(steps, warmup, rounds, time_budget)
+    budget, asked, named = parse_bytes(memory_budget), resolve(variants), variants is not None
     ranks = _Ranks(timeout)
     try:
-        named = variants is not None
         return _advise(
-            build,
-            ranks,
-            asked,
-            named,
-            steps,
-            warmup,
-            rounds,
-            budget,
-            include_compiled,
-            device,
-            progress,
-            time_budget,
+            build, ranks, epochs, asked, named, budget, include_compiled, device, progress
         )
     finally:
         ranks.close()
+
+
+@dataclass(frozen=True)
+class _Epochs:
+    """What the caller asked of the timed epochs (see :func:`advise`'s arguments).
+
+    Attributes:
+        steps: the fewest batches in each timed epoch.
+        warmup: batches trained untimed before it.
+        rounds: how many times every contender is built and timed at least.
+        time_budget: seconds the whole run may take (0: no more than asked).
+    """
+
+    steps: int
+    warmup: int
+    rounds: int
+    time_budget: float
+
+    @staticmethod
+    def checked(steps: int, warmup: int, rounds: int, time_budget: float) -> _Epochs:
+        """The epochs asked for, or a ValueError saying which argument is out of range."""
+        if steps < 1 or warmup < 0 or rounds < 1 or not time_budget >= 0:
+            raise ValueError(
+                "advise: need steps >= 1, warmup >= 0, rounds >= 1 and time_budget >= 0, "
+                f"got {steps}, {warmup}, {rounds}, {time_budget}"
+            )
+        return _Epochs(steps, warmup, rounds, time_budget)
 
 
 class _Clock:
@@ -268,23 +280,36 @@ class _Rounds:
         return Cost(fixed=max(wall - timed, 0.0), timed=timed, steps=steps)
 
 
-def _advise(
+@dataclass(frozen=True)
+class _FirstBuild:
+    """What the first build decided.
+
+    Attributes:
+        reasons: per variant asked, why it does not apply (``None``: it does).
+        contenders: the plain loop, then each variant that applies, by name.
+        device: where the model trains.
+        epoch_steps: the batches of each timed epoch, sized by the probe.
+    """
+
+    reasons: Dict[str, Optional[str]]
+    contenders: Dict[str, Optional[Variant]]
+    device: torch.device
+    epoch_steps: int
+
+
+def _first_build(
     build: Build,
     ranks: _Ranks,
+    epochs: _Epochs,
     asked: List[Variant],
     variants_named: bool,
-    steps: int,
-    warmup: int,
-    rounds: int,
-    budget: Optional[int],
     include_compiled: bool,
     device: Optional[torch.device],
-    progress: Optional[Progress],
-    time_budget: float,
-) -> Advice:
-    clock = _Clock(ranks)
-    # A first build decides what applies; its model times the plain loop once,
-    # to size the timed epoch (it is dropped right after).
+    clock: _Clock,
+) -> _FirstBuild:
+    """A first build decides what applies; its model times the plain loop once,
+    to size the timed epoch (it is dropped right after)."""
+    steps, warmup = epochs.steps, epochs.warmup
     error: Optional[str] = None
     reasons: Dict[str, Optional[str]] = {}
     model: Optional[nn.Module] = None
@@ -305,7 +330,7 @@ def _advise(
     contenders: Dict[str, Optional[Variant]] = {PLAIN: None, **{v.name: v for v in timed}}
 
     epoch_steps = steps
-    if time_budget > 0:
+    if epochs.time_budget > 0:
         assert model is not None
         step_seconds = _probe(ranks, model, optimizer, batches, train_device, warmup, steps)
         if step_seconds is not None:
@@ -318,10 +343,35 @@ def _advise(
                 step_seconds,
                 fixed,
                 len(contenders),
-                rounds,
-                time_budget - clock.elapsed(),
+                epochs.rounds,
+                epochs.time_budget - clock.elapsed(),
             )
     del model, optimizer, batches
+    return _FirstBuild(reasons, contenders, train_device, epoch_steps)
+
+
+def _advise(
+    build: Build,
+    ranks: _Ranks,
+    epochs: _Epochs,
+    asked: List[Variant],
+    variants_named: bool,
+    budget: Optional[int],
+    include_compiled: bool,
+    device: Optional[torch.device],
+    progress: Optional[Progress],
+) -> Advice:
+    clock = _Clock(ranks)
+    first = _first_build(
+        build, ranks, epochs, asked, variants_named, include_compiled, device, clock
+    )
+    reasons, contenders, epoch_steps = first.reasons, first.contenders, first.epoch_steps
+    steps, warmup, rounds, time_budget = (
+        epochs.steps,
+        epochs.warmup,
+        epochs.rounds,
+        epochs.time_budget,
+    )
 
     failures: Dict[str, str] = {}
     measured = _Rounds(list(contenders))
@@ -336,7 +386,7 @@ def _advise(
                 contenders,
                 measured,
                 failures,
-                train_device,
+                first.device,
                 warmup,
                 steps,
                 epoch_steps,
@@ -351,7 +401,7 @@ def _advise(
                     epoch_steps, measured = longer, _Rounds(list(contenders))
                     measured.offset = offset
                     total = offset + rounds * len(contenders)
-        advice = _compose(
+        advice = compose(
             asked,
             reasons,
             measured.results,
@@ -501,126 +551,6 @@ def _raise_build_errors(ranks: _Ranks, errors: Sequence[Optional[str]]) -> None:
     for rank, err in enumerate(errors):
         if err is not None:
             raise RuntimeError(f"advise: on rank {rank}: {err}")
-
-
-def _row(
-    name: str,
-    per_round: List[List[RoundResult]],
-    plain_seconds: Sequence[float],
-    examples: Optional[int],
-) -> VariantReport:
-    """A contender's row from every rank's result of every round."""
-    seconds = tuple(max(r.seconds for r in ranks) for ranks in per_round)
-    steps = per_round[0][0].steps
-    first = per_round[0]
-    per_epoch = (examples if examples is not None else 1) * steps
-    qps = median([per_epoch / s for s in seconds])
-    paired = tuple(p / s for p, s in zip(plain_seconds, seconds, strict=True))
-
-    def largest(values: Sequence[Optional[int]]) -> Optional[int]:
-        known = [v for v in values if v is not None]
-        return max(known) if len(known) == len(values) and known else None
-
-    return VariantReport(
-        name=name,
-        ran=True,
-        seconds=seconds,
-        steps=steps,
-        qps=qps,
-        paired=paired,
-        held_peak=largest([r.held_peak for r in first]),
-        held_steady=largest([r.held_steady for r in first]),
-        held_host=largest([r.held_host for r in first]),
-        held_device=largest([r.held_device for r in first]),
-        rss_peak=largest([r.rss_peak for r in first]),
-        device_peak=largest([r.device_peak for r in first]),
-        unpipelined=first[0].unpipelined,
-    )
-
-
-def _exposed(per_round: List[List[RoundResult]]) -> List[Optional[float]]:
-    """Per rank: the median over rounds of its exposed input-dist seconds per step."""
-    out: List[Optional[float]] = []
-    for rank in range(len(per_round[0])):
-        values = [ranks[rank].exposed_input_dist for ranks in per_round]
-        known = [v for v in values if v is not None]
-        out.append(median(known) if known else None)
-    return out
-
-
-def _hidden(exposed: List[Optional[float]], plain: List[Optional[float]]) -> Optional[float]:
-    """1 - exposed / the plain loop's, clipped to [0, 1], per rank; the mean over ranks."""
-    fractions = [
-        min(1.0, max(0.0, 1.0 - e / p))
-        for e, p in zip(exposed, plain, strict=True)
-        if e is not None and p
-    ]
-    return sum(fractions) / len(fractions) if fractions and len(fractions) == len(exposed) else None
-
-
-def _compose(
-    asked: List[Variant],
-    reasons: Dict[str, Optional[str]],
-    results: Dict[str, List[List[RoundResult]]],
-    failures: Dict[str, str],
-    budget: Optional[int],
-    rounds: int,
-    warmup: int,
-    steps: int,
-    world: int,
-) -> Advice:
-    import dataclasses
-
-    plain_runs = results[PLAIN]
-    counts = [r.examples_per_step for r in plain_runs[0]]
-    examples = (
-        sum(c for c in counts if c is not None) if all(c is not None for c in counts) else None
-    )
-    plain_seconds = [max(r.seconds for r in ranks) for ranks in plain_runs]
-    plain = _row(PLAIN, plain_runs, plain_seconds, examples)
-    plain = dataclasses.replace(plain, vs_plain=1.0, within_budget=None if budget is None else True)
-    plain_exposed = _exposed(plain_runs)
-    rows: List[VariantReport] = []
-    for variant in asked:
-        name = variant.name
-        if reasons.get(name) is not None:
-            rows.append(VariantReport(name=name, applicable=False, reason=str(reasons[name])))
-        elif name in failures:
-            rows.append(VariantReport(name=name, error=failures[name]))
-        else:
-            row = _row(name, results[name], plain_seconds, examples)
-            vs_plain = row.qps / plain.qps if row.qps and plain.qps else None
-            within = (
-                None if budget is None else (row.held_peak is not None and row.held_peak <= budget)
-            )
-            hidden = _hidden(_exposed(results[name]), plain_exposed)
-            rows.append(
-                dataclasses.replace(
-                    row, vs_plain=vs_plain, within_budget=within, hidden_input_dist=hidden
-                )
-            )
-    noise = typical_spread(rows)
-    rows = [dataclasses.replace(r, band=band(r, noise)) for r in rows]
-    passes = [
-        r.pass_length
-        for per_round in results.values()
-        for ranks in per_round
-        for r in ranks
-        if r.pass_length is not None
-    ]
-    return Advice(
-        verdict=judge(plain, rows, budget),
-        variants=tuple(rows),
-        plain=plain,
-        memory_budget=budget,
-        noise=noise,
-        rounds=rounds,
-        warmup=warmup,
-        steps=steps,
-        world_size=world,
-        qps_unit="examples/s" if examples is not None else "steps/s",
-        batches_per_pass=min(passes) if passes else None,
-    )
 
 
 __all__ = ["Progress", "advise", "parse_bytes"]

@@ -337,29 +337,19 @@ def _even_verdict(
     )
 
 
-def judge(
-    plain: "VariantReport",
+def _none_to_judge(
     rows: Sequence["VariantReport"],
+    ran: Sequence["VariantReport"],
+    fits: Sequence["VariantReport"],
     budget: Optional[int],
-    exhausted: bool = False,
-) -> Verdict:
-    """The verdict on the measurements ([Note: the verdict rule]).
-
-    ``plain``: the plain loop's row (its ``seconds`` per round); ``rows``: a
-    row per variant asked for (``seconds``, ``paired``, ``vs_plain``,
-    ``held_peak``, ``unpipelined``); ``budget``: bytes a pipeline may hold;
-    ``exhausted``: no more rounds will be measured (the time budget is
-    spent), so contenders the noise leaves even are an answer ("either will
-    do") rather than a reason to re-run.
-    """
-    ran = [r for r in rows if r.ran and r.vs_plain is not None]
+) -> Optional[Verdict]:
+    """Keep the plain loop when no variant ran or none holds within the budget (None: some do)."""
     if not ran:
         if not any(r.applicable for r in rows):
             return Verdict(Answer.KEEP_PLAIN_LOOP, None, "no variant applies to this model")
         return Verdict(
             Answer.KEEP_PLAIN_LOOP, None, "no variant ran; see each one's error or reason"
         )
-    fits = [r for r in ran if budget is None or (r.held_peak is not None and r.held_peak <= budget)]
     if not fits:
         least = min(
             (r for r in ran if r.held_peak is not None),
@@ -375,26 +365,18 @@ def judge(
             f"no variant holds within the budget of {format_bytes(budget)}{smallest}: "
             "raise the budget to use one",
         )
-    clean = [r for r in fits if not r.unpipelined]
-    pool = clean or fits
-    rounds = len(plain.seconds)
-    noise = typical_spread(ran)
-    # The plain loop holds least of all; a variant without a ledger figure, most.
-    contenders = [_Contender(PLAIN_NAME, 1.0, (1.0,) * rounds, -1)] + [
-        _Contender(
-            r.name, r.vs_plain or 0.0, r.paired, sys.maxsize if r.held_peak is None else r.held_peak
-        )
-        for r in pool
-    ]
-    by_name = {r.name: r for r in pool}
-    lead = _leading(contenders)
-    leads = (
-        "the plain loop leads"
-        if lead.plain
-        else f"{lead.name} leads at {_figure(by_name[lead.name], noise)}"
-    )
+    return None
 
-    # Too short, or too few rounds: no confident answer, whatever the medians say.
+
+def _too_little(
+    plain: "VariantReport",
+    ran: Sequence["VariantReport"],
+    lead: _Contender,
+    leads: str,
+) -> Optional[Verdict]:
+    """Cannot tell when an epoch is too short or the rounds too few, whatever the medians
+    say; the re-run that would tell (None: enough was measured)."""
+    rounds = len(plain.seconds)
     shortest = min(statistics.median(r.seconds) for r in [plain, *ran] if r.seconds)
     problems: List[str] = []
     rerun_steps: Optional[int] = None
@@ -421,53 +403,72 @@ def judge(
             rerun_steps,
             rerun_rounds,
         )
+    return None
 
-    pick = _confident_pick(contenders, noise)
-    if pick is None:
-        pair = _unsettled(lead, contenders, noise)
-        even = _either_will_do(contenders, noise)
-        # More rounds cannot settle it when every pair is settled, or the open one is
-        # about the margin apart and already known to within the margin.
-        unsettleable = pair is None or (pair[4] is None and pair[3] <= MARGIN)
-        if even is not None and (exhausted or unsettleable):
-            return _even_verdict(even, contenders, pool, noise)
-        variant = None if lead.plain else lead.name
-        if pair is None:  # every pair settled, yet no pick: neighbours about the margin apart
-            return Verdict(
-                Answer.CANNOT_TELL,
-                variant,
-                f"{leads}, but the contenders are each about {MARGIN:.0%} from the next: "
-                "no one of them is clearly the choice; choose by held memory",
-            )
-        a, b, x, half, needed = pair
-        than = "it" if b is lead else _name(b)
-        what = (
-            f"{leads}, but the noise leaves open whether {_name(a)} is more than {MARGIN:.0%} "
-            f"faster than {than} (their difference: {x:+.2f} ±{half:.2f} in x plain)"
-        )
-        if needed is None:
-            # About the margin apart: more rounds can still narrow the noise to the
-            # margin, and then either will do.
-            needed = _rounds_to_settle(_difference(a, b, noise)[1], MARGIN)
-            what += (
-                f"; it would take over {MAX_ROUNDS_HINT} rounds to settle: the two are about "
-                f"{MARGIN:.0%} apart"
-            )
-            if needed is not None:
-                what += (
-                    f"; re-run with {max(needed, rounds + 1)} rounds to tell whether either will do"
-                )
-            else:
-                what += ", and the noise too wide to tell whether either will do"
-        else:
-            what += f"; re-run with {max(needed, rounds + 1)} rounds"
+
+def _no_confident_pick(
+    lead: _Contender,
+    leads: str,
+    contenders: Sequence[_Contender],
+    pool: Sequence["VariantReport"],
+    noise: float,
+    rounds: int,
+    exhausted: bool,
+) -> Verdict:
+    """The answer when no contender is a confident pick: either will do, or cannot tell
+    (and how many rounds would tell)."""
+    pair = _unsettled(lead, contenders, noise)
+    even = _either_will_do(contenders, noise)
+    # More rounds cannot settle it when every pair is settled, or the open one is
+    # about the margin apart and already known to within the margin.
+    unsettleable = pair is None or (pair[4] is None and pair[3] <= MARGIN)
+    if even is not None and (exhausted or unsettleable):
+        return _even_verdict(even, contenders, pool, noise)
+    variant = None if lead.plain else lead.name
+    if pair is None:  # every pair settled, yet no pick: neighbours about the margin apart
         return Verdict(
             Answer.CANNOT_TELL,
             variant,
-            what,
-            rerun_rounds=None if needed is None else max(needed, rounds + 1),
+            f"{leads}, but the contenders are each about {MARGIN:.0%} from the next: "
+            "no one of them is clearly the choice; choose by held memory",
         )
+    a, b, x, half, needed = pair
+    than = "it" if b is lead else _name(b)
+    what = (
+        f"{leads}, but the noise leaves open whether {_name(a)} is more than {MARGIN:.0%} "
+        f"faster than {than} (their difference: {x:+.2f} ±{half:.2f} in x plain)"
+    )
+    if needed is None:
+        # About the margin apart: more rounds can still narrow the noise to the
+        # margin, and then either will do.
+        needed = _rounds_to_settle(_difference(a, b, noise)[1], MARGIN)
+        what += (
+            f"; it would take over {MAX_ROUNDS_HINT} rounds to settle: the two are about "
+            f"{MARGIN:.0%} apart"
+        )
+        if needed is not None:
+            what += f"; re-run with {max(needed, rounds + 1)} rounds to tell whether either will do"
+        else:
+            what += ", and the noise too wide to tell whether either will do"
+    else:
+        what += f"; re-run with {max(needed, rounds + 1)} rounds"
+    return Verdict(
+        Answer.CANNOT_TELL,
+        variant,
+        what,
+        rerun_rounds=None if needed is None else max(needed, rounds + 1),
+    )
 
+
+def _picked(
+    pick: _Contender,
+    ran: Sequence["VariantReport"],
+    pool: Sequence["VariantReport"],
+    budget: Optional[int],
+    noise: float,
+) -> Verdict:
+    """The answer for a confident pick: the plain loop, or the variant and what it holds."""
+    by_name = {r.name: r for r in pool}
     if pick.plain:
         best = max(pool, key=lambda r: r.vs_plain or 0.0)
         return Verdict(
@@ -492,6 +493,54 @@ def judge(
     else:
         sentence += "; the fastest" + (" within the budget" if budget is not None else "")
     return Verdict(Answer.RECOMMEND, pick.name, sentence)
+
+
+def judge(
+    plain: "VariantReport",
+    rows: Sequence["VariantReport"],
+    budget: Optional[int],
+    exhausted: bool = False,
+) -> Verdict:
+    """The verdict on the measurements ([Note: the verdict rule]).
+
+    ``plain``: the plain loop's row (its ``seconds`` per round); ``rows``: a
+    row per variant asked for (``seconds``, ``paired``, ``vs_plain``,
+    ``held_peak``, ``unpipelined``); ``budget``: bytes a pipeline may hold;
+    ``exhausted``: no more rounds will be measured (the time budget is
+    spent), so contenders the noise leaves even are an answer ("either will
+    do") rather than a reason to re-run.
+    """
+    ran = [r for r in rows if r.ran and r.vs_plain is not None]
+    fits = [r for r in ran if budget is None or (r.held_peak is not None and r.held_peak <= budget)]
+    nothing = _none_to_judge(rows, ran, fits, budget)
+    if nothing is not None:
+        return nothing
+    clean = [r for r in fits if not r.unpipelined]
+    pool = clean or fits
+    rounds = len(plain.seconds)
+    noise = typical_spread(ran)
+    # The plain loop holds least of all; a variant without a ledger figure, most.
+    contenders = [_Contender(PLAIN_NAME, 1.0, (1.0,) * rounds, -1)] + [
+        _Contender(
+            r.name, r.vs_plain or 0.0, r.paired, sys.maxsize if r.held_peak is None else r.held_peak
+        )
+        for r in pool
+    ]
+    by_name = {r.name: r for r in pool}
+    lead = _leading(contenders)
+    leads = (
+        "the plain loop leads"
+        if lead.plain
+        else f"{lead.name} leads at {_figure(by_name[lead.name], noise)}"
+    )
+
+    too_little = _too_little(plain, ran, lead, leads)
+    if too_little is not None:
+        return too_little
+    pick = _confident_pick(contenders, noise)
+    if pick is None:
+        return _no_confident_pick(lead, leads, contenders, pool, noise, rounds, exhausted)
+    return _picked(pick, ran, pool, budget, noise)
 
 
 __all__ = [

@@ -156,29 +156,7 @@ def rewrite_model(
         raise ValueError(f"rewrite strategy must be one of {STRATEGIES}, got {strategy!r}")
     inner = unwrap(model)
     candidates = sharded_modules(inner)
-    fallback_reason: Optional[str] = None
-    planner: Optional[PostprocPlanner] = None
-    if not candidates:
-        plans: List[Tuple[str, Union[CallArgs, str]]] = []
-        used = "fx" if strategy != "direct" else "direct"
-    elif strategy == "direct":
-        plans, used = _plan_direct(candidates, batch), "direct"
-    else:
-        try:
-            plans, planner = _plan_fx(inner, candidates, make_postproc)
-            used = "fx"
-        except Exception as error:  # FX raises many types; all mean "not traceable"
-            if strategy == "fx":
-                raise RuntimeError(
-                    f"FX tracing of {type(inner).__name__} failed: {error}. "
-                    "Use rewrite_strategy='direct' to bind sharded modules to the "
-                    "batch's KeyedJaggedTensor fields without tracing."
-                ) from error
-            fallback_reason = f"{type(error).__name__}: {error}"
-            logger.warning(
-                "FX tracing failed (%s); binding sharded modules directly", fallback_reason
-            )
-            plans, used, planner = _plan_direct(candidates, batch), "direct", None
+    plans, used, planner, fallback_reason = _plan(inner, candidates, batch, strategy, make_postproc)
 
     pipelined: List[PipelinedModule] = []
     not_pipelined: List[Tuple[str, str]] = []
@@ -216,6 +194,41 @@ def rewrite_model(
     )
     _log(result)
     return result
+
+
+def _plan(
+    inner: torch.nn.Module,
+    candidates: Dict[str, AnyShardedModule],
+    batch: Any,
+    strategy: Strategy,
+    make_postproc: Optional[PostprocFactory],
+) -> Tuple[List[Tuple[str, Union[CallArgs, str]]], str, Optional[PostprocPlanner], Optional[str]]:
+    """How each sharded module is called (its arguments, or why it is left alone), the
+    strategy used, the postproc planner (FX only) and why FX fell back to direct, if it did."""
+    fallback_reason: Optional[str] = None
+    planner: Optional[PostprocPlanner] = None
+    if not candidates:
+        plans: List[Tuple[str, Union[CallArgs, str]]] = []
+        used = "fx" if strategy != "direct" else "direct"
+    elif strategy == "direct":
+        plans, used = _plan_direct(candidates, batch), "direct"
+    else:
+        try:
+            plans, planner = _plan_fx(inner, candidates, make_postproc)
+            used = "fx"
+        except Exception as error:  # FX raises many types; all mean "not traceable"
+            if strategy == "fx":
+                raise RuntimeError(
+                    f"FX tracing of {type(inner).__name__} failed: {error}. "
+                    "Use rewrite_strategy='direct' to bind sharded modules to the "
+                    "batch's KeyedJaggedTensor fields without tracing."
+                ) from error
+            fallback_reason = f"{type(error).__name__}: {error}"
+            logger.warning(
+                "FX tracing failed (%s); binding sharded modules directly", fallback_reason
+            )
+            plans, used, planner = _plan_direct(candidates, batch), "direct", None
+    return plans, used, planner, fallback_reason
 
 
 # (module, had an instance-level forward, that forward, is_pipelined before or

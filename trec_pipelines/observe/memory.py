@@ -343,18 +343,42 @@ def footprint(
                 keep_alive.append(held)
                 stack.append((held, BATCH, None))
         if isinstance(obj, torch.Tensor):
-            for inner in _inner_tensors(obj):
-                found = storage_of(inner)
-                if found is None or found[0] in skipped:
-                    continue
-                key, nbytes = found
-                nbytes_of[key] = nbytes
-                kinds_of.setdefault(key, set()).add(kind)
-                if owner is not None:
-                    owner_storages[owner].add(key)
+            _count_tensor(obj, kind, owner, skipped, nbytes_of, kinds_of, owner_storages)
             continue
         for name, child in _children(obj):
             stack.append((child, kind if name is None else refine(kind, name), owner))
+    return _summarise(kinds_of, nbytes_of, owner_storages, host_ids, truncated)
+
+
+def _count_tensor(
+    obj: torch.Tensor,
+    kind: str,
+    owner: Optional[int],
+    skipped: Set[StorageKey],
+    nbytes_of: Dict[StorageKey, int],
+    kinds_of: Dict[StorageKey, Set[str]],
+    owner_storages: Dict[int, Set[StorageKey]],
+) -> None:
+    """Note each storage under ``obj`` (not skipped): its bytes, its kind, its batch."""
+    for inner in _inner_tensors(obj):
+        found = storage_of(inner)
+        if found is None or found[0] in skipped:
+            continue
+        key, nbytes = found
+        nbytes_of[key] = nbytes
+        kinds_of.setdefault(key, set()).add(kind)
+        if owner is not None:
+            owner_storages[owner].add(key)
+
+
+def _summarise(
+    kinds_of: Dict[StorageKey, Set[str]],
+    nbytes_of: Dict[StorageKey, int],
+    owner_storages: Dict[int, Set[StorageKey]],
+    host_ids: Set[int],
+    truncated: bool,
+) -> Footprint:
+    """The footprint of the storages found: each counted once, under its first kind."""
     by_kind = {k: 0 for k in KINDS}
     for key, kinds in kinds_of.items():
         by_kind[next(k for k in KINDS if k in kinds)] += nbytes_of[key]

@@ -146,6 +146,19 @@ def write_trace(
             }
         )
 
+    events.extend(_action_events(actions, lanes, origin))
+    events.extend(_transfer_events(transfers, 2 + len(lanes), groups, origin))
+    events.extend(_memory_events(memory, origin))
+    with open(path, "w") as f:
+        json.dump({"traceEvents": events, "displayTimeUnit": "ms"}, f)
+
+
+def _action_events(
+    actions: Sequence["Action"], lanes: List[str], origin: float
+) -> List[Dict[str, Any]]:
+    """Each action as a span on its thread's track and, when it ran there, on its stream's."""
+    events: List[Dict[str, Any]] = []
+
     def span(name: str, tid: int, start: float, end: float, action: "Action") -> Dict[str, Any]:
         return {
             "name": name,
@@ -164,6 +177,14 @@ def write_trace(
         if action.device_start is not None and action.device_end is not None:
             stream_tid = 2 + lanes.index(action.stream)
             events.append(span(label, stream_tid, action.device_start, action.device_end, action))
+    return events
+
+
+def _transfer_events(
+    transfers: Sequence["Transfer"], first_tid: int, groups: List[str], origin: float
+) -> List[Dict[str, Any]]:
+    """Each completed transfer as an async event on its process group's link track."""
+    events: List[Dict[str, Any]] = []
     for index, transfer in enumerate(transfers):
         if transfer.completed is None:
             continue
@@ -173,7 +194,7 @@ def write_trace(
             "cat": "link",
             "id": index,
             "pid": 0,
-            "tid": 2 + len(lanes) + groups.index(transfer.group),
+            "tid": first_tid + groups.index(transfer.group),
         }
         begin_args = {"batch": transfer.batch, "progress_call": transfer.call}
         begin_args["bytes"] = transfer.nbytes
@@ -181,6 +202,12 @@ def write_trace(
             {**common, "ph": "b", "ts": (transfer.issued - origin) * 1e6, "args": begin_args}
         )
         events.append({**common, "ph": "e", "ts": (transfer.completed - origin) * 1e6})
+    return events
+
+
+def _memory_events(memory: Sequence["MemorySample"], origin: float) -> List[Dict[str, Any]]:
+    """The memory ledger's samples as a counter track of held MiB by kind."""
+    events: List[Dict[str, Any]] = []
     for sample in memory:
         events.append(
             {
@@ -193,8 +220,7 @@ def write_trace(
                 },
             }
         )
-    with open(path, "w") as f:
-        json.dump({"traceEvents": events, "displayTimeUnit": "ms"}, f)
+    return events
 
 
 def link_lanes(transfers: Sequence["Transfer"]) -> List[str]:
@@ -287,6 +313,102 @@ _LANE_INCHES = 0.62
 _BOX = 0.7
 
 
+@dataclass
+class _Canvas:
+    """The timeline's axes and what drawing a box on them needs.
+
+    Attributes:
+        ax: the lanes' axes.
+        colors: a colour map; a batch's colour is ``colors(batch % 10)``.
+        total_ms: the width of the time axis, in ms.
+        axes_points: the time axis' width, roughly, in points (to fit labels).
+    """
+
+    ax: Any
+    colors: Any
+    total_ms: float
+    axes_points: float
+
+    def color_of(self, batch: Optional[int]) -> Any:
+        """A batch's colour; light grey for work of no batch."""
+        return "lightgrey" if batch is None else self.colors(batch % 10)
+
+    def box(self, y: float, height: float, x: float, width: float, batch: Any, label: str) -> None:
+        """A box at lane height ``y``, labelled when its label fits in it."""
+        width = max(width, 1e-3)
+        self.ax.broken_barh(
+            [(x, width)],
+            (y - height / 2, height),
+            facecolors=self.color_of(batch),
+            edgecolors="black",
+            linewidth=0.3,
+        )
+        size = 6 if height > 0.4 else 5
+        # Label only a box its label fits in (a character is about 0.6 of the font size wide).
+        if width / self.total_ms * self.axes_points > 0.6 * size * (len(label) + 1):
+            self.ax.text(
+                x + width / 2, y, label, ha="center", va="center", fontsize=size, clip_on=True
+            )
+
+
+def _lane_y(lane: int, lanes: int) -> int:
+    """Lane ``lane``'s height on the axes: the first lane on top."""
+    return lanes - 1 - lane
+
+
+def _draw_actions(
+    canvas: _Canvas, chosen: Sequence["Action"], streams: List[str], origin: float, lanes: int
+) -> None:
+    """Each action on the CPU thread's lane and, when it ran there, on its stream's."""
+    for action in chosen:
+        label = action.task if action.batch is None else f"{action.task} i{action.batch}"
+        spans = [(0, action.cpu_start, action.cpu_end)]
+        if action.device_start is not None and action.device_end is not None:
+            spans.append((1 + streams.index(action.stream), action.device_start, action.device_end))
+        for lane, start, end in spans:
+            x = (start - origin) * 1e3
+            canvas.box(_lane_y(lane, lanes), _BOX, x, (end - start) * 1e3, action.batch, label)
+
+
+def _draw_links(
+    canvas: _Canvas, groups: List[str], boxes: Sequence[Any], first_link: int, lanes: int
+) -> None:
+    """Each transfer in its process group's link lane, overlapping ones in rows."""
+    for group_index, group in enumerate(groups):
+        in_lane = [b for b in boxes if b.group == group]
+        rows = 1 + max(b.row for b in in_lane)
+        height = _BOX / rows
+        top = _lane_y(first_link + group_index, lanes) + _BOX / 2
+        for box in in_lane:
+            y = top - height * (box.row + 0.5)
+            canvas.box(y, height * 0.92, box.start, box.end - box.start, box.batch, box.label)
+
+
+def _draw_legend(canvas: _Canvas, chosen: Sequence["Action"], boxes: Sequence[Any]) -> None:
+    """A legend naming each batch's colour, right of the lanes."""
+    from matplotlib.patches import Patch
+
+    batches = sorted(
+        {a.batch for a in chosen if a.batch is not None}
+        | {b.batch for b in boxes if b.batch is not None}
+    )
+    handles = [
+        Patch(facecolor=canvas.color_of(b), edgecolor="black", label=f"i{b}") for b in batches
+    ]
+    if any(a.batch is None for a in chosen) or any(b.batch is None for b in boxes):
+        handles.append(Patch(facecolor=canvas.color_of(None), edgecolor="black", label="none"))
+    if handles:
+        canvas.ax.legend(
+            handles=handles,
+            title="batch",
+            loc="upper left",
+            bbox_to_anchor=(1.005, 1.0),
+            fontsize=7,
+            title_fontsize=7,
+            frameon=False,
+        )
+
+
 def draw_timeline(
     actions: Sequence["Action"],
     path: str,
@@ -312,7 +434,6 @@ def draw_timeline(
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    from matplotlib.patches import Patch
 
     chosen = [a for a in actions if calls is None or calls[0] <= a.call <= calls[1]]
     if not chosen:
@@ -325,11 +446,6 @@ def draw_timeline(
     groups = link_lanes([t for t in transfers if t.completed is not None])
     groups = [g for g in groups if any(b.group == g for b in boxes)]
     lanes = ["CPU thread"] + [f"{s} stream" for s in streams] + [f"link: {g}" for g in groups]
-    colors = plt.get_cmap("tab10")
-
-    def color_of(batch: Optional[int]) -> Any:
-        return "lightgrey" if batch is None else colors(batch % 10)
-
     fig_width = 14
     ends = [a.cpu_end for a in chosen] + [origin + b.end / 1e3 for b in boxes]
     total_ms = (max(ends) - origin) * 1e3
@@ -346,63 +462,14 @@ def draw_timeline(
     else:
         fig, ax = plt.subplots(figsize=(fig_width, lanes_inches))
 
-    axes_points = 0.85 * fig_width * 72  # the time axis, roughly, in points
-
-    def draw_box(y: float, height: float, x: float, width: float, batch: Any, label: str) -> None:
-        width = max(width, 1e-3)
-        ax.broken_barh(
-            [(x, width)],
-            (y - height / 2, height),
-            facecolors=color_of(batch),
-            edgecolors="black",
-            linewidth=0.3,
-        )
-        size = 6 if height > 0.4 else 5
-        # Label only a box its label fits in (a character is about 0.6 of the font size wide).
-        if width / total_ms * axes_points > 0.6 * size * (len(label) + 1):
-            ax.text(x + width / 2, y, label, ha="center", va="center", fontsize=size, clip_on=True)
-
-    def lane_y(lane: int) -> int:
-        return len(lanes) - 1 - lane
-
-    for action in chosen:
-        label = action.task if action.batch is None else f"{action.task} i{action.batch}"
-        spans = [(0, action.cpu_start, action.cpu_end)]
-        if action.device_start is not None and action.device_end is not None:
-            spans.append((1 + streams.index(action.stream), action.device_start, action.device_end))
-        for lane, start, end in spans:
-            x = (start - origin) * 1e3
-            draw_box(lane_y(lane), _BOX, x, (end - start) * 1e3, action.batch, label)
-    first_link = 1 + len(streams)
-    for group_index, group in enumerate(groups):
-        in_lane = [b for b in boxes if b.group == group]
-        rows = 1 + max(b.row for b in in_lane)
-        height = _BOX / rows
-        top = lane_y(first_link + group_index) + _BOX / 2
-        for box in in_lane:
-            y = top - height * (box.row + 0.5)
-            draw_box(y, height * 0.92, box.start, box.end - box.start, box.batch, box.label)
+    canvas = _Canvas(ax, plt.get_cmap("tab10"), total_ms, 0.85 * fig_width * 72)
+    _draw_actions(canvas, chosen, streams, origin, len(lanes))
+    _draw_links(canvas, groups, boxes, 1 + len(streams), len(lanes))
     ax.set_yticks(range(len(lanes)))
     ax.set_yticklabels(list(reversed(lanes)))
     ax.set_title(title or "pipeline timeline")
     ax.grid(axis="x", linestyle=":", linewidth=0.5)
-    batches = sorted(
-        {a.batch for a in chosen if a.batch is not None}
-        | {b.batch for b in boxes if b.batch is not None}
-    )
-    handles = [Patch(facecolor=color_of(b), edgecolor="black", label=f"i{b}") for b in batches]
-    if any(a.batch is None for a in chosen) or any(b.batch is None for b in boxes):
-        handles.append(Patch(facecolor=color_of(None), edgecolor="black", label="none"))
-    if handles:
-        ax.legend(
-            handles=handles,
-            title="batch",
-            loc="upper left",
-            bbox_to_anchor=(1.005, 1.0),
-            fontsize=7,
-            title_fontsize=7,
-            frameon=False,
-        )
+    _draw_legend(canvas, chosen, boxes)
     notes = ([CPU_NOTE] if on_cpu else []) + ([LINK_NOTE] if boxes else [])
     if held:
         _draw_memory(mem_ax, held, origin)

@@ -143,7 +143,7 @@ class TrainPipelineBase(PipelineCore, TrainPipeline[In, Out]):
 
     @guarded_step
     def progress(self, dataloader_iter: Iterator[Any]) -> Any:
-        # The timeline's comments stay in their columns.
+        # See [Note: a progress() timeline] in trec_pipelines.pipelines.
         # fmt: off
         self._begin_step(dataloader_iter)  # take-over, iterator switch, host batches
         if not self._connected:

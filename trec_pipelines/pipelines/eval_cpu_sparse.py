@@ -309,7 +309,7 @@ class EvalPipelineCPUSparse(TrainPipelineSparseDist[In, Out]):
 
     def _evaluate_step(self, dataloader_iter: Iterator[Any]) -> Tuple[Any, bool]:
         """One step: ``cur``'s output, and whether ``cur`` was a padding batch."""
-        # The timeline's comments stay in their columns.
+        # See [Note: a progress() timeline] in trec_pipelines.pipelines.
         # fmt: off
         self._start_step(dataloader_iter)  # fill, pull host batches, stop at end of data
         padding = self.contexts[0].padding

@@ -410,7 +410,7 @@ class EvalPipelineSparseDist(TrainPipelineSparseDist[In, Out]):
 
     def _evaluate_step(self, dataloader_iter: Iterator[Any]) -> Tuple[Any, bool]:
         """One step: ``cur``'s predictions, and whether ``cur`` was a padding batch."""
-        # The timeline's comments stay in their columns.
+        # See [Note: a progress() timeline] in trec_pipelines.pipelines.
         # fmt: off
         self._begin_call()
         self._take_over_model()  # from a train pipeline sharing the model, if any

@@ -243,7 +243,7 @@ class TrainPipelineFusedSparseDist(TrainPipelineSparseDist[In, Out]):
 
     @guarded_step
     def progress(self, dataloader_iter: Iterator[Any]) -> Any:
-        # The timeline's comments stay in their columns.
+        # See [Note: a progress() timeline] in trec_pipelines.pipelines.
         # fmt: off
         self._start_step(dataloader_iter)  # fill, pull host batches, stop at end of data
         training = self._model.training
@@ -440,7 +440,7 @@ class EvalPipelineFusedSparseDist(TrainPipelineFusedSparseDist[In, Out]):
 
     def _progress_in_order(self, dataloader_iter: Iterator[Any]) -> Any:
         """``cur``'s lookup, then its forward (the Fused training order without the update)."""
-        # The timeline's comments stay in their columns.
+        # See [Note: a progress() timeline] in trec_pipelines.pipelines.
         # fmt: off
         if not self._embedding_lookup_after_data_dist:
             self.start_embedding_lookup(self.batches[0], self.contexts[0])  # cur, lookup
@@ -461,7 +461,7 @@ class EvalPipelineFusedSparseDist(TrainPipelineFusedSparseDist[In, Out]):
 
     def _progress_prefetch(self, dataloader_iter: Iterator[Any]) -> Any:
         """``cur``'s lookup was started one call earlier; ``nxt``'s starts after ``cur``'s forward."""
-        # The timeline's comments stay in their columns.
+        # See [Note: a progress() timeline] in trec_pipelines.pipelines.
         # fmt: off
         self._zero_grad_if_training()                              # cur, default
         self._wait_for_batch()                                     # cur, data_dist -> default

@@ -300,7 +300,7 @@ class TrainPipelinePEC(TrainPipelineSparseDist[In, Out]):
 
     @guarded_step
     def progress(self, dataloader_iter: Iterator[Any]) -> Any:
-        # The timeline's comments stay in their columns.
+        # See [Note: a progress() timeline] in trec_pipelines.pipelines.
         # fmt: off
         self._start_step(dataloader_iter)  # fill, pull host batches, stop at end of data
         training = self._model.training
@@ -336,7 +336,7 @@ class TrainPipelinePEC(TrainPipelineSparseDist[In, Out]):
         self, cur: PECTrainPipelineContext, nxt: Optional[PECTrainPipelineContext]
     ) -> None:
         """Keep ``cur``'s NOL gradient for ``nxt``'s step; the last batch applies its own now."""
-        # The timeline's comments stay in their columns.
+        # See [Note: a progress() timeline] in trec_pipelines.pipelines.
         # fmt: off
         pec_ops.defer_nol_grad(self._pec_modules(), cur, self._deferred_nol_grad)
         if nxt is None:
@@ -354,7 +354,7 @@ class TrainPipelinePEC(TrainPipelineSparseDist[In, Out]):
         the tables must be up to date.  The next batch does not read those
         rows, so applying them early changes nothing else.
         """
-        # The timeline's comments stay in their columns.
+        # See [Note: a progress() timeline] in trec_pipelines.pipelines.
         # fmt: off
         if not self._deferred_nol_grad.pending:
             return

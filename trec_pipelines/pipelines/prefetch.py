@@ -239,7 +239,7 @@ class PrefetchTrainPipelineSparseDist(TrainPipelineSparseDist[In, Out]):
 
     @guarded_step
     def progress(self, dataloader_iter: Iterator[Any]) -> Any:
-        # The timeline's comments stay in their columns.
+        # See [Note: a progress() timeline] in trec_pipelines.pipelines.
         # fmt: off
         self._start_step(dataloader_iter)  # fill, pull host batches, stop at end of data
         training = self._model.training

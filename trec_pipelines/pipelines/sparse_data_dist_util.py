@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import logging
 from collections import deque
-from typing import Any, Callable, Deque, Generic, List, Optional, Set, cast
+from typing import Any, Deque, List, Optional, Set, cast
 
 import torch
 from torch.utils.hooks import RemovableHandle
@@ -51,17 +51,16 @@ from trec_pipelines.model.forwards import (
 )
 from trec_pipelines.model.postproc import PipelinedPostproc
 from trec_pipelines.model.rewrite import RewriteResult
-from trec_pipelines.pipelines.staged import PipelineStage, side_stream
-from trec_pipelines.sparse.cache_prefetch import prefetch_modules
+from trec_pipelines.pipelines.sparse_data_dist_stages import SparseDataDistStages
+from trec_pipelines.pipelines.stages import side_stream
 from trec_pipelines.sparse.input_dist import SplitsFusion, start_input_dist, wait_input_dist
-from trec_pipelines.sparse.lookup import start_embedding_lookup
 
 logger: logging.Logger = logging.getLogger(__name__)
 
 
 @documented()
 @takes_options(ModelOptions)
-class SparseDataDistUtil(Generic[In]):
+class SparseDataDistUtil(SparseDataDistStages[In]):
     """Pipelines a model's sparse ``input_dist`` through :class:`StagedTrainPipeline` stages.
 
     The caller trains in its own loop; this class rewrites the model so each
@@ -478,7 +477,7 @@ class SparseDataDistUtil(Generic[In]):
 
     def batch_skipped(self, passed: bool, filling: bool) -> None:
         """Called by :meth:`StagedTrainPipeline.skip_failed_batch` when it drops a
-        batch a stage raised on (see :class:`~trec_pipelines.pipelines.staged.SkipAware`).
+        batch a stage raised on (see :class:`~trec_pipelines.pipelines.stages.SkipAware`).
 
         ``passed``: the batch had started its input_dist, and the stage after
         it (prefetch or lookup) raised.  Otherwise its input_dist raised (what
@@ -528,86 +527,6 @@ class SparseDataDistUtil(Generic[In]):
         """The input_dist stage is done for this progress(): count anew."""
         self._trained_since_tick = False
         self._advanced_since_tick = False
-
-    def prefetch(self, batch: In) -> In:
-        """Finish the batch's input_dist and prefetch its rows into the embedding caches."""
-        if not self._with_prefetch:
-            raise RuntimeError(
-                "SparseDataDistUtil.prefetch ran but prefetch is not on: pass "
-                "prefetch_stream to the constructor (may be None on CPU if the "
-                "stage runs in a StagedTrainPipeline, which turns it on)"
-            )
-        ctx = self._stage_context()
-        assert isinstance(ctx, PrefetchTrainPipelineContext)
-        assert self._rewrite is not None
-        prefetch_modules(
-            self._rewrite.pipelined,
-            ctx,
-            dist_stream=self._dist_stream,
-            prefetch_stream=self._prefetch_stream,
-            forward_stream=self._compute_stream,
-            forward_done=self._forward_done,
-        )
-        return batch
-
-    def load_prefetch(self) -> None:
-        """Does nothing: the contexts carry the prefetched input (kept for compatibility)."""
-        logger.warning(
-            "SparseDataDistUtil.load_prefetch does nothing; drop it from the prefetch "
-            "stage's fill_callback"
-        )
-
-    def start_embedding_lookup(self, batch: In) -> In:
-        """Run the batch's embedding lookup on ``embedding_lookup_stream``."""
-        if not self._with_embedding_lookup:
-            raise RuntimeError(
-                "SparseDataDistUtil.start_embedding_lookup ran but the lookup stage is "
-                "not on: pass embedding_lookup_stream to the constructor, or build the "
-                "stage with start_embedding_lookup_stage() (its stream may be None on CPU)"
-            )
-        ctx = self._stage_context()
-        assert isinstance(ctx, EmbeddingTrainPipelineContext)
-        assert self._rewrite is not None
-        # Issued from the compute stream's point of view: the lookup waits for
-        # what was issued there so far and its input is kept alive there too.
-        with on_stream(self._compute_stream):
-            start_embedding_lookup(
-                [(p.name, p.module) for p in self._rewrite.pipelined],
-                ctx,
-                dist_stream=self._dist_stream,
-                lookup_stream=self._lookup_stream,
-                weights_ready=record_event(self._compute_stream),
-            )
-        return batch
-
-    # ----------------------------------------------------------------- stages
-
-    def start_sparse_data_dist_stage(
-        self,
-        name: str = "start_sparse_data_dist",
-        runnable: Optional[Callable[[Any], Any]] = None,
-    ) -> PipelineStage:
-        """The input_dist stage, with its fill and data-exhausted callbacks."""
-        return PipelineStage(
-            name=name,
-            runnable=runnable or self.start_sparse_data_dist,
-            stream=self.data_dist_stream,
-            fill_callback=self.wait_sdd_fill_callback,
-            data_exhausted_callback=self.data_exhausted_callback,
-        )
-
-    def start_embedding_lookup_stage(
-        self,
-        name: str = "start_embedding_lookup",
-        runnable: Optional[Callable[[Any], Any]] = None,
-    ) -> PipelineStage:
-        """The embedding-lookup stage, on ``embedding_lookup_stream`` (``None``: the current stream)."""
-        self.stage_declared("start_embedding_lookup")
-        return PipelineStage(
-            name=name,
-            runnable=runnable or self.start_embedding_lookup,
-            stream=self.embedding_lookup_stream,
-        )
 
 
 __all__ = ["SparseDataDistUtil"]

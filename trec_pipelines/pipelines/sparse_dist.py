@@ -15,7 +15,6 @@ from typing import (
     Optional,
     Tuple,
     Type,
-    cast,
 )
 
 import torch
@@ -24,7 +23,6 @@ from torchrec.distributed.train_pipeline import In, Out, TrainPipeline
 from torchrec.distributed.train_pipeline.types import PipelineState
 from typing_extensions import Unpack
 
-from trec_pipelines._types import AnyShardedModule
 from trec_pipelines.core.api_docs import documented
 from trec_pipelines.core.checks import check_apply_jit
 from trec_pipelines.core.hooks import ASYNC_COPY, FORWARD_TYPE, VERSION_0, Refused, Uncalled
@@ -35,15 +33,13 @@ from trec_pipelines.core.streams import StreamSet, make_streams, on_stream
 from trec_pipelines.core.verbs import copy_to_device, shares_kjt_storage, wait_for_batch
 from trec_pipelines.data.inplace_copy import AsyncInplaceCopyMixin, BatchQueue, InplaceCopyWorker
 from trec_pipelines.data.padding import unwrap
-from trec_pipelines.model.args import CallArgs
 from trec_pipelines.model.backward_hooks import pipeline_hook, register_backward_hook
 from trec_pipelines.model.context import TrainPipelineContext
-from trec_pipelines.model.forwards import BaseForward, PipelinedForward
-from trec_pipelines.model.postproc import PipelinedPostproc
+from trec_pipelines.model.forwards import PipelinedForward
 from trec_pipelines.model.rewrite import RewriteResult
 from trec_pipelines.observe import recorder as rec
+from trec_pipelines.pipelines.sparse_dist_rewrite import SparseDistRewrite
 from trec_pipelines.sparse.input_dist import (
-    SplitsFusion,
     release_input_dist_inputs,
     start_input_dist,
     wait_input_dist,
@@ -54,7 +50,9 @@ logger: logging.Logger = logging.getLogger(__name__)
 
 @documented()
 @takes_options(SparseDistTrainOptions)
-class TrainPipelineSparseDist(PipelineCore, TrainPipeline[In, Out], AsyncInplaceCopyMixin[In]):
+class TrainPipelineSparseDist(
+    SparseDistRewrite, PipelineCore, TrainPipeline[In, Out], AsyncInplaceCopyMixin[In]
+):
     """Three batches in flight: ``cur`` trains, ``nxt`` is in input_dist, ``new`` is copied.
 
     ==========  =======  ==================================================
@@ -218,114 +216,6 @@ class TrainPipelineSparseDist(PipelineCore, TrainPipeline[In, Out], AsyncInplace
     def rewrite_result(self) -> Optional[RewriteResult]:
         """What the model rewrite pipelined and what it left alone (after the first batch)."""
         return self._rewrite
-
-    @property
-    def _rewrite(self) -> Optional[RewriteResult]:
-        return self._pipelined.result
-
-    @property
-    def _fusion(self) -> SplitsFusion:
-        return self._pipelined.fusion
-
-    @property
-    def _model_attached(self) -> bool:
-        return self._pipelined.attached
-
-    @property
-    def _pipelined_modules(self) -> List[AnyShardedModule]:
-        return self._pipelined.modules
-
-    @property
-    def _pipelined_postprocs(self) -> List[PipelinedPostproc]:
-        """The postproc wrappers installed by the rewrite (``pipeline_postproc=True``)."""
-        return self._pipelined.postprocs
-
-    def _make_postproc(
-        self, fqn: str, module: torch.nn.Module, call_args: CallArgs
-    ) -> PipelinedPostproc:
-        # Runs where input_dist runs (data_dist; Lite: the default stream) and
-        # is read on the stream current in the forward (default_stream None).
-        return PipelinedPostproc(
-            module, fqn, call_args, self._current_context(), None, self._streams.data_dist
-        )
-
-    def _make_forward(
-        self, name: str, call_args: CallArgs, module: AnyShardedModule
-    ) -> BaseForward[Any]:
-        return PipelinedForward(
-            name,
-            call_args,
-            module,
-            self._current_context(),
-            self._streams.data_dist,
-            wait_on_current_stream=self._clear_data_dist_inputs,
-        )
-
-    def _pipeline_model(
-        self,
-        batch: Any,
-        context: TrainPipelineContext,
-        pipelined_forward: Optional[type] = None,
-    ) -> None:
-        """Rewrite the model on the first batch, then start that batch's input_dist.
-
-        torchrec's hook, honoured: called once per rewrite (an override that
-        calls ``super()`` and then registers hooks registers them once).
-        ``pipelined_forward`` is accepted for torchrec's signature; each
-        module's wrapper comes from :meth:`_make_forward`.
-        """
-        result = self._rewrite_checked(batch)
-        if self._free_features_storage_early:
-            for module in result.modules:
-                if hasattr(module, "_free_features_storage_early"):
-                    cast(Any, module)._free_features_storage_early = True
-        self._set_module_context(context)
-        self.start_sparse_data_dist(batch, context)
-        self._pipelined.fuse_new()  # input_dists exist only after the first input_dist call
-        while self._after_first_rewrite:
-            self._after_first_rewrite.pop(0)()
-
-    def _init_pipelined_modules(
-        self,
-        batch: Any,
-        context: TrainPipelineContext,
-        pipelined_forward: Optional[type] = None,
-    ) -> None:
-        """Start ``batch``'s input_dist, rewriting the model first if not done yet
-        (torchrec's hook, honoured: the fill calls it with an epoch's first batch)."""
-        if self._rewrite is None:
-            self._pipeline_model(batch, context, pipelined_forward)
-        else:
-            self._set_module_context(context)
-            self.start_sparse_data_dist(batch, context)
-
-    def _rewrite_checked(self, batch: Any) -> RewriteResult:
-        """Rewrite the model and apply the ``on_unpipelined`` policy."""
-        return self._pipelined.rewrite(
-            batch,
-            self._make_forward,
-            self._options.rewrite_strategy,
-            self._options.on_unpipelined,
-            make_postproc=self._make_postproc if self._pipeline_postproc else None,
-        )
-
-    def _input_dist_modules(self) -> List[Tuple[str, AnyShardedModule, CallArgs]]:
-        # No rewrite: a subclass's _init_pipelined_modules (or _pipeline_model) did
-        # not call ours.  Then, as on torchrec, no module is pipelined and each runs
-        # its own input_dist inside the forward.
-        if self._rewrite is None:
-            return []
-        return [(p.name, p.module, p.call_args) for p in self._rewrite.pipelined]
-
-    def _current_context(self) -> TrainPipelineContext:
-        return self.contexts[0] if self.contexts else self._context_type()
-
-    def _set_module_context(self, context: TrainPipelineContext) -> None:
-        """Point the forward wrappers and postprocs at the batch whose forward runs next."""
-        for module in self._pipelined_modules:
-            cast(BaseForward[Any], module.forward).set_context(context)
-        for postproc in self._pipelined_postprocs:
-            postproc.set_context(context)
 
     def register_backward_hook(self, site: Any, work: Callable[[Any], None]) -> RemovableHandle:
         """Run ``work(self)`` each training step when the backward reaches ``site``.
@@ -512,7 +402,7 @@ class TrainPipelineSparseDist(PipelineCore, TrainPipeline[In, Out], AsyncInplace
 
     @guarded_step
     def progress(self, dataloader_iter: Iterator[Any]) -> Any:
-        # The timeline's comments stay in their columns.
+        # See [Note: a progress() timeline] in trec_pipelines.pipelines.
         # fmt: off
         self._start_step(dataloader_iter)  # fill, pull host batches, stop at end of data
         training = self._model.training

@@ -124,7 +124,7 @@ class TrainPipelineSparseDistLite(TrainPipelineSparseDist[In, Out]):
 
     @guarded_step
     def progress(self, dataloader_iter: Iterator[Any]) -> Any:
-        # The timeline's comments stay in their columns.
+        # See [Note: a progress() timeline] in trec_pipelines.pipelines.
         # fmt: off
         self._start_step(dataloader_iter)  # fill, pull host batches, stop at end of data
         cur, ctx = self.batches[0], self.contexts[0]

@@ -15,15 +15,11 @@ from typing import (
     List,
     Mapping,
     Optional,
-    Protocol,
     Tuple,
-    TypeVar,
-    runtime_checkable,
 )
 
 import torch
 from torchrec.distributed.train_pipeline import In, TrainPipeline
-from torchrec.streamable import Pipelineable
 from typing_extensions import Unpack
 
 from trec_pipelines.core.api_docs import documented
@@ -33,7 +29,6 @@ from trec_pipelines.core.options import BatchOptions, resolve_options, takes_opt
 from trec_pipelines.core.resume import Resumable
 from trec_pipelines.core.streams import (
     current_stream,
-    has_streams,
     on_stream,
     record_event,
     record_stream,
@@ -44,107 +39,17 @@ from trec_pipelines.data.agreement import AgreementChannel, agreement_group
 from trec_pipelines.data.source import BatchSource
 from trec_pipelines.observe import recorder as rec
 from trec_pipelines.observe.recorder import Recordable
+from trec_pipelines.pipelines.stages import (
+    PipelineStage,
+    SkipAware,
+    StageOut,
+    agreement_carriers,
+    declare_stages,
+    side_stream,
+    skip_aware_owners,
+)
 
 logger: logging.Logger = logging.getLogger(__name__)
-
-# What the last stage hands the caller, for annotating stage callables (torchrec's name).
-StageOut = TypeVar("StageOut", bound=Pipelineable)
-
-
-@dataclass
-class PipelineStage:
-    """One step a batch takes before the model's forward.
-
-    Attributes:
-        name: shown in logs and in the recorded schedule.
-        runnable: ``batch -> batch``; must not need gradients (copy to device,
-            input_dist, postprocessing on the device, ...).
-        stream: the stream the stage runs on.  ``None``, or a stream of a
-            device without streams (``torch.Stream(device="cpu")``), runs it on
-            the current stream.
-        fill_callback: called after this stage while the pipeline fills
-            (also when the stage had no batch to work on).
-        data_exhausted_callback: called each time this stage finds no batch
-            because the data ran out, the pipeline is flushing, or the batch
-            it would have worked on was dropped by
-            :meth:`StagedTrainPipeline.skip_failed_batch`.
-    """
-
-    name: str
-    runnable: Callable[[Any], Any]
-    stream: Optional[torch.Stream]
-    fill_callback: Optional[Callable[[], None]] = None
-    data_exhausted_callback: Optional[Callable[[], None]] = None
-
-
-@runtime_checkable
-class StageAware(Protocol):
-    """An object whose bound methods are stage runnables and which must know,
-    before the first batch, which of them the pipeline runs
-    (:class:`SparseDataDistUtil`: how many batches it keeps in flight)."""
-
-    def stage_declared(self, verb: str) -> None: ...
-
-
-@runtime_checkable
-class CarriesAgreement(Protocol):
-    """An object whose stage makes the step's splits all-to-all, which can carry
-    the ranks' agreement on each loaded batch (:class:`SparseDataDistUtil`; see
-    ``[Note: agreeing on each batch]``)."""
-
-    def carry_agreement(self, channel: AgreementChannel) -> None: ...
-
-    @property
-    def trained_model(self) -> Optional[torch.nn.Module]:
-        """The model whose steps the loaded batches feed (its process groups
-        say which ranks agree)."""
-        ...
-
-
-@runtime_checkable
-class SkipAware(Protocol):
-    """An object whose stages keep state per batch, told when
-    :meth:`StagedTrainPipeline.skip_failed_batch` drops one
-    (:class:`SparseDataDistUtil`: the batch's context)."""
-
-    def batch_skipped(self, passed: bool, filling: bool) -> None: ...
-
-
-def _declare_stages(stages: List[PipelineStage]) -> None:
-    for stage in stages:
-        owner = getattr(stage.runnable, "__self__", None)
-        if isinstance(owner, StageAware):
-            owner.stage_declared(stage.runnable.__name__)
-
-
-def _agreement_carriers(stages: List[PipelineStage]) -> List[CarriesAgreement]:
-    """The :class:`CarriesAgreement` objects whose verbs the stages run."""
-    found: List[CarriesAgreement] = []
-    for stage in stages:
-        owner = getattr(stage.runnable, "__self__", None)
-        if isinstance(owner, CarriesAgreement) and all(owner is not o for o in found):
-            found.append(owner)
-    return found
-
-
-def _skip_aware_owners(stages: List[PipelineStage]) -> List[Tuple[int, SkipAware]]:
-    """Each :class:`SkipAware` object behind the stages' callables (a wrapped
-    runnable hides its owner, the callbacks may still show it), with the
-    index of its first stage."""
-    found: List[Tuple[int, SkipAware]] = []
-    for stage_idx, stage in enumerate(stages):
-        for part in (stage.runnable, stage.fill_callback, stage.data_exhausted_callback):
-            owner = getattr(part, "__self__", None)
-            if isinstance(owner, SkipAware) and all(owner is not o for _, o in found):
-                found.append((stage_idx, owner))
-    return found
-
-
-def side_stream(stream: Optional[torch.Stream]) -> Optional[torch.Stream]:
-    """``stream`` if work can be issued to it apart from the current stream, else ``None``."""
-    if stream is None or not has_streams(stream.device):
-        return None
-    return stream
 
 
 # One unit of a fill or a step: (stage index, slot, is the stage's fill_callback).
@@ -302,7 +207,7 @@ class StagedTrainPipeline(
         # Each load's agreement rides a SparseDataDistUtil stage's splits
         # exchange where there is one, else an all-reduce started a call ahead.
         # Its model says which ranks train together; without one, the world.
-        carriers = _agreement_carriers(pipeline_stages)
+        carriers = agreement_carriers(pipeline_stages)
         model = next((c.trained_model for c in carriers if c.trained_model is not None), None)
         group = agreement_group(self, model, self._options.sync_exhaustion)
         channel = None if group is None else AgreementChannel(group, carried=bool(carriers))
@@ -322,7 +227,7 @@ class StagedTrainPipeline(
                 "pass e.g. a stage that copies the batch to the device"
             )
         self._pipeline_stages = list(pipeline_stages)
-        _declare_stages(self._pipeline_stages)
+        declare_stages(self._pipeline_stages)
         self._debug_mode = debug_mode
         self.on_flush_end = on_flush_end
         self._stage_streams = [side_stream(stage.stream) for stage in self._pipeline_stages]
@@ -590,7 +495,7 @@ class StagedTrainPipeline(
         if filling:
             # Nothing newer is loaded yet: the slot starts over with the next batch.
             self._done_units = self._fill_units().index((0, failure.slot, False))
-        for first_stage, owner in _skip_aware_owners(self._pipeline_stages):
+        for first_stage, owner in skip_aware_owners(self._pipeline_stages):
             owner.batch_skipped(passed=failure.stage > first_stage, filling=filling)
         logger.warning(
             "StagedTrainPipeline: batch %d skipped after %s raised on it (%s); "
@@ -680,4 +585,4 @@ class StagedTrainPipeline(
         self._source.end_epoch()
 
 
-__all__ = ["PipelineStage", "SkipAware", "StagedTrainPipeline", "side_stream"]
+__all__ = ["PipelineStage", "SkipAware", "StagedTrainPipeline", "StageOut", "side_stream"]
