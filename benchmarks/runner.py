@@ -65,9 +65,9 @@ from benchmarks.contenders import (
     takes_input_dist_group,
 )
 from benchmarks.model import ModelSpec, make_batches, tiny_spec
-from tests import devices
 from trec_pipelines.data.validation import batch_problem
 from trec_pipelines.observe.memory import peak_rss_bytes
+from trec_pipelines.testing import devices
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 LINK_REASON_ENV = "TREC_BENCH_LINK_REASON"
