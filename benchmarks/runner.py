@@ -46,7 +46,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 import torch
 import torch.distributed as dist
 
-from benchmarks import memory, netns, recording, report, run_header
+from benchmarks import memory, netns, qps_chart, recording, report, run_header
 from benchmarks.config import BenchConfig
 from benchmarks.contenders import (
     COMPILED_PLAIN,
@@ -798,7 +798,7 @@ def write_results(
         json.dump(document, f, indent=1)
     with open(os.path.join(target, "table.txt"), "w") as f:
         f.write(text)
-    report.write_chart(raw, os.path.join(target, "qps.png"))
+    qps_chart.write_chart(raw, os.path.join(target, "qps.png"))
     print(
         f"results: {os.path.relpath(target, os.getcwd())}/ (results.json, table.txt, qps.png"
         + (", timelines/" if timelines else "")
