@@ -83,16 +83,16 @@ def torchrec_on_cpu() -> Iterator[None]:
     def current_stream(device: Any = None) -> Any:
         return torch.cpu.current_stream()
 
-    torch.Tensor.record_stream = record_stream  # type: ignore[method-assign]
-    torch.cuda.current_stream = current_stream  # type: ignore[assignment]
+    torch.Tensor.record_stream = record_stream  # type: ignore[method-assign,assignment,attr-defined,unused-ignore]
+    torch.cuda.current_stream = current_stream  # type: ignore[method-assign,assignment,attr-defined,unused-ignore]
     if patch_device:
-        torch.cpu.Stream.device = _CPU  # type: ignore[attr-defined]
+        torch.cpu.Stream.device = _CPU  # type: ignore[method-assign,assignment,attr-defined,unused-ignore]
     _active = True
     try:
         yield
     finally:
         _active = False
-        torch.Tensor.record_stream = original_record_stream  # type: ignore[method-assign]
-        torch.cuda.current_stream = original_current_stream  # type: ignore[assignment]
+        torch.Tensor.record_stream = original_record_stream  # type: ignore[method-assign,assignment,attr-defined,unused-ignore]
+        torch.cuda.current_stream = original_current_stream  # type: ignore[method-assign,assignment,attr-defined,unused-ignore]
         if patch_device:
-            del torch.cpu.Stream.device  # type: ignore[attr-defined]
+            del torch.cpu.Stream.device  # type: ignore[method-assign,assignment,attr-defined,unused-ignore]
