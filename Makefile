@@ -105,7 +105,7 @@ distributed-latest: $(STAMP_LATEST)
 distributed-4-latest: $(STAMP_LATEST)
 	$(call run_4_ranks,$(VENV_LATEST))
 
-# The whole suite on this host's NVIDIA GPUs: TREC_DEVICE=cuda (tests/devices.py)
+# The whole suite on this host's NVIDIA GPUs: TREC_DEVICE=cuda (trec_pipelines/testing/devices.py)
 # puts every rank on its GPU with NCCL, and the torchrec CPU shims are off.  One
 # rank per GPU; the distributed tier needs two GPUs or more.  Without a GPU it
 # says so in one line and runs nothing (nor builds .venv-gpu).  Never yet run on

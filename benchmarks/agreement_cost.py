@@ -1,7 +1,7 @@
 """What the ranks' agreement on each pulled batch costs a SparseDist step.
 
 Run under torchrun on 2 ranks (``make bench-agreement``).  The test DLRM
-(tests/distributed/dlrm.py), table-wise, trains the same batches four ways, in
+(trec_pipelines/testing/dlrm.py), table-wise, trains the same batches four ways, in
 paired rounds (each round runs all four back to back, in a rotating order):
 
 * ``none``: no agreement (``sync_exhaustion=False``);
@@ -27,8 +27,8 @@ import torch
 import torch.distributed as dist
 
 import trec_pipelines
-from tests import devices
-from tests.distributed.dlrm import DLRM, make_batches, make_sharded
+from trec_pipelines.testing import devices
+from trec_pipelines.testing.dlrm import DLRM, make_batches, make_sharded
 
 DEVICE = devices.device()
 SETTINGS = ("none", "all-reduce", "carried", "blocking")

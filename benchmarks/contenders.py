@@ -34,13 +34,13 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from benchmarks import netns, shim
+from benchmarks import netns
 from benchmarks.model import Batch, ModelSpec, make_sharded
 from benchmarks.report import COMPILED_PLAIN, COMPILED_VARIANTS
-from tests import devices
 from trec_pipelines.observe import tasks
+from trec_pipelines.testing import devices, torchrec_cpu as shim
 
-# Where the ranks train: CPU, or the rank's GPU (tests/devices.py, TREC_DEVICE).
+# Where the ranks train: CPU, or the rank's GPU (trec_pipelines/testing/devices.py, TREC_DEVICE).
 DEVICE = devices.device()
 
 # Display order; variants exported later that are not listed go at the end.

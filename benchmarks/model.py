@@ -31,7 +31,7 @@ from torchrec.optim.optimizers import in_backward_optimizer_filter
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 from torchrec.streamable import Pipelineable
 
-from tests import devices
+from trec_pipelines.testing import devices
 
 SHARDING_TYPES = ("table_wise", "row_wise", "column_wise", "table_row_wise", "data_parallel")
 INTERACTIONS = ("concat", "dcn")

@@ -350,7 +350,7 @@ def _notes(blocks: Sequence[Block]) -> List[str]:
     if any(r.shimmed for p in panels for r in p.rows):
         lines.append(
             "Open marker: torchrec's class calls CUDA stream functions even on CPU, so it ran with "
-            "those calls stubbed out for CPU (benchmarks/shim.py); ours never does."
+            "those calls stubbed out for CPU (trec_pipelines/testing/torchrec_cpu.py); ours never does."
         )
     return lines
 

@@ -20,7 +20,7 @@ import json
 import os
 from typing import List, Optional, Sequence
 
-from benchmarks import recording, report, sweep
+from benchmarks import qps_chart, recording, sweep
 
 CHART = "qps.png"
 TIMELINES = "timelines"
@@ -55,7 +55,7 @@ def replot(folder: str, out: Optional[str] = None) -> List[str]:
     target = out if out is not None else folder
     os.makedirs(target, exist_ok=True)
     path = os.path.join(target, CHART)
-    report.write_chart(document["raw"], path)
+    qps_chart.write_chart(document["raw"], path)
     written = [path] if os.path.exists(path) else []
     return written + recording.redraw_timelines(document, os.path.join(target, TIMELINES))
 

@@ -755,18 +755,6 @@ def summary(raw: Dict[str, Any]) -> Dict[str, Any]:
 
 
 # --------------------------------------------------------------------------
-# Chart
-# --------------------------------------------------------------------------
-
-
-def write_chart(raw: Dict[str, Any], path: str) -> None:
-    """The QPS figure of ``raw`` to the PNG at ``path`` (drawn by :mod:`benchmarks.qps_chart`)."""
-    from benchmarks import qps_chart  # it reads this module's tables
-
-    qps_chart.write_chart(raw, path)
-
-
-# --------------------------------------------------------------------------
 # Versions and host facts
 # --------------------------------------------------------------------------
 

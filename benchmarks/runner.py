@@ -46,7 +46,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 import torch
 import torch.distributed as dist
 
-from benchmarks import memory, netns, recording, report, run_header
+from benchmarks import memory, netns, qps_chart, recording, report, run_header
 from benchmarks.config import BenchConfig
 from benchmarks.contenders import (
     COMPILED_PLAIN,
@@ -65,9 +65,9 @@ from benchmarks.contenders import (
     takes_input_dist_group,
 )
 from benchmarks.model import ModelSpec, make_batches, tiny_spec
-from tests import devices
 from trec_pipelines.data.validation import batch_problem
 from trec_pipelines.observe.memory import peak_rss_bytes
+from trec_pipelines.testing import devices
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 LINK_REASON_ENV = "TREC_BENCH_LINK_REASON"
@@ -798,7 +798,7 @@ def write_results(
         json.dump(document, f, indent=1)
     with open(os.path.join(target, "table.txt"), "w") as f:
         f.write(text)
-    report.write_chart(raw, os.path.join(target, "qps.png"))
+    qps_chart.write_chart(raw, os.path.join(target, "qps.png"))
     print(
         f"results: {os.path.relpath(target, os.getcwd())}/ (results.json, table.txt, qps.png"
         + (", timelines/" if timelines else "")

@@ -17,8 +17,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from tests import devices
 from trec_pipelines.sparse.input_dist_group import release_input_dist_groups
+from trec_pipelines.testing import devices
 
 # A collective that never completes (e.g. one rank failed an assert before an
 # all-to-all) turns into an error after this long instead of hanging CI.
@@ -35,7 +35,7 @@ _LAUNCH_HINT = (
 @pytest.fixture(scope="session", autouse=True)
 def process_group():
     """Initialise the default process group from torchrun's env vars (gloo on
-    CPU, NCCL on CUDA: see tests/devices.py)."""
+    CPU, NCCL on CUDA: see trec_pipelines/testing/devices.py)."""
     missing = [
         v for v in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT") if v not in os.environ
     ]
@@ -113,7 +113,7 @@ def per_test_group(process_group, request):
     the remaining tests fail at once instead of waiting again.
     """
     global _barrier, _peer_lost
-    from tests.distributed import dlrm, torchrec_shim
+    from trec_pipelines.testing import dlrm, torchrec_cpu as torchrec_shim
 
     if _peer_lost:
         pytest.fail(_peer_lost, pytrace=False)
@@ -183,12 +183,12 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config):
         return
     import torchrec
 
-    from tests.distributed import torchrec_shim
+    from trec_pipelines.testing import torchrec_cpu as torchrec_shim
 
     write = terminalreporter.write_line
     write(
         f"{len(_shimmed_tests)} tests ran torchrec {torchrec.__version__}'s "
-        "reference under tests/distributed/torchrec_shim.py (torchrec's side only), patching:"
+        "reference under trec_pipelines/testing/torchrec_cpu.py (torchrec's side only), patching:"
     )
     for patch in torchrec_shim.patches():
         write(f"    {patch}")

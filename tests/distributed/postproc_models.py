@@ -34,9 +34,8 @@ from torchrec.optim.apply_optimizer_in_backward import apply_optimizer_in_backwa
 from torchrec.optim.keyed import CombinedOptimizer, KeyedOptimizerWrapper
 from torchrec.optim.optimizers import in_backward_optimizer_filter
 
-from tests import devices
-from tests.distributed import plans
-from tests.distributed.dlrm import FieldwiseBatch, Run, current_group, run_pipeline, weights
+from trec_pipelines.testing import devices, plans
+from trec_pipelines.testing.dlrm import FieldwiseBatch, Run, current_group, run_pipeline, weights
 
 DEVICE = devices.device()
 ROWS = 64

@@ -27,7 +27,6 @@ from benchmarks import memory as bench_memory, report as bench_report
 from benchmarks.contenders import Variant as BenchVariant, make_contender
 from benchmarks.model import make_batches as bench_batches, make_sharded as bench_sharded, tiny_spec
 from tests.distributed import postproc_models as pm
-from tests.distributed.dlrm import current_group
 from trec_pipelines import (
     Advice,
     StagedTrainPipeline,
@@ -40,6 +39,7 @@ from trec_pipelines import (
 )
 from trec_pipelines.advise.verdict import Answer
 from trec_pipelines.observe.memory import format_bytes
+from trec_pipelines.testing.dlrm import current_group
 
 CPU = torch.device("cpu")
 # The steps and rounds asked for and no more (time_budget=0): these tests check
@@ -367,9 +367,9 @@ def test_pec_applies_to_a_model_with_pec_modules() -> None:
     """Timed on torchrec >= 1.9; on 1.8 listed as not applicable, with the upgrade to make."""
     import torchrec
 
-    from tests.distributed.dlrm import make_batches
     from tests.distributed.test_pec import make_pec_sharded
     from trec_pipelines import TrainPipelinePEC
+    from trec_pipelines.testing.dlrm import make_batches
 
     def build() -> Tuple[nn.Module, Any, List[Any]]:
         dmp, optimizer = make_pec_sharded()
@@ -420,7 +420,7 @@ QUICK = {"variants": [TrainPipelineSparseDist], "time_budget": 10.0}
 def toy_four_tables() -> Tuple[nn.Module, Any, List[Any]]:
     """The distributed tier's 4-table toy DLRM, with 24 batches (fewer than the
     default warm-up 5 + 20 steps)."""
-    from tests.distributed.dlrm import DLRM, make_batches, make_sharded
+    from trec_pipelines.testing.dlrm import DLRM, make_batches, make_sharded
 
     dmp, optimizer = make_sharded(DLRM, "table_wise")
     return dmp, optimizer, make_batches(n=24)

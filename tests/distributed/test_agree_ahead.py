@@ -11,8 +11,9 @@ import torch
 import torch.distributed as dist
 
 import trec_pipelines
-from tests import devices
-from tests.distributed.dlrm import (
+from trec_pipelines.observe.memory import footprint, owned_storages
+from trec_pipelines.testing import devices
+from trec_pipelines.testing.dlrm import (
     DLRM,
     Run,
     _snapshot,
@@ -22,7 +23,6 @@ from tests.distributed.dlrm import (
     plain_loop,
     weights,
 )
-from trec_pipelines.observe.memory import footprint, owned_storages
 
 DEVICE = devices.device()
 SEED, DATA_SEED = 1234, 7

@@ -18,8 +18,8 @@ import pytest
 import torchrec.distributed.train_pipeline.train_pipelines as upstream
 
 import trec_pipelines
-from tests import devices
-from tests.distributed.dlrm import (
+from trec_pipelines.testing import devices
+from trec_pipelines.testing.dlrm import (
     DLRM,
     assert_runs_equal,
     make_batches,

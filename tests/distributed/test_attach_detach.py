@@ -20,7 +20,6 @@ import torchrec.distributed.train_pipeline as upstream
 from torch import nn
 
 import trec_pipelines
-from tests.distributed.dlrm import Run, assert_runs_equal, weights
 from tests.distributed.postproc_models import (
     DEVICE,
     AddNegatives,
@@ -35,6 +34,7 @@ from trec_pipelines.model.forwards import (
     PrefetchPipelinedForward,
 )
 from trec_pipelines.model.postproc import PipelinedPostproc
+from trec_pipelines.testing.dlrm import Run, assert_runs_equal, weights
 
 WRAPPER = {
     trec_pipelines.TrainPipelineSparseDist: PipelinedForward,

@@ -27,20 +27,20 @@ from torchrec.distributed.train_pipeline.train_pipelines import (
 from torchrec.distributed.types import ShardingType
 
 import trec_pipelines
-from tests import devices
-from tests.distributed.dlrm import (
+from trec_pipelines.model.backward_hooks import (
+    FirstGradTensorFinder,
+    InjectionSite,
+    InjectionTargetType,
+    OutputDistTensorFinder,
+)
+from trec_pipelines.testing import devices
+from trec_pipelines.testing.dlrm import (
     DLRM,
     assert_runs_equal,
     make_batches,
     make_sharded,
     plain_loop,
     run_pipeline,
-)
-from trec_pipelines.model.backward_hooks import (
-    FirstGradTensorFinder,
-    InjectionSite,
-    InjectionTargetType,
-    OutputDistTensorFinder,
 )
 
 DEVICE = devices.device()

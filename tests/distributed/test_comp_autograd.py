@@ -15,16 +15,6 @@ import torch._inductor.config
 import torch._logging
 from torchrec.distributed import comm_ops
 
-from tests import devices
-from tests.distributed.dlrm import (
-    DLRM,
-    Batch,
-    Run,
-    make_batches,
-    make_sharded,
-    plain_loop,
-    weights,
-)
 from trec_pipelines.model.backward_hooks import (
     FirstGradTensorFinder,
     InjectionSite,
@@ -33,6 +23,16 @@ from trec_pipelines.model.backward_hooks import (
 from trec_pipelines.pipelines.comp_autograd import (
     TrainPipelineSparseDistCompAutograd,
     touched_settings,
+)
+from trec_pipelines.testing import devices
+from trec_pipelines.testing.dlrm import (
+    DLRM,
+    Batch,
+    Run,
+    make_batches,
+    make_sharded,
+    plain_loop,
+    weights,
 )
 
 DEVICE = devices.device()

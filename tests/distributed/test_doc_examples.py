@@ -14,8 +14,9 @@ from torchdata.stateful_dataloader import StatefulDataLoader
 from torchrec.datasets.random import RandomRecDataset
 
 from docs.examples import checkpoint, quickstart, schedule, staged
-from tests import devices
-from tests.distributed.dlrm import (
+from tests.elastic.train_with_checkpoints import Batches
+from trec_pipelines.testing import devices
+from trec_pipelines.testing.dlrm import (
     DLRM,
     Run,
     assert_runs_equal,
@@ -26,7 +27,6 @@ from tests.distributed.dlrm import (
     plain_loop_with_eval_pass,
     weights,
 )
-from tests.elastic.train_with_checkpoints import Batches
 
 DEVICE = devices.device()
 SEED, RESTART_SEED, DATA_SEED = 1234, 99, 11

@@ -19,8 +19,9 @@ import torchrec.distributed.train_pipeline.experimental_pipelines as upstream
 from torch.nn.parallel import DistributedDataParallel
 
 import trec_pipelines
-from tests import devices
-from tests.distributed.dlrm import (
+from trec_pipelines import experimental_pipelines
+from trec_pipelines.testing import devices
+from trec_pipelines.testing.dlrm import (
     DLRM,
     Run,
     assert_runs_equal,
@@ -31,7 +32,6 @@ from tests.distributed.dlrm import (
     run_pipeline,
     weights,
 )
-from trec_pipelines import experimental_pipelines
 
 DEVICE = devices.device()
 SEED, DATA_SEED, EVAL_SEED = 1234, 7, 8
@@ -503,7 +503,7 @@ def test_emb_stash_plan_is_the_local_shards_of_the_marked_tables(
     import dataclasses
     from unittest import mock
 
-    from tests.distributed import dlrm
+    from trec_pipelines.testing import dlrm
 
     marked = [dataclasses.replace(t, stash_weights=True) for t in dlrm.table_configs()]
     with mock.patch.object(dlrm, "table_configs", lambda: marked):

@@ -24,8 +24,9 @@ from torchrec.distributed.train_pipeline.gradient_accumulation import (
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 import trec_pipelines
-from tests import devices
-from tests.distributed.dlrm import (
+from tests.fault_injection import FailingBackward, Fault
+from trec_pipelines.testing import devices
+from trec_pipelines.testing.dlrm import (
     DLRM,
     FEATURES,
     Batch,
@@ -40,7 +41,6 @@ from tests.distributed.dlrm import (
     run_pipeline,
     weights,
 )
-from tests.fault_injection import FailingBackward, Fault
 
 DEVICE = devices.device()
 SEED, DATA_SEED = 1234, 11

@@ -17,8 +17,12 @@ import pytest
 import torch
 import torchrec.distributed.train_pipeline.train_pipelines as upstream
 
-from tests import devices
-from tests.distributed.dlrm import (
+from trec_pipelines.pipelines.fused_sparse_dist import (
+    EvalPipelineFusedSparseDist,
+    TrainPipelineFusedSparseDist,
+)
+from trec_pipelines.testing import devices
+from trec_pipelines.testing.dlrm import (
     DLRM,
     Run,
     assert_runs_equal,
@@ -28,11 +32,7 @@ from tests.distributed.dlrm import (
     run_pipeline,
     weights,
 )
-from tests.distributed.torchrec_shim import shim_active, torchrec_on_cpu
-from trec_pipelines.pipelines.fused_sparse_dist import (
-    EvalPipelineFusedSparseDist,
-    TrainPipelineFusedSparseDist,
-)
+from trec_pipelines.testing.torchrec_cpu import shim_active, torchrec_on_cpu
 
 DEVICE = devices.device()
 SEED, DATA_SEED = 1234, 7

@@ -32,8 +32,9 @@ import torchrec.distributed.train_pipeline.train_pipelines as upstream_pipelines
 from torch.nn.parallel import DistributedDataParallel
 
 import trec_pipelines
-from tests import devices
-from tests.distributed.dlrm import (
+from trec_pipelines import GradientAccumulationConfig, GradientAccumulationWrapper
+from trec_pipelines.testing import devices
+from trec_pipelines.testing.dlrm import (
     DLRM,
     Run,
     assert_runs_equal,
@@ -43,8 +44,7 @@ from tests.distributed.dlrm import (
     run_pipeline,
     weights,
 )
-from tests.distributed.torchrec_shim import shim_active, torchrec_on_cpu
-from trec_pipelines import GradientAccumulationConfig, GradientAccumulationWrapper
+from trec_pipelines.testing.torchrec_cpu import shim_active, torchrec_on_cpu
 
 DEVICE = devices.device()
 SEED, DATA_SEED = 1234, 7

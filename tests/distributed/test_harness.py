@@ -46,8 +46,8 @@ from torchrec.distributed.train_pipeline import (
 )
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
-from tests import devices
-from tests.distributed.dlrm import (
+from trec_pipelines.testing import devices
+from trec_pipelines.testing.dlrm import (
     BATCH_SIZE,
     DENSE_LR,
     DLRM,

@@ -1,7 +1,7 @@
 """Subclass hooks called as torchrec calls them, on 2 gloo ranks (generated).
 
 For each class whose torchrec twin runs here (on CPU some only under the test
-shim, :mod:`tests.distributed.torchrec_shim`), the same subclass of ours and of
+shim, :mod:`trec_pipelines.testing.torchrec_cpu`), the same subclass of ours and of
 torchrec's class records every call of every hook ours honours (name and
 arguments, a batch named by its index), trains the same batches, and the two
 records are compared: the same calls, in the same order, with equivalent
@@ -21,11 +21,11 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 import pytest
 import torch
 
-from tests import devices
-from tests.distributed.dlrm import DLRM, make_batches, make_sharded, run_pipeline
-from tests.distributed.torchrec_shim import torchrec_on_cpu
 from tests.hook_parity import ours, overridable, torchrec_class
 from trec_pipelines.core.hooks import UncalledHookWarning, decided_hooks, uncalled_hooks
+from trec_pipelines.testing import devices
+from trec_pipelines.testing.dlrm import DLRM, make_batches, make_sharded, run_pipeline
+from trec_pipelines.testing.torchrec_cpu import torchrec_on_cpu
 
 DEVICE = devices.device()
 SEED, DATA_SEED, STEPS = 1234, 5, 5
@@ -207,7 +207,7 @@ def test_hooks_are_called_as_torchrec_calls_them(name: str) -> None:
 
 # ------------------------------------------------- subclasses written as users write them
 
-from tests.distributed.dlrm import assert_runs_equal, plain_loop  # noqa: E402
+from trec_pipelines.testing.dlrm import assert_runs_equal, plain_loop  # noqa: E402
 
 
 def _scaler() -> torch.amp.GradScaler:
@@ -289,7 +289,7 @@ def _plain_scaled(batches: List[Any]) -> Any:
         scaler.step(optimizer)
         scaler.update()
         outputs.append(out.detach().clone())
-    from tests.distributed.dlrm import Run, weights
+    from trec_pipelines.testing.dlrm import Run, weights
 
     return Run(outputs, weights(dmp))
 

@@ -18,8 +18,13 @@ import torch.distributed as dist
 from torchrec.distributed.dist_data import KJTAllToAll
 
 import trec_pipelines
-from tests import devices
-from tests.distributed.dlrm import (
+from trec_pipelines.core import streams
+from trec_pipelines.pipelines.sparse_data_dist_util import SparseDataDistUtil
+from trec_pipelines.pipelines.staged import PipelineStage, StagedTrainPipeline
+from trec_pipelines.sparse import input_dist, input_dist_group as idg
+from trec_pipelines.sparse.input_dist import SplitsFusion, SplitsOnlyKJTAllToAll
+from trec_pipelines.testing import StreamRecorder, devices
+from trec_pipelines.testing.dlrm import (
     DLRM,
     assert_runs_equal,
     current_group,
@@ -28,12 +33,6 @@ from tests.distributed.dlrm import (
     plain_loop,
     run_pipeline,
 )
-from trec_pipelines.core import streams
-from trec_pipelines.pipelines.sparse_data_dist_util import SparseDataDistUtil
-from trec_pipelines.pipelines.staged import PipelineStage, StagedTrainPipeline
-from trec_pipelines.sparse import input_dist, input_dist_group as idg
-from trec_pipelines.sparse.input_dist import SplitsFusion, SplitsOnlyKJTAllToAll
-from trec_pipelines.testing import StreamRecorder
 
 DEVICE = devices.device()
 SEED, DATA_SEED = 321, 5

@@ -16,8 +16,10 @@ import torch
 import torch.distributed as dist
 
 import trec_pipelines
-from tests import devices
-from tests.distributed.dlrm import (
+from trec_pipelines.core import lifetime
+from trec_pipelines.sparse import input_dist_group as idg
+from trec_pipelines.testing import devices
+from trec_pipelines.testing.dlrm import (
     DLRM,
     assert_runs_equal,
     current_group,
@@ -26,8 +28,6 @@ from tests.distributed.dlrm import (
     plain_loop,
     run_pipeline,
 )
-from trec_pipelines.core import lifetime
-from trec_pipelines.sparse import input_dist_group as idg
 
 DEVICE = devices.device()
 SEED, DATA_SEED = 77, 3

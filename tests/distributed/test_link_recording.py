@@ -17,10 +17,16 @@ import torch
 import torch.distributed as dist
 
 import trec_pipelines
-from tests import devices
-from tests.distributed.dlrm import DLRM, current_group, make_batches, make_sharded, run_pipeline
 from trec_pipelines.observe import links
 from trec_pipelines.observe.recorder import ScheduleRecorder
+from trec_pipelines.testing import devices
+from trec_pipelines.testing.dlrm import (
+    DLRM,
+    current_group,
+    make_batches,
+    make_sharded,
+    run_pipeline,
+)
 
 DEVICE = devices.device()
 SEED, DATA_SEED = 321, 5

@@ -21,8 +21,8 @@ from torchrec.distributed.train_pipeline.train_pipelines import (
 )
 
 import trec_pipelines
-from tests import devices
-from tests.distributed.dlrm import (
+from trec_pipelines.testing import devices
+from trec_pipelines.testing.dlrm import (
     DLRM,
     SHARDING_TYPES,
     NestedDLRM,

@@ -14,8 +14,9 @@ import torch
 import torch.distributed as dist
 
 import trec_pipelines
-from tests import devices
-from tests.distributed.dlrm import (
+from trec_pipelines.core.errors import ForwardOutputError
+from trec_pipelines.testing import devices
+from trec_pipelines.testing.dlrm import (
     DLRM,
     Run,
     _snapshot,
@@ -25,7 +26,6 @@ from tests.distributed.dlrm import (
     plain_loop,
     weights,
 )
-from trec_pipelines.core.errors import ForwardOutputError
 
 DEVICE = devices.device()
 SEED, DATA_SEED = 1234, 7

@@ -36,9 +36,8 @@ from torchrec.optim.keyed import CombinedOptimizer, KeyedOptimizerWrapper
 from torchrec.optim.optimizers import in_backward_optimizer_filter
 
 import trec_pipelines
-from tests import devices
-from tests.distributed import plans
-from tests.distributed.dlrm import (
+from trec_pipelines.testing import devices, plans
+from trec_pipelines.testing.dlrm import (
     FieldwiseBatch,
     Run,
     assert_runs_equal,
@@ -46,7 +45,7 @@ from tests.distributed.dlrm import (
     run_pipeline,
     weights,
 )
-from tests.distributed.torchrec_shim import torchrec_on_cpu
+from trec_pipelines.testing.torchrec_cpu import torchrec_on_cpu
 
 DEVICE = devices.device()
 

@@ -30,8 +30,9 @@ from torchrec.distributed.train_pipeline import TrainPipelineContext
 from torchrec.distributed.train_pipeline.types import PipelineState
 
 import trec_pipelines
-from tests import devices
-from tests.distributed.dlrm import (
+from tests.hook_parity import torchrec_class
+from trec_pipelines.testing import devices
+from trec_pipelines.testing.dlrm import (
     DLRM,
     Batch,
     Run,
@@ -43,8 +44,7 @@ from tests.distributed.dlrm import (
     run_pipeline,
     weights,
 )
-from tests.distributed.torchrec_shim import torchrec_on_cpu
-from tests.hook_parity import torchrec_class
+from trec_pipelines.testing.torchrec_cpu import torchrec_on_cpu
 
 DEVICE = devices.device()
 SEED, DATA_SEED = 4321, 11

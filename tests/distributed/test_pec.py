@@ -40,9 +40,10 @@ from torchrec.optim.keyed import CombinedOptimizer, KeyedOptimizerWrapper
 from torchrec.optim.optimizers import in_backward_optimizer_filter
 
 import trec_pipelines
-from tests import devices
-from tests.distributed import plans
-from tests.distributed.dlrm import (
+from tests.distributed.test_faults import FaultyOptimizer, train_with_retry
+from tests.fault_injection import FailingBackward, Fault
+from trec_pipelines.testing import devices, plans
+from trec_pipelines.testing.dlrm import (
     DENSE_IN,
     DLRM,
     FEATURES,
@@ -58,9 +59,7 @@ from tests.distributed.dlrm import (
     run_pipeline,
     weights,
 )
-from tests.distributed.test_faults import FaultyOptimizer, train_with_retry
-from tests.distributed.torchrec_shim import shim_active, torchrec_on_cpu
-from tests.fault_injection import FailingBackward, Fault
+from trec_pipelines.testing.torchrec_cpu import shim_active, torchrec_on_cpu
 
 DEVICE = devices.device()
 SEED, DATA_SEED = 1234, 7

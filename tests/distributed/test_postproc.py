@@ -23,7 +23,6 @@ from torchrec.distributed.train_pipeline.pipeline_context import (
 from torchrec.distributed.train_pipeline.postproc import PipelinedPostproc as UpstreamPostproc
 
 import trec_pipelines
-from tests.distributed.dlrm import assert_runs_equal
 from tests.distributed.postproc_models import (
     DEVICE,
     AddNegatives,
@@ -45,6 +44,7 @@ from trec_pipelines.model.args import (
 )
 from trec_pipelines.model.context import TrainPipelineContext
 from trec_pipelines.model.postproc import PipelinedPostproc
+from trec_pipelines.testing.dlrm import assert_runs_equal
 
 
 def three_ways(layout: str, name: str = "TrainPipelineSparseDist") -> Any:

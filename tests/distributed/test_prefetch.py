@@ -19,8 +19,9 @@ import torch
 import torchrec.distributed.train_pipeline as upstream
 from torchrec.distributed.types import ShardedModule
 
-from tests import devices
-from tests.distributed.dlrm import (
+from trec_pipelines.pipelines.prefetch import PrefetchTrainPipelineSparseDist
+from trec_pipelines.testing import devices
+from trec_pipelines.testing.dlrm import (
     DLRM,
     SHARDING_TYPES,
     NestedDLRM,
@@ -30,8 +31,7 @@ from tests.distributed.dlrm import (
     plain_loop,
     run_pipeline,
 )
-from tests.distributed.torchrec_shim import shim_active, torchrec_on_cpu
-from trec_pipelines.pipelines.prefetch import PrefetchTrainPipelineSparseDist
+from trec_pipelines.testing.torchrec_cpu import shim_active, torchrec_on_cpu
 
 DEVICE = devices.device()
 SEED, DATA_SEED = 1234, 7

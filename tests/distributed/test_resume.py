@@ -22,8 +22,9 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
 import trec_pipelines
-from tests import devices
-from tests.distributed.dlrm import (
+from tests.elastic.train_with_checkpoints import Batches
+from trec_pipelines.testing import devices
+from trec_pipelines.testing.dlrm import (
     DLRM,
     Run,
     _snapshot,
@@ -33,7 +34,6 @@ from tests.distributed.dlrm import (
     plain_loop_restarted,
     weights,
 )
-from tests.elastic.train_with_checkpoints import Batches
 
 DEVICE = devices.device()
 SEED, OTHER_SEED, DATA_SEED = 1234, 99, 11
@@ -90,7 +90,7 @@ def _train(pipeline: Any, it: Iterator[Any], steps: Optional[int] = None) -> Lis
 
 def _reference(batches: List[Any], k: int = 0) -> Run:
     """The plain loop, restarted after ``k`` batches on more than 2 ranks (see
-    :func:`~tests.distributed.dlrm.plain_loop_restarted`)."""
+    :func:`~trec_pipelines.testing.dlrm.plain_loop_restarted`)."""
     return plain_loop_restarted(batches, k, SEED, OTHER_SEED)
 
 

@@ -11,8 +11,15 @@ import torch
 import torch.distributed as dist
 
 import trec_pipelines
-from tests import devices
-from tests.distributed.dlrm import (
+
+# The fixture puts back what CompAutograd's compiled autograd changes in the process.
+from tests.distributed.test_comp_autograd import (
+    _assert_close,
+    undo_python_reducer_side_effects,  # noqa: F401
+)
+from trec_pipelines.data import agreement
+from trec_pipelines.testing import devices
+from trec_pipelines.testing.dlrm import (
     DLRM,
     Run,
     assert_runs_equal,
@@ -23,13 +30,6 @@ from tests.distributed.dlrm import (
     run_pipeline,
     weights,
 )
-
-# The fixture puts back what CompAutograd's compiled autograd changes in the process.
-from tests.distributed.test_comp_autograd import (
-    _assert_close,
-    undo_python_reducer_side_effects,  # noqa: F401
-)
-from trec_pipelines.data import agreement
 
 DEVICE = devices.device()
 SEED, DATA_SEED = 1234, 7

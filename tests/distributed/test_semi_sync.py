@@ -20,8 +20,9 @@ from torchrec.distributed.train_pipeline.train_pipelines import (
 from torchrec.optim.keyed import KeyedOptimizer, KeyedOptimizerWrapper
 from torchrec.optim.optimizers import in_backward_optimizer_filter
 
-from tests import devices
-from tests.distributed.dlrm import (
+from trec_pipelines.pipelines.semi_sync import TrainPipelineSemiSync
+from trec_pipelines.testing import devices
+from trec_pipelines.testing.dlrm import (
     DENSE_LR,
     DLRM,
     Run,
@@ -32,8 +33,7 @@ from tests.distributed.dlrm import (
     run_pipeline,
     weights,
 )
-from tests.distributed.torchrec_shim import shim_active, torchrec_on_cpu
-from trec_pipelines.pipelines.semi_sync import TrainPipelineSemiSync
+from trec_pipelines.testing.torchrec_cpu import shim_active, torchrec_on_cpu
 
 DEVICE = devices.device()
 SEED, DATA_SEED = 1234, 7

@@ -43,8 +43,9 @@ from torchrec.optim.keyed import KeyedOptimizerWrapper
 from torchrec.optim.optimizers import in_backward_optimizer_filter
 from torchrec.sparse.jagged_tensor import KeyedTensor
 
-from tests import devices
-from tests.distributed.dlrm import (
+from trec_pipelines.pipelines.semi_sync import TrainPipelineSemiSync
+from trec_pipelines.testing import devices
+from trec_pipelines.testing.dlrm import (
     DENSE_LR,
     DLRM,
     EMB_LR,
@@ -57,7 +58,6 @@ from tests.distributed.dlrm import (
     table_configs,
     weights,
 )
-from trec_pipelines.pipelines.semi_sync import TrainPipelineSemiSync
 
 DEVICE = devices.device()
 SEED, DATA_SEED = 1234, 5

@@ -14,8 +14,9 @@ import torch
 import torchrec.distributed.train_pipeline as upstream
 
 import trec_pipelines
-from tests import devices
-from tests.distributed.dlrm import (
+from tests.user_subclass import TaggedSparseDist
+from trec_pipelines.testing import devices
+from trec_pipelines.testing.dlrm import (
     DLRM,
     SHARDING_TYPES,
     NestedDLRM,
@@ -26,7 +27,6 @@ from tests.distributed.dlrm import (
     plain_loop,
     run_pipeline,
 )
-from tests.user_subclass import TaggedSparseDist
 
 DEVICE = devices.device()
 SEED, DATA_SEED = 1234, 7

@@ -15,8 +15,10 @@ from torchrec.distributed.train_pipeline.train_pipelines import (
     TrainPipelineSemiSync as UpstreamSemiSync,
 )
 
-from tests import devices
-from tests.distributed.dlrm import (
+from trec_pipelines.pipelines.sparse_data_dist_util import SparseDataDistUtil
+from trec_pipelines.pipelines.staged import PipelineStage, StagedTrainPipeline
+from trec_pipelines.testing import devices
+from trec_pipelines.testing.dlrm import (
     DLRM,
     SHARDING_TYPES,
     Run,
@@ -27,9 +29,7 @@ from tests.distributed.dlrm import (
     run_pipeline,
     weights,
 )
-from tests.distributed.torchrec_shim import shim_active, torchrec_on_cpu
-from trec_pipelines.pipelines.sparse_data_dist_util import SparseDataDistUtil
-from trec_pipelines.pipelines.staged import PipelineStage, StagedTrainPipeline
+from trec_pipelines.testing.torchrec_cpu import shim_active, torchrec_on_cpu
 
 DEVICE = devices.device()
 CPU_STREAM = torch.Stream(device="cpu")

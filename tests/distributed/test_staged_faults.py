@@ -15,17 +15,6 @@ from typing import Any, Callable, Iterator, List, Optional, Tuple
 import pytest
 import torch
 
-from tests import devices
-from tests.distributed.dlrm import (
-    DLRM,
-    Run,
-    _snapshot,
-    assert_runs_equal,
-    make_batches,
-    make_sharded,
-    plain_loop,
-    weights,
-)
 from tests.distributed.test_faults import (
     FaultyDLRM,
     FaultyOptimizer,
@@ -36,6 +25,17 @@ from tests.fault_injection import Fault, FlakyIterator
 from trec_pipelines.core.errors import MalformedBatchError
 from trec_pipelines.pipelines.sparse_data_dist_util import SparseDataDistUtil
 from trec_pipelines.pipelines.staged import PipelineStage, StagedTrainPipeline
+from trec_pipelines.testing import devices
+from trec_pipelines.testing.dlrm import (
+    DLRM,
+    Run,
+    _snapshot,
+    assert_runs_equal,
+    make_batches,
+    make_sharded,
+    plain_loop,
+    weights,
+)
 
 DEVICE = devices.device()
 SEED, DATA_SEED = 1234, 11

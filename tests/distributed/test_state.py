@@ -1,7 +1,7 @@
 """torchrec's instance attributes read on ours as on torchrec's (generated).
 
 For each class whose torchrec twin runs here (some only under the test shim,
-:mod:`tests.distributed.torchrec_shim`), the same model trains the same
+:mod:`trec_pipelines.testing.torchrec_cpu`), the same model trains the same
 batches under torchrec's class and ours, and at four points of the epoch
 (after construction, after the first ``progress()``, mid-epoch and after
 ``StopIteration``) every attribute in torchrec's ``vars()`` is read on both:
@@ -18,9 +18,6 @@ from typing import Any, Dict, List, Tuple
 
 import pytest
 
-from tests import devices
-from tests.distributed.dlrm import DLRM, make_batches, make_sharded
-from tests.distributed.torchrec_shim import torchrec_on_cpu
 from tests.hook_parity import ours, torchrec_class
 from tests.state_parity import (
     UNTIL_THE_END,
@@ -30,6 +27,9 @@ from tests.state_parity import (
     run_to,
     snapshot,
 )
+from trec_pipelines.testing import devices
+from trec_pipelines.testing.dlrm import DLRM, make_batches, make_sharded
+from trec_pipelines.testing.torchrec_cpu import torchrec_on_cpu
 
 DEVICE = devices.device()
 SEED, DATA_SEED, BATCHES = 1234, 5, 6

@@ -19,8 +19,9 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from tests import devices
-from tests.distributed.dlrm import (
+from tests.hook_parity import ours, torchrec_class
+from trec_pipelines.testing import devices
+from trec_pipelines.testing.dlrm import (
     DLRM,
     Run,
     assert_runs_equal,
@@ -30,7 +31,6 @@ from tests.distributed.dlrm import (
     plain_loop,
     weights,
 )
-from tests.hook_parity import ours, torchrec_class
 
 DEVICE = devices.device()
 SEED, DATA_SEED, SECOND_SEED = 1234, 5, 9

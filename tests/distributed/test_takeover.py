@@ -26,8 +26,10 @@ import pytest
 import torch
 
 import trec_pipelines
-from tests import devices
-from tests.distributed.dlrm import (
+from trec_pipelines.pipelines.sparse_data_dist_util import SparseDataDistUtil
+from trec_pipelines.pipelines.staged import PipelineStage, StagedTrainPipeline
+from trec_pipelines.testing import devices
+from trec_pipelines.testing.dlrm import (
     DLRM,
     Run,
     assert_runs_equal,
@@ -37,8 +39,6 @@ from tests.distributed.dlrm import (
     run_pipeline,
     weights,
 )
-from trec_pipelines.pipelines.sparse_data_dist_util import SparseDataDistUtil
-from trec_pipelines.pipelines.staged import PipelineStage, StagedTrainPipeline
 
 DEVICE = devices.device()
 SEED, DATA_SEED = 1234, 23

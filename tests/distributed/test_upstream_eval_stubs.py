@@ -33,8 +33,11 @@ from torchrec.distributed.train_pipeline.train_pipelines import (
     EvalPipelineSparseDist as UpstreamEval,
 )
 
-from tests import devices
-from tests.distributed.dlrm import (
+from tests.distributed.test_upstream_eval import eval_loop
+from trec_pipelines import EvalPipelineSparseDist
+from trec_pipelines.core.hooks import UncalledHookWarning
+from trec_pipelines.testing import devices
+from trec_pipelines.testing.dlrm import (
     DLRM,
     Run,
     assert_runs_equal,
@@ -43,10 +46,7 @@ from tests.distributed.dlrm import (
     run_pipeline,
     weights,
 )
-from tests.distributed.test_upstream_eval import eval_loop
-from tests.distributed.torchrec_shim import shim_active, torchrec_on_cpu
-from trec_pipelines import EvalPipelineSparseDist
-from trec_pipelines.core.hooks import UncalledHookWarning
+from trec_pipelines.testing.torchrec_cpu import shim_active, torchrec_on_cpu
 
 DEVICE = devices.device()
 SEED, DATA_SEED = 1234, 7

@@ -41,8 +41,6 @@ from torchrec.modules.feature_processor_ import PositionWeightedModule
 from torchrec.modules.fp_embedding_modules import FeatureProcessedEmbeddingBagCollection
 
 import trec_pipelines
-from tests.distributed.dlrm import Run, assert_runs_equal, current_group, run_pipeline, weights
-from tests.distributed.torchrec_shim import torchrec_on_cpu
 from tests.distributed.upstream_setup import (
     DEVICE,
     FUSED,
@@ -54,6 +52,8 @@ from tests.distributed.upstream_setup import (
     optional_run,
     tables,
 )
+from trec_pipelines.testing.dlrm import Run, assert_runs_equal, current_group, run_pipeline, weights
+from trec_pipelines.testing.torchrec_cpu import torchrec_on_cpu
 
 SHARDINGS = ["table_wise", "column_wise", "row_wise"]
 # (ours, torchrec's, torchrec needs the CPU shim)

@@ -21,9 +21,9 @@ from typing import Any, List, Optional
 import pytest
 import torch
 
-from tests.distributed.dlrm import Run, assert_runs_equal, weights
 from tests.distributed.upstream_setup import DEVICE, Setting, generate_data, non_pipelined
 from trec_pipelines import PipelineStage, SparseDataDistUtil, StagedTrainPipeline
+from trec_pipelines.testing.dlrm import Run, assert_runs_equal, weights
 
 STREAMS = {"none": None, "cpu_stream": torch.Stream(device="cpu")}
 

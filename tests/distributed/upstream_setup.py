@@ -29,8 +29,8 @@ from torchrec.distributed.test_utils.test_model import ModelInput, TestSparseNN
 from torchrec.distributed.types import ShardingEnv
 from torchrec.modules.embedding_configs import EmbeddingBagConfig
 
-from tests import devices
-from tests.distributed.dlrm import Run, current_group, weights
+from trec_pipelines.testing import devices
+from trec_pipelines.testing.dlrm import Run, current_group, weights
 
 DEVICE = devices.device()
 FUSED = EmbeddingComputeKernel.FUSED.value
@@ -158,7 +158,7 @@ def eval_loop(model: nn.Module, batches: List[Any]) -> Run:
 
 def optional_run(pipeline: Any, batches: List[Any], model: Optional[nn.Module] = None) -> Run:
     """Drive ``pipeline`` until StopIteration and check it stays stopped."""
-    from tests.distributed.dlrm import run_pipeline
+    from trec_pipelines.testing.dlrm import run_pipeline
 
     it = iter(batches)
     run = run_pipeline(pipeline, it, model=model)

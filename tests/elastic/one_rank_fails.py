@@ -26,8 +26,8 @@ import torch
 import torch.distributed as dist
 
 import trec_pipelines
-from tests.distributed.dlrm import DLRM, make_batches, make_sharded
 from tests.fault_injection import Fault
+from trec_pipelines.testing.dlrm import DLRM, make_batches, make_sharded
 
 
 def main() -> None:

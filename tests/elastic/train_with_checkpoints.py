@@ -24,7 +24,7 @@ import torch.distributed.checkpoint as dcp
 from torchdata.stateful_dataloader import StatefulDataLoader
 
 import trec_pipelines
-from tests.distributed.dlrm import DLRM, make_batches, make_sharded, weights
+from trec_pipelines.testing.dlrm import DLRM, make_batches, make_sharded, weights
 
 CPU = torch.device("cpu")
 

@@ -52,10 +52,10 @@ if "--show-threads" in sys.argv:
 
 
 import trec_pipelines as tp  # noqa: E402
-from tests import devices  # noqa: E402
-from tests.distributed.dlrm import DLRM, make_batches, make_sharded  # noqa: E402
 from trec_pipelines.pipelines.sparse_data_dist_util import SparseDataDistUtil  # noqa: E402
 from trec_pipelines.pipelines.staged import PipelineStage, StagedTrainPipeline  # noqa: E402
+from trec_pipelines.testing import devices  # noqa: E402
+from trec_pipelines.testing.dlrm import DLRM, make_batches, make_sharded  # noqa: E402
 
 BATCHES = 8
 

@@ -30,8 +30,8 @@ import torch.distributed as dist
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
 import trec_pipelines as tp  # noqa: E402
-from tests.distributed.dlrm import DLRM, make_batches, make_sharded  # noqa: E402
 from trec_pipelines.observe.memory import footprint, owned_storages  # noqa: E402
+from trec_pipelines.testing.dlrm import DLRM, make_batches, make_sharded  # noqa: E402
 
 DEPTH = {"TrainPipelineSparseDist": 3, "TrainPipelineSemiSync": 4}
 

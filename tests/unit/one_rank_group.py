@@ -30,7 +30,7 @@ def main(names: List[str]) -> None:
 
 
 def _matches(ref: Any, run: Any) -> bool:
-    from tests.distributed.dlrm import assert_runs_equal
+    from trec_pipelines.testing.dlrm import assert_runs_equal
 
     try:
         assert_runs_equal(ref, run)
@@ -44,7 +44,13 @@ def _run(names: List[str]) -> None:
 
     import trec_pipelines
     import trec_pipelines.sparse.input_dist as input_dist
-    from tests.distributed.dlrm import DLRM, make_batches, make_sharded, plain_loop, run_pipeline
+    from trec_pipelines.testing.dlrm import (
+        DLRM,
+        make_batches,
+        make_sharded,
+        plain_loop,
+        run_pipeline,
+    )
 
     batches = make_batches(seed=7)
     ref = plain_loop(*make_sharded(DLRM, "table_wise", seed=1234), batches)
@@ -52,7 +58,7 @@ def _run(names: List[str]) -> None:
         TrainPipelineSemiSync as UpstreamSemiSync,
     )
 
-    from tests.distributed.torchrec_shim import torchrec_on_cpu
+    from trec_pipelines.testing.torchrec_cpu import torchrec_on_cpu
 
     theirs = run_pipeline(
         upstream.TrainPipelineSparseDist(*make_sharded(DLRM, "table_wise", seed=1234), CPU), batches

@@ -7,7 +7,7 @@ from typing import Any, Dict, List, Optional
 import pytest
 import torch
 
-from benchmarks import netns, report
+from benchmarks import netns, qps_chart, report
 from benchmarks.config import PRESETS, BenchConfig, build_parser, parse_args, to_argv
 from benchmarks.contenders import COMPILED, SHIMMED, Variant, discover
 
@@ -333,7 +333,7 @@ def test_summary_is_plain_json_and_the_chart_is_written(tmp_path: Any) -> None:
     assert json.loads(text)["throughput"][0]["variants"][0]["ours_vs_torchrec"] == 2.0
     assert summary["overhead"]["variants"][0]["ours_over_torchrec_overhead"] == pytest.approx(0.5)
     path = tmp_path / "qps.png"
-    report.write_chart(_raw(), str(path))
+    qps_chart.write_chart(_raw(), str(path))
     assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 

@@ -1,4 +1,4 @@
-"""tests/devices.py: the device and backend the distributed tier and the bench take
+"""trec_pipelines/testing/devices.py: the device and backend the distributed tier and the bench take
 from TREC_DEVICE (a GPU host is simulated by patching torch.cuda's queries)."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ from typing import Iterator
 import pytest
 import torch
 
-from tests import devices
+from trec_pipelines.testing import devices
 
 
 @pytest.fixture(autouse=True)

@@ -174,3 +174,127 @@ def test_imports_are_found_everywhere_and_resolved(tmp_path: Path) -> None:
         "pkg.sub.d": {"pkg.c", "pkg"},
     }
     assert find_cycle(graph) == ["pkg.a", "pkg.b", "pkg.a"]
+
+
+# benchmarks/
+#
+# The benchmark's own rules, read from its source with ast (imports inside
+# functions included): it imports nothing from tests/ (what both need lives in
+# trec_pipelines.testing), and its modules, as well as its subfolders taken
+# whole, never need each other both ways.
+
+BENCH_ROOT = Path(__file__).resolve().parents[2] / "benchmarks"
+
+
+def _bench_modules() -> Dict[str, Path]:
+    """Every module of benchmarks/: dotted name -> source file (results/ holds no code)."""
+    found: Dict[str, Path] = {}
+    for path in sorted(BENCH_ROOT.rglob("*.py")):
+        parts = list(path.relative_to(BENCH_ROOT.parent).with_suffix("").parts)
+        if parts[-1] == "__init__":
+            parts.pop()
+        found[".".join(parts)] = path
+    return found
+
+
+def _bench_imported_names(importer: str, path: Path) -> Set[str]:
+    """Every absolute module name ``importer`` imports, anywhere in its body."""
+    names: Set[str] = set()
+    is_package = path.name == "__init__.py"
+    for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+        if isinstance(node, ast.Import):
+            names.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                parts = importer.split(".") if is_package else importer.split(".")[:-1]
+                parts = parts[: len(parts) - (node.level - 1)]
+                base = ".".join(parts + ([node.module] if node.module else []))
+            else:
+                base = node.module or ""
+            names.add(base)
+            names.update(f"{base}.{alias.name}" for alias in node.names)
+    return names
+
+
+def _bench_graph() -> Dict[str, Set[str]]:
+    """benchmarks/ module -> the benchmarks/ modules it imports."""
+    modules = _bench_modules()
+    return {
+        name: {target for target in _bench_imported_names(name, path) if target in modules} - {name}
+        for name, path in modules.items()
+    }
+
+
+def _bench_part(module: str) -> str:
+    """The top-level part of benchmarks/ a module belongs to: its subfolder, or itself."""
+    return ".".join(module.split(".")[:2])
+
+
+def test_bench_modules_are_found() -> None:
+    modules = _bench_modules()
+    assert "benchmarks.__main__" in modules
+    assert len(modules) > 10
+
+
+def test_no_bench_module_imports_tests() -> None:
+    offenders = sorted(
+        f"{name} imports {target}"
+        for name, path in _bench_modules().items()
+        for target in _bench_imported_names(name, path)
+        if target == "tests" or target.startswith("tests.")
+    )
+    assert offenders == [], "move what both need to trec_pipelines.testing: " + "; ".join(offenders)
+
+
+def test_no_two_bench_parts_import_each_other() -> None:
+    parts: Dict[str, Set[str]] = {}
+    for name, targets in _bench_graph().items():
+        parts.setdefault(_bench_part(name), set()).update(_bench_part(t) for t in targets)
+    both_ways = sorted(
+        f"{a} <-> {b}"
+        for a, seen in parts.items()
+        for b in seen
+        if a < b and a in parts.get(b, set())
+    )
+    assert both_ways == [], "; ".join(both_ways)
+
+
+def _bench_cycle(graph: Dict[str, Set[str]]) -> List[str]:
+    """One import cycle of ``graph`` as a list of modules (first repeated last), or []."""
+    state: Dict[str, int] = {}  # 1 on the current path, 2 done
+    path: List[str] = []
+
+    def visit(node: str) -> List[str]:
+        state[node] = 1
+        path.append(node)
+        for target in sorted(graph.get(node, set())):
+            if state.get(target) == 1:
+                return path[path.index(target) :] + [target]
+            if target not in state:
+                found = visit(target)
+                if found:
+                    return found
+        path.pop()
+        state[node] = 2
+        return []
+
+    for start in sorted(graph):
+        if start not in state:
+            found = visit(start)
+            if found:
+                return found
+    return []
+
+
+def test_bench_cycle_finder_sees_a_cycle() -> None:
+    assert _bench_cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
+    assert _bench_cycle({"a": {"b"}, "b": set()}) == []
+
+
+def test_no_import_cycle_in_benchmarks() -> None:
+    # Package __init__ edges are loading, not use: the cycle is between modules.
+    graph = {
+        name: {t for t in targets if t != "benchmarks"} for name, targets in _bench_graph().items()
+    }
+    cycle = _bench_cycle(graph)
+    assert cycle == [], "import cycle: " + " -> ".join(cycle)

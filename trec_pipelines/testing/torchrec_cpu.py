@@ -1,4 +1,4 @@
-"""Test-only shim that lets torchrec's stream-using pipelines run on CPU.
+"""Shim that lets torchrec's stream-using pipelines run on CPU.
 
 torchrec's Fused, SemiSync, Prefetch, EvalFused, Staged and CompAutograd
 pipelines call ``Tensor.record_stream`` and ``torch.cuda.current_stream()``
@@ -11,8 +11,10 @@ step before the embedding lookup (Fused, EvalFused, SemiSync) that reads
 * ``torch.cuda.current_stream`` returns the CPU stream;
 * ``torch.cpu.Stream.device`` is ``cpu`` (only where torch lacks it).
 
-It exists only to get torchrec's results as a reference; trec_pipelines never
-runs under it (tests check that the shim is off when ours run).  Every test
+It exists only to get torchrec's results as a reference, in tests and in the
+benchmark (where such results are labelled "(shimmed)"); trec_pipelines never
+runs under it (tests and the benchmark check that the shim is off when ours
+run).  A block entered inside another leaves the patches to the outer one.  Every test
 that used it, and which patches were in force, is listed at the end of the
 pytest run (see ``conftest.pytest_terminal_summary``).
 """
@@ -24,7 +26,7 @@ from typing import Any, Iterator, List
 
 import torch
 
-from tests import devices
+from trec_pipelines.testing import devices
 
 _active = False
 # How many times the shim was entered, for conftest's per-test bookkeeping.
@@ -34,6 +36,7 @@ _CPU = torch.device("cpu")
 
 
 def shim_active() -> bool:
+    """True while :func:`torchrec_on_cpu` is patching torch."""
     return _active
 
 
@@ -59,8 +62,13 @@ def _cpu_stream_needs_device() -> bool:
 
 @contextlib.contextmanager
 def torchrec_on_cpu() -> Iterator[None]:
+    """Patch the CUDA-only calls for the duration of a ``with`` block."""
     global _active, _entries
     if devices.on_gpu():  # torchrec's streams are real there: nothing to patch
+        yield
+        return
+    _entries += 1
+    if _active:  # entered inside another block: the outer one patches and restores
         yield
         return
     original_record_stream = torch.Tensor.record_stream
@@ -75,17 +83,16 @@ def torchrec_on_cpu() -> Iterator[None]:
     def current_stream(device: Any = None) -> Any:
         return torch.cpu.current_stream()
 
-    torch.Tensor.record_stream = record_stream  # type: ignore[method-assign]
-    torch.cuda.current_stream = current_stream  # type: ignore[assignment]
+    torch.Tensor.record_stream = record_stream  # type: ignore[method-assign,assignment,attr-defined,unused-ignore]
+    torch.cuda.current_stream = current_stream  # type: ignore[method-assign,assignment,attr-defined,unused-ignore]
     if patch_device:
-        torch.cpu.Stream.device = _CPU  # type: ignore[attr-defined]
+        torch.cpu.Stream.device = _CPU  # type: ignore[method-assign,assignment,attr-defined,unused-ignore]
     _active = True
-    _entries += 1
     try:
         yield
     finally:
         _active = False
-        torch.Tensor.record_stream = original_record_stream  # type: ignore[method-assign]
-        torch.cuda.current_stream = original_current_stream  # type: ignore[assignment]
+        torch.Tensor.record_stream = original_record_stream  # type: ignore[method-assign,assignment,attr-defined,unused-ignore]
+        torch.cuda.current_stream = original_current_stream  # type: ignore[method-assign,assignment,attr-defined,unused-ignore]
         if patch_device:
-            del torch.cpu.Stream.device  # type: ignore[attr-defined]
+            del torch.cpu.Stream.device  # type: ignore[method-assign,assignment,attr-defined,unused-ignore]

@@ -30,7 +30,7 @@ from torch import nn
 from torchrec.distributed.planner import EmbeddingShardingPlanner, ParameterConstraints, Topology
 from torchrec.distributed.types import ModuleSharder, ShardingPlan
 
-from tests import devices
+from trec_pipelines.testing import devices
 
 _plans: Dict[Tuple[object, ...], ShardingPlan] = {}
 _made = 0

@@ -40,8 +40,7 @@ from torchrec.optim.optimizers import in_backward_optimizer_filter
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor, KeyedTensor
 from torchrec.streamable import Pipelineable
 
-from tests import devices
-from tests.distributed import plans
+from trec_pipelines.testing import devices, plans
 
 # --------------------------------------------------------------------------
 # Shapes
