@@ -38,7 +38,7 @@ from benchmarks import netns, shim
 from benchmarks.model import Batch, ModelSpec, make_sharded
 from benchmarks.report import COMPILED_PLAIN, COMPILED_VARIANTS
 from tests import devices
-from trec_pipelines.observe import tasks
+from trec_pipelines.observe import task_names as tasks
 
 # Where the ranks train: CPU, or the rank's GPU (tests/devices.py, TREC_DEVICE).
 DEVICE = devices.device()

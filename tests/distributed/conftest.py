@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 
 from tests import devices
-from trec_pipelines.sparse.input_dist_group import release_input_dist_groups
+from trec_pipelines.core.input_dist_group import release_input_dist_groups
 
 # A collective that never completes (e.g. one rank failed an assert before an
 # all-to-all) turns into an error after this long instead of hanging CI.

@@ -25,7 +25,7 @@ from tests import devices
 from tests.distributed.dlrm import DLRM, make_batches, make_sharded, run_pipeline
 from tests.distributed.torchrec_shim import torchrec_on_cpu
 from tests.hook_parity import ours, overridable, torchrec_class
-from trec_pipelines.core.hooks import UncalledHookWarning, decided_hooks, uncalled_hooks
+from trec_pipelines.core.subclass_hooks import UncalledHookWarning, decided_hooks, uncalled_hooks
 
 DEVICE = devices.device()
 SEED, DATA_SEED, STEPS = 1234, 5, 5

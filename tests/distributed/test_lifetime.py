@@ -26,8 +26,7 @@ from tests.distributed.dlrm import (
     plain_loop,
     run_pipeline,
 )
-from trec_pipelines.core import lifetime
-from trec_pipelines.sparse import input_dist_group as idg
+from trec_pipelines.core import input_dist_group as idg, lifetime
 
 DEVICE = devices.device()
 SEED, DATA_SEED = 77, 3

@@ -19,7 +19,7 @@ import torch.distributed as dist
 import trec_pipelines
 from tests import devices
 from tests.distributed.dlrm import DLRM, current_group, make_batches, make_sharded, run_pipeline
-from trec_pipelines.observe import links
+from trec_pipelines.observe import all_to_all_watch as links
 from trec_pipelines.observe.recorder import ScheduleRecorder
 
 DEVICE = devices.device()

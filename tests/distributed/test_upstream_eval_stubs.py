@@ -46,7 +46,7 @@ from tests.distributed.dlrm import (
 from tests.distributed.test_upstream_eval import eval_loop
 from tests.distributed.torchrec_shim import shim_active, torchrec_on_cpu
 from trec_pipelines import EvalPipelineSparseDist
-from trec_pipelines.core.hooks import UncalledHookWarning
+from trec_pipelines.core.subclass_hooks import UncalledHookWarning
 
 DEVICE = devices.device()
 SEED, DATA_SEED = 1234, 7
