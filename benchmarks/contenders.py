@@ -37,7 +37,7 @@ from torch import nn
 from benchmarks import netns
 from benchmarks.model import Batch, ModelSpec, make_sharded
 from benchmarks.report import COMPILED_PLAIN, COMPILED_VARIANTS
-from trec_pipelines.observe import tasks
+from trec_pipelines.observe import task_names as tasks
 from trec_pipelines.testing import devices, torchrec_cpu as shim
 
 # Where the ranks train: CPU, or the rank's GPU (trec_pipelines/testing/devices.py, TREC_DEVICE).

@@ -34,8 +34,8 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 from torch import nn
 
 from trec_pipelines.observe import schedule_view
-from trec_pipelines.observe.actions import Action, Transfer
-from trec_pipelines.observe.tasks import WAIT_BATCH
+from trec_pipelines.observe.action_records import Action, Transfer
+from trec_pipelines.observe.task_names import WAIT_BATCH
 from trec_pipelines.sparse.input_dist_tap import INPUT_DIST_AWAITABLES, InputDistTap, tap_input_dist
 
 # The progress() calls a timeline draws: past the fill, into the steady state.

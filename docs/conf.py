@@ -139,7 +139,7 @@ def _readable_defaults(app, what, name, obj, options, signature, return_annotati
 
 def _public_target(app, env, node, contnode):  # type: ignore[no-untyped-def]
     """Resolve a docstring's reference by module path
-    (``trec_pipelines.model.forwards.PipelinedForward``) to the public name this
+    (``trec_pipelines.sparse.forwards.PipelinedForward``) to the public name this
     page documents (``trec_pipelines.PipelinedForward``)."""
     target = node.get("reftarget", "")
     if node.get("refdomain") != "py" or not target.startswith("trec_pipelines."):

@@ -15,7 +15,7 @@ from trec_pipelines import TrainPipelineSparseDist
 if TYPE_CHECKING:
     from typing_extensions import Unpack
 
-    from trec_pipelines.core.options import SparseDistTrainOptions
+    from trec_pipelines.assembly.options import SparseDistTrainOptions
 
 
 class TaggedSparseDist(TrainPipelineSparseDist[Any, Any]):

@@ -27,12 +27,12 @@ from trec_pipelines.advise import (
     Verdict as Verdict,
     advise as advise,
 )
+from trec_pipelines.assembly.resume import Resumable as Resumable
 from trec_pipelines.core.errors import (
     MalformedBatchError as MalformedBatchError,
     ModelDetachedException as ModelDetachedException,
     OutOfStepError as OutOfStepError,
 )
-from trec_pipelines.core.resume import Resumable as Resumable
 from trec_pipelines.core.state import PipelineState as PipelineState
 from trec_pipelines.data.data_loading import DataLoadingThread as DataLoadingThread
 from trec_pipelines.data.inplace_copy import AsyncInplaceCopyMixin as AsyncInplaceCopyMixin
@@ -65,14 +65,6 @@ from trec_pipelines.model.context import (
     PrefetchTrainPipelineContext as PrefetchTrainPipelineContext,
     TrainPipelineContext as TrainPipelineContext,
 )
-from trec_pipelines.model.forwards import (
-    CPUEmbeddingPipelinedForward as CPUEmbeddingPipelinedForward,
-    EmbeddingPipelinedForward as EmbeddingPipelinedForward,
-    InSyncEmbeddingPipelinedForward as InSyncEmbeddingPipelinedForward,
-    PECPipelinedForward as PECPipelinedForward,
-    PipelinedForward as PipelinedForward,
-    PrefetchPipelinedForward as PrefetchPipelinedForward,
-)
 from trec_pipelines.model.postproc import (
     PipelinedPostproc as PipelinedPostproc,
     use_context_for_postprocs as use_context_for_postprocs,
@@ -83,7 +75,7 @@ from trec_pipelines.model.rewrite import (
     rewrite_model as rewrite_model,
 )
 from trec_pipelines.model.tracing import Tracer as Tracer
-from trec_pipelines.observe.actions import Action as Action, Transfer as Transfer
+from trec_pipelines.observe.action_records import Action as Action, Transfer as Transfer
 from trec_pipelines.observe.ledger import (
     LedgerSummary as LedgerSummary,
     MemorySample as MemorySample,
@@ -123,6 +115,14 @@ from trec_pipelines.pipelines.staged import (
     StageOut as StageOut,
 )
 from trec_pipelines.sparse.cache_prefetch import prefetch_embeddings as prefetch_embeddings
+from trec_pipelines.sparse.forwards import (
+    CPUEmbeddingPipelinedForward as CPUEmbeddingPipelinedForward,
+    EmbeddingPipelinedForward as EmbeddingPipelinedForward,
+    InSyncEmbeddingPipelinedForward as InSyncEmbeddingPipelinedForward,
+    PECPipelinedForward as PECPipelinedForward,
+    PipelinedForward as PipelinedForward,
+    PrefetchPipelinedForward as PrefetchPipelinedForward,
+)
 from trec_pipelines.sparse.gradient_accumulation import (
     GradientAccumulationConfig as GradientAccumulationConfig,
     GradientAccumulationWrapper as GradientAccumulationWrapper,

@@ -17,7 +17,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from trec_pipelines.sparse.input_dist_group import release_input_dist_groups
+from trec_pipelines.core.input_dist_group import release_input_dist_groups
 from trec_pipelines.testing import devices
 
 # A collective that never completes (e.g. one rank failed an assert before an

@@ -28,12 +28,12 @@ from tests.distributed.postproc_models import (
     make_batches,
     plain_step,
 )
-from trec_pipelines.model.forwards import (
+from trec_pipelines.model.postproc import PipelinedPostproc
+from trec_pipelines.sparse.forwards import (
     EmbeddingPipelinedForward,
     PipelinedForward,
     PrefetchPipelinedForward,
 )
-from trec_pipelines.model.postproc import PipelinedPostproc
 from trec_pipelines.testing.dlrm import Run, assert_runs_equal, weights
 
 WRAPPER = {

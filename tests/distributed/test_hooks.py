@@ -22,7 +22,7 @@ import pytest
 import torch
 
 from tests.hook_parity import ours, overridable, torchrec_class
-from trec_pipelines.core.hooks import UncalledHookWarning, decided_hooks, uncalled_hooks
+from trec_pipelines.core.subclass_hooks import UncalledHookWarning, decided_hooks, uncalled_hooks
 from trec_pipelines.testing import devices
 from trec_pipelines.testing.dlrm import DLRM, make_batches, make_sharded, run_pipeline
 from trec_pipelines.testing.torchrec_cpu import torchrec_on_cpu

@@ -18,10 +18,10 @@ import torch.distributed as dist
 from torchrec.distributed.dist_data import KJTAllToAll
 
 import trec_pipelines
-from trec_pipelines.core import streams
+from trec_pipelines.core import input_dist_group as idg, streams
 from trec_pipelines.pipelines.sparse_data_dist_util import SparseDataDistUtil
 from trec_pipelines.pipelines.staged import PipelineStage, StagedTrainPipeline
-from trec_pipelines.sparse import input_dist, input_dist_group as idg
+from trec_pipelines.sparse import input_dist
 from trec_pipelines.sparse.input_dist import SplitsFusion, SplitsOnlyKJTAllToAll
 from trec_pipelines.testing import StreamRecorder, devices
 from trec_pipelines.testing.dlrm import (

@@ -16,8 +16,7 @@ import torch
 import torch.distributed as dist
 
 import trec_pipelines
-from trec_pipelines.core import lifetime
-from trec_pipelines.sparse import input_dist_group as idg
+from trec_pipelines.core import input_dist_group as idg, lifetime
 from trec_pipelines.testing import devices
 from trec_pipelines.testing.dlrm import (
     DLRM,

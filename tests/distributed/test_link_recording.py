@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 
 import trec_pipelines
-from trec_pipelines.observe import links
+from trec_pipelines.observe import all_to_all_watch as links
 from trec_pipelines.observe.recorder import ScheduleRecorder
 from trec_pipelines.testing import devices
 from trec_pipelines.testing.dlrm import (

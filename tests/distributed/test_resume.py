@@ -242,7 +242,7 @@ def test_in_flight_count_is_what_each_variant_pulls_ahead() -> None:
         _train(pipeline, it, 3)
         state = pipeline.state_dict()
         assert list(state) == [f"rank_{dist.get_rank()}"]
-        saved = trec_pipelines.core.resume.decode(state[f"rank_{dist.get_rank()}"])
+        saved = trec_pipelines.assembly.resume.decode(state[f"rank_{dist.get_rank()}"])
         assert [index for index, _ in saved.batches] == list(range(3, 3 + count)), name
         assert saved.next_index == it.yielded == 3 + count, name
         # The host copies are the batches the loader gave, not device copies.

@@ -2,7 +2,7 @@
 
 A first pipeline runs its data to the end and is not detached (it stays alive,
 as it would in a user's script); a second one then trains the same model to
-the end of its own data.  The documented behaviour (:mod:`trec_pipelines.model.takeover`):
+the end of its own data.  The documented behaviour (:mod:`trec_pipelines.sparse.takeover`):
 the second finds the first's forward wrappers on the sharded module, detaches
 the first with a warning naming both, and trains exactly as the plain loop
 does.  The reference is one plain run of both parts on a fresh model: the
@@ -128,7 +128,7 @@ def test_a_pipeline_left_attached_is_taken_over_and_training_equals_the_plain_lo
     caplog.set_level(logging.WARNING, logger="trec_pipelines")
     dmp, optimizer = make_sharded(DLRM, "table_wise", seed=SEED)
     # Held to the end of the test: a collected pipeline's wrappers are orphans,
-    # a different path (see trec_pipelines.model.takeover.strip_orphan).
+    # a different path (see trec_pipelines.sparse.takeover.strip_orphan).
     earlier = PIPELINES[first](dmp, optimizer)
     if first == "Eval":
         dmp.eval()
@@ -140,7 +140,7 @@ def test_a_pipeline_left_attached_is_taken_over_and_training_equals_the_plain_lo
     assert_runs_equal(ref_first, ours_first, ("plain loop", first))
     assert_runs_equal(ref_second, ours_second, ("plain loop", f"{second} after {first}"))
 
-    taken = [r.getMessage() for r in caplog.records if r.name == "trec_pipelines.model.takeover"]
+    taken = [r.getMessage() for r in caplog.records if r.name == "trec_pipelines.sparse.takeover"]
     owner = WRAPPER_OWNER[first]
     if owner is None:
         assert taken == [], f"{first} leaves nothing to take over, yet: {taken}"

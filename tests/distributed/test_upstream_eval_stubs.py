@@ -35,7 +35,7 @@ from torchrec.distributed.train_pipeline.train_pipelines import (
 
 from tests.distributed.test_upstream_eval import eval_loop
 from trec_pipelines import EvalPipelineSparseDist
-from trec_pipelines.core.hooks import UncalledHookWarning
+from trec_pipelines.core.subclass_hooks import UncalledHookWarning
 from trec_pipelines.testing import devices
 from trec_pipelines.testing.dlrm import (
     DLRM,

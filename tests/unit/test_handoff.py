@@ -7,7 +7,7 @@ from typing import Iterator, List, Optional
 
 import pytest
 
-from trec_pipelines.data.handoff import OneSlotHandoff
+from trec_pipelines.data.one_slot_handoff import OneSlotHandoff
 
 
 def _producer(handoff: OneSlotHandoff[int], items: Iterator[int]) -> threading.Thread:

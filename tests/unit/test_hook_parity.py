@@ -26,7 +26,7 @@ from typing import Any
 import pytest
 
 from tests.hook_parity import ours, pairs, parameters, reached, torchrec_class
-from trec_pipelines.core.hooks import (
+from trec_pipelines.core.subclass_hooks import (
     Refused,
     Uncalled,
     UncalledHookWarning,

@@ -1,4 +1,4 @@
-"""No import circle inside the trec_pipelines package.
+"""No import circle inside the trec_pipelines package, and its folders are floors (see FLOORS below).
 
 The graph is read from the source with :mod:`ast`, without importing
 anything: one node per module of the package, one edge per package-internal
@@ -23,7 +23,9 @@ from __future__ import annotations
 
 import ast
 from pathlib import Path
-from typing import Dict, List, Optional, Set
+from typing import Any, Dict, List, Optional, Set, Tuple
+
+import pytest
 
 PACKAGE = "trec_pipelines"
 # The source next to these tests (not whichever copy an installed package points at).
@@ -298,3 +300,100 @@ def test_no_import_cycle_in_benchmarks() -> None:
     }
     cycle = _bench_cycle(graph)
     assert cycle == [], "import cycle: " + " -> ".join(cycle)
+
+
+# Folders are floors ---------------------------------------------------------
+#
+# Each folder of the package (and each module lying directly in it) stands on a
+# floor and imports only folders on lower floors: never one on its own floor or
+# above, so no two folders import each other.  The graph is the one above, so
+# every import counts, TYPE_CHECKING-only and function-level ones included.
+
+# The floors, bottom up: (name, what stands on it).
+FLOORS: List[Tuple[str, Tuple[str, ...]]] = [
+    # The ground: streams, errors, state, checks, precision, the step guard, the batch
+    # walker and copies, the input-dist groups, the subclass hooks; shared types.
+    ("ground", ("core", "_types.py", "_version.py")),
+    # The parts that stand on the ground alone: the model rewrite and the recorder.
+    ("model rewrite and observation", ("model", "observe")),
+    # The data path: batch source, validation, the ranks' agreement, the loader thread.
+    ("data", ("data",)),
+    # The pipelined forwards, the take-over and the sparse ops they run (input dist, lookups).
+    ("sparse", ("sparse",)),
+    # What every pipeline stands on: options, the pipelined model, the pipeline core, resume.
+    ("assembly", ("assembly",)),
+    # The pipelines, one module each.
+    ("pipelines", ("pipelines",)),
+    # The public module listing torchrec's experimental pipelines.
+    ("experimental list", ("experimental_pipelines.py",)),
+    # The tools that use the pipelines: the advisor and the testing helpers.
+    ("tools", ("advise", "testing")),
+    # The public surface: the package's __init__.
+    ("public surface", ("__init__.py",)),
+]
+
+
+def floor_of_unit() -> Dict[str, int]:
+    """Folder (or top-level file name) -> its floor's index in FLOORS."""
+    return {unit: level for level, (_, units) in enumerate(FLOORS) for unit in units}
+
+
+def unit_of(path: Path, root: Path = ROOT) -> str:
+    """The folder a module lies in, or its file name when it lies directly in the package."""
+    return path.relative_to(root).parts[0]
+
+
+def cross_unit_imports() -> List[Tuple[str, str, str, str]]:
+    """(importing unit, imported unit, importing file, imported module), sorted."""
+    modules = package_modules()
+    edges = []
+    for importer, targets in import_graph().items():
+        source = unit_of(modules[importer])
+        for target in targets:
+            unit = unit_of(modules[target])
+            if unit != source:
+                file = str(modules[importer].relative_to(ROOT.parent))
+                edges.append((source, unit, file, target))
+    return sorted(edges)
+
+
+def test_every_folder_stands_on_one_floor() -> None:
+    floor = floor_of_unit()
+    assert len(floor) == sum(len(units) for _, units in FLOORS), "a unit is on two floors"
+    units = {unit_of(path) for path in package_modules().values()}
+    missing = sorted(units - set(floor))
+    assert not missing, f"add these to FLOORS in {__file__}: {missing}"
+
+
+def test_no_folder_imports_its_own_floor_or_above() -> None:
+    floor = floor_of_unit()
+    wrong = [
+        f"{file} imports {module}: {FLOORS[floor[source]][0]!r} floor may not import"
+        f" {target}/ ({FLOORS[floor[target]][0]!r} floor)"
+        for source, target, file, module in cross_unit_imports()
+        if floor[target] >= floor[source]
+    ]
+    assert not wrong, "imports that go sideways or up a floor:\n" + "\n".join(wrong)
+
+
+def test_no_two_folders_import_each_other() -> None:
+    first: Dict[Tuple[str, str], str] = {}
+    for source, target, file, module in cross_unit_imports():
+        first.setdefault((source, target), f"{file} imports {module}")
+    both = [
+        f"{first[(a, b)]}\n  and {first[(b, a)]}" for a, b in first if a < b and (b, a) in first
+    ]
+    assert not both, "folders that import each other:\n" + "\n".join(both)
+
+
+def test_the_floor_checks_name_what_goes_up(monkeypatch: Any) -> None:
+    # A ground module importing the assembly is reported, with its file and import.
+    graph = import_graph()
+    graph[f"{PACKAGE}.core.streams"] = graph[f"{PACKAGE}.core.streams"] | {
+        f"{PACKAGE}.assembly.options"
+    }
+    monkeypatch.setitem(globals(), "import_graph", lambda: graph)
+    with pytest.raises(AssertionError, match=r"trec_pipelines/core/streams\.py imports"):
+        test_no_folder_imports_its_own_floor_or_above()
+    with pytest.raises(AssertionError, match=r"assembly/.*core/streams\.py imports"):
+        test_no_two_folders_import_each_other()

@@ -7,7 +7,7 @@ import torch
 
 import trec_pipelines
 from tests.unit.fakes import TinyModel, optimizer_for
-from trec_pipelines.sparse import input_dist_group as idg
+from trec_pipelines.core import input_dist_group as idg
 from trec_pipelines.sparse.input_dist import SplitsFusion
 
 

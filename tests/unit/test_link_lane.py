@@ -17,8 +17,8 @@ import torch
 import torch.distributed as dist
 
 from benchmarks import recording
-from trec_pipelines.observe import links, schedule_view
-from trec_pipelines.observe.actions import Action, Transfer
+from trec_pipelines.observe import all_to_all_watch as links, schedule_view
+from trec_pipelines.observe.action_records import Action, Transfer
 from trec_pipelines.observe.recorder import ScheduleRecorder
 from trec_pipelines.observe.schedule_view import LinkBox, link_boxes, link_lanes
 

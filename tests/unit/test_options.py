@@ -14,7 +14,7 @@ import torch
 import trec_pipelines as tp
 from tests.unit.fakes import TinyModel, drain, make_batches, optimizer_for, plain_loop
 from tests.user_subclass import TaggedSparseDist
-from trec_pipelines.core import options as opts
+from trec_pipelines.assembly import options as opts
 
 OPTION_NAMES = [f.name for f in dataclasses.fields(opts.PipelineOptions)]
 CONCERNS = [

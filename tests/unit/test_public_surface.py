@@ -102,7 +102,7 @@ def test_import_paths_users_and_docs_use_still_work() -> None:
         ("trec_pipelines.advise.cli", "main"),
         ("trec_pipelines.observe.ledger", "LedgerSummary"),
         ("trec_pipelines.observe.memory", "footprint"),
-        ("trec_pipelines.sparse.input_dist_group", "release_input_dist_groups"),
+        ("trec_pipelines.core.input_dist_group", "release_input_dist_groups"),
         ("trec_pipelines.model.backward_hooks", "InjectionSite"),
         ("trec_pipelines.pipelines.sparse_dist", "TrainPipelineSparseDist"),
     ]:

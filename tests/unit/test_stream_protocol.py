@@ -55,9 +55,8 @@ from tests.unit.fakes import (
 )
 from tests.unit.test_schedule_spec import SPECS
 from trec_pipelines.core import streams
-from trec_pipelines.core.verbs import copy_to_device, wait_for_batch
+from trec_pipelines.core.batch_transfer import copy_to_device, wait_for_batch
 from trec_pipelines.data.inplace_copy import WORKER_THREAD
-from trec_pipelines.model import forwards as forwards_module
 from trec_pipelines.observe import recorder as rec
 from trec_pipelines.pipelines import base as base_module, sparse_dist as sparse_dist_module
 from trec_pipelines.pipelines.base import TrainPipelineBase
@@ -79,7 +78,11 @@ from trec_pipelines.pipelines.sparse_dist_t import TrainPipelineSparseDistT
 from trec_pipelines.pipelines.staged import PipelineStage, StagedTrainPipeline
 from trec_pipelines.pipelines.stash import TrainPipelineSparseDistEmbStash
 from trec_pipelines.pipelines.train_eval_hybrid import TrainEvalHybridPipelineBase
-from trec_pipelines.sparse import cache_prefetch as prefetch_module, lookup as lookup_module
+from trec_pipelines.sparse import (
+    cache_prefetch as prefetch_module,
+    forwards as forwards_module,
+    lookup as lookup_module,
+)
 from trec_pipelines.sparse.stashing import Stashing
 from trec_pipelines.testing import (
     StreamProtocolError,

@@ -91,7 +91,7 @@ def test_helpers_call_the_device_module() -> None:
 def test_lookup_outputs_of_both_kinds_are_recorded(monkeypatch: Any) -> None:
     from torchrec.sparse.jagged_tensor import JaggedTensor, KeyedTensor
 
-    from trec_pipelines.model.forwards import record_output
+    from trec_pipelines.sparse.forwards import record_output
 
     seen: List[Tuple[int, str]] = []
     monkeypatch.setattr(

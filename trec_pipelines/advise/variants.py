@@ -45,7 +45,7 @@ import torch
 from torch import nn
 from torchrec.distributed.types import ShardedModule, ShardingPlan
 
-from trec_pipelines import experimental_pipelines
+import trec_pipelines.experimental_pipelines as experimental_pipelines
 from trec_pipelines.pipelines.base import TrainPipelineBase
 from trec_pipelines.pipelines.comp_autograd import TrainPipelineSparseDistCompAutograd
 from trec_pipelines.pipelines.eval_sparse_dist import EvalPipelineSparseDist
@@ -241,7 +241,7 @@ def not_applicable(
 
 def examples_per_batch(batch: Any) -> Optional[int]:
     """Samples in one rank's batch: the stride of its first KeyedJaggedTensor (None: it has none)."""
-    from trec_pipelines.model.rewrite import kjts_in
+    from trec_pipelines.core.batch_walk import kjts_in
 
     kjts = kjts_in(batch)
     return int(kjts[0].stride()) if kjts else None

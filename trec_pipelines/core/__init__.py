@@ -1,1 +1,3 @@
-"""The core every pipeline stands on: options, checks, the pipelined model, the step's start."""
+"""The ground floor every part imports: streams, errors, state, checks, precision, the step
+guard, the batch walker and copies, the input-dist groups, the subclass hooks.  It imports
+no other folder of the package."""

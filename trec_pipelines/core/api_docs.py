@@ -8,7 +8,7 @@ the shared ``progress()`` contract once, in :data:`PROGRESS`.  The
 :func:`documented` class decorator, applied where each public class is
 defined, writes an ``Args:`` section for the parameters its constructor takes
 into the class docstring (ahead of our keyword-only options, which
-:func:`~trec_pipelines.core.options.takes_options` lists, applied
+:func:`~trec_pipelines.assembly.options.takes_options` lists, applied
 first) and gives a ``progress()`` without a docstring the shared one, plus
 what the class adds.  ``pydoc`` (``help()``) and Sphinx read both.
 """
@@ -20,7 +20,7 @@ from typing import Callable, Dict, List, Mapping, Optional, TypeVar
 
 C = TypeVar("C", bound=type)
 
-# The heading takes_options writes before our options (see core/options.py).
+# The heading takes_options writes before our options (see assembly/options.py).
 _OPTIONS_HEADING = "Our keyword-only options"
 
 TORCHREC_PARAMETERS: Mapping[str, str] = {

@@ -3,7 +3,7 @@
 [Note: mixed precision]
 torchrec's pipelines have no autocast or loss scaling; users override
 ``_backward`` to add a ``GradScaler``.  Ours take two options
-(:mod:`trec_pipelines.core.options`):
+(:mod:`trec_pipelines.assembly.options`):
 
 * ``autocast_dtype``: each training forward runs under
   ``torch.autocast(device_type, dtype)`` on the pipeline's device, as a plain

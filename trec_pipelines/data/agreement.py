@@ -93,8 +93,8 @@ from torch.nn.parallel import DistributedDataParallel
 
 from trec_pipelines.core import lifetime
 from trec_pipelines.core.errors import OutOfStepError
+from trec_pipelines.core.input_dist_group import _timeout_of
 from trec_pipelines.model.rewrite import sharded_modules
-from trec_pipelines.sparse.input_dist_group import _timeout_of
 
 # What a rank reports for one pull (the low two bits of its code); NOTHING is
 # what a rank with no pull to report carries in a splits exchange.

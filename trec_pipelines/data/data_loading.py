@@ -16,7 +16,7 @@ from torchrec.distributed.train_pipeline import In
 
 from trec_pipelines.core import lifetime
 from trec_pipelines.core.streams import device_module, new_stream, on_stream
-from trec_pipelines.data.handoff import OneSlotHandoff
+from trec_pipelines.data.one_slot_handoff import OneSlotHandoff
 
 logger: logging.Logger = logging.getLogger(__name__)
 

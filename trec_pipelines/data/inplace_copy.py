@@ -37,8 +37,8 @@ import torch
 from torchrec.distributed.train_pipeline import In
 
 from trec_pipelines.core import lifetime
+from trec_pipelines.core.batch_transfer import copy_to_device
 from trec_pipelines.core.streams import current_stream, has_streams, on_stream
-from trec_pipelines.core.verbs import copy_to_device
 
 logger: logging.Logger = logging.getLogger(__name__)
 

@@ -14,9 +14,9 @@ from typing import Any, Callable, Deque, Dict, Iterator, List, Optional, Tuple
 
 import torch.distributed as dist
 
+from trec_pipelines.core.batch_transfer import check_batch
 from trec_pipelines.core.checks import check_iterator
 from trec_pipelines.core.errors import MalformedBatchError
-from trec_pipelines.core.verbs import check_batch
 from trec_pipelines.data.agreement import Agreed, Agreement, AgreementChannel
 from trec_pipelines.data.padding import Padding, nothing_to_pad_with
 from trec_pipelines.data.validation import batch_problem

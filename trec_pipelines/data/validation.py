@@ -32,7 +32,8 @@ import numpy as np
 import torch
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
-from trec_pipelines.model.rewrite import kjt_fields, kjts_in
+from trec_pipelines.core.batch_walk import kjts_in
+from trec_pipelines.model.rewrite import kjt_fields
 
 
 def _not_integer(tensor: Optional[torch.Tensor]) -> bool:

@@ -1,3 +1,3 @@
 """The model rewrite: finding the sharded modules and their inputs (tracing, arguments), the
-forward wrappers, the contexts they read, postprocs, the take-over, backward hooks.
+contexts the forwards read, postprocs, backward hooks.
 """

@@ -112,7 +112,7 @@ class EmbeddingTrainPipelineContext(TrainPipelineContext):
         restored_embeddings: per module, the values the dense part must see
             in place of the lookup's (a batch resumed from a checkpoint whose
             lookup read older weights; see the note "exact resume" in the source of
-            ``trec_pipelines.core.resume``).  Written
+            ``trec_pipelines.assembly.resume``).  Written
             by SemiSync after the batch's lookup; popped by the embedding forward.
     """
 
@@ -133,7 +133,7 @@ class CPUEmbeddingTrainPipelineContext(EmbeddingTrainPipelineContext):
             or "cpu").  Written when the batch is queued.
         gpu_embedding_outputs: per module, its embeddings on that device.
             Written by the copy stage; popped by
-            :class:`~trec_pipelines.model.forwards.CPUEmbeddingPipelinedForward`.
+            :class:`~trec_pipelines.sparse.forwards.CPUEmbeddingPipelinedForward`.
     """
 
     dense_gpu_device: str = ""

@@ -1,7 +1,7 @@
 """Finding the sharded modules of a model and swapping their forwards.
 
 :func:`rewrite_model` replaces each pipelinable ``ShardedModule.forward`` with a
-wrapper from :mod:`trec_pipelines.model.forwards` and returns a
+wrapper from :mod:`trec_pipelines.sparse.forwards` and returns a
 :class:`RewriteResult`; :func:`restore_model` undoes it exactly.
 
 Two ways to learn how a module's arguments come out of the batch:
@@ -370,39 +370,6 @@ def kjt_fields(batch: Any, max_depth: int = 4) -> List[Tuple[ArgInfo, KeyedJagge
 
     visit(batch, (), 0)
     return found
-
-
-def kjts_in(batch: Any) -> List[KeyedJaggedTensor]:
-    """The KJTs :func:`kjt_fields` finds in ``batch``, in the same order, without
-    their paths: what the per-batch checks need, at a fraction of the cost."""
-    return _collect_kjts(batch, [], 0)
-
-
-def _collect_kjts(
-    value: Any, found: List[KeyedJaggedTensor], depth: int
-) -> List[KeyedJaggedTensor]:
-    # Leaves (tensors, KJTs) are handled in the loop, so a flat batch costs one call.
-    if isinstance(value, KeyedJaggedTensor):
-        found.append(value)
-        return found
-    if isinstance(value, dict):
-        items: Any = (item for key, item in value.items() if isinstance(key, (str, int)))
-    elif isinstance(value, (list, tuple)):
-        items = value
-    elif hasattr(value, "__dict__") and not isinstance(value, torch.Tensor):
-        items = vars(value).values()
-    else:
-        return found
-    for item in items:
-        if isinstance(item, KeyedJaggedTensor):
-            found.append(item)
-        elif depth < 3 and not isinstance(item, _LEAVES):
-            _collect_kjts(item, found, depth + 1)
-    return found
-
-
-# What holds no KJT: skipped without a call (a batch's tensors, flags and counts).
-_LEAVES = (torch.Tensor, bool, int, float, str, bytes, type(None))
 
 
 def _feature_names(module: AnyShardedModule) -> Set[str]:

@@ -16,7 +16,7 @@ call number and timing:
 
 It also notes each all-to-all the pipeline puts on the link as a
 :class:`Transfer`, from its issue to the completion of its work, under the
-verb (and batch) it was issued in (see :mod:`trec_pipelines.observe.links`).
+verb (and batch) it was issued in (see :mod:`trec_pipelines.observe.all_to_all_watch`).
 
 :mod:`trec_pipelines.observe.schedule_view` turns the actions into the schedule table,
 a Chrome/Perfetto trace and a timeline picture.
@@ -39,15 +39,15 @@ from typing import Any, ContextManager, Dict, List, Optional, Tuple
 import torch
 
 from trec_pipelines.core.streams import current_stream, device_module
-from trec_pipelines.observe import links, schedule_view
-from trec_pipelines.observe.actions import (
+from trec_pipelines.observe import all_to_all_watch as links, schedule_view
+from trec_pipelines.observe.action_records import (
     Action as Action,  # also importable from here, its former home
     Transfer,
 )
 from trec_pipelines.observe.ledger import LedgerSummary, MemoryLedger, MemorySample, summarize
 
 # Re-exported: the pipelines name the tasks rec.H2D, rec.FORWARD, ...
-from trec_pipelines.observe.tasks import (
+from trec_pipelines.observe.task_names import (
     BACKWARD as BACKWARD,
     EMB_BACKWARD as EMB_BACKWARD,
     EMB_LOOKUP as EMB_LOOKUP,
@@ -95,7 +95,7 @@ class ScheduleRecorder:
     _origin: Optional[Tuple[float, Any]] = field(default=None, repr=False, init=False)
     # Measures the pipeline after each training-thread verb; None: not asked for.
     memory: Optional[MemoryLedger] = field(default=None, repr=False)
-    # The all-to-alls put on the link (trec_pipelines.observe.links).
+    # The all-to-alls put on the link (trec_pipelines.observe.all_to_all_watch).
     transfers: List[Transfer] = field(default_factory=list)
     # The spans open now, innermost last, per thread.
     _open: Dict[int, List[Action]] = field(default_factory=dict, repr=False, init=False)

@@ -1,9 +1,9 @@
 """Views of recorded actions: the schedule table, traces, timelines, exposed time.
 
-All functions take the list of :class:`~trec_pipelines.observe.actions.Action`
+All functions take the list of :class:`~trec_pipelines.observe.action_records.Action`
 records a pipeline recorded (``pipeline.schedule_actions``); the trace and the
 timeline also draw the all-to-alls it put on the link
-(:class:`~trec_pipelines.observe.actions.Transfer`, ``pipeline.schedule_transfers``).
+(:class:`~trec_pipelines.observe.action_records.Transfer`, ``pipeline.schedule_transfers``).
 """
 
 from __future__ import annotations
@@ -13,17 +13,17 @@ from collections import defaultdict
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Dict, List, Optional, Sequence, Tuple, Union
 
-from trec_pipelines.observe.tasks import TASKS
+from trec_pipelines.observe.task_names import TASKS
 
 if TYPE_CHECKING:
-    from trec_pipelines.observe.actions import Action, Transfer
+    from trec_pipelines.observe.action_records import Action, Transfer
     from trec_pipelines.observe.ledger import MemorySample
 
 Cell = Union[int, Tuple[int, ...], None]  # a batch, batches, or none
 Row = Tuple[str, str, List[Cell]]
 
 STREAM_ORDER = ("default", "emb_lookup", "data_dist", "prefetch", "memcpy")
-# The link lanes, top to bottom (trec_pipelines.observe.links names the groups).
+# The link lanes, top to bottom (trec_pipelines.observe.all_to_all_watch names the groups).
 GROUP_ORDER = ("input-dist group", "model group")
 
 

@@ -9,13 +9,13 @@ import torch
 from torchrec.distributed.train_pipeline import In, Out, TrainPipeline
 from typing_extensions import Unpack
 
+from trec_pipelines.assembly.options import TrainBatchOptions, takes_options
+from trec_pipelines.assembly.pipeline import PipelineCore
 from trec_pipelines.core.api_docs import documented
-from trec_pipelines.core.hooks import Uncalled, never_called
-from trec_pipelines.core.options import TrainBatchOptions, takes_options
-from trec_pipelines.core.pipeline import PipelineCore
+from trec_pipelines.core.batch_transfer import copy_to_device, wait_for_batch
 from trec_pipelines.core.step_guard import guarded_step
 from trec_pipelines.core.streams import make_streams
-from trec_pipelines.core.verbs import copy_to_device, wait_for_batch
+from trec_pipelines.core.subclass_hooks import Uncalled, never_called
 from trec_pipelines.observe import recorder as rec
 
 logger: logging.Logger = logging.getLogger(__name__)

@@ -12,10 +12,10 @@ from torchrec.distributed.train_pipeline.types import PipelineState
 from torchrec.distributed.types import ShardingType
 from typing_extensions import Unpack
 
+from trec_pipelines.assembly.options import SparseDistTrainOptions, takes_options
 from trec_pipelines.core.api_docs import documented
-from trec_pipelines.core.hooks import ASYNC_SUBMIT_OFF
-from trec_pipelines.core.options import SparseDistTrainOptions, takes_options
 from trec_pipelines.core.step_guard import guarded_step
+from trec_pipelines.core.subclass_hooks import ASYNC_SUBMIT_OFF
 from trec_pipelines.model.backward_hooks import (
     InjectionSite,
     InjectionTargetType,

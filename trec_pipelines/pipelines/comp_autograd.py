@@ -26,10 +26,10 @@ from torchrec.distributed import comm_ops
 from torchrec.distributed.train_pipeline import In, Out
 from typing_extensions import Unpack
 
+from trec_pipelines.assembly.options import SparseDistTrainOptions, takes_options
 from trec_pipelines.core.api_docs import documented
-from trec_pipelines.core.hooks import ASYNC_SUBMIT_OFF, Uncalled, never_called
-from trec_pipelines.core.options import SparseDistTrainOptions, takes_options
 from trec_pipelines.core.step_guard import guarded_step
+from trec_pipelines.core.subclass_hooks import ASYNC_SUBMIT_OFF, Uncalled, never_called
 from trec_pipelines.model.compiler_settings import HeldSettings
 from trec_pipelines.model.context import TrainPipelineContext
 from trec_pipelines.observe import recorder as rec

@@ -13,10 +13,10 @@ from torchrec.sparse.jagged_tensor import KeyedTensor
 from typing_extensions import Unpack
 
 from trec_pipelines._types import AnyShardedModule
+from trec_pipelines.assembly.options import EvalHostOptions, takes_options
 from trec_pipelines.core import lifetime
 from trec_pipelines.core.api_docs import EVAL_PROGRESS, documented
-from trec_pipelines.core.hooks import ASYNC_SUBMIT_OFF, Refused, Uncalled
-from trec_pipelines.core.options import EvalHostOptions, takes_options
+from trec_pipelines.core.batch_transfer import copy_to_device, wait_for_batch
 from trec_pipelines.core.step_guard import guarded_step
 from trec_pipelines.core.streams import (
     StreamSet,
@@ -27,13 +27,13 @@ from trec_pipelines.core.streams import (
     record_stream_tree,
     wait_stream,
 )
-from trec_pipelines.core.verbs import copy_to_device, wait_for_batch
+from trec_pipelines.core.subclass_hooks import ASYNC_SUBMIT_OFF, Refused, Uncalled
 from trec_pipelines.data.padding import first_real_output, unwrap
 from trec_pipelines.model.args import CallArgs
 from trec_pipelines.model.context import CPUEmbeddingTrainPipelineContext, TrainPipelineContext
-from trec_pipelines.model.forwards import BaseForward, CPUEmbeddingPipelinedForward
 from trec_pipelines.observe import recorder as rec
 from trec_pipelines.pipelines.sparse_dist import TrainPipelineSparseDist
+from trec_pipelines.sparse.forwards import BaseForward, CPUEmbeddingPipelinedForward
 from trec_pipelines.sparse.input_dist import start_input_dist, wait_input_dist
 
 logger: logging.Logger = logging.getLogger(__name__)

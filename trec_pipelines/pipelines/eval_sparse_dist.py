@@ -38,15 +38,15 @@ import torch
 from torchrec.distributed.train_pipeline import In, Out
 from typing_extensions import Unpack
 
+from trec_pipelines.assembly.options import EvalSparseDistOptions, takes_options
 from trec_pipelines.core import lifetime
 from trec_pipelines.core.api_docs import EVAL_PROGRESS, documented
+from trec_pipelines.core.batch_transfer import copy_to_device, shares_kjt_storage
 from trec_pipelines.core.checks import predictions
 from trec_pipelines.core.errors import MalformedBatchError
-from trec_pipelines.core.hooks import Uncalled, never_called
-from trec_pipelines.core.options import EvalSparseDistOptions, takes_options
 from trec_pipelines.core.streams import has_streams
-from trec_pipelines.core.verbs import copy_to_device, shares_kjt_storage
-from trec_pipelines.data.handoff import OneSlotHandoff
+from trec_pipelines.core.subclass_hooks import Uncalled, never_called
+from trec_pipelines.data.one_slot_handoff import OneSlotHandoff
 from trec_pipelines.data.padding import first_real_output, unwrap
 from trec_pipelines.data.source import BatchSource
 from trec_pipelines.observe import recorder as rec

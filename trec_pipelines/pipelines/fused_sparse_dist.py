@@ -21,14 +21,13 @@ from torchrec.distributed.train_pipeline import In, Out
 from typing_extensions import Unpack
 
 from trec_pipelines._types import AnyShardedModule
-from trec_pipelines.core.api_docs import EVAL_PROGRESS, documented
-from trec_pipelines.core.checks import predictions
-from trec_pipelines.core.hooks import ASYNC_SUBMIT_OFF, Uncalled, never_called
-from trec_pipelines.core.options import (
+from trec_pipelines.assembly.options import (
     EvalSparseDistOptions,
     SparseDistTrainOptions,
     takes_options,
 )
+from trec_pipelines.core.api_docs import EVAL_PROGRESS, documented
+from trec_pipelines.core.checks import predictions
 from trec_pipelines.core.step_guard import guarded_step
 from trec_pipelines.core.streams import (
     StreamSet,
@@ -37,13 +36,14 @@ from trec_pipelines.core.streams import (
     record_event,
     wait_stream,
 )
+from trec_pipelines.core.subclass_hooks import ASYNC_SUBMIT_OFF, Uncalled, never_called
 from trec_pipelines.data.padding import first_real_output
 from trec_pipelines.model.args import CallArgs
 from trec_pipelines.model.context import EmbeddingTrainPipelineContext
-from trec_pipelines.model.forwards import BaseForward, InSyncEmbeddingPipelinedForward
 from trec_pipelines.observe import recorder as rec
 from trec_pipelines.pipelines.sparse_dist import TrainPipelineSparseDist
 from trec_pipelines.sparse import lookup
+from trec_pipelines.sparse.forwards import BaseForward, InSyncEmbeddingPipelinedForward
 
 EmbLookupStream = Literal["data_dist", "new", "current"]
 EMB_LOOKUP_STREAMS: Tuple[str, ...] = ("data_dist", "new", "current")
@@ -72,7 +72,7 @@ class TrainPipelineFusedSparseDist(TrainPipelineSparseDist[In, Out]):
     issued at the top of :meth:`progress`, before the dense forward, and on a
     GPU it overlaps the previous batch's optimizer step; each pipelined
     module's forward is an
-    :class:`~trec_pipelines.model.forwards.InSyncEmbeddingPipelinedForward`, which
+    :class:`~trec_pipelines.sparse.forwards.InSyncEmbeddingPipelinedForward`, which
     hands the result over still attached to autograd, so the backward reaches
     the embeddings as usual.
 

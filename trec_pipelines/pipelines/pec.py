@@ -40,17 +40,17 @@ from torchrec.distributed.train_pipeline import In, Out
 from typing_extensions import Unpack
 
 from trec_pipelines._types import AnyShardedModule
+from trec_pipelines.assembly.options import SparseDistTrainOptions, takes_options
 from trec_pipelines.core.api_docs import documented
-from trec_pipelines.core.hooks import ASYNC_SUBMIT_OFF, Refused, Uncalled
-from trec_pipelines.core.options import SparseDistTrainOptions, takes_options
 from trec_pipelines.core.step_guard import guarded_step
 from trec_pipelines.core.streams import current_stream, record_stream, wait_event
+from trec_pipelines.core.subclass_hooks import ASYNC_SUBMIT_OFF, Refused, Uncalled
 from trec_pipelines.model.args import CallArgs
 from trec_pipelines.model.context import PECTrainPipelineContext
-from trec_pipelines.model.forwards import BaseForward, PECPipelinedForward
 from trec_pipelines.observe import recorder as rec
 from trec_pipelines.pipelines.sparse_dist import TrainPipelineSparseDist
 from trec_pipelines.sparse import lookup, pec_ops
+from trec_pipelines.sparse.forwards import BaseForward, PECPipelinedForward
 
 
 @documented()
@@ -92,7 +92,7 @@ class TrainPipelinePEC(TrainPipelineSparseDist[In, Out]):
     bit.)  Every other pipelined module is looked up on the default stream at
     the top of the step, as Fused does with ``emb_lookup_stream="current"``,
     after the previous step's update; its forward is an
-    :class:`~trec_pipelines.model.forwards.PECPipelinedForward`, which hands the
+    :class:`~trec_pipelines.sparse.forwards.PECPipelinedForward`, which hands the
     output over still attached to autograd.  With no PEC module the PEC verbs
     do nothing and are still recorded, so the schedule keeps its shape.  Before
     the model is used outside the pipeline's order (:meth:`detach`, another

@@ -25,8 +25,9 @@ from torchrec.distributed.train_pipeline import In, Out
 from typing_extensions import Unpack
 
 from trec_pipelines._types import AnyShardedModule
+from trec_pipelines.assembly.options import SparseDistTrainOptions, takes_options
 from trec_pipelines.core.api_docs import documented
-from trec_pipelines.core.options import SparseDistTrainOptions, takes_options
+from trec_pipelines.core.batch_transfer import wait_for_batch
 from trec_pipelines.core.step_guard import guarded_step
 from trec_pipelines.core.streams import (
     StreamSet,
@@ -35,13 +36,12 @@ from trec_pipelines.core.streams import (
     record_event,
     wait_stream,
 )
-from trec_pipelines.core.verbs import wait_for_batch
 from trec_pipelines.model.args import CallArgs
 from trec_pipelines.model.context import PrefetchTrainPipelineContext, TrainPipelineContext
-from trec_pipelines.model.forwards import BaseForward, PrefetchPipelinedForward
 from trec_pipelines.observe import recorder as rec
 from trec_pipelines.pipelines.sparse_dist import TrainPipelineSparseDist
 from trec_pipelines.sparse.cache_prefetch import prefetch_modules
+from trec_pipelines.sparse.forwards import BaseForward, PrefetchPipelinedForward
 
 
 @documented()
@@ -67,7 +67,7 @@ class PrefetchTrainPipelineSparseDist(TrainPipelineSparseDist[In, Out]):
     batch 0, then copies batch 1 and starts its input_dist.
 
     Each pipelined ``ShardedModule.forward`` becomes a
-    :class:`~trec_pipelines.model.forwards.PrefetchPipelinedForward`, which finds the
+    :class:`~trec_pipelines.sparse.forwards.PrefetchPipelinedForward`, which finds the
     batch's input distributed and its rows prefetched into the embedding cache,
     and only runs ``compute_and_output_dist``.  Every pipelined module goes
     through the prefetch stage, including those with nothing to prefetch (every

@@ -11,8 +11,8 @@ from torchrec.distributed.train_pipeline.types import PipelineState
 from torchrec.distributed.types import NoWait
 from typing_extensions import Unpack
 
+from trec_pipelines.assembly.options import SparseDistTrainOptions, takes_options
 from trec_pipelines.core.api_docs import documented
-from trec_pipelines.core.options import SparseDistTrainOptions, takes_options
 from trec_pipelines.core.step_guard import guarded_step
 from trec_pipelines.core.streams import current_stream, on_stream, record_stream, wait_stream
 from trec_pipelines.model.backward_hooks import InjectionSite

@@ -21,13 +21,13 @@ from torchrec.distributed.train_pipeline.types import PipelineState
 from torchrec.pt2.utils import default_pipeline_input_transformer
 from typing_extensions import Unpack
 
+from trec_pipelines.assembly.options import TrainBatchOptions, takes_options
+from trec_pipelines.assembly.pipeline import PipelineCore
 from trec_pipelines.core.api_docs import documented
+from trec_pipelines.core.batch_transfer import copy_to_device
 from trec_pipelines.core.checks import check_forward_output
-from trec_pipelines.core.hooks import Uncalled, never_called
-from trec_pipelines.core.options import TrainBatchOptions, takes_options
-from trec_pipelines.core.pipeline import PipelineCore
 from trec_pipelines.core.step_guard import guarded_step
-from trec_pipelines.core.verbs import copy_to_device
+from trec_pipelines.core.subclass_hooks import Uncalled, never_called
 from trec_pipelines.model.compiler_settings import HeldSettings
 from trec_pipelines.observe import recorder as rec
 

@@ -22,9 +22,9 @@ from torchrec.sparse.jagged_tensor import KeyedTensor
 from typing_extensions import Unpack
 
 from trec_pipelines._types import AnyShardedModule
+from trec_pipelines.assembly.options import SparseDistTrainOptions, takes_options
 from trec_pipelines.core.api_docs import documented
-from trec_pipelines.core.hooks import ASYNC_SUBMIT_OFF, Uncalled, never_called
-from trec_pipelines.core.options import SparseDistTrainOptions, takes_options
+from trec_pipelines.core.batch_transfer import wait_for_batch
 from trec_pipelines.core.step_guard import guarded_step
 from trec_pipelines.core.streams import (
     current_stream,
@@ -33,13 +33,13 @@ from trec_pipelines.core.streams import (
     record_stream,
     wait_event,
 )
-from trec_pipelines.core.verbs import wait_for_batch
+from trec_pipelines.core.subclass_hooks import ASYNC_SUBMIT_OFF, Uncalled, never_called
 from trec_pipelines.model.args import CallArgs
 from trec_pipelines.model.context import EmbeddingTrainPipelineContext, TrainPipelineContext
-from trec_pipelines.model.forwards import BaseForward, EmbeddingPipelinedForward
 from trec_pipelines.observe import recorder as rec
 from trec_pipelines.pipelines.sparse_dist import TrainPipelineSparseDist
 from trec_pipelines.sparse.deferred_lookup import DeferralPlan, deferring, plan_deferral
+from trec_pipelines.sparse.forwards import BaseForward, EmbeddingPipelinedForward
 from trec_pipelines.sparse.input_dist import start_input_dist
 from trec_pipelines.sparse.lookup import start_embedding_lookup as run_embedding_lookup
 
@@ -73,7 +73,7 @@ class TrainPipelineSemiSync(TrainPipelineSparseDist[In, Out]):
     recorded.
 
     Pipelined modules get an
-    :class:`~trec_pipelines.model.forwards.EmbeddingPipelinedForward`: the forward
+    :class:`~trec_pipelines.sparse.forwards.EmbeddingPipelinedForward`: the forward
     reads the lookup already run for its batch, as detached leaves, so the
     dense backward stops there and :meth:`embedding_backward` then sends the
     leaves' gradients into the tables, whose fused optimizer updates them.

@@ -25,10 +25,10 @@ from torchrec.distributed.train_pipeline import In
 from typing_extensions import Unpack
 
 from trec_pipelines._types import AnyShardedModule
+from trec_pipelines.assembly.options import ModelOptions, resolve_options, takes_options
+from trec_pipelines.assembly.pipelined_model import PipelinedModel
 from trec_pipelines.core.api_docs import documented
 from trec_pipelines.core.checks import check_apply_jit
-from trec_pipelines.core.options import ModelOptions, resolve_options, takes_options
-from trec_pipelines.core.pipelined_model import PipelinedModel
 from trec_pipelines.core.streams import (
     current_stream,
     on_stream,
@@ -43,16 +43,16 @@ from trec_pipelines.model.context import (
     PrefetchTrainPipelineContext,
     TrainPipelineContext,
 )
-from trec_pipelines.model.forwards import (
+from trec_pipelines.model.postproc import PipelinedPostproc
+from trec_pipelines.model.rewrite import RewriteResult
+from trec_pipelines.pipelines.sparse_data_dist_stages import SparseDataDistStages
+from trec_pipelines.pipelines.stages import side_stream
+from trec_pipelines.sparse.forwards import (
     BaseForward,
     InSyncEmbeddingPipelinedForward,
     PipelinedForward,
     PrefetchPipelinedForward,
 )
-from trec_pipelines.model.postproc import PipelinedPostproc
-from trec_pipelines.model.rewrite import RewriteResult
-from trec_pipelines.pipelines.sparse_data_dist_stages import SparseDataDistStages
-from trec_pipelines.pipelines.stages import side_stream
 from trec_pipelines.sparse.input_dist import SplitsFusion, start_input_dist, wait_input_dist
 
 logger: logging.Logger = logging.getLogger(__name__)

@@ -23,22 +23,28 @@ from torchrec.distributed.train_pipeline import In, Out, TrainPipeline
 from torchrec.distributed.train_pipeline.types import PipelineState
 from typing_extensions import Unpack
 
+from trec_pipelines.assembly.options import SparseDistTrainOptions, takes_options
+from trec_pipelines.assembly.pipeline import PipelineCore
 from trec_pipelines.core.api_docs import documented
+from trec_pipelines.core.batch_transfer import copy_to_device, shares_kjt_storage, wait_for_batch
 from trec_pipelines.core.checks import check_apply_jit
-from trec_pipelines.core.hooks import ASYNC_COPY, FORWARD_TYPE, VERSION_0, Refused, Uncalled
-from trec_pipelines.core.options import SparseDistTrainOptions, takes_options
-from trec_pipelines.core.pipeline import PipelineCore
 from trec_pipelines.core.step_guard import guarded_step
 from trec_pipelines.core.streams import StreamSet, make_streams, on_stream
-from trec_pipelines.core.verbs import copy_to_device, shares_kjt_storage, wait_for_batch
+from trec_pipelines.core.subclass_hooks import (
+    ASYNC_COPY,
+    FORWARD_TYPE,
+    VERSION_0,
+    Refused,
+    Uncalled,
+)
 from trec_pipelines.data.inplace_copy import AsyncInplaceCopyMixin, BatchQueue, InplaceCopyWorker
 from trec_pipelines.data.padding import unwrap
 from trec_pipelines.model.backward_hooks import pipeline_hook, register_backward_hook
 from trec_pipelines.model.context import TrainPipelineContext
-from trec_pipelines.model.forwards import PipelinedForward
 from trec_pipelines.model.rewrite import RewriteResult
 from trec_pipelines.observe import recorder as rec
 from trec_pipelines.pipelines.sparse_dist_rewrite import SparseDistRewrite
+from trec_pipelines.sparse.forwards import PipelinedForward
 from trec_pipelines.sparse.input_dist import (
     release_input_dist_inputs,
     start_input_dist,
@@ -72,7 +78,7 @@ class TrainPipelineSparseDist(
     loss included (torchrec's ``DLRMTrain`` returns ``(loss, (loss.detach(),
     logits, labels))``).  Each pipelined
     ``ShardedModule.forward`` is replaced by a
-    :class:`~trec_pipelines.model.forwards.PipelinedForward`, which finds its batch's
+    :class:`~trec_pipelines.sparse.forwards.PipelinedForward`, which finds its batch's
     ``input_dist`` already under way; a module that can't be pipelined keeps
     its forward, and :attr:`rewrite_result` says why.
 

@@ -9,12 +9,12 @@ from torchrec.distributed.train_pipeline import In, Out
 from torchrec.distributed.train_pipeline.types import PipelineState
 from typing_extensions import Unpack
 
+from trec_pipelines.assembly.options import LiteOptions, takes_options
 from trec_pipelines.core.api_docs import documented
-from trec_pipelines.core.hooks import Uncalled, never_called
-from trec_pipelines.core.options import LiteOptions, takes_options
+from trec_pipelines.core.batch_transfer import wait_for_batch
 from trec_pipelines.core.step_guard import guarded_step
 from trec_pipelines.core.streams import StreamSet, make_streams
-from trec_pipelines.core.verbs import wait_for_batch
+from trec_pipelines.core.subclass_hooks import Uncalled, never_called
 from trec_pipelines.model.context import TrainPipelineContext
 from trec_pipelines.observe import recorder as rec
 from trec_pipelines.pipelines.sparse_dist import TrainPipelineSparseDist

@@ -14,14 +14,14 @@ from typing import Any, Callable, Deque, List, Optional, Tuple, Type, cast
 import torch
 
 from trec_pipelines._types import AnyShardedModule
-from trec_pipelines.core.options import PipelineOptions
-from trec_pipelines.core.pipelined_model import PipelinedModel
+from trec_pipelines.assembly.options import PipelineOptions
+from trec_pipelines.assembly.pipelined_model import PipelinedModel
 from trec_pipelines.core.streams import StreamSet
 from trec_pipelines.model.args import CallArgs
 from trec_pipelines.model.context import TrainPipelineContext
-from trec_pipelines.model.forwards import BaseForward, PipelinedForward
 from trec_pipelines.model.postproc import PipelinedPostproc
 from trec_pipelines.model.rewrite import RewriteResult
+from trec_pipelines.sparse.forwards import BaseForward, PipelinedForward
 from trec_pipelines.sparse.input_dist import SplitsFusion
 
 

@@ -8,9 +8,9 @@ import torch
 from torchrec.distributed.train_pipeline import In, Out
 from typing_extensions import Unpack
 
+from trec_pipelines.assembly.options import SparseDistTrainOptions, takes_options
 from trec_pipelines.core.api_docs import documented
-from trec_pipelines.core.hooks import ASYNC_SUBMIT_OFF
-from trec_pipelines.core.options import SparseDistTrainOptions, takes_options
+from trec_pipelines.core.subclass_hooks import ASYNC_SUBMIT_OFF
 from trec_pipelines.model.context import TrainPipelineContext
 from trec_pipelines.pipelines.sparse_dist import TrainPipelineSparseDist
 

@@ -22,11 +22,11 @@ import torch
 from torchrec.distributed.train_pipeline import In, TrainPipeline
 from typing_extensions import Unpack
 
+from trec_pipelines.assembly.options import BatchOptions, resolve_options, takes_options
+from trec_pipelines.assembly.resume import Resumable
+from trec_pipelines.assembly.torchrec_state import TorchrecState
 from trec_pipelines.core.api_docs import documented
 from trec_pipelines.core.errors import MalformedBatchError
-from trec_pipelines.core.hooks import Hooks, Refused
-from trec_pipelines.core.options import BatchOptions, resolve_options, takes_options
-from trec_pipelines.core.resume import Resumable
 from trec_pipelines.core.streams import (
     current_stream,
     on_stream,
@@ -34,7 +34,7 @@ from trec_pipelines.core.streams import (
     record_stream,
     wait_event,
 )
-from trec_pipelines.core.torchrec_state import TorchrecState
+from trec_pipelines.core.subclass_hooks import Hooks, Refused
 from trec_pipelines.data.agreement import AgreementChannel, agreement_group
 from trec_pipelines.data.source import BatchSource
 from trec_pipelines.observe import recorder as rec
@@ -67,7 +67,7 @@ class _InFlight:
             a consumer on another stream waits on it.
         index: the batch's position in loading order (for recording and logs).
         host: the batch as the iterator gave it, for a checkpoint (see
-            ``[Note: exact resume]`` in :mod:`trec_pipelines.core.resume`).
+            ``[Note: exact resume]`` in :mod:`trec_pipelines.assembly.resume`).
     """
 
     value: Any

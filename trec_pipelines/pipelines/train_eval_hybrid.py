@@ -7,9 +7,9 @@ from typing import Any, ClassVar, Mapping, Tuple
 import torch
 from torchrec.distributed.train_pipeline import In, Out
 
+from trec_pipelines.assembly.options import SparseDistTrainOptions, takes_options
 from trec_pipelines.core.api_docs import documented
-from trec_pipelines.core.hooks import Refused
-from trec_pipelines.core.options import SparseDistTrainOptions, takes_options
+from trec_pipelines.core.subclass_hooks import Refused
 from trec_pipelines.pipelines.sparse_dist import TrainPipelineSparseDist
 
 

@@ -1,3 +1,4 @@
-"""The sparse ops: input_dist and its process group, the embedding lookup, cache prefetch,
-PEC's ops, the embedding kernels, stashing, gradient accumulation.
+"""The pipelined forwards and the sparse ops they run: the take-over of the sharded modules,
+input_dist, the embedding lookup, cache prefetch, PEC's ops, the embedding kernels, stashing,
+gradient accumulation.
 """

@@ -29,9 +29,9 @@ from trec_pipelines.core.streams import (
     wait_stream,
 )
 from trec_pipelines.model.context import PrefetchTrainPipelineContext
-from trec_pipelines.model.forwards import BaseForward
 from trec_pipelines.model.rewrite import PipelinedModule
 from trec_pipelines.sparse.embedding_kernels import embedding_kernels
+from trec_pipelines.sparse.forwards import BaseForward
 
 
 def prefetch_modules(

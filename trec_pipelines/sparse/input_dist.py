@@ -13,7 +13,7 @@ one collective per process group.
 
 The splits-only forward may run on another process group of the same ranks
 than the module's own (``input_dist_group="dedicated"``, see
-``[Note: a dedicated input-dist group]`` in :mod:`trec_pipelines.sparse.input_dist_group`):
+``[Note: a dedicated input-dist group]`` in :mod:`trec_pipelines.core.input_dist_group`):
 both all-to-alls then go there, through the group the metadata names.
 
 A ``KJTAllToAll`` on a one-rank group is left as it is: it has nothing to
@@ -46,6 +46,7 @@ from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from trec_pipelines._types import AnyShardedModule
 from trec_pipelines.core import lifetime
+from trec_pipelines.core.input_dist_group import GroupRef, InputDistGroup, dedicated_groups
 from trec_pipelines.data.agreement import AgreementChannel
 from trec_pipelines.model.context import TrainPipelineContext
 from trec_pipelines.model.postproc import (
@@ -54,7 +55,6 @@ from trec_pipelines.model.postproc import (
     use_context_for_postprocs,
 )
 from trec_pipelines.sparse.carried_agreement import CarryingFusedSplits, spans_world
-from trec_pipelines.sparse.input_dist_group import GroupRef, InputDistGroup, dedicated_groups
 
 logger: logging.Logger = logging.getLogger(__name__)
 
@@ -200,10 +200,10 @@ class SplitsFusion:
 
     The dedicated groups are resolved at the first :meth:`fuse` after a
     rewrite, a collective every rank reaches at the same ``progress()`` (see
-    :func:`~trec_pipelines.sparse.input_dist_group.dedicated_groups`), and reused
+    :func:`~trec_pipelines.core.input_dist_group.dedicated_groups`), and reused
     when the same rewrite is fused again (``attach()`` after ``detach()``),
     which then issues no collective, unless they were released meanwhile
-    (:func:`~trec_pipelines.sparse.input_dist_group.release_input_dist_groups`,
+    (:func:`~trec_pipelines.core.input_dist_group.release_input_dist_groups`,
     the exit).  :meth:`new_rewrite` forgets them.
     """
 

@@ -52,13 +52,13 @@ from typing import (
 
 import torch
 
-from trec_pipelines.data.padding import UNEVEN_DATA_POLICIES, UnevenData
-from trec_pipelines.model.rewrite import STRATEGIES, Strategy
-from trec_pipelines.sparse.input_dist_group import (
+from trec_pipelines.core.input_dist_group import (
     DEFAULT_INPUT_DIST_GROUP,
     InputDistGroup,
     check_input_dist_group,
 )
+from trec_pipelines.data.padding import UNEVEN_DATA_POLICIES, UnevenData
+from trec_pipelines.model.rewrite import STRATEGIES, Strategy
 
 UnpipelinedPolicy = Literal["warn", "raise"]
 UNPIPELINED_POLICIES: Tuple[str, ...] = ("warn", "raise")

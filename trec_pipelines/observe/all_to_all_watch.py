@@ -4,7 +4,7 @@ torchrec issues the input dist's two all-to-alls (the splits, then the ids)
 and the embeddings' output all-to-alls (and, in backward, their gradients')
 through ``torch.distributed.all_to_all_single``.  While a pipeline records its
 schedule (``enable_schedule_recording()``), that function is wrapped to note,
-per call, a :class:`~trec_pipelines.observe.actions.Transfer`: the verb and
+per call, a :class:`~trec_pipelines.observe.action_records.Transfer`: the verb and
 batch it was issued in, its process group, the bytes this rank sent, when it
 was issued and when its work completed.
 
@@ -33,7 +33,7 @@ import torch.distributed as dist
 
 from trec_pipelines.core import lifetime
 from trec_pipelines.core.streams import current_stream
-from trec_pipelines.observe.actions import Action, Transfer
+from trec_pipelines.observe.action_records import Action, Transfer
 
 
 class Watcher(Protocol):

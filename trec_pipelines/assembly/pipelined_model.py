@@ -33,8 +33,8 @@ import torch
 
 from trec_pipelines._types import AnyShardedModule
 from trec_pipelines.core.checks import unsharded_model_note
+from trec_pipelines.core.input_dist_group import InputDistGroup
 from trec_pipelines.model.args import CallArgs
-from trec_pipelines.model.forwards import BaseForward
 from trec_pipelines.model.postproc import PipelinedPostproc
 from trec_pipelines.model.rewrite import (
     RewriteResult,
@@ -45,9 +45,9 @@ from trec_pipelines.model.rewrite import (
     rewrite_model,
     wrapper_changes,
 )
-from trec_pipelines.model.takeover import take_model_over
+from trec_pipelines.sparse.forwards import BaseForward
 from trec_pipelines.sparse.input_dist import SplitsFusion
-from trec_pipelines.sparse.input_dist_group import InputDistGroup
+from trec_pipelines.sparse.takeover import take_model_over
 
 logger: logging.Logger = logging.getLogger(__name__)
 

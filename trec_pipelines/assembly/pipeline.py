@@ -6,10 +6,10 @@ comes before the timeline, and what lives between two steps, is the same for
 every one of them and is written once, in :class:`PipelineCore`:
 
 * construction from torchrec's ``model``, ``optimizer`` and ``device`` plus
-  our options (:mod:`trec_pipelines.core.options`): the checks, the
+  our options (:mod:`trec_pipelines.assembly.options`): the checks, the
   :class:`~trec_pipelines.data.source.BatchSource` (validation, and the ranks'
   agreement on each pull), the :class:`~trec_pipelines.core.step_guard.StepGuard`,
-  and the :class:`~trec_pipelines.core.pipelined_model.PipelinedModel`;
+  and the :class:`~trec_pipelines.assembly.pipelined_model.PipelinedModel`;
 * the start of a step (:meth:`PipelineCore._begin_step`): the schedule
   recorder's new call, the take-over of a model another pipeline left
   attached, the iterator switch (parking the previous iterator's in-flight
@@ -30,23 +30,23 @@ from typing import Any, Callable, Iterator, Mapping, Optional, Tuple, cast
 
 import torch
 
+from trec_pipelines.assembly.options import PipelineOptions, accepted_options, resolve_options
+from trec_pipelines.assembly.pipelined_model import PipelinedModel
+from trec_pipelines.assembly.resume import Resumable
+from trec_pipelines.assembly.torchrec_state import TorchrecState
 from trec_pipelines.core.checks import (
     check_device,
     check_forward_output,
     check_model_device,
     check_optimizer,
 )
-from trec_pipelines.core.hooks import Hooks, beginning_the_step
-from trec_pipelines.core.options import PipelineOptions, accepted_options, resolve_options
-from trec_pipelines.core.pipelined_model import PipelinedModel
+from trec_pipelines.core.input_dist_group import InputDistGroup
 from trec_pipelines.core.precision import Precision
-from trec_pipelines.core.resume import Resumable
 from trec_pipelines.core.step_guard import StepGuard, guarded_step, skip_failed_batch
-from trec_pipelines.core.torchrec_state import TorchrecState
+from trec_pipelines.core.subclass_hooks import Hooks, beginning_the_step
 from trec_pipelines.data.agreement import AgreementChannel, agreement_group
 from trec_pipelines.data.source import BatchSource, ParkedEpochs
 from trec_pipelines.observe.recorder import Recordable
-from trec_pipelines.sparse.input_dist_group import InputDistGroup
 
 logger: logging.Logger = logging.getLogger(__name__)
 
@@ -209,7 +209,7 @@ class PipelineCore(TorchrecState, Hooks, Recordable, Resumable):
     def _take_over_model(self) -> None:
         """Detach any other pipeline whose forward wrappers are on this model
         (an eval pipeline left attached when its data ended; see
-        :mod:`trec_pipelines.model.takeover`)."""
+        :mod:`trec_pipelines.sparse.takeover`)."""
         self._pipelined.take_over()
 
     def _switch_iterator(self, dataloader_iter: Iterator[Any]) -> None:

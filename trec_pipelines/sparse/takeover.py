@@ -21,8 +21,8 @@ from typing import Any, Dict, Optional
 import torch
 
 from trec_pipelines._types import AnyShardedModule
-from trec_pipelines.model.forwards import BaseForward
 from trec_pipelines.model.rewrite import note_wrapper_change, sharded_modules
+from trec_pipelines.sparse.forwards import BaseForward
 from trec_pipelines.sparse.input_dist import unfuse_left_over
 
 logger: logging.Logger = logging.getLogger(__name__)

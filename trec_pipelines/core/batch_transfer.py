@@ -13,8 +13,8 @@ from typing import Any, Optional
 import torch
 from torchrec.streamable import Multistreamable, Pipelineable
 
+from trec_pipelines.core.batch_walk import kjts_in
 from trec_pipelines.core.streams import hand_off, on_stream
-from trec_pipelines.model.rewrite import kjts_in
 
 logger: logging.Logger = logging.getLogger(__name__)
 
