@@ -167,8 +167,8 @@ def pytest_collection_modifyitems(config, items):
         if str(item.path).startswith(here + os.sep):
             for spec in _KNOWN_WARNINGS:
                 item.add_marker(pytest.mark.filterwarnings(spec))
-    # TREC_TEST_SHARD=k/n runs one part of the tier (deselecting the rest): CI
-    # runs one eighth of the 4-rank tier, on one stack (.ci/run, Makefile: DIST4_SHARD).
+    # TREC_TEST_SHARD=k/n runs one part of the tier (deselecting the rest), e.g. a
+    # part of the 4-rank tier (Makefile: DIST4_SHARD).
     shard = os.environ.get("TREC_TEST_SHARD", "")
     if shard:
         kept = [item for item in items if _in_shard(item.nodeid, shard)]
