@@ -4,9 +4,10 @@
 #   .venv-latest  the current release (torch 2.14.1, torchrec 1.9.2)
 
 # The interpreter each stack's venv is made with: PYTHON for all of them, or
-# PYTHON_PINNED / PYTHON_LATEST for one stack (CI runs the pinned stack on the
-# oldest Python supported and the current release on the newest).  An existing
-# venv is kept: `make clean` first to change a stack's Python.
+# PYTHON_PINNED / PYTHON_LATEST for one stack (CI runs the pinned stack on 3.11,
+# where its CPU torch wheel is on disk, and the current release on 3.10, the
+# oldest Python supported).  An existing venv is kept: `make clean` first to
+# change a stack's Python.
 PYTHON ?= python3
 PYTHON_PINNED ?= $(PYTHON)
 PYTHON_LATEST ?= $(PYTHON)
@@ -134,11 +135,15 @@ lint: $(STAMP) $(STAMP_LATEST)
 	$(VENV_LATEST)/bin/mypy
 
 # The documentation site (Sphinx + MyST, docs/), warnings as errors, from scratch.
-# Built by the current-release stack: Sphinx and MyST need Python 3.11 or newer,
-# and CI runs the pinned stack on 3.10.
-docs: $(STAMP_LATEST)
+# Built by the pinned stack: Sphinx 9 and MyST 5 need Python 3.11 or newer, and
+# that stack's requirements install them only there (CI runs the current release
+# on 3.10).
+docs: $(STAMP)
+	@$(PY) -c "import sphinx, myst_parser" 2>/dev/null || { echo "make docs: .venv has no Sphinx:" \
+		"its Python is older than 3.11, which Sphinx 9 needs; make clean, then make docs" \
+		"PYTHON_PINNED=python3.11 (or newer)" >&2; exit 1; }
 	rm -rf docs/_build
-	$(PY_LATEST) -m sphinx -W --keep-going -b html docs docs/_build/html
+	$(PY) -m sphinx -W --keep-going -b html docs docs/_build/html
 	@echo "docs: docs/_build/html/index.html"
 
 # A wheel and an sdist in dist/, then the wheel installed alone (no deps, into a
