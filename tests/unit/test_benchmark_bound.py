@@ -8,9 +8,10 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 import pytest
 import torch.distributed as dist
 
-from benchmarks import report, schedule_bound as sb
-from benchmarks.contenders import combine_stage_times
-from benchmarks.recording import recorded_epoch, tap_input_dist
+from benchmarks.contenders.build import combine_stage_times
+from benchmarks.measuring import schedule_bound as sb
+from benchmarks.running.recording import recorded_epoch, tap_input_dist
+from benchmarks.tables import report
 from tests.unit.fakes import (
     FakeShardedEBC,
     TinyModel,

@@ -7,9 +7,11 @@ from typing import Any, Dict, List, Optional
 import pytest
 import torch
 
-from benchmarks import netns, qps_chart, report
-from benchmarks.config import PRESETS, BenchConfig, build_parser, parse_args, to_argv
-from benchmarks.contenders import COMPILED, SHIMMED, Variant, discover
+from benchmarks.contenders.build import COMPILED, SHIMMED, Variant, discover
+from benchmarks.figures import qps_chart
+from benchmarks.settings import netns
+from benchmarks.settings.config import PRESETS, BenchConfig, build_parser, parse_args, to_argv
+from benchmarks.tables import report
 
 # --------------------------------------------------------------------------
 # Config and command line
@@ -346,8 +348,8 @@ def test_host_facts_and_versions() -> None:
 
 
 def test_rounds_keep_each_pair_back_to_back_and_rotate() -> None:
-    from benchmarks.contenders import PlainLoop, make_contender
-    from benchmarks.runner import _round_order
+    from benchmarks.contenders.build import PlainLoop, make_contender
+    from benchmarks.running.runner import _round_order
 
     a, b = (
         Variant("TrainPipelineBase", object, object),
@@ -460,10 +462,11 @@ def test_validation_cost_above_target_tiny_missing_or_failed() -> None:
 def test_time_batch_validation_times_good_batches_and_refuses_bad_ones() -> None:
     from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
-    from benchmarks.model import make_batches, tiny_spec
-    from benchmarks.runner import time_batch_validation
+    from benchmarks.running.runner import time_batch_validation
+    from trec_pipelines.testing.dlrm_sharded import make_spec_batches
+    from trec_pipelines.testing.dlrm_spec import tiny_spec
 
-    batches = make_batches(tiny_spec(), 3, 4, seed=0, rank=0)
+    batches = make_spec_batches(tiny_spec(), 3, 4, seed=0, rank=0)
     per_pass = time_batch_validation(batches, passes=4)
     assert len(per_pass) == 4 and all(us > 0 for us in per_pass)
     bad = batches[1]
@@ -475,8 +478,8 @@ def test_time_batch_validation_times_good_batches_and_refuses_bad_ones() -> None
 
 
 def test_the_overhead_phase_adds_an_unvalidated_twin_of_each_of_our_pipelines() -> None:
-    from benchmarks.contenders import PlainLoop, make_contender
-    from benchmarks.runner import _unvalidated_twins
+    from benchmarks.contenders.build import PlainLoop, make_contender
+    from benchmarks.running.runner import _unvalidated_twins
 
     variants, _ = discover(["TrainPipelineBase", "StagedTrainPipeline"])
     contenders = [make_contender(v, side) for v in variants for side in ("ours", "torchrec")]
@@ -490,7 +493,7 @@ def test_the_overhead_phase_adds_an_unvalidated_twin_of_each_of_our_pipelines() 
 
 
 def test_staged_contender_passes_its_extra_arguments_to_the_pipeline() -> None:
-    from benchmarks.contenders import make_contender
+    from benchmarks.contenders.build import make_contender
 
     (variant,), _ = discover(["StagedTrainPipeline"])
     contender = make_contender(variant, "ours")

@@ -7,8 +7,9 @@ from typing import Any, Dict, List
 import torch
 
 import trec_pipelines as tp
-from benchmarks import memory, memory_report, report
-from benchmarks.contenders import PipelineContender, Variant
+from benchmarks.contenders.build import PipelineContender, Variant
+from benchmarks.measuring import memory
+from benchmarks.tables import memory_report, report
 from tests.unit.fakes import TinyModel, optimizer_for
 from tests.unit.test_memory_ledger import _tensors, ledger_batches
 

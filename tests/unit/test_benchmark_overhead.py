@@ -6,7 +6,7 @@ from typing import Any, Dict, List
 
 import pytest
 
-from benchmarks import report
+from benchmarks.tables import report
 
 STEPS = 100
 

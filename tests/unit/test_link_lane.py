@@ -16,7 +16,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from benchmarks import recording
+from benchmarks.running import recording
 from trec_pipelines.observe import all_to_all_watch as links, schedule_view
 from trec_pipelines.observe.action_records import Action, Transfer
 from trec_pipelines.observe.recorder import ScheduleRecorder

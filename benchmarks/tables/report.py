@@ -25,9 +25,9 @@ batches, one list per rank (absent in results from before it was measured).
 
 ``stages`` (the stage probe's epochs) and ``recorded`` (a recorded epoch per
 variant of ours) feed the bound; their layout and lines are in
-:mod:`benchmarks.bound_report`.  With ``--memory`` a block also has
+:mod:`benchmarks.tables.bound_report`.  With ``--memory`` a block also has
 ``"memory"`` and ``"memory_options"`` and the raw results ``"peak_rss"``;
-their layout and tables are in :mod:`benchmarks.memory_report`.
+their layout and tables are in :mod:`benchmarks.tables.memory_report`.
 """
 
 from __future__ import annotations
@@ -40,7 +40,8 @@ import subprocess
 from dataclasses import asdict, dataclass, field
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
-from benchmarks import bound_report, memory_report
+from benchmarks.settings.variants import COMPILED_PLAIN, COMPILED_VARIANTS
+from benchmarks.tables import bound_report, memory_report
 
 OK, NA = "ok", "n/a"
 
@@ -203,21 +204,10 @@ class OverheadTable:
     plain_ms: Dict[str, Optional[float]]
 
 
-# Variants that compile (their recompilations are reported); as benchmarks.contenders.COMPILED.
-COMPILED_VARIANTS = frozenset({"TrainPipelinePT2", "TrainPipelineSparseDistCompAutograd"})
-
 # Key suffix of our pipeline run with validate_batches=False (the overhead phase only).
 UNVALIDATED = "+unvalidated"
 # Row-label suffix of our pipeline run with sync_exhaustion=False (--agreement-off).
 NO_AGREEMENT = "[no agreement]"
-
-# The plain loop doing a compiled variant's compiled work, by variant: the
-# overhead phase's second reference for it (benchmarks.contenders.CompiledPlainLoop),
-# raw key "plain:train+<name>".
-COMPILED_PLAIN = {
-    "TrainPipelinePT2": "compiled model",
-    "TrainPipelineSparseDistCompAutograd": "compiled autograd",
-}
 
 
 def _ratio(a: Optional[float], b: Optional[float]) -> Optional[float]:

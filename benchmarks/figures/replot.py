@@ -20,7 +20,7 @@ import json
 import os
 from typing import List, Optional, Sequence
 
-from benchmarks import qps_chart, recording, sweep
+from benchmarks.figures import qps_chart, sweep_chart, timelines
 
 CHART = "qps.png"
 TIMELINES = "timelines"
@@ -42,13 +42,13 @@ def build_parser() -> argparse.ArgumentParser:
 
 def replot(folder: str, out: Optional[str] = None) -> List[str]:
     """Redraw ``folder``'s figures into ``out`` (default ``folder``); returns the files written."""
-    if os.path.isfile(os.path.join(folder, sweep.SWEEP_JSON)):
+    if os.path.isfile(os.path.join(folder, sweep_chart.SWEEP_JSON)):
         return _replot_sweep(folder, out if out is not None else folder)
     source = os.path.join(folder, "results.json")
     if not os.path.isfile(source):
         raise FileNotFoundError(
             f"{source} not found: replot takes a results folder of the benchmark "
-            f"(or of a sweep, holding {sweep.SWEEP_JSON})"
+            f"(or of a sweep, holding {sweep_chart.SWEEP_JSON})"
         )
     with open(source) as f:
         document = json.load(f)
@@ -57,17 +57,15 @@ def replot(folder: str, out: Optional[str] = None) -> List[str]:
     path = os.path.join(target, CHART)
     qps_chart.write_chart(document["raw"], path)
     written = [path] if os.path.exists(path) else []
-    return written + recording.redraw_timelines(document, os.path.join(target, TIMELINES))
+    return written + timelines.redraw_timelines(document, os.path.join(target, TIMELINES))
 
 
 def _replot_sweep(folder: str, target: str) -> List[str]:
     """A sweep folder's ``sweep.png`` from its ``sweep.json``."""
-    from benchmarks import sweep_chart  # matplotlib only when drawing
-
-    with open(os.path.join(folder, sweep.SWEEP_JSON)) as f:
+    with open(os.path.join(folder, sweep_chart.SWEEP_JSON)) as f:
         document = json.load(f)
     os.makedirs(target, exist_ok=True)
-    path = os.path.join(target, sweep.SWEEP_FIGURE)
+    path = os.path.join(target, sweep_chart.SWEEP_FIGURE)
     sweep_chart.write_chart(document, path)
     return [path]
 

@@ -14,10 +14,10 @@ Plan of a run:
    runs on each batch) on that batch size's epoch batches, in a loop of its
    own.  Then, per variant of ours, a short *recorded* epoch (schedule
    recording on, never timed) draws its timeline and notes where its input
-   dist went (``benchmarks/recording.py``: the hidden fraction and the
+   dist went (``benchmarks/running/recording.py``: the hidden fraction and the
    link-order gap of the bound).
    With ``memory`` (default), per batch size, every pipeline contender then
-   runs untimed epochs measuring what it holds (``benchmarks/memory.py``);
+   runs untimed epochs measuring what it holds (``benchmarks/measuring/memory.py``);
    at the largest batch size SparseDist of both libraries is also built and
    measured once per memory option set.
 2. Overhead.  The same rounds on the tiny model, where the pipeline's own
@@ -46,9 +46,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 import torch
 import torch.distributed as dist
 
-from benchmarks import memory, netns, qps_chart, recording, report, run_header
-from benchmarks.config import BenchConfig
-from benchmarks.contenders import (
+from benchmarks.contenders.build import (
     COMPILED_PLAIN,
     EVAL,
     TRAIN,
@@ -64,12 +62,19 @@ from benchmarks.contenders import (
     make_contender,
     takes_input_dist_group,
 )
-from benchmarks.model import ModelSpec, make_batches, tiny_spec
+from benchmarks.figures import qps_chart
+from benchmarks.measuring import memory
+from benchmarks.running import recording, run_header
+from benchmarks.settings import netns
+from benchmarks.settings.config import BenchConfig
+from benchmarks.tables import report
 from trec_pipelines.data.validation import batch_problem
 from trec_pipelines.observe.memory import peak_rss_bytes
 from trec_pipelines.testing import devices
+from trec_pipelines.testing.dlrm_sharded import make_spec_batches
+from trec_pipelines.testing.dlrm_spec import ModelSpec, tiny_spec
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 LINK_REASON_ENV = "TREC_BENCH_LINK_REASON"
 # Passes over an epoch's batches when timing batch validation; the report takes the median pass.
 VALIDATION_PASSES = 25
@@ -336,8 +341,8 @@ def _phase(
     blocks: List[Dict[str, Any]] = []
     timelines: List[str] = []
     for batch_size, steps in sizes:
-        batches = make_batches(spec, steps, batch_size, cfg.seed, session.rank)
-        warmup = make_batches(spec, cfg.warmup_steps, batch_size, cfg.seed + 1, session.rank)
+        batches = make_spec_batches(spec, steps, batch_size, cfg.seed, session.rank)
+        warmup = make_spec_batches(spec, cfg.warmup_steps, batch_size, cfg.seed + 1, session.rank)
         block: Dict[str, Any] = {
             "batch_size": batch_size,
             "steps": steps,
@@ -478,7 +483,9 @@ def _memory_batches(session: Session, spec: ModelSpec, batch_size: int, salt: in
     # Fresh batches per epoch (the freeing options empty the storage of the ones
     # they train on), the same content for every contender: their bytes compare exactly.
     cfg = session.cfg
-    return make_batches(spec, cfg.memory_steps, batch_size, cfg.seed + 100 + salt, session.rank)
+    return make_spec_batches(
+        spec, cfg.memory_steps, batch_size, cfg.seed + 100 + salt, session.rank
+    )
 
 
 def _copying(batches: List[Any]) -> List[Any]:
@@ -595,7 +602,7 @@ def _recorded(
     batch_size: int,
     out_dir: Optional[str],
 ) -> Tuple[List[str], Dict[str, List[Any]]]:
-    """A separate recorded epoch per variant of ours (``benchmarks/recording.py``).
+    """A separate recorded epoch per variant of ours (``benchmarks/running/recording.py``).
 
     Returns the timeline pictures drawn (``<Variant>_b<batch>.png`` in
     ``out_dir``, when given) and every rank's recorded epoch per variant.
@@ -733,7 +740,7 @@ def worker(cfg: BenchConfig) -> int:
     )
     raw: Dict[str, Any] = {
         "world": world,
-        # What the bound needs (benchmarks/schedule_bound.py): the cores the
+        # What the bound needs (benchmarks/measuring/schedule_bound.py): the cores the
         # ranks share and the rate of the link, if one was emulated.
         "cores": len(os.sched_getaffinity(0))
         if hasattr(os, "sched_getaffinity")

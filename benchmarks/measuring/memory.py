@@ -31,7 +31,7 @@ from __future__ import annotations
 import contextlib
 from typing import Any, Dict, Iterator, Optional, Sequence, Tuple
 
-from benchmarks.contenders import Contender
+from benchmarks.contenders.build import Contender
 from trec_pipelines.observe.memory import PeakTracker, footprint, owned_storages, rss_bytes
 
 # The variant whose memory options are measured, and the option sets, baseline first.

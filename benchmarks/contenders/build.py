@@ -34,11 +34,13 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from benchmarks import netns
-from benchmarks.model import Batch, ModelSpec, make_sharded
-from benchmarks.report import COMPILED_PLAIN, COMPILED_VARIANTS
+from benchmarks.settings import netns
+from benchmarks.settings.variants import COMPILED_PLAIN, COMPILED_VARIANTS
 from trec_pipelines.observe import task_names as tasks
 from trec_pipelines.testing import devices, torchrec_cpu as shim
+from trec_pipelines.testing.dlrm import Batch
+from trec_pipelines.testing.dlrm_sharded import make_spec_sharded
+from trec_pipelines.testing.dlrm_spec import ModelSpec
 
 # Where the ranks train: CPU, or the rank's GPU (trec_pipelines/testing/devices.py, TREC_DEVICE).
 DEVICE = devices.device()
@@ -249,7 +251,7 @@ class Contender:
         if self.base_variant in STASH_WEIGHTS_VARIANTS:
             spec = dataclasses.replace(spec, stash_weights=True)
         with self._model_context():
-            self.model, self.optimizer = make_sharded(
+            self.model, self.optimizer = make_spec_sharded(
                 spec, sharding_type, pg, seed, emb_lr, dense_lr
             )
         if self.mode == EVAL:
@@ -457,7 +459,7 @@ class StagedContender(PipelineContender):
 
     def __init__(self, variant: Variant, side: str) -> None:
         super().__init__(variant, side)
-        # Set for the recorded epoch only (benchmarks/recording.py): wraps each
+        # Set for the recorded epoch only (benchmarks/running/recording.py): wraps each
         # part of the loop's step, (task, batch index), so its timeline shows them.
         self.step_span: Optional[Callable[[str, int], ContextManager[Any]]] = None
 
@@ -661,7 +663,7 @@ class StageProbe(Contender):
     before and after each stage keeps one rank's lag out of the next stage's
     time and lets the link counter be read when a stage's traffic is done
     (the bytes of one barrier, read across the copy, which sends nothing, are
-    subtracted).  What the times bound is :mod:`benchmarks.schedule_bound`.
+    subtracted).  What the times bound is :mod:`benchmarks.measuring.schedule_bound`.
     """
 
     def __init__(self) -> None:
