@@ -5,7 +5,9 @@ the folder already holds (the QPS figure, and each timeline the run stored
 with its recorded epoch), so the figures of a committed run can follow
 changes to how they are drawn.  ``results.json`` and ``table.txt`` are
 left as they are.  A run from before timelines were stored keeps its
-timeline pictures as they are.  A sweep's folder (``python -m benchmarks
+timeline pictures as they are, and a run from before the memory figures
+were stored (``memory_<Variant>_b<batch>.png``, drawn with ``--memory
+--timelines``) keeps those.  A sweep's folder (``python -m benchmarks
 sweep``: it holds ``sweep.json``) gets its ``sweep.png`` redrawn.
 
     python -m benchmarks replot benchmarks/results/<run>               # <run>/qps.png, <run>/timelines/
@@ -29,7 +31,7 @@ TIMELINES = "timelines"
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="python -m benchmarks replot",
-        description="Redraw the QPS figure and the stored timelines of a results folder "
+        description="Redraw the QPS figure, the stored timelines and memory figures of a results folder "
         "from its results.json, or a sweep folder's sweep.png from its sweep.json "
         "(nothing is run; results.json and table.txt are left as they are).",
     )
@@ -57,7 +59,9 @@ def replot(folder: str, out: Optional[str] = None) -> List[str]:
     path = os.path.join(target, CHART)
     qps_chart.write_chart(document["raw"], path)
     written = [path] if os.path.exists(path) else []
-    return written + timelines.redraw_timelines(document, os.path.join(target, TIMELINES))
+    pictures = os.path.join(target, TIMELINES)
+    written += timelines.redraw_timelines(document, pictures)
+    return written + timelines.redraw_memory_timelines(document, pictures)
 
 
 def _replot_sweep(folder: str, target: str) -> List[str]:

@@ -1,81 +1,28 @@
-"""The timeline pictures: what a recorded epoch's timeline is drawn from, stored as JSON, and its drawing.
+"""The timeline pictures: each variant's recorded epoch, and its memory figure (with the memory track).
 
-:func:`timeline_json` turns a recorded epoch's actions and transfers into plain
-JSON (stored in ``results.json``), :func:`draw_stored` draws it, and
-:func:`redraw_timelines` draws every timeline a ``results.json`` stores again
-(``python -m benchmarks replot``).  The epoch itself is recorded by
+:func:`draw_stored` draws a timeline stored as JSON
+(:mod:`benchmarks.measuring.timeline_store`); :func:`redraw_timelines` and
+:func:`redraw_memory_timelines` draw every timeline and every memory figure a
+``results.json`` stores again (``python -m benchmarks replot``).  The epoch itself is recorded by
 :mod:`benchmarks.running.recording`.
 """
 
 from __future__ import annotations
 
 import os
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Dict, List
 
+from benchmarks.measuring.timeline_store import (
+    TIMELINE_CALLS,
+    memory_from_json,
+    timeline_from_json,
+)
 from trec_pipelines.observe import schedule_view
-from trec_pipelines.observe.action_records import Action, Transfer
-
-# The progress() calls a timeline draws: past the fill, into the steady state.
-TIMELINE_CALLS: Tuple[int, int] = (2, 5)
 
 
 def picture_name(variant: str, batch_size: int) -> str:
     """The timeline's file name: ``"X [shared]"`` at batch 512 -> ``X_shared_b512.png``."""
     return f"{variant.replace(' [', '_').replace(']', '')}_b{batch_size}.png"
-
-
-def timeline_json(
-    actions: Sequence[Action],
-    transfers: Sequence[Transfer],
-    origin: float,
-    on_cpu: bool,
-    calls: Tuple[int, int] = TIMELINE_CALLS,
-) -> Dict[str, Any]:
-    """What a timeline is drawn from, as plain JSON (seconds from ``origin``).
-
-    ``actions``: ``[call, task, batch, stream, thread, cpu_start, cpu_end,
-    device_start, device_end]``; ``transfers``: ``[call, task, batch, group,
-    bytes, issued, completed]`` (a device time or ``completed`` may be null);
-    ``calls``: the window drawn; ``on_cpu``: recorded on CPU.
-    """
-
-    def rel(t: Optional[float]) -> Optional[float]:
-        return None if t is None else round(t - origin, 7)  # to 0.1 us: enough to draw
-
-    return {
-        "on_cpu": on_cpu,
-        "calls": list(calls),
-        "actions": [
-            [
-                a.call,
-                a.task,
-                a.batch,
-                a.stream,
-                a.thread,
-                rel(a.cpu_start),
-                rel(a.cpu_end),
-                rel(a.device_start),
-                rel(a.device_end),
-            ]
-            for a in actions
-        ],
-        "transfers": [
-            [t.call, t.task, t.batch, t.group, t.nbytes, rel(t.issued), rel(t.completed)]
-            for t in transfers
-        ],
-    }
-
-
-def timeline_from_json(stored: Dict[str, Any]) -> Tuple[List[Action], List[Transfer]]:
-    """The actions and transfers :func:`timeline_json` stored."""
-    actions = [
-        Action(call, task, batch, stream, thread, cpu_start, cpu_end, device_start, device_end)
-        for call, task, batch, stream, thread, cpu_start, cpu_end, device_start, device_end in stored[
-            "actions"
-        ]
-    ]
-    transfers = [Transfer(*row) for row in stored["transfers"]]
-    return actions, transfers
 
 
 def draw_stored(stored: Dict[str, Any], path: str, title: str) -> None:
@@ -89,6 +36,7 @@ def draw_stored(stored: Dict[str, Any], path: str, title: str) -> None:
         title=title,
         transfers=transfers,
         on_cpu=stored["on_cpu"],
+        memory=memory_from_json(stored),
     )
 
 
@@ -113,6 +61,40 @@ def redraw_timelines(results: Dict[str, Any], out_dir: str) -> List[str]:
     return written
 
 
+def memory_picture_name(variant: str, batch_size: int) -> str:
+    """The memory figure's file name: ``memory_<Variant>_b<batch>.png``."""
+    return f"memory_{variant}_b{batch_size}.png"
+
+
+def redraw_memory_timelines(results: Dict[str, Any], out_dir: str) -> List[str]:
+    """Draw again every memory figure a ``results.json`` (loaded) stores, into ``out_dir``.
+
+    A memory figure is the ledger epoch of one of ours with its memory track,
+    stored by rank 0 under ``"memory_timeline"`` (a run from before they were
+    stored has none: its pictures are skipped).
+    """
+    written: List[str] = []
+    for block in (results.get("raw") or {}).get("throughput") or []:
+        for entry in (block.get("memory") or {}).values():
+            stored = next(
+                (
+                    r["memory_timeline"]
+                    for r in entry.get("ranks") or []
+                    if r and r.get("memory_timeline")
+                ),
+                None,
+            )
+            if stored is None:
+                continue
+            os.makedirs(out_dir, exist_ok=True)
+            path = os.path.join(
+                out_dir, memory_picture_name(stored["variant"], block["batch_size"])
+            )
+            draw_stored(stored, path, stored["title"])
+            written.append(path)
+    return written
+
+
 def timeline_title(variant: str, batch_size: int) -> str:
     """A timeline's title: the variant and its batch size."""
     return (
@@ -121,11 +103,10 @@ def timeline_title(variant: str, batch_size: int) -> str:
 
 
 __all__ = [
-    "TIMELINE_CALLS",
+    "memory_picture_name",
+    "redraw_memory_timelines",
     "draw_stored",
     "picture_name",
     "redraw_timelines",
-    "timeline_from_json",
-    "timeline_json",
     "timeline_title",
 ]

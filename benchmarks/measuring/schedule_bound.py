@@ -3,7 +3,7 @@
 Pure arithmetic over what the runner measured (no torch, no process group), so
 it is tested with made-up numbers.  Two inputs:
 
-* the stage probe's epochs (``benchmarks.contenders.build.StageProbe``): per stage,
+* the stage probe's epochs (``benchmarks.contenders.stage_probe.StageProbe``): per stage,
   each run alone, wall seconds, CPU seconds, and the bytes it put on an
   emulated link;
 * a recorded epoch per variant of ours (:func:`benchmarks.running.recording.recorded_epoch`):

@@ -32,15 +32,8 @@ from typing import Any, Callable, Dict, Optional
 
 from torch import nn
 
-from benchmarks.figures.timelines import (
-    TIMELINE_CALLS,
-    draw_stored,
-    picture_name,
-    redraw_timelines,
-    timeline_from_json,
-    timeline_json,
-    timeline_title,
-)
+from benchmarks.figures.timelines import draw_stored
+from benchmarks.measuring.timeline_store import timeline_json
 from trec_pipelines.observe.task_names import WAIT_BATCH
 from trec_pipelines.sparse.input_dist_tap import INPUT_DIST_AWAITABLES, InputDistTap, tap_input_dist
 
@@ -100,16 +93,4 @@ def recorded_epoch(
     return epoch
 
 
-__all__ = [
-    "INPUT_DIST_AWAITABLES",
-    "InputDistTap",
-    "TIMELINE_CALLS",
-    "draw_stored",
-    "picture_name",
-    "recorded_epoch",
-    "redraw_timelines",
-    "tap_input_dist",
-    "timeline_from_json",
-    "timeline_json",
-    "timeline_title",
-]
+__all__ = ["INPUT_DIST_AWAITABLES", "InputDistTap", "recorded_epoch", "tap_input_dist"]

@@ -6,7 +6,7 @@ Shared by the contenders (which build those plain loops) and the tables
 
 from __future__ import annotations
 
-# Variants that compile (their recompilations are reported); as benchmarks.contenders.build.COMPILED.
+# Variants that compile (their recompilations are reported); as benchmarks.contenders.variants.COMPILED.
 COMPILED_VARIANTS = frozenset({"TrainPipelinePT2", "TrainPipelineSparseDistCompAutograd"})
 
 # The plain loop doing a compiled variant's compiled work, by variant: the

@@ -23,7 +23,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from benchmarks.contenders.build import Variant as BenchVariant, make_contender
+from benchmarks.contenders.build import make_contender
+from benchmarks.contenders.variants import Variant as BenchVariant
 from benchmarks.measuring import memory as bench_memory
 from benchmarks.tables import report as bench_report
 from tests.distributed import postproc_models as pm
