@@ -8,7 +8,8 @@ left as they are.  A run from before timelines were stored keeps its
 timeline pictures as they are, and a run from before the memory figures
 were stored (``memory_<Variant>_b<batch>.png``, drawn with ``--memory
 --timelines``) keeps those.  A sweep's folder (``python -m benchmarks
-sweep``: it holds ``sweep.json``) gets its ``sweep.png`` redrawn.
+sweep``: it holds ``sweep.json``) gets its ``sweep.png`` redrawn, and each of
+its points' run folders its figures.
 
     python -m benchmarks replot benchmarks/results/<run>               # <run>/qps.png, <run>/timelines/
     python -m benchmarks replot benchmarks/results/<run> --out /tmp/x  # /tmp/x/qps.png, /tmp/x/timelines/
@@ -65,13 +66,20 @@ def replot(folder: str, out: Optional[str] = None) -> List[str]:
 
 
 def _replot_sweep(folder: str, target: str) -> List[str]:
-    """A sweep folder's ``sweep.png`` from its ``sweep.json``."""
+    """A sweep folder's ``sweep.png`` from its ``sweep.json``, and each point's run figures."""
     with open(os.path.join(folder, sweep_chart.SWEEP_JSON)) as f:
         document = json.load(f)
     os.makedirs(target, exist_ok=True)
     path = os.path.join(target, sweep_chart.SWEEP_FIGURE)
     sweep_chart.write_chart(document, path)
-    return [path]
+    written = [path]
+    points = os.path.join(folder, sweep_chart.POINTS)
+    for name in sorted(os.listdir(points)) if os.path.isdir(points) else []:
+        if os.path.isfile(os.path.join(points, name, "results.json")):
+            written += replot(
+                os.path.join(points, name), os.path.join(target, sweep_chart.POINTS, name)
+            )
+    return written
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:

@@ -33,7 +33,7 @@ import time
 from dataclasses import asdict, dataclass
 from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
 
-from benchmarks.figures.sweep_chart import SWEEP_FIGURE, SWEEP_JSON
+from benchmarks.figures.sweep_chart import POINTS, SWEEP_FIGURE, SWEEP_JSON
 from benchmarks.settings.config import DLRM_BATCH, PRESETS
 
 SWEEP_VARIANTS: Tuple[str, ...] = (
@@ -44,7 +44,6 @@ SWEEP_VARIANTS: Tuple[str, ...] = (
 )
 # The modes of the throughput rows the sweep keeps: the training ones (Staged's is its own).
 TRAINING_MODES = ("train", "staged")
-POINTS = "points"
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 # Rough wall time of one point with the defaults (launch, builds, probe, rounds).
 SECONDS_PER_POINT = 60
