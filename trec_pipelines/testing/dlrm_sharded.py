@@ -16,11 +16,14 @@ from typing import List, Tuple
 
 import torch
 import torch.distributed as dist
-from torch.distributed.optim import _apply_optimizer_in_backward as apply_optimizer_in_backward
+from torch import nn
+from torch.distributed.optim import (  # type: ignore[attr-defined]
+    _apply_optimizer_in_backward as apply_optimizer_in_backward,
+)
 from torchrec.distributed.embeddingbag import EmbeddingBagCollectionSharder
 from torchrec.distributed.model_parallel import DistributedModelParallel
 from torchrec.distributed.planner import EmbeddingShardingPlanner, ParameterConstraints, Topology
-from torchrec.distributed.types import ShardingEnv
+from torchrec.distributed.types import ModuleSharder, ShardingEnv
 from torchrec.optim.keyed import CombinedOptimizer, KeyedOptimizerWrapper
 from torchrec.optim.optimizers import in_backward_optimizer_filter
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
@@ -84,7 +87,7 @@ def make_spec_sharded(
         config.name: ParameterConstraints(sharding_types=[sharding_type], compute_kernels=[kernel])
         for config in spec.table_configs()
     }
-    sharders = [EmbeddingBagCollectionSharder()]
+    sharders: List[ModuleSharder[nn.Module]] = [EmbeddingBagCollectionSharder()]  # type: ignore[list-item]
     planner = EmbeddingShardingPlanner(
         topology=Topology(world_size=dist.get_world_size(pg), compute_device=devices.device().type),
         constraints=constraints,
