@@ -166,7 +166,7 @@ bench: $(STAMP)
 
 # What the ranks' agreement on each batch costs a SparseDist step (a minute or two).
 bench-agreement: $(STAMP)
-	$(VENV)/bin/torchrun --standalone --nproc_per_node=$(NPROC) -m benchmarks.agreement_cost
+	$(VENV)/bin/torchrun --standalone --nproc_per_node=$(NPROC) -m benchmarks.measuring.agreement_cost
 
 # Not in CI (a few minutes): 5,000 steps of SparseDist and SemiSync, RSS sampled.
 soak: $(STAMP)

@@ -9,7 +9,7 @@ under torchrun (``RANK`` set) it is one rank of the benchmark.
     python -m benchmarks --variants TrainPipelineSparseDist --batch-sizes 4096
     python -m benchmarks --include-compiled   # also PT2 / CompAutograd
     python -m benchmarks replot benchmarks/results/<run>   # redraw a run's figure, nothing run
-    python -m benchmarks sweep                # the regime map: dims x link speeds (benchmarks/sweep.py)
+    python -m benchmarks sweep                # the regime map: dims x link speeds (benchmarks/running/sweep.py)
     python -m benchmarks --help
 """
 
@@ -20,8 +20,8 @@ import subprocess
 import sys
 from typing import List, Optional, Sequence
 
-from benchmarks import netns
-from benchmarks.config import BenchConfig, parse_args, to_argv
+from benchmarks.settings import netns
+from benchmarks.settings.config import BenchConfig, parse_args, to_argv
 
 
 def torchrun_command(cfg: BenchConfig) -> List[str]:
@@ -38,7 +38,7 @@ def torchrun_command(cfg: BenchConfig) -> List[str]:
 
 
 def launch(cfg: BenchConfig) -> int:
-    from benchmarks.runner import LINK_REASON_ENV, REPO
+    from benchmarks.running.runner import LINK_REASON_ENV, REPO
 
     env = dict(os.environ)
     env["PYTHONPATH"] = REPO + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
@@ -80,16 +80,16 @@ def launch(cfg: BenchConfig) -> int:
 def main(argv: Optional[Sequence[str]] = None) -> int:
     args = list(sys.argv[1:] if argv is None else argv)
     if args[:1] == ["replot"]:
-        from benchmarks import replot
+        from benchmarks.figures import replot
 
         return replot.main(args[1:])
     if args[:1] == ["sweep"]:
-        from benchmarks import sweep
+        from benchmarks.running import sweep
 
         return sweep.main(args[1:])
     cfg = parse_args(args)
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
-        from benchmarks.runner import worker
+        from benchmarks.running.runner import worker
 
         return worker(cfg)
     return launch(cfg)

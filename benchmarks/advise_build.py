@@ -18,8 +18,10 @@ from typing import Any, List, Tuple
 import torch.distributed as dist
 from torch import nn
 
-from benchmarks.config import BenchConfig
-from benchmarks.model import Batch, ModelSpec, make_batches, make_sharded, tiny_spec
+from benchmarks.settings.config import BenchConfig
+from trec_pipelines.testing.dlrm import Batch
+from trec_pipelines.testing.dlrm_sharded import make_spec_batches, make_spec_sharded
+from trec_pipelines.testing.dlrm_spec import ModelSpec, tiny_spec
 
 BATCH_SIZE = int(os.environ.get("TREC_ADVISE_BATCH_SIZE", "4096"))
 BATCHES = int(os.environ.get("TREC_ADVISE_BATCHES", "25"))
@@ -29,8 +31,10 @@ def _build(spec: ModelSpec, batch_size: int, batches: int) -> Tuple[nn.Module, A
     cfg = BenchConfig()
     pg = dist.group.WORLD
     assert pg is not None, "advise starts the process group before calling build()"
-    model, optimizer = make_sharded(spec, cfg.sharding_type, pg, cfg.seed, cfg.emb_lr, cfg.dense_lr)
-    return model, optimizer, make_batches(spec, batches, batch_size, cfg.seed, dist.get_rank())
+    model, optimizer = make_spec_sharded(
+        spec, cfg.sharding_type, pg, cfg.seed, cfg.emb_lr, cfg.dense_lr
+    )
+    return model, optimizer, make_spec_batches(spec, batches, batch_size, cfg.seed, dist.get_rank())
 
 
 def build() -> Tuple[nn.Module, Any, List[Batch]]:

@@ -23,9 +23,10 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from benchmarks import memory as bench_memory, report as bench_report
-from benchmarks.contenders import Variant as BenchVariant, make_contender
-from benchmarks.model import make_batches as bench_batches, make_sharded as bench_sharded, tiny_spec
+from benchmarks.contenders.build import make_contender
+from benchmarks.contenders.variants import Variant as BenchVariant
+from benchmarks.measuring import memory as bench_memory
+from benchmarks.tables import report as bench_report
 from tests.distributed import postproc_models as pm
 from trec_pipelines import (
     Advice,
@@ -40,6 +41,11 @@ from trec_pipelines import (
 from trec_pipelines.advise.verdict import Answer
 from trec_pipelines.observe.memory import format_bytes
 from trec_pipelines.testing.dlrm import current_group
+from trec_pipelines.testing.dlrm_sharded import (
+    make_spec_batches as bench_batches,
+    make_spec_sharded as bench_sharded,
+)
+from trec_pipelines.testing.dlrm_spec import tiny_spec
 
 CPU = torch.device("cpu")
 # The steps and rounds asked for and no more (time_budget=0): these tests check
@@ -278,7 +284,7 @@ def test_its_numbers_are_the_benchs_on_the_bench_dlrm() -> None:
 
     * ratio to the plain loop: the bench's ``Row.ours_vs_plain`` over
       advise's per-round seconds equals advise's ``vs_plain``, and its QPS median advise's ``qps``;
-    * held bytes: the bench's ledger epoch (``benchmarks/memory.py``) of the
+    * held bytes: the bench's ledger epoch (``benchmarks/measuring/memory.py``) of the
       same variant on the same model and batches equals advise's ``held_peak``.
     """
     batch_size, steps, warmup = 16, 4, 1

@@ -8,9 +8,10 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 import pytest
 import torch.distributed as dist
 
-from benchmarks import report, schedule_bound as sb
-from benchmarks.contenders import combine_stage_times
-from benchmarks.recording import recorded_epoch, tap_input_dist
+from benchmarks.contenders.stage_probe import combine_stage_times
+from benchmarks.measuring import schedule_bound as sb
+from benchmarks.running.recording import recorded_epoch, tap_input_dist
+from benchmarks.tables import report, results
 from tests.unit.fakes import (
     FakeShardedEBC,
     TinyModel,
@@ -346,7 +347,7 @@ def test_report_prints_the_bound_per_variant_with_hidden_fraction() -> None:
     assert base.bound.binding == "input dist on the chain" and base.hidden == pytest.approx(
         1 / 30
     )  # 29 of 30 ms
-    text = report.format_report(_raw(), repeats=1)
+    text = results.format_report(_raw(), repeats=1)
     assert "the old 'SparseDist bound'" in text and "1/max of these = 2,000 ex/s" in text
     assert "SparseDist bound:" not in text  # the old line is gone
     assert "any schedule: max(" in text and "(training thread) -> 1,961 ex/s" in text
@@ -376,11 +377,11 @@ def test_over_the_loopback_the_bound_has_no_link_terms() -> None:
     assert table.bound is not None
     assert "link" not in table.bound.any_schedule.terms
     assert "link order" not in table.bound.variants[0].bound.terms
-    assert "no emulated link" in report.format_report(_raw(link_gbit=None), repeats=1)
+    assert "no emulated link" in results.format_report(_raw(link_gbit=None), repeats=1)
 
 
 def test_summary_carries_the_bound_and_hidden_fraction() -> None:
-    summary = json.loads(json.dumps(report.summary(_raw())))  # only JSON types
+    summary = json.loads(json.dumps(results.summary(_raw())))  # only JSON types
     bound = summary["throughput"][0]["bound"]
     assert bound["stage_ms_per_step"] == pytest.approx(
         {"h2d": 0.1, "input_dist": 30.0, "compute": 100.0}
@@ -399,7 +400,7 @@ def test_a_block_without_probe_epochs_has_no_bound() -> None:
     raw["throughput"][0]["stages"] = []
     (table,) = report.throughput_tables(raw)
     assert table.bound is None
-    assert report.summary(raw)["throughput"][0]["bound"] is None
+    assert results.summary(raw)["throughput"][0]["bound"] is None
 
 
 # --------------------------------------------------------------------------

@@ -7,7 +7,8 @@ from typing import Any, Dict, List, Optional, Tuple
 
 import pytest
 
-from benchmarks import qps_chart, replot, report
+from benchmarks.figures import qps_chart, replot
+from benchmarks.tables import report
 
 SD, BASE, EVAL = "TrainPipelineSparseDist", "TrainPipelineBase", "EvalPipelineSparseDist"
 

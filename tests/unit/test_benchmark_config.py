@@ -7,9 +7,11 @@ from typing import Any, Dict, List, Optional
 import pytest
 import torch
 
-from benchmarks import netns, qps_chart, report
-from benchmarks.config import PRESETS, BenchConfig, build_parser, parse_args, to_argv
-from benchmarks.contenders import COMPILED, SHIMMED, Variant, discover
+from benchmarks.contenders.variants import COMPILED, SHIMMED, Variant, discover
+from benchmarks.figures import qps_chart
+from benchmarks.settings import netns
+from benchmarks.settings.config import PRESETS, BenchConfig, build_parser, parse_args, to_argv
+from benchmarks.tables import report, results
 
 # --------------------------------------------------------------------------
 # Config and command line
@@ -206,7 +208,7 @@ def test_namespace_entry_refuses_the_launcher_s_own_namespace(
 # --------------------------------------------------------------------------
 
 
-def _entry(
+def new_entry(
     variant: str,
     side: str,
     seconds: List[float],
@@ -235,19 +237,19 @@ def _raw() -> Dict[str, Any]:
                 "steps": 10,
                 # examples per epoch: 10 steps x 100 x 2 ranks = 2000
                 "contenders": {
-                    f"ours:{sd}": _entry(
+                    f"ours:{sd}": new_entry(
                         sd, "ours", [1.0, 2.0, 1.0]
                     ),  # 2000, 1000, 2000 -> median 2000
-                    f"torchrec:{sd}": _entry(sd, "torchrec", [2.0, 2.0, 4.0]),  # median 1000
-                    f"ours:{fused}": _entry(fused, "ours", [1.0]),
-                    f"torchrec:{fused}": _entry(
+                    f"torchrec:{sd}": new_entry(sd, "torchrec", [2.0, 2.0, 4.0]),  # median 1000
+                    f"ours:{fused}": new_entry(fused, "ours", [1.0]),
+                    f"torchrec:{fused}": new_entry(
                         fused, "torchrec", [], shimmed=True, reason="boom on CPU"
                     ),
-                    "ours:EvalPipelineSparseDist": _entry(
+                    "ours:EvalPipelineSparseDist": new_entry(
                         "EvalPipelineSparseDist", "ours", [0.5], mode="eval"
                     ),
-                    "plain:train": _entry("plain", "plain", [4.0, 4.0]),  # 500
-                    "plain:eval": _entry("plain", "plain", [1.0], mode="eval"),  # 2000
+                    "plain:train": new_entry("plain", "plain", [4.0, 4.0]),  # 500
+                    "plain:eval": new_entry("plain", "plain", [1.0], mode="eval"),  # 2000
                 },
                 # per epoch: compute 0.8 s -> 80 ms/step is the slowest stage
                 "stages": [{"h2d": 0.01, "input_dist": 0.2, "compute": 0.8}] * 3,
@@ -257,9 +259,9 @@ def _raw() -> Dict[str, Any]:
             "batch_size": 8,
             "steps": 100,
             "contenders": {
-                f"ours:{sd}": _entry(sd, "ours", [0.3]),  # 3 ms/step
-                f"torchrec:{sd}": _entry(sd, "torchrec", [0.4]),  # 4 ms/step
-                "plain:train": _entry("plain", "plain", [0.2]),  # 2 ms/step
+                f"ours:{sd}": new_entry(sd, "ours", [0.3]),  # 3 ms/step
+                f"torchrec:{sd}": new_entry(sd, "torchrec", [0.4]),  # 4 ms/step
+                "plain:train": new_entry("plain", "plain", [0.2]),  # 2 ms/step
             },
         },
     }
@@ -291,7 +293,7 @@ def test_throughput_medians_ratios_and_bound() -> None:
 
 
 def test_console_tables_show_values_shim_and_reasons() -> None:
-    text = report.format_report(_raw(), repeats=3, header=["HEADER"])
+    text = results.format_report(_raw(), repeats=3, header=["HEADER"])
     assert text.startswith("HEADER")
     line = next(ln for ln in text.splitlines() if ln.startswith("TrainPipelineSparseDist "))
     assert line.split()[1:] == ["2,000", "±25%", "1,000", "±25%", "2.00", "2.00", "4.00", "2.00"]
@@ -317,10 +319,10 @@ def test_console_tables_show_values_shim_and_reasons() -> None:
 def test_shimmed_values_are_marked() -> None:
     raw = _raw()
     block = raw["throughput"][0]["contenders"]
-    block["torchrec:TrainPipelineFusedSparseDist"] = _entry(
+    block["torchrec:TrainPipelineFusedSparseDist"] = new_entry(
         "TrainPipelineFusedSparseDist", "torchrec", [1.0], shimmed=True
     )
-    text = report.format_report(raw, repeats=1)
+    text = results.format_report(raw, repeats=1)
     fused = next(ln for ln in text.splitlines() if ln.startswith("TrainPipelineFusedSparseDist"))
     assert "2,000 (shimmed)" in fused
 
@@ -328,7 +330,7 @@ def test_shimmed_values_are_marked() -> None:
 def test_summary_is_plain_json_and_the_chart_is_written(tmp_path: Any) -> None:
     import json
 
-    summary = report.summary(_raw())
+    summary = results.summary(_raw())
     text = json.dumps(summary)  # only JSON types
     assert json.loads(text)["throughput"][0]["variants"][0]["ours_vs_torchrec"] == 2.0
     assert summary["overhead"]["variants"][0]["ours_over_torchrec_overhead"] == pytest.approx(0.5)
@@ -338,16 +340,16 @@ def test_summary_is_plain_json_and_the_chart_is_written(tmp_path: Any) -> None:
 
 
 def test_host_facts_and_versions() -> None:
-    facts = report.host_facts()
+    facts = results.host_facts()
     assert facts["cores"] and facts["cpu_model"]
-    versions = report.versions(".")
+    versions = results.versions(".")
     assert versions["torch"] and versions["torchrec"] and versions["fbgemm_gpu"]
     assert versions["trec_pipelines"]
 
 
 def test_rounds_keep_each_pair_back_to_back_and_rotate() -> None:
-    from benchmarks.contenders import PlainLoop, make_contender
-    from benchmarks.runner import _round_order
+    from benchmarks.contenders.build import PlainLoop, make_contender
+    from benchmarks.running.phase import round_order
 
     a, b = (
         Variant("TrainPipelineBase", object, object),
@@ -360,7 +362,7 @@ def test_rounds_keep_each_pair_back_to_back_and_rotate() -> None:
         make_contender(b, "torchrec"),
         PlainLoop("train"),
     ]
-    keys = lambda r: [c.key for c in _round_order(contenders, r)]  # noqa: E731
+    keys = lambda r: [c.key for c in round_order(contenders, r)]  # noqa: E731
     assert keys(0) == [c.key for c in contenders]
     assert keys(1) == [
         "torchrec:TrainPipelineSparseDist",
@@ -396,7 +398,7 @@ def _with_validation(
 
 
 def _validation_lines(raw: Dict[str, Any]) -> List[str]:
-    lines = report.format_report(raw, repeats=3).splitlines()
+    lines = results.format_report(raw, repeats=3).splitlines()
     first = next(i for i, ln in enumerate(lines) if ln.startswith("batch validation"))
     return lines[first : first + 2]
 
@@ -418,13 +420,13 @@ def test_validation_cost_lntakes_the_slowest_rank_against_sparse_dist_s_step() -
         "epochs, slowest of 2 ranks"
     )
     # Under the throughput table (after its bound line), before the overhead table.
-    text = report.format_report(raw, repeats=3)
+    text = results.format_report(raw, repeats=3)
     assert (
         text.index("Throughput at batch")
         < text.index("batch validation")
         < text.index("Per-step overhead")
     )
-    entry = report.summary(raw)["throughput"][0]["batch_validation"]
+    entry = results.summary(raw)["throughput"][0]["batch_validation"]
     assert entry["us_per_batch"] == 50.0 and entry["us_per_batch_per_rank"] == [20.0, 50.0]
     assert entry["percent_of_sparse_dist_step"] == pytest.approx(0.05)
     assert entry["sparse_dist_ms_per_step"] == pytest.approx(100.0)
@@ -444,7 +446,7 @@ def test_validation_cost_above_target_tiny_missing_or_failed() -> None:
         "5.0 us/batch (TrainPipelineSparseDist's step not measured, so no share of it)"
     )
     assert (
-        report.summary(no_step)["throughput"][0]["batch_validation"]["percent_of_sparse_dist_step"]
+        results.summary(no_step)["throughput"][0]["batch_validation"]["percent_of_sparse_dist_step"]
         is None
     )
     failed = _with_validation([], status=report.NA, reason="ValueError: boom (rank 1)")
@@ -452,7 +454,7 @@ def test_validation_cost_above_target_tiny_missing_or_failed() -> None:
         _validation_lines(failed)[0]
         == "batch validation (validate_batches=True): n/a (ValueError: boom (rank 1))"
     )
-    assert "batch validation" not in report.format_report(
+    assert "batch validation" not in results.format_report(
         _raw(), repeats=3
     )  # results from before it was measured
 
@@ -460,10 +462,11 @@ def test_validation_cost_above_target_tiny_missing_or_failed() -> None:
 def test_time_batch_validation_times_good_batches_and_refuses_bad_ones() -> None:
     from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
-    from benchmarks.model import make_batches, tiny_spec
-    from benchmarks.runner import time_batch_validation
+    from benchmarks.running.block_probes import time_batch_validation
+    from trec_pipelines.testing.dlrm_sharded import make_spec_batches
+    from trec_pipelines.testing.dlrm_spec import tiny_spec
 
-    batches = make_batches(tiny_spec(), 3, 4, seed=0, rank=0)
+    batches = make_spec_batches(tiny_spec(), 3, 4, seed=0, rank=0)
     per_pass = time_batch_validation(batches, passes=4)
     assert len(per_pass) == 4 and all(us > 0 for us in per_pass)
     bad = batches[1]
@@ -475,8 +478,8 @@ def test_time_batch_validation_times_good_batches_and_refuses_bad_ones() -> None
 
 
 def test_the_overhead_phase_adds_an_unvalidated_twin_of_each_of_our_pipelines() -> None:
-    from benchmarks.contenders import PlainLoop, make_contender
-    from benchmarks.runner import _unvalidated_twins
+    from benchmarks.contenders.build import PlainLoop, make_contender
+    from benchmarks.running.runner import _unvalidated_twins
 
     variants, _ = discover(["TrainPipelineBase", "StagedTrainPipeline"])
     contenders = [make_contender(v, side) for v in variants for side in ("ours", "torchrec")]
@@ -490,7 +493,7 @@ def test_the_overhead_phase_adds_an_unvalidated_twin_of_each_of_our_pipelines() 
 
 
 def test_staged_contender_passes_its_extra_arguments_to_the_pipeline() -> None:
-    from benchmarks.contenders import make_contender
+    from benchmarks.contenders.build import make_contender
 
     (variant,), _ = discover(["StagedTrainPipeline"])
     contender = make_contender(variant, "ours")

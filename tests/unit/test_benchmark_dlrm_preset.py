@@ -7,9 +7,12 @@ from typing import List
 import pytest
 import torch
 
-from benchmarks import link_bytes, run_header
-from benchmarks.config import DLRM_DCNV2_POOLINGS, PRESETS, parse_args, to_argv
-from benchmarks.model import DLRM, ModelSpec, make_batches
+from benchmarks.measuring import link_bytes
+from benchmarks.running import run_header
+from benchmarks.settings.config import DLRM_DCNV2_POOLINGS, PRESETS, parse_args, to_argv
+from trec_pipelines.testing.dlrm_net import SpecDLRM
+from trec_pipelines.testing.dlrm_sharded import make_spec_batches
+from trec_pipelines.testing.dlrm_spec import ModelSpec
 
 
 def test_the_preset_is_mlperf_s_shapes() -> None:
@@ -58,20 +61,20 @@ def _spec(**kwargs: object) -> ModelSpec:
 
 def test_fixed_bags_have_each_table_s_size() -> None:
     spec = _spec(poolings=(3, 1, 5))
-    (batch,) = make_batches(spec, 1, batch_size=4, seed=0, rank=0)
+    (batch,) = make_spec_batches(spec, 1, batch_size=4, seed=0, rank=0)
     lengths = batch.sparse.length_per_key()
     assert lengths == [3 * 4, 1 * 4, 5 * 4]
     assert batch.sparse.lengths().tolist() == [3] * 4 + [1] * 4 + [5] * 4
     assert spec.ids_per_sample == 9.0
     # Without poolings, random lengths around pooling as before.
-    (loose,) = make_batches(_spec(), 1, batch_size=64, seed=0, rank=0)
+    (loose,) = make_spec_batches(_spec(), 1, batch_size=64, seed=0, rank=0)
     assert loose.sparse.lengths().max() <= 4 and len(set(loose.sparse.lengths().tolist())) > 1
     with pytest.raises(ValueError, match="one bag size per table"):
         _spec(poolings=(1, 2))
 
 
 def test_the_dcn_interaction_crosses_the_concatenation() -> None:
-    concat, dcn = DLRM(_spec()), DLRM(_spec(interaction="dcn", dcn_layers=2, dcn_rank=3))
+    concat, dcn = SpecDLRM(_spec()), SpecDLRM(_spec(interaction="dcn", dcn_layers=2, dcn_rank=3))
     assert concat.cross is None and dcn.cross is not None
     width = 6 + 4 + 8 + 4
     x = torch.randn(7, width)

@@ -7,8 +7,10 @@ from typing import Any, Dict, List
 import torch
 
 import trec_pipelines as tp
-from benchmarks import memory, memory_report, report
-from benchmarks.contenders import PipelineContender, Variant
+from benchmarks.contenders.build import PipelineContender
+from benchmarks.contenders.variants import Variant
+from benchmarks.measuring import memory
+from benchmarks.tables import memory_report, results
 from tests.unit.fakes import TinyModel, optimizer_for
 from tests.unit.test_memory_ledger import _tensors, ledger_batches
 
@@ -124,7 +126,7 @@ def _raw() -> Dict[str, Any]:
 
 
 def test_columns_next_to_qps_take_the_largest_rank() -> None:
-    text = report.format_report(_raw(), repeats=1)
+    text = results.format_report(_raw(), repeats=1)
     line = next(ln for ln in text.splitlines() if ln.startswith("TrainPipelineSparseDist "))
     # held ours 5 MiB (rank 1), torchrec 4 MiB (rank 0); RSS ours 100, torchrec 120
     assert line.split()[-4:] == ["5.00", "4.00", "100.00", "120.00"]
@@ -132,7 +134,7 @@ def test_columns_next_to_qps_take_the_largest_rank() -> None:
 
 
 def test_memory_and_options_tables() -> None:
-    text = report.format_report(_raw(), repeats=1)
+    text = results.format_report(_raw(), repeats=1)
     memory_line = next(
         ln
         for ln in text.splitlines()
@@ -147,7 +149,7 @@ def test_memory_and_options_tables() -> None:
 
 
 def test_summary_carries_memory() -> None:
-    summary = report.summary(_raw())
+    summary = results.summary(_raw())
     mem = summary["throughput"][0]["memory"]
     (row,) = mem["variants"]
     assert row["ours_held_peak"] == 5 * MiB and row["torchrec_held_peak"] == 4 * MiB

@@ -8,7 +8,8 @@ from typing import Any, Dict, List
 
 import pytest
 
-from benchmarks import memory_places, memory_report
+from benchmarks.measuring import memory_places
+from benchmarks.tables import memory_report
 
 MiB = 2**20
 BATCH = MiB  # the bytes of one batch in these results

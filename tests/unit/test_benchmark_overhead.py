@@ -6,7 +6,8 @@ from typing import Any, Dict, List
 
 import pytest
 
-from benchmarks import report
+from benchmarks.settings import variants
+from benchmarks.tables import overhead, report
 
 STEPS = 100
 
@@ -42,7 +43,7 @@ def test_overhead_is_the_median_of_per_round_differences() -> None:
     plain = [1.0, 1.5, 2.0, 2.5, 3.0]
     ours = [p + 0.1 for p in plain]
     theirs = [p + 0.4 for p in plain]
-    table = report.overhead_table(_raw(ours, theirs, plain))
+    table = overhead.overhead_table(_raw(ours, theirs, plain))
     assert table is not None
     (row,) = table.rows
     assert row.ours_overhead == pytest.approx(0.1)
@@ -51,17 +52,17 @@ def test_overhead_is_the_median_of_per_round_differences() -> None:
     # One disturbed plain-loop round: the difference of medians goes negative
     # (3.1 - 4.0), the paired median does not move.
     noisy_plain = [1.0, 1.5, 9.0, 2.5, 3.0]
-    table = report.overhead_table(_raw(ours, theirs, noisy_plain))
+    table = overhead.overhead_table(_raw(ours, theirs, noisy_plain))
     assert table is not None
     assert table.rows[0].ours_ms - table.plain_ms["train"] < 0  # type: ignore[operator]
     assert table.rows[0].ours_overhead == pytest.approx(0.1)
 
 
 def test_without_aligned_rounds_the_medians_are_compared() -> None:
-    table = report.overhead_table(_raw([1.2, 1.3], [1.5, 1.6], [1.0, 1.1, 1.2]))
+    table = overhead.overhead_table(_raw([1.2, 1.3], [1.5, 1.6], [1.0, 1.1, 1.2]))
     assert table is not None
     assert table.rows[0].ours_overhead == pytest.approx(1.25 - 1.1)
-    assert "minus the plain loop's in the same round" in report.format_overhead(table, 3)
+    assert "minus the plain loop's in the same round" in overhead.format_overhead(table, 3)
 
 
 def test_compiled_variants_report_their_recompilations() -> None:
@@ -98,7 +99,7 @@ def test_a_compiled_variant_is_also_measured_against_the_loop_running_its_compil
     """Against the eager plain loop, the compiled code's own per-call cost (the
     same in both libraries) is counted as overhead; a second row takes it
     against the plain loop over the same compiled model, leaving the pipeline's work."""
-    compiled_plain = "plain:train+" + report.COMPILED_PLAIN["TrainPipelinePT2"]
+    compiled_plain = "plain:train+" + variants.COMPILED_PLAIN["TrainPipelinePT2"]
     raw = {
         "overhead": {
             "batch_size": 32,
@@ -113,7 +114,7 @@ def test_a_compiled_variant_is_also_measured_against_the_loop_running_its_compil
             },
         }
     }
-    table = report.overhead_table(raw)
+    table = overhead.overhead_table(raw)
     assert table is not None
     eager, compiled = table.rows
     assert (eager.reference, compiled.reference) == ("train", "train+compiled model")
@@ -124,13 +125,13 @@ def test_a_compiled_variant_is_also_measured_against_the_loop_running_its_compil
         0.1
     ) and compiled.torchrec_overhead == pytest.approx(0.2)
     assert compiled.overhead_ratio == pytest.approx(0.5)
-    text = report.format_overhead(table, 2)
+    text = overhead.format_overhead(table, 2)
     assert any(
         line.startswith("TrainPipelinePT2") and "train, compiled model" in line
         for line in text.splitlines()
     )
     # Base has no compiled reference: one row.
-    assert len(report.overhead_table(_raw([1.1], [1.2], [1.0])).rows) == 1  # type: ignore[union-attr]
+    assert len(overhead.overhead_table(_raw([1.1], [1.2], [1.0])).rows) == 1  # type: ignore[union-attr]
 
 
 def test_our_pipeline_without_batch_validation_is_a_row_of_its_own() -> None:
@@ -140,7 +141,7 @@ def test_our_pipeline_without_batch_validation_is_a_row_of_its_own() -> None:
     raw["overhead"]["contenders"]["ours:TrainPipelineBase" + report.UNVALIDATED] = _entry(
         "ours", "TrainPipelineBase", "train", [1.1, 1.1]
     )
-    table = report.overhead_table(raw)
+    table = overhead.overhead_table(raw)
     assert table is not None
     validated, unvalidated = table.rows
     assert validated.variant == "TrainPipelineBase" and validated.overhead_ratio == pytest.approx(
@@ -157,9 +158,9 @@ def test_a_side_without_a_figure_says_why_under_the_table() -> None:
     failed = dict(raw["overhead"]["contenders"]["torchrec:TrainPipelineBase"])
     failed.update(status=report.NA, reason="failed to build: RuntimeError: no CUDA", seconds=[])
     raw["overhead"]["contenders"]["torchrec:TrainPipelineBase"] = failed
-    table = report.overhead_table(raw)
+    table = overhead.overhead_table(raw)
     assert table is not None
-    text = report.format_overhead(table, 2)
+    text = overhead.format_overhead(table, 2)
     (row,) = [line for line in text.splitlines() if line.startswith("TrainPipelineBase")]
     assert "n/a [1]" in row
     assert text.splitlines()[-1] == "  [1] failed to build: RuntimeError: no CUDA"

@@ -7,8 +7,9 @@ from typing import Any, Dict, List, Optional
 
 import pytest
 
-from benchmarks import replot, sweep, sweep_chart
-from benchmarks.config import parse_args as bench_args
+from benchmarks.figures import replot, sweep_chart
+from benchmarks.running import sweep
+from benchmarks.settings.config import parse_args as bench_args
 
 PNG = b"\x89PNG\r\n\x1a\n"
 

@@ -261,6 +261,64 @@ def test_no_two_bench_parts_import_each_other() -> None:
     assert both_ways == [], "; ".join(both_ways)
 
 
+# The benchmark's floors, bottom up: each part imports only parts on lower floors.
+BENCH_FLOORS: List[Tuple[str, Tuple[str, ...]]] = [
+    # What a run is set up with: flags and presets, the model's shapes, the shaped link.
+    ("settings", ("settings",)),
+    # What is raced: our pipelines, torchrec's and the plain loops.
+    ("contenders", ("contenders",)),
+    # The probes: memory, link bytes, the schedule bound, the agreement's cost.
+    ("measuring", ("measuring",)),
+    # The text reports, pure functions of the raw measurements.
+    ("tables", ("tables",)),
+    # Every picture and the replot command, drawn from stored JSON.
+    ("figures", ("figures",)),
+    # A run from end to end and the sweep over many runs.
+    ("running", ("running",)),
+    # The entry points: python -m benchmarks, and the advisor's --build target.
+    ("entry points", ("__main__", "advise_build")),
+]
+
+
+def _bench_floor_of(module: str) -> int:
+    """The floor of a benchmarks/ module (the package ``benchmarks`` itself: -1, below all)."""
+    part = module.split(".")[1] if "." in module else ""
+    for level, (_, members) in enumerate(BENCH_FLOORS):
+        if part in members:
+            return level
+    return -1
+
+
+def test_every_bench_part_has_a_floor() -> None:
+    unplaced = sorted(
+        name for name in _bench_modules() if name != "benchmarks" and _bench_floor_of(name) < 0
+    )
+    assert unplaced == [], "add these to BENCH_FLOORS: " + ", ".join(unplaced)
+
+
+def test_bench_parts_import_only_lower_floors() -> None:
+    offenders = sorted(
+        f"{name} imports {target}"
+        for name, targets in _bench_graph().items()
+        for target in targets
+        if target != "benchmarks"
+        and _bench_part(target) != _bench_part(name)
+        and _bench_floor_of(target) >= _bench_floor_of(name)
+    )
+    assert offenders == [], (
+        "a part of benchmarks/ imports one on its own floor or above (see BENCH_FLOORS); "
+        "move what both need down: " + "; ".join(offenders)
+    )
+
+
+def test_bench_floor_rule_sees_an_upward_import() -> None:
+    # figures importing the runner is the kind of edge the rule refuses.
+    assert _bench_floor_of("benchmarks.figures.replot") < _bench_floor_of(
+        "benchmarks.running.runner"
+    )
+    assert _bench_floor_of("benchmarks.settings.config") == 0
+
+
 def _bench_cycle(graph: Dict[str, Set[str]]) -> List[str]:
     """One import cycle of ``graph`` as a list of modules (first repeated last), or []."""
     state: Dict[str, int] = {}  # 1 on the current path, 2 done

@@ -16,7 +16,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from benchmarks import recording
+from benchmarks.figures import timelines
+from benchmarks.measuring import timeline_store
 from trec_pipelines.observe import all_to_all_watch as links, schedule_view
 from trec_pipelines.observe.action_records import Action, Transfer
 from trec_pipelines.observe.recorder import ScheduleRecorder
@@ -125,9 +126,9 @@ def test_the_wrapper_lives_as_long_as_a_recorder_watches() -> None:
 
 def test_the_stored_timeline_reads_back_as_recorded() -> None:
     actions, transfers = _actions(), _transfers()
-    stored = recording.timeline_json(actions, transfers, origin=10.0, on_cpu=True)
-    read_actions, read_transfers = recording.timeline_from_json(stored)
-    assert stored["calls"] == list(recording.TIMELINE_CALLS) and stored["on_cpu"] is True
+    stored = timeline_store.timeline_json(actions, transfers, origin=10.0, on_cpu=True)
+    read_actions, read_transfers = timeline_store.timeline_from_json(stored)
+    assert stored["calls"] == list(timeline_store.TIMELINE_CALLS) and stored["on_cpu"] is True
     for read, recorded in zip(read_actions, actions, strict=True):
         assert (read.call, read.task, read.batch, read.stream, read.thread) == (
             recorded.call,
@@ -152,7 +153,7 @@ def test_the_stored_timeline_reads_back_as_recorded() -> None:
 
 
 def test_redraw_timelines_draws_each_stored_one(tmp_path: "os.PathLike[str]") -> None:
-    stored = recording.timeline_json(_actions(), _transfers(), origin=10.0, on_cpu=True)
+    stored = timeline_store.timeline_json(_actions(), _transfers(), origin=10.0, on_cpu=True)
     stored["calls"] = [1, 3]
     results = {
         "raw": {
@@ -167,6 +168,6 @@ def test_redraw_timelines_draws_each_stored_one(tmp_path: "os.PathLike[str]") ->
             ]
         }
     }
-    written = recording.redraw_timelines(results, str(tmp_path))
+    written = timelines.redraw_timelines(results, str(tmp_path))
     assert written == [os.path.join(str(tmp_path), "TrainPipelineSparseDist_shared_b512.png")]
     assert os.path.getsize(written[0]) > 0

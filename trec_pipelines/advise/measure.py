@@ -277,7 +277,7 @@ def _exposed_per_step(
     """Median tapped input-dist seconds per steady call.
 
     Steady: every call after the first (the fill) that issues an input dist,
-    as the bench counts them ([Note: the hidden fraction] in benchmarks/schedule_bound.py).
+    as the bench counts them ([Note: the hidden fraction] in benchmarks/measuring/schedule_bound.py).
     """
     windows = [
         (s, call_starts[k + 1] if k + 1 < len(call_starts) else end)

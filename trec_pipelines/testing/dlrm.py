@@ -34,13 +34,14 @@ from torchrec.distributed.model_parallel import DistributedModelParallel
 from torchrec.distributed.planner import ParameterConstraints
 from torchrec.distributed.types import ShardingEnv
 from torchrec.modules.embedding_configs import EmbeddingBagConfig, PoolingType
-from torchrec.modules.embedding_modules import EmbeddingBagCollection
 from torchrec.optim.keyed import CombinedOptimizer, KeyedOptimizerWrapper
 from torchrec.optim.optimizers import in_backward_optimizer_filter
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor, KeyedTensor
 from torchrec.streamable import Pipelineable
 
 from trec_pipelines.testing import devices, plans
+from trec_pipelines.testing.dlrm_net import SpecDLRM
+from trec_pipelines.testing.dlrm_spec import ModelSpec
 
 # --------------------------------------------------------------------------
 # Shapes
@@ -60,6 +61,19 @@ TABLE_SPECS = [
     ("t3", "f3", 300, 16, 6),
 ]
 FEATURES = [spec[1] for spec in TABLE_SPECS]
+
+# The same shapes as the spec SpecDLRM builds the tests' DLRM from: an 8-16-8
+# bottom MLP and a 16-wide top MLP over the tables above (the batches come
+# from make_batches, not from the spec's pooling).
+TESTS_SPEC = ModelSpec(
+    rows=max(spec[2] for spec in TABLE_SPECS),
+    table_rows=tuple(spec[2] for spec in TABLE_SPECS),
+    dims=tuple(spec[3] for spec in TABLE_SPECS),
+    pooling=1,
+    dense_in=DENSE_IN,
+    dense_arch=(16, 8),
+    over_arch=(16,),
+)
 
 SHARDING_TYPES = ("table_wise", "column_wise", "data_parallel")
 
@@ -120,8 +134,22 @@ class Batch(Pipelineable):
     dense: torch.Tensor  # [B, DENSE_IN] float
     sparse: KeyedJaggedTensor
     labels: torch.Tensor  # [B] float in {0, 1}
+    # Make new tensors in to() even for the batch's own device, as a real
+    # host-to-device copy does (the benchmark's memory-options measurement).
+    # Off, to() on CPU hands over these very tensors.
+    copying: bool = False
 
     def to(self, device: torch.device, non_blocking: bool = False) -> "Batch":
+        if self.copying:
+            return Batch(
+                dense=self.dense.to(device=device, copy=True),
+                sparse=KeyedJaggedTensor.from_lengths_sync(
+                    keys=self.sparse.keys(),
+                    values=self.sparse.values().to(device=device, copy=True),
+                    lengths=self.sparse.lengths().to(device=device, copy=True),
+                ),
+                labels=self.labels.to(device=device, copy=True),
+            )
         return Batch(
             dense=self.dense.to(device=device, non_blocking=non_blocking),
             sparse=self.sparse.to(device=device, non_blocking=non_blocking),
@@ -240,8 +268,8 @@ def make_batches(
 # --------------------------------------------------------------------------
 
 
-class DLRM(nn.Module):
-    """EBC + dense MLP, concatenated, then an over MLP to one logit.
+class DLRM(SpecDLRM):
+    """The network of :mod:`trec_pipelines.testing.dlrm_net` at the tests' shapes (:data:`TESTS_SPEC`).
 
     ``forward(batch)`` returns ``(loss, pred)``: ``loss`` is the 0-dim mean
     BCE-with-logits (``torch.sum(loss, dim=0)`` is valid on a 0-dim tensor, so
@@ -255,37 +283,10 @@ class DLRM(nn.Module):
     def __init__(
         self, device: Optional[torch.device] = None, per_sample_loss: bool = False
     ) -> None:
-        super().__init__()
-        self.reduction = "none" if per_sample_loss else "mean"
-        self.ebc = EmbeddingBagCollection(tables=table_configs(), device=device)
-        emb_dim = sum(spec[3] for spec in TABLE_SPECS)
-        self.dense_arch = nn.Sequential(
-            nn.Linear(DENSE_IN, 16, device=device),
-            nn.ReLU(),
-            nn.Linear(16, 8, device=device),
-            nn.ReLU(),
-        )
-        self.over_arch = nn.Sequential(
-            nn.Linear(8 + emb_dim, 16, device=device),
-            nn.ReLU(),
-            nn.Linear(16, 1, device=device),
-        )
+        super().__init__(TESTS_SPEC, device=device, per_sample_loss=per_sample_loss)
 
     def _head(self, dense: torch.Tensor, pooled: KeyedTensor, labels: torch.Tensor):
-        # Concatenate by feature name: a sharded EBC orders its output keys
-        # by shard placement, not by table order, so .values() would make the
-        # model's arithmetic depend on the sharding plan.
-        by_name = pooled.to_dict()
-        x = torch.cat([self.dense_arch(dense)] + [by_name[f] for f in FEATURES], dim=1)
-        logits = self.over_arch(x).squeeze(-1)
-        loss = nn.functional.binary_cross_entropy_with_logits(
-            logits, labels, reduction=self.reduction
-        )
-        return loss, logits.detach()
-
-    def forward(self, batch: Batch):
-        pooled = self.ebc(batch.sparse)
-        return self._head(batch.dense, pooled, batch.labels)
+        return self.head(dense, pooled, labels)
 
 
 class NestedDLRM(DLRM):

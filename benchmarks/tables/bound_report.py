@@ -1,6 +1,6 @@
 """The bound side of the results: the probe's stages, the bound per variant, the hidden input dist.
 
-The model is in :mod:`benchmarks.schedule_bound` ([Note: the bound model],
+The model is in :mod:`benchmarks.measuring.schedule_bound` ([Note: the bound model],
 [Note: the hidden fraction]); this module applies it to one throughput block
 and prints it.  Raw layout it reads (plain JSON types)::
 
@@ -16,7 +16,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 
-from benchmarks.schedule_bound import (
+from benchmarks.measuring.schedule_bound import (
     LINK_ORDER,
     Bound,
     ScheduleFacts,
@@ -247,7 +247,7 @@ def summary(report: Optional[BoundReport]) -> Optional[Dict[str, Any]]:
         return None
     c = report.costs
     return {
-        "model": "see benchmarks/schedule_bound.py, [Note: the bound model] and [Note: the hidden fraction]",
+        "model": "see benchmarks/measuring/schedule_bound.py, [Note: the bound model] and [Note: the hidden fraction]",
         "stage_ms_per_step": c.stage_ms(),
         "old_bound_qps": report.old_qps,
         "costs_ms_per_step": {

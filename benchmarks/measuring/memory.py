@@ -31,8 +31,10 @@ from __future__ import annotations
 import contextlib
 from typing import Any, Dict, Iterator, Optional, Sequence, Tuple
 
-from benchmarks.contenders import Contender
+from benchmarks.contenders.build import Contender
+from benchmarks.measuring.timeline_store import timeline_json
 from trec_pipelines.observe.memory import PeakTracker, footprint, owned_storages, rss_bytes
+from trec_pipelines.testing import devices
 
 # The variant whose memory options are measured, and the option sets, baseline first.
 OPTIONS_VARIANT = "TrainPipelineSparseDist"
@@ -108,24 +110,38 @@ def agrees_ahead(pipeline: Any) -> bool:
 
 
 def ledger_epoch(
-    contender: Contender, batches: Sequence[Any], timeline: Optional[str] = None
+    contender: Contender, batches: Sequence[Any], timeline: Optional[Dict[str, Any]] = None
 ) -> Optional[Dict[str, Any]]:
     """One epoch of ours with the per-action memory ledger on; None without a recorder.
 
-    ``timeline``: also draw that epoch (calls 1..4) with its memory track to
-    this PNG path.  Its times include the measuring, so it shows the order of
-    work and what is held, not how long each verb takes.
+    ``timeline``: a dict that receives that epoch's timeline (calls 1..4) with
+    its memory track, stored as JSON (:mod:`benchmarks.measuring.timeline_store`:
+    the memory figure is drawn from it, at run time and by ``replot``).  Its
+    times include the measuring, so it shows the order of work and what is
+    held, not how long each verb takes.
     """
     pipeline = getattr(contender, "pipeline", None)
     if pipeline is None or not hasattr(pipeline, "enable_schedule_recording"):
         return None
     pipeline.disable_schedule_recording()
-    pipeline.enable_schedule_recording(memory=True)
+    recorder = pipeline.enable_schedule_recording(memory=True)
     try:
         contender.run_epoch(batches)
         summary = pipeline.memory_ledger()
         if timeline is not None:
-            pipeline.save_timeline(timeline, calls=(1, min(4, len(batches) - 1)))
+            starts = list(recorder.call_starts)
+            timeline.update(
+                timeline_json(
+                    pipeline.schedule_actions,
+                    pipeline.schedule_transfers,
+                    starts[0] if starts else 0.0,
+                    devices.device_type() == "cpu",
+                    calls=(1, min(4, len(batches) - 1)),
+                    memory=pipeline.memory_samples,
+                ),
+                title=type(pipeline).__name__,
+                variant=contender.variant,
+            )
     finally:
         pipeline.disable_schedule_recording()
     return {

@@ -17,7 +17,7 @@ import typing
 from dataclasses import dataclass, fields
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
-from benchmarks.model import INTERACTIONS, SHARDING_TYPES, ModelSpec
+from trec_pipelines.testing.dlrm_spec import INTERACTIONS, SHARDING_TYPES, ModelSpec
 
 # Ids per sample of each of the 26 tables of MLPerf's DLRM-DCNv2 reference
 # (its multi-hot sizes; 214 in all).
@@ -145,7 +145,7 @@ _HELP: Dict[str, str] = {
     "link_socket_queue_kb": "KiB each TCP socket may queue for the emulated link "
     "(tcp_limit_output_bytes in the namespace; "
     "0 keeps the kernel's default, a queue deep enough for one all-to-all to hold up every other flow: "
-    "see [Note: the link's queue] in benchmarks/netns.py)",
+    "see [Note: the link's queue] in benchmarks/settings/netns.py)",
     "input_dist_groups": "input_dist_group settings each of our pipelines that takes the option runs with "
     "(the first with its plain key, the others as their own rows, e.g. 'TrainPipelineSparseDist [shared]')",
     "agreement_off": "also run each of our pipelines with sync_exhaustion=False (no agreement on "

@@ -140,7 +140,7 @@ def wrap(command: Sequence[str], link: LinkPlan) -> List[str]:
         "--",
         sys.executable,
         "-m",
-        "benchmarks.netns",
+        "benchmarks.settings.netns",
         f"{link.gbit:g}",
         str(link.burst_bytes),
         str(link.socket_queue_bytes),
@@ -153,7 +153,7 @@ def inside(argv: Sequence[str]) -> int:
     """Entry point inside the namespace: rate-limit this namespace's loopback, then exec ``command``."""
     if "--" not in argv or len(argv) < 4:
         print(
-            "usage: python -m benchmarks.netns GBIT BURST_BYTES [SOCKET_QUEUE_BYTES] -- COMMAND ...",
+            "usage: python -m benchmarks.settings.netns GBIT BURST_BYTES [SOCKET_QUEUE_BYTES] -- COMMAND ...",
             file=sys.stderr,
         )
         return 2

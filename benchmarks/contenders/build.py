@@ -26,62 +26,30 @@ import contextlib
 import dataclasses
 import importlib
 import inspect
-import time
-from dataclasses import dataclass
-from typing import Any, Callable, ContextManager, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Callable, ContextManager, Dict, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
-from benchmarks import netns
-from benchmarks.model import Batch, ModelSpec, make_sharded
-from benchmarks.report import COMPILED_PLAIN, COMPILED_VARIANTS
+from benchmarks.contenders.variants import (
+    EVAL,
+    NEEDS_PYTHON_REDUCER,
+    STAGED,
+    STASH_WEIGHTS_VARIANTS,
+    TRAIN,
+    Variant,
+)
+from benchmarks.settings.variants import COMPILED_PLAIN
 from trec_pipelines.observe import task_names as tasks
 from trec_pipelines.testing import devices, torchrec_cpu as shim
+from trec_pipelines.testing.dlrm import Batch
+from trec_pipelines.testing.dlrm_sharded import make_spec_sharded
+from trec_pipelines.testing.dlrm_spec import ModelSpec
 
 # Where the ranks train: CPU, or the rank's GPU (trec_pipelines/testing/devices.py, TREC_DEVICE).
 DEVICE = devices.device()
 
-# Display order; variants exported later that are not listed go at the end.
-KNOWN_ORDER = (
-    "TrainPipelineBase",
-    "TrainPipelinePT2",
-    "TrainPipelineSparseDist",
-    "TrainPipelineSparseDistLite",
-    "TrainPipelineFusedSparseDist",
-    "TrainPipelineSemiSync",
-    "PrefetchTrainPipelineSparseDist",
-    "EvalPipelineSparseDist",
-    "EvalPipelineFusedSparseDist",
-    "StagedTrainPipeline",
-    "TrainPipelineSparseDistCompAutograd",
-    "TrainPipelineSparseDistT",
-    "TrainPipelineSparseDistBwdOpt",
-    "TrainEvalHybridPipelineBase",
-    "TrainPipelineSparseDistOptStash",
-    "TrainPipelineSparseDistEmbStash",
-    "TrainPipelinePrefetchEMS",
-    "EvalPipelineCPUSparse",
-)
-
-# Variants that compile the model (or its autograd graph) with torch.compile.
-COMPILED = COMPILED_VARIANTS
-
-# torchrec classes that call CUDA-only stream APIs on CPU; they run under the shim.
-SHIMMED = frozenset(
-    {
-        "TrainPipelineFusedSparseDist",
-        "TrainPipelineSemiSync",
-        "PrefetchTrainPipelineSparseDist",
-        "EvalPipelineFusedSparseDist",
-        "StagedTrainPipeline",
-        "TrainPipelineSparseDistCompAutograd",
-    }
-)
-
-# Variants whose model must be built with DDP's Python reducer (compiled autograd).
-NEEDS_PYTHON_REDUCER = frozenset({"TrainPipelineSparseDistCompAutograd"})
 
 # Constructor arguments given to both libraries' classes.  SemiSync's default
 # start_batch (900) would keep it synchronous through every short epoch here.
@@ -94,102 +62,6 @@ VARIANT_KWARGS: Dict[str, Dict[str, Any]] = {
     "TrainPipelineSparseDistEmbStash": {"site_fqn": "over_arch"},
     "TrainPipelinePrefetchEMS": {"site_fqn": "over_arch"},
 }
-
-# Their models mark every table stash_weights, so there is something to stash (on a
-# GPU; on CPU nothing moves).  Only theirs: torchrec's manager, once enabled, stashes
-# a marked table after every lookup, whichever pipeline trains it.
-STASH_WEIGHTS_VARIANTS = frozenset({"TrainPipelineSparseDistEmbStash", "TrainPipelinePrefetchEMS"})
-
-# Modes: how an epoch is driven and which plain loop it is compared with.
-TRAIN, EVAL, STAGED = "train", "eval", "staged"
-
-
-@dataclass(frozen=True)
-class Variant:
-    """One pipeline class name with both libraries' implementations (None if absent)."""
-
-    name: str
-    ours: Optional[type]
-    theirs: Optional[type]
-
-    @property
-    def mode(self) -> str:
-        if self.name.startswith("Eval"):
-            return EVAL
-        if self.name.startswith("Staged"):
-            return STAGED
-        return TRAIN
-
-    @property
-    def compiled(self) -> bool:
-        return self.name in COMPILED
-
-    @property
-    def shimmed(self) -> bool:
-        return self.name in SHIMMED
-
-    @property
-    def plain_mode(self) -> str:
-        """The plain loop this variant is compared with."""
-        return EVAL if self.mode == EVAL else TRAIN
-
-
-def _is_pipeline_class(obj: Any) -> bool:
-    from torchrec.distributed.train_pipeline import TrainPipeline
-
-    return inspect.isclass(obj) and issubclass(obj, TrainPipeline) and not inspect.isabstract(obj)
-
-
-def torchrec_class(name: str) -> Optional[type]:
-    """torchrec's class named ``name``: from the package, its train_pipelines
-    module, or its experimental_pipelines module."""
-    import torchrec.distributed.train_pipeline as package
-    import torchrec.distributed.train_pipeline.experimental_pipelines as experimental
-    import torchrec.distributed.train_pipeline.train_pipelines as module
-
-    for source in (package, module, experimental):
-        cls = getattr(source, name, None)
-        if _is_pipeline_class(cls):
-            return cls
-    return None
-
-
-def discover(
-    names: Sequence[str] = (), include_compiled: bool = False
-) -> Tuple[List[Variant], List[str]]:
-    """The variants to benchmark and notes on what was left out.
-
-    Every pipeline class in ``trec_pipelines.__all__`` is a variant (classes
-    only importable from ``trec_pipelines.pipelines.<module>`` are not, until
-    the package exports them).  ``names`` restricts the set; compiled variants
-    need ``include_compiled``.
-    """
-    import trec_pipelines
-
-    exported = {n: getattr(trec_pipelines, n) for n in getattr(trec_pipelines, "__all__", ())}
-    pipelines = {n: obj for n, obj in exported.items() if _is_pipeline_class(obj)}
-    notes: List[str] = []
-    unknown = [n for n in names if n not in pipelines]
-    if unknown:
-        raise ValueError(
-            f"--variants {', '.join(unknown)}: not a pipeline class exported by trec_pipelines "
-            f"(exported: {', '.join(sorted(pipelines))})"
-        )
-    chosen = (
-        list(names)
-        if names
-        else sorted(
-            pipelines,
-            key=lambda n: (KNOWN_ORDER.index(n) if n in KNOWN_ORDER else len(KNOWN_ORDER), n),
-        )
-    )
-    variants: List[Variant] = []
-    for name in chosen:
-        if name in COMPILED and not include_compiled and not names:
-            notes.append(f"{name}: compiles the model; left out (run with --include-compiled)")
-            continue
-        variants.append(Variant(name, pipelines[name], torchrec_class(name)))
-    return variants, notes
 
 
 # --------------------------------------------------------------------------
@@ -249,7 +121,7 @@ class Contender:
         if self.base_variant in STASH_WEIGHTS_VARIANTS:
             spec = dataclasses.replace(spec, stash_weights=True)
         with self._model_context():
-            self.model, self.optimizer = make_sharded(
+            self.model, self.optimizer = make_spec_sharded(
                 spec, sharding_type, pg, seed, emb_lr, dense_lr
             )
         if self.mode == EVAL:
@@ -457,7 +329,7 @@ class StagedContender(PipelineContender):
 
     def __init__(self, variant: Variant, side: str) -> None:
         super().__init__(variant, side)
-        # Set for the recorded epoch only (benchmarks/recording.py): wraps each
+        # Set for the recorded epoch only (benchmarks/running/recording.py): wraps each
         # part of the loop's step, (task, batch index), so its timeline shows them.
         self.step_span: Optional[Callable[[str, int], ContextManager[Any]]] = None
 
@@ -606,121 +478,3 @@ def group_twin(contender: "PipelineContender", group: str) -> "PipelineContender
 # --------------------------------------------------------------------------
 # The stage probe: SparseDist's stages timed one at a time
 # --------------------------------------------------------------------------
-
-
-@dataclass
-class StageTimes:
-    """One rank's epoch of the stage probe: each stage summed over the steps, stages timed alone.
-
-    Wall seconds of the three stages; the CPU seconds this process spent in
-    each (every thread: the training thread, gloo's workers, and the kernel's
-    loopback copies charged to it); the CPU seconds of the training thread
-    alone in the input dist (work no other thread can take off it); and,
-    over an emulated link, the bytes the link carried in the input dist and
-    in fwd+bwd+opt (both ranks' traffic: one counter for the namespace).
-    """
-
-    h2d: float = 0.0
-    input_dist: float = 0.0
-    compute: float = 0.0  # forward + backward + optimizer, input dist excluded
-    cpu_h2d: float = 0.0
-    cpu_input_dist: float = 0.0
-    cpu_compute: float = 0.0
-    thread_input_dist: float = 0.0
-    link_bytes_input_dist: Optional[float] = None
-    link_bytes_compute: Optional[float] = None
-
-    def as_dict(self) -> Dict[str, float]:
-        return {k: v for k, v in dataclasses.asdict(self).items() if v is not None}
-
-
-def combine_stage_times(ranks: Sequence[Dict[str, float]]) -> Dict[str, float]:
-    """One epoch's stage record from every rank's :meth:`StageTimes.as_dict`.
-
-    Wall and training-thread times take the slowest rank (a stage ends when
-    its last rank does); process CPU seconds add up over ranks, as the ranks
-    share the machine's cores; link bytes take the largest reading (every rank
-    reads the same namespace counter).
-    """
-    if not ranks or not ranks[0]:
-        return {}
-    out: Dict[str, float] = {}
-    for key in ranks[0]:
-        values = [r[key] for r in ranks if key in r]
-        out[key] = sum(values) if key.startswith("cpu_") else max(values)
-    return out
-
-
-class StageProbe(Contender):
-    """Times TrainPipelineSparseDist's three stages separately, with no overlap.
-
-    Per batch: the host-to-device copy; the sparse input dist (splits and
-    tensors all-to-alls, waited to completion); then zero_grad, forward,
-    backward and step with the embedding module handed the already
-    distributed input, so that stage excludes the input dist.  A barrier
-    before and after each stage keeps one rank's lag out of the next stage's
-    time and lets the link counter be read when a stage's traffic is done
-    (the bytes of one barrier, read across the copy, which sends nothing, are
-    subtracted).  What the times bound is :mod:`benchmarks.schedule_bound`.
-    """
-
-    def __init__(self) -> None:
-        super().__init__("probe:stages", "stages", "probe", TRAIN)
-        self.last = StageTimes()
-
-    def _run_epoch(self, batches: Sequence[Batch]) -> int:
-        model, optimizer, pg = self.model, self.optimizer, self.pg
-        assert model is not None and optimizer is not None
-        ebc = model.module.ebc
-        link = netns.loopback_tx_bytes if netns.qdisc_in_effect() is not None else None
-        times = StageTimes()
-        link_input = link_compute = 0.0
-        for host_batch in batches:
-            dist.barrier(group=pg)
-            b0 = link() if link else 0
-            t0, c0 = time.perf_counter(), time.process_time()
-            batch = host_batch.to(DEVICE, non_blocking=True)
-            t1, c1 = time.perf_counter(), time.process_time()
-            dist.barrier(group=pg)
-            b1 = link() if link else 0
-            t2, c2, h2 = time.perf_counter(), time.process_time(), time.thread_time()
-            ctx = ebc.create_context()
-            dist_input = ebc.input_dist(ctx, batch.sparse).wait().wait()
-            t3, c3, h3 = time.perf_counter(), time.process_time(), time.thread_time()
-            dist.barrier(group=pg)
-            b2 = link() if link else 0
-            t4, c4 = time.perf_counter(), time.process_time()
-            ebc.forward = _precomputed_forward(ebc, ctx, dist_input)
-            try:
-                optimizer.zero_grad()
-                losses, _ = model(batch)
-                torch.sum(losses, dim=0).backward()
-                optimizer.step()
-            finally:
-                del ebc.forward  # back to the class's forward
-            t5, c5 = time.perf_counter(), time.process_time()
-            if link:
-                dist.barrier(group=pg)
-                barrier = b1 - b0  # the copy sends nothing: this is one barrier's traffic
-                link_input += max(b2 - b1 - barrier, 0)
-                link_compute += max(link() - b2 - barrier, 0)
-            times.h2d += t1 - t0
-            times.input_dist += t3 - t2
-            times.compute += t5 - t4
-            times.cpu_h2d += c1 - c0
-            times.cpu_input_dist += c3 - c2
-            times.cpu_compute += c5 - c4
-            times.thread_input_dist += h3 - h2
-        if link:
-            times.link_bytes_input_dist, times.link_bytes_compute = link_input, link_compute
-        self.last = times
-        return len(batches)
-
-
-def _precomputed_forward(ebc: nn.Module, ctx: Any, dist_input: Any) -> Callable[..., Any]:
-    """A forward for ``ebc`` that skips the input dist: its result is already here."""
-
-    def forward(*args: Any, **kwargs: Any) -> Any:
-        return ebc.compute_and_output_dist(ctx, dist_input)
-
-    return forward

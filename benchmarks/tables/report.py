@@ -1,4 +1,4 @@
-"""Turning measured epoch times into the results: console tables, JSON and a chart.
+"""The throughput tables: measured epoch times turned into examples/s, ratios and their text.
 
 The runner hands over *raw* measurements (seconds per timed epoch, per
 contender); everything derived (examples/s, medians, ratios, the bound and
@@ -25,22 +25,19 @@ batches, one list per rank (absent in results from before it was measured).
 
 ``stages`` (the stage probe's epochs) and ``recorded`` (a recorded epoch per
 variant of ours) feed the bound; their layout and lines are in
-:mod:`benchmarks.bound_report`.  With ``--memory`` a block also has
+:mod:`benchmarks.tables.bound_report`.  With ``--memory`` a block also has
 ``"memory"`` and ``"memory_options"`` and the raw results ``"peak_rss"``;
-their layout and tables are in :mod:`benchmarks.memory_report`.
+their layout and tables are in :mod:`benchmarks.tables.memory_report`.
 """
 
 from __future__ import annotations
 
-import itertools
-import os
-import platform
 import statistics
-import subprocess
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
-from benchmarks import bound_report, memory_report
+from benchmarks.settings.variants import COMPILED_VARIANTS
+from benchmarks.tables import bound_report, memory_report
 
 OK, NA = "ok", "n/a"
 
@@ -149,75 +146,10 @@ class ThroughputTable:
     validation: Optional[ValidationCost] = None
 
 
-@dataclass
-class OverheadRow:
-    variant: str
-    mode: str
-    ours_ms: Optional[float]
-    torchrec_ms: Optional[float]
-    plain_ms: Optional[float]
-    ours_note: str = ""
-    torchrec_note: str = ""
-    # Why a side has no figure (shown as a numbered note under the table).
-    ours_reason: str = ""
-    torchrec_reason: str = ""
-    # The plain loop the overhead is taken against: "train", "eval", or for a
-    # compiled variant "train+<its compiled work>" (COMPILED_PLAIN).
-    reference: str = "train"
-    # ms/step per round (same order for every contender), for the paired overheads.
-    ours_samples: List[float] = field(default_factory=list)
-    torchrec_samples: List[float] = field(default_factory=list)
-    plain_samples: List[float] = field(default_factory=list)
-
-    def _overhead(self, ms: Optional[float], samples: List[float]) -> Optional[float]:
-        # Paired: per round, the contender's ms/step minus the plain loop's in
-        # the same round, then the median; drift between rounds cancels.
-        if samples and len(samples) == len(self.plain_samples):
-            return statistics.median(
-                a - b for a, b in zip(samples, self.plain_samples, strict=True)
-            )
-        return None if ms is None or self.plain_ms is None else ms - self.plain_ms
-
-    @property
-    def ours_overhead(self) -> Optional[float]:
-        return self._overhead(self.ours_ms, self.ours_samples)
-
-    @property
-    def torchrec_overhead(self) -> Optional[float]:
-        return self._overhead(self.torchrec_ms, self.torchrec_samples)
-
-    @property
-    def overhead_ratio(self) -> Optional[float]:
-        """ours / torchrec overhead; only meaningful when torchrec's is positive."""
-        ours, theirs = self.ours_overhead, self.torchrec_overhead
-        if ours is None or theirs is None or theirs <= 0:
-            return None
-        return ours / theirs
-
-
-@dataclass
-class OverheadTable:
-    batch_size: int
-    steps: int
-    rows: List[OverheadRow]
-    plain_ms: Dict[str, Optional[float]]
-
-
-# Variants that compile (their recompilations are reported); as benchmarks.contenders.COMPILED.
-COMPILED_VARIANTS = frozenset({"TrainPipelinePT2", "TrainPipelineSparseDistCompAutograd"})
-
 # Key suffix of our pipeline run with validate_batches=False (the overhead phase only).
 UNVALIDATED = "+unvalidated"
 # Row-label suffix of our pipeline run with sync_exhaustion=False (--agreement-off).
 NO_AGREEMENT = "[no agreement]"
-
-# The plain loop doing a compiled variant's compiled work, by variant: the
-# overhead phase's second reference for it (benchmarks.contenders.CompiledPlainLoop),
-# raw key "plain:train+<name>".
-COMPILED_PLAIN = {
-    "TrainPipelinePT2": "compiled model",
-    "TrainPipelineSparseDistCompAutograd": "compiled autograd",
-}
 
 
 def _ratio(a: Optional[float], b: Optional[float]) -> Optional[float]:
@@ -346,61 +278,6 @@ def _validation(block: Dict[str, Any]) -> Optional[ValidationCost]:
         batches=batches,
         step_ms=sparse_dist.median,
     )
-
-
-def overhead_table(raw: Dict[str, Any]) -> Optional[OverheadTable]:
-    block = raw.get("overhead")
-    if not block:
-        return None
-    steps, contenders = block["steps"], block["contenders"]
-    # Every plain loop of the phase, by what follows "plain:" in its key.
-    plain_measures = {
-        key.split(":", 1)[1]: _measure(entry, steps, True, "not run")
-        for key, entry in contenders.items()
-        if entry["side"] == "plain"
-    }
-    plain = {reference: m.median for reference, m in plain_measures.items()}
-    rows = []
-    for variant, mode in _variants(contenders):
-        ours = _measure(contenders.get(f"ours:{variant}"), steps, True, "not run")
-        theirs = _measure(
-            contenders.get(f"torchrec:{variant}"), steps, True, "torchrec has no class of this name"
-        )
-        references = [_plain_mode(mode)]
-        if variant in COMPILED_PLAIN and f"train+{COMPILED_PLAIN[variant]}" in plain_measures:
-            references.append(f"train+{COMPILED_PLAIN[variant]}")
-        unvalidated = contenders.get(f"ours:{variant}{UNVALIDATED}")
-        runs = [(variant, ours)]
-        if unvalidated is not None:
-            runs.append(
-                (
-                    f"{variant}, validate_batches=False",
-                    _measure(unvalidated, steps, True, "not run"),
-                )
-            )
-        for (label, ours), reference in itertools.product(runs, references):
-            rows.append(
-                OverheadRow(
-                    variant=label,
-                    mode=mode,
-                    ours_ms=ours.median,
-                    torchrec_ms=theirs.median,
-                    plain_ms=plain.get(reference),
-                    ours_note="" if ours.median is not None else "n/a",
-                    torchrec_note="(shimmed)"
-                    if theirs.shimmed
-                    else ("" if theirs.median is not None else "n/a"),
-                    ours_reason="" if ours.median is not None else ours.reason,
-                    torchrec_reason="" if theirs.median is not None else theirs.reason,
-                    reference=reference,
-                    ours_samples=list(ours.samples),
-                    torchrec_samples=list(theirs.samples),
-                    plain_samples=list(plain_measures[reference].samples)
-                    if reference in plain_measures
-                    else [],
-                )
-            )
-    return OverheadTable(block["batch_size"], steps, rows, plain)
 
 
 # --------------------------------------------------------------------------
@@ -543,272 +420,11 @@ def format_validation(cost: ValidationCost, world: int) -> str:
     )
 
 
-def _reference_cell(reference: str) -> str:
-    """A plain loop's name in the overhead table: "train", "eval", "train, compiled autograd"."""
-    return reference.replace("+", ", ")
-
-
-def format_overhead(table: OverheadTable, repeats: int) -> str:
-    body = []
-    notes: List[str] = []
-
-    def cell(ms: Optional[float], note: str, reason: str) -> str:
-        if reason:
-            if reason not in notes:
-                notes.append(reason)
-            note = f"{note} [{notes.index(reason) + 1}]"
-        return _num(ms, 2) + (f" {note}" if note else "")
-
-    for row in table.rows:
-        ratio = row.overhead_ratio
-        body.append(
-            [
-                row.variant + (" (eval)" if row.mode == "eval" else ""),
-                cell(row.ours_ms, row.ours_note, row.ours_reason),
-                cell(row.torchrec_ms, row.torchrec_note, row.torchrec_reason),
-                _reference_cell(row.reference),
-                _num(row.ours_overhead, 2),
-                _num(row.torchrec_overhead, 2),
-                "-" if ratio is None else f"{ratio:.2f}",
-            ]
-        )
-    plain = ", ".join(
-        f"{_reference_cell(mode)} {_num(v, 2)} ms" for mode, v in table.plain_ms.items()
-    )
-    title = (
-        f"Per-step overhead on the tiny model (rank 0 alone on a one-rank group, batch {table.batch_size}, "
-        f"{table.steps}-step epochs, {repeats} rounds): ms/step (median), and overhead = median over rounds "
-        f"of ms/step minus the plain loop's in the same round (plain loops: {plain}). A compiled variant "
-        "has a second row against the plain loop running the same compiled code, which leaves the "
-        "pipeline's own work"
-    )
-    return "\n".join(
-        [title]
-        + _table(
-            [
-                "variant",
-                "ours ms/step",
-                "torchrec ms/step",
-                "against",
-                "ours overhead",
-                "torchrec overhead",
-                "ours/torchrec",
-            ],
-            body,
-        )
-        + [f"  [{i}] {reason}" for i, reason in enumerate(notes, 1)]
-    )
-
-
-@dataclass
-class AgreementCost:
-    """One pipeline with and without the ranks' agreement (``--agreement-off``), paired.
-
-    ``paired`` is the median over rounds of (with / without) examples/s within a
-    round (the two run back to back); ``low``/``high`` the smallest and largest
-    of those per-round ratios: within noise when they straddle 1.
-    """
-
-    variant: str
-    paired: float
-    low: float
-    high: float
-    rounds: int
-
-
-def agreement_costs(table: "ThroughputTable") -> List[AgreementCost]:
-    """Each row that has a ``[no agreement]`` twin in ``table``, paired with it."""
-    rows = {r.variant: r for r in table.rows}
-    costs = []
-    for row in table.rows:
-        twin = rows.get(f"{row.variant} {NO_AGREEMENT}")
-        on, off = row.ours.samples, twin.ours.samples if twin is not None else []
-        if twin is None or row.ours.median is None or twin.ours.median is None:
-            continue
-        if len(on) != len(off) or not on:
-            continue
-        ratios = sorted(a / b for a, b in zip(on, off, strict=True))
-        costs.append(
-            AgreementCost(row.variant, statistics.median(ratios), ratios[0], ratios[-1], len(on))
-        )
-    return costs
-
-
-def format_agreement(table: "ThroughputTable") -> Optional[str]:
-    """The agreement's cost per pipeline at this batch size, or None without twins."""
-    costs = agreement_costs(table)
-    if not costs:
-        return None
-    body = [
-        [c.variant, f"{c.paired:.3f}", f"{c.low:.3f}..{c.high:.3f}", str(c.rounds)] for c in costs
-    ]
-    head = (
-        f"The ranks' agreement on each batch at batch {table.batch_size}/rank: examples/s with "
-        "it (the default) / without it (sync_exhaustion=False), paired within each round"
-    )
-    lines = [head] + _table(["variant", "paired", "per-round range", "rounds"], body)
-    lines.append("  within noise where the per-round range straddles 1.000")
-    return "\n".join(lines)
-
-
-def format_report(raw: Dict[str, Any], repeats: int, header: Sequence[str] = ()) -> str:
-    parts = list(header)
-    rss = memory_report.peak_rss_line(raw)
-    if rss is not None:
-        parts.append(rss)
-    for table in throughput_tables(raw):
-        parts.append(format_throughput(table, repeats))
-        agreement = format_agreement(table)
-        if agreement is not None:
-            parts.append(agreement)
-    overhead = overhead_table(raw)
-    if overhead is not None:
-        parts.append(format_overhead(overhead, raw["overhead"].get("rounds", repeats)))
-    return "\n\n".join(parts) + "\n"
-
-
 # --------------------------------------------------------------------------
 # JSON-ready summary
 # --------------------------------------------------------------------------
 
 
-def _measure_json(m: Measure) -> Dict[str, Any]:
-    return {
-        "status": m.status,
-        "reason": m.reason,
-        "shimmed": m.shimmed,
-        "median": m.median,
-        "samples": m.samples,
-        "graphs_compiled_in_timed_epochs": m.compiles,
-    }
-
-
-def summary(raw: Dict[str, Any]) -> Dict[str, Any]:
-    """Derived numbers, next to the raw ones in the JSON file."""
-    out: Dict[str, Any] = {"throughput": [], "overhead": None}
-    for table in throughput_tables(raw):
-        out["throughput"].append(
-            {
-                "batch_size": table.batch_size,
-                "global_batch": table.batch_size * table.world,
-                "steps": table.steps,
-                "unit": "global examples/s",
-                "variants": [
-                    {
-                        "variant": r.variant,
-                        "mode": r.mode,
-                        "ours": _measure_json(r.ours),
-                        "torchrec": _measure_json(r.torchrec),
-                        "plain": _measure_json(r.plain),
-                        "ours_vs_torchrec": r.ours_vs_torchrec,
-                        "ours_vs_torchrec_paired": r.paired,
-                        "ours_vs_plain": r.ours_vs_plain,
-                        "torchrec_vs_plain": r.torchrec_vs_plain,
-                    }
-                    for r in table.rows
-                ],
-                "plain": {mode: _measure_json(m) for mode, m in table.plain.items()},
-                "agreement": [asdict(c) for c in agreement_costs(table)],
-                "memory": memory_report.summary(
-                    {"memory": table.memory, "memory_options": table.memory_options},
-                    [r.variant for r in table.rows],
-                )
-                if table.memory
-                else None,
-                "batch_validation": None
-                if table.validation is None
-                else {
-                    "status": table.validation.status,
-                    "reason": table.validation.reason,
-                    "us_per_batch": table.validation.us_per_batch,
-                    "us_per_batch_per_rank": table.validation.rank_us,
-                    "passes": table.validation.passes,
-                    "batches": table.validation.batches,
-                    "sparse_dist_ms_per_step": table.validation.step_ms,
-                    "percent_of_sparse_dist_step": table.validation.percent_of_step,
-                },
-                "bound": bound_report.summary(table.bound),
-            }
-        )
-    overhead = overhead_table(raw)
-    if overhead is not None:
-        out["overhead"] = {
-            "batch_size": overhead.batch_size,
-            "steps": overhead.steps,
-            "unit": "ms/step; overhead = median over rounds of (ms/step - plain loop ms/step in that round)",
-            "plain_ms": overhead.plain_ms,
-            "variants": [
-                {
-                    "variant": r.variant,
-                    "mode": r.mode,
-                    "ours_ms": r.ours_ms,
-                    "torchrec_ms": r.torchrec_ms,
-                    "against_plain_loop": r.reference,
-                    "ours_overhead_ms": r.ours_overhead,
-                    "torchrec_overhead_ms": r.torchrec_overhead,
-                    "ours_over_torchrec_overhead": r.overhead_ratio,
-                }
-                for r in overhead.rows
-            ],
-        }
-    return out
-
-
 # --------------------------------------------------------------------------
 # Versions and host facts
 # --------------------------------------------------------------------------
-
-
-def versions(repo: str) -> Dict[str, Any]:
-    import fbgemm_gpu
-    import torch
-    import torchrec
-
-    return {
-        "python": platform.python_version(),
-        "torch": torch.__version__,
-        "torchrec": getattr(torchrec, "__version__", "unknown"),
-        "fbgemm_gpu": getattr(fbgemm_gpu, "__version__", "unknown"),
-        "trec_pipelines": git_revision(repo),
-    }
-
-
-def git_revision(repo: str) -> str:
-    """``<sha>`` or ``<sha>-dirty`` of the checkout at ``repo`` ("unknown" outside git)."""
-    try:
-        sha = subprocess.run(
-            ["git", "-C", repo, "rev-parse", "HEAD"], capture_output=True, text=True, check=True
-        ).stdout.strip()
-        dirty = subprocess.run(
-            ["git", "-C", repo, "status", "--porcelain", "--untracked-files=no"],
-            capture_output=True,
-            text=True,
-            check=True,
-        ).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown"
-    return sha + ("-dirty" if dirty else "")
-
-
-def host_facts() -> Dict[str, Any]:
-    facts: Dict[str, Any] = {
-        "cores": os.cpu_count(),
-        "platform": platform.platform(),
-        "cpu_model": platform.processor() or "unknown",
-        "memory_gib": None,
-        "load_average": os.getloadavg() if hasattr(os, "getloadavg") else None,
-    }
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    facts["cpu_model"] = line.split(":", 1)[1].strip()
-                    break
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemTotal:"):
-                    facts["memory_gib"] = round(int(line.split()[1]) / 2**20, 1)
-                    break
-    except OSError:
-        pass
-    return facts

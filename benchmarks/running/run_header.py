@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from typing import Any, Dict, List, Sequence
 
-from benchmarks import link_bytes
-from benchmarks.config import BenchConfig
+from benchmarks.measuring import link_bytes
+from benchmarks.settings.config import BenchConfig
 
 
 def header(
@@ -29,7 +29,7 @@ def header(
         f"wall time {seconds / 60:.1f} min",
         link_line(link),
     ]
-    if cfg.sharding_type == "table_wise":  # what benchmarks/link_bytes.py assumes
+    if cfg.sharding_type == "table_wise":  # what benchmarks/measuring/link_bytes.py assumes
         spec = cfg.model_spec()
         lines += [link_bytes.describe(spec, b, world, cfg.link_gbit) for b in cfg.batch_sizes]
     return lines + [f"note: {n}" for n in notes]

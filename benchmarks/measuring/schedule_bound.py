@@ -3,10 +3,10 @@
 Pure arithmetic over what the runner measured (no torch, no process group), so
 it is tested with made-up numbers.  Two inputs:
 
-* the stage probe's epochs (``benchmarks.contenders.StageProbe``): per stage,
+* the stage probe's epochs (``benchmarks.contenders.stage_probe.StageProbe``): per stage,
   each run alone, wall seconds, CPU seconds, and the bytes it put on an
   emulated link;
-* a recorded epoch per variant of ours (:func:`benchmarks.recording.recorded_epoch`):
+* a recorded epoch per variant of ours (:func:`benchmarks.running.recording.recorded_epoch`):
   the schedule recorder's actions plus, on the training thread, the time spent
   inside torchrec's input dist (issuing it, waiting for it) and the moment each
   all-to-all was issued.
@@ -59,7 +59,7 @@ schedule adds what it makes serial, read from its recorded epoch:
   The step's own collectives no longer queue behind the ids (two groups,
   two sets of connections), but they share the link's rate with them while
   both are on it (the namespace's link serves flows in turn: [Note: the
-  link's queue] in ``benchmarks/netns.py``): each gets half, so the chain's
+  link's queue] in ``benchmarks/settings/netns.py``): each gets half, so the chain's
   collectives take longer by the overlap, at most their own link time.
 
 Over the plain loopback (no ``--link-gbit``) there is no link term and no

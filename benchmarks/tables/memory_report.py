@@ -1,6 +1,6 @@
 """The memory side of the results: columns next to QPS, a table per batch size, the options table.
 
-Raw layout, per throughput block (plain JSON types; see ``benchmarks/memory.py``)::
+Raw layout, per throughput block (plain JSON types; see ``benchmarks/measuring/memory.py``)::
 
     block["memory"] = {key: {"status": "ok"|"n/a", "reason": str,
                              "ranks": [HeldEpoch (+ "ledger" for ours), one per rank]}}
@@ -16,7 +16,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Dict, List, Optional, Sequence
 
-from benchmarks import memory_places
+from benchmarks.measuring import memory_places
 from trec_pipelines.observe.memory import KINDS, PLACES
 
 MiB = float(2**20)

@@ -23,7 +23,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Dict, Optional
 
-from benchmarks.model import ModelSpec
+from trec_pipelines.testing.dlrm_spec import ModelSpec
 
 ID_BYTES = 8  # int64 ids
 LENGTH_BYTES = 4  # int32 lengths
@@ -66,9 +66,11 @@ class LinkBytes:
 
 def dense_parameters(spec: ModelSpec) -> int:
     """Parameters of the model outside its embedding tables (what DDP all-reduces)."""
-    from benchmarks.model import DLRM  # builds the tables on the meta device: no memory
+    import torch
 
-    model = DLRM(spec)
+    from trec_pipelines.testing.dlrm_net import SpecDLRM
+
+    model = SpecDLRM(spec, table_device=torch.device("meta"))  # the tables take no memory
     return sum(p.numel() for name, p in model.named_parameters() if not name.startswith("ebc."))
 
 

@@ -9,7 +9,7 @@ ids are a large share of the link's bytes (dim 8: as many bytes as the pooled
 embeddings, a quarter of the step's with the gradient all-reduce) to the one
 where the model's own collectives fill it (dim 128: the ids are 3%), each at a
 slow and a fast link.  Each point also records the any-schedule bound
-(``benchmarks/schedule_bound.py``), drawn as a curve next to the variants.
+(``benchmarks/measuring/schedule_bound.py``), drawn as a curve next to the variants.
 
     python -m benchmarks sweep                               # 3 dims x 2 links, ~6-8 min
     python -m benchmarks sweep --dims 8,128 --link-gbits 1   # 2 points
@@ -17,7 +17,7 @@ slow and a fast link.  Each point also records the any-schedule bound
     python -m benchmarks replot benchmarks/results/sweep     # redraw sweep.png
 
 Writes ``<out-dir>/<name>/``: ``sweep.json`` (the grid, one record per
-point), ``sweep.png`` (drawn by :mod:`benchmarks.sweep_chart`) and
+point), ``sweep.png`` (drawn by :mod:`benchmarks.figures.sweep_chart`) and
 ``points/<point>/``, each point's own results folder.
 """
 
@@ -33,7 +33,8 @@ import time
 from dataclasses import asdict, dataclass
 from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
 
-from benchmarks.config import DLRM_BATCH, PRESETS
+from benchmarks.figures.sweep_chart import POINTS, SWEEP_FIGURE, SWEEP_JSON
+from benchmarks.settings.config import DLRM_BATCH, PRESETS
 
 SWEEP_VARIANTS: Tuple[str, ...] = (
     "TrainPipelineSparseDist",
@@ -43,10 +44,7 @@ SWEEP_VARIANTS: Tuple[str, ...] = (
 )
 # The modes of the throughput rows the sweep keeps: the training ones (Staged's is its own).
 TRAINING_MODES = ("train", "staged")
-SWEEP_JSON = "sweep.json"
-SWEEP_FIGURE = "sweep.png"
-POINTS = "points"
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 # Rough wall time of one point with the defaults (launch, builds, probe, rounds).
 SECONDS_PER_POINT = 60
 
@@ -233,7 +231,7 @@ def sweep_document(cfg: SweepConfig, records: Sequence[Mapping[str, Any]]) -> Di
 
 def write(document: Mapping[str, Any], folder: str) -> List[str]:
     """``sweep.json`` and ``sweep.png`` into ``folder``; returns the files written."""
-    from benchmarks import sweep_chart  # matplotlib only when drawing
+    from benchmarks.figures import sweep_chart  # matplotlib only when drawing
 
     os.makedirs(folder, exist_ok=True)
     source = os.path.join(folder, SWEEP_JSON)

@@ -1,6 +1,6 @@
 """Held memory by place (host batches, device batches) against torchrec's same class.
 
-Reads the per-rank entries ``benchmarks/memory.py`` writes (``held_epoch``:
+Reads the per-rank entries ``benchmarks/measuring/memory.py`` writes (``held_epoch``:
 ``max_host_batches``, ``max_device_batches``, ``place_peaks``,
 ``agree_ahead``) and says, per variant, whether ours holds more than
 torchrec's class in either place.  One host batch more is expected, and

@@ -17,6 +17,12 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Mapping, Optional, Tuple
 
+# The sweep folder's files: what it measured, and the figure drawn from it.
+SWEEP_JSON = "sweep.json"
+SWEEP_FIGURE = "sweep.png"
+# The subfolder holding one run folder per point.
+POINTS = "points"
+
 BOUND_COLOR = "tab:green"
 # The variants' colours: any but the bound's.
 VARIANT_COLORS = (

@@ -21,7 +21,7 @@ import textwrap
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Dict, List, Optional, Sequence, Tuple
 
-from benchmarks.report import Measure, Row, ThroughputTable, throughput_tables
+from benchmarks.tables.report import Measure, Row, ThroughputTable, throughput_tables
 
 if TYPE_CHECKING:
     from matplotlib.axes import Axes
