@@ -4,20 +4,26 @@
 torchrec's parameters are spelled out in each constructor, with torchrec's
 names, order and defaults: they are the drop-in contract, and differ per
 class.  The options trec_pipelines adds are the same on every class that
-takes them, so each is declared here, once:
+takes them, so each is declared here, once, as a field of
+:class:`PipelineOptions`: its type, default, documentation (``doc``) and
+concern (``concern``: "batch", "rewrite", ...) in the field, its check in
+:meth:`PipelineOptions.check`.  Everything else is read from the fields:
 
-* :class:`PipelineOptions` holds its type, default, documentation and check;
-  a pipeline reads its options from one of these (``self._options``);
-* a small ``TypedDict`` per concern (:class:`BatchOptions`,
-  :class:`RewriteOptions`, :class:`GroupOptions`, ...) names it for static
-  checkers: a constructor takes ``**options: Unpack[...]`` of the concern
-  that applies to it, so an IDE and mypy see every option and its type;
-* each pipeline class names that same concern once more, for the running
+* :data:`OPTION_DICTS` names, once, the ``TypedDict`` of each group of
+  classes and the concerns it gathers (``TrainBatchOptions``: validation,
+  batch and precision); a constructor takes ``**options: Unpack[...]`` of the
+  one that applies to it, so an IDE and mypy see every option and its type;
+* those ``TypedDict`` classes are code, for static checkers to read: the
+  module :mod:`trec_pipelines.assembly.option_types`, written from the fields and
+  the table by ``python -m trec_pipelines.assembly.option_types_gen`` (never
+  by hand) and re-exported here;
+* each pipeline class names its ``TypedDict`` once more, for the running
   program, with :func:`takes_options` (``@takes_options(SparseDistOptions)``
-  above the class): it writes the options the class accepts into the
-  signature of the class's own ``__init__`` as keyword-only parameters with
-  their defaults, so ``help()``, ``inspect.signature`` and the API reference
-  show them as if spelled out, and lists them in the class's docstring;
+  above the class): it writes the options the table gives that ``TypedDict``
+  into the signature of the class's own ``__init__`` as keyword-only
+  parameters with their defaults, so ``help()``, ``inspect.signature`` and
+  the API reference show them as if spelled out, and lists them in the
+  class's docstring;
 * :func:`resolve_options` refuses any other keyword with the ``TypeError``
   Python gives for an unknown argument.
 
@@ -26,10 +32,12 @@ touches a class that is not decorated: a user's subclass, however it
 annotates its own ``__init__`` (with imports under ``TYPE_CHECKING`` only,
 say), accepts what the nearest of its bases that is ours accepts.
 
-Adding an option touches this module (a field, and the key in the concern it
-belongs to) and the constructors of the classes it applies to, if their
-concern is new.  Unit tests check that the declarations agree: the concerns
-with the fields, and each class's ``@takes_options`` with its ``**options``.
+Adding an option is one field, with its concern, then the command above;
+a new concern also goes into the table's entries that gather it, and the
+constructors of the classes it applies to unpack their new ``TypedDict``.
+Unit tests check the rest: that the checked-in ``option_types.py`` is what
+the command writes (``tests/unit/test_option_types.py``), and each class's
+``@takes_options`` against its ``**options`` (``tests/unit/test_options.py``).
 """
 
 from __future__ import annotations
@@ -37,35 +45,29 @@ from __future__ import annotations
 import dataclasses
 import inspect
 from dataclasses import dataclass, field
-from typing import (
-    Any,
-    Callable,
-    Dict,
-    FrozenSet,
-    Literal,
-    Mapping,
-    Optional,
-    Tuple,
-    TypedDict,
-    TypeVar,
-)
+from typing import Any, Callable, Dict, FrozenSet, Mapping, Optional, Tuple, TypeVar
 
 import torch
 
+# The generated TypedDicts, re-exported: their names are option_types.__all__.
+from trec_pipelines.assembly.option_types import *  # noqa: F403
 from trec_pipelines.core.input_dist_group import (
     DEFAULT_INPUT_DIST_GROUP,
     InputDistGroup,
     check_input_dist_group,
 )
 from trec_pipelines.data.padding import UNEVEN_DATA_POLICIES, UnevenData
-from trec_pipelines.model.rewrite import STRATEGIES, Strategy
+from trec_pipelines.model.rewrite import (
+    STRATEGIES,
+    UNPIPELINED_POLICIES,
+    Strategy,
+    UnpipelinedPolicy,
+)
 
-UnpipelinedPolicy = Literal["warn", "raise"]
-UNPIPELINED_POLICIES: Tuple[str, ...] = ("warn", "raise")
 
-
-def _doc(text: str) -> Dict[str, str]:
-    return {"doc": " ".join(text.split())}
+def _option(concern: str, doc: str) -> Dict[str, str]:
+    """A field's metadata: the concern it belongs to, and its documentation."""
+    return {"concern": concern, "doc": " ".join(doc.split())}
 
 
 @dataclass(frozen=True)
@@ -78,83 +80,92 @@ class PipelineOptions:
 
     rewrite_strategy: Strategy = field(
         default="auto",
-        metadata=_doc(
+        metadata=_option(
+            "rewrite",
             """How the sharded modules' inputs are found: "fx" (trace the model), "direct"
             (bind the batch's KeyedJaggedTensor fields) or "auto" (trace, falling back to
-            direct binding)."""
+            direct binding).""",
         ),
     )
     on_unpipelined: UnpipelinedPolicy = field(
         default="warn",
-        metadata=_doc(
+        metadata=_option(
+            "rewrite",
             """A sharded module the rewrite cannot pipeline is logged and trained unpipelined
-            ("warn"), or refused with the reason ("raise")."""
+            ("warn"), or refused with the reason ("raise").""",
         ),
     )
     sync_exhaustion: Optional[bool] = field(
         default=None,
-        metadata=_doc(
+        metadata=_option(
+            "batch",
             """The ranks agree on every batch they pull, so data that ends on one rank first
             ends every rank's epoch at the same step (an eval pipeline pads until every
             rank's data ended instead: ``uneven_data``), and a batch malformed on one rank is
             dropped on all. None (the default) agrees whenever the model's steps join
             collectives across ranks; True insists (and needs torch.distributed); False
-            turns it off."""
+            turns it off.""",
         ),
     )
     agree_ahead: bool = field(
         default=True,
-        metadata=_doc(
+        metadata=_option(
+            "batch",
             """With the ranks agreeing on each batch (``sync_exhaustion``), pull one host batch
             a step ahead so its agreement rides the current step's exchange, at the cost of
             one more host batch held (pulled from the iterator, not yet copied to the device;
             see the memory guide). False holds none: each pull is agreed as it is made, with a
-            blocking round trip of its own on a gloo group. No effect without the agreement."""
+            blocking round trip of its own on a gloo group. No effect without the agreement.""",
         ),
     )
     uneven_data: UnevenData = field(
         default="pad",
-        metadata=_doc(
+        metadata=_option(
+            "eval_data",
             """What an eval pipeline does when the ranks hold different numbers of batches
             (with the ranks agreeing on each batch, see ``sync_exhaustion``). "pad" (the
             default) scores every rank's batches: a rank whose data ended runs padding steps,
             whose outputs no one sees, until every rank's data has ended, then raises
             ``StopIteration``. "stop" ends every rank's epoch where the first rank's data
             ends, as training always does; the other ranks' remaining batches are not
-            scored (``unused_batches``)."""
+            scored (``unused_batches``).""",
         ),
     )
     validate_batches: bool = field(
         default=True,
-        metadata=_doc(
+        metadata=_option(
+            "validation",
             """Check each host batch's KeyedJaggedTensors as it is pulled: a malformed one
-            raises ``MalformedBatchError`` before any work is issued for it."""
+            raises ``MalformedBatchError`` before any work is issued for it.""",
         ),
     )
     input_dist_group: InputDistGroup = field(
         default=DEFAULT_INPUT_DIST_GROUP,
-        metadata=_doc(
+        metadata=_option(
+            "group",
             """"dedicated" runs the pipelined input_dist on a process group of the same ranks
             that carries nothing else; "shared" keeps it on the model's group, as torchrec
-            does. Results are the same either way."""
+            does. Results are the same either way.""",
         ),
     )
 
     autocast_dtype: Optional[torch.dtype] = field(
         default=None,
-        metadata=_doc(
+        metadata=_option(
+            "precision",
             """Run each training forward under ``torch.autocast`` on the pipeline's device with
             this dtype (``torch.bfloat16``, or ``torch.float16`` on CUDA); None runs it as the
-            model is."""
+            model is.""",
         ),
     )
     grad_scaler: Optional[torch.amp.GradScaler] = field(
         default=None,
-        metadata=_doc(
+        metadata=_option(
+            "precision",
             """A ``torch.amp.GradScaler``: the backward scales the summed loss, and the
             optimizer steps through the scaler (unscale, skip the step on inf or nan, update the
             scale). The fused (in-backward) embedding optimizers see the scaled gradients: see
-            the options guide."""
+            the options guide.""",
         ),
     )
 
@@ -214,93 +225,103 @@ _FIELDS: Mapping[str, dataclasses.Field[Any]] = {
 }
 
 
-# The concerns, for static checkers: a constructor takes the ones that apply to it.
+@dataclass(frozen=True)
+class OptionDict:
+    """One ``TypedDict`` of :mod:`trec_pipelines.assembly.option_types` (generated):
+    what it gathers, and its docstring."""
+
+    concerns: Tuple[str, ...]
+    """The concerns whose options it holds (each field's ``concern``): its keys are
+    theirs, concern by concern, each concern's in the fields' order."""
+    doc: str
+    """Its docstring: which classes unpack it."""
 
 
-class ValidationOptions(TypedDict, total=False):
-    """Checking each host batch as it is pulled."""
-
-    validate_batches: bool
-
-
-class BatchOptions(ValidationOptions, total=False):
-    """Where the batches come from: validation, and the ranks' agreement on each pull."""
-
-    sync_exhaustion: Optional[bool]
-    agree_ahead: bool
-
-
-class EvalDataOptions(TypedDict, total=False):
-    """An eval pipeline's end of data when the ranks hold uneven numbers of batches."""
-
-    uneven_data: UnevenData
-
-
-class PrecisionOptions(TypedDict, total=False):
-    """Mixed precision of a training step: the forward's autocast, the loss scaler."""
-
-    autocast_dtype: Optional[torch.dtype]
-    grad_scaler: Optional[torch.amp.GradScaler]
-
-
-class TrainBatchOptions(BatchOptions, PrecisionOptions, total=False):
-    """A training pipeline that runs the model's own forward (Base, PT2)."""
-
-
-class RewriteOptions(TypedDict, total=False):
-    """How the model's sharded modules are found and pipelined."""
-
-    rewrite_strategy: Strategy
-    on_unpipelined: UnpipelinedPolicy
-
-
-class GroupOptions(TypedDict, total=False):
-    """Which process group the pipelined input_dist runs on."""
-
-    input_dist_group: InputDistGroup
-
-
-class LiteOptions(BatchOptions, RewriteOptions, PrecisionOptions, total=False):
-    """A pipeline that rewrites the model but starts each input_dist in its own step."""
-
-
-class SparseDistOptions(BatchOptions, RewriteOptions, GroupOptions, total=False):
-    """The SparseDist family's options, but mixed precision (the eval variants)."""
-
-
-class SparseDistTrainOptions(SparseDistOptions, PrecisionOptions, total=False):
-    """The SparseDist family's training variants."""
+# The TypedDicts the constructors unpack, by class name: see [Note: one declaration per option].
+OPTION_DICTS: Mapping[str, OptionDict] = {
+    "ValidationOptions": OptionDict(("validation",), "Checking each host batch as it is pulled."),
+    "BatchOptions": OptionDict(
+        ("validation", "batch"),
+        "Where the batches come from: validation, and the ranks' agreement on each pull.",
+    ),
+    "EvalDataOptions": OptionDict(
+        ("eval_data",),
+        "An eval pipeline's end of data when the ranks hold uneven numbers of batches.",
+    ),
+    "PrecisionOptions": OptionDict(
+        ("precision",),
+        "Mixed precision of a training step: the forward's autocast, the loss scaler.",
+    ),
+    "TrainBatchOptions": OptionDict(
+        ("validation", "batch", "precision"),
+        "A training pipeline that runs the model's own forward (Base, PT2).",
+    ),
+    "RewriteOptions": OptionDict(
+        ("rewrite",), "How the model's sharded modules are found and pipelined."
+    ),
+    "GroupOptions": OptionDict(("group",), "Which process group the pipelined input_dist runs on."),
+    "LiteOptions": OptionDict(
+        ("validation", "batch", "rewrite", "precision"),
+        "A pipeline that rewrites the model but starts each input_dist in its own step.",
+    ),
+    "SparseDistOptions": OptionDict(
+        ("validation", "batch", "rewrite", "group"),
+        "The SparseDist family's options, but mixed precision (the eval variants).",
+    ),
+    "SparseDistTrainOptions": OptionDict(
+        ("validation", "batch", "rewrite", "group", "precision"),
+        "The SparseDist family's training variants.",
+    ),
+    "EvalSparseDistOptions": OptionDict(
+        ("validation", "batch", "rewrite", "group", "eval_data"),
+        "The SparseDist family's eval variants.",
+    ),
+    "ModelOptions": OptionDict(
+        ("rewrite", "group"),
+        "A component that pipelines a model it does not train (SparseDataDistUtil).",
+    ),
+    "EvalHostOptions": OptionDict(
+        ("validation", "batch", "rewrite", "eval_data"),
+        "An eval pipeline whose input_dist runs with its lookup, on the host.",
+    ),
+}
 
 
-class EvalSparseDistOptions(SparseDistOptions, EvalDataOptions, total=False):
-    """The SparseDist family's eval variants."""
+def concern_of(option: str) -> str:
+    """The concern option ``option`` belongs to (its field's ``concern``)."""
+    return str(_FIELDS[option].metadata["concern"])
 
 
-class ModelOptions(RewriteOptions, GroupOptions, total=False):
-    """A component that pipelines a model it does not train (SparseDataDistUtil)."""
+def options_of(option_dict: str) -> Tuple[str, ...]:
+    """The options the ``TypedDict`` named ``option_dict`` holds, in its keys' order."""
+    concerns = OPTION_DICTS[option_dict].concerns
+    return tuple(name for concern in concerns for name in _FIELDS if concern_of(name) == concern)
 
 
-class EvalHostOptions(BatchOptions, RewriteOptions, EvalDataOptions, total=False):
-    """An eval pipeline whose input_dist runs with its lookup, on the host."""
+def _check_concerns() -> None:
+    """Every field's concern is gathered by some ``TypedDict``, and every concern a
+    ``TypedDict`` gathers is some field's: a misspelt one fails at import."""
+    declared = {concern_of(name) for name in _FIELDS}
+    gathered = {c for entry in OPTION_DICTS.values() for c in entry.concerns}
+    assert declared == gathered, (
+        f"concerns of no TypedDict: {sorted(declared - gathered)}; "
+        f"concerns of no option: {sorted(gathered - declared)}"
+    )
 
+
+_check_concerns()
 
 _CONCERN = "_trec_options_concern"  # the class attribute @takes_options sets
 
 C = TypeVar("C", bound=type)
 
 
-def _keys(concern: Any) -> FrozenSet[str]:
-    """The keys of a concern (a ``TypedDict`` class), its bases' included."""
-    return frozenset(concern.__required_keys__ | concern.__optional_keys__)
-
-
 def takes_options(concern: Any) -> Callable[[C], C]:
     """Declare that a class's constructor takes the options of ``concern`` (one
-    of the ``TypedDict`` classes above, the one its ``**options`` unpacks); see
-    [Note: one declaration per option]."""
-    accepted = _keys(concern)
-    unknown = accepted - set(_FIELDS)
-    assert not unknown, f"{concern.__name__}: not a field of PipelineOptions: {sorted(unknown)}"
+    of the ``TypedDict`` classes of :data:`OPTION_DICTS`, the one its
+    ``**options`` unpacks); see [Note: one declaration per option]."""
+    assert concern.__name__ in OPTION_DICTS, f"{concern.__name__}: not in OPTION_DICTS"
+    accepted = frozenset(options_of(concern.__name__))
 
     def declare(cls: C) -> C:
         init = cls.__dict__.get("__init__")
@@ -345,7 +366,7 @@ def options_concern(cls: type) -> Any:
 def accepted_options(cls: type) -> FrozenSet[str]:
     """The option names the constructor of ``cls`` takes."""
     concern = options_concern(cls)
-    return frozenset() if concern is None else _keys(concern)
+    return frozenset() if concern is None else frozenset(options_of(concern.__name__))
 
 
 def resolve_options(pipeline: str, cls: type, options: Mapping[str, Any]) -> PipelineOptions:

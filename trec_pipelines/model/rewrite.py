@@ -47,6 +47,11 @@ logger: logging.Logger = logging.getLogger(__name__)
 Strategy = Literal["auto", "fx", "direct"]
 STRATEGIES: Tuple[str, ...] = ("auto", "fx", "direct")
 
+# What a pipeline does with a sharded module the rewrite leaves unpipelined:
+# log it and train it unpipelined, or refuse the model.
+UnpipelinedPolicy = Literal["warn", "raise"]
+UNPIPELINED_POLICIES: Tuple[str, ...] = ("warn", "raise")
+
 # Builds the wrapper for one module: (fqn, call args, module) -> forward.
 ForwardFactory = Callable[[str, CallArgs, AnyShardedModule], Any]
 
