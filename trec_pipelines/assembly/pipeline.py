@@ -21,6 +21,22 @@ A variant says what it holds in flight through three small methods
 (:meth:`~PipelineCore._in_flight`, :meth:`~PipelineCore._set_aside`,
 :meth:`~PipelineCore._bring_back`) and how many host batches a step pulls
 (:meth:`~PipelineCore._batches_to_fetch`); the rest follows.
+
+The core is the one class of ours under every pipeline (with
+``SparseDistRewrite`` under the SparseDist family), so that a pipeline's MRO
+is torchrec's plus at most two classes.  What every pipeline has besides is
+held and called, not inherited: torchrec's attributes are properties from
+:mod:`~trec_pipelines.assembly.torchrec_state` assigned in the class body; the
+subclass-hook checks run from ``__init_subclass__``
+(:func:`~trec_pipelines.core.subclass_hooks.check_subclass`); the recording
+methods hand each call to ``self._recording``
+(:class:`~trec_pipelines.observe.recording.Recording`) and the checkpoint
+methods to :func:`~trec_pipelines.assembly.resume.save_state` and
+:func:`~trec_pipelines.assembly.resume.load_state`, one line each.
+StagedTrainPipeline stands on the core too: it shares the start of the
+set-up (:meth:`~PipelineCore._init_options`,
+:meth:`~PipelineCore._agreement_over`), overrides what it does its own way
+(pulling, ``skip_failed_batch``, the resume hooks) and runs no step guard.
 """
 
 from __future__ import annotations
@@ -142,8 +158,7 @@ class PipelineCore:
         (a variant whose input_dist never runs ahead keeps it on the model's group).
         """
         name = type(self).__name__
-        self._recording = Recording()
-        self._options = resolve_options(name, type(self), options)
+        self._init_options(options)
         if self._requires_optimizer:
             check_optimizer(optimizer, name, model)
         self._device = check_device(device, name)
@@ -151,12 +166,7 @@ class PipelineCore:
         self._model = model
         # None only for the eval variants, which never step it.
         self._optimizer: torch.optim.Optimizer = cast(torch.optim.Optimizer, optimizer)
-        agreed_over = agreement_group(self, model, self._options.sync_exhaustion)
-        self._agreement = (
-            None
-            if agreed_over is None
-            else AgreementChannel(agreed_over, carried=self._carries_agreement)
-        )
+        self._agreement = self._agreement_over(model, carried=self._carries_agreement)
         self._precision = Precision(
             self._device,
             self._options.autocast_dtype,
@@ -172,6 +182,20 @@ class PipelineCore:
         self._pipelined = PipelinedModel(self, model, group)
         # Set when another pipeline detached this one to take the model over.
         self._taken_over_by: Optional[str] = None
+
+    def _init_options(self, options: Mapping[str, Any]) -> None:
+        """The set-up every pipeline starts with, StagedTrainPipeline's too: its
+        recording (off) and our options, resolved for its class."""
+        self._recording = Recording()
+        self._options = resolve_options(type(self).__name__, type(self), options)
+
+    def _agreement_over(
+        self, model: Optional[torch.nn.Module], *, carried: bool
+    ) -> Optional[AgreementChannel]:
+        """The channel the ranks training ``model`` agree on each pull over (None
+        alone or with ``sync_exhaustion=False``); ``carried``: on the splits exchange."""
+        group = agreement_group(self, model, self._options.sync_exhaustion)
+        return None if group is None else AgreementChannel(group, carried=carried)
 
     def _new_source(self) -> BatchSource:
         """A source of host batches for a new epoch count, with the ranks' agreement."""

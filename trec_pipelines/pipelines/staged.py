@@ -22,7 +22,7 @@ import torch
 from torchrec.distributed.train_pipeline import In, TrainPipeline
 from typing_extensions import Unpack
 
-from trec_pipelines.assembly.options import BatchOptions, resolve_options, takes_options
+from trec_pipelines.assembly.options import BatchOptions, takes_options
 from trec_pipelines.assembly.pipeline import PipelineCore
 from trec_pipelines.core.api_docs import documented
 from trec_pipelines.core.errors import MalformedBatchError
@@ -34,10 +34,8 @@ from trec_pipelines.core.streams import (
     wait_event,
 )
 from trec_pipelines.core.subclass_hooks import Refused
-from trec_pipelines.data.agreement import AgreementChannel, agreement_group
 from trec_pipelines.data.source import BatchSource
 from trec_pipelines.observe import recorder as rec
-from trec_pipelines.observe.recording import Recording
 from trec_pipelines.pipelines.stages import (
     PipelineStage,
     SkipAware,
@@ -204,15 +202,13 @@ class StagedTrainPipeline(PipelineCore, TrainPipeline[In, Optional[StageOut]]):
         **options: Unpack[BatchOptions],
     ) -> None:
         super().__init__()
-        self._recording = Recording()
-        self._options = resolve_options(type(self).__name__, type(self), options)
+        self._init_options(options)
         # Each load's agreement rides a SparseDataDistUtil stage's splits
         # exchange where there is one, else an all-reduce started a call ahead.
         # Its model says which ranks train together; without one, the world.
         carriers = agreement_carriers(pipeline_stages)
         model = next((c.trained_model for c in carriers if c.trained_model is not None), None)
-        group = agreement_group(self, model, self._options.sync_exhaustion)
-        channel = None if group is None else AgreementChannel(group, carried=bool(carriers))
+        channel = self._agreement_over(model, carried=bool(carriers))
         if channel is not None:
             for carrier in carriers:
                 carrier.carry_agreement(channel)
