@@ -131,7 +131,7 @@ def test_bwd_opt_recorded_step_runs_inside_the_backward() -> None:
         pipeline = getattr(trec_pipelines, name)(dmp, optimizer, DEVICE, *args)
         pipeline.enable_schedule_recording()
         run_pipeline(pipeline, batches, model=dmp)
-        spans = {(a.task, a.batch): a for a in pipeline._recorder.actions}
+        spans = {(a.task, a.batch): a for a in pipeline._recording.recorder.actions}
         for batch in range(5):
             step, backward = spans[("OptimizerStep", batch)], spans[("Backward", batch)]
             inside = backward.cpu_start < step.cpu_start and step.cpu_end < backward.cpu_end

@@ -376,7 +376,7 @@ def _protocol_log(
     monkeypatch.setattr(torch.Tensor, "record_stream", record_stream)
     with streams.use_device_module(fake):
         pipeline = make(TinyModel(), **kwargs)
-        pipeline._recorder = _LoggingRecorder(fake.log)
+        pipeline._recording.recorder = _LoggingRecorder(fake.log)
         outputs = drain(pipeline, iter(make_batches(n_batches)))
     assert len(outputs) == n_batches
     return fake.log, pipeline
@@ -438,7 +438,7 @@ def test_fused_waits_for_user_work_after_detach(monkeypatch: pytest.MonkeyPatch)
     monkeypatch.setattr(torch.Tensor, "record_stream", lambda self, stream: None)
     with streams.use_device_module(fake):
         pipeline = fused(TinyModel(), emb_lookup_stream="new")
-        pipeline._recorder = _LoggingRecorder(fake.log)
+        pipeline._recording.recorder = _LoggingRecorder(fake.log)
         it = iter(make_batches(4))
         pipeline.progress(it)
         pipeline.detach()

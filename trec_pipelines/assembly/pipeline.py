@@ -21,19 +21,47 @@ A variant says what it holds in flight through three small methods
 (:meth:`~PipelineCore._in_flight`, :meth:`~PipelineCore._set_aside`,
 :meth:`~PipelineCore._bring_back`) and how many host batches a step pulls
 (:meth:`~PipelineCore._batches_to_fetch`); the rest follows.
+
+The core is the one class of ours under every pipeline (with
+``SparseDistRewrite`` under the SparseDist family), so that a pipeline's MRO
+is torchrec's plus at most two classes.  What every pipeline has besides is
+held and called, not inherited: torchrec's attributes are properties from
+:mod:`~trec_pipelines.assembly.torchrec_state` assigned in the class body; the
+subclass-hook checks run from ``__init_subclass__``
+(:func:`~trec_pipelines.core.subclass_hooks.check_subclass`); the recording
+methods hand each call to ``self._recording``
+(:class:`~trec_pipelines.observe.recording.Recording`) and the checkpoint
+methods to :func:`~trec_pipelines.assembly.resume.save_state` and
+:func:`~trec_pipelines.assembly.resume.load_state`, one line each.
+StagedTrainPipeline stands on the core too: it shares the start of the
+set-up (:meth:`~PipelineCore._init_options`,
+:meth:`~PipelineCore._agreement_over`), overrides what it does its own way
+(pulling, ``skip_failed_batch``, the resume hooks) and runs no step guard.
 """
 
 from __future__ import annotations
 
 import logging
-from typing import Any, Callable, Iterator, Mapping, Optional, Tuple, cast
+from typing import (
+    Any,
+    Callable,
+    ClassVar,
+    ContextManager,
+    Dict,
+    Iterator,
+    List,
+    Mapping,
+    Optional,
+    Tuple,
+    cast,
+)
 
 import torch
+from torchrec.distributed.train_pipeline.types import PipelineState
 
+from trec_pipelines.assembly import resume, torchrec_state
 from trec_pipelines.assembly.options import PipelineOptions, accepted_options, resolve_options
 from trec_pipelines.assembly.pipelined_model import PipelinedModel
-from trec_pipelines.assembly.resume import Resumable
-from trec_pipelines.assembly.torchrec_state import TorchrecState
 from trec_pipelines.core.checks import (
     check_device,
     check_forward_output,
@@ -43,16 +71,56 @@ from trec_pipelines.core.checks import (
 from trec_pipelines.core.input_dist_group import InputDistGroup
 from trec_pipelines.core.precision import Precision
 from trec_pipelines.core.step_guard import StepGuard, guarded_step, skip_failed_batch
-from trec_pipelines.core.subclass_hooks import Hooks, beginning_the_step
+from trec_pipelines.core.streams import StreamSet
+from trec_pipelines.core.subclass_hooks import (
+    Refused,
+    Uncalled,
+    beginning_the_step,
+    check_subclass,
+)
 from trec_pipelines.data.agreement import AgreementChannel, agreement_group
 from trec_pipelines.data.source import BatchSource, ParkedEpochs
-from trec_pipelines.observe.recorder import Recordable
+from trec_pipelines.observe.action_records import Action, Transfer
+from trec_pipelines.observe.ledger import LedgerSummary, MemorySample
+from trec_pipelines.observe.recorder import ScheduleRecorder
+from trec_pipelines.observe.recording import Recording
 
 logger: logging.Logger = logging.getLogger(__name__)
 
 
-class PipelineCore(TorchrecState, Hooks, Recordable, Resumable):
+def _guarded(progress: Callable[[Any, Iterator[Any]], Any]) -> Callable[[Any, Iterator[Any]], Any]:
+    """A subclass's own ``progress()``, inside the step guard (see ``[Note: subclass hooks]``)."""
+    return guarded_step(beginning_the_step(progress))
+
+
+class PipelineCore:
     """The shared part of every pipeline (see [Note: the core under every pipeline])."""
+
+    # Each hook of torchrec's a class does not honour (see [Note: subclass hooks]).
+    _uncalled_hooks: ClassVar[Mapping[str, Uncalled]] = {}
+    _refused_hooks: ClassVar[Mapping[str, Refused]] = {}
+    # Whether a subclass's own progress() runs inside the step guard.
+    _guards_user_progress: ClassVar[bool] = True
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        check_subclass(cls, _guarded if cls._guards_user_progress else None)
+
+    # torchrec's attributes (see [Note: torchrec's state on our pipelines]).
+    _dataloader_iter = torchrec_state.DATALOADER_ITER
+    _dataloader_exhausted = torchrec_state.DATALOADER_EXHAUSTED
+    _data_iter_stopped = torchrec_state.DATA_ITER_STOPPED
+    _memcpy_stream = torchrec_state.MEMCPY_STREAM
+    _data_dist_stream = torchrec_state.DATA_DIST_STREAM
+    # Where a step is (torchrec's ``_state``, written by torchrec's base class at
+    # construction; outside code writes it too).  Holds torchrec's enum.
+    _state: PipelineState
+    # Whether each step moves ``_state`` through IDLE, CALL_FWD and CALL_BWD, as
+    # the torchrec class of the same name does (the others stay IDLE).
+    _tracks_state: ClassVar[bool] = False
+    _streams: StreamSet
+    # The schedule recorder's holder; class-level until a pipeline records.
+    _recording: Recording
 
     # Variants that only run forwards (Eval) take optimizer=None.
     _requires_optimizer: bool = True
@@ -90,7 +158,7 @@ class PipelineCore(TorchrecState, Hooks, Recordable, Resumable):
         (a variant whose input_dist never runs ahead keeps it on the model's group).
         """
         name = type(self).__name__
-        self._options = resolve_options(name, type(self), options)
+        self._init_options(options)
         if self._requires_optimizer:
             check_optimizer(optimizer, name, model)
         self._device = check_device(device, name)
@@ -98,12 +166,7 @@ class PipelineCore(TorchrecState, Hooks, Recordable, Resumable):
         self._model = model
         # None only for the eval variants, which never step it.
         self._optimizer: torch.optim.Optimizer = cast(torch.optim.Optimizer, optimizer)
-        agreed_over = agreement_group(self, model, self._options.sync_exhaustion)
-        self._agreement = (
-            None
-            if agreed_over is None
-            else AgreementChannel(agreed_over, carried=self._carries_agreement)
-        )
+        self._agreement = self._agreement_over(model, carried=self._carries_agreement)
         self._precision = Precision(
             self._device,
             self._options.autocast_dtype,
@@ -119,6 +182,20 @@ class PipelineCore(TorchrecState, Hooks, Recordable, Resumable):
         self._pipelined = PipelinedModel(self, model, group)
         # Set when another pipeline detached this one to take the model over.
         self._taken_over_by: Optional[str] = None
+
+    def _init_options(self, options: Mapping[str, Any]) -> None:
+        """The set-up every pipeline starts with, StagedTrainPipeline's too: its
+        recording (off) and our options, resolved for its class."""
+        self._recording = Recording()
+        self._options = resolve_options(type(self).__name__, type(self), options)
+
+    def _agreement_over(
+        self, model: Optional[torch.nn.Module], *, carried: bool
+    ) -> Optional[AgreementChannel]:
+        """The channel the ranks training ``model`` agree on each pull over (None
+        alone or with ``sync_exhaustion=False``); ``carried``: on the splits exchange."""
+        group = agreement_group(self, model, self._options.sync_exhaustion)
+        return None if group is None else AgreementChannel(group, carried=carried)
 
     def _new_source(self) -> BatchSource:
         """A source of host batches for a new epoch count, with the ranks' agreement."""
@@ -165,12 +242,9 @@ class PipelineCore(TorchrecState, Hooks, Recordable, Resumable):
             return cast(Tuple[torch.Tensor, Any], output)
         return cast(Tuple[torch.Tensor, Any], check_forward_output(output, type(self).__name__))
 
-    @classmethod
-    def _guard_user_progress(
-        cls, progress: Callable[[Any, Iterator[Any]], Any]
-    ) -> Callable[[Any, Iterator[Any]], Any]:
-        """A subclass's own ``progress()``, inside the step guard (see ``[Note: subclass hooks]``)."""
-        return guarded_step(beginning_the_step(progress))
+    def _enter_phase(self, phase: PipelineState) -> None:
+        """Set ``_state`` to ``phase`` where torchrec's class does (``_tracks_state``)."""
+        torchrec_state.enter_phase(self, phase)
 
     # ------------------------------------------------------- the in-flight batches
 
@@ -286,3 +360,132 @@ class PipelineCore(TorchrecState, Hooks, Recordable, Resumable):
         """Batches this rank pulled but did not train because another rank's data
         ended first (``sync_exhaustion=True``)."""
         return self._source.unused
+
+    # ------------------------------------------------- checkpoint and resume
+
+    def state_dict(self) -> Dict[str, Any]:
+        """This rank's in-flight batches, for a checkpoint (``{"rank_<r>": bytes}``).
+
+        Call it between ``progress()`` calls (also before the first, and after
+        ``StopIteration``), on every rank, next to the model's, the optimizers'
+        and the data loader's states, taken at the same point.  It holds the host
+        copies of the batches pulled and not trained (SparseDist: at most 3;
+        SemiSync: 4) and their indices, plus a few hundred bytes; SemiSync adds
+        its looked-up embeddings and stashed gradients.  Load it with
+        :meth:`load_state_dict` into a new pipeline before its first ``progress()``.
+        """
+        return resume.save_state(self)
+
+    def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
+        """Train the batches a checkpointed pipeline had in flight first, then go on.
+
+        ``state_dict`` is what :meth:`state_dict` returned (on this rank, or the
+        same keys loaded from a ``torch.distributed.checkpoint`` holding every
+        rank's).  Call it on a new pipeline before its first ``progress()``;
+        then pass an iterator that continues where the checkpointed one stopped
+        (a data loader restored from its own state taken at the same point).
+        """
+        resume.load_state(self, state_dict)
+
+    # What resume.save_state and resume.load_state ask a pipeline (see
+    # [Note: exact resume]); a variant overrides the ones it needs.
+
+    def _unfinished(self) -> Tuple[List[Tuple[int, Any]], int]:
+        """``(index, host batch)`` pulled and not trained, oldest first; the next index."""
+        return self._source.unfinished()
+
+    def _is_fresh(self) -> bool:
+        """Nothing pulled yet (or since ``reset()``): the state may be loaded."""
+        return self._source.is_fresh()
+
+    def _resume(self, batches: List[Tuple[int, Any]], next_index: int) -> None:
+        """Serve ``batches`` first, then number new ones from ``next_index``."""
+        self._source.resume(batches, next_index)
+
+    def _settle(self) -> None:
+        """Finish whatever is still pulling batches (a loader thread) before the state is read."""
+
+    def _extra_state(self) -> Dict[str, Any]:
+        """What exactness needs besides the batches (host tensors after ``to_host``)."""
+        return {}
+
+    def _load_extra_state(self, extra: Dict[str, Any], variant: str) -> None:
+        """Take :meth:`_extra_state` of the saving pipeline back (``variant`` saved it)."""
+        resume.ignore_extra_state(self, extra, variant)
+
+    def _resume_blocker(self) -> Optional[str]:
+        """Why the pipeline's state cannot be taken or loaded now, or None."""
+        return resume.parked_blocker(self)
+
+    # --------------------------------------------------------------- recording
+
+    def enable_schedule_recording(self, memory: bool = False) -> ScheduleRecorder:
+        """Record every verb, with timing, from the next ``progress()`` call on.
+
+        ``memory=True`` also measures, after each verb, the tensor storage the
+        pipeline holds (:meth:`memory_ledger`); it slows every verb down.
+        """
+        return self._recording.enable(self, memory)
+
+    def disable_schedule_recording(self) -> None:
+        """Stop recording, and drop what was recorded."""
+        self._recording.disable()
+
+    @property
+    def schedule_actions(self) -> List[Action]:
+        """The recorded actions, oldest first (empty when recording is off)."""
+        return self._recording.actions()
+
+    @property
+    def schedule_transfers(self) -> List[Transfer]:
+        """The all-to-alls the recorded verbs put on the link, oldest first
+        (empty when recording is off); ``completed`` is None for one still in flight."""
+        return self._recording.transfers()
+
+    def schedule(self) -> List[Tuple[str, str, List[Any]]]:
+        """The schedule table: one ``(task, stream, cells)`` row per task.
+
+        ``cells[k]`` is the batch index the task handled in ``progress()`` call
+        ``k`` (a tuple when it handled several, as in the fill), or None.
+        """
+        return self._recording.schedule()
+
+    def print_schedule(self, n: Optional[int] = None) -> str:
+        """Print (and return) the first ``n`` columns of :meth:`schedule`."""
+        return self._recording.print_schedule(n)
+
+    def export_trace(self, path: str) -> None:
+        """Write a Chrome/Perfetto trace: one track per stream plus the CPU thread
+        (and a counter of what the pipeline held, when the memory ledger is on)."""
+        self._recording.export_trace(path)
+
+    def save_timeline(self, path: str, calls: Optional[Tuple[int, int]] = None) -> None:
+        """Draw the recorded timeline (streams x time) to a PNG: a lane per
+        stream, one for the CPU thread, one per process group for the link, and
+        a memory track when the memory ledger is on."""
+        self._recording.save_timeline(self, path, calls)
+
+    @property
+    def memory_samples(self) -> List[MemorySample]:
+        """What the pipeline held after each recorded verb (empty unless ``memory=True``)."""
+        return self._recording.memory_samples()
+
+    def memory_ledger(self) -> LedgerSummary:
+        """Peak and steady state of what the pipeline held, by kind (see :mod:`trec_pipelines.observe.ledger`)."""
+        return self._recording.memory_ledger()
+
+    def print_memory(self) -> str:
+        """Print (and return) :meth:`memory_ledger` as a table."""
+        return self._recording.print_memory()
+
+    def exposed_time(self) -> Dict[str, float]:
+        """Seconds the training thread spent in each task, plus ``"step"``: the total."""
+        return self._recording.exposed_time()
+
+    def _begin_call(self) -> None:
+        self._recording.begin_call()
+
+    def _span(
+        self, task: str, batch: Optional[int], stream: str = "default", thread: str = "main"
+    ) -> ContextManager[None]:
+        return self._recording.span(task, batch, stream, thread)

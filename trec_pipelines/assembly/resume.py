@@ -7,7 +7,7 @@ pulls batches ahead of training, so the loader's state is ahead of the model by
 the batches in flight: up to three for SparseDist (``cur``, ``nxt``, ``new``),
 four for SemiSync.  Restarting from those three states alone skips them.
 
-So a pipeline has a state of its own (:class:`Resumable`, the
+So a pipeline has a state of its own (:class:`Resumable`'s methods, the
 ``torch.distributed.checkpoint.stateful.Stateful`` shape): the host copies of
 the batches it pulled and has not trained, oldest first, each with its index
 (what ``sync_embeddings`` and the recorder count by), and the index the next
@@ -24,7 +24,7 @@ trained once, and the weights equal those of the run that never stopped, bit
 for bit: no variant's numerics depend on when a batch's copy or input_dist
 ran, only on the weights its lookup reads, which the model checkpoint holds.
 Variants whose in-flight work read older weights keep what exactness needs
-besides (:meth:`Resumable._extra_state`: SemiSync's looked-up embeddings and
+besides (its ``_extra_state()``: SemiSync's looked-up embeddings and
 stashed gradients).
 
 The state is per rank, under a key naming the rank (``"rank_3"``), as
@@ -43,12 +43,10 @@ from __future__ import annotations
 import io
 import logging
 from dataclasses import dataclass, field, fields
-from typing import Any, Dict, List, Mapping, Optional, Tuple
+from typing import Any, Dict, List, Mapping, Optional, Protocol, Tuple, runtime_checkable
 
 import torch
 import torch.distributed as dist
-
-from trec_pipelines.data.source import BatchSource
 
 logger: logging.Logger = logging.getLogger(__name__)
 
@@ -70,7 +68,7 @@ class SavedPipeline:
         batches: ``(index, host batch)`` of every batch pulled and not trained,
             oldest first: the resumed pipeline trains them first, in this order.
         next_index: the index of the next batch pulled from the iterator.
-        extra: what a variant needs besides (see :meth:`Resumable._extra_state`),
+        extra: what a variant needs besides (its ``_extra_state()``),
             host tensors only.
     """
 
@@ -129,7 +127,8 @@ def decode(blob: bytes) -> SavedPipeline:
     return SavedPipeline(**fields)
 
 
-class Resumable:
+@runtime_checkable
+class Resumable(Protocol):
     """The checkpoint methods every pipeline has, in the shape of
     ``torch.distributed.checkpoint.stateful.Stateful``.
 
@@ -137,15 +136,9 @@ class Resumable:
     next to the model's, the optimizers' and the data loader's states and
     loaded into a new pipeline, each batch is trained once and the resumed run
     equals the uninterrupted one (see the :doc:`checkpoint guide </guides/checkpoint>`).
+    Every pipeline has these methods (``isinstance(pipeline, Resumable)`` is
+    True); each calls :func:`save_state` or :func:`load_state`.
     """
-
-    # For a pipeline class (see [Note: exact resume]): it provides ``_source``, a
-    # BatchSource with ``keep_in_flight=True``, and may override _settle,
-    # _extra_state, _load_extra_state and _resume_blocker; one that pulls batches
-    # its own way (StagedTrainPipeline) overrides _unfinished, _is_fresh and
-    # _resume instead of providing ``_source``.
-
-    _source: BatchSource
 
     def state_dict(self) -> Dict[str, Any]:
         """This rank's in-flight batches, for a checkpoint (``{"rank_<r>": bytes}``).
@@ -158,23 +151,6 @@ class Resumable:
         its looked-up embeddings and stashed gradients.  Load it with
         :meth:`load_state_dict` into a new pipeline before its first ``progress()``.
         """
-        name = type(self).__name__
-        blocker = self._resume_blocker()
-        if blocker is not None:
-            raise RuntimeError(f"{name}.state_dict(): {blocker}")
-        self._settle()
-        rank, world = _rank_and_world()
-        batches, next_index = self._unfinished()
-        saved = SavedPipeline(
-            format=FORMAT,
-            variant=name,
-            rank=rank,
-            world_size=world,
-            batches=[(index, to_host(batch)) for index, batch in batches],
-            next_index=next_index,
-            extra=to_host(self._extra_state()),
-        )
-        return {rank_key(rank): encode(saved)}
 
     def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
         """Train the batches a checkpointed pipeline had in flight first, then go on.
@@ -185,84 +161,100 @@ class Resumable:
         then pass an iterator that continues where the checkpointed one stopped
         (a data loader restored from its own state taken at the same point).
         """
-        name = type(self).__name__
-        rank, world = _rank_and_world()
-        key = rank_key(rank)
-        if key not in state_dict:
-            raise KeyError(
-                f"{name}.load_state_dict(): no state for rank {rank} (found "
-                f"{sorted(state_dict)}). Each rank loads the state its own rank "
-                "saved: save pipeline.state_dict() on every rank."
-            )
-        saved = decode(state_dict[key])
-        if saved.world_size != world:
-            raise ValueError(
-                f"{name}.load_state_dict(): the state was saved by rank {saved.rank} of "
-                f"{saved.world_size}, and this is rank {rank} of {world}. A rank's "
-                "in-flight batches are its share of the data: resume on as many ranks "
-                "as saved, or start the epoch afresh without load_state_dict()."
-            )
-        if not self._is_fresh():
-            raise RuntimeError(
-                f"{name}.load_state_dict() on a pipeline that has already pulled "
-                "batches: build a new pipeline (or call reset()) and load the state "
-                "before its first progress()."
-            )
-        blocker = self._resume_blocker()
-        if blocker is not None:
-            raise RuntimeError(f"{name}.load_state_dict(): {blocker}")
-        self._load_extra_state(saved.extra, saved.variant)
-        self._resume(saved.batches, saved.next_index)
-        if saved.batches:
-            logger.info(
-                "%s: resuming with %d batch(es) in flight from a %s checkpoint "
-                "(indices %d..%d); they are trained first",
-                name,
-                len(saved.batches),
-                saved.variant,
-                saved.batches[0][0],
-                saved.batches[-1][0],
-            )
 
-    # ------------------------------------------------------------- variants
 
-    def _unfinished(self) -> Tuple[List[Tuple[int, Any]], int]:
-        """``(index, host batch)`` pulled and not trained, oldest first; the next index."""
-        return self._source.unfinished()
+# How a pipeline takes part (see [Note: exact resume]): it has ``_source``, a
+# BatchSource with ``keep_in_flight=True``, and the hooks the functions below
+# call, whose defaults are on PipelineCore: _unfinished, _is_fresh, _resume,
+# _settle, _extra_state, _load_extra_state and _resume_blocker.  A variant may
+# override _settle, _extra_state, _load_extra_state and _resume_blocker; one
+# that pulls batches its own way (StagedTrainPipeline) overrides _unfinished,
+# _is_fresh and _resume.
 
-    def _is_fresh(self) -> bool:
-        """Nothing pulled yet (or since ``reset()``): the state may be loaded."""
-        return self._source.is_fresh()
 
-    def _resume(self, batches: List[Tuple[int, Any]], next_index: int) -> None:
-        """Serve ``batches`` first, then number new ones from ``next_index``."""
-        self._source.resume(batches, next_index)
+def save_state(pipeline: Any) -> Dict[str, Any]:
+    """``pipeline``'s in-flight batches, for a checkpoint (see :meth:`Resumable.state_dict`)."""
+    name = type(pipeline).__name__
+    blocker = pipeline._resume_blocker()
+    if blocker is not None:
+        raise RuntimeError(f"{name}.state_dict(): {blocker}")
+    pipeline._settle()
+    rank, world = _rank_and_world()
+    batches, next_index = pipeline._unfinished()
+    saved = SavedPipeline(
+        format=FORMAT,
+        variant=name,
+        rank=rank,
+        world_size=world,
+        batches=[(index, to_host(batch)) for index, batch in batches],
+        next_index=next_index,
+        extra=to_host(pipeline._extra_state()),
+    )
+    return {rank_key(rank): encode(saved)}
 
-    def _settle(self) -> None:
-        """Finish whatever is still pulling batches (a loader thread) before the state is read."""
 
-    def _extra_state(self) -> Dict[str, Any]:
-        """What exactness needs besides the batches (host tensors after ``to_host``)."""
-        return {}
+def load_state(pipeline: Any, state_dict: Mapping[str, Any]) -> None:
+    """Load ``state_dict`` into ``pipeline`` (see :meth:`Resumable.load_state_dict`)."""
+    name = type(pipeline).__name__
+    rank, world = _rank_and_world()
+    key = rank_key(rank)
+    if key not in state_dict:
+        raise KeyError(
+            f"{name}.load_state_dict(): no state for rank {rank} (found "
+            f"{sorted(state_dict)}). Each rank loads the state its own rank "
+            "saved: save pipeline.state_dict() on every rank."
+        )
+    saved = decode(state_dict[key])
+    if saved.world_size != world:
+        raise ValueError(
+            f"{name}.load_state_dict(): the state was saved by rank {saved.rank} of "
+            f"{saved.world_size}, and this is rank {rank} of {world}. A rank's "
+            "in-flight batches are its share of the data: resume on as many ranks "
+            "as saved, or start the epoch afresh without load_state_dict()."
+        )
+    if not pipeline._is_fresh():
+        raise RuntimeError(
+            f"{name}.load_state_dict() on a pipeline that has already pulled "
+            "batches: build a new pipeline (or call reset()) and load the state "
+            "before its first progress()."
+        )
+    blocker = pipeline._resume_blocker()
+    if blocker is not None:
+        raise RuntimeError(f"{name}.load_state_dict(): {blocker}")
+    pipeline._load_extra_state(saved.extra, saved.variant)
+    pipeline._resume(saved.batches, saved.next_index)
+    if saved.batches:
+        logger.info(
+            "%s: resuming with %d batch(es) in flight from a %s checkpoint "
+            "(indices %d..%d); they are trained first",
+            name,
+            len(saved.batches),
+            saved.variant,
+            saved.batches[0][0],
+            saved.batches[-1][0],
+        )
 
-    def _load_extra_state(self, extra: Dict[str, Any], variant: str) -> None:
-        """Take :meth:`_extra_state` of the saving pipeline back (``variant`` saved it)."""
-        if extra:
-            logger.warning(
-                "%s: the %s checkpoint also holds %s, which this variant does not use: "
-                "its in-flight batches are trained as this variant trains them",
-                type(self).__name__,
-                variant,
-                sorted(extra),
-            )
 
-    def _resume_blocker(self) -> Optional[str]:
-        """Why the pipeline's state cannot be taken or loaded now, or None."""
-        parked = getattr(self, "_parked", None)
-        if parked is not None and parked.states():
-            return (
-                "batches of another iterator are parked (a different iterator was "
-                "passed mid-epoch); their iterator cannot be checkpointed with them. "
-                "Finish that iterator's epoch, or call reset() to drop them, first."
-            )
-        return None
+def ignore_extra_state(pipeline: Any, extra: Dict[str, Any], variant: str) -> None:
+    """Warn that the ``variant`` checkpoint holds ``extra`` state ``pipeline`` does not use."""
+    if extra:
+        logger.warning(
+            "%s: the %s checkpoint also holds %s, which this variant does not use: "
+            "its in-flight batches are trained as this variant trains them",
+            type(pipeline).__name__,
+            variant,
+            sorted(extra),
+        )
+
+
+def parked_blocker(pipeline: Any) -> Optional[str]:
+    """Why ``pipeline``'s state cannot be taken or loaded now (batches of another
+    iterator are parked), or None."""
+    parked = getattr(pipeline, "_parked", None)
+    if parked is not None and parked.states():
+        return (
+            "batches of another iterator are parked (a different iterator was "
+            "passed mid-epoch); their iterator cannot be checkpointed with them. "
+            "Finish that iterator's epoch, or call reset() to drop them, first."
+        )
+    return None

@@ -22,8 +22,9 @@ same-named class is, in ours, one of
 
 Never silently ignored.  Each class declares its decisions in
 ``_uncalled_hooks`` and ``_refused_hooks``, merged along its bases (the
-nearest class's decision wins); :class:`Hooks` checks a subclass defined
-outside this package as it is created.  Where torchrec's releases differ,
+nearest class's decision wins); ``PipelineCore.__init_subclass__`` calls
+:func:`check_subclass`, which checks a subclass defined outside this package
+as it is created.  Where torchrec's releases differ,
 a hook either release never calls is uncalled (a ``TypeError`` would stop
 code that runs on that release); a method one release does not have is
 decided by the release that has it.  The migration guide's "Subclassing"
@@ -32,7 +33,13 @@ section lists every decision.
 A subclass's own ``progress()`` runs inside the step guard
 (:mod:`trec_pipelines.core.step_guard`): a progress rebuilt from the verbs
 rolls back when it raises and retires each trained batch's host copy, as
-ours does.
+ours does.  This wrapping is the one rewrite of a user's class, and it is
+needed: the guard has to mark the step begun before the user's first line
+issues work (else a failure there is not rolled back), and has to retire the
+host copies and hand back the failed batch after the user's last line.  Only
+the user's ``progress()`` can be wrapped for that, as ours calls no hook
+around it.  A pipeline without a step guard (StagedTrainPipeline) passes no
+wrapper.
 """
 
 from __future__ import annotations
@@ -41,7 +48,7 @@ import functools
 import sys
 import warnings
 from dataclasses import dataclass
-from typing import Any, Callable, ClassVar, Dict, Iterator, Mapping, Set, Tuple, Union
+from typing import Any, Callable, Dict, Iterator, Optional, Set, Tuple, Union
 
 
 @dataclass(frozen=True)
@@ -132,31 +139,30 @@ def uncalled_hooks(cls: type) -> Dict[str, Uncalled]:
 _warned: Set[Tuple[str, str, Tuple[str, ...], str]] = set()
 
 
-class Hooks:
-    """Checks, as a user's subclass is created, the hooks it overrides (refused:
-    ``TypeError``; uncalled: one warning), and runs its own ``progress()`` inside
-    the step guard (see the module note)."""
+def check_subclass(
+    cls: type,
+    guard_progress: Optional[Callable[[Callable[..., Any]], Callable[..., Any]]] = None,
+) -> None:
+    """Check, as ``cls`` is created, the hooks it overrides (refused: ``TypeError``;
+    uncalled: one warning), and wrap its own ``progress()`` with ``guard_progress``.
 
-    _uncalled_hooks: ClassVar[Mapping[str, Uncalled]] = {}
-    _refused_hooks: ClassVar[Mapping[str, Refused]] = {}
-
-    def __init_subclass__(cls, **kwargs: Any) -> None:
-        super().__init_subclass__(**kwargs)
-        if cls.__module__.split(".")[0] == "trec_pipelines":
-            return  # ours: the decisions are made here
-        decided = decided_hooks(cls)
-        for name in cls.__dict__:
-            decision = decided.get(name)
-            if isinstance(decision, Refused):
-                raise TypeError(refusal_message(cls, name, decision))
-        for name in cls.__dict__:
-            decision = decided.get(name)
-            if isinstance(decision, Uncalled):
-                _warn_uncalled(cls, name, decision)
-        if "progress" in cls.__dict__:
-            guard = getattr(cls, "_guard_user_progress", None)
-            if guard is not None:
-                cls.progress = guard(cls.__dict__["progress"])  # type: ignore[attr-defined]
+    Called from ``PipelineCore.__init_subclass__``; a class of this package is
+    not checked (the decisions are made here).  ``guard_progress`` is None for a
+    pipeline without a step guard.
+    """
+    if cls.__module__.split(".")[0] == "trec_pipelines":
+        return
+    decided = decided_hooks(cls)
+    for name in cls.__dict__:
+        decision = decided.get(name)
+        if isinstance(decision, Refused):
+            raise TypeError(refusal_message(cls, name, decision))
+    for name in cls.__dict__:
+        decision = decided.get(name)
+        if isinstance(decision, Uncalled):
+            _warn_uncalled(cls, name, decision)
+    if guard_progress is not None and "progress" in cls.__dict__:
+        cls.progress = guard_progress(cls.__dict__["progress"])  # type: ignore[attr-defined]
 
 
 def _ours(cls: type) -> str:

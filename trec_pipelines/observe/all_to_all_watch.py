@@ -38,7 +38,7 @@ from trec_pipelines.observe.action_records import Action, Transfer
 
 class Watcher(Protocol):
     """What the link needs of a recorder (:class:`~trec_pipelines.observe.recorder.ScheduleRecorder`
-    is one; named here by what it does, since the recorder imports this module)."""
+    is one; named here by what it does, since the recording imports this module)."""
 
     def enclosing(self) -> Optional[Action]: ...
 

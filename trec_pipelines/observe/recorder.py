@@ -30,21 +30,19 @@ bookkeeping, so timings recorded with it on are not representative.
 
 from __future__ import annotations
 
-import contextlib
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Any, ContextManager, Dict, List, Optional, Tuple
+from typing import Any, Dict, List, Optional, Protocol, Tuple, runtime_checkable
 
 import torch
 
 from trec_pipelines.core.streams import current_stream, device_module
-from trec_pipelines.observe import all_to_all_watch as links, schedule_view
 from trec_pipelines.observe.action_records import (
     Action as Action,  # also importable from here, its former home
     Transfer,
 )
-from trec_pipelines.observe.ledger import LedgerSummary, MemoryLedger, MemorySample, summarize
+from trec_pipelines.observe.ledger import LedgerSummary, MemoryLedger, MemorySample
 
 # Re-exported: the pipelines name the tasks rec.H2D, rec.FORWARD, ...
 from trec_pipelines.observe.task_names import (
@@ -72,10 +70,9 @@ from trec_pipelines.observe.task_names import (
     ZERO_GRAD as ZERO_GRAD,
 )
 
-_NO_SPAN: ContextManager[None] = contextlib.nullcontext()
 
-
-def _profiler_running() -> bool:
+def profiler_running() -> bool:
+    """Whether a PyTorch profiler is running (a span then labels its work)."""
     return torch.autograd.profiler._is_profiler_enabled
 
 
@@ -210,7 +207,7 @@ class _Span:
     def __enter__(self) -> None:
         self._recorder._open.setdefault(threading.get_ident(), []).append(self._action)
         self._start_event = self._recorder._event(self._stream)
-        if _profiler_running():
+        if profiler_running():
             self._label = torch.profiler.record_function(f"trec_pipelines::{self._action.task}")
             self._label.__enter__()
         self._action.cpu_start = time.perf_counter()
@@ -236,19 +233,18 @@ class _Span:
             ledger.sample(action.call, action.task, action.batch, action.stream)
 
 
-class Recordable:
+@runtime_checkable
+class Recordable(Protocol):
     """The recording methods every pipeline has: each verb a ``progress()`` ran,
     on which stream, for which batch, with its timing and, with ``memory=True``,
     what the pipeline held after it.
 
     Off by default, and free then.  See "Seeing the schedule" in
     :doc:`the variants guide </guides/variants>` and :doc:`the memory guide </guides/memory>`.
+    Every pipeline has these methods (``isinstance(pipeline, Recordable)`` is
+    True); it holds a :class:`~trec_pipelines.observe.recording.Recording` and
+    each method hands the call to it.
     """
-
-    # A pipeline's verbs open ``self._span(...)`` around their work; it records
-    # nothing while recording is off.
-
-    _recorder: Optional[ScheduleRecorder] = None
 
     def enable_schedule_recording(self, memory: bool = False) -> ScheduleRecorder:
         """Record every verb, with timing, from the next ``progress()`` call on.
@@ -256,45 +252,18 @@ class Recordable:
         ``memory=True`` also measures, after each verb, the tensor storage the
         pipeline holds (:meth:`memory_ledger`); it slows every verb down.
         """
-        if self._recorder is None:
-            streams = getattr(self, "_streams", None)
-            roles: Dict[str, Optional[torch.Stream]] = {}
-            if streams is not None:
-                for role in ("memcpy", "data_dist", "prefetch", "emb_lookup"):
-                    roles[role] = getattr(streams, role, None)
-            device = getattr(self, "_device", None)
-            if device is not None:
-                roles["default"] = current_stream(device)
-            self._recorder = ScheduleRecorder(streams=roles)
-            links.watch(self._recorder)
-        if memory and self._recorder.memory is None:
-            ledger = MemoryLedger(self, getattr(self, "_device", None))
-            ledger.ignore(self._recorder)
-            self._recorder.memory = ledger
-        return self._recorder
 
     def disable_schedule_recording(self) -> None:
         """Stop recording, and drop what was recorded."""
-        if self._recorder is not None:
-            links.unwatch(self._recorder)
-        self._recorder = None
 
     @property
     def schedule_actions(self) -> List[Action]:
         """The recorded actions, oldest first (empty when recording is off)."""
-        if self._recorder is None:
-            return []
-        self._recorder.resolve()
-        return list(self._recorder.actions)
 
     @property
     def schedule_transfers(self) -> List[Transfer]:
         """The all-to-alls the recorded verbs put on the link, oldest first
         (empty when recording is off); ``completed`` is None for one still in flight."""
-        if self._recorder is None:
-            return []
-        self._recorder.resolve()
-        return list(self._recorder.transfers)
 
     def schedule(self) -> List[Tuple[str, str, List[Any]]]:
         """The schedule table: one ``(task, stream, cells)`` row per task.
@@ -302,74 +271,28 @@ class Recordable:
         ``cells[k]`` is the batch index the task handled in ``progress()`` call
         ``k`` (a tuple when it handled several, as in the fill), or None.
         """
-        return schedule_view.schedule_table(self.schedule_actions)
 
     def print_schedule(self, n: Optional[int] = None) -> str:
         """Print (and return) the first ``n`` columns of :meth:`schedule`."""
-        text = schedule_view.format_schedule(self.schedule(), n)
-        print(text)
-        return text
 
     def export_trace(self, path: str) -> None:
         """Write a Chrome/Perfetto trace: one track per stream plus the CPU thread
         (and a counter of what the pipeline held, when the memory ledger is on)."""
-        schedule_view.write_trace(
-            self.schedule_actions,
-            path,
-            memory=self.memory_samples,
-            transfers=self.schedule_transfers,
-        )
 
     def save_timeline(self, path: str, calls: Optional[Tuple[int, int]] = None) -> None:
         """Draw the recorded timeline (streams x time) to a PNG: a lane per
         stream, one for the CPU thread, one per process group for the link, and
         a memory track when the memory ledger is on."""
-        device = getattr(self, "_device", None)
-        schedule_view.draw_timeline(
-            self.schedule_actions,
-            path,
-            calls=calls,
-            title=type(self).__name__,
-            memory=self.memory_samples,
-            transfers=self.schedule_transfers,
-            on_cpu=None if device is None else torch.device(device).type == "cpu",
-        )
 
     @property
     def memory_samples(self) -> List[MemorySample]:
         """What the pipeline held after each recorded verb (empty unless ``memory=True``)."""
-        recorder = self._recorder
-        if recorder is None or recorder.memory is None:
-            return []
-        return list(recorder.memory.samples)
 
     def memory_ledger(self) -> LedgerSummary:
         """Peak and steady state of what the pipeline held, by kind (see :mod:`trec_pipelines.observe.ledger`)."""
-        return summarize(self.memory_samples)
 
     def print_memory(self) -> str:
         """Print (and return) :meth:`memory_ledger` as a table."""
-        text = self.memory_ledger().format()
-        print(text)
-        return text
 
     def exposed_time(self) -> Dict[str, float]:
         """Seconds the training thread spent in each task, plus ``"step"``: the total."""
-        recorder = self._recorder
-        return schedule_view.exposed_time(
-            self.schedule_actions, [] if recorder is None else recorder.call_starts
-        )
-
-    def _begin_call(self) -> None:
-        if self._recorder is not None:
-            self._recorder.begin_call()
-
-    def _span(
-        self, task: str, batch: Optional[int], stream: str = "default", thread: str = "main"
-    ) -> ContextManager[None]:
-        recorder = self._recorder
-        if recorder is not None:
-            return recorder.span(task, batch, stream, thread)
-        if _profiler_running():
-            return torch.profiler.record_function(f"trec_pipelines::{task}")
-        return _NO_SPAN

@@ -22,9 +22,8 @@ import torch
 from torchrec.distributed.train_pipeline import In, TrainPipeline
 from typing_extensions import Unpack
 
-from trec_pipelines.assembly.options import BatchOptions, resolve_options, takes_options
-from trec_pipelines.assembly.resume import Resumable
-from trec_pipelines.assembly.torchrec_state import TorchrecState
+from trec_pipelines.assembly.options import BatchOptions, takes_options
+from trec_pipelines.assembly.pipeline import PipelineCore
 from trec_pipelines.core.api_docs import documented
 from trec_pipelines.core.errors import MalformedBatchError
 from trec_pipelines.core.streams import (
@@ -34,11 +33,9 @@ from trec_pipelines.core.streams import (
     record_stream,
     wait_event,
 )
-from trec_pipelines.core.subclass_hooks import Hooks, Refused
-from trec_pipelines.data.agreement import AgreementChannel, agreement_group
+from trec_pipelines.core.subclass_hooks import Refused
 from trec_pipelines.data.source import BatchSource
 from trec_pipelines.observe import recorder as rec
-from trec_pipelines.observe.recorder import Recordable
 from trec_pipelines.pipelines.stages import (
     PipelineStage,
     SkipAware,
@@ -113,9 +110,7 @@ class _Failure:
 
 @documented()
 @takes_options(BatchOptions)
-class StagedTrainPipeline(
-    TorchrecState, Hooks, TrainPipeline[In, Optional[StageOut]], Recordable, Resumable
-):
+class StagedTrainPipeline(PipelineCore, TrainPipeline[In, Optional[StageOut]]):
     """N batches in flight, one per stage; the caller trains the batch it returns.
 
     With stages ``s0 .. s(N-1)``, one ``progress()`` call issues, in order:
@@ -189,6 +184,10 @@ class StagedTrainPipeline(
         for hook in ("_run_stage", "_advance", "_run_with_event")
     }
 
+    # No step guard: a stage that raises is resumed by the next call instead
+    # (see [Note: a stage or the iterator raises]).
+    _guards_user_progress: ClassVar[bool] = False
+
     @property
     def _initialized(self) -> bool:
         """Whether the stages are filled (torchrec's attribute)."""
@@ -203,14 +202,13 @@ class StagedTrainPipeline(
         **options: Unpack[BatchOptions],
     ) -> None:
         super().__init__()
-        self._options = resolve_options(type(self).__name__, type(self), options)
+        self._init_options(options)
         # Each load's agreement rides a SparseDataDistUtil stage's splits
         # exchange where there is one, else an all-reduce started a call ahead.
         # Its model says which ranks train together; without one, the world.
         carriers = agreement_carriers(pipeline_stages)
         model = next((c.trained_model for c in carriers if c.trained_model is not None), None)
-        group = agreement_group(self, model, self._options.sync_exhaustion)
-        channel = None if group is None else AgreementChannel(group, carried=bool(carriers))
+        channel = self._agreement_over(model, carried=bool(carriers))
         if channel is not None:
             for carrier in carriers:
                 carrier.carry_agreement(channel)
@@ -526,6 +524,10 @@ class StagedTrainPipeline(
             f"{failure.where} raised ({failure.error}) while no stage was working on "
             "a batch, so there is none to skip; the next progress() calls it again"
         )
+
+    def reset(self) -> None:
+        """As torchrec's: nothing (the core's reset is for pipelines that park batches)."""
+        TrainPipeline.reset(self)
 
     def set_flush(self, flush: bool) -> None:
         """Stop (``True``) or resume (``False``) loading new batches.
