@@ -505,8 +505,11 @@ def test_emb_stash_plan_is_the_local_shards_of_the_marked_tables(
 
     from trec_pipelines.testing import dlrm
 
-    marked = [dataclasses.replace(t, stash_weights=True) for t in dlrm.table_configs()]
-    with mock.patch.object(dlrm, "table_configs", lambda: marked):
+    # The tests' DLRM is built from dlrm.TESTS_SPEC: the same shapes, every table marked.
+    spec = dataclasses.replace(dlrm.TESTS_SPEC, stash_weights=True)
+    marked = spec.table_configs()
+    assert marked and all(t.stash_weights for t in marked)
+    with mock.patch.object(dlrm, "TESTS_SPEC", spec):
         dmp, optimizer = make_sharded(DLRM, sharding_type, seed=SEED)
     pipeline = getattr(trec_pipelines, name)(dmp, optimizer, DEVICE, **STASH_VARIANTS[name])
     names = [t.name for t in marked]
