@@ -224,7 +224,7 @@ class TaggedBatch(Batch):
 
     def to(self, device: torch.device, non_blocking: bool = False) -> "TaggedBatch":
         moved = super().to(device, non_blocking)
-        return TaggedBatch(moved.dense, moved.sparse, moved.labels, self.dummy)
+        return TaggedBatch(moved.dense, moved.sparse, moved.labels, dummy=self.dummy)
 
 
 class TaggingDLRM(DLRM):
