@@ -64,10 +64,7 @@ def watch(recorder: Watcher) -> None:
     global _original
     with _lock:
         _watching[id(recorder)] = recorder
-        # Checked against what is installed, not against our own record of it:
-        # code that patched the function over a block (a spy, an input-dist tap)
-        # and restored its own saved value may have taken the wrapper out.
-        if dist.all_to_all_single is not _all_to_all_single:
+        if _original is None:
             _original = dist.all_to_all_single
             dist.all_to_all_single = _all_to_all_single
 
