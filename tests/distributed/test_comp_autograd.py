@@ -265,30 +265,20 @@ def test_a_fault_at_each_point_of_a_step_is_retried_and_training_equals_the_plai
     optimizer step, one after another in one run: each time the next progress()
     retries that batch from its host copy, as the plain loop with retry does
     (compile tolerance)."""
-    from tests.distributed.test_faults import Fault, _snapshot, plain_loop_with_retry
+    from tests.distributed.test_faults import plain_loop_with_retry, train_noting_faults
 
     batches = make_batches(NUM_BATCHES + 4, seed=SEED + 3)
     ref = plain_loop_with_retry(*_faulty_at_every_site(), batches)
     dmp, optimizer = _faulty_at_every_site()
     pipeline = TrainPipelineSparseDistCompAutograd(dmp, optimizer, DEVICE)
-    it = iter(batches)
-    outputs: List[torch.Tensor] = []
-    faults: List[str] = []
-    while True:
-        try:
-            outputs.append(_snapshot(pipeline.progress(it)))
-        except StopIteration:
-            break
-        except Fault as error:
-            assert "retries batch" in "".join(error.__notes__), error.__notes__
-            faults.append(str(error))
+    ours, faults = train_noting_faults(pipeline, batches, dmp)
     assert faults == [
         "injected before the lookup",
         "injected in the over-arch",
         "injected in backward",
         "injected in the optimizer",
     ], faults
-    _assert_close(Run(outputs, weights(dmp)), ref)
+    _assert_close(ours, ref)
 
 
 def test_resumed_from_a_checkpoint_equals_the_plain_loop() -> None:

@@ -11,7 +11,7 @@ import contextlib
 import gc
 import os
 from datetime import timedelta
-from typing import Any, List, Optional
+from typing import Any, List, Optional, Tuple
 
 import pytest
 import torch
@@ -118,20 +118,27 @@ def plain_loop_with_retry(model: Any, optimizer: Any, batches: List[Any]) -> Run
     return Run(outputs, weights(model))
 
 
-def train_with_retry(pipeline: Any, batches: List[Any], model: Any) -> Run:
+def train_noting_faults(pipeline: Any, batches: List[Any], model: Any) -> Tuple[Run, List[str]]:
+    """Train ``batches``, calling ``progress()`` again after each injected fault
+    (each must say the batch is retried); the run and the faults' messages, in order."""
     it = iter(batches)
     outputs = []
-    failures = 0
+    faults: List[str] = []
     while True:
         try:
             outputs.append(_snapshot(pipeline.progress(it)))
         except StopIteration:
             break
         except Fault as error:
-            failures += 1
-            assert "retries batch" in "".join(error.__notes__)
-    assert failures == 1
-    return Run(outputs, weights(model))
+            assert "retries batch" in "".join(error.__notes__), error.__notes__
+            faults.append(str(error))
+    return Run(outputs, weights(model)), faults
+
+
+def train_with_retry(pipeline: Any, batches: List[Any], model: Any) -> Run:
+    run, faults = train_noting_faults(pipeline, batches, model)
+    assert len(faults) == 1, faults
+    return run
 
 
 def _pipeline(name: str, dmp: Any, optimizer: Any, **kwargs: Any) -> Any:
