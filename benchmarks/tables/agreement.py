@@ -9,7 +9,8 @@ import statistics
 from dataclasses import dataclass
 from typing import List, Optional
 
-from benchmarks.tables.report import NO_AGREEMENT, ThroughputTable, _table
+from benchmarks.tables.memory_report import aligned_table
+from benchmarks.tables.report import NO_AGREEMENT, ThroughputTable
 
 
 @dataclass
@@ -58,6 +59,6 @@ def format_agreement(table: "ThroughputTable") -> Optional[str]:
         f"The ranks' agreement on each batch at batch {table.batch_size}/rank: examples/s with "
         "it (the default) / without it (sync_exhaustion=False), paired within each round"
     )
-    lines = [head] + _table(["variant", "paired", "per-round range", "rounds"], body)
+    lines = [head] + aligned_table(["variant", "paired", "per-round range", "rounds"], body)
     lines.append("  within noise where the per-round range straddles 1.000")
     return "\n".join(lines)

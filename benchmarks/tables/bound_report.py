@@ -159,7 +159,7 @@ TableLayout = Callable[[Sequence[str], Sequence[Sequence[str]]], List[str]]
 
 
 def format_bound(report: BoundReport, table: TableLayout) -> str:
-    """The bound lines and the per-variant table, laid out by ``table`` (report's ``_table``)."""
+    """The bound lines and the per-variant table, laid out by ``table`` (``memory_report.aligned_table``)."""
     c = report.costs
     lines = [
         f"Bound per step (stage probe, each stage alone): H2D {c.h2d_ms:.2f} ms, input dist "

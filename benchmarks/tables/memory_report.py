@@ -75,7 +75,8 @@ def throughput_cells(memory: Dict[str, Any], variant: str) -> List[str]:
 THROUGHPUT_HEADER = ["held MiB ours", "held MiB torchrec", "RSS MiB ours", "RSS MiB torchrec"]
 
 
-def _table(header: Sequence[str], body: Sequence[Sequence[str]]) -> List[str]:
+def aligned_table(header: Sequence[str], body: Sequence[Sequence[str]]) -> List[str]:
+    """``header``, a rule and ``body``: the first column left-aligned, the others right-aligned."""
     widths = [
         max(len(h), *(len(r[i]) for r in body)) if body else len(h) for i, h in enumerate(header)
     ]
@@ -178,7 +179,7 @@ def format_memory(
     agreement = memory_places.agreement_note(memory, variants)
     if agreement is not None:
         notes.insert(2, agreement)
-    return "\n".join([title] + _table(header, body) + notes)
+    return "\n".join([title] + aligned_table(header, body) + notes)
 
 
 def format_options(rows: Sequence[Dict[str, Any]], batch_size: int) -> str:
@@ -226,7 +227,7 @@ def format_options(rows: Sequence[Dict[str, Any]], batch_size: int) -> str:
         "destroying the data for the next epoch); ours' 'other' here is the loader's batches of the steps in "
         "flight, kept to retry a failed step from them: host memory on a GPU, not device memory",
     ]
-    return "\n".join([title] + _table(header, body) + notes)
+    return "\n".join([title] + aligned_table(header, body) + notes)
 
 
 def peak_rss_line(raw: Dict[str, Any]) -> Optional[str]:
@@ -307,7 +308,7 @@ def format_stash(memory: Dict[str, Dict[str, Any]], variants: Sequence[str]) -> 
         "memory is free between the stash and the restore, which the ledger does not count (it is the "
         "model's and the optimizer's, not the pipeline's)",
     ]
-    return "\n".join([title] + _table(header, body) + notes)
+    return "\n".join([title] + aligned_table(header, body) + notes)
 
 
 __all__ = [

@@ -13,12 +13,12 @@ from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional
 
 from benchmarks.settings.variants import COMPILED_PLAIN
+from benchmarks.tables.memory_report import aligned_table
 from benchmarks.tables.report import (
     UNVALIDATED,
     _measure,
     _num,
     _plain_mode,
-    _table,
     _variants,
 )
 
@@ -173,7 +173,7 @@ def format_overhead(table: OverheadTable, repeats: int) -> str:
     )
     return "\n".join(
         [title]
-        + _table(
+        + aligned_table(
             [
                 "variant",
                 "ours ms/step",

@@ -34,10 +34,11 @@ from __future__ import annotations
 
 import statistics
 from dataclasses import dataclass, field
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Dict, List, Optional, Tuple
 
 from benchmarks.settings.variants import COMPILED_VARIANTS
 from benchmarks.tables import bound_report, memory_report
+from benchmarks.tables.memory_report import aligned_table
 
 OK, NA = "ok", "n/a"
 
@@ -303,20 +304,6 @@ def _ratio_cell(value: Optional[float]) -> str:
     return "-" if value is None else f"{value:.2f}"
 
 
-def _table(header: Sequence[str], body: Sequence[Sequence[str]]) -> List[str]:
-    widths = [
-        max(len(h), *(len(r[i]) for r in body)) if body else len(h) for i, h in enumerate(header)
-    ]
-
-    def line(cells: Sequence[str]) -> str:
-        return "  ".join(
-            c.ljust(w) if i == 0 else c.rjust(w)
-            for i, (c, w) in enumerate(zip(cells, widths, strict=False))
-        ).rstrip()
-
-    return [line(header), line(["-" * w for w in widths])] + [line(r) for r in body]
-
-
 def format_throughput(table: ThroughputTable, repeats: int) -> str:
     notes: List[str] = []
     body = []
@@ -353,7 +340,7 @@ def format_throughput(table: ThroughputTable, repeats: int) -> str:
     ]
     if table.memory:
         header += memory_report.THROUGHPUT_HEADER
-    lines = [title] + _table(header, body)
+    lines = [title] + aligned_table(header, body)
     lines.append(
         "  ratios are of medians; 'paired' = median over rounds of ours/torchrec within a round "
         "(the two run back to back, in alternating order, so machine drift cancels)"
@@ -365,7 +352,7 @@ def format_throughput(table: ThroughputTable, repeats: int) -> str:
             "RSS MiB = process resident memory at peak during that epoch (see the memory table below)"
         )
     if table.bound is not None:
-        lines += ["", bound_report.format_bound(table.bound, _table)]
+        lines += ["", bound_report.format_bound(table.bound, aligned_table)]
     lines += format_recompiles(table)
     if table.validation is not None:
         lines.append(format_validation(table.validation, table.world))
