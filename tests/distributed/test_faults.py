@@ -120,7 +120,8 @@ def plain_loop_with_retry(model: Any, optimizer: Any, batches: List[Any]) -> Run
 
 def train_noting_faults(pipeline: Any, batches: List[Any], model: Any) -> Tuple[Run, List[str]]:
     """Train ``batches``, calling ``progress()`` again after each injected fault
-    (each must say the batch is retried); the run and the faults' messages, in order."""
+    (each must say the batch is retried); the run and the faults' messages (their
+    first lines), in order."""
     it = iter(batches)
     outputs = []
     faults: List[str] = []
@@ -131,7 +132,8 @@ def train_noting_faults(pipeline: Any, batches: List[Any], model: Any) -> Tuple[
             break
         except Fault as error:
             assert "retries batch" in "".join(error.__notes__), error.__notes__
-            faults.append(str(error))
+            # The fault's own message: on Python 3.10 the notes follow it in str(error).
+            faults.append(str(error).splitlines()[0])
     return Run(outputs, weights(model)), faults
 
 

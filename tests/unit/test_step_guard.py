@@ -228,6 +228,32 @@ def test_a_failed_step_no_longer_wedges_the_pipeline_with_called_twice() -> None
     assert len(drain(pipeline, it)) == 3
 
 
+def test_a_step_that_goes_through_after_a_failure_ends_that_failures_standing(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Rank 0's step fails, and rank 0 resets and trains on: once a step of it went
+    through, its failure no longer stands, so rank 1's later errors are not noted as
+    "rank 0 failed first" (two ranks' failure news on one store; no watcher)."""
+    from torch.distributed import HashStore
+
+    from trec_pipelines.core import peer_failure
+
+    monkeypatch.setenv("TREC_PIPELINES_PEER_FAILURE_GRACE", "0")
+    store = HashStore()
+    rank0, rank1 = peer_failure._News(store, 0, 2, None), peer_failure._News(store, 1, 2, None)
+    monkeypatch.setattr(peer_failure, "news", lambda: rank0)
+    model = _model("before_lookup", 1)
+    pipeline = tp.TrainPipelineSparseDist(model, optimizer_for(model), CPU)
+    it = iter(make_batches(6))
+    pipeline.progress(it)
+    with pytest.raises(Fault):
+        pipeline.progress(it)
+    assert list(rank1.peers_failed()) == [0]
+    pipeline.reset()
+    pipeline.progress(iter(make_batches(4, seed=9)))
+    assert rank1.peers_failed() == {}
+
+
 # ------------------------------------------------------- the source's side
 
 

@@ -21,6 +21,8 @@ pipeline, which batch, what error.  Nothing is written while steps succeed.
   ``--max-restarts``, from the last checkpoint) within seconds instead of at
   the timeout.  A rank that is not in a step (it caught its own error, it
   evaluates, it saves) is left alone.
+* A failure stands until every rank retried or skipped that batch, or this
+  rank completed a later step (its collectives met the others' again).
 * A retry (or ``skip_failed_batch()``) is only safe when every rank failed
   at the same batch: the collectives of the failed step were then abandoned
   alike.  Before retrying, a rank waits a few seconds for every rank's
@@ -135,7 +137,9 @@ class _News:
         self.retract()
 
     def retract(self) -> None:
-        """This rank's failure no longer stands (retried or skipped on every rank)."""
+        """This rank's failure no longer stands: retried or skipped on every rank, or
+        a later step of this rank went through (a new pipeline's, say), so the ranks'
+        collectives met again.  A later error elsewhere is then not blamed on it."""
         if self._standing:
             self._standing = False
             self._store.set(f"{_PREFIX}/rank{self._rank}/retracted{self._failures}", "1")

@@ -147,6 +147,8 @@ def guarded_step(progress: Callable[[Any, Iterator[Any]], P]) -> Callable[[Any, 
         if guard.begun:
             self._source.retire()
             guard.failed = None
+            if ranks is not None:
+                ranks.retract()  # this rank's step went through: a past failure is over
         return output
 
     return step
