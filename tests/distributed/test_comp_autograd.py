@@ -188,7 +188,8 @@ def test_normally_built_dmp_matches_plain_loop_and_keeps_training_eagerly() -> N
     DDP to the Python reducer, trains like the plain loop, leaves the global
     settings alone, and the model then goes on training eagerly (the switched
     reducer still averages the dense gradients across ranks).  A backward hook
-    (register_backward_hook, PARAM_GRAD) runs once per compiled backward."""
+    (register_backward_hook, PARAM_GRAD) runs once per compiled backward, and the
+    backward compiles once."""
     extra = 2
     batches: List[Batch] = make_batches(NUM_BATCHES + extra, seed=DATA_SEED)  # type: ignore[assignment]
     ref = plain_loop(*make_sharded(DLRM, "table_wise", seed=SEED), batches)
@@ -215,9 +216,11 @@ def test_normally_built_dmp_matches_plain_loop_and_keeps_training_eagerly() -> N
         InjectionSite(
             "over_arch", FirstGradTensorFinder(), target_type=InjectionTargetType.PARAM_GRAD
         ),
-        lambda p: hook_calls.append(len(hook_calls)),
+        # Outside the graph: a hook that appends would make every backward compile again.
+        torch.compiler.disable(lambda p: hook_calls.append(len(hook_calls))),
     )
     outputs: List[torch.Tensor] = []
+    graphs: List[int] = []  # graphs compiled so far, after each step
     it = iter(batches[:NUM_BATCHES])
     while True:
         try:
@@ -225,8 +228,11 @@ def test_normally_built_dmp_matches_plain_loop_and_keeps_training_eagerly() -> N
         except StopIteration:
             break
         assert global_state() == before, "a global setting changed between steps"
+        graphs.append(torch._dynamo.utils.counters["stats"]["unique_graphs"])
     assert torch._dynamo.utils.counters["compiled_autograd"]["captures"] >= 1
     assert hook_calls == list(range(NUM_BATCHES))
+    # The first backward (the second step) compiles; the later ones reuse its graphs.
+    assert graphs[1] == graphs[-1], f"the backward compiled again: {graphs}"
     hook.remove()
     # Eager training of the same model, as a user might go on after the pipeline.
     pipeline.detach()

@@ -214,6 +214,12 @@ class TrainPipelineSparseDistCompAutograd(TrainPipelineSparseDist[In, Out]):
     is.  Epochs, failed steps, iterators and our keyword-only options are as in
     :class:`TrainPipelineSparseDist`.
 
+    Backward hooks (:meth:`register_backward_hook`, tensor and module hooks)
+    are traced into the captured backward.  A hook that changes Python state,
+    such as appending to a list or counting its calls, makes every backward
+    compile again (seconds a step, as with torchrec's class); wrap such a hook
+    in ``torch.compiler.disable`` and it runs as written, outside the graph.
+
     Differences from torchrec: :ref:`the migration guide <migrating-comp-autograd>` (docs/guides/migrating.md).
 
     Example::
