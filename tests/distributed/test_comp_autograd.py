@@ -6,6 +6,7 @@ minute on a 2-core machine with an empty inductor cache (~20 s with a warm one).
 
 from __future__ import annotations
 
+import contextlib
 import gc
 from typing import Any, Dict, Iterator, List, Tuple
 
@@ -64,9 +65,9 @@ HELD: Dict[str, Any] = {
 }
 
 
-@pytest.fixture(autouse=True)
-def undo_python_reducer_side_effects() -> Iterator[None]:
-    """Leave the process as the tests after these expect it.
+@contextlib.contextmanager
+def python_reducer_side_effects_undone() -> Iterator[None]:
+    """Leave the process as the tests after a compiled-autograd run expect it.
 
     A DDP built with the Python reducer turns on inductor's DDP-fusion settings
     globally (in DDP's constructor, not in the pipeline): they are put back.
@@ -81,6 +82,12 @@ def undo_python_reducer_side_effects() -> Iterator[None]:
         yield
     torch._dynamo.reset()
     gc.collect()
+
+
+@pytest.fixture(autouse=True)
+def undo_python_reducer_side_effects() -> Iterator[None]:
+    with python_reducer_side_effects_undone():
+        yield
 
 
 def _assert_close(ours: Run, ref: Run) -> None:

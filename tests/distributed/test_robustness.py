@@ -4,18 +4,16 @@ from __future__ import annotations
 
 import time
 from datetime import timedelta
-from typing import Any, Callable, Dict, List, Optional
+from typing import Any, Callable, Dict, Iterator, List, Optional
 
 import pytest
 import torch
 import torch.distributed as dist
 
 import trec_pipelines
-
-# The fixture puts back what CompAutograd's compiled autograd changes in the process.
 from tests.distributed.test_comp_autograd import (
     _assert_close,
-    undo_python_reducer_side_effects,  # noqa: F401
+    python_reducer_side_effects_undone,
 )
 from trec_pipelines.data import agreement
 from trec_pipelines.testing import devices
@@ -81,6 +79,17 @@ EVAL: Dict[str, Callable[[torch.nn.Module, Any], Any]] = {
     "EvalPipelineFusedSparseDist": _eval("EvalPipelineFusedSparseDist", uneven_data="stop"),
     "EvalPipelineCPUSparse": _eval("EvalPipelineCPUSparse", uneven_data="stop"),
 }
+
+
+@pytest.fixture(autouse=True)
+def undo_compiled_autograd_side_effects(request: pytest.FixtureRequest) -> Iterator[None]:
+    """What CompAutograd's run changes in the process is put back after its test
+    (only there: the clean-up collects the garbage, a third of a second a test)."""
+    if "CompAutograd" not in request.node.name:
+        yield
+        return
+    with python_reducer_side_effects_undone():
+        yield
 
 
 @pytest.mark.parametrize("name", list(TRAIN) + list(EVAL))
