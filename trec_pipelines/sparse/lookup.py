@@ -18,9 +18,10 @@ not on everything later issued to the lookup stream (which, with the default
 
 from __future__ import annotations
 
-from typing import Optional, Sequence, Tuple
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
+from torchrec.sparse.jagged_tensor import KeyedTensor
 
 from trec_pipelines._types import AnyShardedModule
 from trec_pipelines.core.streams import (
@@ -76,3 +77,32 @@ def _device_of(*streams: Optional[torch.Stream]) -> torch.device:
         if stream is not None:
             return stream.device
     return torch.device("cpu")
+
+
+class _Done:
+    """An awaitable already waited: ``wait()`` gives its result again."""
+
+    def __init__(self, result: Any) -> None:
+        self._result = result
+
+    def wait(self) -> Any:
+        return self._result
+
+
+def finish_lookup(context: EmbeddingTrainPipelineContext) -> Dict[str, List[torch.Tensor]]:
+    """Wait for ``context``'s embedding all-to-alls, leaving their results in place,
+    and return each module's looked-up values in the order the forward detaches them."""
+    values: Dict[str, List[torch.Tensor]] = {}
+    for name, request in list(context.embedding_a2a_requests.items()):
+        if isinstance(request, tuple):  # managed collisions: (embeddings, remapped ids)
+            results = tuple(r.wait() for r in request)
+            context.embedding_a2a_requests[name] = tuple(_Done(r) for r in results)
+            embeddings = results[0]
+        else:
+            embeddings = request.wait()
+            context.embedding_a2a_requests[name] = _Done(embeddings)
+        if isinstance(embeddings, KeyedTensor):
+            values[name] = [embeddings.values().detach()]
+        else:
+            values[name] = [jt.values().detach() for jt in embeddings.values()]
+    return values
