@@ -31,7 +31,7 @@ Between batches:
 
 * ``sync`` (the plain loop's math: SparseDist, Fused, Base, Staged, ...):
   lookup(i+1) after emb update(i); dense fwd(i+1) after opt(i).
-* ``stale`` (one step stale, SemiSync's semantics, without gradient
+* ``one-step-stale`` (SemiSync's semantics, without gradient
   stashing): lookup(i+1) after emb update(i-1) and before emb update(i) (it
   reads the tables batch *i* has not updated yet); dense fwd(i+1) after
   opt(i).
@@ -56,6 +56,10 @@ resources):
   least ``n L`` after batch *i*'s, so a step takes at least ``L / D`` on
   average, whatever the schedule.  Every simple cycle of the graph is a
   term (the graph has ten nodes; there are a handful).
+
+The operation times are measured each alone (the stage probe, one rank's
+training thread); operations that overlap in a real schedule share the
+machine and only get slower, so the terms stay lower bounds.
 
 Each term only grows with each operation's time (the all-reduce edge's lag
 falls as the all-reduce grows, but every cycle through it continues with the
@@ -315,7 +319,7 @@ PROBE_KEYS = ("h2d", "input_dist", "lookup", "out_a2a", "forward", "backward", "
 DERIVED = {
     DENSE_FWD: "forward - lookup - out a2a",
     GRAD_A2A: "out a2a (the same bytes the other way; autograd runs it inside the backward)",
-    ALLREDUCE: "max(0, link time of the model's collectives - 2 x out a2a); 0 over the loopback",
+    ALLREDUCE: "max(0, link time of the model's collectives - 2 x out a2a), 0 over the loopback",
     DENSE_BWD: "max(0, backward - grad a2a - emb update - all-reduce)",
 }
 
@@ -339,6 +343,17 @@ def op_times(
     model's own collectives (bytes at the emulated rate,
     :func:`benchmarks.measuring.schedule_bound.step_costs`); None without an
     emulated link, where collectives take no link time.
+
+    What the probe can't time on its own is derived (``DERIVED``), each rule
+    keeping the bound a lower one: the dense forward is the forward's
+    remainder; the gradient all-to-all is taken as the forward one (the same
+    bytes), and on every cycle it sits next to the dense backward, from which
+    it is subtracted, so their sum is the backward's own remainder; the
+    all-reduce gets the link time the two all-to-alls' wall times leave, no
+    more than its own; the dense backward is what is left of the backward
+    with the all-reduce's whole time taken out, though the backward waits
+    only for the all-reduce's tail (over the loopback, where the all-reduce
+    counts 0, the tail the backward waits for stays in it).
     """
     if not stages or steps <= 0 or any(k not in s for s in stages for k in PROBE_KEYS):
         return None

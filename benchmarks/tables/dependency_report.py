@@ -86,7 +86,12 @@ def dependency_report(
     ``link_ms``: the link time per step of the input dist and of the model's
     own collectives (None, None without an emulated link).
     """
-    times = op_times(block.get("stages") or [], block["steps"], link_ms[1], link_ms[0])
+    times = op_times(
+        block.get("stages") or [],
+        block["steps"],
+        link_compute_ms=link_ms[1],
+        link_input_dist_ms=link_ms[0],
+    )
     if times is None:
         return None
     per_rank = cores / world if cores and world else None
@@ -153,7 +158,9 @@ def format_dependency(report: DependencyReport, table: TableLayout) -> List[str]
     lines.append(
         "  * derived, not timed on its own: "
         + "; ".join(f"{LABEL[op]} = {how}" for op, how in derived.items())
-        + ". Timed on the training thread: lookup (the sharded module's compute), out a2a "
+    )
+    lines.append(
+        "  timed on the training thread: lookup (the sharded module's compute), out a2a "
         "(its output dist, waited), forward, backward, opt (zero_grad + step), emb update (the "
         "lookup's backward with its fused optimizer, replayed alone after the step)"
     )
