@@ -140,15 +140,15 @@ class StageProbe(Contender):
             ebc.forward = split
             try:
                 optimizer.zero_grad()
-                f0 = time.perf_counter()
+                f0 = _now()
                 losses, _ = model(batch)
-                f1 = time.perf_counter()
+                f1 = _now()
                 torch.sum(losses, dim=0).backward()
-                f2 = time.perf_counter()
+                f2 = _now()
                 optimizer.step()
             finally:
                 del ebc.forward  # back to the class's forward
-            t5, c5 = time.perf_counter(), time.process_time()
+            t5, c5 = _now(), time.process_time()
             if link:
                 dist.barrier(group=pg)
                 barrier = b1 - b0  # the copy sends nothing: this is one barrier's traffic
@@ -176,6 +176,14 @@ class StageProbe(Contender):
         return len(batches)
 
 
+def _now() -> float:
+    """``time.perf_counter()`` once the device's queued work is done (on a GPU, kernels run
+    after their launch returns: a piece's time is its work's, not its launches')."""
+    if DEVICE.type == "cuda":
+        torch.cuda.synchronize(DEVICE)
+    return time.perf_counter()
+
+
 class _SplitForward:
     """A forward for the sharded embedding module that skips the input dist (its result is
     already here) and times the two halves of the rest: the lookup (``compute``) and the
@@ -194,11 +202,11 @@ class _SplitForward:
         self.grads: Dict[int, torch.Tensor] = {}
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        t0 = time.perf_counter()
+        t0 = _now()
         embs = self.ebc.compute(self.ctx, self.dist_input)
-        t1 = time.perf_counter()
+        t1 = _now()
         out = self.ebc.output_dist(self.ctx, embs).wait()
-        self.lookup, self.out_a2a = t1 - t0, time.perf_counter() - t1
+        self.lookup, self.out_a2a = t1 - t0, _now() - t1
         self.outputs = len(embs)
         for k, emb in enumerate(embs):
             if emb.requires_grad:
@@ -217,6 +225,6 @@ class _SplitForward:
         if not self.outputs or len(self.grads) != self.outputs:
             return None
         embs: List[torch.Tensor] = list(self.ebc.compute(self.ctx, self.dist_input))
-        start = time.perf_counter()
+        start = _now()
         torch.autograd.backward(embs, [self.grads[k] for k in range(len(embs))])
-        return time.perf_counter() - start
+        return _now() - start
