@@ -1,7 +1,10 @@
 """The stage probe: one step of the plain loop cut into its stages, each timed on its own.
 
-Its stage times (input dist, lookup, dense forward and backward, ...) feed the
-schedule bound (:mod:`benchmarks.measuring.schedule_bound`).
+Its stage times (H2D, input dist, forward + backward + optimizer) feed the
+schedule bound (:mod:`benchmarks.measuring.schedule_bound`); the pieces of the
+training stage (lookup, output all-to-all, forward, backward, optimizer step,
+embedding update) feed the dependency bound
+(:mod:`benchmarks.measuring.dependency_bound`).
 """
 
 from __future__ import annotations
@@ -9,7 +12,8 @@ from __future__ import annotations
 import dataclasses
 import time
 from dataclasses import dataclass
-from typing import Any, Callable, Dict, Optional, Sequence
+from functools import partial
+from typing import Any, Dict, List, Optional, Sequence, Set
 
 import torch
 import torch.distributed as dist
@@ -31,6 +35,16 @@ class StageTimes:
     alone in the input dist (work no other thread can take off it); and,
     over an emulated link, the bytes the link carried in the input dist and
     in fwd+bwd+opt (both ranks' traffic: one counter for the namespace).
+
+    The training stage's pieces, wall seconds on the training thread:
+    ``lookup`` (the sharded embedding module's compute), ``out_a2a`` (its
+    output dist, issued and waited), ``forward`` (the model's forward, those
+    two included), ``backward``, ``opt`` (zero_grad and step), which add up to
+    ``compute``; and ``emb_update``, the lookup's backward with its fused
+    optimizer run again on its own (same batch, same gradients) after the
+    step, as it can't be timed inside autograd's backward.  None in results
+    from before the probe measured them, and ``emb_update`` None when the
+    lookup's output had no gradient to replay.
     """
 
     h2d: float = 0.0
@@ -42,6 +56,23 @@ class StageTimes:
     thread_input_dist: float = 0.0
     link_bytes_input_dist: Optional[float] = None
     link_bytes_compute: Optional[float] = None
+    lookup: Optional[float] = None
+    out_a2a: Optional[float] = None
+    forward: Optional[float] = None
+    backward: Optional[float] = None
+    opt: Optional[float] = None
+    emb_update: Optional[float] = None
+
+    def add(self, key: str, seconds: Optional[float]) -> None:
+        """Add ``seconds`` to the piece ``key``; one step without it (None) leaves it None."""
+        if seconds is None or key in self._unmeasured:
+            self._unmeasured.add(key)
+            setattr(self, key, None)
+        else:
+            setattr(self, key, (getattr(self, key) or 0.0) + seconds)
+
+    def __post_init__(self) -> None:
+        self._unmeasured: Set[str] = set()
 
     def as_dict(self) -> Dict[str, float]:
         return {k: v for k, v in dataclasses.asdict(self).items() if v is not None}
@@ -74,7 +105,9 @@ class StageProbe(Contender):
     before and after each stage keeps one rank's lag out of the next stage's
     time and lets the link counter be read when a stage's traffic is done
     (the bytes of one barrier, read across the copy, which sends nothing, are
-    subtracted).  What the times bound is :mod:`benchmarks.measuring.schedule_bound`.
+    subtracted).  The training stage is timed in pieces as well (:class:`StageTimes`).
+    What the times bound is :mod:`benchmarks.measuring.schedule_bound` and
+    :mod:`benchmarks.measuring.dependency_bound`.
     """
 
     def __init__(self) -> None:
@@ -103,15 +136,19 @@ class StageProbe(Contender):
             dist.barrier(group=pg)
             b2 = link() if link else 0
             t4, c4 = time.perf_counter(), time.process_time()
-            ebc.forward = _precomputed_forward(ebc, ctx, dist_input)
+            split = _SplitForward(ebc, ctx, dist_input)
+            ebc.forward = split
             try:
                 optimizer.zero_grad()
+                f0 = _now()
                 losses, _ = model(batch)
+                f1 = _now()
                 torch.sum(losses, dim=0).backward()
+                f2 = _now()
                 optimizer.step()
             finally:
                 del ebc.forward  # back to the class's forward
-            t5, c5 = time.perf_counter(), time.process_time()
+            t5, c5 = _now(), time.process_time()
             if link:
                 dist.barrier(group=pg)
                 barrier = b1 - b0  # the copy sends nothing: this is one barrier's traffic
@@ -124,16 +161,70 @@ class StageProbe(Contender):
             times.cpu_input_dist += c3 - c2
             times.cpu_compute += c5 - c4
             times.thread_input_dist += h3 - h2
+            for key, seconds in (
+                ("lookup", split.lookup),
+                ("out_a2a", split.out_a2a),
+                ("forward", f1 - f0),
+                ("backward", f2 - f1),
+                ("opt", (f0 - t4) + (t5 - f2)),
+                ("emb_update", split.emb_update()),  # after the step's timed pieces
+            ):
+                times.add(key, seconds)
         if link:
             times.link_bytes_input_dist, times.link_bytes_compute = link_input, link_compute
         self.last = times
         return len(batches)
 
 
-def _precomputed_forward(ebc: nn.Module, ctx: Any, dist_input: Any) -> Callable[..., Any]:
-    """A forward for ``ebc`` that skips the input dist: its result is already here."""
+def _now() -> float:
+    """``time.perf_counter()`` once the device's queued work is done (on a GPU, kernels run
+    after their launch returns: a piece's time is its work's, not its launches')."""
+    if DEVICE.type == "cuda":
+        torch.cuda.synchronize(DEVICE)
+    return time.perf_counter()
 
-    def forward(*args: Any, **kwargs: Any) -> Any:
-        return ebc.compute_and_output_dist(ctx, dist_input)
 
-    return forward
+class _SplitForward:
+    """A forward for the sharded embedding module that skips the input dist (its result is
+    already here) and times the two halves of the rest: the lookup (``compute``) and the
+    output dist (issued and waited).
+
+    For the bench's module (no memory stashing, no trackers) this is the work of its own
+    ``compute_and_output_dist``, done in two calls of the module's public methods.  It keeps
+    the gradients that reach the lookup's output, so that the lookup's backward (the
+    embedding update, fused with the optimizer) can be timed again on its own.
+    """
+
+    def __init__(self, ebc: nn.Module, ctx: Any, dist_input: Any) -> None:
+        self.ebc, self.ctx, self.dist_input = ebc, ctx, dist_input
+        self.lookup = self.out_a2a = 0.0
+        self.outputs = 0
+        self.grads: Dict[int, torch.Tensor] = {}
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        t0 = _now()
+        embs = self.ebc.compute(self.ctx, self.dist_input)
+        t1 = _now()
+        out = self.ebc.output_dist(self.ctx, embs).wait()
+        self.lookup, self.out_a2a = t1 - t0, _now() - t1
+        self.outputs = len(embs)
+        for k, emb in enumerate(embs):
+            if emb.requires_grad:
+                emb.register_hook(partial(self._keep, k))
+        return out
+
+    def _keep(self, k: int, grad: torch.Tensor) -> None:
+        self.grads[k] = grad
+
+    def emb_update(self) -> Optional[float]:
+        """Seconds of the lookup's backward alone: a second lookup of the same input (not
+        timed), then its backward with the step's gradients, which runs the fused optimizer
+        again (the probe's tables drift by one more update; nothing reads them but the probe).
+        None when the step's backward left no gradient at the lookup's output.
+        """
+        if not self.outputs or len(self.grads) != self.outputs:
+            return None
+        embs: List[torch.Tensor] = list(self.ebc.compute(self.ctx, self.dist_input))
+        start = _now()
+        torch.autograd.backward(embs, [self.grads[k] for k in range(len(embs))])
+        return _now() - start

@@ -9,6 +9,8 @@ and prints it.  Raw layout it reads (plain JSON types)::
     block["recorded"] = {variant: [recorded epoch, one per rank]}  # layout in schedule_bound
 
 Training variants only: an eval step has no backward, so no bound here.
+The dependency bound (batches may overlap) is :mod:`benchmarks.tables.dependency_report`'s,
+printed and stored with this one.
 """
 
 from __future__ import annotations
@@ -26,6 +28,12 @@ from benchmarks.measuring.schedule_bound import (
     schedule_bound,
     schedule_facts,
     step_costs,
+)
+from benchmarks.tables.dependency_report import (
+    DependencyReport,
+    dependency_report,
+    format_dependency,
+    summary as dependency_summary,
 )
 
 # (variant, mode, ours examples/s, torchrec examples/s), from the throughput rows.
@@ -67,6 +75,7 @@ class BoundReport:
     any_schedule: Bound
     plain: Optional[float]  # the plain training loop, examples/s
     variants: List[VariantBound] = field(default_factory=list)
+    dependency: Optional[DependencyReport] = None  # None: the probe did not time the pieces
 
     @property
     def bound_qps(self) -> Optional[float]:
@@ -95,6 +104,14 @@ def bound_report(
     examples = float(block["batch_size"] * world)
     recorded = block.get("recorded") or {}
     out = BoundReport(costs, examples, any_schedule_bound(costs), plain)
+    out.dependency = dependency_report(
+        block,
+        achieved,
+        plain,
+        world,
+        cores,
+        (costs.link_input_dist_ms, costs.link_compute_ms),
+    )
     for variant, mode, ours, torchrec in achieved:
         if mode == "eval":
             continue
@@ -233,6 +250,8 @@ def format_bound(report: BoundReport, table: TableLayout) -> str:
             "  exposed = the training thread's input-dist time per steady step of the recorded epoch (mean over "
             "ranks); hidden = 1 - exposed / the probe's input dist, clipped to [0, 1]"
         )
+    if report.dependency is not None:
+        lines += format_dependency(report.dependency, table)
     return "\n".join(lines)
 
 
@@ -287,4 +306,5 @@ def summary(report: Optional[BoundReport]) -> Optional[Dict[str, Any]]:
             }
             for v in report.variants
         },
+        "dependency": dependency_summary(report.dependency),
     }

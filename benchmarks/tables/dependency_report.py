@@ -1,0 +1,237 @@
+"""The dependency bound of a throughput block: per semantics, and each training variant against its own.
+
+The model is in :mod:`benchmarks.measuring.dependency_bound` ([Note: the
+dependency bound]); this module applies it to one block's stage probe and
+prints it next to the any-schedule bound (:mod:`benchmarks.tables.bound_report`).
+It reads the probe's epochs (``block["stages"]``, with the training stage's
+pieces: ``lookup``, ``out_a2a``, ``forward``, ``backward``, ``opt``,
+``emb_update``); a block from before the probe timed them has no dependency
+bound, and its text and JSON leave it out (None).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
+
+from benchmarks.measuring.dependency_bound import (
+    LABEL,
+    LINK,
+    OPS,
+    SEMANTICS,
+    STALE,
+    SYNC,
+    DependencyBound,
+    OpTimes,
+    dependency_bound,
+    op_times,
+    semantics_of,
+)
+
+# (variant, mode, ours examples/s, torchrec examples/s), as bound_report.Achieved.
+Achieved = Tuple[str, str, Optional[float], Optional[float]]
+TableLayout = Callable[[Sequence[str], Sequence[Sequence[str]]], List[str]]
+
+
+def _fraction(value: Optional[float], bound: Optional[float]) -> Optional[float]:
+    return None if value is None or not bound else value / bound
+
+
+@dataclass
+class VariantDependency:
+    """One training variant against the dependency bound of its semantics."""
+
+    variant: str
+    semantics: str
+    bound: DependencyBound
+    bound_qps: Optional[float]
+    ours: Optional[float]  # examples/s
+    torchrec: Optional[float]
+
+    @property
+    def ours_of_bound(self) -> Optional[float]:
+        return _fraction(self.ours, self.bound_qps)
+
+    @property
+    def torchrec_of_bound(self) -> Optional[float]:
+        return _fraction(self.torchrec, self.bound_qps)
+
+
+@dataclass
+class DependencyReport:
+    """A block's operation times, its bound per semantics, and each training variant's."""
+
+    times: OpTimes
+    cores: Optional[float]  # the cores' worth one rank's compute gets
+    examples_per_step: float
+    bounds: Dict[str, DependencyBound]  # semantics -> bound
+    plain: Optional[float]  # the plain training loop, examples/s
+    variants: List[VariantDependency] = field(default_factory=list)
+
+    def qps(self, semantics: str) -> Optional[float]:
+        return self.bounds[semantics].qps(self.examples_per_step)
+
+
+def dependency_report(
+    block: Mapping[str, Any],
+    achieved: Sequence[Achieved],
+    plain: Optional[float],
+    world: int,
+    cores: Optional[int],
+    link_ms: Tuple[Optional[float], Optional[float]],
+) -> Optional[DependencyReport]:
+    """The block's :class:`DependencyReport`, or None when its probe did not time the pieces.
+
+    ``cores``: the machine's cores the ranks share (one rank gets ``cores / world``);
+    ``link_ms``: the link time per step of the input dist and of the model's
+    own collectives (None, None without an emulated link).
+    """
+    times = op_times(
+        block.get("stages") or [],
+        block["steps"],
+        link_compute_ms=link_ms[1],
+        link_input_dist_ms=link_ms[0],
+    )
+    if times is None:
+        return None
+    per_rank = cores / world if cores and world else None
+    examples = float(block["batch_size"] * world)
+    bounds = {s: dependency_bound(times, s, per_rank) for s in SEMANTICS}
+    out = DependencyReport(times, per_rank, examples, bounds, plain)
+    contenders = block.get("contenders") or {}
+    for variant, mode, ours, torchrec in achieved:
+        if mode == "eval":
+            continue
+        entry = contenders.get(f"ours:{variant}") or {}
+        semantics = semantics_of(str(entry.get("base_variant") or variant))
+        bound = bounds[semantics]
+        out.variants.append(
+            VariantDependency(variant, semantics, bound, bound.qps(examples), ours, torchrec)
+        )
+    return out
+
+
+# --------------------------------------------------------------------------
+# Text
+# --------------------------------------------------------------------------
+
+
+def _qps(value: Optional[float]) -> str:
+    return "-" if value is None else f"{value:,.0f}"
+
+
+def _pct(value: Optional[float]) -> str:
+    return "-" if value is None else f"{100 * value:.0f}%"
+
+
+def _step_ms(qps: Optional[float], examples: float) -> str:
+    return "-" if not qps else f"{examples * 1e3 / qps:.2f}"
+
+
+def _semantics_line(report: DependencyReport, semantics: str) -> List[str]:
+    bound = report.bounds[semantics]
+    qps = report.qps(semantics)
+    plain = report.plain
+    line = (
+        f"  {semantics} dependency bound: {bound.step_ms:.2f} ms/step (binding: {bound.binding}) "
+        f"-> {_qps(qps)} ex/s"
+    )
+    if plain:
+        line += f", plain loop {_qps(plain)} ({_pct(_fraction(plain, qps))})"
+    terms = ", ".join(f"{name} {value:.2f}" for name, value in bound.terms.items())
+    return [line, f"    terms (ms/step): {terms}"]
+
+
+def format_dependency(report: DependencyReport, table: TableLayout) -> List[str]:
+    """The dependency bound's lines and its per-variant table."""
+    t = report.times
+    derived = t.derived
+    ops = ", ".join(f"{LABEL[op]}{'*' if op in derived else ''} {t.ms[op]:.2f}" for op in OPS)
+    busy = f"link busy {t.load(LINK):.2f} ms"
+    cores = "cores per rank -" if report.cores is None else f"cores per rank {report.cores:g}"
+    lines = [
+        "Dependency bound per step (batches may overlap; each operation's time from the stage "
+        f"probe, ms): {ops}; {busy}, {cores}",
+    ]
+    lines += _semantics_line(report, SYNC)
+    lines += _semantics_line(report, STALE)
+    lines.append(
+        "  * derived, not timed on its own: "
+        + "; ".join(f"{LABEL[op]} = {how}" for op, how in derived.items())
+    )
+    lines.append(
+        "  timed on the training thread: lookup (the sharded module's compute), out a2a "
+        "(its output dist, waited), forward, backward, opt (zero_grad + step), emb update (the "
+        "lookup's backward with its fused optimizer, replayed alone after the step)"
+    )
+    body = [
+        [
+            v.variant,
+            v.semantics,
+            f"{v.bound.step_ms:.2f}",
+            _qps(v.bound_qps),
+            f"{_step_ms(v.ours, report.examples_per_step)} ({_pct(v.ours_of_bound)})",
+            f"{_step_ms(v.torchrec, report.examples_per_step)} ({_pct(v.torchrec_of_bound)})"
+            if v.torchrec is not None
+            else "-",
+        ]
+        for v in report.variants
+    ]
+    if body:
+        lines += table(
+            [
+                "variant",
+                "semantics",
+                "dependency bound ms/step",
+                "bound ex/s",
+                "ours ms/step (of bound)",
+                "torchrec ms/step (of bound)",
+            ],
+            body,
+        )
+        lines.append(
+            "  of bound = the bound's ms/step over the measured one (its ex/s over the bound's); "
+            "SemiSync is held to the one-step-stale bound, every other variant to the sync one"
+        )
+    return lines
+
+
+# --------------------------------------------------------------------------
+# JSON
+# --------------------------------------------------------------------------
+
+
+def summary(report: Optional[DependencyReport]) -> Optional[Dict[str, Any]]:
+    """The block's dependency bound as plain JSON (None when the probe did not time the pieces)."""
+    if report is None:
+        return None
+    t = report.times
+    return {
+        "model": "see benchmarks/measuring/dependency_bound.py, [Note: the dependency bound]",
+        "op_ms_per_step": dict(t.ms),
+        "busy_ms_per_step": {op: t.busy(op) for op in OPS},
+        "derived": dict(t.derived),
+        "cores_per_rank": report.cores,
+        "semantics": {
+            s: {
+                "terms_ms": bound.terms,
+                "binding": bound.binding,
+                "bound_ms": bound.step_ms,
+                "bound_qps": report.qps(s),
+                "plain_of_bound": _fraction(report.plain, report.qps(s)),
+            }
+            for s, bound in report.bounds.items()
+        },
+        "variants": {
+            v.variant: {
+                "semantics": v.semantics,
+                "bound_ms": v.bound.step_ms,
+                "bound_qps": v.bound_qps,
+                "ours_qps": v.ours,
+                "torchrec_qps": v.torchrec,
+                "ours_of_bound": v.ours_of_bound,
+                "torchrec_of_bound": v.torchrec_of_bound,
+            }
+            for v in report.variants
+        },
+    }

@@ -1,0 +1,317 @@
+"""The benchmark's dependency bound (batches may overlap), from made-up operation times."""
+
+from __future__ import annotations
+
+import json
+import random
+from typing import Any, Dict, List, Optional
+
+import pytest
+
+from benchmarks.contenders.stage_probe import StageTimes
+from benchmarks.measuring import dependency_bound as db
+from benchmarks.tables import report, results
+
+ROUND_TRIP = "cycle lookup > out a2a > dense fwd > dense bwd > grad a2a > emb update"
+DENSE = "cycle dense fwd > dense bwd > all-reduce > opt"
+TAKE_TURNS = "cycle lookup > emb update"
+
+# ms per step; cores ops add up to 70, link ops to 33, the round trip to 82, the dense cycle to 54.
+BASE = {
+    "h2d": 0.1,
+    "input_dist": 5.0,
+    "lookup": 10.0,
+    "out_a2a": 8.0,
+    "dense_fwd": 20.0,
+    "dense_bwd": 30.0,
+    "grad_a2a": 8.0,
+    "emb_update": 6.0,
+    "allreduce": 12.0,
+    "opt": 4.0,
+}
+
+
+def _times(**ms: float) -> db.OpTimes:
+    return db.OpTimes({**BASE, **ms})
+
+
+# --------------------------------------------------------------------------
+# The model
+# --------------------------------------------------------------------------
+
+
+def test_sync_round_trip_carries_both_all_to_alls_and_binds() -> None:
+    bound = db.dependency_bound(_times(), db.SYNC, cores=1.0)
+    assert bound.terms == pytest.approx(
+        {
+            "link": 5 + 8 + 8 + 12,
+            "H2D": 0.1,
+            "cores": 10 + 20 + 30 + 6 + 4,
+            ROUND_TRIP: 10 + 8 + 20 + 30 + 8 + 6,  # out a2a and grad a2a on it
+            DENSE: 20 + max(30, 12) + 4,
+        }
+    )
+    assert bound.binding == ROUND_TRIP and bound.step_ms == pytest.approx(82.0)
+    assert bound.qps(200) == pytest.approx(200 / 0.082)
+
+
+def test_stale_breaks_the_round_trip_and_is_compute_bound() -> None:
+    bound = db.dependency_bound(_times(), db.STALE, cores=1.0)
+    assert bound.terms == pytest.approx(
+        {
+            "link": 33.0,
+            "H2D": 0.1,
+            "cores": 70.0,
+            ROUND_TRIP + " (over 2 steps)": 82.0 / 2,
+            TAKE_TURNS: 10 + 6,  # batch i+1's lookup and batch i's update take turns
+            DENSE: 54.0,
+        }
+    )
+    assert bound.binding == "cores" and bound.step_ms == pytest.approx(70.0)
+    # Twice the cores per rank: the dense cycle is what is left.
+    halved = db.dependency_bound(_times(), db.STALE, cores=2.0)
+    assert halved.terms["cores"] == pytest.approx(35.0)
+    assert halved.binding == DENSE and halved.step_ms == pytest.approx(54.0)
+
+
+def test_link_bound_stale_equals_the_link_total() -> None:
+    times = _times(input_dist=30.0, out_a2a=25.0, grad_a2a=25.0, allreduce=40.0)
+    bound = db.dependency_bound(times, db.STALE, cores=1.0)
+    assert bound.binding == "link" and bound.step_ms == pytest.approx(30 + 25 + 25 + 40)
+    # What a collective holds the link for, not its wall time, is the link's load.
+    busy = db.OpTimes(times.ms, busy_ms={"input_dist": 3.0, "allreduce": 10.0})
+    assert db.dependency_bound(busy, db.STALE).terms["link"] == pytest.approx(3 + 25 + 25 + 10)
+    assert busy.busy("lookup") == 10.0 and busy.busy("input_dist") == 3.0
+    # A busy time above the operation's own is capped at it.
+    assert db.OpTimes(times.ms, busy_ms={"opt": 99.0}).busy("opt") == 4.0
+
+
+def test_the_all_reduce_starts_after_a_fraction_of_the_backward() -> None:
+    times = _times(allreduce=25.0)
+    # Overlappable with the whole backward: the longer of the two.
+    assert db.dependency_bound(times, db.SYNC).terms[DENSE] == pytest.approx(20 + 30 + 4)
+    # From half the backward: 15 ms of backward, then the 25 ms all-reduce.
+    half = db.dependency_bound(times, db.SYNC, allreduce_from=0.5)
+    assert half.terms[DENSE] == pytest.approx(20 + (15 + 25) + 4)
+    # After the whole backward: both in a row.
+    end = db.dependency_bound(times, db.SYNC, allreduce_from=1.0)
+    assert end.terms[DENSE] == pytest.approx(20 + 30 + 25 + 4)
+
+
+def test_cycles_per_semantics() -> None:
+    def names(semantics: str) -> List[str]:
+        return [c.name for c in db.cycles(db._edges(_times(), semantics, 0.0))]
+
+    assert sorted(names(db.SYNC)) == sorted([ROUND_TRIP, DENSE])
+    assert sorted(names(db.STALE)) == sorted([ROUND_TRIP + " (over 2 steps)", TAKE_TURNS, DENSE])
+
+
+def test_a_cycle_that_reaches_no_later_batch_is_refused() -> None:
+    edges = [db.Edge("lookup", "emb_update", 0, 1.0), db.Edge("emb_update", "lookup", 0, 1.0)]
+    with pytest.raises(ValueError, match="spans 0 steps"):
+        db.cycles(edges)
+
+
+@pytest.mark.parametrize("semantics", db.SEMANTICS)
+@pytest.mark.parametrize("allreduce_from", [0.0, 0.3, 1.0])
+def test_more_time_on_an_operation_never_lowers_a_bound(
+    semantics: str, allreduce_from: float
+) -> None:
+    rng = random.Random(7)
+    for _ in range(40):
+        ms = {op: rng.uniform(0.0, 50.0) for op in db.OPS}
+        busy = {op: rng.uniform(0.0, 50.0) for op in ("input_dist", "out_a2a", "allreduce")}
+        before = db.dependency_bound(db.OpTimes(ms, busy), semantics, 1.0, allreduce_from)
+        for op in db.OPS:
+            grown = db.OpTimes({**ms, op: ms[op] + rng.uniform(0.1, 30.0)}, busy)
+            after = db.dependency_bound(grown, semantics, 1.0, allreduce_from)
+            assert after.step_ms >= before.step_ms - 1e-9, (op, ms)
+            for name, value in before.terms.items():
+                assert after.terms[name] >= value - 1e-9, (op, name, ms)
+
+
+def test_stale_is_never_above_sync() -> None:
+    rng = random.Random(3)
+    for _ in range(50):
+        times = db.OpTimes({op: rng.uniform(0.0, 50.0) for op in db.OPS})
+        stale = db.dependency_bound(times, db.STALE).step_ms
+        assert stale <= db.dependency_bound(times, db.SYNC).step_ms + 1e-9
+
+
+def test_wrong_inputs_say_what_to_do() -> None:
+    with pytest.raises(ValueError, match="missing \\['opt'\\]"):
+        db.OpTimes({op: 1.0 for op in db.OPS if op != "opt"})
+    with pytest.raises(ValueError, match=">= 0 ms"):
+        _times(lookup=-1.0)
+    with pytest.raises(ValueError, match="semantics must be one of"):
+        db.dependency_bound(_times(), "async")
+    with pytest.raises(ValueError, match="in \\[0, 1\\]"):
+        db.dependency_bound(_times(), db.SYNC, allreduce_from=1.5)
+    with pytest.raises(ValueError, match="cores must be > 0"):
+        db.dependency_bound(_times(), db.SYNC, cores=0.0)
+    assert "cores" not in db.dependency_bound(_times(), db.SYNC, cores=None).terms
+
+
+def test_semantics_of_a_variant() -> None:
+    assert db.semantics_of("TrainPipelineSemiSync") == db.STALE
+    for variant in (
+        "TrainPipelineSparseDist",
+        "TrainPipelineFusedSparseDist",
+        "StagedTrainPipeline",
+    ):
+        assert db.semantics_of(variant) == db.SYNC
+
+
+# --------------------------------------------------------------------------
+# The probe's operation times
+# --------------------------------------------------------------------------
+
+
+def _probe_epoch() -> Dict[str, float]:
+    """10 steps, seconds over the epoch: per step BASE's measured operations."""
+    return {
+        "h2d": 0.001,
+        "input_dist": 0.05,
+        "compute": 0.98,
+        "lookup": 0.1,
+        "out_a2a": 0.08,
+        "forward": 0.38,  # 10 lookup + 8 out a2a + 20 dense
+        "backward": 0.56,  # 30 dense + 8 grad a2a + 6 update + 12 all-reduce
+        "opt": 0.04,
+        "emb_update": 0.06,
+    }
+
+
+def test_op_times_derive_what_the_probe_cannot_separate() -> None:
+    slow = {**_probe_epoch(), "lookup": 0.3}
+    times = db.op_times([_probe_epoch(), _probe_epoch(), slow], 10, 28.0, 3.0)
+    assert times is not None
+    assert dict(times.ms) == pytest.approx(BASE)  # the median epoch's, per step
+    assert set(times.derived) == {"dense_fwd", "grad_a2a", "allreduce", "dense_bwd"}
+    # The two all-to-alls hold the link 8 ms each; the all-reduce the rest of the 28 ms.
+    assert [times.busy(op) for op in ("input_dist", "out_a2a", "grad_a2a", "allreduce")] == (
+        pytest.approx([3.0, 8.0, 8.0, 12.0])
+    )
+    # Over the loopback: no link time, so no all-reduce time taken out of the backward.
+    loopback = db.op_times([_probe_epoch()], 10)
+    assert loopback is not None and loopback.ms["allreduce"] == 0.0
+    assert loopback.ms["dense_bwd"] == pytest.approx(42.0) and loopback.load("link") == 0.0
+    # The all-to-alls' wall time above half the link's: the all-reduce gets none.
+    short = db.op_times([_probe_epoch()], 10, 10.0, 3.0)
+    assert short is not None and short.ms["allreduce"] == 0.0 and short.busy("out_a2a") == 5.0
+
+
+def test_results_from_before_the_probe_split_the_step_have_no_op_times() -> None:
+    old = {k: v for k, v in _probe_epoch().items() if k in ("h2d", "input_dist", "compute")}
+    assert db.op_times([old], 10) is None and db.op_times([], 10) is None
+
+
+def test_stage_times_add_pieces_and_a_missing_one_stays_missing() -> None:
+    times = StageTimes()
+    times.add("lookup", 0.5)
+    times.add("lookup", 0.25)
+    times.add("emb_update", 0.1)
+    times.add("emb_update", None)
+    times.add("emb_update", 0.1)  # one step without it: the sum would be wrong
+    record = times.as_dict()
+    assert record["lookup"] == pytest.approx(0.75) and "emb_update" not in record
+    assert "out_a2a" not in record  # never measured
+
+
+# --------------------------------------------------------------------------
+# The report
+# --------------------------------------------------------------------------
+
+
+def _entry(variant: str, side: str, seconds: float) -> Dict[str, Any]:
+    return {
+        "variant": variant,
+        "side": side,
+        "mode": "train",
+        "shimmed": False,
+        "status": "ok",
+        "reason": "",
+        "seconds": [seconds],
+    }
+
+
+def _raw(stage: Optional[Dict[str, float]] = None) -> Dict[str, Any]:
+    sd, semi = "TrainPipelineSparseDist", "TrainPipelineSemiSync"
+    record = dict(stage if stage is not None else _probe_epoch())
+    # 1 Gbit/s: 3 ms of input dist and 28 ms of the model's collectives per step.
+    record["link_bytes_input_dist"], record["link_bytes_compute"] = 3.75e6, 35e6
+    # 10 steps x 100 examples x 2 ranks = 2000 examples per epoch
+    return {
+        "world": 2,
+        "cores": 2,
+        "link_gbit": 1.0,
+        "throughput": [
+            {
+                "batch_size": 100,
+                "steps": 10,
+                "contenders": {
+                    f"ours:{sd}": _entry(sd, "ours", 1.0),  # 2000 ex/s: 100 ms a step
+                    f"torchrec:{sd}": _entry(sd, "torchrec", 1.25),
+                    f"ours:{semi}": _entry(semi, "ours", 0.875),  # 87.5 ms a step
+                    "plain:train": _entry("plain", "plain", 2.0),  # 1000 ex/s
+                },
+                "stages": [record],
+                "recorded": {},
+            }
+        ],
+        "overhead": None,
+    }
+
+
+def test_report_prints_a_bound_per_semantics_and_holds_each_variant_to_its_own() -> None:
+    (table,) = report.throughput_tables(_raw())
+    assert table.bound is not None and table.bound.dependency is not None
+    dep = table.bound.dependency
+    assert dep.cores == 1.0  # 2 cores, 2 ranks
+    assert dep.bounds[db.SYNC].step_ms == pytest.approx(82.0)
+    assert dep.bounds[db.STALE].binding == "cores"
+    sd, semi = dep.variants
+    assert (sd.semantics, semi.semantics) == (db.SYNC, db.STALE)
+    assert sd.ours_of_bound == pytest.approx(82 / 100) and semi.ours_of_bound == pytest.approx(
+        70 / 87.5
+    )
+    assert sd.torchrec_of_bound == pytest.approx(82 / 125)
+    text = results.format_report(_raw(), repeats=1)
+    assert (
+        f"sync dependency bound: 82.00 ms/step (binding: {ROUND_TRIP}) -> 2,439 ex/s, "
+        "plain loop 1,000 (41%)"
+    ) in text
+    assert (
+        "one-step-stale dependency bound: 70.00 ms/step (binding: cores) -> 2,857 ex/s, "
+        "plain loop 1,000 (35%)"
+    ) in text
+    assert "dense fwd* 20.00" in text and "lookup 10.00" in text
+    line = next(
+        ln
+        for ln in text.splitlines()
+        if ln.startswith("TrainPipelineSemiSync ") and "one-step-stale" in ln
+    )
+    assert line.split() == [
+        "TrainPipelineSemiSync",
+        "one-step-stale",
+        "70.00",
+        "2,857",
+        "87.50",
+        "(80%)",
+        "-",
+    ]
+
+
+def test_summary_stores_the_dependency_bound_and_old_results_stay_readable() -> None:
+    summary = json.loads(json.dumps(results.summary(_raw())))  # only JSON types
+    dep = summary["throughput"][0]["bound"]["dependency"]
+    assert dep["op_ms_per_step"] == pytest.approx(BASE)
+    assert dep["semantics"]["sync"]["binding"] == ROUND_TRIP
+    assert dep["semantics"]["one-step-stale"]["bound_ms"] == pytest.approx(70.0)
+    assert dep["variants"]["TrainPipelineSemiSync"]["semantics"] == "one-step-stale"
+    assert dep["variants"]["TrainPipelineSparseDist"]["ours_of_bound"] == pytest.approx(0.82)
+    # A probe epoch from before the pieces were timed: the any-schedule bound, no dependency bound.
+    old = {k: v for k, v in _probe_epoch().items() if k in ("h2d", "input_dist", "compute")}
+    bound = results.summary(_raw(old))["throughput"][0]["bound"]
+    assert bound["any_schedule"]["binding"] and bound["dependency"] is None
+    assert "dependency bound" not in results.format_report(_raw(old), repeats=1)
