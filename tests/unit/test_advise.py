@@ -310,13 +310,20 @@ def test_variant_build_context_for_compiled_autograd() -> None:
 
 
 def test_the_command_line_end_to_end(tmp_path: Any) -> None:
-    """``python -m trec_pipelines.advise`` launches 2 ranks, prints the table, writes the JSON and the PNG."""
+    """``python -m trec_pipelines.advise`` launches 2 ranks, prints the table, writes the JSON;
+    with matplotlib hidden from every process (``sys.modules["matplotlib"] = None`` in a
+    ``sitecustomize``), as on a fresh install, it warns once, draws no PNG, and exits 0
+    (``test_plot_is_a_png`` draws the PNG)."""
     import json
     import subprocess
     import sys
 
     repo = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    env = dict(os.environ, TREC_ADVISE_BATCHES="3", PYTHONPATH=repo)
+    hide = os.path.join(tmp_path, "hide")
+    os.makedirs(hide)
+    with open(os.path.join(hide, "sitecustomize.py"), "w") as f:
+        f.write("import sys\nsys.modules['matplotlib'] = None\n")
+    env = dict(os.environ, TREC_ADVISE_BATCHES="3", PYTHONPATH=os.pathsep.join([hide, repo]))
     for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
         env.pop(var, None)
     out = os.path.join(tmp_path, "out")
@@ -365,5 +372,41 @@ def test_the_command_line_end_to_end(tmp_path: Any) -> None:
     ]
     assert document["recommended"] is None and document["verdict"]["answer"] == "cannot tell"
     assert document["verdict"]["rerun_steps"] > 2 and document["verdict"]["rerun_rounds"] == 3
-    with open(os.path.join(out, "advice.png"), "rb") as f:
-        assert f.read(8) == b"\x89PNG\r\n\x1a\n"
+    assert done.stderr.count("matplotlib is not installed") == 1, done.stderr[-2000:]
+    assert f"results: {out}/ (advice.json)" in done.stdout
+    assert not os.path.exists(os.path.join(out, "advice.png"))
+
+
+def test_without_matplotlib_the_outputs_are_the_table_and_the_json(
+    tmp_path: Any, monkeypatch: Any, capsys: Any
+) -> None:
+    """What the outputs need is checked before measuring: no matplotlib is a warning and no
+    PNG, not a failure; a results directory that cannot be written is an error at once."""
+    import importlib.util
+
+    from trec_pipelines.advise import cli
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(
+        importlib.util,
+        "find_spec",
+        lambda name, *a: None if name == "matplotlib" else real(name, *a),
+    )
+    out = os.path.join(tmp_path, "results")
+    args = parser().parse_args(["--build", "x:y", "--out", out])
+    assert cli.output_needs(args) == (False, out, None)
+    assert os.path.isdir(out)
+    assert capsys.readouterr().err.strip() == cli.MATPLOTLIB_MISSING
+    # --no-plot: no PNG asked for, nothing to warn about.
+    quiet = parser().parse_args(["--build", "x:y", "--out", out, "--no-plot"])
+    assert cli.output_needs(quiet) == (False, out, None) and capsys.readouterr().err == ""
+    # With matplotlib (the real lookup): the PNG is drawn.
+    monkeypatch.setattr(importlib.util, "find_spec", real)
+    if real("matplotlib") is not None:
+        assert cli.output_needs(args)[0] is True
+    # A file where the directory should be: the error names it, before any measuring.
+    blocked = os.path.join(tmp_path, "a-file")
+    open(blocked, "w").close()
+    plot, where, error = cli.output_needs(parser().parse_args(["--build", "x:y", "--out", blocked]))
+    assert where == blocked and error is not None
+    assert error.startswith(f"advise: cannot write the results to {blocked!r}")

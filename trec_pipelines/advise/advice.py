@@ -133,7 +133,9 @@ class Advice:
             for r in self.variants
         )
         plain = replace(self.plain, within_budget=None if memory_budget is None else True)
-        verdict = judge(plain, rows, memory_budget, exhausted=self.exhausted)
+        verdict = judge(
+            plain, rows, memory_budget, exhausted=self.exhausted, spent=self.budget_spent
+        )
         if self.verdict.rerun_time_budget is not None and self.time_budget is not None:
             verdict = spent(verdict, self.time_budget, self.verdict.rerun_time_budget)
         return replace(

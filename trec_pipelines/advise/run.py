@@ -30,6 +30,7 @@ timeout.
 
 from __future__ import annotations
 
+import dataclasses
 import datetime
 import statistics
 import time
@@ -429,7 +430,8 @@ def _advise(
         total = measured.offset + rounds * len(contenders)
     # No more rounds to come: the budget stopped it, or the verdict names none to measure.
     final = time_budget > 0 and (wanted is not None or advice.verdict.answer is Answer.CANNOT_TELL)
-    return _finish(advice, steps, time_budget, clock.elapsed(), wanted, final)
+    cost = measured.cost(epoch_steps)
+    return _finish(advice, steps, time_budget, clock.elapsed(), wanted, final, cost)
 
 
 def _shortest_of_round(measured: _Rounds, k: int) -> float:
@@ -460,11 +462,11 @@ def _finish(
     elapsed: float,
     wanted: Optional[float],
     final: bool,
+    cost: Cost,
 ) -> Advice:
     """The advice as measured: judged with no rounds to come when ``final``, saying the
-    budget is spent when ``wanted`` (what the next move would have taken) exceeded it."""
-    import dataclasses
-
+    budget is spent when ``wanted`` (what the next move would have taken) exceeded it, and
+    what budget the rounds it asks for would take (``cost`` a round's)."""
     advice = dataclasses.replace(
         advice,
         steps_asked=steps,
@@ -475,8 +477,18 @@ def _finish(
     )
     if not final:
         return advice
-    verdict = judge(advice.plain, advice.variants, advice.memory_budget, exhausted=True)
+    verdict = judge(
+        advice.plain,
+        advice.variants,
+        advice.memory_budget,
+        exhausted=True,
+        spent=wanted is not None,
+    )
     if wanted is not None:
+        rounds_to_come = (verdict.rerun_rounds or 0) - advice.rounds
+        if verdict.rerun_steps is None and rounds_to_come > 0:
+            # All the rounds it asks for, not only the next one the budget could not afford.
+            wanted = max(wanted, elapsed + rounds_to_come * cost.round(advice.steps))
         verdict = spent(verdict, time_budget, wanted)
     return dataclasses.replace(advice, verdict=verdict)
 
