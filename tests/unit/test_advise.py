@@ -410,3 +410,45 @@ def test_without_matplotlib_the_outputs_are_the_table_and_the_json(
     plot, where, error = cli.output_needs(parser().parse_args(["--build", "x:y", "--out", blocked]))
     assert where == blocked and error is not None
     assert error.startswith(f"advise: cannot write the results to {blocked!r}")
+
+
+def test_the_table_says_where_the_model_sits_on_the_regime_map() -> None:
+    """The model's link bytes by kind, and at 1 and 10 Gbit/s what hiding the ids can gain
+    next to the plain loop's step (hand-written bytes; the 2-rank tier checks the bytes
+    against the bench's arithmetic on a real model)."""
+    import json
+
+    from trec_pipelines.advise.link import LinkEstimate, gain_bound
+    from trec_pipelines.observe.link_bytes import LinkBytes
+
+    # Ids 100 ms at 1 Gbit/s, the model's own collectives 20 ms; the plain loop's step
+    # is 1.0 s / 20 steps = 50 ms.  Plain: 50 + 100 + 20 = 170 ms; pipelined at best
+    # max(50 + 20, 100) = 100 ms: 1.70x.  At 10 Gbit/s: 62 / 52 = 1.19x.
+    ids_heavy = LinkBytes(input_dist=12.5e6, output_dist=1.25e6, allreduce=1.25e6)
+    a = replace(advice(), link=LinkEstimate(ids_heavy, 512, 2))
+    lines = a.table().splitlines()
+    start = lines.index(
+        "link bytes per step, from your model's shapes (batch 512/rank, 2 ranks, table-wise, "
+        "every rank's on one link): input dist ids 12.50 MB (83%), output dist 1.25 MB (8%), "
+        "gradient all-reduce 1.25 MB (8%)"
+    )
+    assert lines[start + 1 : start + 4] == [
+        "  at 1 Gbit/s: ids 100.0 ms, output dist + all-reduce 20.0 ms, next to the plain loop's "
+        "50.0 ms step here: hiding the ids gains at most 70%; the ids' all-to-all is a large share "
+        "of the step: the map's end where pipelining pays",
+        "  at 10 Gbit/s: ids 10.0 ms, output dist + all-reduce 2.0 ms, next to the plain loop's "
+        "50.0 ms step here: hiding the ids gains at most 19%; the ids' all-to-all is a large share "
+        "of the step: the map's end where pipelining pays",
+        '  (where this sits on the regime map: docs/guides/performance.md, "Where pipelining '
+        'pays: the regime map")',
+    ]
+    assert lines[-1].startswith("verdict: ")
+    assert json.loads(json.dumps(a.to_dict()))["link"]["bytes"]["input_dist"] == 12.5e6
+    # A DCNv2-like model: wide tables, short bags; the embeddings fill the link.
+    wide = LinkBytes(input_dist=0.5e6, output_dist=10e6, allreduce=2e6)
+    assert gain_bound(wide, 50.0, 1.0) == pytest.approx((50 + 4 + 96) / (50 + 96))
+    assert gain_bound(wide, 50.0, 10.0) == pytest.approx(60 / 59.6)
+    dcn = replace(a, link=LinkEstimate(wide, 512, 2)).table()
+    assert "gains at most 3%; the model's own collectives and compute bind: a few percent" in dcn
+    assert "gains at most 1%; nothing measurable to gain from hiding the input dist" in dcn
+    assert replace(a, link=None).table().count("link bytes") == 0

@@ -53,6 +53,7 @@ from trec_pipelines.advise.budget import (
     spent,
 )
 from trec_pipelines.advise.compose import compose
+from trec_pipelines.advise.link import LinkEstimate, estimate
 from trec_pipelines.advise.measure import (
     PLAIN,
     Build,
@@ -290,12 +291,14 @@ class _FirstBuild:
         contenders: the plain loop, then each variant that applies, by name.
         device: where the model trains.
         epoch_steps: the batches of each timed epoch, sized by the probe.
+        link: the model's link bytes per step, from its shapes (rank 0's).
     """
 
     reasons: Dict[str, Optional[str]]
     contenders: Dict[str, Optional[Variant]]
     device: torch.device
     epoch_steps: int
+    link: Optional[LinkEstimate]
 
 
 def _first_build(
@@ -327,6 +330,7 @@ def _first_build(
     except BuildError as exc:
         error, train_device, build_seconds = str(exc), torch.device("cpu"), 0.0
     _raise_build_errors(ranks, ranks.gather(error))
+    link = ranks.gather(_link_estimate(model, batches, ranks.world))[0]
     timed = [v for v in asked if reasons[v.name] is None]
     contenders: Dict[str, Optional[Variant]] = {PLAIN: None, **{v.name: v for v in timed}}
 
@@ -348,7 +352,18 @@ def _first_build(
                 epochs.time_budget - clock.elapsed(),
             )
     del model, optimizer, batches
-    return _FirstBuild(reasons, contenders, train_device, epoch_steps)
+    return _FirstBuild(reasons, contenders, train_device, epoch_steps, link)
+
+
+def _link_estimate(model: Optional[nn.Module], batches: Any, world: int) -> Optional[LinkEstimate]:
+    """The model's link bytes per step, from its shapes and its first batch; None when they
+    cannot be read (a model or batch of a shape it does not know): it never stops a run."""
+    if model is None:
+        return None
+    try:
+        return estimate(model, next(iter(batches)), world)
+    except Exception:
+        return None
 
 
 def _advise(
@@ -431,6 +446,7 @@ def _advise(
     # No more rounds to come: the budget stopped it, or the verdict names none to measure.
     final = time_budget > 0 and (wanted is not None or advice.verdict.answer is Answer.CANNOT_TELL)
     cost = measured.cost(epoch_steps)
+    advice = dataclasses.replace(advice, link=first.link)
     return _finish(advice, steps, time_budget, clock.elapsed(), wanted, final, cost)
 
 
