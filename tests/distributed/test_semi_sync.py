@@ -9,6 +9,7 @@ the switch, six semi-sync steps and the drain.
 
 from __future__ import annotations
 
+import logging
 from typing import Any, List, Optional, Tuple
 
 import pytest
@@ -177,3 +178,34 @@ def test_direct_binding_matches_torchrec() -> None:
     assert pipeline.rewrite_result.strategy == "direct"
     assert len(pipeline.rewrite_result.pipelined) == 1
     assert_runs_equal(theirs, ours, ("torchrec", "trec_pipelines"))
+
+
+SYNCHRONOUS_START = (
+    "TrainPipelineSemiSync: synchronous until batch 900 (start_batch=900, torchrec's default): "
+    "until then each batch is looked up after the previous batch's update, as "
+    "TrainPipelineSparseDist trains; pass start_batch=0 (or another number) to overlap them sooner"
+)
+
+
+def test_a_synchronous_start_is_said_once_per_pipeline_and_after_reset(caplog: Any) -> None:
+    """torchrec's default start_batch keeps a short run synchronous: the first progress()
+    says so at INFO, once (not again in the second epoch), and again after reset()."""
+    batches = make_batches(3, seed=DATA_SEED)
+    dmp, optimizer = build("table_wise", combined=False)
+
+    def said() -> List[str]:
+        return [r.getMessage() for r in caplog.records if "synchronous until" in r.getMessage()]
+
+    with caplog.at_level(logging.INFO, logger="trec_pipelines.pipelines.semi_sync"):
+        pipeline = TrainPipelineSemiSync(dmp, optimizer, DEVICE)
+        for _ in range(2):  # two epochs
+            run_pipeline(pipeline, batches, model=dmp)
+        assert said() == [SYNCHRONOUS_START]
+        pipeline.reset()
+        run_pipeline(pipeline, batches, model=dmp)
+        assert said() == [SYNCHRONOUS_START] * 2
+        # Semi-sync from the first batch: nothing to say.
+        caplog.clear()
+        eager = TrainPipelineSemiSync(*build("table_wise", combined=False), DEVICE, start_batch=0)
+        run_pipeline(eager, batches)
+        assert said() == []

@@ -382,12 +382,8 @@ def _advise(
         build, ranks, epochs, asked, variants_named, include_compiled, device, clock
     )
     reasons, contenders, epoch_steps = first.reasons, first.contenders, first.epoch_steps
-    steps, warmup, rounds, time_budget = (
-        epochs.steps,
-        epochs.warmup,
-        epochs.rounds,
-        epochs.time_budget,
-    )
+    steps, warmup = epochs.steps, epochs.warmup
+    rounds, time_budget = epochs.rounds, epochs.time_budget
 
     failures: Dict[str, str] = {}
     measured = _Rounds(list(contenders))

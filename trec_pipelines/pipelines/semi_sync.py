@@ -45,6 +45,9 @@ from trec_pipelines.sparse.lookup import start_embedding_lookup as run_embedding
 
 logger: logging.Logger = logging.getLogger(__name__)
 
+# torchrec's default start_batch: shorter runs never leave the synchronous start.
+TORCHREC_START_BATCH = 900
+
 
 @documented()
 @takes_options(SparseDistTrainOptions)
@@ -150,7 +153,7 @@ class TrainPipelineSemiSync(TrainPipelineSparseDist[In, Out]):
         device: torch.device,
         execute_all_batches: bool = True,
         apply_jit: bool = False,
-        start_batch: int = 900,
+        start_batch: int = TORCHREC_START_BATCH,
         stash_gradients: bool = False,
         pipeline_postproc: bool = True,
         custom_model_fwd: Optional[Callable[[Optional[Any]], Tuple[torch.Tensor, Any]]] = None,
@@ -187,6 +190,8 @@ class TrainPipelineSemiSync(TrainPipelineSparseDist[In, Out]):
         self._restored_lookup: Optional[Tuple[int, Dict[str, List[torch.Tensor]]]] = None
         # The sharding groups looked up in their batch's forward (set at the first batch).
         self._deferral: Optional[DeferralPlan] = None
+        # The synchronous start was reported (once per pipeline, again after reset()).
+        self._said_synchronous_start = False
         logger.debug("%s: semi-sync from batch %d", type(self).__name__, start_batch)
 
     # ------------------------------------------------------------------ setup
@@ -250,6 +255,32 @@ class TrainPipelineSemiSync(TrainPipelineSparseDist[In, Out]):
         if self._strict:
             raise ValueError(message + ", or strict=False to only warn.")
         logger.warning(message + ".")
+
+    def _say_synchronous_start(self) -> None:
+        """One INFO line when the first batch trains synchronously because of ``start_batch``.
+
+        Until ``start_batch`` each lookup waits for the previous update, as
+        SparseDist's does: a run shorter than that (torchrec's default is 900
+        batches) trains bit for bit as SparseDist and nothing else shows it.
+        Said once per pipeline, and again after ``reset()`` (which restarts
+        the count).
+        """
+        if self._said_synchronous_start or not self.contexts:
+            return
+        self._said_synchronous_start = True
+        index = self.contexts[0].index
+        if index is None or index >= self._start_batch:
+            return
+        default = ", torchrec's default" if self._start_batch == TORCHREC_START_BATCH else ""
+        logger.info(
+            "%s: synchronous until batch %d (start_batch=%d%s): until then each batch is looked "
+            "up after the previous batch's update, as TrainPipelineSparseDist trains; pass "
+            "start_batch=0 (or another number) to overlap them sooner",
+            type(self).__name__,
+            self._start_batch,
+            self._start_batch,
+            default,
+        )
 
     def is_semi_sync(self) -> bool:
         """True when the next batch to train is at or past ``start_batch``."""
@@ -407,6 +438,7 @@ class TrainPipelineSemiSync(TrainPipelineSparseDist[In, Out]):
         self.wait_sparse_data_dist(self.contexts[0])
         self._plan_deferral()
         self._validate_optimizer()
+        self._say_synchronous_start()
         self.start_embedding_lookup(self.batches[0], self._embedding_context(0))
         if not self.enqueue_batch(dataloader_iter):
             return
@@ -518,6 +550,7 @@ class TrainPipelineSemiSync(TrainPipelineSparseDist[In, Out]):
         self._source = self._new_source()
         self._gradients.clear()
         self._restored_lookup = None
+        self._said_synchronous_start = False  # the count restarts: synchronous again
 
 
 class _Done:
