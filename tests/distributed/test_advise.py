@@ -462,11 +462,20 @@ def toy_four_tables() -> Tuple[nn.Module, Any, List[Any]]:
 def test_a_24_batch_toy_model_gets_an_answer_in_one_default_run() -> None:
     """A 4-table toy model whose factory gives 24 batches gets "recommend" or
     "keep your plain loop" in one run, its batches cycled into epochs long
-    enough to time -- not "cannot tell", not a refusal."""
+    enough to time -- not a refusal, and "cannot tell" only when the noise says
+    so: the budget spent with the variant's spread against the plain loop wider
+    than the 2% margin (a busy machine's rounds can spread by tens of percent),
+    and then with the variant named and the budget that would tell."""
     with time_limit(150):  # a hang guard: about a minute on two busy cores
         advice = advise(toy_four_tables, **QUICK)
     same_on_every_rank(advice)
-    assert advice.verdict.answer in (Answer.RECOMMEND, Answer.KEEP_PLAIN_LOOP), advice.table()
+    verdict, row = advice.verdict, advice["TrainPipelineSparseDist"]
+    if verdict.answer is Answer.CANNOT_TELL:
+        assert advice.budget_spent and row.band is not None and row.band > 0.02, advice.table()
+        assert verdict.variant == row.name and verdict.rerun_rounds, advice.table()
+        assert verdict.rerun_time_budget and verdict.rerun_time_budget > 10.0, advice.table()
+    else:
+        assert verdict.answer in (Answer.RECOMMEND, Answer.KEEP_PLAIN_LOOP), advice.table()
     assert advice.steps_asked == 20 and advice.rounds >= 3
     # Warm-up and epoch ask for more than the 24 batches hold: cycled; every
     # contender trained as many steps in each timed epoch.

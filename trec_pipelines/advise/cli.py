@@ -44,7 +44,8 @@ enough to time (cycling your batches, in the same order for every contender,
 when they end first) and adds rounds while the noise leaves the answer open.
 Variants within the noise of each other are an answer: either will do, so
 the one holding least (or the plain loop, when no variant is faster than it
-beyond the noise).  The output says how long the epochs were, how many
+beyond the noise) -- unless the budget ran out with a variant's spread
+against the plain loop wider than 2%: then it cannot tell yet.  The output says how long the epochs were, how many
 times the batches were cycled, and the time taken.
 
 --build names a function of yours, importable from the current directory,
