@@ -1,4 +1,4 @@
-"""What a training step puts on the link, by collective, from the model's shapes alone.
+"""What a training step of the bench's model puts on the link, by collective, from its shapes.
 
 The stage probe measures two byte counts per step on an emulated link: the
 input dist's and everything else the step sends (``fwd+bwd+opt``).  This
@@ -15,53 +15,25 @@ results table can say which of them fills the link:
 It assumes table-wise sharding with the tables spread evenly over the ranks
 (the fraction ``(W - 1) / W`` of a batch's ids and embeddings crosses the
 link), and leaves out the splits all-to-alls (a few bytes per table).  The
-measured totals sit next to it in the results, so a gap shows.
+measured totals sit next to it in the results, so a gap shows.  The
+arithmetic is the package's (``trec_pipelines/observe/link_bytes.py``, which
+the advisor uses for a user's model); this module feeds it the bench's
+``ModelSpec``.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Dict, Optional
+from typing import Optional
 
+from trec_pipelines.observe.link_bytes import (
+    FLOAT_BYTES,
+    ID_BYTES,
+    LENGTH_BYTES,
+    LinkBytes,
+    link_ms,
+    step_bytes as _step_bytes,
+)
 from trec_pipelines.testing.dlrm_spec import ModelSpec
-
-ID_BYTES = 8  # int64 ids
-LENGTH_BYTES = 4  # int32 lengths
-FLOAT_BYTES = 4
-
-
-@dataclass(frozen=True)
-class LinkBytes:
-    """Bytes one training step puts on the link, every rank together, by collective.
-
-    Attributes:
-        input_dist: the ids and lengths all-to-all.
-        output_dist: the pooled embeddings' all-to-all forward and their
-            gradients' backward.
-        allreduce: DDP's all-reduce of the dense gradients.
-    """
-
-    input_dist: float
-    output_dist: float
-    allreduce: float
-
-    @property
-    def model(self) -> float:
-        """The model's own collectives: everything but the input dist."""
-        return self.output_dist + self.allreduce
-
-    @property
-    def total(self) -> float:
-        return self.input_dist + self.model
-
-    def shares(self) -> Dict[str, float]:
-        """Each collective's fraction of the step's bytes."""
-        total = self.total or 1.0
-        return {
-            "input dist": self.input_dist / total,
-            "output dist": self.output_dist / total,
-            "gradient all-reduce": self.allreduce / total,
-        }
 
 
 def dense_parameters(spec: ModelSpec) -> int:
@@ -84,20 +56,13 @@ def step_bytes(
     """
     if world < 1 or batch_size < 1:
         raise ValueError(f"world and batch_size must be >= 1, got {world}, {batch_size}")
-    remote = (world - 1) / world  # the share of the tables another rank holds
-    samples = world * batch_size
     per_sample_ids = spec.ids_per_sample * ID_BYTES + len(spec.dims) * LENGTH_BYTES
-    params = dense_parameters(spec) if dense_params is None else dense_params
-    return LinkBytes(
-        input_dist=samples * remote * per_sample_ids,
-        output_dist=2 * samples * remote * sum(spec.dims) * FLOAT_BYTES,
-        allreduce=world * 2 * remote * params * FLOAT_BYTES,
+    return _step_bytes(
+        id_bytes=batch_size * per_sample_ids,
+        output_floats=batch_size * sum(spec.dims),
+        dense_params=dense_parameters(spec) if dense_params is None else dense_params,
+        world=world,
     )
-
-
-def link_ms(n_bytes: float, link_gbit: float) -> float:
-    """Milliseconds ``n_bytes`` take at ``link_gbit`` Gbit/s."""
-    return n_bytes * 8 / (link_gbit * 1e9) * 1e3
 
 
 def describe(spec: ModelSpec, batch_size: int, world: int, link_gbit: Optional[float]) -> str:
@@ -119,4 +84,13 @@ def describe(spec: ModelSpec, batch_size: int, world: int, link_gbit: Optional[f
     )
 
 
-__all__ = ["LinkBytes", "dense_parameters", "describe", "link_ms", "step_bytes"]
+__all__ = [
+    "FLOAT_BYTES",
+    "ID_BYTES",
+    "LENGTH_BYTES",
+    "LinkBytes",
+    "dense_parameters",
+    "describe",
+    "link_ms",
+    "step_bytes",
+]

@@ -9,6 +9,7 @@ the switch, six semi-sync steps and the drain.
 
 from __future__ import annotations
 
+import logging
 from typing import Any, Dict, List, Optional, Tuple
 
 import pytest
@@ -221,3 +222,34 @@ def test_tables_read_between_steps_are_torchrecs(sharding_type: str) -> None:
     # Steps START .. N-2 defer their update (the last one lands before it returns);
     # on an accelerator the update runs where the next step joins it, also deferred.
     assert in_flight == N_BATCHES - 1 - START
+
+
+SYNCHRONOUS_START = (
+    "TrainPipelineSemiSync: synchronous until batch 900 (start_batch=900, torchrec's default): "
+    "until then each batch is looked up after the previous batch's update, as "
+    "TrainPipelineSparseDist trains; pass start_batch=0 (or another number) to overlap them sooner"
+)
+
+
+def test_a_synchronous_start_is_said_once_per_pipeline_and_after_reset(caplog: Any) -> None:
+    """torchrec's default start_batch keeps a short run synchronous: the first progress()
+    says so at INFO, once (not again in the second epoch), and again after reset()."""
+    batches = make_batches(3, seed=DATA_SEED)
+    dmp, optimizer = build("table_wise", combined=False)
+
+    def said() -> List[str]:
+        return [r.getMessage() for r in caplog.records if "synchronous until" in r.getMessage()]
+
+    with caplog.at_level(logging.INFO, logger="trec_pipelines.pipelines.semi_sync"):
+        pipeline = TrainPipelineSemiSync(dmp, optimizer, DEVICE)
+        for _ in range(2):  # two epochs
+            run_pipeline(pipeline, batches, model=dmp)
+        assert said() == [SYNCHRONOUS_START]
+        pipeline.reset()
+        run_pipeline(pipeline, batches, model=dmp)
+        assert said() == [SYNCHRONOUS_START] * 2
+        # Semi-sync from the first batch: nothing to say.
+        caplog.clear()
+        eager = TrainPipelineSemiSync(*build("table_wise", combined=False), DEVICE, start_batch=0)
+        run_pipeline(eager, batches)
+        assert said() == []

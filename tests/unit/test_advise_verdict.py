@@ -264,6 +264,49 @@ def test_a_clear_lead_is_not_made_even_by_a_spent_budget() -> None:
     assert judge(plain(short), fast, None, exhausted=True).answer is Answer.CANNOT_TELL
 
 
+def test_a_spent_budget_with_noise_wider_than_the_margin_cannot_tell_yet() -> None:
+    # Three rounds of a busy machine: Semi at 1.19x give or take 0.34, Sparse at
+    # 1.10x give or take 0.20.  With no rounds to come because nothing more would
+    # settle it, nothing is faster than the plain loop beyond the noise: keep it ...
+    rows = [
+        measured("Semi", ONE, at((0.90, 1.19, 1.49), ONE), MIB),
+        measured("Sparse", ONE, at((0.95, 1.10, 1.30), ONE), MIB // 2),
+    ]
+    assert judge(plain(ONE), rows, None, exhausted=True).answer is Answer.KEEP_PLAIN_LOOP
+    # ... but when the time budget stopped the rounds, a ± of 0.34 cannot say the
+    # plain loop will do: cannot tell yet, naming the fastest variant seen and the
+    # rounds that settle it.  Sparse's lead, +0.10, takes the most: its per-round
+    # sd (0.18) is under the run's typical spread (the median of the two sds, 0.24),
+    # which it is read with; sd / sqrt(n) < (0.10 - 0.02) / 2 for n > (2 * 0.24 / 0.08)^2 = 34.7.
+    sd = typical_spread(rows)
+    assert sd == pytest.approx(statistics.median(statistics.stdev(r.paired) for r in rows))
+    lead = (rows[1].vs_plain or 0.0) - 1.0
+    expected = math.floor((2 * sd / (lead - 0.02)) ** 2) + 1
+    assert expected == 35
+    verdict = judge(plain(ONE), rows, None, exhausted=True, spent=True)
+    assert verdict.answer is Answer.CANNOT_TELL and verdict.variant == "Semi"
+    assert verdict.rerun_rounds == expected and verdict.rerun_steps is None
+    assert str(verdict) == (
+        "cannot tell: the fastest variant seen, Semi, is 1.19x plain ±0.34 over 3 rounds, and "
+        "the noise is wider than the 2% the verdict decides by: these rounds cannot tell "
+        f"whether a pipeline is faster than the plain loop or not; re-run with {expected} rounds"
+    )
+    # A variant known to within the margin (Close: 1.015x ±0.012) is even with the
+    # plain loop, spent budget or not: keep it.
+    close = [measured("Close", ONE, at((1.005, 1.015, 1.025), ONE), MIB)]
+    assert judge(plain(ONE), close, None).answer is Answer.CANNOT_TELL
+    kept = judge(plain(ONE), close, None, exhausted=True, spent=True)
+    assert kept.answer is Answer.KEEP_PLAIN_LOOP and "either will do" in kept.reason
+    # A variant clear of the plain loop, even with a faster peer, is still recommended
+    # when the budget is spent (whichever of the two is faster, it is faster than the plain loop).
+    peers = [
+        measured("Big", ONE, at((1.32, 1.37, 1.27), ONE), 20 * MIB),
+        measured("Small", ONE, at((1.30, 1.35, 1.25), ONE), 4 * MIB),
+    ]
+    recommended = judge(plain(ONE), peers, None, exhausted=True, spent=True)
+    assert recommended.answer is Answer.RECOMMEND and recommended.variant == "Small"
+
+
 def test_the_budget_and_unpipelined_modules_decide_who_competes() -> None:
     rows = [
         measured("Huge", ONE, at((1.60, 1.61, 1.59), ONE), 50 * MIB),

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 from typing import Any, List, Tuple
 
 import pytest
@@ -87,7 +88,7 @@ def test_pt2_matches_plain_loop_and_restores_dynamo_config() -> None:
     assert torch._dynamo.config.skip_torchrec == skip_before
 
 
-def test_pt2_eager_before_compile_is_exact_and_stops_cleanly() -> None:
+def test_pt2_eager_before_compile_is_exact_and_stops_cleanly(caplog: Any) -> None:
     batches = make_batches(3)
     ref_model, ref_outputs = _plain(batches)
     model = Unsharded()
@@ -97,7 +98,14 @@ def test_pt2_eager_before_compile_is_exact_and_stops_cleanly() -> None:
         torch.device("cpu"),
         compile_configs=TorchCompileConfig(compile_on_iter=100),
     )
-    outputs = drain(pipeline, iter(batches))
+    with caplog.at_level(logging.INFO, logger="trec_pipelines.pipelines.pt2"):
+        outputs = drain(pipeline, iter(batches))
+    # The eager start is said once, at the first step (a run this short never compiles).
+    assert [r.getMessage() for r in caplog.records if r.name == "trec_pipelines.pipelines.pt2"] == [
+        "TrainPipelinePT2: the first 100 batches run eagerly; the model compiles at batch 100 "
+        "(compile_configs.compile_on_iter=100), and that batch takes the compile's time; "
+        "TorchCompileConfig(compile_on_iter=0) compiles at the first"
+    ]
     assert (
         all(torch.equal(a, b) for a, b in zip(outputs, ref_outputs, strict=True))
         and len(outputs) == 3

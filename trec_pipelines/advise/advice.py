@@ -13,6 +13,7 @@ from dataclasses import asdict, dataclass, replace
 from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
 
 from trec_pipelines.advise.budget import spent
+from trec_pipelines.advise.link import LinkEstimate, describe
 from trec_pipelines.advise.report import VariantReport
 from trec_pipelines.advise.verdict import Answer, Verdict, judge
 from trec_pipelines.observe.memory import format_bytes
@@ -80,6 +81,9 @@ class Advice:
             budget ran out before its hint could be followed, or it gave none.
         budget_spent: the time budget stopped it: what the verdict asked to
             measure next would not fit in it.
+        link: the model's link bytes per step by collective, from its shapes
+            and the first batch (None: not computed, or no sharded table reads
+            the batch); the table says what they imply at 1 and 10 Gbit/s.
     """
 
     verdict: Verdict
@@ -98,6 +102,7 @@ class Advice:
     elapsed: Optional[float] = None
     exhausted: bool = False
     budget_spent: bool = False
+    link: Optional[LinkEstimate] = None
 
     @property
     def recommended(self) -> Optional[str]:
@@ -133,7 +138,9 @@ class Advice:
             for r in self.variants
         )
         plain = replace(self.plain, within_budget=None if memory_budget is None else True)
-        verdict = judge(plain, rows, memory_budget, exhausted=self.exhausted)
+        verdict = judge(
+            plain, rows, memory_budget, exhausted=self.exhausted, spent=self.budget_spent
+        )
         if self.verdict.rerun_time_budget is not None and self.time_budget is not None:
             verdict = spent(verdict, self.time_budget, self.verdict.rerun_time_budget)
         return replace(
@@ -205,6 +212,11 @@ class Advice:
         cycled = self.cycling()
         if cycled:
             lines.append(cycled)
+        if self.link is not None:
+            plain = self.plain
+            timed = plain.seconds and plain.steps
+            step = statistics.median(plain.seconds) / plain.steps if timed else None
+            lines += describe(self.link, step)
         skipped = not_applicable_line(self.variants)
         if skipped:
             lines.append(skipped)

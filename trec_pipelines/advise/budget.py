@@ -32,8 +32,11 @@ budget allows:
   cost of the rounds measured so far (:class:`Cost`);
 * when the next move does not fit, or "cannot tell" names none, the verdict
   is judged once more with no rounds to come (``judge(..., exhausted=True)``): contenders the noise
-  leaves even are then an answer ("either will do"), and "cannot tell" says
-  the budget is spent and what budget would let it go on (:func:`spent`).
+  leaves even are then an answer ("either will do") -- but not "keep your
+  plain loop" when the budget stopped it with a variant's ``±`` against the
+  plain loop wider than the margin (``spent=True``) -- and "cannot tell" says
+  the budget is spent and what budget would let it go on (:func:`spent`): for
+  more rounds, all those it asks for, by the cost of the rounds measured.
 
 The budget counts the whole run (builds, warm-ups, the untimed epochs);
 the rounds asked for are always measured, with epochs at the floor, even

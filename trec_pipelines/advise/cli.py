@@ -3,7 +3,9 @@
 Run directly, it launches itself under torchrun (``--nproc`` ranks) as
 ``make bench`` does; under torchrun (``RANK`` set) it is one rank: it starts
 the process group, imports ``build``, runs :func:`~trec_pipelines.advise`,
-and rank 0 prints the table and writes ``advice.json`` and ``advice.png``.
+and rank 0 prints the table and writes ``advice.json`` and ``advice.png``
+(when matplotlib is installed: what the outputs need is checked before
+anything is measured, :func:`output_needs`).
 """
 
 from __future__ import annotations
@@ -11,10 +13,12 @@ from __future__ import annotations
 import argparse
 import datetime
 import importlib
+import importlib.util
 import os
 import subprocess
 import sys
-from typing import Any, Callable, List, Optional, Sequence, cast
+import tempfile
+from typing import Any, Callable, List, Optional, Sequence, Tuple, cast
 
 from trec_pipelines.advise.budget import DEFAULT_TIME_BUDGET
 
@@ -31,15 +35,17 @@ and a plain loop on the same batches, and answers one of three:
   keep your plain loop no variant is more than 2% faster than it, beyond the noise;
   cannot tell          the --time-budget ran out before the epochs were long
                        enough to time (0.5 s) or the rounds settled the
-                       differences that decide: it says what budget would let
-                       it go on.
+                       differences that decide (a variant's spread against the
+                       plain loop wider than 2% included): it names the fastest
+                       variant seen and what budget would let it go on.
 
 Within --time-budget it lengthens the timed epochs until they are long
 enough to time (cycling your batches, in the same order for every contender,
 when they end first) and adds rounds while the noise leaves the answer open.
 Variants within the noise of each other are an answer: either will do, so
 the one holding least (or the plain loop, when no variant is faster than it
-beyond the noise).  The output says how long the epochs were, how many
+beyond the noise) -- unless the budget ran out with a variant's spread
+against the plain loop wider than 2%: then it cannot tell yet.  The output says how long the epochs were, how many
 times the batches were cycled, and the time taken.
 
 --build names a function of yours, importable from the current directory,
@@ -54,7 +60,15 @@ with its spread, bytes the pipeline holds by its memory ledger, peak
 resident and device memory, how much of the input dist each hides, modules
 left unpipelined, failures), the others in one line, the verdict in one
 sentence, and advice.json + advice.png (ratio to the plain loop against held
-memory, with the rounds' spread) in --out.
+memory, with the rounds' spread) in --out.  The PNG needs matplotlib, which
+is not a dependency: without it advise says so once, before measuring, and
+writes the table and the JSON (every number is there).
+
+It also prints where your model sits on the performance guide's regime
+map: its bytes per step on the link by kind (the input dist's ids, the
+output dist's embeddings, the gradient all-reduce), from its shapes, and
+what they imply at 1 and 10 Gbit/s (advise itself runs on this machine's
+link, often the loopback).
 """
 
 EXAMPLES = """\
@@ -155,7 +169,11 @@ def _add_launch_arguments(p: argparse.ArgumentParser) -> None:
         default=None,
         help="directory for advice.json and advice.png (default advise-results/<UTC time>)",
     )
-    p.add_argument("--no-plot", action="store_true", help="no PNG (it needs matplotlib)")
+    p.add_argument(
+        "--no-plot",
+        action="store_true",
+        help="no PNG (it needs matplotlib; without it there is none either, with a warning)",
+    )
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
 
 
@@ -259,6 +277,7 @@ def worker(args: argparse.Namespace) -> int:
             device = torch.device(device.type, int(os.environ.get("LOCAL_RANK", "0")))
             torch.get_device_module(device).set_device(device)
     dist.init_process_group(backend=args.backend)
+    plot, out = _agreed_outputs(args, rank)
     build = load_build(args.build)
     variants = [v.strip() for v in args.variants.split(",") if v.strip()] if args.variants else None
     bar = _Bar(rank == 0 and not args.no_progress)
@@ -278,23 +297,71 @@ def worker(args: argparse.Namespace) -> int:
     finally:
         bar.close()
     if rank == 0:
-        out = args.out or os.path.join(
-            "advise-results",
-            datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d_%H%M%S"),
-        )
-        os.makedirs(out, exist_ok=True)
         print("\n" + advice.table(), flush=True)
         advice.write_json(
             os.path.join(out, "advice.json"), extra={"build": args.build, "argv": sys.argv[1:]}
         )
         written = ["advice.json"]
-        if not args.no_plot:
+        if plot:
             advice.save_plot(os.path.join(out, "advice.png"))
             written.append("advice.png")
         print(f"results: {out}/ ({', '.join(written)})", flush=True)
     dist.barrier()
     dist.destroy_process_group()
     return 0
+
+
+MATPLOTLIB_MISSING = (
+    "advise: matplotlib is not installed, so advice.png is left out (the table and "
+    "advice.json have every number); `pip install matplotlib` for the picture, or --no-plot "
+    "to leave it out without this warning"
+)
+
+
+def output_needs(args: argparse.Namespace) -> Tuple[bool, str, Optional[str]]:
+    """What the outputs need, checked before anything is measured: ``(plot, out, error)``.
+
+    ``plot``: the PNG is wanted and matplotlib is there to draw it (when it is
+    not, a warning says so once and the run goes on: the picture is optional);
+    ``out``: the results directory (``--out``, or ``advise-results/<UTC
+    time>``), created here; ``error``: why the run cannot write its results
+    (None: it can), so that it stops in seconds rather than after measuring.
+    """
+    plot = not args.no_plot
+    if plot and importlib.util.find_spec("matplotlib") is None:
+        print(MATPLOTLIB_MISSING, file=sys.stderr, flush=True)
+        plot = False
+    out = args.out or os.path.join(
+        "advise-results",
+        datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d_%H%M%S"),
+    )
+    try:
+        os.makedirs(out, exist_ok=True)
+        with tempfile.TemporaryFile(dir=out):
+            pass
+    except OSError as exc:
+        return (
+            plot,
+            out,
+            (
+                f"advise: cannot write the results to {out!r} ({exc}); give --out a directory "
+                "you can write to"
+            ),
+        )
+    return plot, out, None
+
+
+def _agreed_outputs(args: argparse.Namespace, rank: int) -> Tuple[bool, str]:
+    """Rank 0's :func:`output_needs`, shared with every rank: all go on, or all stop now."""
+    import torch.distributed as dist
+
+    decided: List[Any] = [output_needs(args) if rank == 0 else None]
+    dist.broadcast_object_list(decided, src=0)
+    plot, out, error = decided[0]
+    if error is not None:
+        dist.destroy_process_group()
+        raise SystemExit(error)
+    return plot, out
 
 
 def check(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:

@@ -30,6 +30,7 @@ timeout.
 
 from __future__ import annotations
 
+import dataclasses
 import datetime
 import statistics
 import time
@@ -52,6 +53,7 @@ from trec_pipelines.advise.budget import (
     spent,
 )
 from trec_pipelines.advise.compose import compose
+from trec_pipelines.advise.link import LinkEstimate, estimate
 from trec_pipelines.advise.measure import (
     PLAIN,
     Build,
@@ -289,12 +291,14 @@ class _FirstBuild:
         contenders: the plain loop, then each variant that applies, by name.
         device: where the model trains.
         epoch_steps: the batches of each timed epoch, sized by the probe.
+        link: the model's link bytes per step, from its shapes (rank 0's).
     """
 
     reasons: Dict[str, Optional[str]]
     contenders: Dict[str, Optional[Variant]]
     device: torch.device
     epoch_steps: int
+    link: Optional[LinkEstimate]
 
 
 def _first_build(
@@ -326,6 +330,7 @@ def _first_build(
     except BuildError as exc:
         error, train_device, build_seconds = str(exc), torch.device("cpu"), 0.0
     _raise_build_errors(ranks, ranks.gather(error))
+    link = ranks.gather(_link_estimate(model, batches, ranks.world))[0]
     timed = [v for v in asked if reasons[v.name] is None]
     contenders: Dict[str, Optional[Variant]] = {PLAIN: None, **{v.name: v for v in timed}}
 
@@ -347,7 +352,18 @@ def _first_build(
                 epochs.time_budget - clock.elapsed(),
             )
     del model, optimizer, batches
-    return _FirstBuild(reasons, contenders, train_device, epoch_steps)
+    return _FirstBuild(reasons, contenders, train_device, epoch_steps, link)
+
+
+def _link_estimate(model: Optional[nn.Module], batches: Any, world: int) -> Optional[LinkEstimate]:
+    """The model's link bytes per step, from its shapes and its first batch; None when they
+    cannot be read (a model or batch of a shape it does not know): it never stops a run."""
+    if model is None:
+        return None
+    try:
+        return estimate(model, next(iter(batches)), world)
+    except Exception:
+        return None
 
 
 def _advise(
@@ -366,12 +382,8 @@ def _advise(
         build, ranks, epochs, asked, variants_named, include_compiled, device, clock
     )
     reasons, contenders, epoch_steps = first.reasons, first.contenders, first.epoch_steps
-    steps, warmup, rounds, time_budget = (
-        epochs.steps,
-        epochs.warmup,
-        epochs.rounds,
-        epochs.time_budget,
-    )
+    steps, warmup = epochs.steps, epochs.warmup
+    rounds, time_budget = epochs.rounds, epochs.time_budget
 
     failures: Dict[str, str] = {}
     measured = _Rounds(list(contenders))
@@ -429,7 +441,9 @@ def _advise(
         total = measured.offset + rounds * len(contenders)
     # No more rounds to come: the budget stopped it, or the verdict names none to measure.
     final = time_budget > 0 and (wanted is not None or advice.verdict.answer is Answer.CANNOT_TELL)
-    return _finish(advice, steps, time_budget, clock.elapsed(), wanted, final)
+    cost = measured.cost(epoch_steps)
+    advice = dataclasses.replace(advice, link=first.link)
+    return _finish(advice, steps, time_budget, clock.elapsed(), wanted, final, cost)
 
 
 def _shortest_of_round(measured: _Rounds, k: int) -> float:
@@ -460,11 +474,11 @@ def _finish(
     elapsed: float,
     wanted: Optional[float],
     final: bool,
+    cost: Cost,
 ) -> Advice:
     """The advice as measured: judged with no rounds to come when ``final``, saying the
-    budget is spent when ``wanted`` (what the next move would have taken) exceeded it."""
-    import dataclasses
-
+    budget is spent when ``wanted`` (what the next move would have taken) exceeded it, and
+    what budget the rounds it asks for would take (``cost`` a round's)."""
     advice = dataclasses.replace(
         advice,
         steps_asked=steps,
@@ -475,8 +489,18 @@ def _finish(
     )
     if not final:
         return advice
-    verdict = judge(advice.plain, advice.variants, advice.memory_budget, exhausted=True)
+    verdict = judge(
+        advice.plain,
+        advice.variants,
+        advice.memory_budget,
+        exhausted=True,
+        spent=wanted is not None,
+    )
     if wanted is not None:
+        rounds_to_come = (verdict.rerun_rounds or 0) - advice.rounds
+        if verdict.rerun_steps is None and rounds_to_come > 0:
+            # All the rounds it asks for, not only the next one the budget could not afford.
+            wanted = max(wanted, elapsed + rounds_to_come * cost.round(advice.steps))
         verdict = spent(verdict, time_budget, wanted)
     return dataclasses.replace(advice, verdict=verdict)
 

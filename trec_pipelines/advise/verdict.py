@@ -57,7 +57,14 @@ the noise), provided it is the plain loop or better than it: "keep your
 plain loop" when it is the plain loop (no variant faster beyond the
 noise), "recommend" otherwise, the reason naming the variants within the
 noise of the pick.  Only when there is no such contender does it stay
-"cannot tell".  Otherwise a pair about the margin apart whose ``±`` is
+"cannot tell".  One exception, when it was the time budget that stopped
+the rounds (``judge(..., spent=True)``): "keep your plain loop" needs every
+variant the noise leaves open against the plain loop known to within the
+margin (its ``±`` at most 2%); a wider one is "cannot tell yet", naming the
+fastest variant seen and the rounds that would settle its lead (or narrow
+its ``±`` to the margin), by how its spread shrinks with ``sqrt(n)``.  A
+variant even with its peers but clear of the plain loop is still
+recommended: whichever of them is faster, it is.  Otherwise a pair about the margin apart whose ``±`` is
 wider than the margin asks for the rounds that bring its ``±`` within the
 margin (then either will do).  Another run may name another of these peers
 (the noise does not separate them): the reason names them.
@@ -78,6 +85,7 @@ import sys
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, List, Optional, Sequence, Tuple
 
+from trec_pipelines.advise.left_out import left_out, pct
 from trec_pipelines.observe.memory import format_bytes
 
 if TYPE_CHECKING:
@@ -256,36 +264,6 @@ def _figure(row: "VariantReport", noise: float) -> str:
     return f"{row.vs_plain or 0.0:.2f}x plain{spread}"
 
 
-def _pct(a: float, b: float) -> str:
-    """How much faster ``a`` is than ``b``: whole percent, one decimal under 1%."""
-    percent = 100 * (a / b - 1)
-    return f"{percent:.1f}%" if abs(percent) < 1 else f"{percent:.0f}%"
-
-
-def _left_out(
-    ran: Sequence["VariantReport"],
-    pool: Sequence["VariantReport"],
-    budget: Optional[int],
-    than: float,
-) -> str:
-    """``; Y is 5% faster but exceeds the budget by ...``: the fastest variant left out for its
-    memory, or else for the modules it left unpipelined ("" when none left out is faster)."""
-    faster = [r for r in ran if r not in pool and (r.vs_plain or 0.0) > than]
-    over = [
-        r for r in faster if budget is not None and (r.held_peak is None or r.held_peak > budget)
-    ]
-    if over:
-        top = max(over, key=lambda r: r.vs_plain or 0.0)
-        excess = (top.held_peak or 0) - (budget or 0)
-        by = _pct(top.vs_plain or 0.0, than)
-        return f"; {top.name} is {by} faster but exceeds the budget by {format_bytes(excess)}"
-    if faster:
-        top = max(faster, key=lambda r: r.vs_plain or 0.0)
-        names = ", ".join(m for m, _ in top.unpipelined)
-        return f"; {top.name} is {_pct(top.vs_plain or 0.0, than)} faster but leaves {names} unpipelined"
-    return ""
-
-
 def _either_will_do(contenders: Sequence[_Contender], noise: float) -> Optional[_Contender]:
     """When no pick is confident and more rounds would not make one: the contender holding
     least that no other is better than, provided it is the plain loop or better than it
@@ -414,6 +392,7 @@ def _no_confident_pick(
     noise: float,
     rounds: int,
     exhausted: bool,
+    spent: bool,
 ) -> Verdict:
     """The answer when no contender is a confident pick: either will do, or cannot tell
     (and how many rounds would tell)."""
@@ -423,6 +402,9 @@ def _no_confident_pick(
     # about the margin apart and already known to within the margin.
     unsettleable = pair is None or (pair[4] is None and pair[3] <= MARGIN)
     if even is not None and (exhausted or unsettleable):
+        too_wide = _too_wide_to_keep(contenders, pool, noise, rounds) if spent else None
+        if even.plain and too_wide is not None:
+            return too_wide
         return _even_verdict(even, contenders, pool, noise)
     variant = None if lead.plain else lead.name
     if pair is None:  # every pair settled, yet no pick: neighbours about the margin apart
@@ -460,6 +442,45 @@ def _no_confident_pick(
     )
 
 
+def _too_wide_to_keep(
+    contenders: Sequence[_Contender],
+    pool: Sequence["VariantReport"],
+    noise: float,
+    rounds: int,
+) -> Optional[Verdict]:
+    """Cannot tell yet when the time budget stopped the rounds while a variant's difference
+    to the plain loop is known no closer than the margin: "keep your plain loop" would then
+    say more than the rounds measured (None: every variant the noise leaves open is known
+    to within the margin, and the plain loop will do)."""
+    plain = next(c for c in contenders if c.plain)
+    wide: List[Optional[int]] = []
+    for c in contenders:
+        if c.plain or _no_better(c, plain, noise):
+            continue
+        x, sd, half = _difference(c, plain, noise)
+        if half > MARGIN:
+            # The rounds that settle its lead over the margin, or else bring its ± within it.
+            wide.append(_rounds_to_settle(sd, abs(x - MARGIN)) or _rounds_to_settle(sd, MARGIN))
+    if not wide:
+        return None
+    fastest = max(pool, key=lambda r: r.vs_plain or 0.0)
+    needs = [n for n in wide if n is not None]
+    needed = max(*needs, rounds + 1) if len(needs) == len(wide) else None
+    sentence = (
+        f"the fastest variant seen, {fastest.name}, is {_figure(fastest, noise)}, and the "
+        f"noise is wider than the {MARGIN:.0%} the verdict decides by: these rounds cannot "
+        "tell whether a pipeline is faster than the plain loop or not"
+    )
+    if needed is None:
+        sentence += (
+            f"; over {MAX_ROUNDS_HINT} rounds would be needed at this spread: measure on a "
+            "quieter machine, or with longer epochs"
+        )
+    else:
+        sentence += f"; re-run with {needed} rounds"
+    return Verdict(Answer.CANNOT_TELL, fastest.name, sentence, rerun_rounds=needed)
+
+
 def _picked(
     pick: _Contender,
     ran: Sequence["VariantReport"],
@@ -476,18 +497,18 @@ def _picked(
             None,
             f"no variant is more than {MARGIN:.0%} faster than the plain loop beyond the noise "
             f"(the fastest, {best.name}, is {_figure(best, noise)}), so a pipeline buys nothing "
-            f"on this model" + _left_out(ran, pool, budget, best.vs_plain or 0.0),
+            f"on this model" + left_out(ran, pool, budget, best.vs_plain or 0.0),
         )
     row = by_name[pick.name]
     sentence = f"{_figure(row, noise)}, +{format_bytes(row.held_peak)} held"
     fastest = max(pool, key=lambda r: r.vs_plain or 0.0)
-    left_out = _left_out(ran, pool, budget, row.vs_plain or 0.0)
-    if left_out:
-        sentence += left_out
+    dropped = left_out(ran, pool, budget, row.vs_plain or 0.0)
+    if dropped:
+        sentence += dropped
     elif fastest is not row and (fastest.vs_plain or 0.0) > (row.vs_plain or 0.0):
         more = (fastest.held_peak or 0) - (row.held_peak or 0)
         sentence += (
-            f"; {fastest.name} is {_pct(fastest.vs_plain or 0.0, row.vs_plain or 0.0)} faster, "
+            f"; {fastest.name} is {pct(fastest.vs_plain or 0.0, row.vs_plain or 0.0)} faster, "
             f"within {MARGIN:.0%} of it, and holds {format_bytes(more)} more"
         )
     else:
@@ -500,6 +521,7 @@ def judge(
     rows: Sequence["VariantReport"],
     budget: Optional[int],
     exhausted: bool = False,
+    spent: bool = False,
 ) -> Verdict:
     """The verdict on the measurements ([Note: the verdict rule]).
 
@@ -508,7 +530,10 @@ def judge(
     ``held_peak``, ``unpipelined``); ``budget``: bytes a pipeline may hold;
     ``exhausted``: no more rounds will be measured (the time budget is
     spent), so contenders the noise leaves even are an answer ("either will
-    do") rather than a reason to re-run.
+    do") rather than a reason to re-run; ``spent``: what stopped the rounds
+    was the time budget (not that more rounds would not decide), so a
+    variant the noise leaves open by more than the margin is "cannot tell
+    yet", not "keep your plain loop".
     """
     ran = [r for r in rows if r.ran and r.vs_plain is not None]
     fits = [r for r in ran if budget is None or (r.held_peak is not None and r.held_peak <= budget)]
@@ -539,7 +564,7 @@ def judge(
         return too_little
     pick = _confident_pick(contenders, noise)
     if pick is None:
-        return _no_confident_pick(lead, leads, contenders, pool, noise, rounds, exhausted)
+        return _no_confident_pick(lead, leads, contenders, pool, noise, rounds, exhausted, spent)
     return _picked(pick, ran, pool, budget, noise)
 
 

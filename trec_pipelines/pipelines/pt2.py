@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import logging
 from dataclasses import dataclass
 from typing import (
     Any,
@@ -30,6 +31,8 @@ from trec_pipelines.core.step_guard import guarded_step
 from trec_pipelines.core.subclass_hooks import Uncalled, never_called
 from trec_pipelines.model.compiler_settings import HeldSettings
 from trec_pipelines.observe import recorder as rec
+
+logger: logging.Logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -157,6 +160,7 @@ class TrainPipelinePT2(PipelineCore, TrainPipeline[In, Out]):
         self._dynamo_settings = _held_dynamo_settings()
         self._compiled = False
         self._cur_batch: Optional[Any] = None
+        self._said_eager_start = False
 
     def _compile(self) -> None:
         config = self._compile_configs
@@ -170,6 +174,32 @@ class TrainPipelinePT2(PipelineCore, TrainPipeline[In, Out]):
         if self._post_compile_fn is not None:
             self._post_compile_fn(self._model)
         self._compiled = True
+
+    def _begin_step(self, dataloader_iter: Iterator[Any]) -> None:
+        super()._begin_step(dataloader_iter)
+        self._say_eager_start()
+
+    def _say_eager_start(self) -> None:
+        """One INFO line, at the first step, when the steps before ``compile_on_iter`` run
+        eagerly (torchrec's default: 3): a run that short is never compiled, and the
+        compile's time falls in the step that compiles, which a short run's timing shows."""
+        if self._said_eager_start:
+            return
+        self._said_eager_start = True
+        at = self._compile_configs.compile_on_iter
+        if self._compiled or self._iter >= at:
+            return
+        default = ", torchrec's default" if at == TorchCompileConfig.compile_on_iter else ""
+        logger.info(
+            "%s: the first %d batches run eagerly; the model compiles at batch %d "
+            "(compile_configs.compile_on_iter=%d%s), and that batch takes the compile's time; "
+            "TorchCompileConfig(compile_on_iter=0) compiles at the first",
+            type(self).__name__,
+            at,
+            at,
+            at,
+            default,
+        )
 
     def _compiled_region(self) -> ContextManager[None]:
         return self._dynamo_settings.held() if self._compiled else contextlib.nullcontext()

@@ -36,6 +36,7 @@ from trec_pipelines.core.subclass_hooks import ASYNC_SUBMIT_OFF, Uncalled, never
 from trec_pipelines.model.args import CallArgs
 from trec_pipelines.model.context import EmbeddingTrainPipelineContext, TrainPipelineContext
 from trec_pipelines.observe import recorder as rec
+from trec_pipelines.pipelines.semi_sync_start import TORCHREC_START_BATCH, say_synchronous_start
 from trec_pipelines.pipelines.sparse_dist import TrainPipelineSparseDist
 from trec_pipelines.sparse.deferred_lookup import DeferralPlan, deferring, plan_deferral
 from trec_pipelines.sparse.embedding_update import (
@@ -168,7 +169,7 @@ class TrainPipelineSemiSync(TrainPipelineSparseDist[In, Out]):
         device: torch.device,
         execute_all_batches: bool = True,
         apply_jit: bool = False,
-        start_batch: int = 900,
+        start_batch: int = TORCHREC_START_BATCH,
         stash_gradients: bool = False,
         pipeline_postproc: bool = True,
         custom_model_fwd: Optional[Callable[[Optional[Any]], Tuple[torch.Tensor, Any]]] = None,
@@ -208,6 +209,8 @@ class TrainPipelineSemiSync(TrainPipelineSparseDist[In, Out]):
         # The last semi-sync batch's table update, running while the next step
         # goes on (see [Note: the embedding update off the step's chain]).
         self._embedding_update = EmbeddingUpdate(device)
+        # The synchronous start was reported (once per pipeline, again after reset()).
+        self._said_synchronous_start = False
         logger.debug("%s: semi-sync from batch %d", type(self).__name__, start_batch)
 
     # ------------------------------------------------------------------ setup
@@ -272,6 +275,14 @@ class TrainPipelineSemiSync(TrainPipelineSparseDist[In, Out]):
         if self._strict:
             raise ValueError(message + ", or strict=False to only warn.")
         logger.warning(message + ".")
+
+    def _say_synchronous_start(self) -> None:
+        """One INFO line when ``start_batch`` keeps the first batch synchronous
+        (once per pipeline, again after ``reset()``); see :func:`say_synchronous_start`."""
+        if self._said_synchronous_start or not self.contexts:
+            return
+        self._said_synchronous_start = True
+        say_synchronous_start(type(self).__name__, self.contexts[0].index, self._start_batch)
 
     def is_semi_sync(self) -> bool:
         """True when the next batch to train is at or past ``start_batch``."""
@@ -451,6 +462,7 @@ class TrainPipelineSemiSync(TrainPipelineSparseDist[In, Out]):
         self.wait_sparse_data_dist(self.contexts[0])
         self._plan_deferral()
         self._validate_optimizer()
+        self._say_synchronous_start()
         self.start_embedding_lookup(self.batches[0], self._embedding_context(0))
         if not self.enqueue_batch(dataloader_iter):
             return
@@ -573,6 +585,7 @@ class TrainPipelineSemiSync(TrainPipelineSparseDist[In, Out]):
         self._source = self._new_source()
         self._gradients.clear()
         self._restored_lookup = None
+        self._said_synchronous_start = False  # the count restarts: synchronous again
 
     def detach(self) -> torch.nn.Module:
         """As :meth:`TrainPipelineSparseDist.detach`, once the last step's table update landed."""
