@@ -201,8 +201,8 @@ def test_eval_mode_has_no_backward_and_keeps_the_lookup_placement() -> None:
         "P1 InputDistStart[i3]@data_dist",
         "P1 WaitBatch[i1]@default",
         "P1 Forward[i1]@default",
-        "P1 EmbLookup[i2]@default",  # batch 1 is semi-sync: lookup before the wait
         "P1 InputDistWait[i3]@data_dist",
+        "P1 EmbLookup[i2]@default",  # batch 1 is semi-sync: where the training step's is
     ]
 
 
