@@ -12,7 +12,7 @@ from typing import Any, List, Optional
 import pytest
 import torch.distributed
 
-from trec_pipelines.data.agreement import ENDED, FINE, MALFORMED, Agreed, decide, encode
+from trec_pipelines.data.agreement import ENDED, FAILED, FINE, MALFORMED, Agreed, decide, encode
 from trec_pipelines.data.padding import Padding, unwrap
 from trec_pipelines.data.source import BatchSource
 
@@ -23,6 +23,8 @@ def test_decide_tells_some_ended_from_all_ended() -> None:
     assert decide([encode(7, ENDED), encode(7, FINE)], ranks) == Agreed([], True, False)
     assert decide([encode(7, ENDED), encode(7, ENDED)], ranks) == Agreed([], True, True)
     assert decide([encode(7, MALFORMED), encode(7, ENDED)], ranks) == Agreed([0], True, False)
+    # A pull whose next() raised on rank 1: every rank learns it, whatever else happened.
+    assert decide([encode(7, ENDED), encode(7, FAILED)], ranks) == Agreed([], True, False, [1])
 
 
 class _Decided:
@@ -40,8 +42,8 @@ class _OtherRank:
         self.other = other
         self._epoch_start = 0
 
-    def start(self, pull: int, ended: bool, malformed: bool) -> _Decided:
-        here = ENDED if ended else MALFORMED if malformed else FINE
+    def start(self, pull: int, ended: bool, malformed: bool, failed: bool = False) -> _Decided:
+        here = FAILED if failed else ENDED if ended else MALFORMED if malformed else FINE
         there = ENDED if pull - self._epoch_start >= self.other else FINE
         return _Decided(decide([encode(pull, here), encode(pull, there)], [0, 1]))
 
