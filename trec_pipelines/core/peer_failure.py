@@ -121,7 +121,7 @@ class _News:
             )
             if self._store.check([f"{_PREFIX}/rank{rank}/retracted{count}"]):
                 continue
-            found[rank] = f"batch {index}: {description}"
+            found[rank] = f"{'its step' if index == 'None' else f'batch {index}'}: {description}"
         return found
 
     def retry_allowed(self, index: Optional[int]) -> None:

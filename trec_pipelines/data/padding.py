@@ -99,7 +99,7 @@ def _left_in(iterator: Any) -> Optional[int]:
     iterator, a torch ``DataLoader``'s); None otherwise (a generator)."""
     yielded = getattr(iterator, "_num_yielded", None)
     if yielded is not None and hasattr(iterator, "__len__"):
-        return max(len(iterator) - yielded, 0)
+        return max(len(iterator) - int(yielded), 0)
     left = operator.length_hint(iterator, -1)
     return None if left < 0 else left
 
