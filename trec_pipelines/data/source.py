@@ -349,7 +349,7 @@ class BatchSource:
             return self._padded(batch), None, None
         if batch is not None and agreed.ended:
             self.unused += 1
-            logger.warning("%s", uneven_stop(self._epoch_pulled, self.unused, self._iterator))
+            logger.warning("%s", uneven_stop(self._epoch_pulled, 1, self._iterator))
             return None, None, None
         return batch, None, None
 
