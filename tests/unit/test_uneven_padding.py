@@ -13,7 +13,7 @@ import pytest
 import torch.distributed
 
 from trec_pipelines.data.agreement import ENDED, FAILED, FINE, MALFORMED, Agreed, decide, encode
-from trec_pipelines.data.padding import Padding, unwrap
+from trec_pipelines.data.padding import Padding, uneven_stop, unwrap
 from trec_pipelines.data.source import BatchSource
 
 
@@ -97,3 +97,20 @@ def test_the_next_epoch_pads_with_its_own_last_batch() -> None:
     assert [unwrap(b)[0] for b in _epoch(source, ["a", "b"])] == ["a", "b", "b"]
     channel.new_epoch(source._pulls)
     assert [unwrap(b)[0] for b in _epoch(source, ["x"])] == ["x", "x", "x"]
+
+
+def test_the_uneven_stop_warning_says_how_many_batches_are_not_trained() -> None:
+    """20 batches here, 12 on the other rank: 13 pulled (the agreement runs a pull
+    ahead), 12 trained, 1 dropped and 7 never read: 8 not trained."""
+    it = iter(range(20))
+    for _ in range(13):
+        next(it)
+    message = uneven_stop(13, 1, it)
+    assert "8 of this rank's batches are not trained" in message, message
+    assert "pulled 13 batch(es) this epoch and trains 12; 1 pulled batch(es)" in message
+    assert "the 7 batch(es) still in its iterator are not read" in message
+    generator = (i for i in range(3))
+    next(generator)
+    message = uneven_stop(1, 1, generator)
+    assert "cannot say how many batches are left" in message, message
+    assert "not trained:" not in message
