@@ -92,12 +92,10 @@ class Retry:
     failed_on: List[int]
     batch: Optional[Any]  # this rank's batch for the pull (None: the failed rank)
     errors: List[str] = field(default_factory=list)  # each failed rank's first line
-    attempts: int = 0
 
     def meet(self) -> None:
         """Wait for every rank's retry (see the module note); raise
         :class:`PeerFailedError` when one did not come within the grace."""
-        self.attempts += 1
         store, world, rank = _store(), dist.get_world_size(), dist.get_rank()
         base, generation = f"{_PREFIX}/{self.number}/retry", 0
         while True:

@@ -309,6 +309,12 @@ class BatchSource:
             pending.agreement.result()
             if pending.batch is not None:
                 self.unused += 1
+            if pending.error is not None:  # past the agreed end: nothing to retry
+                logger.warning(
+                    "the data iterator raised past the end of the epoch (another rank's "
+                    "data ended first); not raised, as no batch is missing: %s",
+                    pull_failure.first_line(pending.error),
+                )
 
     def settle(self) -> None:
         """Finish agreeing on the pulls under way, holding their batches (a checkpoint,
