@@ -109,15 +109,15 @@ class Retry:
                 break
             # Came as another rank gave up: the next meeting, with a whole grace.
         missing = [r for r in range(world) if not store.check([f"{key}/rank{r}"])]
+        absent = ", ".join(str(r) for r in missing) or "another rank"
+        cause = self.errors[0] if self.errors else "its data iterator raised"
         raise PeerFailedError.naming(
             missing[0] if missing else self.failed_on[0],
             self.index,
-            self.errors[0] if self.errors else "its step failed",
-            f"This rank called progress() again, but rank(s) {missing} did not within "
-            f"{_grace():.0f} s (TREC_PIPELINES_PEER_FAILURE_GRACE), so not every rank did "
-            "and nothing was issued: this rank would wait for them in the step. Call "
-            "progress() again on every rank to retry this batch, or handle the error "
-            "(checkpoint, exit).",
+            f"{cause}; then rank(s) {absent} did not call progress() again within "
+            f"{_grace():.0f} s (TREC_PIPELINES_PEER_FAILURE_GRACE) of this rank",
+            "Nothing was issued: this rank would wait for them in the step. Call progress() "
+            "again on every rank to retry this batch, or handle the error (checkpoint, exit).",
         )
 
 
@@ -156,13 +156,18 @@ def agreed_failure(
         "that retries alone raises PeerFailedError again after that long."
     )
     if error is not None:
-        others = ", ".join(str(r) for r in range(dist.get_world_size()) if r != rank)
+        others = ", ".join(str(r) for r in range(dist.get_world_size()) if r not in failed_on)
+        peers = (
+            f"rank(s) {others} raised PeerFailedError naming this rank, so none waits for it "
+            "whatever this rank does next"
+            if others
+            else "every rank's iterator raised at this pull"
+        )
         add_note(
             error,
             f"trec_pipelines: rank {rank}: the data iterator raised this while pulling batch "
             f"{index}. Every rank raised in this progress() call, before any work on the "
-            f"batch: rank(s) {others} raised PeerFailedError naming this rank, so none waits "
-            f"for it whatever this rank does next. {again}",
+            f"batch: {peers}. {again}",
         )
         return error, retry
     lines = "; ".join(f"rank {r}: {e}" for r, e in zip(failed_on[1:], errors[1:], strict=True))
