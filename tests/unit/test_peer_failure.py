@@ -88,12 +88,13 @@ def test_the_other_ranks_end_within_seconds_naming_the_failed_rank(
     assert "rank 0 failed at batch 2" in log, log[-3000:]
     assert "stops" in log and "waited" in log and "last resort" in log, log[-3000:]
     # The store is polled every second: a rank ends a few seconds after the
-    # grace, never at the model group's 120 s timeout.
+    # grace, never at the model group's 120 s timeout; within 15 s of the failure
+    # (it noticed the failure at most a poll after it was published).
     waited = [float(w) for w in _waits(log)]
     least = 10.0 if grace is None else grace
     # At least one waiting rank says so (torchrun ends the rest once one exits).
     assert waited, log[-3000:]
-    assert least <= min(waited) and max(waited) < least + 20, waited
+    assert least <= min(waited) and max(waited) + 1 < 15, waited
 
 
 def _waits(log: str) -> list[str]:
