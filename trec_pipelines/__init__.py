@@ -32,6 +32,7 @@ from trec_pipelines.core.errors import (
     MalformedBatchError as MalformedBatchError,
     ModelDetachedException as ModelDetachedException,
     OutOfStepError as OutOfStepError,
+    PeerFailedError as PeerFailedError,
 )
 from trec_pipelines.core.state import PipelineState as PipelineState
 from trec_pipelines.data.data_loading import DataLoadingThread as DataLoadingThread
@@ -163,6 +164,7 @@ _PUBLIC_GROUPS: Dict[str, Tuple[str, ...]] = {
         "GradientAccumulationWrapper",
         "MalformedBatchError",
         "OutOfStepError",
+        "PeerFailedError",
         "ModelDetachedException",
     ),
     "Checkpoint and resume": ("Resumable",),

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import time
 from datetime import timedelta
 from typing import Any, Callable, Dict, Iterator, List, Optional
@@ -253,3 +254,57 @@ def test_a_model_on_one_rank_trains_alone(sync_exhaustion: Optional[bool]) -> No
     finally:
         if dist.get_rank() == 0:
             dist.destroy_process_group(solo)
+
+
+# ------------------------------------------------ epochs from reused and truncated iterators
+
+
+def _compare(name: str, ref: Run, ours: Run, what: str) -> None:
+    if name == "TrainPipelineSparseDistCompAutograd":
+        _assert_close(ours, ref)  # compiled: close, as in the uneven-data test above
+    else:
+        assert_runs_equal(ref, ours, (what, name))
+
+
+def _epochs(pipeline: Any, dmp: torch.nn.Module, iterators: List[Iterator[Any]]) -> Run:
+    outputs: List[torch.Tensor] = []
+    for it in iterators:
+        outputs += list(run_pipeline(pipeline, it, model=dmp))
+    return Run(outputs, weights(dmp))
+
+
+@pytest.mark.parametrize("name", list(TRAIN))
+def test_a_persistent_workers_dataloader_trains_every_batch_of_every_epoch(name: str) -> None:
+    """A DataLoader with persistent_workers=True gives the same iterator object
+    every epoch, reset by iter(loader) (torchrec #2327): the second epoch trains
+    every batch again, as the plain loop over both epochs."""
+    batches = make_batches(4, seed=DATA_SEED)
+    ref = plain_loop(*make_sharded(DLRM, "table_wise", seed=SEED), batches + batches)
+    dmp, optimizer = make_sharded(DLRM, "table_wise", seed=SEED)
+    pipeline = TRAIN[name](dmp, optimizer)
+    loader = torch.utils.data.DataLoader(
+        batches, batch_size=None, num_workers=1, persistent_workers=True, collate_fn=lambda b: b
+    )
+    it = iter(loader)
+    outputs = list(run_pipeline(pipeline, it, model=dmp))
+    assert iter(loader) is it  # the same iterator object, reset by the DataLoader
+    outputs += list(run_pipeline(pipeline, it, model=dmp))
+    ours = Run(outputs, weights(dmp))
+    _compare(name, ref, ours, "plain loop over both epochs")
+
+
+@pytest.mark.parametrize("name", list(TRAIN))
+def test_a_truncated_iterator_then_another_trains_none_of_the_first_in_the_second(
+    name: str,
+) -> None:
+    """An epoch over the first 3 of 6 batches (itertools.islice), then an epoch
+    over another iterator (torchrec #3750): the second epoch trains only its own
+    batches, and the first's underlying iterator is left at its 4th batch."""
+    first, second = make_batches(6, seed=DATA_SEED), make_batches(3, seed=DATA_SEED + 1)
+    ref = plain_loop(*make_sharded(DLRM, "table_wise", seed=SEED), first[:3] + second)
+    dmp, optimizer = make_sharded(DLRM, "table_wise", seed=SEED)
+    pipeline = TRAIN[name](dmp, optimizer)
+    underlying = iter(first)
+    ours = _epochs(pipeline, dmp, [itertools.islice(underlying, 3), iter(second)])
+    _compare(name, ref, ours, "plain loop over first[:3] + second")
+    assert next(underlying) is first[3]

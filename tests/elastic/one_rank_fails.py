@@ -17,17 +17,43 @@ process group times out after 120 s, far beyond what the test allows.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import time
 from datetime import timedelta
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.distributed as dist
 
 import trec_pipelines
 from tests.fault_injection import Fault
+from trec_pipelines.pipelines.sparse_data_dist_util import SparseDataDistUtil
+from trec_pipelines.pipelines.staged import PipelineStage
 from trec_pipelines.testing.dlrm import DLRM, make_batches, make_sharded
+
+
+def _staged(dmp: Any) -> Any:
+    """h2d and input_dist stages; the caller's loop trains (see _staged_step)."""
+    sdd = SparseDataDistUtil(dmp, data_dist_stream=None)
+    return trec_pipelines.StagedTrainPipeline(
+        [
+            PipelineStage("h2d", lambda batch: batch, None),
+            sdd.start_sparse_data_dist_stage(runnable=sdd.start_sparse_data_dist),
+        ]
+    )
+
+
+def _staged_step(pipeline: Any, model: Any, optimizer: Any, it: Any) -> None:
+    """One progress() and the caller's own training of its batch."""
+    batch = pipeline.progress(it)
+    if batch is None:
+        raise StopIteration
+    optimizer.zero_grad()
+    loss, _ = model(batch)
+    torch.sum(loss, dim=0).backward()
+    optimizer.step()
 
 
 def main() -> None:
@@ -49,18 +75,24 @@ def main() -> None:
             raise Fault(f"injected on rank 0 at forward {calls['n'] - 1}")
 
     dmp.module.over_arch.register_forward_pre_hook(fail_once)
-    pipeline = getattr(trec_pipelines, args.pipeline)(dmp, optimizer, torch.device("cpu"))
+    if args.pipeline == "StagedTrainPipeline":
+        pipeline: Any = _staged(dmp)
+        step = functools.partial(_staged_step, pipeline, dmp, optimizer)
+    else:
+        pipeline = getattr(trec_pipelines, args.pipeline)(dmp, optimizer, torch.device("cpu"))
+        step = pipeline.progress
     it = iter(make_batches(8, seed=3))
     record: dict = {"rank": rank, "steps": 0, "error": None}
     started = time.monotonic()
     try:
         while True:
-            pipeline.progress(it)
+            step(it)
             record["steps"] += 1
     except StopIteration:
         pass
     except Exception as error:  # noqa: BLE001  what a user's loop would catch
         record["error"] = f"{type(error).__name__}: {error}"
+        record["notes"] = "".join(getattr(error, "__notes__", []))
         if rank == 0 and args.then == "retry":
             try:
                 pipeline.progress(it)

@@ -128,6 +128,10 @@ def test_a_stopping_rank_says_where_the_error_is_and_how_to_set_the_grace() -> N
         "(it names the first rank to exit, which may be this one). This rank has waited "
         "10 s in a step whose collectives the failed rank will not join "
         "(TREC_PIPELINES_PEER_FAILURE_GRACE sets how long, in seconds; 0 turns this off). "
+        "Ending the process is the last resort: the wait is in a collective of the "
+        "model's process group, which torch cannot interrupt short of that group's "
+        "timeout, so no exception can reach this rank's code (a failure seen before a "
+        "step's collectives, as a data iterator's error, raises PeerFailedError instead). "
         "Fix the failed rank's error, then restart from the last checkpoint (torchrun "
         "--max-restarts does)."
     )

@@ -12,8 +12,8 @@ from typing import Any, List, Optional
 import pytest
 import torch.distributed
 
-from trec_pipelines.data.agreement import ENDED, FINE, MALFORMED, Agreed, decide, encode
-from trec_pipelines.data.padding import Padding, unwrap
+from trec_pipelines.data.agreement import ENDED, FAILED, FINE, MALFORMED, Agreed, decide, encode
+from trec_pipelines.data.padding import Padding, uneven_stop, unwrap
 from trec_pipelines.data.source import BatchSource
 
 
@@ -23,6 +23,8 @@ def test_decide_tells_some_ended_from_all_ended() -> None:
     assert decide([encode(7, ENDED), encode(7, FINE)], ranks) == Agreed([], True, False)
     assert decide([encode(7, ENDED), encode(7, ENDED)], ranks) == Agreed([], True, True)
     assert decide([encode(7, MALFORMED), encode(7, ENDED)], ranks) == Agreed([0], True, False)
+    # A pull whose next() raised on rank 1: every rank learns it, whatever else happened.
+    assert decide([encode(7, ENDED), encode(7, FAILED)], ranks) == Agreed([], True, False, [1])
 
 
 class _Decided:
@@ -40,8 +42,8 @@ class _OtherRank:
         self.other = other
         self._epoch_start = 0
 
-    def start(self, pull: int, ended: bool, malformed: bool) -> _Decided:
-        here = ENDED if ended else MALFORMED if malformed else FINE
+    def start(self, pull: int, ended: bool, malformed: bool, failed: bool = False) -> _Decided:
+        here = FAILED if failed else ENDED if ended else MALFORMED if malformed else FINE
         there = ENDED if pull - self._epoch_start >= self.other else FINE
         return _Decided(decide([encode(pull, here), encode(pull, there)], [0, 1]))
 
@@ -95,3 +97,20 @@ def test_the_next_epoch_pads_with_its_own_last_batch() -> None:
     assert [unwrap(b)[0] for b in _epoch(source, ["a", "b"])] == ["a", "b", "b"]
     channel.new_epoch(source._pulls)
     assert [unwrap(b)[0] for b in _epoch(source, ["x"])] == ["x", "x", "x"]
+
+
+def test_the_uneven_stop_warning_says_how_many_batches_are_not_trained() -> None:
+    """20 batches here, 12 on the other rank: 13 pulled (the agreement runs a pull
+    ahead), 12 trained, 1 dropped and 7 never read: 8 not trained."""
+    it = iter(range(20))
+    for _ in range(13):
+        next(it)
+    message = uneven_stop(13, 1, it)
+    assert "8 of this rank's batches are not trained" in message, message
+    assert "pulled 13 batch(es) this epoch and trains 12; 1 pulled batch(es)" in message
+    assert "the 7 batch(es) still in its iterator are not read" in message
+    generator = (i for i in range(3))
+    next(generator)
+    message = uneven_stop(1, 1, generator)
+    assert "cannot say how many batches are left" in message, message
+    assert "not trained:" not in message

@@ -73,6 +73,33 @@ class OutOfStepError(RuntimeError):
         )
 
 
+class PeerFailedError(RuntimeError):
+    """Another rank failed in this step, so this rank's step could not go on.
+
+    Raised from ``progress()`` on the ranks that did not fail, before the step
+    issued any work (nothing was trained or lost here), so the program's own
+    handlers run: a ``finally:``, a checkpoint on error.  It names the rank
+    that failed (:attr:`rank`), the batch (:attr:`batch`) and the first line
+    of that rank's error (:attr:`error`).  To go on, call ``progress()``
+    again on every rank within ``TREC_PIPELINES_PEER_FAILURE_GRACE`` seconds
+    of each other (10 by default): the failed batch is pulled again there and
+    the ranks train on in step.  A ``RuntimeError``.
+    """
+
+    rank: Optional[int] = None  # the rank that failed (the first, if several did)
+    batch: Optional[int] = None  # the index of the batch it failed at
+    error: str = ""  # the first line of its error ("OSError: ...")
+
+    @classmethod
+    def naming(cls, rank: int, batch: Optional[int], error: str, what: str) -> "PeerFailedError":
+        """The error for a peer ``rank`` that failed at ``batch`` with ``error``;
+        ``what`` says what happened and how to go on."""
+        where = "its batch" if batch is None else f"batch {batch}"
+        raised = cls(f"rank {rank} failed at {where}: {error}. {what}")
+        raised.rank, raised.batch, raised.error = rank, batch, error
+        return raised
+
+
 class ForwardOutputError(TypeError):
     """The model's forward returned something other than torchrec's ``(losses, output)``.
 

@@ -20,7 +20,14 @@ pipeline, which batch, what error.  Nothing is written while steps succeed.
   cannot complete, and under ``torchrun`` the job ends (or restarts, with
   ``--max-restarts``, from the last checkpoint) within seconds instead of at
   the timeout.  A rank that is not in a step (it caught its own error, it
-  evaluates, it saves) is left alone.
+  evaluates, it saves) is left alone.  Exiting is the last resort: the
+  waiting rank is blocked in a collective of the model's process group,
+  which torch cannot interrupt short of the group's timeout, so no exception
+  can reach its code; and aborting the user's group is not ours to do.  A
+  failure seen before a step issues its collectives, a data iterator's error,
+  is agreed instead, and raises ``PeerFailedError`` on every other rank (see
+  ``[Note: a loader error on one rank]`` in
+  :mod:`trec_pipelines.data.pull_failure`).
 * A failure stands until every rank retried or skipped that batch, or this
   rank completed a later step (its collectives met the others' again).
 * A retry (or ``skip_failed_batch()``) is only safe when every rank failed
@@ -56,7 +63,7 @@ _STANDING = f"{_PREFIX}/standing"  # how many ranks' failures stand now
 _PUBLISHED = f"{_PREFIX}/published"  # how many failures were ever published
 _POLL_SECONDS = 1.0
 # How long a retry waits for every rank's report of the same failure.
-_RETRY_WAIT = timedelta(seconds=5)
+RETRY_WAIT = timedelta(seconds=5)
 
 
 def grace_seconds() -> float:
@@ -114,7 +121,7 @@ class _News:
             )
             if self._store.check([f"{_PREFIX}/rank{rank}/retracted{count}"]):
                 continue
-            found[rank] = f"batch {index}: {description}"
+            found[rank] = f"{'its step' if index == 'None' else f'batch {index}'}: {description}"
         return found
 
     def retry_allowed(self, index: Optional[int]) -> None:
@@ -123,7 +130,7 @@ class _News:
             return
         keys = [f"{_PREFIX}/rank{r}/failure{self._failures}" for r in range(self._world)]
         try:
-            self._store.wait(keys, _RETRY_WAIT)
+            self._store.wait(keys, RETRY_WAIT)
         except Exception:  # noqa: BLE001  (the store says "timeout" as a RuntimeError)
             missing = [r for r, k in enumerate(keys) if not self._store.check([k])]
             raise OutOfStepError.at(
@@ -208,8 +215,12 @@ def stop_message(rank: int, peers: Dict[int, str], waited: float) -> str:
         "cause, even if torchrun names it (it names the first rank to exit, which may be "
         f"this one). This rank has waited {waited:.0f} s in a step whose collectives the "
         "failed rank will not join (TREC_PIPELINES_PEER_FAILURE_GRACE sets how long, "
-        "in seconds; 0 turns this off). Fix the failed rank's error, then restart from "
-        "the last checkpoint (torchrun --max-restarts does)."
+        "in seconds; 0 turns this off). Ending the process is the last resort: the wait "
+        "is in a collective of the model's process group, which torch cannot interrupt "
+        "short of that group's timeout, so no exception can reach this rank's code (a "
+        "failure seen before a step's collectives, as a data iterator's error, raises "
+        "PeerFailedError instead). Fix the failed rank's error, then restart from the "
+        "last checkpoint (torchrun --max-restarts does)."
     )
 
 

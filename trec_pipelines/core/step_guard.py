@@ -42,7 +42,11 @@ Several ranks: a rank whose step raised after some of the step's collectives
 were issued leaves the other ranks waiting in the matching collective.  It
 tells them (see ``[Note: a failed step on one rank]`` in
 :mod:`trec_pipelines.core.peer_failure`): a rank left waiting exits within
-seconds, naming the failed rank and batch, and a retry (or skip) on one rank
+seconds, naming the failed rank and batch (the last resort: its wait is in
+the model's collectives, which cannot be interrupted; a data iterator's error
+is agreed before any work instead, and raises ``PeerFailedError`` on the other
+ranks, see ``[Note: a loader error on one rank]`` in
+:mod:`trec_pipelines.data.pull_failure`), and a retry (or skip) on one rank
 only raises ``OutOfStepError`` instead of pairing the wrong collectives.
 """
 
@@ -100,11 +104,29 @@ def _explain(error: BaseException, pipeline: Any, index: Optional[int]) -> None:
     note = (
         f"trec_pipelines: {_where()}{name}.progress() raised while training "
         f"{batch}; the pipeline rolled back, and the next progress() retries {batch} "
-        "from its host copy (call pipeline.skip_failed_batch() first to drop it "
-        "instead). With several ranks, do the same on every rank: a rank that raised "
-        "after issuing part of a step's collectives leaves the others waiting in "
-        "the matching collective until the process-group timeout."
+        "from its host copy (call pipeline.skip_failed_batch() first to drop it instead)."
     )
+    if _where():
+        grace = peer_failure.grace_seconds()
+        note += (
+            " With several ranks: the other ranks that did not raise are waiting in this "
+            "step's collectives, which this rank left. Each reads this failure in the job's "
+            "store and, "
+            + (
+                f"after {grace:.0f} s (TREC_PIPELINES_PEER_FAILURE_GRACE), ends its process "
+                "with status 1 naming this rank and batch, whatever this rank does next: a "
+                "wait in the model's collectives cannot be interrupted short of the process "
+                "group's timeout, so ending is the last resort (torchrun then ends the job, or "
+                "restarts it from the last checkpoint with --max-restarts)."
+                if grace > 0
+                else "with TREC_PIPELINES_PEER_FAILURE_GRACE=0, waits until the process "
+                "group's timeout."
+            )
+            + f" A retry goes on only where every rank raised at {batch}: call progress() "
+            "(or skip_failed_batch()) on every rank within "
+            f"{peer_failure.RETRY_WAIT.total_seconds():.0f} s of each other; a rank that "
+            "retries while another did not fail there raises OutOfStepError."
+        )
     add_note(error, note)
 
 

@@ -12,7 +12,14 @@ end of the data one rank runs a step alone, and hangs).
 
 So each pull is agreed before the step issues any work on it.  Every rank
 reports one code per pull: the pull's number and its outcome (:data:`ENDED`,
-:data:`MALFORMED`, :data:`FINE`); every rank then knows every rank's code.
+:data:`MALFORMED`, :data:`FINE`, :data:`FAILED`); every rank then knows every
+rank's code.
+
+* A pull whose ``next()`` raised on any rank (:data:`FAILED`) makes every rank
+  raise for it, before any work, in the same ``progress()``: that rank its
+  iterator's error, the others ``PeerFailedError`` naming it (see
+  ``[Note: a loader error on one rank]`` in
+  :mod:`trec_pipelines.data.pull_failure`).  This goes first of all.
 
 * A batch malformed on any rank is dropped on every rank, and every rank
   raises ``MalformedBatchError`` for it, naming the batch and the ranks it was
@@ -84,7 +91,7 @@ from __future__ import annotations
 import contextlib
 import weakref
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Deque, List, Optional, Sequence
 
 import torch
@@ -96,16 +103,28 @@ from trec_pipelines.core.errors import OutOfStepError
 from trec_pipelines.core.input_dist_group import _timeout_of
 from trec_pipelines.model.rewrite import sharded_modules
 
-# What a rank reports for one pull (the low two bits of its code); NOTHING is
-# what a rank with no pull to report carries in a splits exchange.
-ENDED, MALFORMED, FINE, NOTHING = 0, 1, 2, 3
+# What a rank reports for one pull (the low three bits of its code); NOTHING is
+# what a rank with no pull to report carries in a splits exchange; FAILED: its
+# iterator raised.
+ENDED, MALFORMED, FINE, NOTHING, FAILED = 0, 1, 2, 3, 4
+_OUTCOME_BITS = 3
 # The pull number rides above the outcome, modulo this (an int32 splits tensor holds it).
-_PULLS = 1 << 28
+_PULLS = 1 << 27
 
 
 def encode(pull: int, outcome: int) -> int:
     """One rank's report of pull number ``pull``."""
-    return (pull % _PULLS) << 2 | outcome
+    return (pull % _PULLS) << _OUTCOME_BITS | outcome
+
+
+def outcome_of(code: int) -> int:
+    """The outcome a code reports (ENDED, MALFORMED, FINE, NOTHING or FAILED)."""
+    return code & ((1 << _OUTCOME_BITS) - 1)
+
+
+def pull_of(code: int) -> int:
+    """The pull number a code reports (modulo 2**27)."""
+    return code >> _OUTCOME_BITS
 
 
 @dataclass(frozen=True)
@@ -115,6 +134,7 @@ class Agreed:
     malformed_on: List[int]  # the (global) ranks whose batch is malformed
     ended: bool  # some rank's data ended
     all_ended: bool = False  # every rank's data ended (padding waits for this)
+    failed_on: List[int] = field(default_factory=list)  # ranks whose next() raised
 
 
 def _model_groups(model: torch.nn.Module) -> List[Optional[dist.ProcessGroup]]:
@@ -241,14 +261,17 @@ class Agreement:
 def decide(codes: Sequence[int], ranks: Sequence[int]) -> Agreed:
     """One pull's outcome from every rank's code; raises :class:`OutOfStepError`
     on every rank alike when the ranks' pull numbers differ."""
-    pulls = {code >> 2 for code in codes}
-    outcomes = [code & 3 for code in codes]
+    pulls = {pull_of(code) for code in codes}
+    outcomes = [outcome_of(code) for code in codes]
     if len(pulls) > 1 or NOTHING in outcomes:
-        raise OutOfStepError.at([None if c & 3 == NOTHING else c >> 2 for c in codes], ranks)
+        raise OutOfStepError.at(
+            [None if outcome_of(c) == NOTHING else pull_of(c) for c in codes], ranks
+        )
     return Agreed(
         [r for r, o in zip(ranks, outcomes, strict=True) if o == MALFORMED],
         ENDED in outcomes,
         all(o == ENDED for o in outcomes),
+        [r for r, o in zip(ranks, outcomes, strict=True) if o == FAILED],
     )
 
 
@@ -291,9 +314,11 @@ class AgreementChannel:
             )
         return group
 
-    def start(self, pull: int, ended: bool, malformed: bool) -> Agreement:
-        """Report pull number ``pull``: a batch that ``ended`` or is ``malformed`` here."""
-        agreement = Agreement(self, pull, ENDED if ended else MALFORMED if malformed else FINE)
+    def start(self, pull: int, ended: bool, malformed: bool, failed: bool = False) -> Agreement:
+        """Report pull number ``pull``: a batch that ``ended`` or is ``malformed`` here,
+        or whose ``next()`` ``failed``."""
+        outcome = FAILED if failed else ENDED if ended else MALFORMED if malformed else FINE
+        agreement = Agreement(self, pull, outcome)
         if self.carried:
             self._waiting.append(agreement)
         else:

@@ -42,8 +42,11 @@ eval pipeline on the same model instead.
 
 from __future__ import annotations
 
+import operator
 from dataclasses import dataclass
-from typing import Any, Callable, Literal, Tuple
+from typing import Any, Callable, Literal, Optional, Tuple
+
+import torch.distributed as dist
 
 # What a rank does when its data ends before the other ranks' (see the note above).
 UnevenData = Literal["pad", "stop"]
@@ -88,4 +91,36 @@ def nothing_to_pad_with(rank: int, here_empty: bool) -> RuntimeError:
         "the other ranks' remaining eval steps with (uneven_data='pad'). Give every rank at "
         "least one batch (e.g. shard the eval set so no rank's share is empty), or pass "
         "uneven_data='stop' to end every rank's epoch at the shortest rank's end."
+    )
+
+
+def _left_in(iterator: Any) -> Optional[int]:
+    """How many batches ``iterator`` still holds, when it can say (a list's
+    iterator, a torch ``DataLoader``'s); None otherwise (a generator)."""
+    yielded = getattr(iterator, "_num_yielded", None)
+    if yielded is not None and hasattr(iterator, "__len__"):
+        return max(len(iterator) - int(yielded), 0)
+    left = operator.length_hint(iterator, -1)
+    return None if left < 0 else left
+
+
+def uneven_stop(pulled: int, dropped: int, iterator: Any) -> str:
+    """What a rank logs when another rank's data ended first (training stops at the
+    shortest rank): of the ``pulled`` batches it pulled this epoch, ``dropped`` are
+    not trained, nor is what ``iterator`` still holds."""
+    rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+    left = _left_in(iterator)
+    unread = (
+        "the rest of its iterator is not read (it cannot say how many batches are left)"
+        if left is None
+        else f"the {left} batch(es) still in its iterator are not read"
+    )
+    untrained = "" if left is None else f" {dropped + left} of this rank's batches are not trained:"
+    return (
+        f"rank {rank}: another rank's data ended, so this epoch stops here on every rank, "
+        f"in step (training stops at the shortest rank).{untrained} this rank pulled "
+        f"{pulled} batch(es) this epoch and trains {pulled - dropped}; {dropped} pulled "
+        f"batch(es) are dropped untrained (counted in pipeline.unused_batches), and {unread}. "
+        "To train every batch, give every rank the same number of batches per epoch "
+        "(e.g. a DistributedSampler with drop_last=True, or repeat the short ranks' data)."
     )

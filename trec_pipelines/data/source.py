@@ -17,8 +17,9 @@ import torch.distributed as dist
 from trec_pipelines.core.batch_transfer import check_batch
 from trec_pipelines.core.checks import check_iterator
 from trec_pipelines.core.errors import MalformedBatchError
+from trec_pipelines.data import pull_failure
 from trec_pipelines.data.agreement import Agreed, Agreement, AgreementChannel
-from trec_pipelines.data.padding import Padding, nothing_to_pad_with
+from trec_pipelines.data.padding import Padding, nothing_to_pad_with, uneven_stop
 from trec_pipelines.data.validation import batch_problem
 
 logger: logging.Logger = logging.getLogger(__name__)
@@ -31,6 +32,7 @@ class _Pending:
     batch: Optional[Any]
     problem: Optional[str]  # why it is malformed here, if it is
     agreement: Agreement
+    error: Optional[Exception] = None  # what next() raised here, if it did
 
 
 class BatchSource:
@@ -119,6 +121,10 @@ class BatchSource:
         self.stopped_from_outside = False  # set_ended(True) between steps, this epoch
         self._epoch_over = False  # end_epoch() was called: the next pull starts an epoch
         self._pulling = False  # inside the puller (a pipeline's _next_batch)
+        # A pull whose next() raised on some rank, pulled again by the next launch
+        # (see [Note: a loader error on one rank]).
+        self._retry: Optional[pull_failure.Retry] = None
+        self._epoch_pulled = 0  # batches pulled from the iterator this epoch
 
     def _switch_to(self, iterator: Iterator[Any]) -> None:
         if iterator is self._iterator:
@@ -148,6 +154,9 @@ class BatchSource:
             self._held.clear()
         self._iterator = iterator
         self._last_real = None
+        self._epoch_pulled = 0
+        if self._retry is not None:
+            self._retry.batch = None  # the previous iterator's: the retry pulls from the new one
         self.exhausted = self._ended = self._puller_said_ended = self.stopped_from_outside = False
 
     def next(self, iterator: Iterator[Any]) -> Optional[Any]:
@@ -192,6 +201,7 @@ class BatchSource:
             self._epoch_over = self._ended = self._puller_said_ended = self.stopped_from_outside = (
                 False
             )
+            self._epoch_pulled = 0
         if self.agreement is None:
             batch = self._next_from(iterator)
             problem = batch_problem(batch) if self._validate and batch is not None else None
@@ -241,18 +251,38 @@ class BatchSource:
             return None
 
     def _launch(self, iterator: Iterator[Any]) -> None:
-        """Pull and check one batch, and start agreeing on it with the other ranks."""
-        batch = self._next_from(iterator)
+        """Pull and check one batch, and start agreeing on it with the other ranks.
+        A ``next()`` that raises is agreed on too (see ``[Note: a loader error on
+        one rank]`` in :mod:`trec_pipelines.data.pull_failure`)."""
+        batch, error = None, None
+        if self._retry is not None:  # a pull that failed on some rank: every rank retries it
+            self._retry.meet()
+            batch, self._retry = self._retry.batch, None
+        if batch is None:
+            batch, error = pull_failure.pull(iterator, self._next_from)
         problem = batch_problem(batch) if self._validate and batch is not None else None
         assert self.agreement is not None  # launched only with a channel
-        agreement = self.agreement.start(self._pulls, batch is None, problem is not None)
+        if error is not None:
+            pull_failure.publish(error)  # before the code: a peer reads it once agreed
+        ended = batch is None and error is None
+        agreement = self.agreement.start(self._pulls, ended, problem is not None, error is not None)
         self._pulls += 1
-        self._pending.append(_Pending(batch, problem, agreement))
+        self._pending.append(_Pending(batch, problem, agreement, error))
 
     def _resolve(self) -> Optional[Any]:
         """The oldest pull under agreement, agreed: its batch, or None at the end."""
         pending = self._pending.popleft()
-        outcome = self._agreed(pending.batch, pending.problem, pending.agreement.result())
+        agreed = pending.agreement.result()
+        if agreed.failed_on:  # some rank's next() raised: every rank raises here
+            self._pulls -= 1  # the retry agrees on this pull again, under its number
+            index = self.loaded + len(self._held)
+            raised, self._retry = pull_failure.agreed_failure(
+                pending.error, pending.batch, agreed.failed_on, index
+            )
+            raise raised
+        if pending.batch is not None:
+            self._epoch_pulled += 1
+        outcome = self._agreed(pending.batch, pending.problem, agreed)
         return self._accept(*outcome)
 
     def _accept(
@@ -279,6 +309,12 @@ class BatchSource:
             pending.agreement.result()
             if pending.batch is not None:
                 self.unused += 1
+            if pending.error is not None:  # past the agreed end: nothing to retry
+                logger.warning(
+                    "the data iterator raised past the end of the epoch (another rank's "
+                    "data ended first); not raised, as no batch is missing: %s",
+                    pull_failure.first_line(pending.error),
+                )
 
     def settle(self) -> None:
         """Finish agreeing on the pulls under way, holding their batches (a checkpoint,
@@ -319,12 +355,7 @@ class BatchSource:
             return self._padded(batch), None, None
         if batch is not None and agreed.ended:
             self.unused += 1
-            logger.warning(
-                "rank %d: another rank's data ended; stopping here in step with it "
-                "(%d batch(es) left unused on this rank so far)",
-                dist.get_rank(),
-                self.unused,
-            )
+            logger.warning("%s", uneven_stop(self._epoch_pulled, 1, self._iterator))
             return None, None, None
         return batch, None, None
 

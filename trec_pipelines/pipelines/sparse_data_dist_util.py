@@ -27,6 +27,7 @@ from typing_extensions import Unpack
 from trec_pipelines._types import AnyShardedModule
 from trec_pipelines.assembly.options import ModelOptions, resolve_options, takes_options
 from trec_pipelines.assembly.pipelined_model import PipelinedModel
+from trec_pipelines.core import forward_watch
 from trec_pipelines.core.api_docs import documented
 from trec_pipelines.core.checks import check_apply_jit
 from trec_pipelines.core.streams import (
@@ -155,6 +156,7 @@ class SparseDataDistUtil(SparseDataDistStages[In]):
         self.initialized = False
         self.fwd_hook: Optional[RemovableHandle] = None
         self._pre_hook: Optional[RemovableHandle] = None
+        self._watch: List[RemovableHandle] = []
         self._pipeline_postproc = pipeline_postproc
 
         given = [
@@ -373,7 +375,13 @@ class SparseDataDistUtil(SparseDataDistStages[In]):
         self._set_module_context(self._forward_context())
         self.fwd_hook = self.model.register_forward_hook(self._after_forward)
         self._pre_hook = self.model.register_forward_pre_hook(self._before_forward)
+        # A forward that raises on one rank tells the others (the caller's loop runs it).
+        self._watch = forward_watch.watch(self.model, self._forward_index)
         self.initialized = True
+
+    def _forward_index(self) -> Optional[int]:
+        """The index of the batch the forward reads (for a failure's message)."""
+        return self._contexts[0].index if self._contexts else None
 
     def _before_forward(self, module: torch.nn.Module, input: Any) -> None:
         # Once this batch's forward has finished, the contexts hold the next
@@ -420,6 +428,9 @@ class SparseDataDistUtil(SparseDataDistStages[In]):
             if self._pre_hook is not None:
                 self._pre_hook.remove()
                 self._pre_hook = None
+            for handle in self._watch:
+                handle.remove()
+            self._watch = []
         self._pipelined.detach()
         self.initialized = False
         return self.model

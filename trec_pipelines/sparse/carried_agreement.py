@@ -29,7 +29,14 @@ from torchrec.distributed.embedding_sharding import (
 )
 
 from trec_pipelines.core.errors import OutOfStepError
-from trec_pipelines.data.agreement import NOTHING, Agreement, AgreementChannel, CarriedCode
+from trec_pipelines.data.agreement import (
+    NOTHING,
+    Agreement,
+    AgreementChannel,
+    CarriedCode,
+    outcome_of,
+    pull_of,
+)
 
 
 def spans_world(pg: dist.ProcessGroup) -> bool:
@@ -69,9 +76,9 @@ class _SplitsWithCode(SplitsAllToAllAwaitable, CarriedCode):
         if agreement is not None:
             agreement.carrier = None  # no cycle left to hold this exchange (and its group)
         if agreement is None:
-            if any(code & 3 != NOTHING for code in codes):
+            if any(outcome_of(code) != NOTHING for code in codes):
                 raise OutOfStepError.at(
-                    [None if code & 3 == NOTHING else code >> 2 for code in codes], self._ranks
+                    [None if outcome_of(c) == NOTHING else pull_of(c) for c in codes], self._ranks
                 )
             return
         agreement.deliver(codes, self._ranks)

@@ -1,0 +1,157 @@
+"""One rank's data iterator raises and that rank stays alive: the other ranks
+raise PeerFailedError in the same progress() call, not wait (torchrec #4270).
+
+The last rank's iterator raises ``OSError`` at its ``next()`` number 3; its
+loop catches it and sleeps (neither retrying nor exiting) for three graces.
+Every other rank must raise :class:`PeerFailedError` naming that rank, batch 3
+and the error's first line, in the progress() call where the failed rank
+raised; a retry it makes alone must raise ``PeerFailedError`` again, having
+issued nothing; once the failed rank calls ``progress()`` again, every rank
+trains on, and training equals the plain loop over every batch (nothing lost
+nor trained twice).  The model's group times out after 30 s and each test has
+a time limit, so a rank left waiting fails the test instead of hanging it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import signal
+import time
+from datetime import timedelta
+from typing import Any, Iterator, List, Tuple
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import trec_pipelines
+from tests.distributed.test_staged_faults import _staged, _train_step
+from trec_pipelines import PeerFailedError
+from trec_pipelines.testing import devices
+from trec_pipelines.testing.dlrm import (
+    DLRM,
+    Run,
+    _snapshot,
+    assert_runs_equal,
+    make_batches,
+    make_sharded,
+    plain_loop,
+    weights,
+)
+
+DEVICE = devices.device()
+SEED, DATA_SEED = 1234, 11
+GRACE = 2.0  # TREC_PIPELINES_PEER_FAILURE_GRACE for these tests
+FAIL_AT = 3
+ERROR = "OSError: disk gone: shard-1.parquet"
+VARIANTS = [
+    "TrainPipelineSparseDist",
+    "TrainPipelineFusedSparseDist",
+    "TrainPipelineSemiSync",
+    "TrainPipelineBase",
+    "StagedTrainPipeline",
+]
+
+
+@contextlib.contextmanager
+def time_limit(seconds: int) -> Iterator[None]:
+    """Fail the test (TimeoutError) if the block takes longer than ``seconds``."""
+
+    def expire(signum: int, frame: Any) -> None:
+        raise TimeoutError(f"over the test's time limit of {seconds} s")
+
+    previous = signal.signal(signal.SIGALRM, expire)
+    signal.alarm(seconds)
+    try:
+        yield
+    finally:
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, previous)
+
+
+class FailsOnce:
+    """Iterates ``items``; on ``fails``, ``next()`` number ``at`` raises OSError and
+    takes nothing (the next call yields that item)."""
+
+    def __init__(self, items: List[Any], at: int, fails: bool) -> None:
+        self._it: Iterator[Any] = iter(items)
+        self._at, self._fails, self.calls = at, fails, 0
+
+    def __iter__(self) -> "FailsOnce":
+        return self
+
+    def __next__(self) -> Any:
+        call, self.calls = self.calls, self.calls + 1
+        if self._fails and call == self._at:
+            raise OSError(ERROR.split(": ", 1)[1] + "\nsecond line, not in the peers' message")
+        return next(self._it)
+
+
+def _step(name: str, pipeline: Any, dmp: Any, optimizer: Any, it: Iterator[Any]) -> Any:
+    """One progress() (and, for Staged, the caller's training of its batch)."""
+    if name != "StagedTrainPipeline":
+        return _snapshot(pipeline.progress(it))
+    batch = pipeline.progress(it)
+    if batch is None:
+        raise StopIteration
+    return _train_step(dmp, optimizer, batch)
+
+
+def _train(
+    name: str, pipeline: Any, dmp: Any, optimizer: Any, it: Iterator[Any]
+) -> Tuple[Run, List[Tuple[BaseException, float]]]:
+    """The user's ``try: progress() except Exception`` loop: the failed rank sleeps
+    three graces after its error, then goes on; the others call again at once."""
+    outputs: List[torch.Tensor] = []
+    errors: List[Tuple[BaseException, float]] = []
+    while len(errors) < 20:
+        started = time.monotonic()
+        try:
+            outputs.append(_step(name, pipeline, dmp, optimizer, it))
+        except StopIteration:
+            break
+        except Exception as error:  # noqa: BLE001  what a user's loop catches
+            errors.append((error, time.monotonic() - started))
+            if isinstance(error, OSError):
+                time.sleep(3 * GRACE)  # alive, in no step, not retrying
+    return Run(outputs, weights(dmp)), errors
+
+
+@pytest.mark.parametrize("name", VARIANTS)
+def test_a_loader_error_on_one_rank_raises_peer_failed_on_the_others(
+    name: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("TREC_PIPELINES_PEER_FAILURE_GRACE", str(GRACE))
+    rank, failed = dist.get_rank(), dist.get_world_size() - 1
+    short = dist.new_group(backend=devices.backend(), timeout=timedelta(seconds=30))
+    batches = make_batches(8, seed=DATA_SEED)
+    ref = plain_loop(*make_sharded(DLRM, "table_wise", seed=SEED, pg=short), batches)
+    dmp, optimizer = make_sharded(DLRM, "table_wise", seed=SEED, pg=short)
+    if name == "StagedTrainPipeline":
+        pipeline: Any = _staged(dmp)
+    else:
+        extra = {"start_batch": 100} if name == "TrainPipelineSemiSync" else {}
+        pipeline = getattr(trec_pipelines, name)(dmp, optimizer, DEVICE, **extra)
+    with time_limit(90):
+        ours, errors = _train(
+            name, pipeline, dmp, optimizer, FailsOnce(batches, FAIL_AT, rank == failed)
+        )
+    first, seconds = errors[0]
+    if rank == failed:
+        assert [type(e) for e, _ in errors] == [OSError], errors
+        notes = "".join(getattr(first, "__notes__", []))
+        assert f"rank {rank}: the data iterator raised this while pulling batch {FAIL_AT}" in notes
+        assert "raised PeerFailedError naming this rank" in notes, notes
+        assert "call progress() again on every rank" in notes, notes
+    else:
+        assert isinstance(first, PeerFailedError), errors
+        assert (first.rank, first.batch, first.error) == (failed, FAIL_AT, ERROR), first
+        assert f"rank {failed} failed at batch {FAIL_AT}: {ERROR}." in str(first), first
+        assert "second line" not in str(first)
+        assert seconds < 15, f"the peer waited {seconds:.1f} s for the failed rank"
+        # Its lone retries, while the failed rank sleeps, raise again, issuing nothing.
+        lone = errors[1:]
+        assert lone and all(isinstance(e, PeerFailedError) for e, _ in lone), lone
+        assert all(e.rank == failed for e, _ in lone), lone  # type: ignore[attr-defined]
+        assert all("did not call progress() again within" in str(e) for e, _ in lone), lone
+    assert_runs_equal(ref, ours, ("plain loop over every batch", f"{name}, a loader error"))
