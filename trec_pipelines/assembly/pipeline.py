@@ -243,7 +243,7 @@ class PipelineCore:
         ``_dataloader_exhausted`` (Base: ``_data_iter_stopped``) there and then.
         """
         if self._source.pulling:
-            return self._source.raw_next(dataloader_iter)
+            return self._source.hook_next(dataloader_iter)
         return self._source.direct_next(dataloader_iter)
 
     def _call_forward(self, batch: Any) -> Tuple[torch.Tensor, Any]:

@@ -119,6 +119,9 @@ class BatchSource:
         self.stopped_from_outside = False  # set_ended(True) between steps, this epoch
         self._epoch_over = False  # end_epoch() was called: the next pull starts an epoch
         self._pulling = False  # inside the puller (a pipeline's _next_batch)
+        # The iterator last written to torchrec's ``_dataloader_iter`` (by torchrec's
+        # own _next_batch as it pulls, or by the user): what a pull reads on entry.
+        self._written_iterator: Optional[Iterator[Any]] = None
 
     def _switch_to(self, iterator: Iterator[Any]) -> None:
         if iterator is self._iterator:
@@ -229,6 +232,12 @@ class BatchSource:
         if batch is None:
             self.set_ended(True)
         return batch
+
+    def hook_next(self, iterator: Iterator[Any]) -> Optional[Any]:
+        """A pull by our ``_next_batch`` inside the puller: as torchrec's, it records
+        the iterator in ``_dataloader_iter``, then calls :meth:`raw_next`."""
+        self._written_iterator = iterator
+        return self.raw_next(iterator)
 
     def raw_next(self, iterator: Iterator[Any]) -> Optional[Any]:
         """``next(iterator)``, or None once it has ended (and was not refilled)."""
@@ -380,9 +389,17 @@ class BatchSource:
         elif not ended:
             self.exhausted = False
 
+    @property
+    def written_iterator(self) -> Optional[Iterator[Any]]:
+        """torchrec's ``_dataloader_iter`` as a pull reads it on entry: the iterator
+        last written to it (by torchrec's own ``_next_batch`` as it pulls, or by the
+        user), None before the first; between pulls, :attr:`iterator` is read."""
+        return self._written_iterator
+
     def assign_iterator(self, iterator: Optional[Iterator[Any]]) -> None:
         """A write of torchrec's ``_dataloader_iter``: the next pulls come from
         ``iterator``; the batches in flight still train (nothing is parked)."""
+        self._written_iterator = iterator
         if iterator is self._iterator:
             return
         if iterator is None or self._pulling:
