@@ -2,6 +2,8 @@
 # Each builds its venv on first use, then installs this package editable:
 #   .venv         the pinned CPU stack (torch 2.13.0 CPU, torchrec 1.8.0)
 #   .venv-latest  the current release (torch 2.14.1, torchrec 1.9.2)
+#   .venv-oldest  the oldest supported release (torch 2.12.0, torchrec 1.7.0):
+#                 `make test-oldest`, the unit tier and the 2-rank drop-in tests
 
 # The interpreter each stack's venv is made with: PYTHON for all of them, or
 # PYTHON_PINNED / PYTHON_LATEST for one stack (CI runs the pinned stack on 3.11,
@@ -11,6 +13,7 @@
 PYTHON ?= python3
 PYTHON_PINNED ?= $(PYTHON)
 PYTHON_LATEST ?= $(PYTHON)
+PYTHON_OLDEST ?= $(PYTHON)
 NPROC ?= 2
 
 VENV := .venv
@@ -21,10 +24,14 @@ VENV_LATEST := .venv-latest
 PY_LATEST := $(VENV_LATEST)/bin/python
 STAMP_LATEST := $(VENV_LATEST)/.installed
 
+VENV_OLDEST := .venv-oldest
+PY_OLDEST := $(VENV_OLDEST)/bin/python
+STAMP_OLDEST := $(VENV_OLDEST)/.installed
+
 VENV_GPU := .venv-gpu
 STAMP_GPU := $(VENV_GPU)/.installed
 
-.PHONY: venv venv-latest test unit distributed distributed-4 test-latest unit-latest distributed-latest distributed-4-latest lint docs test-gpu gpu-suite bench bench-agreement wheel soak clean
+.PHONY: venv venv-latest venv-oldest test-oldest unit-oldest distributed-oldest test unit distributed distributed-4 test-latest unit-latest distributed-latest distributed-4-latest lint docs test-gpu gpu-suite bench bench-agreement wheel soak clean
 
 # $(call build_stack,venv,requirements,torchrec requirements,python): the venv
 # made with that Python, torch and torchrec's runtime deps first, then torchrec
@@ -46,16 +53,20 @@ $(STAMP): requirements-cpu.txt requirements-torchrec.txt setup.py
 $(STAMP_LATEST): requirements-latest.txt requirements-torchrec-latest.txt setup.py
 	$(call build_stack,$(VENV_LATEST),requirements-latest.txt,requirements-torchrec-latest.txt,$(PYTHON_LATEST))
 
+$(STAMP_OLDEST): requirements-oldest.txt requirements-torchrec-oldest.txt setup.py
+	$(call build_stack,$(VENV_OLDEST),requirements-oldest.txt,requirements-torchrec-oldest.txt,$(PYTHON_OLDEST))
+
 $(STAMP_GPU): requirements-gpu.txt requirements-torchrec-latest.txt setup.py
 	$(call build_stack,$(VENV_GPU),requirements-gpu.txt,requirements-torchrec-latest.txt,$(PYTHON))
 
 # Each stack's venv alone (CI builds .venv-latest while the pinned stack tests).
 venv: $(STAMP)
 venv-latest: $(STAMP_LATEST)
+venv-oldest: $(STAMP_OLDEST)
 
 # The two CPU stacks test on the CPU even on a GPU host (their fbgemm is the CPU
 # build); `make test-gpu` has a stack of its own.
-unit distributed distributed-4 unit-latest distributed-latest distributed-4-latest: export TREC_DEVICE = cpu
+unit distributed distributed-4 unit-latest distributed-latest distributed-4-latest unit-oldest distributed-oldest: export TREC_DEVICE = cpu
 
 test: unit distributed distributed-4
 
@@ -105,6 +116,24 @@ distributed-latest: $(STAMP_LATEST)
 
 distributed-4-latest: $(STAMP_LATEST)
 	$(call run_4_ranks,$(VENV_LATEST))
+
+# The oldest supported torchrec: the unit tier (the API-parity test reads this
+# torchrec) and the 2-rank tests that compare ours with torchrec's classes built
+# and subclassed as outside code does.  The whole 2-rank tier runs on the other
+# two stacks.
+DROPIN_TESTS ?= tests/distributed/test_upstream_sparse_dist.py \
+	tests/distributed/test_outside_subclasses.py \
+	tests/distributed/test_framework_subclasses.py \
+	tests/distributed/test_state_at_pull.py \
+	tests/distributed/test_sparse_dist.py
+
+test-oldest: unit-oldest distributed-oldest
+
+unit-oldest: $(STAMP_OLDEST)
+	$(PY_OLDEST) -m pytest -q -n $(NPROC) --dist worksteal tests/unit
+
+distributed-oldest: $(STAMP_OLDEST)
+	$(VENV_OLDEST)/bin/torchrun --standalone --nproc_per_node=$(NPROC) -m pytest -q -p no:cacheprovider $(DROPIN_TESTS)
 
 # The whole suite on this host's NVIDIA GPUs: TREC_DEVICE=cuda (trec_pipelines/testing/devices.py)
 # puts every rank on its GPU with NCCL, and the torchrec CPU shims are off.  One
@@ -173,4 +202,4 @@ soak: $(STAMP)
 	$(VENV)/bin/torchrun --standalone --nproc_per_node=$(NPROC) tests/soak/run_soak.py
 
 clean:
-	rm -rf $(VENV) $(VENV_LATEST) $(VENV_GPU) build *.egg-info
+	rm -rf $(VENV) $(VENV_LATEST) $(VENV_OLDEST) $(VENV_GPU) build *.egg-info

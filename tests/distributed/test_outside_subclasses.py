@@ -410,36 +410,46 @@ def test_base_subclass_trains_as_on_torchrec() -> None:
     assert_runs_equal(runs["torchrec"], runs["ours"], ("torchrec parent", "our parent"))
 
 
-def test_padded_predict_scores_every_rank_s_batches_as_on_torchrec() -> None:
-    """Uneven prediction shards: a rank that ran out pads with ``dummy`` copies
-    until every rank is out, so each rank returns exactly its own batches' outputs."""
-    counts = _counts()
-    mine = counts[dist.get_rank()]
+def _predict(cls: type, batches: List[TaggedBatch]) -> List[Tuple[torch.Tensor, bool]]:
+    """Every step's ``(logits, dummy)`` of ``cls`` in eval mode, until StopIteration."""
+    dmp, optimizer = make_sharded(TaggingDLRM, "table_wise", seed=SEED)
+    dmp.eval()
+    pipeline = cls(dmp, optimizer, DEVICE)
+    it = iter(batches)
+    steps: List[Tuple[torch.Tensor, bool]] = []
+    with torch.no_grad():
+        for _ in range(100):
+            try:
+                logits, dummy = pipeline.progress(it)
+            except StopIteration:
+                break
+            steps.append((logits.clone(), bool(dummy)))
+    return steps
+
+
+# Batches per rank: rank 0's, then every other rank's.  (5, 3): the short rank runs
+# out during the fill of ours-would-be pull-ahead, where ``batches`` is still empty.
+PREDICT_COUNTS = {"5-3": (5, 3), "7-6": (7, 6)}
+
+
+@pytest.mark.parametrize("counts", sorted(PREDICT_COUNTS))
+def test_padded_predict_scores_every_rank_s_batches_as_on_torchrec(counts: str) -> None:
+    """Uneven prediction shards: a rank that ran out pads with ``dummy`` copies of
+    ``self.batches[0]`` until every rank is out, so every rank returns as many
+    outputs as the longest rank has batches, its own batches' among them; each
+    step's output, padding included, equals torchrec's."""
+    longest, others = PREDICT_COUNTS[counts]
+    mine = longest if dist.get_rank() == 0 else others
     batches = [TaggedBatch(b.dense, b.sparse, b.labels) for b in _my_batches(mine)]
-    predictions: Dict[str, List[torch.Tensor]] = {}
-    for which in PARENTS:
-        cls = outside_predict(_parent("TrainPipelineSparseDist", which))
-        dmp, optimizer = make_sharded(TaggingDLRM, "table_wise", seed=SEED)
-        dmp.eval()
-        pipeline = cls(dmp, optimizer, DEVICE)
-        it = iter(batches)
-        kept, padded = [], 0
-        with torch.no_grad():
-            for _ in range(100):
-                try:
-                    logits, dummy = pipeline.progress(it)
-                except StopIteration:
-                    break
-                if dummy:
-                    padded += 1
-                else:
-                    kept.append(logits.clone())
-        assert len(kept) == mine and padded == max(counts) - mine, (which, len(kept), padded)
-        predictions[which] = kept
-    for step, (theirs, ours) in enumerate(
-        zip(predictions["torchrec"], predictions["ours"], strict=True)
-    ):
-        assert torch.equal(theirs, ours), f"rank {dist.get_rank()} batch {step} differs"
+    steps = {
+        which: _predict(outside_predict(_parent("TrainPipelineSparseDist", which)), batches)
+        for which in PARENTS
+    }
+    for which, run in steps.items():
+        assert len(run) == longest, (which, len(run))
+        assert [dummy for _, dummy in run] == [False] * mine + [True] * (longest - mine), which
+    for step, (theirs, ours) in enumerate(zip(steps["torchrec"], steps["ours"], strict=True)):
+        assert torch.equal(theirs[0], ours[0]), f"rank {dist.get_rank()} step {step} differs"
 
 
 # --------------------------------------------------------------------------

@@ -6,11 +6,23 @@ from typing import Any, Iterator, List, Optional
 
 import pytest
 import torch
+import torchrec
 from torchrec.distributed.train_pipeline import DataLoadingThread as UpstreamThread
 
 from trec_pipelines import DataLoadingThread
 
 CPU = torch.device("cpu")
+# torchrec's thread hands a loader's error to the caller from 1.8.0 on; 1.7.0's thread
+# dies with it and get_next_batch() then waits forever (ours raises it there too).
+_TORCHREC = tuple(int(part) for part in torchrec.__version__.split(".")[:2])
+UPSTREAM_RAISES = pytest.param(
+    UpstreamThread,
+    marks=pytest.mark.skipif(
+        _TORCHREC < (1, 8),
+        reason=f"torchrec {torchrec.__version__}'s DataLoadingThread never hands a loader "
+        "error to the caller (get_next_batch() waits forever); ours raises it",
+    ),
+)
 
 
 def batches(n: int) -> List[torch.Tensor]:
@@ -54,7 +66,7 @@ def test_none_throws_raises_stop_iteration_at_the_end(cls: Any) -> None:
     thread.stop()
 
 
-@pytest.mark.parametrize("cls", [DataLoadingThread, UpstreamThread], ids=["ours", "torchrec"])
+@pytest.mark.parametrize("cls", [DataLoadingThread, UPSTREAM_RAISES], ids=["ours", "torchrec"])
 def test_loader_error_reaches_the_caller_after_the_batches_before_it(cls: Any) -> None:
     thread = cls(CPU, failing_after(2), False)
     thread.start()

@@ -77,9 +77,11 @@ from trec_pipelines.core.subclass_hooks import (
     Uncalled,
     beginning_the_step,
     check_subclass,
+    overrides_outside,
 )
 from trec_pipelines.data.agreement import AgreementChannel, agreement_group
-from trec_pipelines.data.source import BatchSource, ParkedEpochs
+from trec_pipelines.data.parked import ParkedEpochs
+from trec_pipelines.data.source import BatchSource
 from trec_pipelines.observe.action_records import Action, Transfer
 from trec_pipelines.observe.ledger import LedgerSummary, MemorySample
 from trec_pipelines.observe.recorder import ScheduleRecorder
@@ -105,6 +107,9 @@ class PipelineCore:
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
         check_subclass(cls, _guarded if cls._guards_user_progress else None)
+        cls._pulls_when_copied = cls._pulls_through_next_batch and overrides_outside(
+            cls, "_next_batch"
+        )
 
     # torchrec's attributes (see [Note: torchrec's state on our pipelines]).
     _dataloader_iter = torchrec_state.DATALOADER_ITER
@@ -131,6 +136,10 @@ class PipelineCore:
     # Whether each host batch is pulled through _next_batch (torchrec's hook);
     # False where torchrec's class never calls it (it is then refused).
     _pulls_through_next_batch: bool = True
+    # Whether each host batch is pulled where the copy stage asks for it, not
+    # ahead: a user's _next_batch override then sees torchrec's state (see
+    # [Note: a user's _next_batch pulls at torchrec's moment]).  Set per class.
+    _pulls_when_copied: ClassVar[bool] = False
 
     _options: PipelineOptions
     _model: torch.nn.Module
@@ -166,7 +175,9 @@ class PipelineCore:
         self._model = model
         # None only for the eval variants, which never step it.
         self._optimizer: torch.optim.Optimizer = cast(torch.optim.Optimizer, optimizer)
-        self._agreement = self._agreement_over(model, carried=self._carries_agreement)
+        # A pull made in the copy stage is agreed there, by an all-reduce of its own.
+        carried = self._carries_agreement and not self._pulls_when_copied
+        self._agreement = self._agreement_over(model, carried=carried)
         self._precision = Precision(
             self._device,
             self._options.autocast_dtype,
@@ -204,7 +215,7 @@ class PipelineCore:
             keep_in_flight=True,
             validate=self._options.validate_batches,
             puller=self._next_batch if self._pulls_through_next_batch else None,
-            agree_ahead=self._options.agree_ahead,
+            agree_ahead=self._options.agree_ahead and not self._pulls_when_copied,
             # An eval pipeline pads a rank whose data ended (training stops at the shortest).
             pad_uneven="uneven_data" in accepted_options(type(self))
             and self._options.uneven_data == "pad",
@@ -215,10 +226,15 @@ class PipelineCore:
     def _next_batch(self, dataloader_iter: Iterator[Any]) -> Optional[Any]:
         """The next host batch from ``dataloader_iter``, or None at the end of the data.
 
-        torchrec's hook, honoured: every host batch is pulled through it, once,
-        before the step that copies it issues any work (at the top of
-        ``progress()``; with several ranks agreeing, a step ahead).  An override
-        may skip batches (return the next one it keeps) or transform them;
+        torchrec's hook, honoured: every host batch is pulled through it, once.
+        Ours pulls before the step that copies the batch issues any work (at
+        the top of ``progress()``; with several ranks agreeing, a step ahead);
+        a class that overrides it pulls where torchrec's calls it, in the copy
+        stage, so the override reads ``batches``, ``contexts``,
+        ``_dataloader_iter`` and ``_dataloader_exhausted`` as torchrec's class
+        has them then.  An override may skip batches (return the next one it
+        keeps), transform them, or return another batch (a copy of
+        ``self.batches[0]`` to pad a rank whose data ended);
         ``super()._next_batch(dataloader_iter)`` pulls.  Returning None ends the
         epoch.
 
@@ -228,7 +244,7 @@ class PipelineCore:
         ``_dataloader_exhausted`` (Base: ``_data_iter_stopped``) there and then.
         """
         if self._source.pulling:
-            return self._source.raw_next(dataloader_iter)
+            return self._source.hook_next(dataloader_iter)
         return self._source.direct_next(dataloader_iter)
 
     def _call_forward(self, batch: Any) -> Tuple[torch.Tensor, Any]:
@@ -276,8 +292,10 @@ class PipelineCore:
         self._take_over_model()
         self._switch_iterator(dataloader_iter)
         # Pull the host batches this call copies before any work: an iterator
-        # error then reaches the caller with the pipeline untouched.
-        self._source.fetch_ahead(dataloader_iter, self._batches_to_fetch())
+        # error then reaches the caller with the pipeline untouched.  A user's
+        # _next_batch pulls in the copy stage instead, where torchrec calls it.
+        ahead = 0 if self._pulls_when_copied else self._batches_to_fetch()
+        self._source.fetch_ahead(dataloader_iter, ahead)
         self._step_guard.begin()  # from here a failure is rolled back and retried
 
     def _take_over_model(self) -> None:

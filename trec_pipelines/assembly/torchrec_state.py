@@ -42,7 +42,8 @@ def enter_phase(pipeline: Any, phase: PipelineState) -> None:
 
 def _get_dataloader_iter(pipeline: Any) -> Optional[Iterator[Any]]:
     source: BatchSource = pipeline._source
-    return source.iterator
+    # Inside a pull, what was last written to it, as torchrec's reads in _next_batch.
+    return source.written_iterator if source.pulling else source.iterator
 
 
 def _set_dataloader_iter(pipeline: Any, iterator: Optional[Iterator[Any]]) -> None:
@@ -75,6 +76,9 @@ DATALOADER_ITER = property(
     _set_dataloader_iter,
     doc="""The iterator this epoch pulls from (None before the first pull).
 
+    Inside a ``_next_batch`` override it reads as torchrec's does there: the
+    iterator last written to it (by ``super()._next_batch`` or by the override
+    itself), None in the first pull, so an override can tell a new iterator.
     Writable, as in torchrec: the pulls that follow come from the iterator
     assigned, and the batches in flight still train.
     """,

@@ -165,6 +165,15 @@ def check_subclass(
         cls.progress = guard_progress(cls.__dict__["progress"])  # type: ignore[attr-defined]
 
 
+def overrides_outside(cls: type, hook: str) -> bool:
+    """Whether the ``hook`` ``cls`` finds first along its MRO was defined outside this
+    package (by a user's subclass)."""
+    for klass in cls.__mro__:
+        if hook in vars(klass):
+            return klass.__module__.split(".")[0] != "trec_pipelines"
+    return False
+
+
 def _ours(cls: type) -> str:
     """The name of the nearest of our classes ``cls`` derives from."""
     return next(

@@ -61,7 +61,9 @@ resume]``), host memory on a GPU, never device memory; ``agree_ahead=False``
 drops it and agrees on each pull as it is made, a round trip in every step
 (the memory guide shows the batch's bytes).  A pipeline that only calls
 :meth:`~trec_pipelines.data.source.BatchSource.next` (an eval loader thread)
-agrees on each pull as it makes it, inside its own thread.
+agrees on each pull as it makes it, inside its own thread, and so does a class
+with a user's ``_next_batch``, which pulls in the copy stage where torchrec
+calls it (see ``[Note: a user's _next_batch pulls at torchrec's moment]``).
 
 When it runs: whenever the model's steps join collectives across ranks
 (``sync_exhaustion=None``, the default; ``True`` insists, ``False`` turns it

@@ -2,7 +2,8 @@
 
 It owns the epoch bookkeeping of the data iterator (see :class:`BatchSource`),
 the ranks' agreement on each pull, the host copies a failed step is retried
-from, and the epochs set aside when another iterator is passed.
+from, (the epochs set aside when another iterator is passed are
+:class:`~trec_pipelines.data.parked.ParkedEpochs`).
 """
 
 from __future__ import annotations
@@ -10,7 +11,7 @@ from __future__ import annotations
 import logging
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Any, Callable, Deque, Dict, Iterator, List, Optional, Tuple
+from typing import Any, Callable, Deque, Iterator, List, Optional, Tuple
 
 import torch.distributed as dist
 
@@ -125,6 +126,9 @@ class BatchSource:
         # (see [Note: a loader error on one rank]).
         self._retry: Optional[pull_failure.Retry] = None
         self._epoch_pulled = 0  # batches pulled from the iterator this epoch
+        # The iterator last written to torchrec's ``_dataloader_iter`` (by torchrec's
+        # own _next_batch as it pulls, or by the user): what a pull reads on entry.
+        self._written_iterator: Optional[Iterator[Any]] = None
 
     def _switch_to(self, iterator: Iterator[Any]) -> None:
         if iterator is self._iterator:
@@ -239,6 +243,12 @@ class BatchSource:
         if batch is None:
             self.set_ended(True)
         return batch
+
+    def hook_next(self, iterator: Iterator[Any]) -> Optional[Any]:
+        """A pull by our ``_next_batch`` inside the puller: as torchrec's, it records
+        the iterator in ``_dataloader_iter``, then calls :meth:`raw_next`."""
+        self._written_iterator = iterator
+        return self.raw_next(iterator)
 
     def raw_next(self, iterator: Iterator[Any]) -> Optional[Any]:
         """``next(iterator)``, or None once it has ended (and was not refilled)."""
@@ -411,9 +421,17 @@ class BatchSource:
         elif not ended:
             self.exhausted = False
 
+    @property
+    def written_iterator(self) -> Optional[Iterator[Any]]:
+        """torchrec's ``_dataloader_iter`` as a pull reads it on entry: the iterator
+        last written to it (by torchrec's own ``_next_batch`` as it pulls, or by the
+        user), None before the first; between pulls, :attr:`iterator` is read."""
+        return self._written_iterator
+
     def assign_iterator(self, iterator: Optional[Iterator[Any]]) -> None:
         """A write of torchrec's ``_dataloader_iter``: the next pulls come from
         ``iterator``; the batches in flight still train (nothing is parked)."""
+        self._written_iterator = iterator
         if iterator is self._iterator:
             return
         if iterator is None or self._pulling:
@@ -563,29 +581,3 @@ class SourceState:
     def host_batches(self) -> List[Any]:
         """The host batches set aside (see :meth:`BatchSource.host_batches`)."""
         return list(self.held) + [b for _, b in self.rewound]
-
-
-class ParkedEpochs:
-    """The in-flight state of iterators set aside while another iterator runs.
-
-    A pipeline parks its in-flight batches (whatever state it keeps for them)
-    when a different iterator is passed, and resumes them when the parked
-    iterator comes back; see ``TrainPipelineSparseDist._switch_iterator``.
-    """
-
-    def __init__(self) -> None:
-        self._parked: Dict[int, Tuple[Iterator[Any], Any]] = {}
-
-    def park(self, iterator: Iterator[Any], state: Any) -> None:
-        # The entry keeps the iterator alive, so its id() stays unique while parked.
-        self._parked[id(iterator)] = (iterator, state)
-
-    def resume(self, iterator: Iterator[Any]) -> Optional[Any]:
-        entry = self._parked.pop(id(iterator), None)
-        return entry[1] if entry is not None and entry[0] is iterator else None
-
-    def states(self) -> List[Any]:
-        return [state for _, state in self._parked.values()]
-
-    def clear(self) -> None:
-        self._parked.clear()

@@ -253,6 +253,7 @@ class TrainPipelineSparseDist(
         """
         host, padding = unwrap(self._source.next(dataloader_iter))
         if host is None:
+            self._end_at_the_pull()
             return None, None
         context = self._create_context()
         context.padding = padding  # an eval pipeline's padding batch (trec_pipelines.data.padding)
@@ -262,6 +263,14 @@ class TrainPipelineSparseDist(
             batch = copy_to_device(host, self._device, self._streams.memcpy)
         self._note_shared_features(host, batch, context)
         return batch, context
+
+    def _end_at_the_pull(self) -> None:
+        """The copy stage found no batch.  Where a user's ``_next_batch`` pulls here
+        (see [Note: a user's _next_batch pulls at torchrec's moment]) and
+        ``execute_all_batches`` is False, the epoch ends at this pull, as torchrec's
+        copy stage ends it (``StopIteration``), the batches in flight untrained."""
+        if self._pulls_when_copied and not self._execute_all_batches:
+            self._stop_if_done()
 
     def _create_context(self) -> TrainPipelineContext:
         """The context of the batch just pulled (torchrec's hook, honoured: one per
@@ -297,6 +306,7 @@ class TrainPipelineSparseDist(
         """
         host, padding = unwrap(self._source.next(dataloader_iter))
         if host is None:
+            self._end_at_the_pull()
             return None, None
         context = self._create_context()
         context.padding = padding  # an eval pipeline's padding batch (trec_pipelines.data.padding)
