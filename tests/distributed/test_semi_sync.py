@@ -10,7 +10,7 @@ the switch, six semi-sync steps and the drain.
 from __future__ import annotations
 
 import logging
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, List, Optional, Tuple
 
 import pytest
 import torch
@@ -178,50 +178,6 @@ def test_direct_binding_matches_torchrec() -> None:
     assert pipeline.rewrite_result.strategy == "direct"
     assert len(pipeline.rewrite_result.pipelined) == 1
     assert_runs_equal(theirs, ours, ("torchrec", "trec_pipelines"))
-
-
-def _weights_after_each_step(
-    pipeline: Any, dmp: nn.Module, batches: List[Any]
-) -> Tuple[List[Dict[str, torch.Tensor]], int]:
-    """``weights(dmp)`` (through ``state_dict``) after every step; and how many steps
-    returned with their table update still in flight (ours only)."""
-    it = iter(batches)
-    states: List[Dict[str, torch.Tensor]] = []
-    in_flight = 0
-    while True:
-        try:
-            pipeline.progress(it)
-        except StopIteration:
-            break
-        update = getattr(pipeline, "_embedding_update", None)
-        in_flight += int(update is not None and update.in_flight)
-        states.append(weights(dmp))
-    return states, in_flight
-
-
-@pytest.mark.parametrize("sharding_type", ["table_wise", "column_wise"])
-def test_tables_read_between_steps_are_torchrecs(sharding_type: str) -> None:
-    # Once semi-sync, a step returns with its table update still running (the
-    # gradient all-to-all was issued, the fused update waits for it): the
-    # model's state_dict between steps waits for it and reads torchrec's tables.
-    batches = make_batches(N_BATCHES, seed=DATA_SEED)
-    dmp, optimizer = build(sharding_type, combined=False)
-    with torchrec_on_cpu():
-        theirs, _ = _weights_after_each_step(
-            UpstreamSemiSync(dmp, optimizer, DEVICE, start_batch=START), dmp, batches
-        )
-    dmp, optimizer = build(sharding_type, combined=False)
-    ours, in_flight = _weights_after_each_step(
-        TrainPipelineSemiSync(dmp, optimizer, DEVICE, start_batch=START), dmp, batches
-    )
-    assert len(ours) == len(theirs) == N_BATCHES
-    for step, (a, b) in enumerate(zip(theirs, ours, strict=True)):
-        assert a.keys() == b.keys()
-        for key in a:
-            assert torch.equal(a[key], b[key]), f"step {step}: {key} differs from torchrec's"
-    # Steps START .. N-2 defer their update (the last one lands before it returns);
-    # on an accelerator the update runs where the next step joins it, also deferred.
-    assert in_flight == N_BATCHES - 1 - START
 
 
 SYNCHRONOUS_START = (

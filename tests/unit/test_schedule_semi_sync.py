@@ -80,17 +80,16 @@ SYNC_STEP = (
     "P{P} EmbLookup[i{n}]@default",
 )
 
-# Semi-sync: batch i+1 is looked up after i's dense backward (and i-1's table
-# update), before i's embedding backward sends the gradients that update the tables.
+# Semi-sync: batch i+1 is looked up right after i's forward, before its update.
 SEMI_STEP = (
     "P{P} InputDistStart[i{m}]@data_dist",
     "P{P} ZeroGrad[i{i}]@default",
     "P{P} WaitBatch[i{i}]@default",
     "P{P} Forward[i{i}]@default",
     "P{P} H2D[i{t}]@memcpy",
+    "P{P} EmbLookup[i{n}]@default",
     "P{P} InputDistWait[i{m}]@data_dist",
     "P{P} Backward[i{i}]@default",
-    "P{P} EmbLookup[i{n}]@default",
     "P{P} EmbBackward[i{i}]@default",
     "P{P} OptimizerStep[i{i}]@default",
 )
@@ -115,17 +114,17 @@ def test_drain_spelled_out() -> None:
         "P2 ZeroGrad[i2]@default",
         "P2 WaitBatch[i2]@default",
         "P2 Forward[i2]@default",
+        "P2 EmbLookup[i3]@default",
         "P2 InputDistWait[i4]@data_dist",
         "P2 Backward[i2]@default",
-        "P2 EmbLookup[i3]@default",
         "P2 EmbBackward[i2]@default",
         "P2 OptimizerStep[i2]@default",
         # Call 3: two batches left; only the last one's lookup.
         "P3 ZeroGrad[i3]@default",
         "P3 WaitBatch[i3]@default",
         "P3 Forward[i3]@default",
-        "P3 Backward[i3]@default",
         "P3 EmbLookup[i4]@default",
+        "P3 Backward[i3]@default",
         "P3 EmbBackward[i3]@default",
         "P3 OptimizerStep[i3]@default",
         # Call 4: the last batch trains alone.
@@ -201,8 +200,8 @@ def test_eval_mode_has_no_backward_and_keeps_the_lookup_placement() -> None:
         "P1 InputDistStart[i3]@data_dist",
         "P1 WaitBatch[i1]@default",
         "P1 Forward[i1]@default",
+        "P1 EmbLookup[i2]@default",  # batch 1 is semi-sync: lookup before the wait
         "P1 InputDistWait[i3]@data_dist",
-        "P1 EmbLookup[i2]@default",  # batch 1 is semi-sync: where the training step's is
     ]
 
 

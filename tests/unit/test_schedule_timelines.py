@@ -260,10 +260,9 @@ VARIANTS: Dict[str, Variant] = {
             Move(CLEAR, before="InputDistStart", slot=NXT),
             Move("H2D", after="Forward", slot=NXT + 2),
             Change("InputDistWait", slot=NXT + 1),
-            # nxt's lookup after cur's dense backward and before cur's update
-            # (one update stale); cur's update then runs under the next step.
-            Insert(Verb("EmbLookup", NXT), after="Backward"),
-            Insert(Verb("EmbBackward", CUR), after="EmbLookup"),
+            Insert(Verb("EmbBackward", CUR), after="Backward"),
+            # nxt's lookup before cur's update: it overlaps the backward, one update stale.
+            Insert(Verb("EmbLookup", NXT), after="H2D"),
         ),
         kwargs={"start_batch": 0},
     ),

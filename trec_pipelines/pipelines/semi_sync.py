@@ -39,11 +39,6 @@ from trec_pipelines.observe import recorder as rec
 from trec_pipelines.pipelines.semi_sync_start import TORCHREC_START_BATCH, say_synchronous_start
 from trec_pipelines.pipelines.sparse_dist import TrainPipelineSparseDist
 from trec_pipelines.sparse.deferred_lookup import DeferralPlan, deferring, plan_deferral
-from trec_pipelines.sparse.embedding_update import (
-    EmbeddingUpdate,
-    is_dmp_collection,
-    join_before_state_dict,
-)
 from trec_pipelines.sparse.forwards import BaseForward, EmbeddingPipelinedForward
 from trec_pipelines.sparse.input_dist import start_input_dist
 from trec_pipelines.sparse.lookup import (
@@ -57,19 +52,15 @@ logger: logging.Logger = logging.getLogger(__name__)
 @documented()
 @takes_options(SparseDistTrainOptions)
 class TrainPipelineSemiSync(TrainPipelineSparseDist[In, Out]):
-    """Four batches in flight; once semi-sync, ``nxt`` is looked up before ``cur``'s update.
+    """Four batches in flight; once semi-sync, ``nxt`` is looked up before ``cur``'s backward.
 
     ==========  ===========  ======================================================
     stream      slot         work
     ==========  ===========  ======================================================
     default     ``cur``      zero_grad, wait for the copy, forward on detached
-                             embeddings, dense backward, embedding backward, step
-    default     ``prev``     once semi-sync, the table update of the batch before
-                             ``cur`` (worker thread on the CPU), joined after
-                             ``cur``'s dense backward
-    default     ``nxt``      embedding lookup: after ``cur``'s dense backward and
-                             before its embedding backward once semi-sync, after
-                             ``cur``'s step before that
+                             embeddings, backward, embedding backward, step
+    default     ``nxt``      embedding lookup: right after ``cur``'s forward once
+                             semi-sync, after ``cur``'s step before that
     data_dist   ``slot(2)``  input_dist: splits all-to-all, then tensors all-to-all
     memcpy      ``slot(3)``  host-to-device copy
     ==========  ===========  ======================================================
@@ -77,12 +68,8 @@ class TrainPipelineSemiSync(TrainPipelineSparseDist[In, Out]):
     ``cur`` trains, ``nxt`` has been (or is about to be) looked up,
     ``slot(2)`` is in input_dist and ``slot(3)`` is being copied.  The
     recorder shows, per call: ``InputDistStart[i+2] ZeroGrad[i] WaitBatch[i]
-    Forward[i] H2D[i+3] InputDistWait[i+2] Backward[i]``, then
-    ``EmbLookup[i+1] EmbBackward[i] OptimizerStep`` (semi-sync) or
-    ``EmbBackward[i] OptimizerStep EmbLookup[i+1]`` (synchronous).  Once
-    semi-sync, ``EmbBackward[i]`` issues the gradient all-to-all and leaves the
-    tables' update to run under the next step (see ``[Note: the embedding
-    update off the step's chain]``, ``trec_pipelines/sparse/embedding_update.py``).
+    Forward[i] H2D[i+3] EmbLookup[i+1]`` (semi-sync) ``InputDistWait[i+2]
+    Backward[i] EmbBackward[i] OptimizerStep EmbLookup[i+1]`` (synchronous).
     The first call fills the pipeline (lookup of batch 0, input_dist of 1, copy
     of 2) and returns batch 0's output.  ``OptimizerStep`` carries the batch
     whose gradients it applies (``i-1`` when stashing); a skipped step is not
@@ -101,11 +88,8 @@ class TrainPipelineSemiSync(TrainPipelineSparseDist[In, Out]):
     bit; pass a smaller ``start_batch`` (0: from the first batch) to overlap
     sooner.  From
     ``start_batch`` on, ``nxt`` is looked up before ``cur``'s update (batch
-    ``i`` reads rows updated through ``i-2``, as on torchrec), the all-to-all
-    of its embeddings overlaps ``cur``'s step and the next forward, and
-    ``cur``'s table update overlaps the next step.  Between calls that update
-    may still run: the pipeline's own reads of the tables and the pipelined
-    modules' ``state_dict()`` wait for it.  With ``stash_gradients`` every
+    ``i`` reads rows updated through ``i-2``), and the all-to-all of its
+    embeddings overlaps ``cur``'s backward.  With ``stash_gradients`` every
     semi-sync step applies the previous batch's dense gradients instead (none
     at ``start_batch``: that step is skipped).  ``reset()`` restarts the batch
     count (synchronous again for ``start_batch`` batches), and every loaded
@@ -206,9 +190,6 @@ class TrainPipelineSemiSync(TrainPipelineSparseDist[In, Out]):
         self._restored_lookup: Optional[Tuple[int, Dict[str, List[torch.Tensor]]]] = None
         # The sharding groups looked up in their batch's forward (set at the first batch).
         self._deferral: Optional[DeferralPlan] = None
-        # The last semi-sync batch's table update, running while the next step
-        # goes on (see [Note: the embedding update off the step's chain]).
-        self._embedding_update = EmbeddingUpdate(device)
         # The synchronous start was reported (once per pipeline, again after reset()).
         self._said_synchronous_start = False
         logger.debug("%s: semi-sync from batch %d", type(self).__name__, start_batch)
@@ -239,7 +220,6 @@ class TrainPipelineSemiSync(TrainPipelineSparseDist[In, Out]):
         if self._deferral is not None:
             return
         self._deferral = plan_deferral(self._lookup_modules(), type(self).__name__)
-        join_before_state_dict(self._lookup_modules(), self._embedding_update)
         if self._deferral.deferred:
             logger.info("%s: tables %s", type(self).__name__, self._deferral.describe())
 
@@ -366,18 +346,11 @@ class TrainPipelineSemiSync(TrainPipelineSparseDist[In, Out]):
     def embedding_backward(self, context: EmbeddingTrainPipelineContext) -> None:
         """Send the gradients the dense backward left on the detached embeddings into them.
 
-        Each pipelined module's outputs go back in one backward; the fused
-        optimizer updates the tables during it.  Once semi-sync, the gradient
-        all-to-all is issued here and the update runs after this returns,
-        under the next step's work (see ``[Note: the embedding update off the
-        step's chain]``, ``trec_pipelines/sparse/embedding_update.py``); every
-        read of the tables waits for it.  Outputs the loss did not use have no
-        gradient and are left out (logged once).
+        Each pipelined module's outputs go back in one ``torch.autograd.backward``
+        call; the fused optimizer updates the tables during it.  Outputs the loss
+        did not use have no gradient and are left out (logged once).
         """
 
-        # Once semi-sync, the tables' update may finish after this returns: the
-        # next read of them, the lookup two batches on, waits for it.
-        defer = self._defers_update(context)
         with self._span(rec.EMB_BACKWARD, context.index):
             assert len(context.embedding_tensors) == len(context.embedding_features)
             for tensors, features, leaves in zip(
@@ -404,21 +377,7 @@ class TrainPipelineSemiSync(TrainPipelineSparseDist[In, Out]):
                         unused,
                     )
                 if outputs:
-                    self._embedding_update.send(outputs, grads, defer=defer)
-            self._embedding_update.start(context.index)
-
-    def _defers_update(self, context: TrainPipelineContext) -> bool:
-        """Whether ``context``'s table update may outlive its step: only once
-        semi-sync (a synchronous step's next lookup must see it), not under an
-        overriding ``embedding_backward`` (it expects torchrec's timing), and not
-        with ``DMPCollection``, whose weight sync right after reads the tables."""
-        index = context.index
-        return (
-            index is not None
-            and index >= self._start_batch
-            and type(self).embedding_backward is TrainPipelineSemiSync.embedding_backward
-            and not is_dmp_collection(self._model)
-        )
+                    torch.autograd.backward(outputs, grads)
 
     def _grad_swap(self) -> None:
         """Give every parameter the previous batch's gradient and stash this batch's."""
@@ -498,17 +457,14 @@ class TrainPipelineSemiSync(TrainPipelineSparseDist[In, Out]):
         self.dequeue_batch()  # nxt is now at the front, and the wrappers serve it
         del batch  # cur's input is only held by the autograd graph from here on
         self.enqueue_batch(dataloader_iter)                        # slot(3), memcpy
+        if semi_sync and self.batches:
+            # nxt, data_dist -> default: issued before cur's update, so it misses it
+            self.start_embedding_lookup(self.batches[0], self._embedding_context(0))
         if len(self.batches) >= 2:
             self.wait_sparse_data_dist(self.contexts[1])           # slot(2), data_dist
         if self._model.training:
             self._dense_backward(losses, context)                  # cur, default
-        self._embedding_update.join()                              # i-1's update (worker on CPU)
-        if semi_sync and self.batches:
-            # nxt, data_dist -> default: issued before cur's update, so it misses it
-            self.start_embedding_lookup(self.batches[0], self._embedding_context(0))
-        if self._model.training:
-            self.embedding_backward(context)                       # cur: gradient all-to-all now,
-                                                                   # update on (CPU) a worker
+            self.embedding_backward(context)                       # cur, default (fused update)
             self.sync_embeddings(
                 self._model, self._dmp_collection_sync_interval_batches, context
             )
@@ -520,15 +476,9 @@ class TrainPipelineSemiSync(TrainPipelineSparseDist[In, Out]):
         if not semi_sync and self.batches:
             # nxt, data_dist -> default: issued after cur's update, so it sees it
             self.start_embedding_lookup(self.batches[0], self._embedding_context(0))
-        if not self.batches:
-            self._embedding_update.join()                          # the data's end: every update lands
         return output
 
     def _drop_in_flight_state(self) -> None:
-        # The failed step's sends are dropped; the update started by the step
-        # before it (which went through) still lands.
-        self._embedding_update.drop()
-        self._embedding_update.join()
         super()._drop_in_flight_state()
         steps, stash = self._stash_before
         if steps == self._step_guard.steps:
@@ -551,7 +501,6 @@ class TrainPipelineSemiSync(TrainPipelineSparseDist[In, Out]):
         Size: ``nxt``'s pooled embeddings (batch x summed embedding dims) and,
         stashing, one gradient per dense parameter.
         """
-        self._embedding_update.join()
         extra: Dict[str, Any] = {}
         if self._gradients:
             extra["semi_sync_stashed_gradients"] = dict(self._gradients)
@@ -580,14 +529,8 @@ class TrainPipelineSemiSync(TrainPipelineSparseDist[In, Out]):
 
     def reset(self) -> None:
         """Drop the in-flight batches and restart the batch count (synchronous again)."""
-        self._embedding_update.join()  # the last trained batch's update lands
         super().reset()
         self._source = self._new_source()
         self._gradients.clear()
         self._restored_lookup = None
         self._said_synchronous_start = False  # the count restarts: synchronous again
-
-    def detach(self) -> torch.nn.Module:
-        """As :meth:`TrainPipelineSparseDist.detach`, once the last step's table update landed."""
-        self._embedding_update.join()
-        return super().detach()
