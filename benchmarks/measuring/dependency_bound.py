@@ -78,6 +78,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Dict, List, Mapping, Optional, Sequence, Tuple
 
+from benchmarks.measuring.schedule_bound import Bound
+
 # The operations of a step, in a batch's order.
 H2D = "h2d"
 INPUT_DIST = "input_dist"
@@ -257,24 +259,11 @@ def _cycle(start: str, path: Sequence[Edge]) -> Cycle:
 
 
 @dataclass(frozen=True)
-class DependencyBound:
-    """Lower limits on a step's time (ms, by term) under one semantics; the step can't beat the largest."""
+class DependencyBound(Bound):
+    """:class:`Bound` under one semantics: a term per resource and per dependency cycle,
+    the binding one named by its resource or its cycle's operations."""
 
-    semantics: str
-    terms: Dict[str, float]
-
-    @property
-    def step_ms(self) -> float:
-        return max(self.terms.values())
-
-    @property
-    def binding(self) -> str:
-        """The term that sets the bound: a resource or a cycle, named by its operations."""
-        return max(self.terms, key=lambda name: self.terms[name])
-
-    def qps(self, examples_per_step: float) -> Optional[float]:
-        """Examples/s at the bound (None when every term is 0)."""
-        return examples_per_step * 1e3 / self.step_ms if self.step_ms > 0 else None
+    semantics: str = ""
 
 
 def dependency_bound(
@@ -301,7 +290,7 @@ def dependency_bound(
         terms[CORES] = times.load(CORES) / cores
     for cycle in cycles(_edges(times, semantics, allreduce_from)):
         terms[cycle.name] = cycle.per_step_ms
-    return DependencyBound(semantics, terms)
+    return DependencyBound(terms, semantics)
 
 
 def semantics_of(variant: str) -> str:

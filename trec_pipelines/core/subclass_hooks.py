@@ -150,7 +150,7 @@ def check_subclass(
     not checked (the decisions are made here).  ``guard_progress`` is None for a
     pipeline without a step guard.
     """
-    if cls.__module__.split(".")[0] == "trec_pipelines":
+    if _is_ours(cls):
         return
     decided = decided_hooks(cls)
     for name in cls.__dict__:
@@ -170,14 +170,19 @@ def overrides_outside(cls: type, hook: str) -> bool:
     package (by a user's subclass)."""
     for klass in cls.__mro__:
         if hook in vars(klass):
-            return klass.__module__.split(".")[0] != "trec_pipelines"
+            return not _is_ours(klass)
     return False
+
+
+def _is_ours(klass: type) -> bool:
+    """Whether ``klass`` is defined in this package."""
+    return klass.__module__.split(".")[0] == "trec_pipelines"
 
 
 def _ours(cls: type) -> str:
     """The name of the nearest of our classes ``cls`` derives from."""
     return next(
-        (b.__name__ for b in cls.__mro__ if b.__module__.split(".")[0] == "trec_pipelines"),
+        (b.__name__ for b in cls.__mro__ if _is_ours(b)),
         "the pipeline",
     )
 

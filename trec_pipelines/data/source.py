@@ -1,9 +1,9 @@
 """The batch source: pulls host batches from the user's iterator, one epoch at a time.
 
 It owns the epoch bookkeeping of the data iterator (see :class:`BatchSource`),
-the ranks' agreement on each pull, the host copies a failed step is retried
-from, (the epochs set aside when another iterator is passed are
-:class:`~trec_pipelines.data.parked.ParkedEpochs`).
+the ranks' agreement on each pull and the host copies a failed step is retried
+from; the epochs set aside when another iterator is passed are
+:class:`~trec_pipelines.data.parked.ParkedEpochs`.
 """
 
 from __future__ import annotations
