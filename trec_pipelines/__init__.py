@@ -89,11 +89,13 @@ from trec_pipelines.pipelines.base import TrainPipelineBase as TrainPipelineBase
 from trec_pipelines.pipelines.comp_autograd import (
     TrainPipelineSparseDistCompAutograd as TrainPipelineSparseDistCompAutograd,
 )
+from trec_pipelines.pipelines.eval_fused_sparse_dist import (
+    EvalPipelineFusedSparseDist as EvalPipelineFusedSparseDist,
+)
 from trec_pipelines.pipelines.eval_sparse_dist import (
     EvalPipelineSparseDist as EvalPipelineSparseDist,
 )
 from trec_pipelines.pipelines.fused_sparse_dist import (
-    EvalPipelineFusedSparseDist as EvalPipelineFusedSparseDist,
     TrainPipelineFusedSparseDist as TrainPipelineFusedSparseDist,
 )
 from trec_pipelines.pipelines.pec import TrainPipelinePEC as TrainPipelinePEC

@@ -17,10 +17,8 @@ import pytest
 import torch
 import torchrec.distributed.train_pipeline.train_pipelines as upstream
 
-from trec_pipelines.pipelines.fused_sparse_dist import (
-    EvalPipelineFusedSparseDist,
-    TrainPipelineFusedSparseDist,
-)
+from trec_pipelines.pipelines.eval_fused_sparse_dist import EvalPipelineFusedSparseDist
+from trec_pipelines.pipelines.fused_sparse_dist import TrainPipelineFusedSparseDist
 from trec_pipelines.testing import devices
 from trec_pipelines.testing.dlrm import (
     DLRM,

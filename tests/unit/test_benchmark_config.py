@@ -500,7 +500,9 @@ def test_staged_contender_passes_its_extra_arguments_to_the_pipeline() -> None:
     contender.extra_kwargs = {"validate_batches": False}
     contender.model = torch.nn.Linear(1, 1)  # nothing sharded: the rewrite finds no module
     contender._build()
-    assert contender.pipeline is not None and contender.pipeline._options.validate_batches is False
+    assert (
+        contender.pipeline is not None and contender.pipeline._options["validate_batches"] is False
+    )
 
 
 def test_the_link_queues_little_per_socket_unless_told_otherwise() -> None:

@@ -23,10 +23,8 @@ from tests.unit.fakes import (
 )
 from trec_pipelines.core import streams
 from trec_pipelines.observe.recorder import ScheduleRecorder
-from trec_pipelines.pipelines.fused_sparse_dist import (
-    EvalPipelineFusedSparseDist,
-    TrainPipelineFusedSparseDist,
-)
+from trec_pipelines.pipelines.eval_fused_sparse_dist import EvalPipelineFusedSparseDist
+from trec_pipelines.pipelines.fused_sparse_dist import TrainPipelineFusedSparseDist
 
 CPU = torch.device("cpu")
 

@@ -61,11 +61,9 @@ from trec_pipelines.observe import recorder as rec
 from trec_pipelines.pipelines import base as base_module, sparse_dist as sparse_dist_module
 from trec_pipelines.pipelines.base import TrainPipelineBase
 from trec_pipelines.pipelines.comp_autograd import TrainPipelineSparseDistCompAutograd
+from trec_pipelines.pipelines.eval_fused_sparse_dist import EvalPipelineFusedSparseDist
 from trec_pipelines.pipelines.eval_sparse_dist import LOADER_THREAD_NAME, EvalPipelineSparseDist
-from trec_pipelines.pipelines.fused_sparse_dist import (
-    EvalPipelineFusedSparseDist,
-    TrainPipelineFusedSparseDist,
-)
+from trec_pipelines.pipelines.fused_sparse_dist import TrainPipelineFusedSparseDist
 from trec_pipelines.pipelines.pec import TrainPipelinePEC
 from trec_pipelines.pipelines.prefetch import PrefetchTrainPipelineSparseDist
 from trec_pipelines.pipelines.prefetch_ems import TrainPipelinePrefetchEMS

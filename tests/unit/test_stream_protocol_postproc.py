@@ -45,11 +45,9 @@ from trec_pipelines.model.args import ArgInfo, CallArgs, Noop
 from trec_pipelines.model.context import TrainPipelineContext
 from trec_pipelines.model.postproc import PipelinedPostproc
 from trec_pipelines.pipelines.comp_autograd import TrainPipelineSparseDistCompAutograd
+from trec_pipelines.pipelines.eval_fused_sparse_dist import EvalPipelineFusedSparseDist
 from trec_pipelines.pipelines.eval_sparse_dist import EvalPipelineSparseDist
-from trec_pipelines.pipelines.fused_sparse_dist import (
-    EvalPipelineFusedSparseDist,
-    TrainPipelineFusedSparseDist,
-)
+from trec_pipelines.pipelines.fused_sparse_dist import TrainPipelineFusedSparseDist
 from trec_pipelines.pipelines.prefetch import PrefetchTrainPipelineSparseDist
 from trec_pipelines.pipelines.semi_sync import TrainPipelineSemiSync
 from trec_pipelines.pipelines.sparse_dist import TrainPipelineSparseDist

@@ -48,11 +48,9 @@ from torchrec.distributed.types import ShardedModule, ShardingPlan
 import trec_pipelines.experimental_pipelines as experimental_pipelines
 from trec_pipelines.pipelines.base import TrainPipelineBase
 from trec_pipelines.pipelines.comp_autograd import TrainPipelineSparseDistCompAutograd
+from trec_pipelines.pipelines.eval_fused_sparse_dist import EvalPipelineFusedSparseDist
 from trec_pipelines.pipelines.eval_sparse_dist import EvalPipelineSparseDist
-from trec_pipelines.pipelines.fused_sparse_dist import (
-    EvalPipelineFusedSparseDist,
-    TrainPipelineFusedSparseDist,
-)
+from trec_pipelines.pipelines.fused_sparse_dist import TrainPipelineFusedSparseDist
 from trec_pipelines.pipelines.pec import TrainPipelinePEC
 from trec_pipelines.pipelines.prefetch import PrefetchTrainPipelineSparseDist
 from trec_pipelines.pipelines.pt2 import TrainPipelinePT2

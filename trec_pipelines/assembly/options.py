@@ -1,391 +1,249 @@
 """Our keyword-only options, declared once for every pipeline.
 
 [Note: one declaration per option]
-torchrec's parameters are spelled out in each constructor, with torchrec's
-names, order and defaults: they are the drop-in contract, and differ per
-class.  The options trec_pipelines adds are the same on every class that
-takes them, so each is declared here, once, as a field of
-:class:`PipelineOptions`: its type, default, documentation (``doc``) and
-concern (``concern``: "batch", "rewrite", ...) in the field, its check in
-:meth:`PipelineOptions.check`.  Everything else is read from the fields:
-
-* :data:`OPTION_DICTS` names, once, the ``TypedDict`` of each group of
-  classes and the concerns it gathers (``TrainBatchOptions``: validation,
-  batch and precision); a constructor takes ``**options: Unpack[...]`` of the
-  one that applies to it, so an IDE and mypy see every option and its type;
-* those ``TypedDict`` classes are code, for static checkers to read: the
-  module :mod:`trec_pipelines.assembly.option_types`, written from the fields and
-  the table by ``python -m trec_pipelines.assembly.option_types_gen`` (never
-  by hand) and re-exported here;
-* each pipeline class names its ``TypedDict`` once more, for the running
-  program, with :func:`takes_options` (``@takes_options(SparseDistOptions)``
-  above the class): it writes the options the table gives that ``TypedDict``
-  into the signature of the class's own ``__init__`` as keyword-only
-  parameters with their defaults, so ``help()``, ``inspect.signature`` and
-  the API reference show them as if spelled out, and lists them in the
-  class's docstring;
-* :func:`resolve_options` refuses any other keyword with the ``TypeError``
-  Python gives for an unknown argument.
-
-Nothing reads the annotation of ``**options`` at run time, and nothing
-touches a class that is not decorated: a user's subclass, however it
-annotates its own ``__init__`` (with imports under ``TYPE_CHECKING`` only,
-say), accepts what the nearest of its bases that is ours accepts.
-
-Adding an option is one field, with its concern, then the command above;
-a new concern also goes into the table's entries that gather it, and the
-constructors of the classes it applies to unpack their new ``TypedDict``.
-Unit tests check the rest: that the checked-in ``option_types.py`` is what
-the command writes (``tests/unit/test_option_types.py``), and each class's
-``@takes_options`` against its ``**options`` (``tests/unit/test_options.py``).
+torchrec's parameters are spelled out in each constructor (the drop-in contract, per class).
+Ours are the same on every class that takes them, so each is declared here, once: its type and
+documentation (its docstring's Attributes) in its concern's ``TypedDict``, its default in
+:data:`DEFAULTS`.  A group of classes' ``TypedDict`` inherits the concerns it gathers; their
+constructors take ``**options: Unpack[...]`` of it (for mypy and IDEs) and name it again with
+:func:`takes_options` (for ``help()``, ``inspect.signature`` and :func:`resolve_options`'s
+checks, which read the types).  Class docstrings list the options in the source, written by
+``python -m tests.docstrings`` and checked against these declarations by a unit test.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import inspect
-from dataclasses import dataclass, field
-from typing import Any, Callable, Dict, FrozenSet, Mapping, Optional, Tuple, TypeVar
+import re
+import typing
+from typing import Any, Callable, Literal, Mapping, Optional, TypedDict, TypeVar, Union
 
 import torch
 
-# The generated TypedDicts, re-exported: their names are option_types.__all__.
-from trec_pipelines.assembly.option_types import *  # noqa: F403
-from trec_pipelines.core.input_dist_group import (
-    DEFAULT_INPUT_DIST_GROUP,
-    InputDistGroup,
-    check_input_dist_group,
-)
-from trec_pipelines.data.padding import UNEVEN_DATA_POLICIES, UnevenData
-from trec_pipelines.model.rewrite import (
-    STRATEGIES,
-    UNPIPELINED_POLICIES,
-    Strategy,
-    UnpipelinedPolicy,
-)
+from trec_pipelines.core.input_dist_group import DEFAULT_INPUT_DIST_GROUP, InputDistGroup
+from trec_pipelines.data.padding import UnevenData
+from trec_pipelines.model.rewrite import Strategy, UnpipelinedPolicy
 
 
-def _option(concern: str, doc: str) -> Dict[str, str]:
-    """A field's metadata: the concern it belongs to, and its documentation."""
-    return {"concern": concern, "doc": " ".join(doc.split())}
+class ValidationOptions(TypedDict, total=False):
+    """Checking each host batch as it is pulled.
 
-
-@dataclass(frozen=True)
-class PipelineOptions:
-    """The options trec_pipelines adds to torchrec's constructors (keyword-only).
-
-    A class takes the ones that apply to it (see its signature); the others
-    keep their defaults here.
+    Attributes:
+        validate_batches: Check each host batch's KeyedJaggedTensors as it is pulled: a malformed
+            one raises ``MalformedBatchError`` before any work is issued for it.
     """
 
-    rewrite_strategy: Strategy = field(
-        default="auto",
-        metadata=_option(
-            "rewrite",
-            """How the sharded modules' inputs are found: "fx" (trace the model), "direct"
-            (bind the batch's KeyedJaggedTensor fields) or "auto" (trace, falling back to
-            direct binding).""",
-        ),
-    )
-    on_unpipelined: UnpipelinedPolicy = field(
-        default="warn",
-        metadata=_option(
-            "rewrite",
-            """A sharded module the rewrite cannot pipeline is logged and trained unpipelined
-            ("warn"), or refused with the reason ("raise").""",
-        ),
-    )
-    sync_exhaustion: Optional[bool] = field(
-        default=None,
-        metadata=_option(
-            "batch",
-            """The ranks agree on every batch they pull, so data that ends on one rank first
-            ends every rank's epoch at the same step (an eval pipeline pads until every
-            rank's data ended instead: ``uneven_data``), and a batch malformed on one rank is
-            dropped on all. None (the default) agrees whenever the model's steps join
-            collectives across ranks; True insists (and needs torch.distributed); False
-            turns it off.""",
-        ),
-    )
-    agree_ahead: bool = field(
-        default=True,
-        metadata=_option(
-            "batch",
-            """With the ranks agreeing on each batch (``sync_exhaustion``), pull one host batch
-            a step ahead so its agreement rides the current step's exchange, at the cost of
-            one more host batch held (pulled from the iterator, not yet copied to the device;
-            see the memory guide). False holds none: each pull is agreed as it is made, with a
-            blocking round trip of its own on a gloo group. No effect without the agreement.""",
-        ),
-    )
-    uneven_data: UnevenData = field(
-        default="pad",
-        metadata=_option(
-            "eval_data",
-            """What an eval pipeline does when the ranks hold different numbers of batches
-            (with the ranks agreeing on each batch, see ``sync_exhaustion``). "pad" (the
-            default) scores every rank's batches: a rank whose data ended runs padding steps,
-            whose outputs no one sees, until every rank's data has ended, then raises
-            ``StopIteration``. "stop" ends every rank's epoch where the first rank's data
-            ends, as training always does; the other ranks' remaining batches are not
-            scored (``unused_batches``).""",
-        ),
-    )
-    validate_batches: bool = field(
-        default=True,
-        metadata=_option(
-            "validation",
-            """Check each host batch's KeyedJaggedTensors as it is pulled: a malformed one
-            raises ``MalformedBatchError`` before any work is issued for it.""",
-        ),
-    )
-    input_dist_group: InputDistGroup = field(
-        default=DEFAULT_INPUT_DIST_GROUP,
-        metadata=_option(
-            "group",
-            """"dedicated" runs the pipelined input_dist on a process group of the same ranks
-            that carries nothing else; "shared" keeps it on the model's group, as torchrec
-            does. Results are the same either way.""",
-        ),
-    )
+    validate_batches: bool
 
-    autocast_dtype: Optional[torch.dtype] = field(
-        default=None,
-        metadata=_option(
-            "precision",
-            """Run each training forward under ``torch.autocast`` on the pipeline's device with
-            this dtype (``torch.bfloat16``, or ``torch.float16`` on CUDA); None runs it as the
-            model is.""",
-        ),
-    )
-    grad_scaler: Optional[torch.amp.GradScaler] = field(
-        default=None,
-        metadata=_option(
-            "precision",
-            """A ``torch.amp.GradScaler``: the backward scales the summed loss, and the
+
+class BatchOptions(ValidationOptions, total=False):
+    """Where the batches come from: validation, and the ranks' agreement on each pull.
+
+    Attributes:
+        sync_exhaustion: The ranks agree on every batch they pull, so data that ends on one rank
+            first ends every rank's epoch at the same step (an eval pipeline pads until every rank's
+            data ended instead: ``uneven_data``), and a batch malformed on one rank is dropped on
+            all. None (the default) agrees whenever the model's steps join collectives across ranks;
+            True insists (and needs torch.distributed); False turns it off.
+        agree_ahead: With the ranks agreeing on each batch (``sync_exhaustion``), pull one host
+            batch a step ahead so its agreement rides the current step's exchange, at the cost of
+            one more host batch held (pulled from the iterator, not yet copied to the device; see
+            the memory guide). False holds none: each pull is agreed as it is made, with a blocking
+            round trip of its own on a gloo group. No effect without the agreement.
+    """
+
+    sync_exhaustion: Optional[bool]
+    agree_ahead: bool
+
+
+class EvalDataOptions(TypedDict, total=False):
+    """An eval pipeline's end of data when the ranks hold uneven numbers of batches.
+
+    Attributes:
+        uneven_data: What an eval pipeline does when the ranks hold different numbers of batches
+            (with the ranks agreeing on each batch, see ``sync_exhaustion``). "pad" (the default)
+            scores every rank's batches: a rank whose data ended runs padding steps, whose outputs
+            no one sees, until every rank's data has ended, then raises ``StopIteration``. "stop"
+            ends every rank's epoch where the first rank's data ends, as training always does; the
+            other ranks' remaining batches are not scored (``unused_batches``).
+    """
+
+    uneven_data: UnevenData
+
+
+class PrecisionOptions(TypedDict, total=False):
+    """Mixed precision of a training step: the forward's autocast, the loss scaler.
+
+    Attributes:
+        autocast_dtype: Run each training forward under ``torch.autocast`` on the pipeline's device
+            with this dtype (``torch.bfloat16``, or ``torch.float16`` on CUDA); None runs it as the
+            model is.
+        grad_scaler: A ``torch.amp.GradScaler``: the backward scales the summed loss, and the
             optimizer steps through the scaler (unscale, skip the step on inf or nan, update the
-            scale). The fused (in-backward) embedding optimizers see the scaled gradients: see
-            the options guide.""",
-        ),
-    )
+            scale). The fused (in-backward) embedding optimizers see the scaled gradients: see the
+            options guide.
+    """
 
-    def check(self, pipeline: str) -> None:
-        """Raise, naming ``pipeline`` and the choices, for a value that is not one."""
-        if self.sync_exhaustion is not None and not isinstance(self.sync_exhaustion, bool):
-            raise TypeError(
-                f"{pipeline}: sync_exhaustion must be None, True or False, got "
-                f"{self.sync_exhaustion!r}"
-            )
-        if not isinstance(self.agree_ahead, bool):
-            raise TypeError(
-                f"{pipeline}: agree_ahead must be True or False, got {self.agree_ahead!r}"
-            )
-        if self.uneven_data not in UNEVEN_DATA_POLICIES:
-            raise ValueError(
-                f"{pipeline}: uneven_data must be one of {UNEVEN_DATA_POLICIES}, got "
-                f"{self.uneven_data!r}"
-            )
-        if not isinstance(self.validate_batches, bool):
-            raise TypeError(
-                f"{pipeline}: validate_batches must be True or False, got {self.validate_batches!r}"
-            )
-        if self.rewrite_strategy not in STRATEGIES:
-            raise ValueError(
-                f"{pipeline}: rewrite_strategy must be one of {STRATEGIES}, got "
-                f"{self.rewrite_strategy!r}"
-            )
-        if self.on_unpipelined not in UNPIPELINED_POLICIES:
-            raise ValueError(
-                f"{pipeline}: on_unpipelined must be one of {UNPIPELINED_POLICIES}, got "
-                f"{self.on_unpipelined!r}"
-            )
-        check_input_dist_group(self.input_dist_group, pipeline)
-        if self.autocast_dtype is not None and self.autocast_dtype not in (
-            torch.bfloat16,
-            torch.float16,
-        ):
-            raise ValueError(
-                f"{pipeline}: autocast_dtype must be torch.bfloat16, torch.float16 or None, got "
-                f"{self.autocast_dtype!r}"
-            )
-        if self.grad_scaler is not None and not isinstance(self.grad_scaler, torch.amp.GradScaler):
-            raise TypeError(
-                f"{pipeline}: grad_scaler must be a torch.amp.GradScaler (e.g. "
-                f"torch.amp.GradScaler('cuda')) or None, got {type(self.grad_scaler).__name__}"
-            )
-
-    @staticmethod
-    def doc(name: str) -> str:
-        """The documentation of option ``name``."""
-        return str(_FIELDS[name].metadata["doc"])
+    autocast_dtype: Optional[torch.dtype]
+    grad_scaler: Optional[torch.amp.GradScaler]
 
 
-_FIELDS: Mapping[str, dataclasses.Field[Any]] = {
-    f.name: f for f in dataclasses.fields(PipelineOptions)
+class RewriteOptions(TypedDict, total=False):
+    """How the model's sharded modules are found and pipelined.
+
+    Attributes:
+        rewrite_strategy: How the sharded modules' inputs are found: "fx" (trace the model),
+            "direct" (bind the batch's KeyedJaggedTensor fields) or "auto" (trace, falling back to
+            direct binding).
+        on_unpipelined: A sharded module the rewrite cannot pipeline is logged and trained
+            unpipelined ("warn"), or refused with the reason ("raise").
+    """
+
+    rewrite_strategy: Strategy
+    on_unpipelined: UnpipelinedPolicy
+
+
+class GroupOptions(TypedDict, total=False):
+    """Which process group the pipelined input_dist runs on.
+
+    Attributes:
+        input_dist_group: "dedicated" runs the pipelined input_dist on a process group of the same
+            ranks that carries nothing else; "shared" keeps it on the model's group, as torchrec
+            does. Results are the same either way.
+    """
+
+    input_dist_group: InputDistGroup
+
+
+# Every option's default, in the order signatures and docstrings list them.
+DEFAULTS: Mapping[str, Any] = {
+    "rewrite_strategy": "auto",
+    "on_unpipelined": "warn",
+    "sync_exhaustion": None,
+    "agree_ahead": True,
+    "uneven_data": "pad",
+    "validate_batches": True,
+    "input_dist_group": DEFAULT_INPUT_DIST_GROUP,
+    "autocast_dtype": None,
+    "grad_scaler": None,
 }
+# The values of an option's type it takes, where not all (None aside).
+CHOICES: Mapping[str, tuple[Any, ...]] = {"autocast_dtype": (torch.bfloat16, torch.float16)}
 
 
-@dataclass(frozen=True)
-class OptionDict:
-    """One ``TypedDict`` of :mod:`trec_pipelines.assembly.option_types` (generated):
-    what it gathers, and its docstring."""
-
-    concerns: Tuple[str, ...]
-    """The concerns whose options it holds (each field's ``concern``): its keys are
-    theirs, concern by concern, each concern's in the fields' order."""
-    doc: str
-    """Its docstring: which classes unpack it."""
+def _attributes(concern: Any) -> dict[str, str]:
+    """The Attributes of ``concern``'s docstring: name -> its paragraph, on one line."""
+    section = inspect.cleandoc(concern.__doc__).split("Attributes:\n", 1)[1]
+    entries = re.split(r"^    (\w+): ", section, flags=re.M)[1:]
+    return {n: " ".join(t.split()) for n, t in zip(entries[::2], entries[1::2], strict=True)}
 
 
-# The TypedDicts the constructors unpack, by class name: see [Note: one declaration per option].
-OPTION_DICTS: Mapping[str, OptionDict] = {
-    "ValidationOptions": OptionDict(("validation",), "Checking each host batch as it is pulled."),
-    "BatchOptions": OptionDict(
-        ("validation", "batch"),
-        "Where the batches come from: validation, and the ranks' agreement on each pull.",
-    ),
-    "EvalDataOptions": OptionDict(
-        ("eval_data",),
-        "An eval pipeline's end of data when the ranks hold uneven numbers of batches.",
-    ),
-    "PrecisionOptions": OptionDict(
-        ("precision",),
-        "Mixed precision of a training step: the forward's autocast, the loss scaler.",
-    ),
-    "TrainBatchOptions": OptionDict(
-        ("validation", "batch", "precision"),
-        "A training pipeline that runs the model's own forward (Base, PT2).",
-    ),
-    "RewriteOptions": OptionDict(
-        ("rewrite",), "How the model's sharded modules are found and pipelined."
-    ),
-    "GroupOptions": OptionDict(("group",), "Which process group the pipelined input_dist runs on."),
-    "LiteOptions": OptionDict(
-        ("validation", "batch", "rewrite", "precision"),
-        "A pipeline that rewrites the model but starts each input_dist in its own step.",
-    ),
-    "SparseDistOptions": OptionDict(
-        ("validation", "batch", "rewrite", "group"),
-        "The SparseDist family's options, but mixed precision (the eval variants).",
-    ),
-    "SparseDistTrainOptions": OptionDict(
-        ("validation", "batch", "rewrite", "group", "precision"),
-        "The SparseDist family's training variants.",
-    ),
-    "EvalSparseDistOptions": OptionDict(
-        ("validation", "batch", "rewrite", "group", "eval_data"),
-        "The SparseDist family's eval variants.",
-    ),
-    "ModelOptions": OptionDict(
-        ("rewrite", "group"),
-        "A component that pipelines a model it does not train (SparseDataDistUtil).",
-    ),
-    "EvalHostOptions": OptionDict(
-        ("validation", "batch", "rewrite", "eval_data"),
-        "An eval pipeline whose input_dist runs with its lookup, on the host.",
-    ),
-}
+CONCERNS = (ValidationOptions, BatchOptions, EvalDataOptions, PrecisionOptions, RewriteOptions)
+DOCS = {n: d for c in (*CONCERNS, GroupOptions) for n, d in _attributes(c).items()}
 
 
-def concern_of(option: str) -> str:
-    """The concern option ``option`` belongs to (its field's ``concern``)."""
-    return str(_FIELDS[option].metadata["concern"])
+# The concerns gathered, one TypedDict per group of classes.
+class TrainBatchOptions(BatchOptions, PrecisionOptions, total=False):
+    """A training pipeline that runs the model's own forward (Base, PT2)."""
 
 
-def options_of(option_dict: str) -> Tuple[str, ...]:
-    """The options the ``TypedDict`` named ``option_dict`` holds, in its keys' order."""
-    concerns = OPTION_DICTS[option_dict].concerns
-    return tuple(name for concern in concerns for name in _FIELDS if concern_of(name) == concern)
+class LiteOptions(BatchOptions, RewriteOptions, PrecisionOptions, total=False):
+    """A pipeline that rewrites the model but starts each input_dist in its own step."""
 
 
-def _check_concerns() -> None:
-    """Every field's concern is gathered by some ``TypedDict``, and every concern a
-    ``TypedDict`` gathers is some field's: a misspelt one fails at import."""
-    declared = {concern_of(name) for name in _FIELDS}
-    gathered = {c for entry in OPTION_DICTS.values() for c in entry.concerns}
-    assert declared == gathered, (
-        f"concerns of no TypedDict: {sorted(declared - gathered)}; "
-        f"concerns of no option: {sorted(gathered - declared)}"
-    )
+class SparseDistOptions(BatchOptions, RewriteOptions, GroupOptions, total=False):
+    """The SparseDist family's options, but mixed precision (the eval variants)."""
 
 
-_check_concerns()
+class SparseDistTrainOptions(SparseDistOptions, PrecisionOptions, total=False):
+    """The SparseDist family's training variants."""
 
+
+class EvalSparseDistOptions(SparseDistOptions, EvalDataOptions, total=False):
+    """The SparseDist family's eval variants."""
+
+
+class ModelOptions(RewriteOptions, GroupOptions, total=False):
+    """A component that pipelines a model it does not train (SparseDataDistUtil)."""
+
+
+class EvalHostOptions(BatchOptions, RewriteOptions, EvalDataOptions, total=False):
+    """An eval pipeline whose input_dist runs with its lookup, on the host."""
+
+
+class PipelineOptions(SparseDistTrainOptions, EvalDataOptions, total=False):
+    """Every option: what :func:`resolve_options` returns, each key set."""
+
+
+_TYPES: dict[str, Any] = typing.get_type_hints(PipelineOptions)
+assert set(_TYPES) == set(DEFAULTS) == set(DOCS), "an option without its default or its doc"
+C = TypeVar("C", bound=type)
 _CONCERN = "_trec_options_concern"  # the class attribute @takes_options sets
 
-C = TypeVar("C", bound=type)
+
+def options_of(concern: Any) -> tuple[str, ...]:
+    """The options of the ``TypedDict`` ``concern`` (None: none), in :data:`DEFAULTS`' order."""
+    return tuple(name for name in DEFAULTS if name in getattr(concern, "__annotations__", {}))
+
+
+def _signature(init: Any, concern: Any) -> inspect.Signature:
+    """``init``'s signature, its ``**options`` replaced by ``concern``'s options, keyword-only."""
+    params = [p for p in inspect.signature(init).parameters.values() if p.kind != p.VAR_KEYWORD]
+    kw = inspect.Parameter.KEYWORD_ONLY
+    for name in options_of(concern):
+        hint = concern.__annotations__[name]  # as written: a string, or a ForwardRef
+        text = getattr(hint, "__forward_arg__", hint)
+        params.append(inspect.Parameter(name, kw, default=DEFAULTS[name], annotation=text))
+    return inspect.Signature(params)
 
 
 def takes_options(concern: Any) -> Callable[[C], C]:
-    """Declare that a class's constructor takes the options of ``concern`` (one
-    of the ``TypedDict`` classes of :data:`OPTION_DICTS`, the one its
-    ``**options`` unpacks); see [Note: one declaration per option]."""
-    assert concern.__name__ in OPTION_DICTS, f"{concern.__name__}: not in OPTION_DICTS"
-    accepted = frozenset(options_of(concern.__name__))
+    """Declare the ``TypedDict`` a class's ``**options`` unpack: see [Note: one declaration per option]."""
 
     def declare(cls: C) -> C:
-        init = cls.__dict__.get("__init__")
-        if init is None:  # the constructor, and its signature, are a base's
-            assert accepted_options(cls) == accepted, f"{cls.__name__}: declare its own __init__"
-        else:
-            params = [
-                p
-                for p in inspect.signature(init).parameters.values()
-                if p.kind is not inspect.Parameter.VAR_KEYWORD
-            ]
-            params += [
-                inspect.Parameter(
-                    option.name,
-                    inspect.Parameter.KEYWORD_ONLY,
-                    default=option.default,
-                    annotation=option.type,
-                )
-                for option in _FIELDS.values()
-                if option.name in accepted
-            ]
-            init.__signature__ = inspect.Signature(params)
         setattr(cls, _CONCERN, concern)
-        doc = cls.__dict__.get("__doc__")
-        if doc and accepted:
-            cls.__doc__ = (
-                inspect.cleandoc(doc)
-                + "\n\nOur keyword-only options (each described in the options guide):\n\n"
-                + options_doc(cls)
-            )
+        init = cls.__dict__.get("__init__")  # None: a base's, with its signature
+        if init is not None:
+            init.__signature__ = _signature(init, concern)
         return cls
 
     return declare
 
 
-def options_concern(cls: type) -> Any:
-    """The concern (a ``TypedDict`` class) whose options ``cls`` takes: its own
-    ``@takes_options``, or that of its nearest base with one; None if none has."""
-    return getattr(cls, _CONCERN, None)
-
-
-def accepted_options(cls: type) -> FrozenSet[str]:
-    """The option names the constructor of ``cls`` takes."""
-    concern = options_concern(cls)
-    return frozenset() if concern is None else frozenset(options_of(concern.__name__))
+def accepted_options(cls: type) -> frozenset[str]:
+    """The options ``cls`` takes: its ``@takes_options``, or its nearest base's."""
+    return frozenset(options_of(getattr(cls, _CONCERN, None)))
 
 
 def resolve_options(pipeline: str, cls: type, options: Mapping[str, Any]) -> PipelineOptions:
-    """The options of a ``cls`` built with keywords ``options`` (a ``TypeError``
-    names any the class does not take, as Python does for an unknown keyword)."""
+    """Every option's value for a ``cls`` built with keywords ``options``, checked."""
     accepted = accepted_options(cls)
-    unknown = sorted(set(options) - accepted)
-    if unknown:
+    if unknown := sorted(set(options) - accepted):
         takes = ", ".join(sorted(accepted)) or "none of trec_pipelines' options"
         raise TypeError(
             f"{pipeline}.__init__() got an unexpected keyword argument {unknown[0]!r} "
             f"(its keyword-only options: {takes})"
         )
-    resolved = PipelineOptions(**options)
-    resolved.check(pipeline)
-    return resolved
+    for name, value in options.items():
+        _check(f"{pipeline}: {name} must be", value, _TYPES[name], name)
+    return typing.cast(PipelineOptions, {n: options.get(n, d) for n, d in DEFAULTS.items()})
 
 
-def options_doc(cls: type) -> str:
-    """A reST list of the options ``cls`` takes, for its docstring."""
-    names = [f.name for f in dataclasses.fields(PipelineOptions) if f.name in accepted_options(cls)]
-    return "\n".join(f"* ``{name}``: {PipelineOptions.doc(name)}" for name in names)
+def _check(must: str, value: Any, hint: Any, name: str) -> None:
+    """Raise ``must`` + what ``hint`` (and :data:`CHOICES`) admit, got ``value``."""
+    kinds = typing.get_args(hint) if typing.get_origin(hint) is Union else (hint,)
+    or_none = " or None" if type(None) in kinds else ""
+    (kind,) = [k for k in kinds if k is not type(None)]
+    if value is None and or_none:
+        return
+    if typing.get_origin(kind) is Literal:
+        if value not in typing.get_args(kind):
+            raise ValueError(f"{must} one of {typing.get_args(kind)}, got {value!r}. {DOCS[name]}")
+    elif kind is bool:
+        if not isinstance(value, bool):
+            raise TypeError(f"{must} {'None, ' * bool(or_none)}True or False, got {value!r}")
+    elif not isinstance(value, kind):
+        what = f"{kind.__module__}.{kind.__qualname__}{or_none}"
+        raise TypeError(f"{must} a {what}, got {type(value).__name__}")
+    elif value not in CHOICES.get(name, (value,)):
+        raise ValueError(f"{must} {', '.join(map(repr, CHOICES[name]))}{or_none}, got {value!r}")

@@ -180,8 +180,8 @@ class PipelineCore:
         self._agreement = self._agreement_over(model, carried=carried)
         self._precision = Precision(
             self._device,
-            self._options.autocast_dtype,
-            self._options.grad_scaler,
+            self._options["autocast_dtype"],
+            self._options["grad_scaler"],
             model=model,
             pipeline=name,
         )
@@ -189,7 +189,7 @@ class PipelineCore:
         self._step_guard = StepGuard()
         # In-flight batches of iterators set aside by a switch (see _switch_iterator).
         self._parked = ParkedEpochs()
-        group = input_dist_group or self._options.input_dist_group
+        group = input_dist_group or self._options["input_dist_group"]
         self._pipelined = PipelinedModel(self, model, group)
         # Set when another pipeline detached this one to take the model over.
         self._taken_over_by: Optional[str] = None
@@ -205,7 +205,7 @@ class PipelineCore:
     ) -> Optional[AgreementChannel]:
         """The channel the ranks training ``model`` agree on each pull over (None
         alone or with ``sync_exhaustion=False``); ``carried``: on the splits exchange."""
-        group = agreement_group(self, model, self._options.sync_exhaustion)
+        group = agreement_group(self, model, self._options["sync_exhaustion"])
         return None if group is None else AgreementChannel(group, carried=carried)
 
     def _new_source(self) -> BatchSource:
@@ -213,12 +213,12 @@ class PipelineCore:
         return BatchSource(
             self._agreement,
             keep_in_flight=True,
-            validate=self._options.validate_batches,
+            validate=self._options["validate_batches"],
             puller=self._next_batch if self._pulls_through_next_batch else None,
-            agree_ahead=self._options.agree_ahead and not self._pulls_when_copied,
+            agree_ahead=self._options["agree_ahead"] and not self._pulls_when_copied,
             # An eval pipeline pads a rank whose data ended (training stops at the shortest).
             pad_uneven="uneven_data" in accepted_options(type(self))
-            and self._options.uneven_data == "pad",
+            and self._options["uneven_data"] == "pad",
         )
 
     # ------------------------------------------------------------ torchrec's hooks

@@ -1,27 +1,21 @@
-"""What ``help()`` and the API page say about torchrec's parameters and the shared methods.
+"""What ``help()`` and the API page say about torchrec's parameters and the shared ``progress()``.
 
 [Note: documented once]
-Every pipeline class takes some of torchrec's constructor parameters, with
-torchrec's names, and most share ``progress()``'s contract.  Each parameter
-is described once, in :data:`TORCHREC_PARAMETERS` (one entry per name), and
-the shared ``progress()`` contract once, in :data:`PROGRESS`.  The
-:func:`documented` class decorator, applied where each public class is
-defined, writes an ``Args:`` section for the parameters its constructor takes
-into the class docstring (ahead of our keyword-only options, which
-:func:`~trec_pipelines.assembly.options.takes_options` lists, applied
-first) and gives a ``progress()`` without a docstring the shared one, plus
-what the class adds.  ``pydoc`` (``help()``) and Sphinx read both.
+Every pipeline class takes some of torchrec's constructor parameters, with torchrec's names, and
+most share ``progress()``'s contract.  Each parameter is described once, in
+:data:`TORCHREC_PARAMETERS` (one entry per name), and the shared ``progress()`` contract once, in
+:data:`PROGRESS` (:data:`EVAL_PROGRESS`: what the eval pipelines add).  The class docstrings carry
+them in the source, where a reader and ``help()`` find the same text: each ends with an ``Args:``
+section for the torchrec parameters its constructor takes and the list of our keyword-only
+options (see [Note: one declaration per option]), and each ``progress()`` has the shared
+contract as its docstring.  ``python -m tests.docstrings`` writes those parts from these tables,
+and ``tests/unit/test_api_docs.py`` checks that the source says what they say.
 """
 
 from __future__ import annotations
 
 import inspect
-from typing import Callable, Dict, List, Mapping, Optional, TypeVar
-
-C = TypeVar("C", bound=type)
-
-# The heading takes_options writes before our options (see assembly/options.py).
-_OPTIONS_HEADING = "Our keyword-only options"
+from typing import Dict, List, Mapping
 
 TORCHREC_PARAMETERS: Mapping[str, str] = {
     # -- every pipeline
@@ -180,9 +174,6 @@ refilled (a spent iterator ends again at once).  A step that raises is rolled
 back: the next call retries the same batch, and :meth:`skip_failed_batch`
 drops it instead.  With several ranks, call it on every rank alike."""
 
-# The ``Args:`` heading napoleon reads, and the sentence before it.
-_ARGS_HEAD = "torchrec's parameters, in torchrec's order:\n\nArgs:\n"
-
 
 def parameters_of(cls: type) -> List[str]:
     """The constructor parameters of ``cls`` that are torchrec's (not our options)."""
@@ -192,36 +183,6 @@ def parameters_of(cls: type) -> List[str]:
             continue
         names.append(param.name)
     return names
-
-
-def args_section(cls: type) -> str:
-    """The ``Args:`` section for ``cls``'s torchrec parameters (KeyError: one is
-    missing from :data:`TORCHREC_PARAMETERS`)."""
-    lines = [f"    {name}: {TORCHREC_PARAMETERS[name]}" for name in parameters_of(cls)]
-    return _ARGS_HEAD + "\n".join(lines)
-
-
-def documented(progress: Optional[str] = None, params: bool = True) -> Callable[[C], C]:
-    """Class decorator: write ``cls``'s torchrec parameters into its docstring and give
-    its ``progress()``, if it has none, the shared contract and ``progress`` (what
-    the class adds to it); see [Note: documented once]."""
-
-    def decorate(cls: C) -> C:
-        doc = inspect.cleandoc(cls.__doc__ or "")
-        if params and parameters_of(cls):
-            section = args_section(cls)
-            at = doc.find(_OPTIONS_HEADING)
-            if at < 0:
-                doc = f"{doc}\n\n{section}"
-            else:
-                doc = f"{doc[:at].rstrip()}\n\n{section}\n\n{doc[at:]}"
-            cls.__doc__ = doc
-        own = cls.__dict__.get("progress")
-        if own is not None and not getattr(own, "__doc__", None):
-            own.__doc__ = PROGRESS if progress is None else f"{PROGRESS}\n\n{progress}"
-        return cls
-
-    return decorate
 
 
 def undocumented_parameters(cls: type) -> Dict[str, str]:

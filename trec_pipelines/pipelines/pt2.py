@@ -24,7 +24,6 @@ from typing_extensions import Unpack
 
 from trec_pipelines.assembly.options import TrainBatchOptions, takes_options
 from trec_pipelines.assembly.pipeline import PipelineCore
-from trec_pipelines.core.api_docs import documented
 from trec_pipelines.core.batch_transfer import copy_to_device
 from trec_pipelines.core.checks import check_forward_output
 from trec_pipelines.core.step_guard import guarded_step
@@ -82,7 +81,6 @@ def dynamo_settings() -> ContextManager[None]:
     return _held_dynamo_settings().held()
 
 
-@documented()
 @takes_options(TrainBatchOptions)
 class TrainPipelinePT2(PipelineCore, TrainPipeline[In, Out]):
     """One batch in flight, one stream; the model is compiled on ``compile_on_iter``.
@@ -121,6 +119,47 @@ class TrainPipelinePT2(PipelineCore, TrainPipeline[In, Out]):
                 pipeline.progress(it)
             except StopIteration:
                 break
+
+    torchrec's parameters, in torchrec's order:
+
+    Args:
+        model: The model: its forward takes a batch on ``device`` and, in a training pipeline,
+            returns ``(losses, output)`` (the eval pipelines also take a model that returns
+            predictions alone). Usually a ``DistributedModelParallel``, whose sharded modules'
+            input_dist the pipeline runs ahead; a model without sharded modules trains unpipelined
+            (logged).
+        optimizer: The optimizer over the parameters the backward does not update itself (not the
+            fused, in-backward embedding optimizer), stepped once per trained batch. The eval
+            pipelines take ``None``.
+        device: The device batches are copied to and the model runs on: a ``torch.device`` or a
+            string naming one (``"cuda:0"``, ``"cpu"``).
+        compile_configs: A ``TorchCompileConfig``: when (``compile_on_iter``) and how to
+            ``torch.compile`` the model; ``None``: its defaults.
+        pre_compile_fn: Called with the model right before it is compiled; ``None``: nothing.
+        post_compile_fn: Called with the model right after it is compiled; ``None``: nothing.
+        input_transformer: Applied to each device batch right before the model; ``None``: torchrec's
+            ``default_pipeline_input_transformer``.
+
+    Our keyword-only options (each described in the options guide):
+
+    * ``sync_exhaustion``: The ranks agree on every batch they pull, so data that ends on one rank
+      first ends every rank's epoch at the same step (an eval pipeline pads until every rank's data
+      ended instead: ``uneven_data``), and a batch malformed on one rank is dropped on all. None
+      (the default) agrees whenever the model's steps join collectives across ranks; True insists
+      (and needs torch.distributed); False turns it off.
+    * ``agree_ahead``: With the ranks agreeing on each batch (``sync_exhaustion``), pull one host
+      batch a step ahead so its agreement rides the current step's exchange, at the cost of one more
+      host batch held (pulled from the iterator, not yet copied to the device; see the memory
+      guide). False holds none: each pull is agreed as it is made, with a blocking round trip of its
+      own on a gloo group. No effect without the agreement.
+    * ``validate_batches``: Check each host batch's KeyedJaggedTensors as it is pulled: a malformed
+      one raises ``MalformedBatchError`` before any work is issued for it.
+    * ``autocast_dtype``: Run each training forward under ``torch.autocast`` on the pipeline's
+      device with this dtype (``torch.bfloat16``, or ``torch.float16`` on CUDA); None runs it as the
+      model is.
+    * ``grad_scaler``: A ``torch.amp.GradScaler``: the backward scales the summed loss, and the
+      optimizer steps through the scaler (unscale, skip the step on inf or nan, update the scale).
+      The fused (in-backward) embedding optimizers see the scaled gradients: see the options guide.
     """
 
     # Each step moves _state through IDLE, CALL_FWD and CALL_BWD, as torchrec's.
@@ -206,6 +245,19 @@ class TrainPipelinePT2(PipelineCore, TrainPipeline[In, Out]):
 
     @guarded_step
     def progress(self, dataloader_iter: Iterator[Any]) -> Any:
+        """Run one step on the next batch of ``dataloader_iter``; return its output.
+
+        ``dataloader_iter`` is an iterator (``iter(dataloader)``, not the data loader
+        itself), the same one for every call of an epoch.  A training step runs the
+        forward, the backward of ``torch.sum(losses, dim=0)`` and the optimizer step
+        (the forward alone when the model is in eval mode) and returns the second
+        element of the forward's ``(losses, output)``; the class docstring shows what
+        else the step overlaps.  At the end of the data it raises ``StopIteration``;
+        calling it again then starts a new epoch, with a new iterator or the same one
+        refilled (a spent iterator ends again at once).  A step that raises is rolled
+        back: the next call retries the same batch, and :meth:`skip_failed_batch`
+        drops it instead.  With several ranks, call it on every rank alike.
+        """
         self._enter_phase(PipelineState.IDLE)
         self._begin_step(dataloader_iter)  # take-over, iterator switch, host batch
         host_batch = self._source.next(dataloader_iter)

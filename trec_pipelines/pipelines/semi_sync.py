@@ -22,7 +22,6 @@ from typing_extensions import Unpack
 
 from trec_pipelines._types import AnyShardedModule
 from trec_pipelines.assembly.options import SparseDistTrainOptions, takes_options
-from trec_pipelines.core.api_docs import documented
 from trec_pipelines.core.batch_transfer import wait_for_batch
 from trec_pipelines.core.step_guard import guarded_step
 from trec_pipelines.core.streams import (
@@ -36,7 +35,11 @@ from trec_pipelines.core.subclass_hooks import ASYNC_SUBMIT_OFF, Uncalled, never
 from trec_pipelines.model.args import CallArgs
 from trec_pipelines.model.context import EmbeddingTrainPipelineContext, TrainPipelineContext
 from trec_pipelines.observe import recorder as rec
-from trec_pipelines.pipelines.semi_sync_start import TORCHREC_START_BATCH, say_synchronous_start
+from trec_pipelines.pipelines.semi_sync_start import (
+    TORCHREC_START_BATCH,
+    report_shared_parameters,
+    say_synchronous_start,
+)
 from trec_pipelines.pipelines.sparse_dist import TrainPipelineSparseDist
 from trec_pipelines.sparse.deferred_lookup import DeferralPlan, deferring, plan_deferral
 from trec_pipelines.sparse.forwards import BaseForward, EmbeddingPipelinedForward
@@ -49,7 +52,6 @@ from trec_pipelines.sparse.lookup import (
 logger: logging.Logger = logging.getLogger(__name__)
 
 
-@documented()
 @takes_options(SparseDistTrainOptions)
 class TrainPipelineSemiSync(TrainPipelineSparseDist[In, Out]):
     """Four batches in flight; once semi-sync, ``nxt`` is looked up before ``cur``'s backward.
@@ -128,6 +130,76 @@ class TrainPipelineSemiSync(TrainPipelineSparseDist[In, Out]):
                 output = pipeline.progress(it)
             except StopIteration:
                 break
+
+    torchrec's parameters, in torchrec's order:
+
+    Args:
+        model: The model: its forward takes a batch on ``device`` and, in a training pipeline,
+            returns ``(losses, output)`` (the eval pipelines also take a model that returns
+            predictions alone). Usually a ``DistributedModelParallel``, whose sharded modules'
+            input_dist the pipeline runs ahead; a model without sharded modules trains unpipelined
+            (logged).
+        optimizer: The optimizer over the parameters the backward does not update itself (not the
+            fused, in-backward embedding optimizer), stepped once per trained batch. The eval
+            pipelines take ``None``.
+        device: The device batches are copied to and the model runs on: a ``torch.device`` or a
+            string naming one (``"cuda:0"``, ``"cpu"``).
+        execute_all_batches: ``True``: when the iterator ends, train the batches still in flight;
+            ``False``: drop them (logged), so N-2 of N batches are trained.
+        apply_jit: torchrec's switch to TorchScript the model's unsharded modules. ``True`` raises
+            ``ValueError`` here: TorchScript is deprecated in PyTorch; compile the dense part
+            instead.
+        start_batch: How many batches train synchronously, counted from construction or ``reset()``,
+            before the semi-synchronous schedule starts (0: from the first).
+        stash_gradients: Once semi-synchronous, each step applies the previous batch's dense
+            gradients instead of its own.
+        pipeline_postproc: Run the parameter-free modules between the batch and a sharded module
+            (postprocs) ahead, in the input_dist stage, once per batch; ``False``: they run in the
+            forward, and a sharded module that reads their output is not pipelined.
+        custom_model_fwd: A function of the device batch called instead of ``model(batch)``,
+            returning ``(losses, output)`` as the forward would; ``None``: the model's forward.
+        strict: TrainPipelineSemiSync: raise ``ValueError``, instead of warning, when the optimizer
+            holds a pipelined module's parameters. The fused pipelines accept it and do not use it,
+            as torchrec's.
+        dmp_collection_sync_interval_batches: With a ``DMPCollection`` (2D sharding): sync the
+            replicas' embedding weights and optimizer states every this many batches (``None``:
+            never). No effect on other models.
+        enable_inplace_copy_batch: Copy each batch into device memory allocated on the default
+            stream, the copy itself on the memcpy stream (no ``record_stream`` needed); ``False``:
+            ``batch.to(device)`` on the memcpy stream.
+        free_features_storage_early: Free the device copy of a batch's sparse features once its
+            input_dist has read them (only storage the pipeline's own copy made).
+        clear_data_dist_inputs: Free the inputs of the tensors all-to-all in flight once it has
+            them, to lower peak memory.
+
+    Our keyword-only options (each described in the options guide):
+
+    * ``rewrite_strategy``: How the sharded modules' inputs are found: "fx" (trace the model),
+      "direct" (bind the batch's KeyedJaggedTensor fields) or "auto" (trace, falling back to direct
+      binding).
+    * ``on_unpipelined``: A sharded module the rewrite cannot pipeline is logged and trained
+      unpipelined ("warn"), or refused with the reason ("raise").
+    * ``sync_exhaustion``: The ranks agree on every batch they pull, so data that ends on one rank
+      first ends every rank's epoch at the same step (an eval pipeline pads until every rank's data
+      ended instead: ``uneven_data``), and a batch malformed on one rank is dropped on all. None
+      (the default) agrees whenever the model's steps join collectives across ranks; True insists
+      (and needs torch.distributed); False turns it off.
+    * ``agree_ahead``: With the ranks agreeing on each batch (``sync_exhaustion``), pull one host
+      batch a step ahead so its agreement rides the current step's exchange, at the cost of one more
+      host batch held (pulled from the iterator, not yet copied to the device; see the memory
+      guide). False holds none: each pull is agreed as it is made, with a blocking round trip of its
+      own on a gloo group. No effect without the agreement.
+    * ``validate_batches``: Check each host batch's KeyedJaggedTensors as it is pulled: a malformed
+      one raises ``MalformedBatchError`` before any work is issued for it.
+    * ``input_dist_group``: "dedicated" runs the pipelined input_dist on a process group of the same
+      ranks that carries nothing else; "shared" keeps it on the model's group, as torchrec does.
+      Results are the same either way.
+    * ``autocast_dtype``: Run each training forward under ``torch.autocast`` on the pipeline's
+      device with this dtype (``torch.bfloat16``, or ``torch.float16`` on CUDA); None runs it as the
+      model is.
+    * ``grad_scaler``: A ``torch.amp.GradScaler``: the backward scales the summed loss, and the
+      optimizer steps through the scaler (unscale, skip the step on inf or nan, update the scale).
+      The fused (in-backward) embedding optimizers see the scaled gradients: see the options guide.
     """
 
     # torchrec's class leaves _state IDLE.
@@ -224,37 +296,11 @@ class TrainPipelineSemiSync(TrainPipelineSparseDist[In, Out]):
             logger.info("%s: tables %s", type(self).__name__, self._deferral.describe())
 
     def _validate_optimizer(self) -> None:
-        """Report pipelined modules whose parameters the optimizer also holds.
-
-        The tables looked up in the forward (dense kernel, ``data_parallel``
-        ones among them) have no fused optimizer: the optimizer is meant to
-        hold them.
-        """
-        held = {id(p) for group in self._optimizer.param_groups for p in group["params"]}
-        deferral = self._deferral
-        shared = [
-            p.name
-            for p in (self._rewrite.pipelined if self._rewrite is not None else ())
-            if any(
-                id(param) in held
-                and not (deferral is not None and deferral.is_deferred(p.name, name))
-                for name, param in p.module.named_parameters()
-            )
-        ]
-        if not shared:
-            return
-        message = (
-            f"{type(self).__name__}: the optimizer holds parameters of the pipelined "
-            f"module(s) {shared}. Their gradients arrive in embedding_backward, and "
-            "semi-sync training expects the fused (in-backward) optimizer to update "
-            "them there; stepping them with the dense optimizer as well can hurt "
-            "convergence. Pass an optimizer over the other parameters only, e.g. "
-            "KeyedOptimizerWrapper(dict(in_backward_optimizer_filter("
-            "model.named_parameters())), ...)"
-        )
-        if self._strict:
-            raise ValueError(message + ", or strict=False to only warn.")
-        logger.warning(message + ".")
+        """Report pipelined modules whose parameters the optimizer also holds (see
+        :func:`~trec_pipelines.pipelines.semi_sync_start.report_shared_parameters`)."""
+        rewrite, name = self._rewrite, type(self).__name__
+        pipelined = rewrite.pipelined if rewrite is not None else []
+        report_shared_parameters(name, self._optimizer, pipelined, self._deferral, self._strict)
 
     def _say_synchronous_start(self) -> None:
         """One INFO line when ``start_batch`` keeps the first batch synchronous
@@ -438,6 +484,19 @@ class TrainPipelineSemiSync(TrainPipelineSparseDist[In, Out]):
 
     @guarded_step
     def progress(self, dataloader_iter: Iterator[Any]) -> Any:
+        """Run one step on the next batch of ``dataloader_iter``; return its output.
+
+        ``dataloader_iter`` is an iterator (``iter(dataloader)``, not the data loader
+        itself), the same one for every call of an epoch.  A training step runs the
+        forward, the backward of ``torch.sum(losses, dim=0)`` and the optimizer step
+        (the forward alone when the model is in eval mode) and returns the second
+        element of the forward's ``(losses, output)``; the class docstring shows what
+        else the step overlaps.  At the end of the data it raises ``StopIteration``;
+        calling it again then starts a new epoch, with a new iterator or the same one
+        refilled (a spent iterator ends again at once).  A step that raises is rolled
+        back: the next call retries the same batch, and :meth:`skip_failed_batch`
+        drops it instead.  With several ranks, call it on every rank alike.
+        """
         # See [Note: a progress() timeline] in trec_pipelines.pipelines.
         # fmt: off
         self._start_step(dataloader_iter)  # fill, pull host batches, stop at end of data

@@ -28,7 +28,6 @@ from trec_pipelines._types import AnyShardedModule
 from trec_pipelines.assembly.options import ModelOptions, resolve_options, takes_options
 from trec_pipelines.assembly.pipelined_model import PipelinedModel
 from trec_pipelines.core import forward_watch
-from trec_pipelines.core.api_docs import documented
 from trec_pipelines.core.checks import check_apply_jit
 from trec_pipelines.core.streams import (
     current_stream,
@@ -59,7 +58,6 @@ from trec_pipelines.sparse.input_dist import SplitsFusion, start_input_dist, wai
 logger: logging.Logger = logging.getLogger(__name__)
 
 
-@documented()
 @takes_options(ModelOptions)
 class SparseDataDistUtil(SparseDataDistStages[In]):
     """Pipelines a model's sparse ``input_dist`` through :class:`StagedTrainPipeline` stages.
@@ -117,6 +115,37 @@ class SparseDataDistUtil(SparseDataDistStages[In]):
             loss, pred = model(batch)
             torch.sum(loss, dim=0).backward()
             optimizer.step()
+
+    torchrec's parameters, in torchrec's order:
+
+    Args:
+        model: The model: its forward takes a batch on ``device`` and, in a training pipeline,
+            returns ``(losses, output)`` (the eval pipelines also take a model that returns
+            predictions alone). Usually a ``DistributedModelParallel``, whose sharded modules'
+            input_dist the pipeline runs ahead; a model without sharded modules trains unpipelined
+            (logged).
+        data_dist_stream: The stream input_dist runs on; ``None``: the current stream.
+        apply_jit: torchrec's switch to TorchScript the model's unsharded modules. ``True`` raises
+            ``ValueError`` here: TorchScript is deprecated in PyTorch; compile the dense part
+            instead.
+        prefetch_stream: Adds the cache prefetch after input_dist, on this stream; ``None``: no
+            prefetch.
+        pipeline_postproc: Run the parameter-free modules between the batch and a sharded module
+            (postprocs) ahead, in the input_dist stage, once per batch; ``False``: they run in the
+            forward, and a sharded module that reads their output is not pipelined.
+        embedding_lookup_stream: Runs the embedding lookup as a stage of its own, on this stream;
+            ``None``: the lookup stays in the forward.
+
+    Our keyword-only options (each described in the options guide):
+
+    * ``rewrite_strategy``: How the sharded modules' inputs are found: "fx" (trace the model),
+      "direct" (bind the batch's KeyedJaggedTensor fields) or "auto" (trace, falling back to direct
+      binding).
+    * ``on_unpipelined``: A sharded module the rewrite cannot pipeline is logged and trained
+      unpipelined ("warn"), or refused with the reason ("raise").
+    * ``input_dist_group``: "dedicated" runs the pipelined input_dist on a process group of the same
+      ranks that carries nothing else; "shared" keeps it on the model's group, as torchrec does.
+      Results are the same either way.
     """
 
     # Debugging aid: check the contexts' contents whenever one is used.
@@ -180,7 +209,7 @@ class SparseDataDistUtil(SparseDataDistStages[In]):
         self._holes: Set[int] = set()
         # The rewrite, its claimed wrappers and the take-over (see
         # [Note: who owns a pipelined model]).
-        self._pipelined = PipelinedModel(self, model, self._options.input_dist_group)
+        self._pipelined = PipelinedModel(self, model, self._options["input_dist_group"])
         # Set when a pipeline detached this one to take the model over; the next
         # start_sparse_data_dist takes it back.
         self._taken_over_by: Optional[str] = None
@@ -364,8 +393,8 @@ class SparseDataDistUtil(SparseDataDistStages[In]):
             self._pipelined.rewrite(
                 batch,
                 self._make_forward,
-                self._options.rewrite_strategy,
-                self._options.on_unpipelined,
+                self._options["rewrite_strategy"],
+                self._options["on_unpipelined"],
                 make_postproc=self._make_postproc if self._pipeline_postproc else None,
             )
         else:

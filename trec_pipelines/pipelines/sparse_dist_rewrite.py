@@ -1,7 +1,7 @@
 """How :class:`~trec_pipelines.pipelines.sparse_dist.TrainPipelineSparseDist` rewrites
 its model: the forward and postproc wrappers it installs, torchrec's rewrite
-hooks (``_pipeline_model``, ``_init_pipelined_modules``), and which batch's
-context the wrappers read.
+hooks (``_pipeline_model``, ``_init_pipelined_modules``), which batch's
+context the wrappers read, and ``detach()`` / ``attach()``.
 
 :class:`SparseDistRewrite` is a base of that class only; it holds no state of
 its own (the rewrite's result lives in the core's ``PipelinedModel``).
@@ -40,6 +40,10 @@ class SparseDistRewrite:
     _after_first_rewrite: List[Callable[[], None]]
     _context_type: Type[TrainPipelineContext]
     contexts: Deque[TrainPipelineContext]
+    batches: Deque[Optional[Any]]
+    _model: torch.nn.Module
+    _model_fwd: Callable[..., Any]
+    _custom_model_fwd: Optional[Callable[..., Any]]
 
     def start_sparse_data_dist(self, batch: Optional[Any], context: TrainPipelineContext) -> None:
         """Start ``batch``'s input_dist (the pipeline's verb)."""
@@ -130,8 +134,8 @@ class SparseDistRewrite:
         return self._pipelined.rewrite(
             batch,
             self._make_forward,
-            self._options.rewrite_strategy,
-            self._options.on_unpipelined,
+            self._options["rewrite_strategy"],
+            self._options["on_unpipelined"],
             make_postproc=self._make_postproc if self._pipeline_postproc else None,
         )
 
@@ -152,6 +156,45 @@ class SparseDistRewrite:
             cast(BaseForward[Any], module.forward).set_context(context)
         for postproc in self._pipelined_postprocs:
             postproc.set_context(context)
+
+    # ------------------------------------------------------- attach / detach
+
+    def detach(self) -> torch.nn.Module:
+        """Give the model its own forwards back, sharded modules and postprocs;
+        in-flight batches are kept, with their input_dist and postproc outputs.
+
+        Call :meth:`attach` (or just :meth:`progress`) to resume.
+        """
+        self._pipelined.detach()
+        return self._model
+
+    def attach(self, model: Optional[torch.nn.Module] = None, sparse_dist: bool = True) -> None:
+        """Pipeline the model again after :meth:`detach`, or pipeline a new model.
+
+        The in-flight batches keep the input_dist (and postproc outputs) already
+        done for them; the same modules and postprocs are wrapped again.
+        """
+        if model is not None and model is not self._model:
+            self.detach()
+            self._model = model
+            self._model_fwd = self._custom_model_fwd or model
+            self._pipelined.replace_model(model)  # a new model is traced on the next batch
+        if self._model_attached:
+            return
+        if self._rewrite is None:
+            self._pipelined.attached = True
+            if self.contexts:
+                self._pipeline_model_without_input_dist(self.batches[0])
+            return
+        self._pipelined.reattach(self._make_forward)
+        self._fusion.fuse(self._pipelined.modules)
+        if self.contexts:
+            self._set_module_context(self.contexts[0])
+
+    def _pipeline_model_without_input_dist(self, batch: Any) -> None:
+        self._rewrite_checked(batch)
+        self._pipelined.fuse_new()
+        self._set_module_context(self.contexts[0])
 
 
 __all__ = ["SparseDistRewrite"]

@@ -5,7 +5,6 @@ from __future__ import annotations
 import contextlib
 import logging
 from collections import deque
-from dataclasses import dataclass
 from typing import (
     Any,
     Callable,
@@ -24,21 +23,20 @@ from typing_extensions import Unpack
 
 from trec_pipelines.assembly.options import BatchOptions, takes_options
 from trec_pipelines.assembly.pipeline import PipelineCore
-from trec_pipelines.core.api_docs import documented
 from trec_pipelines.core.errors import MalformedBatchError
 from trec_pipelines.core.streams import (
     current_stream,
     on_stream,
     record_event,
-    record_stream,
-    wait_event,
 )
 from trec_pipelines.core.subclass_hooks import Refused
 from trec_pipelines.data.source import BatchSource
 from trec_pipelines.observe import recorder as rec
 from trec_pipelines.pipelines.stages import (
+    InFlight,
     PipelineStage,
     SkipAware,
+    StageFailure,
     StageOut,
     agreement_carriers,
     declare_stages,
@@ -53,62 +51,6 @@ logger: logging.Logger = logging.getLogger(__name__)
 _Work = Tuple[int, int, bool]
 
 
-@dataclass
-class _InFlight:
-    """A batch between two stages.
-
-    Attributes:
-        value: what the last stage returned.
-        stream: where the last stage ran (``None``: nowhere yet, or no streams).
-        event: recorded on ``stream`` after the last stage (``None`` on CPU);
-            a consumer on another stream waits on it.
-        index: the batch's position in loading order (for recording and logs).
-        host: the batch as the iterator gave it, for a checkpoint (see
-            ``[Note: exact resume]`` in :mod:`trec_pipelines.assembly.resume`).
-    """
-
-    value: Any
-    stream: Optional[torch.Stream]
-    event: Optional[torch.Event]
-    index: int
-    host: Any = None
-
-    def hand_to(self, consumer: Optional[torch.Stream], consumer_name: str) -> None:
-        """Make ``consumer`` wait for the last stage and keep ``value`` alive for it."""
-        if self.event is None or consumer is None or consumer == self.stream:
-            return
-        wait_event(consumer, self.event)
-        if not hasattr(self.value, "record_stream"):
-            raise TypeError(
-                f"{consumer_name} gets a {type(self.value).__name__} from another "
-                "stream, which cannot cross streams: return a torch.Tensor or a "
-                "torchrec Pipelineable (it needs record_stream(stream)) from the "
-                "stage before, or give both the same stream"
-            )
-        record_stream(self.value, consumer)
-
-
-@dataclass(frozen=True)
-class _Failure:
-    """Where the last ``progress()`` raised, for :meth:`StagedTrainPipeline.skip_failed_batch`.
-
-    Attributes:
-        where: what raised, for messages ("stage 'h2d'", "the data iterator", ...).
-        slot: the slot of the batch a stage raised on; ``None`` when no stage
-            was working on a batch (the iterator, a callback, validation).
-        index: that batch's index (for validation: the dropped batch's).
-        error: the exception's type and message, for logs.
-        stage: the index of the stage that raised on the batch.
-    """
-
-    where: str
-    slot: Optional[int]
-    index: Optional[int]
-    error: str
-    stage: Optional[int] = None
-
-
-@documented()
 @takes_options(BatchOptions)
 class StagedTrainPipeline(PipelineCore, TrainPipeline[In, Optional[StageOut]]):
     """N batches in flight, one per stage; the caller trains the batch it returns.
@@ -171,6 +113,32 @@ class StagedTrainPipeline(PipelineCore, TrainPipeline[In, Optional[StageOut]]):
             loss, pred = model(batch)
             loss.backward()
             optimizer.step()
+
+    torchrec's parameters, in torchrec's order:
+
+    Args:
+        pipeline_stages: The ``PipelineStage`` list, in order: each batch goes through every stage
+            before ``progress()`` returns it.
+        debug_mode: Log each stage's work on each batch (at INFO).
+        compute_stream: The stream the caller trains the returned batch on; ``None``: the current
+            stream.
+        on_flush_end: Called once a flush (``set_flush(True)``) has drained the pipeline, before it
+            fills again; ``None``: nothing.
+
+    Our keyword-only options (each described in the options guide):
+
+    * ``sync_exhaustion``: The ranks agree on every batch they pull, so data that ends on one rank
+      first ends every rank's epoch at the same step (an eval pipeline pads until every rank's data
+      ended instead: ``uneven_data``), and a batch malformed on one rank is dropped on all. None
+      (the default) agrees whenever the model's steps join collectives across ranks; True insists
+      (and needs torch.distributed); False turns it off.
+    * ``agree_ahead``: With the ranks agreeing on each batch (``sync_exhaustion``), pull one host
+      batch a step ahead so its agreement rides the current step's exchange, at the cost of one more
+      host batch held (pulled from the iterator, not yet copied to the device; see the memory
+      guide). False holds none: each pull is agreed as it is made, with a blocking round trip of its
+      own on a gloo group. No effect without the agreement.
+    * ``validate_batches``: Check each host batch's KeyedJaggedTensors as it is pulled: a malformed
+      one raises ``MalformedBatchError`` before any work is issued for it.
     """
 
     # torchrec's stage bookkeeping (a list of outputs with events) has another
@@ -214,10 +182,10 @@ class StagedTrainPipeline(PipelineCore, TrainPipeline[In, Optional[StageOut]]):
                 carrier.carry_agreement(channel)
         self._source = BatchSource(
             channel,
-            validate=self._options.validate_batches,
+            validate=self._options["validate_batches"],
             pipelineable=False,  # the stages take whatever the iterator yields
             puller=self._next_batch,
-            agree_ahead=self._options.agree_ahead,
+            agree_ahead=self._options["agree_ahead"],
         )
         if not pipeline_stages:
             raise ValueError(
@@ -244,17 +212,17 @@ class StagedTrainPipeline(PipelineCore, TrainPipeline[In, Optional[StageOut]]):
         )
         # slot k holds the batch that has been through stages 0 .. N-2-k
         # before a progress() call advances the slots (None: no batch).
-        self._slots: List[Optional[_InFlight]] = [None] * self.num_stages
+        self._slots: List[Optional[InFlight]] = [None] * self.num_stages
         self._filled = False
         self._flushing = False
         self._loaded = 0  # batches handed to stage 0 so far: the next one's index
         # Where the last progress() raised, if it did (see skip_failed_batch).
-        self._failure: Optional[_Failure] = None
+        self._failure: Optional[StageFailure] = None
         # A fill or step that raised resumes at the unit that raised (see
         # [Note: a stage or the iterator raises]): how many units of the
         # current one are done, and the batch the current step returns.
         self._done_units = 0
-        self._ready: Optional[_InFlight] = None
+        self._ready: Optional[InFlight] = None
         self._mid_step = False
         # Batches a checkpointed pipeline had in flight, loaded before the iterator's.
         self._resumed: Deque[Tuple[int, Any]] = deque()
@@ -280,7 +248,7 @@ class StagedTrainPipeline(PipelineCore, TrainPipeline[In, Optional[StageOut]]):
             with self._noting_failure("the data iterator"):
                 self._source.fetch_ahead(dataloader_iter, loads)
         except MalformedBatchError as error:
-            self._failure = _Failure("validation", None, error.index, str(error))
+            self._failure = StageFailure("validation", None, error.index, str(error))
             raise
 
     def _loads_left(self) -> int:
@@ -307,11 +275,11 @@ class StagedTrainPipeline(PipelineCore, TrainPipeline[In, Optional[StageOut]]):
         """
         return self._source.raw_next(dataloader_iter)
 
-    def _load(self, dataloader_iter: Iterator[Any]) -> Optional[_InFlight]:
+    def _load(self, dataloader_iter: Iterator[Any]) -> Optional[InFlight]:
         """The next batch, or None once the epoch's data ran out or while flushing."""
         if self._resumed:  # in flight when the checkpoint was taken: first, as they were
             index, host = self._resumed.popleft()
-            return _InFlight(host, None, None, index, host)
+            return InFlight(host, None, None, index, host)
         if self._flushing:
             return None
         with self._noting_failure("the data iterator"):
@@ -319,7 +287,7 @@ class StagedTrainPipeline(PipelineCore, TrainPipeline[In, Optional[StageOut]]):
         if batch is None:
             return None
         self._loaded += 1
-        return _InFlight(batch, None, None, self._loaded - 1, batch)
+        return InFlight(batch, None, None, self._loaded - 1, batch)
 
     @property
     def rejected(self) -> int:
@@ -338,7 +306,7 @@ class StagedTrainPipeline(PipelineCore, TrainPipeline[In, Optional[StageOut]]):
         self,
         where: str,
         slot: Optional[int] = None,
-        item: Optional[_InFlight] = None,
+        item: Optional[InFlight] = None,
         stage_idx: Optional[int] = None,
     ) -> Iterator[None]:
         """Remember ``where`` (and stage ``stage_idx``'s batch ``item`` in ``slot``) if the body raises."""
@@ -347,7 +315,7 @@ class StagedTrainPipeline(PipelineCore, TrainPipeline[In, Optional[StageOut]]):
         except BaseException as error:
             index = None if item is None else item.index
             message = f"{type(error).__name__}: {error}"
-            self._failure = _Failure(where, slot, index, message, stage_idx)
+            self._failure = StageFailure(where, slot, index, message, stage_idx)
             raise
 
     def _stage_stream(self, stage_idx: int) -> Optional[torch.Stream]:
@@ -355,7 +323,7 @@ class StagedTrainPipeline(PipelineCore, TrainPipeline[In, Optional[StageOut]]):
         stream = self._stage_streams[stage_idx]
         return stream if stream is not None else current_stream(self._device)
 
-    def _run(self, stage_idx: int, item: _InFlight) -> _InFlight:
+    def _run(self, stage_idx: int, item: InFlight) -> InFlight:
         """Run one stage on ``item`` on the stage's stream; record its event."""
         stage = self._pipeline_stages[stage_idx]
         with self._span(stage.name, item.index, self._roles[stage_idx]):
@@ -363,7 +331,7 @@ class StagedTrainPipeline(PipelineCore, TrainPipeline[In, Optional[StageOut]]):
                 runs_on = self._stage_stream(stage_idx)
                 item.hand_to(runs_on, f"stage {stage.name!r}")
                 value = stage.runnable(item.value)
-                return _InFlight(value, runs_on, record_event(runs_on), item.index, item.host)
+                return InFlight(value, runs_on, record_event(runs_on), item.index, item.host)
 
     def _run_unit(self, stage_idx: int, slot: int, dataloader_iter: Iterator[Any]) -> None:
         """Stage ``stage_idx`` takes the batch in ``slot`` (stage 0 loads one) and puts it back."""
@@ -392,7 +360,7 @@ class StagedTrainPipeline(PipelineCore, TrainPipeline[In, Optional[StageOut]]):
             with self._noting_failure(f"stage {stage.name!r}'s fill_callback"):
                 stage.fill_callback()
 
-    def _hand_to_compute(self, item: _InFlight) -> Any:
+    def _hand_to_compute(self, item: InFlight) -> Any:
         with self._span(rec.WAIT_BATCH, item.index):  # last stage -> compute
             item.hand_to(self._compute_stream, "the compute stream")
         return item.value
@@ -437,7 +405,7 @@ class StagedTrainPipeline(PipelineCore, TrainPipeline[In, Optional[StageOut]]):
         self._run_units(self._fill_units(), dataloader_iter)
         self._filled = True
 
-    def _step(self, dataloader_iter: Iterator[Any]) -> Optional[_InFlight]:
+    def _step(self, dataloader_iter: Iterator[Any]) -> Optional[InFlight]:
         """Take the ready batch out and move every other one a stage on; returns the ready one."""
         if not self._mid_step:
             self._ready = self._slots.pop(0)  # through every stage: trained by the caller next
@@ -505,7 +473,7 @@ class StagedTrainPipeline(PipelineCore, TrainPipeline[In, Optional[StageOut]]):
         return item.index
 
     @staticmethod
-    def _nothing_to_skip(failure: Optional[_Failure]) -> str:
+    def _nothing_to_skip(failure: Optional[StageFailure]) -> str:
         """Why :meth:`skip_failed_batch` has no batch to drop after ``failure``."""
         head = "StagedTrainPipeline.skip_failed_batch(): "
         if failure is None:

@@ -1,5 +1,6 @@
 """What a stage of :class:`~trec_pipelines.pipelines.staged.StagedTrainPipeline` is,
-and what the objects behind its stages may be told.
+what the objects behind its stages may be told, and what a batch between two
+stages (:class:`InFlight`) and a failed step (:class:`StageFailure`) carry.
 
 A :class:`PipelineStage` names a callable and the stream it runs on.  The
 callable's owner (a :class:`~trec_pipelines.pipelines.sparse_data_dist_util.SparseDataDistUtil`)
@@ -16,7 +17,7 @@ from typing import Any, Callable, List, Optional, Protocol, Tuple, TypeVar, runt
 import torch
 from torchrec.streamable import Pipelineable
 
-from trec_pipelines.core.streams import has_streams
+from trec_pipelines.core.streams import has_streams, record_stream, wait_event
 from trec_pipelines.data.agreement import AgreementChannel
 
 # What the last stage hands the caller, for annotating stage callables (torchrec's name).
@@ -118,6 +119,61 @@ def side_stream(stream: Optional[torch.Stream]) -> Optional[torch.Stream]:
     if stream is None or not has_streams(stream.device):
         return None
     return stream
+
+
+@dataclass
+class InFlight:
+    """A batch between two stages.
+
+    Attributes:
+        value: what the last stage returned.
+        stream: where the last stage ran (``None``: nowhere yet, or no streams).
+        event: recorded on ``stream`` after the last stage (``None`` on CPU);
+            a consumer on another stream waits on it.
+        index: the batch's position in loading order (for recording and logs).
+        host: the batch as the iterator gave it, for a checkpoint (see
+            ``[Note: exact resume]`` in :mod:`trec_pipelines.assembly.resume`).
+    """
+
+    value: Any
+    stream: Optional[torch.Stream]
+    event: Optional[torch.Event]
+    index: int
+    host: Any = None
+
+    def hand_to(self, consumer: Optional[torch.Stream], consumer_name: str) -> None:
+        """Make ``consumer`` wait for the last stage and keep ``value`` alive for it."""
+        if self.event is None or consumer is None or consumer == self.stream:
+            return
+        wait_event(consumer, self.event)
+        if not hasattr(self.value, "record_stream"):
+            raise TypeError(
+                f"{consumer_name} gets a {type(self.value).__name__} from another "
+                "stream, which cannot cross streams: return a torch.Tensor or a "
+                "torchrec Pipelineable (it needs record_stream(stream)) from the "
+                "stage before, or give both the same stream"
+            )
+        record_stream(self.value, consumer)
+
+
+@dataclass(frozen=True)
+class StageFailure:
+    """Where the last ``progress()`` raised, for :meth:`StagedTrainPipeline.skip_failed_batch`.
+
+    Attributes:
+        where: what raised, for messages ("stage 'h2d'", "the data iterator", ...).
+        slot: the slot of the batch a stage raised on; ``None`` when no stage
+            was working on a batch (the iterator, a callback, validation).
+        index: that batch's index (for validation: the dropped batch's).
+        error: the exception's type and message, for logs.
+        stage: the index of the stage that raised on the batch.
+    """
+
+    where: str
+    slot: Optional[int]
+    index: Optional[int]
+    error: str
+    stage: Optional[int] = None
 
 
 __all__ = [
