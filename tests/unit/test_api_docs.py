@@ -5,11 +5,13 @@ from __future__ import annotations
 
 import inspect
 import pydoc
+from pathlib import Path
 from typing import List, Tuple
 
 import pytest
 
 import trec_pipelines as tp
+from tests import docstrings
 from trec_pipelines.core import peer_failure
 from trec_pipelines.core.api_docs import (
     PROGRESS,
@@ -89,17 +91,20 @@ def test_every_constructor_parameter_is_described(name: str, cls: type) -> None:
     assert undocumented_parameters(cls) == {}
     doc = inspect.getdoc(cls) or ""
     rendered = pydoc.render_doc(cls, renderer=pydoc.plaintext)
+    words = " ".join(doc.split())
+    shown = " ".join(word for word in rendered.split() if word != "|")
     for param in parameters_of(cls):
         if param in TORCHREC_PARAMETERS:
-            # Written from the one table, in help() too (a long line may be folded there).
-            assert f"    {param}: {TORCHREC_PARAMETERS[param]}" in doc, param
-            assert f"{param}: {TORCHREC_PARAMETERS[param][:40]}" in rendered, param
+            # Written from the one table (wrapped in the source), in help() too.
+            described = f"{param}: {' '.join(TORCHREC_PARAMETERS[param].split())}"
+            assert described in words, param
+            assert described in shown, param
 
 
 def test_keyword_options_are_described_as_well() -> None:
     # Our options (WithOptions) stay listed after torchrec's parameters.
     doc = inspect.getdoc(tp.TrainPipelineSparseDist) or ""
-    args, options = doc.index("Args:"), doc.index("Our keyword-only options")
+    args, options = doc.index("Args:"), doc.index(docstrings.OPTIONS_HEAD)
     assert args < options
     for param in inspect.signature(tp.TrainPipelineSparseDist).parameters.values():
         if param.kind is param.KEYWORD_ONLY:
@@ -115,6 +120,35 @@ def test_progress_says_to_pass_an_iterator_on_every_class() -> None:
 def test_the_table_has_no_description_nobody_uses() -> None:
     used = {p for _, cls in CLASSES for p in parameters_of(cls)}
     assert set(TORCHREC_PARAMETERS) - used == set()
+
+
+def test_the_docstrings_in_the_source_say_what_the_tables_say() -> None:
+    # The Args sections, option lists and progress() docstrings are written in the source by
+    # `python -m tests.docstrings`; none is out of date.
+    out_of_date = docstrings.stale()
+    assert out_of_date == {}, f"run `{docstrings.COMMAND}`: {sorted(map(str, out_of_date))}"
+    assert len(docstrings.pipeline_classes()) == 20  # every pipeline class but PipelineStage
+
+
+@pytest.mark.parametrize("cls", docstrings.pipeline_classes(), ids=lambda c: c.__name__)
+def test_each_class_docstring_ends_with_its_args_then_its_options(cls: type) -> None:
+    doc = inspect.getdoc(cls) or ""
+    assert doc.endswith(docstrings.class_tail(cls))
+    assert doc.count(docstrings.ARGS_HEAD) == 1 and doc.count(docstrings.OPTIONS_HEAD) == 1
+    own = cls.__dict__.get("progress")
+    if docstrings.progress_doc(cls) is not None:
+        assert inspect.getdoc(own) == docstrings.progress_doc(cls)
+
+
+def test_an_out_of_date_docstring_is_written_back(tmp_path: Path) -> None:
+    source = Path(inspect.getfile(tp.TrainPipelineBase)).read_text()
+    progress = "\n".join(docstrings._render(PROGRESS, 8)) + "\n"
+    assert progress in source
+    stale = tmp_path / "base.py"
+    stale.write_text(
+        source.replace(progress, "").replace("        model: The model:", "        model: A model:")
+    )
+    assert docstrings.rewrite(stale, [tp.TrainPipelineBase]) == source
 
 
 def test_a_stopping_rank_says_where_the_error_is_and_how_to_set_the_grace() -> None:

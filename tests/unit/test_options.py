@@ -3,10 +3,9 @@ refused (as Python refuses an unknown keyword) by every class that does not."""
 
 from __future__ import annotations
 
-import dataclasses
 import inspect
 import typing
-from typing import Any, Dict, FrozenSet
+from typing import Any, Dict, FrozenSet, Optional
 
 import pytest
 import torch
@@ -15,8 +14,29 @@ import trec_pipelines as tp
 from tests.unit.fakes import TinyModel, drain, make_batches, optimizer_for, plain_loop
 from tests.user_subclass import TaggedSparseDist
 from trec_pipelines.assembly import options as opts
+from trec_pipelines.core.input_dist_group import INPUT_DIST_GROUPS, InputDistGroup
+from trec_pipelines.data.padding import UNEVEN_DATA_POLICIES, UnevenData
+from trec_pipelines.model.rewrite import (
+    STRATEGIES,
+    UNPIPELINED_POLICIES,
+    Strategy,
+    UnpipelinedPolicy,
+)
 
-OPTION_NAMES = [f.name for f in dataclasses.fields(opts.PipelineOptions)]
+# Every option, its type and its default, in the order signatures list them: a change here
+# is a change of the public API.
+DECLARED = {
+    "rewrite_strategy": (Strategy, "auto"),
+    "on_unpipelined": (UnpipelinedPolicy, "warn"),
+    "sync_exhaustion": (Optional[bool], None),
+    "agree_ahead": (bool, True),
+    "uneven_data": (UnevenData, "pad"),
+    "validate_batches": (bool, True),
+    "input_dist_group": (InputDistGroup, "dedicated"),
+    "autocast_dtype": (Optional[torch.dtype], None),
+    "grad_scaler": (Optional[torch.amp.GradScaler], None),
+}
+OPTION_NAMES = list(DECLARED)
 CONCERNS = [
     opts.ValidationOptions,
     opts.BatchOptions,
@@ -74,35 +94,77 @@ EXPECTED.update(
 )
 
 
-def test_every_key_of_every_concern_is_a_declared_option_of_the_same_type() -> None:
-    fields = {f.name: f.type for f in dataclasses.fields(opts.PipelineOptions)}
-    seen = set()
-    for concern in CONCERNS:
-        for key, hint in typing.get_type_hints(concern).items():
-            seen.add(key)
-            declared = typing.get_type_hints(opts.PipelineOptions)[key]
-            assert hint == declared, (concern.__name__, key, hint, fields[key])
+# The keys of each TypedDict a constructor can unpack, in order (each ``total=False``).
+VALIDATION = ["validate_batches"]
+BATCH = [*VALIDATION, "sync_exhaustion", "agree_ahead"]
+REWRITE = ["rewrite_strategy", "on_unpipelined"]
+PRECISION_KEYS = ["autocast_dtype", "grad_scaler"]
+KEYS = {
+    "ValidationOptions": VALIDATION,
+    "BatchOptions": BATCH,
+    "EvalDataOptions": ["uneven_data"],
+    "PrecisionOptions": PRECISION_KEYS,
+    "TrainBatchOptions": [*BATCH, *PRECISION_KEYS],
+    "RewriteOptions": REWRITE,
+    "GroupOptions": ["input_dist_group"],
+    "LiteOptions": [*BATCH, *REWRITE, *PRECISION_KEYS],
+    "SparseDistOptions": [*BATCH, *REWRITE, "input_dist_group"],
+    "SparseDistTrainOptions": [*BATCH, *REWRITE, "input_dist_group", *PRECISION_KEYS],
+    "EvalSparseDistOptions": [*BATCH, *REWRITE, "input_dist_group", "uneven_data"],
+    "ModelOptions": [*REWRITE, "input_dist_group"],
+    "EvalHostOptions": [*BATCH, *REWRITE, "uneven_data"],
+}
+
+
+@pytest.mark.parametrize("name", sorted(KEYS))
+def test_each_typed_dict_holds_its_options_with_their_types(name: str) -> None:
+    typed_dict = getattr(opts, name)
+    assert list(typed_dict.__annotations__) == KEYS[name]
+    assert typing.get_type_hints(typed_dict) == {k: DECLARED[k][0] for k in KEYS[name]}
+    assert typed_dict.__required_keys__ == frozenset(), name
+    assert (typed_dict.__doc__ or "").strip(), name
+
+
+def test_every_option_is_declared_with_its_default_and_doc() -> None:
+    assert dict(opts.DEFAULTS) == {name: default for name, (_, default) in DECLARED.items()}
+    assert list(opts.DEFAULTS) == OPTION_NAMES
+    assert set(opts.DOCS) == set(OPTION_NAMES)
+    assert typing.get_type_hints(opts.PipelineOptions) == {n: t for n, (t, _) in DECLARED.items()}
+    seen = {key for concern in CONCERNS for key in concern.__annotations__}
     assert seen == set(OPTION_NAMES), "a declared option no constructor can take"
 
 
 def test_every_option_is_documented() -> None:
     for name in OPTION_NAMES:
-        assert len(opts.PipelineOptions.doc(name)) > 40, name
+        assert len(opts.DOCS[name]) > 40, name
+        assert "  " not in opts.DOCS[name] and "\n" not in opts.DOCS[name], name
+    # One paragraph each, as the concern's docstring says it (first and last words).
+    assert opts.DOCS["validate_batches"].startswith("Check each host batch's KeyedJaggedTensors")
+    assert opts.DOCS["grad_scaler"].endswith("see the options guide.")
+
+
+def test_the_choices_the_types_give_are_the_modules_constants() -> None:
+    choices = {n: typing.get_args(t) for n, (t, _) in DECLARED.items() if typing.get_args(t)}
+    assert choices["rewrite_strategy"] == STRATEGIES
+    assert choices["on_unpipelined"] == UNPIPELINED_POLICIES
+    assert choices["uneven_data"] == UNEVEN_DATA_POLICIES
+    assert choices["input_dist_group"] == INPUT_DIST_GROUPS
+    assert opts.CHOICES == {"autocast_dtype": (torch.bfloat16, torch.float16)}
 
 
 @pytest.mark.parametrize("name", sorted(EXPECTED))
 def test_the_signature_shows_exactly_the_options_the_class_takes(name: str) -> None:
     cls = getattr(tp, name)
     params = inspect.signature(cls).parameters
-    shown = {
+    shown = [
         p.name
         for p in params.values()
         if p.kind is inspect.Parameter.KEYWORD_ONLY and p.name in EVERY_OPTION
-    }
-    assert shown == EXPECTED[name] == opts.accepted_options(cls)
+    ]
+    assert set(shown) == EXPECTED[name] == opts.accepted_options(cls)
+    assert shown == [n for n in OPTION_NAMES if n in shown], "in the declared order"
     for option in shown:
-        field = next(f for f in dataclasses.fields(opts.PipelineOptions) if f.name == option)
-        assert params[option].default == field.default, (name, option)
+        assert params[option].default == DECLARED[option][1], (name, option)
     assert not any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
     assert all(f"``{option}``" in (cls.__doc__ or "") for option in shown), name
 
@@ -125,22 +187,33 @@ def test_an_option_the_class_does_not_take_is_a_type_error(make: Any) -> None:
 
 
 @pytest.mark.parametrize(
-    "option, value, error",
+    "option, value, error, says",
     [
-        ("rewrite_strategy", "trace", ValueError),
-        ("on_unpipelined", "ignore", ValueError),
-        ("input_dist_group", "mine", ValueError),
-        ("sync_exhaustion", "yes", TypeError),
-        ("validate_batches", None, TypeError),
-        ("agree_ahead", "no", TypeError),
+        ("rewrite_strategy", "trace", ValueError, "one of ('auto', 'fx', 'direct'), got 'trace'"),
+        ("on_unpipelined", "ignore", ValueError, "one of ('warn', 'raise'), got 'ignore'"),
+        ("input_dist_group", "mine", ValueError, "one of ('shared', 'dedicated'), got 'mine'"),
+        ("sync_exhaustion", "yes", TypeError, "None, True or False, got 'yes'"),
+        ("validate_batches", None, TypeError, "True or False, got None"),
+        ("agree_ahead", "no", TypeError, "True or False, got 'no'"),
+        (
+            "autocast_dtype",
+            torch.int8,
+            ValueError,
+            "torch.bfloat16, torch.float16 or None, got torch.int8",
+        ),
+        ("grad_scaler", 1.5, TypeError, "a torch.amp.grad_scaler.GradScaler or None, got 1.5"),
     ],
 )
-def test_a_bad_value_is_refused_with_the_choices(option: str, value: Any, error: type) -> None:
+def test_a_bad_value_is_refused_with_the_choices_and_what_the_option_does(
+    option: str, value: Any, error: type, says: str
+) -> None:
     model = TinyModel()
-    with pytest.raises(error, match=f"TrainPipelineSparseDist: {option}"):
+    with pytest.raises(error) as failure:
         tp.TrainPipelineSparseDist(
             model, optimizer_for(model), torch.device("cpu"), **{option: value}
         )
+    doc = opts.DOCS[option]
+    assert str(failure.value) == f"TrainPipelineSparseDist: {option} must be {says}. {doc}"
 
 
 def test_uneven_data_is_an_eval_option_with_two_policies() -> None:
@@ -217,7 +290,7 @@ def test_each_class_declares_the_concern_its_options_unpack(name: str) -> None:
     as the annotation's text: nothing evaluates it)."""
     cls = getattr(tp, name)
     concern = cls.__dict__["_trec_options_concern"]  # declared on the class itself
-    assert opts.options_concern(cls) is concern
+    assert list(concern.__annotations__) == [n for n in KEYS[concern.__name__]]
     init = next(k.__dict__["__init__"] for k in cls.__mro__ if "__init__" in k.__dict__)
     assert init.__annotations__["options"] == f"Unpack[{concern.__name__}]", name
     assert opts.accepted_options(cls) == EXPECTED[name]
@@ -255,7 +328,7 @@ def test_a_users_subclass_with_options_for_type_checkers_only_trains(
     pipeline = TaggedSparseDist(model, optimizer_for(model), "cpu", tag="mine", **options)
     assert pipeline.tag == "mine"
     for name, value in options.items():
-        assert getattr(pipeline._options, name) == value
+        assert pipeline._options[name] == value
     outputs = drain(pipeline, iter(batches))
     expected = plain_loop(ref, batches)
     assert len(outputs) == len(expected) == 4

@@ -230,20 +230,20 @@ def resolve_options(pipeline: str, cls: type, options: Mapping[str, Any]) -> Pip
 
 
 def _check(must: str, value: Any, hint: Any, name: str) -> None:
-    """Raise ``must`` + what ``hint`` (and :data:`CHOICES`) admit, got ``value``."""
+    """Raise ``must`` + what ``hint`` (and :data:`CHOICES`) admit, got ``value``, + its doc."""
     kinds = typing.get_args(hint) if typing.get_origin(hint) is Union else (hint,)
     or_none = " or None" if type(None) in kinds else ""
     (kind,) = [k for k in kinds if k is not type(None)]
+    got = f"got {value!r}. {DOCS[name]}"
     if value is None and or_none:
         return
     if typing.get_origin(kind) is Literal:
         if value not in typing.get_args(kind):
-            raise ValueError(f"{must} one of {typing.get_args(kind)}, got {value!r}. {DOCS[name]}")
+            raise ValueError(f"{must} one of {typing.get_args(kind)}, {got}")
     elif kind is bool:
         if not isinstance(value, bool):
-            raise TypeError(f"{must} {'None, ' * bool(or_none)}True or False, got {value!r}")
+            raise TypeError(f"{must} {'None, ' * bool(or_none)}True or False, {got}")
     elif not isinstance(value, kind):
-        what = f"{kind.__module__}.{kind.__qualname__}{or_none}"
-        raise TypeError(f"{must} a {what}, got {type(value).__name__}")
+        raise TypeError(f"{must} a {kind.__module__}.{kind.__qualname__}{or_none}, {got}")
     elif value not in CHOICES.get(name, (value,)):
-        raise ValueError(f"{must} {', '.join(map(repr, CHOICES[name]))}{or_none}, got {value!r}")
+        raise ValueError(f"{must} {', '.join(map(repr, CHOICES[name]))}{or_none}, {got}")
