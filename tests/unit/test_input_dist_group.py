@@ -7,15 +7,19 @@ import torch
 
 import trec_pipelines
 from tests.unit.fakes import TinyModel, optimizer_for
+from trec_pipelines.assembly.options import resolve_options
 from trec_pipelines.core import input_dist_group as idg
 from trec_pipelines.sparse.input_dist import SplitsFusion
 
 
 def test_the_choices_and_the_default() -> None:
     assert idg.INPUT_DIST_GROUPS == ("shared", "dedicated")
-    assert idg.check_input_dist_group("shared", "P") == "shared"
-    with pytest.raises(ValueError, match=r"P: input_dist_group must be one of .*got 'own'"):
-        idg.check_input_dist_group("own", "P")
+    assert idg.DEFAULT_INPUT_DIST_GROUP == "dedicated"
+    cls = trec_pipelines.TrainPipelineSparseDist
+    with pytest.raises(ValueError, match=r"^P: input_dist_group must be one of .*got 'own'"):
+        resolve_options("P", cls, {"input_dist_group": "own"})
+    assert resolve_options("P", cls, {})["input_dist_group"] == "dedicated"
+    assert resolve_options("P", cls, {"input_dist_group": "shared"})["input_dist_group"] == "shared"
 
 
 @pytest.mark.parametrize(

@@ -47,7 +47,7 @@ from __future__ import annotations
 import datetime
 import logging
 import weakref
-from typing import Dict, Iterable, List, Literal, Optional, Tuple, TypeAlias
+from typing import Dict, Iterable, List, Literal, Optional, Tuple, TypeAlias, get_args
 
 import torch
 import torch.distributed as dist
@@ -57,7 +57,7 @@ from trec_pipelines.core import lifetime
 logger: logging.Logger = logging.getLogger(__name__)
 
 InputDistGroup = Literal["shared", "dedicated"]
-INPUT_DIST_GROUPS: Tuple[str, ...] = ("shared", "dedicated")
+INPUT_DIST_GROUPS: Tuple[str, ...] = get_args(InputDistGroup)
 DEFAULT_INPUT_DIST_GROUP: InputDistGroup = "dedicated"
 
 # What the ranks agree on for one group: its ranks and backend.
@@ -75,18 +75,6 @@ def dedicated_of(pg: dist.ProcessGroup) -> Optional[dist.ProcessGroup]:
     ref = _dedicated.get(pg)
     group = ref() if ref is not None else None
     return group if group is not None and lifetime.is_owned(group) else None
-
-
-def check_input_dist_group(value: str, pipeline: str) -> InputDistGroup:
-    """Return ``value`` if it names a choice, else raise a ``ValueError`` that lists them."""
-    if value not in INPUT_DIST_GROUPS:
-        raise ValueError(
-            f"{pipeline}: input_dist_group must be one of {INPUT_DIST_GROUPS}, got "
-            f"{value!r}. 'dedicated' runs the pipelined input_dist on its own process "
-            "group of the same ranks, so the next batch's ids do not queue ahead of the "
-            "forward's all-to-alls; 'shared' keeps it on the model's group, as torchrec does."
-        )
-    return value  # type: ignore[return-value]
 
 
 def _registered(pg: dist.ProcessGroup) -> bool:

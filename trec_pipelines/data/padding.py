@@ -44,13 +44,13 @@ from __future__ import annotations
 
 import operator
 from dataclasses import dataclass
-from typing import Any, Callable, Literal, Optional, Tuple
+from typing import Any, Callable, Literal, Optional, Tuple, get_args
 
 import torch.distributed as dist
 
 # What a rank does when its data ends before the other ranks' (see the note above).
 UnevenData = Literal["pad", "stop"]
-UNEVEN_DATA_POLICIES: Tuple[str, ...] = ("pad", "stop")
+UNEVEN_DATA_POLICIES: Tuple[str, ...] = get_args(UnevenData)
 
 
 @dataclass(frozen=True)

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass, field, replace
-from typing import Any, Callable, Dict, List, Literal, Optional, Set, Tuple, Union, cast
+from typing import Any, Callable, Dict, List, Literal, Optional, Set, Tuple, Union, cast, get_args
 
 import torch
 from torchrec.distributed.model_parallel import DistributedModelParallel
@@ -45,12 +45,12 @@ from trec_pipelines.model.postproc import (
 logger: logging.Logger = logging.getLogger(__name__)
 
 Strategy = Literal["auto", "fx", "direct"]
-STRATEGIES: Tuple[str, ...] = ("auto", "fx", "direct")
+STRATEGIES: Tuple[str, ...] = get_args(Strategy)
 
 # What a pipeline does with a sharded module the rewrite leaves unpipelined:
 # log it and train it unpipelined, or refuse the model.
 UnpipelinedPolicy = Literal["warn", "raise"]
-UNPIPELINED_POLICIES: Tuple[str, ...] = ("warn", "raise")
+UNPIPELINED_POLICIES: Tuple[str, ...] = get_args(UnpipelinedPolicy)
 
 # Builds the wrapper for one module: (fqn, call args, module) -> forward.
 ForwardFactory = Callable[[str, CallArgs, AnyShardedModule], Any]
