@@ -7,8 +7,9 @@ process group would time out after 120 s; the other ranks must instead exit
 with status 1 once the grace has passed, their log naming rank 0 and batch 2,
 and a lone retry must raise OutOfStepError.  Each launch has its own time limit, so a hang fails the test.
 
-The default grace (10 s) is kept in one case; the others set 3 s through the
-environment, which is also the documented way to change it.
+The default grace (10 s) is kept in one case; the others set 1 s (the watcher
+polls every second) through the environment, which is also the documented way
+to change it.
 """
 
 from __future__ import annotations
@@ -58,13 +59,13 @@ def _launch(
 # exits).  A data iterator's error is in tests/distributed/test_peer_failure.py:
 # there the others raise PeerFailedError, in process.
 CASES = [
-    (2, "stay", 3.0, "TrainPipelineSparseDist"),
+    (2, "stay", 1.0, "TrainPipelineSparseDist"),
     (2, "retry", None, "TrainPipelineSparseDist"),
-    (4, "stay", 3.0, "TrainPipelineSparseDist"),
-    (2, "stay", 3.0, "TrainPipelineFusedSparseDist"),
-    (2, "stay", 3.0, "TrainPipelineSemiSync"),
-    (2, "stay", 3.0, "TrainPipelineBase"),
-    (2, "stay", 3.0, "StagedTrainPipeline"),
+    (4, "stay", 1.0, "TrainPipelineSparseDist"),
+    (2, "stay", 1.0, "TrainPipelineFusedSparseDist"),
+    (2, "stay", 1.0, "TrainPipelineSemiSync"),
+    (2, "stay", 1.0, "TrainPipelineBase"),
+    (2, "stay", 1.0, "StagedTrainPipeline"),
 ]
 
 
