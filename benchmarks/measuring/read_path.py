@@ -7,7 +7,9 @@ sharded test DLRM under :func:`sys.setprofile`, and counts
 
 * the distinct functions of the package that ran (code objects whose file is
   under the package; property getters count, comprehensions, generator
-  expressions and lambdas do not: they are read as part of their function),
+  expressions and lambdas do not: they are read as part of their function;
+  the test model under ``trec_pipelines/testing`` does not either: it is the
+  user's code, not the pipeline's),
 * the distinct files those functions live in,
 
 then does the same for torchrec's class of the same name (functions under
@@ -54,7 +56,9 @@ class ReadPath:
 
 def private_names(cls: type) -> List[str]:
     """The class's private names as ``dir()`` lists them, dunders left out."""
-    return [n for n in dir(cls) if n.startswith("_") and not (n.startswith("__") and n.endswith("__"))]
+    return [
+        n for n in dir(cls) if n.startswith("_") and not (n.startswith("__") and n.endswith("__"))
+    ]
 
 
 class _Calls:
@@ -62,12 +66,19 @@ class _Calls:
 
     def __init__(self, root: str) -> None:
         self.root = root
+        # The test model lives in the package but is the user's code, not the pipeline's.
+        self.skip = os.path.join(root, "testing") + os.sep
         self.codes: Set[CodeType] = set()
 
     def _profile(self, frame: FrameType, event: str, arg: Any) -> None:
         if event == "call":
             code = frame.f_code
-            if code.co_name not in _INLINE and code.co_filename.startswith(self.root):
+            name = code.co_filename
+            if (
+                code.co_name not in _INLINE
+                and name.startswith(self.root)
+                and not name.startswith(self.skip)
+            ):
                 self.codes.add(code)
 
     @contextlib.contextmanager
@@ -194,8 +205,18 @@ def _measure_one(module: Any, name: str, root: str, shim: bool) -> ReadPath:
                 step()
             functions, files, names = count_step(step, root)
         except Exception as error:  # noqa: BLE001 -- torchrec's class may not run on CPU
-            print(f"{name} ({module.__name__}): no step on this device: {error!r:.120}", file=sys.stderr)
+            print(
+                f"{name} ({module.__name__}): no step on this device: {error!r:.120}",
+                file=sys.stderr,
+            )
     return ReadPath(name, functions, files, len(private_names(cls)), len(cls.__mro__), names)
+
+
+def measure_ours(name: str) -> ReadPath:
+    """Our class ``name``'s read path."""
+    import trec_pipelines
+
+    return _measure_one(trec_pipelines, name, ours_root(), shim=False)
 
 
 def measure(name: str) -> Tuple[ReadPath, Optional[ReadPath]]:
