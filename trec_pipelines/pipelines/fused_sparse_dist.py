@@ -221,7 +221,7 @@ class TrainPipelineFusedSparseDist(TrainPipelineSparseDist[In, Out]):
         """
         if batch is None:
             return
-        with self._span(rec.EMB_LOOKUP, context.index, self._lookup_role):
+        with self._recording.span(rec.EMB_LOOKUP, context.index, self._lookup_role):
             lookup.start_embedding_lookup(
                 self._lookup_modules(),
                 context,
@@ -398,7 +398,7 @@ class EvalPipelineFusedSparseDist(TrainPipelineFusedSparseDist[In, Out]):
             self._zero_grad()
 
     def _eval_forward(self) -> Any:
-        with self._span(rec.FORWARD, self.contexts[0].index):
+        with self._recording.span(rec.FORWARD, self.contexts[0].index):
             with torch.no_grad():
                 # (loss, pred) or predictions only: both model shapes, as EvalPipelineSparseDist.
                 return predictions(self._model_fwd(self.batches[0]))
