@@ -262,7 +262,8 @@ class PipelineCore:
 
     def _enter_phase(self, phase: PipelineState) -> None:
         """Set ``_state`` to ``phase`` where torchrec's class does (``_tracks_state``)."""
-        torchrec_state.enter_phase(self, phase)
+        if self._tracks_state:
+            self._state = phase
 
     # ------------------------------------------------------- the in-flight batches
 

@@ -165,7 +165,8 @@ class BatchSource:
 
     def next(self, iterator: Iterator[Any]) -> Optional[Any]:
         """The next batch, or None at the end of the epoch."""
-        self._switch_to(iterator)
+        if iterator is not self.iterator:
+            self._switch_to(iterator)
         if self._rewound:
             index, batch = self._rewound.popleft()
         else:
@@ -188,8 +189,9 @@ class BatchSource:
         With ``agreement``, one more pull is then started, its agreement left
         under way for the next call (see ``[Note: agreeing on each batch]``).
         """
-        self._switch_to(iterator)
-        while self.holding < count and not self.exhausted:
+        if iterator is not self.iterator:
+            self._switch_to(iterator)
+        while len(self._held) + len(self._rewound) < count and not self.exhausted:
             batch = self._pull(iterator)
             if batch is not None:
                 self._held.append(batch)

@@ -205,7 +205,11 @@ class EvalPipelineCPUSparse(TrainPipelineSparseDist[In, Out]):
         """Host stage: input dist, lookup and output dist; with depth 1 the copy too."""
         # Recorded on the training thread only (the recorder is not thread-safe).
         on_main = self._sparse_executor is None
-        with self._recording.span(rec.EMB_LOOKUP, context.index) if on_main else contextlib.nullcontext():
+        with (
+            self._recording.span(rec.EMB_LOOKUP, context.index)
+            if on_main
+            else contextlib.nullcontext()
+        ):
             modules = self._input_dist_modules()
             start_input_dist(modules, batch, context)
             wait_input_dist(context)

@@ -400,7 +400,9 @@ class TrainPipelineSemiSync(TrainPipelineSparseDist[In, Out]):
         if stashed and current_batch == self._start_batch:
             # Nothing was stashed yet, and not every optimizer steps on None gradients.
             return
-        with self._recording.span(rec.OPTIMIZER_STEP, current_batch - 1 if stashed else current_batch):
+        with self._recording.span(
+            rec.OPTIMIZER_STEP, current_batch - 1 if stashed else current_batch
+        ):
             self._precision.step(self._optimizer)
 
     def _dense_zero_grad(self, context: TrainPipelineContext) -> None:

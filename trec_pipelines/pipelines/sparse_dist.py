@@ -488,7 +488,7 @@ class TrainPipelineSparseDist(
             self._taken_over_by = None
             self.attach()  # detaches the pipeline that took the model, then re-wraps
             return
-        if self._model_attached:
+        if self._pipelined.attached:
             self._pipelined.take_over()
             return
         # Detached by the user: attach again, as upstream's ``progress()`` does.
