@@ -371,11 +371,11 @@ def _spy(pipeline: Any) -> None:
     sync, clear = pipeline.sync_embeddings, pipeline.clear_sparse_data_dist_inputs
 
     def sync_embeddings(model: Any, interval: Any, context: Any = None) -> None:
-        with pipeline._span(SYNC, None if context is None else context.index):
+        with pipeline._recording.span(SYNC, None if context is None else context.index):
             sync(model, interval, context)
 
     def clear_sparse_data_dist_inputs(context: Any) -> None:
-        with pipeline._span(CLEAR, context.index, "data_dist"):
+        with pipeline._recording.span(CLEAR, context.index, "data_dist"):
             clear(context)
 
     pipeline.sync_embeddings = sync_embeddings

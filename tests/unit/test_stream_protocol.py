@@ -776,7 +776,7 @@ def _module_patch(module: Any, name: str, value: Any) -> Callable[[Any], Context
 def test_sparse_dist_wait_batch_without_its_wait() -> None:
     def wait_batch_without_wait(pipeline: Any) -> Callable[[], None]:
         def wait_for_batch() -> None:  # keeps the record_stream, drops the wait
-            with pipeline._span(rec.WAIT_BATCH, pipeline.contexts[0].index):
+            with pipeline._recording.span(rec.WAIT_BATCH, pipeline.contexts[0].index):
                 streams.record_stream(pipeline.batches[0], streams.current_stream(CPU))
 
         return wait_for_batch

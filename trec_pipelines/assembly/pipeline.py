@@ -10,7 +10,7 @@ every one of them and is written once, in :class:`PipelineCore`:
   :class:`~trec_pipelines.data.source.BatchSource` (validation, and the ranks'
   agreement on each pull), the :class:`~trec_pipelines.core.step_guard.StepGuard`,
   and the :class:`~trec_pipelines.assembly.pipelined_model.PipelinedModel`;
-* the start of a step (:meth:`PipelineCore._begin_step`): the schedule
+* the start of a step (:meth:`PipelineCore._start_step`): the schedule
   recorder's new call, the take-over of a model another pipeline left
   attached, the iterator switch (parking the previous iterator's in-flight
   batches), pulling the host batches the step will copy, and the step guard;
@@ -46,7 +46,6 @@ from typing import (
     Any,
     Callable,
     ClassVar,
-    ContextManager,
     Dict,
     Iterator,
     List,
@@ -214,7 +213,9 @@ class PipelineCore:
             self._agreement,
             keep_in_flight=True,
             validate=self._options["validate_batches"],
-            puller=self._next_batch if self._pulls_through_next_batch else None,
+            # Only a user's _next_batch is called back: ours would hand the pull
+            # straight back to the source, which pulls itself.
+            puller=self._next_batch if self._pulls_when_copied else None,
             agree_ahead=self._options["agree_ahead"] and not self._pulls_when_copied,
             # An eval pipeline pads a rank whose data ended (training stops at the shortest).
             pad_uneven="uneven_data" in accepted_options(type(self))
@@ -226,10 +227,11 @@ class PipelineCore:
     def _next_batch(self, dataloader_iter: Iterator[Any]) -> Optional[Any]:
         """The next host batch from ``dataloader_iter``, or None at the end of the data.
 
-        torchrec's hook, honoured: every host batch is pulled through it, once.
-        Ours pulls before the step that copies the batch issues any work (at
-        the top of ``progress()``; with several ranks agreeing, a step ahead);
-        a class that overrides it pulls where torchrec's calls it, in the copy
+        torchrec's hook, honoured: where a subclass overrides it, every host
+        batch is pulled through it, once (otherwise the source pulls itself).
+        Ours pulls before the step that copies the batch issues any work (at the
+        top of ``progress()``; with several ranks agreeing, a step ahead); a
+        class that overrides it pulls where torchrec's calls it, in the copy
         stage, so the override reads ``batches``, ``contexts``,
         ``_dataloader_iter`` and ``_dataloader_exhausted`` as torchrec's class
         has them then.  An override may skip batches (return the next one it
@@ -260,7 +262,8 @@ class PipelineCore:
 
     def _enter_phase(self, phase: PipelineState) -> None:
         """Set ``_state`` to ``phase`` where torchrec's class does (``_tracks_state``)."""
-        torchrec_state.enter_phase(self, phase)
+        if self._tracks_state:
+            self._state = phase
 
     # ------------------------------------------------------- the in-flight batches
 
@@ -286,11 +289,12 @@ class PipelineCore:
 
     # ----------------------------------------------------------- a step's start
 
-    def _begin_step(self, dataloader_iter: Iterator[Any]) -> None:
-        """What every step does before its timeline (see the module note)."""
-        self._begin_call()
+    def _start_step(self, dataloader_iter: Iterator[Any]) -> None:
+        """What every step does before its timeline, in one place (see the module note)."""
+        self._recording.begin_call()
         self._take_over_model()
-        self._switch_iterator(dataloader_iter)
+        if dataloader_iter is not self._source.iterator:
+            self._switch_iterator(dataloader_iter)
         # Pull the host batches this call copies before any work: an iterator
         # error then reaches the caller with the pipeline untouched.  A user's
         # _next_batch pulls in the copy stage instead, where torchrec calls it.
@@ -307,7 +311,8 @@ class PipelineCore:
     def _switch_iterator(self, dataloader_iter: Iterator[Any]) -> None:
         """Set the previous iterator's in-flight batches aside when another is passed.
 
-        Alternating iterators (train, then an eval pass, then train again) must
+        Called with an iterator other than the current epoch's.  Alternating
+        iterators (train, then an eval pass, then train again) must
         not feed one iterator's in-flight batches to the other's steps (torchrec
         #3751).  The previous iterator's batches, with whatever work is already
         under way for them, are parked untouched; passing that iterator again
@@ -315,8 +320,6 @@ class PipelineCore:
         having switched.
         """
         source = self._source
-        if dataloader_iter is source.iterator:
-            return
         previous = source.iterator
         on_device = self._in_flight()
         in_flight = on_device + source.holding
@@ -499,11 +502,3 @@ class PipelineCore:
     def exposed_time(self) -> Dict[str, float]:
         """Seconds the training thread spent in each task, plus ``"step"``: the total."""
         return self._recording.exposed_time()
-
-    def _begin_call(self) -> None:
-        self._recording.begin_call()
-
-    def _span(
-        self, task: str, batch: Optional[int], stream: str = "default", thread: str = "main"
-    ) -> ContextManager[None]:
-        return self._recording.span(task, batch, stream, thread)

@@ -28,16 +28,9 @@ from __future__ import annotations
 from typing import Any, Iterator, Optional
 
 import torch
-from torchrec.distributed.train_pipeline.types import PipelineState
 
 from trec_pipelines.core.streams import StreamSet
 from trec_pipelines.data.source import BatchSource
-
-
-def enter_phase(pipeline: Any, phase: PipelineState) -> None:
-    """Set ``pipeline._state`` to ``phase`` where torchrec's class does (``_tracks_state``)."""
-    if pipeline._tracks_state:
-        pipeline._state = phase
 
 
 def _get_dataloader_iter(pipeline: Any) -> Optional[Iterator[Any]]:

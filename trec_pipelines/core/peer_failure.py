@@ -79,7 +79,7 @@ class _News:
         self._store = store
         self._rank, self._world = rank, world
         self._failures = 0  # this rank's failed steps so far
-        self._standing = False  # this rank's last failure is not retried yet
+        self.standing = False  # this rank's last failure is not retried yet
         self._step: Optional[int] = None  # the step the main thread is in, if any
         self._steps = 0
         self._stop = threading.Event()
@@ -90,7 +90,8 @@ class _News:
     def step_begins(self) -> None:
         self._steps += 1
         self._step = self._steps
-        self._start_watcher()
+        if self._watcher is None:
+            self._start_watcher()
 
     def step_ends(self) -> None:
         self._step = None
@@ -101,8 +102,8 @@ class _News:
         key = f"{_PREFIX}/rank{self._rank}/failure{self._failures}"
         self._store.set(key, f"{index}|{description}")
         self._store.set(f"{_PREFIX}/rank{self._rank}/last", str(self._failures))
-        if not self._standing:
-            self._standing = True
+        if not self.standing:
+            self.standing = True
             self._store.add(_STANDING, 1)
         self._store.add(_PUBLISHED, 1)
 
@@ -126,7 +127,7 @@ class _News:
 
     def retry_allowed(self, index: Optional[int]) -> None:
         """Raise OutOfStepError unless every rank's last failure was at ``index``."""
-        if not self._standing:
+        if not self.standing:
             return
         keys = [f"{_PREFIX}/rank{r}/failure{self._failures}" for r in range(self._world)]
         try:
@@ -147,8 +148,8 @@ class _News:
         """This rank's failure no longer stands: retried or skipped on every rank, or
         a later step of this rank went through (a new pipeline's, say), so the ranks'
         collectives met again.  A later error elsewhere is then not blamed on it."""
-        if self._standing:
-            self._standing = False
+        if self.standing:
+            self.standing = False
             self._store.set(f"{_PREFIX}/rank{self._rank}/retracted{self._failures}", "1")
             self._store.add(_STANDING, -1)
 
@@ -179,12 +180,12 @@ class _News:
             try:
                 published = store.add(_PUBLISHED, 0)
                 step = self._step
-                if published > seen and step is not None and not self._standing:
+                if published > seen and step is not None and not self.standing:
                     suspect = (step, time.monotonic())
                 seen = published
                 if suspect is None:
                     continue
-                if step != suspect[0] or self._standing:
+                if step != suspect[0] or self.standing:
                     suspect = None  # the step ended after all, or this rank failed too
                     continue
                 waited = time.monotonic() - suspect[1]

@@ -169,7 +169,7 @@ def guarded_step(progress: Callable[[Any, Iterator[Any]], P]) -> Callable[[Any, 
         if guard.begun:
             self._source.retire()
             guard.failed = None
-            if ranks is not None:
+            if ranks is not None and ranks.standing:
                 ranks.retract()  # this rank's step went through: a past failure is over
         return output
 

@@ -83,7 +83,7 @@ class BatchSource:
         # (see [Note: agreeing on each batch]); False agrees on each pull as it is
         # made, with a blocking round trip (the ``agree_ahead`` option).
         self.agree_ahead = agree_ahead
-        self._iterator: Optional[Iterator[Any]] = None
+        self.iterator: Optional[Iterator[Any]] = None  # the one the current epoch pulls from
         self.agreement = agreement
         # Pad until every rank's data ended (see [Note: padding uneven eval data]).
         self.pad_uneven = pad_uneven
@@ -131,12 +131,12 @@ class BatchSource:
         self._written_iterator: Optional[Iterator[Any]] = None
 
     def _switch_to(self, iterator: Iterator[Any]) -> None:
-        if iterator is self._iterator:
+        if iterator is self.iterator:
             return
         check_iterator(iterator)
-        if self._iterator is None:
+        if self.iterator is None:
             # The first iterator: batches given back by resume() are its own.
-            self._iterator = iterator
+            self.iterator = iterator
             self.exhausted = self._ended = self._puller_said_ended = self.stopped_from_outside = (
                 False
             )
@@ -156,7 +156,7 @@ class BatchSource:
                 len(self._held),
             )
             self._held.clear()
-        self._iterator = iterator
+        self.iterator = iterator
         self._last_real = None
         self._epoch_pulled = 0
         if self._retry is not None:
@@ -165,7 +165,8 @@ class BatchSource:
 
     def next(self, iterator: Iterator[Any]) -> Optional[Any]:
         """The next batch, or None at the end of the epoch."""
-        self._switch_to(iterator)
+        if iterator is not self.iterator:
+            self._switch_to(iterator)
         if self._rewound:
             index, batch = self._rewound.popleft()
         else:
@@ -188,8 +189,9 @@ class BatchSource:
         With ``agreement``, one more pull is then started, its agreement left
         under way for the next call (see ``[Note: agreeing on each batch]``).
         """
-        self._switch_to(iterator)
-        while self.holding < count and not self.exhausted:
+        if iterator is not self.iterator:
+            self._switch_to(iterator)
+        while len(self._held) + len(self._rewound) < count and not self.exhausted:
             batch = self._pull(iterator)
             if batch is not None:
                 self._held.append(batch)
@@ -252,7 +254,7 @@ class BatchSource:
 
     def raw_next(self, iterator: Iterator[Any]) -> Optional[Any]:
         """``next(iterator)``, or None once it has ended (and was not refilled)."""
-        if self._is_spent(iterator):
+        if self._spent is not None and self._is_spent(iterator):
             return None  # it ended before and was not refilled: don't call next()
         try:
             return next(iterator)
@@ -365,7 +367,7 @@ class BatchSource:
             return self._padded(batch), None, None
         if batch is not None and agreed.ended:
             self.unused += 1
-            logger.warning("%s", uneven_stop(self._epoch_pulled, 1, self._iterator))
+            logger.warning("%s", uneven_stop(self._epoch_pulled, 1, self.iterator))
             return None, None, None
         return batch, None, None
 
@@ -432,10 +434,10 @@ class BatchSource:
         """A write of torchrec's ``_dataloader_iter``: the next pulls come from
         ``iterator``; the batches in flight still train (nothing is parked)."""
         self._written_iterator = iterator
-        if iterator is self._iterator:
+        if iterator is self.iterator:
             return
         if iterator is None or self._pulling:
-            self._iterator = iterator
+            self.iterator = iterator
             self.exhausted = self._ended = self._puller_said_ended = self.stopped_from_outside = (
                 False
             )
@@ -491,11 +493,6 @@ class BatchSource:
         """Batches handed out and neither trained nor dropped (``keep_in_flight``)."""
         return len(self._in_flight)
 
-    @property
-    def iterator(self) -> Optional[Iterator[Any]]:
-        """The iterator the current epoch pulls from."""
-        return self._iterator
-
     def host_batches(self) -> List[Any]:
         """Every batch this source holds that is not copied to the device yet:
         fetched ahead, under agreement, or given back by :meth:`rewind`; what the
@@ -547,21 +544,21 @@ class BatchSource:
         assert self.is_fresh(), "resume() on a source that has pulled batches"
         self._rewound = deque(batches)
         self.loaded = next_index
-        self._iterator = None  # the next iterator passed continues these batches
+        self.iterator = None  # the next iterator passed continues these batches
 
     def save(self) -> "SourceState":
         """Set this iterator's epoch aside (see :meth:`restore`); start afresh."""
         self.settle()
         state = SourceState(
-            self._iterator, self._held, self.exhausted, self._ended, self._in_flight, self._rewound
+            self.iterator, self._held, self.exhausted, self._ended, self._in_flight, self._rewound
         )
-        self._iterator, self._held, self.exhausted, self._ended = None, deque(), False, False
+        self.iterator, self._held, self.exhausted, self._ended = None, deque(), False, False
         self._in_flight, self._rewound = deque(), deque()
         return state
 
     def restore(self, state: "SourceState") -> None:
         """Continue an epoch set aside by :meth:`save`."""
-        self._iterator, self._held, self.exhausted = state.iterator, state.held, state.exhausted
+        self.iterator, self._held, self.exhausted = state.iterator, state.held, state.exhausted
         self._ended = state.ended
         self._in_flight, self._rewound = state.in_flight, state.rewound
 

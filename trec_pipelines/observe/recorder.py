@@ -1,6 +1,6 @@
 """The schedule recorder: what each ``progress()`` call actually did, as data.
 
-Every pipeline verb opens a span, ``with self._span(task, batch, stream):``,
+Every pipeline verb opens a span, ``with self._recording.span(task, batch, stream):``,
 naming the task, the index of the batch it works on and the stream role it
 issues to.  Recording is off by default; a span then costs one ``None`` check
 (plus a ``torch.profiler.record_function`` label while a PyTorch profiler is

@@ -132,7 +132,7 @@ class Recording:
             self.recorder.begin_call()
 
     def span(
-        self, task: str, batch: Optional[int], stream: str, thread: str
+        self, task: str, batch: Optional[int], stream: str = "default", thread: str = "main"
     ) -> ContextManager[None]:
         """A span around a verb's work (nothing while recording is off)."""
         recorder = self.recorder

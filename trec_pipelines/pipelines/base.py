@@ -144,7 +144,7 @@ class TrainPipelineBase(PipelineCore, TrainPipeline[In, Out]):
         """Issue the copy of host batch ``cur_batch`` on the memcpy stream; it becomes
         the batch the next step trains (torchrec's hook, honoured: after the forward)."""
         index = self._source.last_index
-        with self._span(rec.H2D, index, "memcpy"):
+        with self._recording.span(rec.H2D, index, "memcpy"):
             self._cur_batch = copy_to_device(
                 cur_batch, self._device, self._streams.memcpy, self._enable_inplace_copy_batch
             )
@@ -152,7 +152,7 @@ class TrainPipelineBase(PipelineCore, TrainPipeline[In, Out]):
 
     def _wait_for_batch(self, cur_batch: Any) -> None:
         """Order the default stream after ``cur_batch``'s copy (torchrec's hook, honoured)."""
-        with self._span(rec.WAIT_BATCH, self._cur_index):  # memcpy -> default
+        with self._recording.span(rec.WAIT_BATCH, self._cur_index):  # memcpy -> default
             wait_for_batch(
                 cur_batch, self._streams.memcpy, record=not self._enable_inplace_copy_batch
             )
@@ -160,13 +160,13 @@ class TrainPipelineBase(PipelineCore, TrainPipeline[In, Out]):
     def _backward(self, losses: torch.Tensor) -> None:
         """The backward of the summed per-sample losses, through ``grad_scaler`` if any
         (torchrec's hook, honoured)."""
-        with self._span(rec.BACKWARD, self._training):
+        with self._recording.span(rec.BACKWARD, self._training):
             self._precision.backward_per_sample(losses)
 
     def _optimizer_step(self) -> None:
         """The optimizer step, through ``grad_scaler`` if any (ours calls it where
         torchrec's Base calls ``optimizer.step()`` itself, so an override takes effect)."""
-        with self._span(rec.OPTIMIZER_STEP, self._training):
+        with self._recording.span(rec.OPTIMIZER_STEP, self._training):
             self._precision.step(self._optimizer)
 
     def _reset_data_iter(self) -> None:
@@ -196,7 +196,7 @@ class TrainPipelineBase(PipelineCore, TrainPipeline[In, Out]):
         """
         # See [Note: a progress() timeline] in trec_pipelines.pipelines.
         # fmt: off
-        self._begin_step(dataloader_iter)  # take-over, iterator switch, host batches
+        self._start_step(dataloader_iter)  # take-over, iterator switch, host batches
         if not self._connected:
             self._connect(dataloader_iter)                         # cur, memcpy (fill)
         if self._source.stopped_from_outside:
@@ -209,10 +209,10 @@ class TrainPipelineBase(PipelineCore, TrainPipeline[In, Out]):
         self._batch_count += 1
         training = self._model.training
         if training:
-            with self._span(rec.ZERO_GRAD, i):
+            with self._recording.span(rec.ZERO_GRAD, i):
                 self._optimizer.zero_grad()                        # cur, default
         self._wait_for_batch(cur)                                  # cur, memcpy -> default
-        with self._span(rec.FORWARD, i), self._precision.autocast():
+        with self._recording.span(rec.FORWARD, i), self._precision.autocast():
             losses, output = self._call_forward(cur)               # cur, default
         del cur  # from here only autograd holds what it saved of cur's input
         self._copy(dataloader_iter)                                # nxt, memcpy
@@ -229,10 +229,10 @@ class TrainPipelineBase(PipelineCore, TrainPipeline[In, Out]):
             self._cur_batch = None
             self._source.drop_in_flight()
 
-    def _begin_step(self, dataloader_iter: Iterator[Any]) -> None:
+    def _start_step(self, dataloader_iter: Iterator[Any]) -> None:
         if self._epoch_ended:  # the fill of the new epoch copies its first batch
             self._epoch_ended = self._connected = False
-        super()._begin_step(dataloader_iter)
+        super()._start_step(dataloader_iter)
 
     def _batches_to_fetch(self) -> int:
         return 1 if self._connected else 2  # the fill copies cur too

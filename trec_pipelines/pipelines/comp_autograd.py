@@ -365,7 +365,7 @@ class TrainPipelineSparseDistCompAutograd(TrainPipelineSparseDist[In, Out]):
 
     def _compiled_backward(self, losses: torch.Tensor) -> None:
         with self.get_compiled_autograd_ctx(), sync_collectives():
-            with self._span(rec.BACKWARD, self.contexts[0].index):
+            with self._recording.span(rec.BACKWARD, self.contexts[0].index):
                 self._precision.backward_per_sample(losses)
 
     @guarded_step

@@ -261,7 +261,11 @@ class EvalPipelineCPUSparse(TrainPipelineSparseDist[In, Out]):
         """Host stage: input dist, lookup and output dist; with depth 1 the copy too."""
         # Recorded on the training thread only (the recorder is not thread-safe).
         on_main = self._sparse_executor is None
-        with self._span(rec.EMB_LOOKUP, context.index) if on_main else contextlib.nullcontext():
+        with (
+            self._recording.span(rec.EMB_LOOKUP, context.index)
+            if on_main
+            else contextlib.nullcontext()
+        ):
             modules = self._input_dist_modules()
             start_input_dist(modules, batch, context)
             wait_input_dist(context)
@@ -296,7 +300,7 @@ class EvalPipelineCPUSparse(TrainPipelineSparseDist[In, Out]):
     def copy_data_to_gpu(self, batch: Any, context: CPUEmbeddingTrainPipelineContext) -> Any:
         """Copy stage, on the memcpy stream: the batch and its embeddings."""
         memcpy = self._streams.memcpy
-        with self._span(rec.H2D, context.index, "memcpy"):
+        with self._recording.span(rec.H2D, context.index, "memcpy"):
             # Memory the default stream freed may be handed to this stream: wait for it.
             wait_stream(memcpy, current_stream(self._device))
             device_batch = copy_to_device(
@@ -319,10 +323,10 @@ class EvalPipelineCPUSparse(TrainPipelineSparseDist[In, Out]):
         (torchrec's hook, honoured: called with ``cur`` each step)."""
         assert isinstance(context, CPUEmbeddingTrainPipelineContext)
         consumer = current_stream(self._device)
-        with self._span(rec.WAIT_BATCH, context.index):  # memcpy -> default
+        with self._recording.span(rec.WAIT_BATCH, context.index):  # memcpy -> default
             wait_for_batch(batch, self._streams.memcpy, self._record_batch)
             record_stream_tree(context.gpu_embedding_outputs, consumer)
-        with self._span(rec.FORWARD, context.index), torch.no_grad():
+        with self._recording.span(rec.FORWARD, context.index), torch.no_grad():
             output = self._model_fwd(batch)
         return output[1] if isinstance(output, tuple) and len(output) == 2 else output
 

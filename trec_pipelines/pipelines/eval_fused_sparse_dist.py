@@ -187,7 +187,7 @@ class EvalPipelineFusedSparseDist(TrainPipelineFusedSparseDist[In, Out]):
             self._zero_grad()
 
     def _eval_forward(self) -> Any:
-        with self._span(rec.FORWARD, self.contexts[0].index):
+        with self._recording.span(rec.FORWARD, self.contexts[0].index):
             with torch.no_grad():
                 # (loss, pred) or predictions only: both model shapes, as EvalPipelineSparseDist.
                 return predictions(self._model_fwd(self.batches[0]))

@@ -438,7 +438,7 @@ class EvalPipelineSparseDist(TrainPipelineSparseDist[In, Out]):
     def _take_batch(self) -> bool:
         """Queue the loader's next batch, on the device; False once the data has ended."""
         assert self._loader is not None
-        loaded = self._loader.take(self._span)  # records its H2D
+        loaded = self._loader.take(self._recording.span)  # records its H2D
         if loaded is None:
             return False
         batch, index, shared, padding = loaded
@@ -454,7 +454,7 @@ class EvalPipelineSparseDist(TrainPipelineSparseDist[In, Out]):
     # --------------------------------------------------------------- schedule
 
     def _predict(self) -> Any:
-        with self._span(rec.FORWARD, self.contexts[0].index):
+        with self._recording.span(rec.FORWARD, self.contexts[0].index):
             with torch.no_grad():
                 return predictions(self._model(self.batches[0]))
 
@@ -487,7 +487,7 @@ class EvalPipelineSparseDist(TrainPipelineSparseDist[In, Out]):
         """One step: ``cur``'s predictions, and whether ``cur`` was a padding batch."""
         # See [Note: a progress() timeline] in trec_pipelines.pipelines.
         # fmt: off
-        self._begin_call()
+        self._recording.begin_call()
         self._take_over_model()  # from a train pipeline sharing the model, if any
         if self._loader is None:
             assert not self.batches, "in-flight batches without a loader"

@@ -284,7 +284,7 @@ class TrainPipelineFusedSparseDist(TrainPipelineSparseDist[In, Out]):
         """
         if batch is None:
             return
-        with self._span(rec.EMB_LOOKUP, context.index, self._lookup_role):
+        with self._recording.span(rec.EMB_LOOKUP, context.index, self._lookup_role):
             lookup.start_embedding_lookup(
                 self._lookup_modules(),
                 context,

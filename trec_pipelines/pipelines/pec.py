@@ -258,7 +258,7 @@ class TrainPipelinePEC(TrainPipelineSparseDist[In, Out]):
         work, so the forward does not wait for ``new``'s all-to-alls.
         """
         context = self.contexts[0]
-        with self._span(rec.WAIT_BATCH, context.index):  # data_dist -> default (event)
+        with self._recording.span(rec.WAIT_BATCH, context.index):  # data_dist -> default (event)
             consumer = current_stream(self._device)
             wait_event(consumer, context.overlap_dist_event)
             if self._record_batch:
@@ -270,7 +270,7 @@ class TrainPipelinePEC(TrainPipelineSparseDist[In, Out]):
         previous: Optional[PECTrainPipelineContext],
     ) -> None:
         batch = current.index if current is not None else previous.index  # type: ignore[union-attr]
-        with self._span(rec.OVERLAP_DIST, batch, "data_dist"):
+        with self._recording.span(rec.OVERLAP_DIST, batch, "data_dist"):
             pec_ops.overlap_dist(
                 self._pec_modules(),
                 current,
@@ -280,17 +280,17 @@ class TrainPipelinePEC(TrainPipelineSparseDist[In, Out]):
             )
 
     def _ol_lookup(self, context: PECTrainPipelineContext) -> None:
-        with self._span(rec.OL_LOOKUP, context.index):
+        with self._recording.span(rec.OL_LOOKUP, context.index):
             pec_ops.partition_lookup(self._pec_modules(), context, overlapped=True)
 
     def _nol_lookup(self, context: PECTrainPipelineContext) -> None:
-        with self._span(rec.NOL_LOOKUP, context.index):
+        with self._recording.span(rec.NOL_LOOKUP, context.index):
             wait_event(current_stream(self._device), context.overlap_dist_event)
             pec_ops.partition_lookup(self._pec_modules(), context, overlapped=False)
 
     def _lookup(self, context: PECTrainPipelineContext) -> None:
         """The other modules' lookup, on the default stream after their tensors all-to-all."""
-        with self._span(rec.EMB_LOOKUP, context.index):
+        with self._recording.span(rec.EMB_LOOKUP, context.index):
             lookup.start_embedding_lookup(
                 self._other_modules(),
                 context,
@@ -302,23 +302,23 @@ class TrainPipelinePEC(TrainPipelineSparseDist[In, Out]):
     def _start_nol_grad(self) -> None:
         """Start the deferred NOL gradient (the previous batch's, if any)."""
         deferred = self._deferred_nol_grad
-        with self._span(rec.NOL_GRAD_START, deferred.batch):
+        with self._recording.span(rec.NOL_GRAD_START, deferred.batch):
             pec_ops.start_nol_grad(self._pec_modules(), deferred)
 
     def _apply_nol_grad(self) -> None:
         deferred = self._deferred_nol_grad
-        with self._span(rec.NOL_GRAD_APPLY, deferred.batch):
+        with self._recording.span(rec.NOL_GRAD_APPLY, deferred.batch):
             pec_ops.apply_grad(deferred.started)
         deferred.batch = None
 
     def _start_ol_grad(self, context: PECTrainPipelineContext) -> pec_ops.GradAwaitables:
-        with self._span(rec.OL_GRAD_START, context.index):
+        with self._recording.span(rec.OL_GRAD_START, context.index):
             return pec_ops.start_ol_grad(self._pec_modules(), context, current_stream(self._device))
 
     def _apply_ol_grad(
         self, started: pec_ops.GradAwaitables, context: PECTrainPipelineContext
     ) -> None:
-        with self._span(rec.OL_GRAD_APPLY, context.index):
+        with self._recording.span(rec.OL_GRAD_APPLY, context.index):
             pec_ops.apply_grad(started)
 
     # --------------------------------------------------------------- schedule

@@ -234,7 +234,7 @@ class PrefetchTrainPipelineSparseDist(TrainPipelineSparseDist[In, Out]):
         assert self._rewrite is not None, "the model is rewritten before any prefetch"
         context.module_input_post_prefetch.clear()
         context.module_contexts_post_prefetch.clear()
-        with self._span(rec.EMB_PREFETCH, context.index, "prefetch"):
+        with self._recording.span(rec.EMB_PREFETCH, context.index, "prefetch"):
             prefetch_modules(
                 self._rewrite.pipelined,
                 context,
@@ -258,7 +258,7 @@ class PrefetchTrainPipelineSparseDist(TrainPipelineSparseDist[In, Out]):
     def _wait_for_batch(self) -> None:
         # The prefetch stream waited for data_dist, which waited for memcpy:
         # waiting for prefetch covers the whole chain of this batch.
-        with self._span(rec.WAIT_BATCH, self.contexts[0].index):  # prefetch -> default
+        with self._recording.span(rec.WAIT_BATCH, self.contexts[0].index):  # prefetch -> default
             wait_for_batch(self.batches[0], self._streams.prefetch, self._record_batch)
 
     def _forward(self) -> Tuple[torch.Tensor, Any]:

@@ -245,7 +245,7 @@ class TrainPipelinePrefetchEMS(TrainPipelineSparseDistEmbStash[In, Out]):
 
     def _restore_cur(self) -> None:
         """Bring back what ``cur``'s forward stashed: weights, then UVM caches."""
-        with self._span(rec.STASH_RESTORE, self.contexts[0].index):
+        with self._recording.span(rec.STASH_RESTORE, self.contexts[0].index):
             self._stashing.restore_embedding_weights()
             self._stashing.restore_cache()
 
@@ -257,7 +257,7 @@ class TrainPipelinePrefetchEMS(TrainPipelineSparseDistEmbStash[In, Out]):
         """
         context = self.contexts[1]
         here = current_stream(self._device)
-        with self._span(rec.EMB_PREFETCH, context.index):
+        with self._recording.span(rec.EMB_PREFETCH, context.index):
             for name, module, _ in self._input_dist_modules():
                 request = context.input_dist_tensors_requests.get(name)
                 if request is None or not self._reads_a_cache(name, module):

@@ -214,8 +214,8 @@ class TrainPipelinePT2(PipelineCore, TrainPipeline[In, Out]):
             self._post_compile_fn(self._model)
         self._compiled = True
 
-    def _begin_step(self, dataloader_iter: Iterator[Any]) -> None:
-        super()._begin_step(dataloader_iter)
+    def _start_step(self, dataloader_iter: Iterator[Any]) -> None:
+        super()._start_step(dataloader_iter)
         self._say_eager_start()
 
     def _say_eager_start(self) -> None:
@@ -259,34 +259,34 @@ class TrainPipelinePT2(PipelineCore, TrainPipeline[In, Out]):
         drops it instead.  With several ranks, call it on every rank alike.
         """
         self._enter_phase(PipelineState.IDLE)
-        self._begin_step(dataloader_iter)  # take-over, iterator switch, host batch
+        self._start_step(dataloader_iter)  # take-over, iterator switch, host batch
         host_batch = self._source.next(dataloader_iter)
         if host_batch is None:
             self._source.end_epoch()
             raise StopIteration
         i = self._source.last_index
         self._cur_batch = None  # the previous batch is trained: free it before this copy
-        with self._span(rec.H2D, i):  # blocking copy on the default stream
+        with self._recording.span(rec.H2D, i):  # blocking copy on the default stream
             batch = copy_to_device(host_batch, self._device, None, blocking=True)
         self._cur_batch = batch = self._input_transformer(batch)
         training = self._model.training
         if training:
-            with self._span(rec.ZERO_GRAD, i):
+            with self._recording.span(rec.ZERO_GRAD, i):
                 self._optimizer.zero_grad()
         if self._iter == self._compile_configs.compile_on_iter:
             self._compile()
         with self._compiled_region():
             self._enter_phase(PipelineState.CALL_FWD)
-            with self._span(rec.FORWARD, i), self._precision.autocast():
+            with self._recording.span(rec.FORWARD, i), self._precision.autocast():
                 losses, output = check_forward_output(self._model(batch), type(self).__name__)
             self._iter += 1
             if training:
                 self._enter_phase(PipelineState.CALL_BWD)
-                with self._span(rec.BACKWARD, i):
+                with self._recording.span(rec.BACKWARD, i):
                     # A plain sum: PT2 models may return a scalar loss.
                     self._precision.backward(torch.sum(losses))
         if training:
-            with self._span(rec.OPTIMIZER_STEP, i):
+            with self._recording.span(rec.OPTIMIZER_STEP, i):
                 self._precision.step(self._optimizer)
         return output
 

@@ -342,7 +342,7 @@ class TrainPipelineSemiSync(TrainPipelineSparseDist[In, Out]):
         """Wait for ``batch``'s copy, then start the input_dist of its model input."""
         if batch is None:
             return
-        with self._span(rec.INPUT_DIST_START, context.index, "data_dist"):
+        with self._recording.span(rec.INPUT_DIST_START, context.index, "data_dist"):
             with on_stream(self._streams.data_dist):
                 wait_for_batch(batch, self._streams.memcpy)
                 model_input = self.extract_model_input_from_batch(batch)
@@ -356,7 +356,7 @@ class TrainPipelineSemiSync(TrainPipelineSparseDist[In, Out]):
             return
         self._plan_deferral()  # done at the first batch; here for subclasses' own fills
         assert self._deferral is not None
-        with self._span(rec.EMB_LOOKUP, context.index), deferring(self._deferral):
+        with self._recording.span(rec.EMB_LOOKUP, context.index), deferring(self._deferral):
             # data_dist -> default; dense-kernel groups wait for the forward
             run_embedding_lookup(
                 self._lookup_modules(),
@@ -374,7 +374,7 @@ class TrainPipelineSemiSync(TrainPipelineSparseDist[In, Out]):
 
     def _mlp_forward(self, batch: Any, context: TrainPipelineContext) -> Tuple[torch.Tensor, Any]:
         """``batch``'s forward once its copy is done (torchrec's hook, honoured)."""
-        with self._span(rec.WAIT_BATCH, context.index):  # memcpy -> default, by event
+        with self._recording.span(rec.WAIT_BATCH, context.index):  # memcpy -> default, by event
             consumer = current_stream(self._device)
             for event in context.events:
                 wait_event(consumer, event)
@@ -382,11 +382,11 @@ class TrainPipelineSemiSync(TrainPipelineSparseDist[In, Out]):
             if not self._enable_inplace_copy_batch:
                 # Allocated on the memcpy stream; an inplace copy allocates here.
                 record_stream(batch, consumer)
-        with self._span(rec.FORWARD, context.index), self._precision.autocast():
+        with self._recording.span(rec.FORWARD, context.index), self._precision.autocast():
             return self._call_forward(batch)
 
     def _dense_backward(self, losses: torch.Tensor, context: TrainPipelineContext) -> None:
-        with self._span(rec.BACKWARD, context.index):
+        with self._recording.span(rec.BACKWARD, context.index):
             self._precision.backward_per_sample(losses)
 
     def embedding_backward(self, context: EmbeddingTrainPipelineContext) -> None:
@@ -397,7 +397,7 @@ class TrainPipelineSemiSync(TrainPipelineSparseDist[In, Out]):
         did not use have no gradient and are left out (logged once).
         """
 
-        with self._span(rec.EMB_BACKWARD, context.index):
+        with self._recording.span(rec.EMB_BACKWARD, context.index):
             assert len(context.embedding_tensors) == len(context.embedding_features)
             for tensors, features, leaves in zip(
                 context.embedding_tensors,
@@ -446,11 +446,13 @@ class TrainPipelineSemiSync(TrainPipelineSparseDist[In, Out]):
         if stashed and current_batch == self._start_batch:
             # Nothing was stashed yet, and not every optimizer steps on None gradients.
             return
-        with self._span(rec.OPTIMIZER_STEP, current_batch - 1 if stashed else current_batch):
+        with self._recording.span(
+            rec.OPTIMIZER_STEP, current_batch - 1 if stashed else current_batch
+        ):
             self._precision.step(self._optimizer)
 
     def _dense_zero_grad(self, context: TrainPipelineContext) -> None:
-        with self._span(rec.ZERO_GRAD, context.index):
+        with self._recording.span(rec.ZERO_GRAD, context.index):
             self._optimizer.zero_grad()
 
     # --------------------------------------------------------------- schedule

@@ -325,7 +325,7 @@ class TrainPipelineSparseDist(
             return None, None
         context = self._create_context()
         context.padding = padding  # an eval pipeline's padding batch (trec_pipelines.data.padding)
-        with self._span(rec.H2D, context.index, "memcpy"):
+        with self._recording.span(rec.H2D, context.index, "memcpy"):
             if self._copy_worker is not None:  # TrainPipelineSparseDistT's copy thread
                 return self._copy_worker.submit(host), context
             batch = copy_to_device(host, self._device, self._streams.memcpy)
@@ -378,7 +378,7 @@ class TrainPipelineSparseDist(
             return None, None
         context = self._create_context()
         context.padding = padding  # an eval pipeline's padding batch (trec_pipelines.data.padding)
-        with self._span(rec.H2D, context.index, "memcpy"):
+        with self._recording.span(rec.H2D, context.index, "memcpy"):
             if self._copy_worker is not None:
                 # Not checked for shared storage: the copy is still to be made.  The
                 # worker copies a host batch into new device memory; a loader that
@@ -416,14 +416,14 @@ class TrainPipelineSparseDist(
         """
         if batch is None:
             return
-        with self._span(rec.INPUT_DIST_START, context.index, self._input_dist_role):
+        with self._recording.span(rec.INPUT_DIST_START, context.index, self._input_dist_role):
             with on_stream(self._streams.data_dist):
                 wait_for_batch(batch, self._streams.memcpy)
                 start_input_dist(self._input_dist_modules(), batch, context, self._agreement)
 
     def wait_sparse_data_dist(self, context: TrainPipelineContext) -> None:
         """Finish the splits all-to-all, which launches the tensors all-to-all."""
-        with self._span(rec.INPUT_DIST_WAIT, context.index, self._input_dist_role):
+        with self._recording.span(rec.INPUT_DIST_WAIT, context.index, self._input_dist_role):
             with on_stream(self._streams.data_dist):
                 wait_input_dist(context)
 
@@ -433,7 +433,7 @@ class TrainPipelineSparseDist(
             release_input_dist_inputs(context)
 
     def _wait_for_batch(self) -> None:
-        with self._span(rec.WAIT_BATCH, self.contexts[0].index):  # data_dist -> default
+        with self._recording.span(rec.WAIT_BATCH, self.contexts[0].index):  # data_dist -> default
             wait_for_batch(self.batches[0], self._streams.data_dist, self._record_batch)
 
     def sync_embeddings(
@@ -449,21 +449,21 @@ class TrainPipelineSparseDist(
     def _backward(self, losses: torch.Tensor) -> None:
         """The backward of the summed per-sample losses, through ``grad_scaler`` if any
         (torchrec's hook, honoured)."""
-        with self._span(rec.BACKWARD, self.contexts[0].index):
+        with self._recording.span(rec.BACKWARD, self.contexts[0].index):
             self._precision.backward_per_sample(losses)
 
     def _optimizer_step(self) -> None:
         """The optimizer step, through ``grad_scaler`` if any (torchrec's hook, honoured)."""
-        with self._span(rec.OPTIMIZER_STEP, self.contexts[0].index):
+        with self._recording.span(rec.OPTIMIZER_STEP, self.contexts[0].index):
             self._precision.step(self._optimizer)
 
     def _zero_grad(self) -> None:
-        with self._span(rec.ZERO_GRAD, self.contexts[0].index):
+        with self._recording.span(rec.ZERO_GRAD, self.contexts[0].index):
             self._optimizer.zero_grad()
 
     def _forward(self) -> Tuple[torch.Tensor, Any]:
         self._enter_phase(PipelineState.CALL_FWD)
-        with self._span(rec.FORWARD, self.contexts[0].index), self._precision.autocast():
+        with self._recording.span(rec.FORWARD, self.contexts[0].index), self._precision.autocast():
             return self._call_forward(self.batches[0])
 
     # --------------------------------------------------------------- schedule
@@ -534,7 +534,7 @@ class TrainPipelineSparseDist(
         epoch when nothing is left (``StopIteration``), and point the forward
         wrappers at ``cur``."""
         self._enter_phase(PipelineState.IDLE)
-        self._begin_step(dataloader_iter)  # take-over, iterator switch, host batches
+        super()._start_step(dataloader_iter)  # take-over, iterator switch, host batches
         self.fill_pipeline(dataloader_iter)
         self._stop_if_done()
         self._set_module_context(self.contexts[0])
@@ -569,7 +569,7 @@ class TrainPipelineSparseDist(
             self._taken_over_by = None
             self.attach()  # detaches the pipeline that took the model, then re-wraps
             return
-        if self._model_attached:
+        if self._pipelined.attached:
             self._pipelined.take_over()
             return
         # Detached by the user: attach again, as upstream's ``progress()`` does.

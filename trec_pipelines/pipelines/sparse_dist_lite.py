@@ -172,7 +172,7 @@ class TrainPipelineSparseDistLite(TrainPipelineSparseDist[In, Out]):
         return None
 
     def _wait_for_batch(self) -> None:
-        with self._span(rec.WAIT_BATCH, self.contexts[0].index):  # memcpy -> default
+        with self._recording.span(rec.WAIT_BATCH, self.contexts[0].index):  # memcpy -> default
             wait_for_batch(self.batches[0], self._streams.memcpy, self._record_batch)
 
     def fill_pipeline(self, dataloader_iter: Iterator[Any]) -> None:

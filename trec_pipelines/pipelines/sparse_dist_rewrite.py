@@ -143,18 +143,22 @@ class SparseDistRewrite:
         # No rewrite: a subclass's _init_pipelined_modules (or _pipeline_model) did
         # not call ours.  Then, as on torchrec, no module is pipelined and each runs
         # its own input_dist inside the forward.
-        if self._rewrite is None:
+        result = self._pipelined.result
+        if result is None:
             return []
-        return [(p.name, p.module, p.call_args) for p in self._rewrite.pipelined]
+        return [(p.name, p.module, p.call_args) for p in result.pipelined]
 
     def _current_context(self) -> TrainPipelineContext:
         return self.contexts[0] if self.contexts else self._context_type()
 
     def _set_module_context(self, context: TrainPipelineContext) -> None:
         """Point the forward wrappers and postprocs at the batch whose forward runs next."""
-        for module in self._pipelined_modules:
-            cast(BaseForward[Any], module.forward).set_context(context)
-        for postproc in self._pipelined_postprocs:
+        result = self._pipelined.result
+        if result is None:
+            return
+        for pipelined in result.pipelined:
+            cast(BaseForward[Any], pipelined.module.forward).set_context(context)
+        for postproc in result.postprocs:
             postproc.set_context(context)
 
     # ------------------------------------------------------- attach / detach

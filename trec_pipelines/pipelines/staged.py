@@ -326,7 +326,7 @@ class StagedTrainPipeline(PipelineCore, TrainPipeline[In, Optional[StageOut]]):
     def _run(self, stage_idx: int, item: InFlight) -> InFlight:
         """Run one stage on ``item`` on the stage's stream; record its event."""
         stage = self._pipeline_stages[stage_idx]
-        with self._span(stage.name, item.index, self._roles[stage_idx]):
+        with self._recording.span(stage.name, item.index, self._roles[stage_idx]):
             with on_stream(self._stage_streams[stage_idx]):
                 runs_on = self._stage_stream(stage_idx)
                 item.hand_to(runs_on, f"stage {stage.name!r}")
@@ -361,7 +361,7 @@ class StagedTrainPipeline(PipelineCore, TrainPipeline[In, Optional[StageOut]]):
                 stage.fill_callback()
 
     def _hand_to_compute(self, item: InFlight) -> Any:
-        with self._span(rec.WAIT_BATCH, item.index):  # last stage -> compute
+        with self._recording.span(rec.WAIT_BATCH, item.index):  # last stage -> compute
             item.hand_to(self._compute_stream, "the compute stream")
         return item.value
 
@@ -421,7 +421,7 @@ class StagedTrainPipeline(PipelineCore, TrainPipeline[In, Optional[StageOut]]):
         Returns ``None`` when the data is exhausted and every batch has come
         out; calling again then starts a new epoch.
         """
-        self._begin_call()
+        self._recording.begin_call()
         self._failure = None
         self._fetch_ahead(dataloader_iter)
         if not self._filled:

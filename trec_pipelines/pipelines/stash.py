@@ -264,16 +264,16 @@ class TrainPipelineSparseDistOptStash(TrainPipelineSparseDist[In, Out]):
         return output
 
     def _finish_optimizer_stash(self) -> None:
-        with self._span(rec.STASH_WAIT, self.contexts[0].index):
+        with self._recording.span(rec.STASH_WAIT, self.contexts[0].index):
             self._stashing.finish_optimizer_stash()
 
     def _restore_now(self) -> None:
         """The site's hook, inside the backward."""
-        with self._span(rec.STASH_RESTORE, self.contexts[0].index):
+        with self._recording.span(rec.STASH_RESTORE, self.contexts[0].index):
             self._stashing.start_optimizer_restore()
 
     def _finish_optimizer_restore(self) -> None:
-        with self._span(rec.STASH_WAIT, self.contexts[0].index):
+        with self._recording.span(rec.STASH_WAIT, self.contexts[0].index):
             started = self._stashing.finish_optimizer_restore()
         if not started and self._stashing.enabled and not self._warned_no_restore:
             self._warned_no_restore = True
@@ -290,7 +290,7 @@ class TrainPipelineSparseDistOptStash(TrainPipelineSparseDist[In, Out]):
         if not self._plan_reported:  # after the first step: lazy optimizers have state now
             self._plan_reported = True
             report_plan(type(self).__name__, self.stash_plan(), self._device, "optimizer state")
-        with self._span(rec.OPT_STASH, self.contexts[0].index):
+        with self._recording.span(rec.OPT_STASH, self.contexts[0].index):
             self._stashing.start_optimizer_stash(self._optimizer)
 
 
@@ -512,7 +512,7 @@ class TrainPipelineSparseDistEmbStash(TrainPipelineSparseDist[In, Out]):
         target.register_forward_pre_hook(lambda module, args: stashing.execute_pending_stashes())
 
     def _restore_now(self) -> None:
-        with self._span(rec.STASH_RESTORE, self.contexts[0].index):
+        with self._recording.span(rec.STASH_RESTORE, self.contexts[0].index):
             self._stashing.restore_embedding_weights()
 
 
