@@ -41,7 +41,7 @@ from trec_pipelines.testing.dlrm import (
 
 DEVICE = devices.device()
 SEED, DATA_SEED = 1234, 11
-GRACE = 2.0  # TREC_PIPELINES_PEER_FAILURE_GRACE for these tests
+GRACE = 1.0  # TREC_PIPELINES_PEER_FAILURE_GRACE here (the failed rank sleeps 3)
 FAIL_AT = 3
 ERROR = "OSError: disk gone: shard-1.parquet"
 VARIANTS = [
