@@ -10,6 +10,7 @@ completion on two ranks: tests/distributed/test_link_recording.py.)
 from __future__ import annotations
 
 import os
+import weakref
 from typing import List
 
 import pytest
@@ -109,8 +110,15 @@ def test_the_recorder_notes_an_all_to_all_under_the_innermost_open_verb() -> Non
     assert recorder.enclosing() is None
 
 
-def test_the_wrapper_lives_as_long_as_a_recorder_watches() -> None:
-    original = dist.all_to_all_single
+def test_the_wrapper_lives_as_long_as_a_recorder_watches(monkeypatch: pytest.MonkeyPatch) -> None:
+    # From torch's own function with nobody watching, whatever an earlier test in
+    # this process left (a spy that put our wrapper back after the last recorder
+    # stopped leaves the wrapper in place, passing calls straight through; a
+    # pipeline not yet collected still watches).
+    original = torch.distributed.distributed_c10d.all_to_all_single
+    monkeypatch.setattr(dist, "all_to_all_single", original)
+    monkeypatch.setattr(links, "_original", None)
+    monkeypatch.setattr(links, "_watching", weakref.WeakValueDictionary())
     first, second = ScheduleRecorder(), ScheduleRecorder()
     links.watch(first)
     links.watch(second)
