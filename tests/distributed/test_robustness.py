@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import multiprocessing
 import time
 from datetime import timedelta
 from typing import Any, Callable, Dict, Iterator, List, Optional
@@ -273,6 +274,15 @@ def _epochs(pipeline: Any, dmp: torch.nn.Module, iterators: List[Iterator[Any]])
     return Run(outputs, weights(dmp))
 
 
+_FORK_SERVER = multiprocessing.get_context("forkserver")
+_FORK_SERVER.set_forkserver_preload([__name__])
+
+
+def _as_is(batch: Any) -> Any:
+    """The DataLoader's collate_fn: each batch as the dataset holds it."""
+    return batch
+
+
 @pytest.mark.parametrize("name", list(TRAIN))
 def test_a_persistent_workers_dataloader_trains_every_batch_of_every_epoch(name: str) -> None:
     """A DataLoader with persistent_workers=True gives the same iterator object
@@ -282,8 +292,16 @@ def test_a_persistent_workers_dataloader_trains_every_batch_of_every_epoch(name:
     ref = plain_loop(*make_sharded(DLRM, "table_wise", seed=SEED), batches + batches)
     dmp, optimizer = make_sharded(DLRM, "table_wise", seed=SEED)
     pipeline = TRAIN[name](dmp, optimizer)
+    # The worker starts from a fork server (one per rank, which has imported this
+    # module once), not a fork of this rank: a fork of a process running gloo's
+    # and the compiler's threads can crash in the child.
     loader = torch.utils.data.DataLoader(
-        batches, batch_size=None, num_workers=1, persistent_workers=True, collate_fn=lambda b: b
+        batches,
+        batch_size=None,
+        num_workers=1,
+        persistent_workers=True,
+        collate_fn=_as_is,
+        multiprocessing_context=_FORK_SERVER,
     )
     it = iter(loader)
     outputs = list(run_pipeline(pipeline, it, model=dmp))
