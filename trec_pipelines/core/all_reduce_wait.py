@@ -40,6 +40,7 @@ from typing import Any, Iterator, List, Optional, Union
 
 import torch
 import torch.distributed as dist
+from torch._C._distributed_c10d import GradBucket
 from torch.nn.parallel import DistributedDataParallel
 
 from trec_pipelines.core.subclass_hooks import overrides_outside
@@ -84,21 +85,22 @@ class AllReduceWait:
         self._deferring = False
         ddp.register_comm_hook(None, self._all_reduce)
 
-    def _all_reduce(self, _state: object, bucket: dist.GradBucket) -> torch.futures.Future:
+    def _all_reduce(self, _state: object, bucket: GradBucket) -> torch.futures.Future[torch.Tensor]:
         buffer = bucket.buffer()
         buffer.div_(self._size)
         work = dist.all_reduce(buffer, group=self._group, async_op=True)
         if not self._deferring:
-            return work.get_future().then(lambda _: buffer)
+            reduced: torch.futures.Future[torch.Tensor] = work.get_future().then(lambda _: buffer)
+            return reduced
         self._works.append(work)
-        done: torch.futures.Future = torch.futures.Future()
+        done: torch.futures.Future[torch.Tensor] = torch.futures.Future()
         done.set_result(buffer)
         return done
 
     # DDP checks a hook's annotations against the objects themselves, which
     # this module's postponed annotations would give as strings.
     _all_reduce.__annotations__ = {
-        "bucket": dist.GradBucket,
+        "bucket": GradBucket,
         "return": torch.futures.Future[torch.Tensor],
     }
 
