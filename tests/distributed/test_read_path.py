@@ -25,7 +25,9 @@ CEILINGS: Dict[str, Tuple[int, int, int, int]] = {
     "TrainPipelineBase": (56, 16, 47, 6),
     "TrainPipelineSparseDist": (101, 25, 74, 8),
     "TrainPipelineFusedSparseDist": (116, 27, 78, 9),
-    "TrainPipelineSemiSync": (122, 28, 84, 9),
+    # +3 functions, +1 file: DDP's all-reduce waited after the embedding backward
+    # (core/all_reduce_wait.py: the hook, the deferring block and the wait).
+    "TrainPipelineSemiSync": (125, 29, 84, 9),
     "PrefetchTrainPipelineSparseDist": (112, 27, 77, 9),
     "StagedTrainPipeline": (104, 20, 55, 6),
 }

@@ -3,18 +3,7 @@
 from __future__ import annotations
 
 import logging
-from typing import (
-    Any,
-    Callable,
-    ClassVar,
-    Dict,
-    Iterator,
-    List,
-    Mapping,
-    Optional,
-    Tuple,
-    cast,
-)
+from typing import Any, Callable, ClassVar, Dict, Iterator, List, Mapping, Optional, Tuple, cast
 
 import torch
 from torchrec.distributed.train_pipeline import In, Out
@@ -22,6 +11,7 @@ from typing_extensions import Unpack
 
 from trec_pipelines._types import AnyShardedModule
 from trec_pipelines.assembly.options import SparseDistTrainOptions, takes_options
+from trec_pipelines.core.all_reduce_wait import all_reduce_wait
 from trec_pipelines.core.batch_transfer import wait_for_batch
 from trec_pipelines.core.step_guard import guarded_step
 from trec_pipelines.core.streams import (
@@ -82,6 +72,10 @@ class TrainPipelineSemiSync(TrainPipelineSparseDist[In, Out]):
     reads the lookup already run for its batch, as detached leaves, so the
     dense backward stops there and :meth:`embedding_backward` then sends the
     leaves' gradients into the tables, whose fused optimizer updates them.
+    Under ``DistributedDataParallel`` the embedding backward runs while DDP's
+    all-reduce is in flight, and the step waits for it before any dense
+    gradient is read: DDP's gradients, bit for bit (see
+    ``trec_pipelines/core/all_reduce_wait.py`` for when DDP keeps its own wait).
     Batches before ``start_batch`` train synchronously: ``nxt`` is looked up
     after ``cur``'s update, and training equals the plain loop.  With the
     default ``start_batch=900`` (torchrec's), a run shorter than 900 batches
@@ -264,6 +258,8 @@ class TrainPipelineSemiSync(TrainPipelineSparseDist[In, Out]):
         self._deferral: Optional[DeferralPlan] = None
         # The synchronous start was reported (once per pipeline, again after reset()).
         self._said_synchronous_start = False
+        # DDP's all-reduce, waited after the embedding backward, not in the dense one.
+        self._all_reduce = all_reduce_wait(self._model, type(self), "embedding_backward")
         logger.debug("%s: semi-sync from batch %d", type(self).__name__, start_batch)
 
     # ------------------------------------------------------------------ setup
@@ -524,8 +520,10 @@ class TrainPipelineSemiSync(TrainPipelineSparseDist[In, Out]):
         if len(self.batches) >= 2:
             self.wait_sparse_data_dist(self.contexts[1])           # slot(2), data_dist
         if self._model.training:
-            self._dense_backward(losses, context)                  # cur, default
+            with self._all_reduce.deferring():
+                self._dense_backward(losses, context)              # cur, default; all-reduce issued
             self.embedding_backward(context)                       # cur, default (fused update)
+            self._all_reduce.wait()                                # cur's dense gradients averaged
             self.sync_embeddings(
                 self._model, self._dmp_collection_sync_interval_batches, context
             )
