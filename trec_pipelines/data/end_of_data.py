@@ -3,32 +3,31 @@
 [Note: the end of the data]
 The :class:`~trec_pipelines.data.source.BatchSource` holds one
 :class:`EndOfData` (its ``end``) and replaces it whole, through the named
-transitions below; nothing else writes it.  What each mark means, and what
-sets and clears it:
+transitions below; nothing else writes it.  Its marks, each with what sets it
+and what clears it:
 
-====================  =====================================  ======================================
-mark                  set by                                 cleared by
-====================  =====================================  ======================================
-(none)                not ended: a new source                --
-``exhausted``         ended by the data: the pull that       the epoch's end (:meth:`epoch_ended`),
-                      found the end (every rank's, with the  False written between steps, a new
-                      ranks agreeing), True written between  iterator
-                      steps, an eval loader's error: nothing
-                      more is pulled this epoch
-``ended``             torchrec's ``_dataloader_exhausted``   the next epoch's first pull
-                      between steps: the copy stage asked   (:meth:`new_epoch`), False written
-                      for a batch and got none, or True was  between steps, a new iterator
-                      written between steps
-``puller_said_ended`` ended as said by the puller: what a    the next epoch's first pull, a new
-                      ``_next_batch`` override wrote inside  iterator (False written inside a pull)
-                      a pull; read back inside pulls only
-``stopped_from_       stopped from outside: True written to  the next epoch's first pull, False
-outside``             ``_dataloader_exhausted`` between      written between steps, a new iterator
-                      steps (the copied batch is not
-                      trained, as torchrec's)
-``epoch_over``        epoch over: the pipeline ended the     the next epoch's first pull
-                      epoch; the next pull starts a new one
-====================  =====================================  ======================================
+* none set: not ended (a new source).
+* ``exhausted``: ended by the data, as this source sees it: nothing more is
+  pulled this epoch.  Set by the pull that found the end (on any rank, with
+  the ranks agreeing), by True written between steps, by an eval loader's
+  error; cleared when the pipeline ends the epoch, by False written between
+  steps, by a new iterator.
+* ``ended``: torchrec's ``_dataloader_exhausted`` as read between steps.  Set
+  when the copy stage asks for a batch and gets none, or by True written
+  between steps; cleared by the next epoch's first pull, by False written
+  between steps, by a new iterator.
+* ``puller_said_ended``: ended as said by the puller: what a ``_next_batch``
+  override last wrote inside a pull, read back inside pulls only (the pipeline
+  sees the end when the copy stage reaches the pull that returned None).
+  Cleared by False written inside a pull, the next epoch's first pull, a new
+  iterator.
+* ``stopped_from_outside``: True was written to ``_dataloader_exhausted``
+  between steps this epoch (TrainPipelineBase then drops the batch it copied,
+  as torchrec's does).
+  Cleared by the next epoch's first pull, by False written between steps, by
+  a new iterator.
+* ``epoch_over``: the pipeline ended the epoch; the next pull starts a new
+  one, and clears it.
 
 The usual course of an epoch: not ended, then ``exhausted`` (a pull found the
 end; with the ranks agreeing a step ahead, torchrec's flag does not read it
