@@ -20,6 +20,7 @@ from trec_pipelines.core.checks import check_iterator
 from trec_pipelines.core.errors import MalformedBatchError
 from trec_pipelines.data import pull_failure
 from trec_pipelines.data.agreement import Agreed, Agreement, AgreementChannel
+from trec_pipelines.data.end_of_data import EndOfData
 from trec_pipelines.data.padding import Padding, nothing_to_pad_with, uneven_stop
 from trec_pipelines.data.validation import batch_problem
 
@@ -90,7 +91,9 @@ class BatchSource:
         self._last_real: Optional[Any] = None  # this epoch's last accepted batch: what pads
         self._pulls = 0  # pulls agreed on so far: each one's number, the same on every rank
         self._held: Deque[Any] = deque()
-        self.exhausted = False
+        # Where this source stands with the end of the data: one record, replaced
+        # whole by its named transitions (see [Note: the end of the data]).
+        self.end = EndOfData()
         self.loaded = 0  # batches handed out so far, over all epochs: the next new one's index
         self.last_index = -1  # the index of the batch :meth:`next` returned last
         self._keep_in_flight = keep_in_flight
@@ -111,16 +114,6 @@ class BatchSource:
         self._pending: Deque[_Pending] = deque()
         # The iterator that last raised StopIteration, and its yield count then.
         self._spent: Optional[Tuple[Iterator[Any], Optional[int]]] = None
-        # torchrec's view of the end of the data (see :attr:`ended`): set when a
-        # copy stage asked for a batch and got none, or by the user; cleared when
-        # the next epoch's first pull is made.
-        self._ended = False
-        # What a puller wrote of the end of the data during the pulls of this epoch:
-        # it reads its own write back, and the pipeline sees the end when the copy
-        # stage reaches the pull that returned None (a step later, pulling ahead).
-        self._puller_said_ended = False
-        self.stopped_from_outside = False  # set_ended(True) between steps, this epoch
-        self._epoch_over = False  # end_epoch() was called: the next pull starts an epoch
         self._pulling = False  # inside the puller (a pipeline's _next_batch)
         # A pull whose next() raised on some rank, pulled again by the next launch
         # (see [Note: a loader error on one rank]).
@@ -137,9 +130,7 @@ class BatchSource:
         if self.iterator is None:
             # The first iterator: batches given back by resume() are its own.
             self.iterator = iterator
-            self.exhausted = self._ended = self._puller_said_ended = self.stopped_from_outside = (
-                False
-            )
+            self.end = self.end.new_iterator()
             return
         self.settle()  # the previous iterator's pulls under way join its held batches
         if self._rewound:
@@ -161,7 +152,7 @@ class BatchSource:
         self._epoch_pulled = 0
         if self._retry is not None:
             self._retry.batch = None  # the previous iterator's: the retry pulls from the new one
-        self.exhausted = self._ended = self._puller_said_ended = self.stopped_from_outside = False
+        self.end = self.end.new_iterator()
 
     def next(self, iterator: Iterator[Any]) -> Optional[Any]:
         """The next batch, or None at the end of the epoch."""
@@ -172,7 +163,7 @@ class BatchSource:
         else:
             batch = self._held.popleft() if self._held else self._pull(iterator)
             if batch is None:
-                self._ended = True  # as torchrec's flag: a copy stage found no batch
+                self.end = self.end.seen()  # as torchrec's flag: a copy stage found no batch
                 return None
             if isinstance(batch, Padding):
                 return batch  # not counted nor kept in flight: its output is thrown away
@@ -191,22 +182,20 @@ class BatchSource:
         """
         if iterator is not self.iterator:
             self._switch_to(iterator)
-        while len(self._held) + len(self._rewound) < count and not self.exhausted:
+        while len(self._held) + len(self._rewound) < count and not self.end.exhausted:
             batch = self._pull(iterator)
             if batch is not None:
                 self._held.append(batch)
         ahead = self.agree_ahead and self.agreement is not None
-        if ahead and not self.exhausted and not self._pending:
+        if ahead and not self.end.exhausted and not self._pending:
             self._launch(iterator)
 
     def _pull(self, iterator: Iterator[Any]) -> Optional[Any]:
         """The next batch, agreed with the other ranks when there is an ``agreement``."""
-        if self.exhausted:
+        if self.end.exhausted:
             return None
-        if self._epoch_over:  # the first pull of a new epoch
-            self._epoch_over = self._ended = self._puller_said_ended = self.stopped_from_outside = (
-                False
-            )
+        if self.end.epoch_over:  # the first pull of a new epoch
+            self.end = self.end.new_epoch()
             self._epoch_pulled = 0
         if self.agreement is None:
             batch = self._next_from(iterator)
@@ -239,7 +228,7 @@ class BatchSource:
         """A pull made by a subclass's own step through torchrec's ``_next_batch``:
         torchrec's end-of-data flag (:attr:`ended`) follows it at once."""
         self.assign_iterator(iterator)  # a new iterator clears the end of the data
-        if self._ended:
+        if self.end.ended:
             return None
         batch = self.raw_next(iterator)
         if batch is None:
@@ -304,7 +293,7 @@ class BatchSource:
             self.rejected += 1
             raise MalformedBatchError.dropped(self.loaded + len(self._held), problem, malformed_on)
         if batch is None:
-            self.exhausted = True
+            self.end = self.end.found()
             self._drop_pending()
             return None
         if isinstance(batch, Padding):
@@ -331,7 +320,7 @@ class BatchSource:
     def settle(self) -> None:
         """Finish agreeing on the pulls under way, holding their batches (a checkpoint,
         parking an epoch).  A batch found malformed is dropped and logged."""
-        while self._pending and not self.exhausted:
+        while self._pending and not self.end.exhausted:
             try:
                 batch = self._resolve()
             except MalformedBatchError as error:
@@ -381,9 +370,14 @@ class BatchSource:
         return batch if batch is not None else Padding(self._last_real)
 
     def end_epoch(self) -> None:
-        self.exhausted = False
-        self._epoch_over = True
+        """The pipeline ended the epoch: the next pull starts a new one."""
+        self.end = self.end.epoch_ended()
         self._last_real = None
+
+    def stop_pulling(self) -> None:
+        """Pull nothing more this epoch (an eval loader's error: the batches
+        already pulled still run)."""
+        self.end = self.end.found()
 
     # ------------------------------------------- torchrec's view of the data's end
 
@@ -396,9 +390,7 @@ class BatchSource:
         False again from the next epoch's first pull.  Inside a pull (a
         ``_next_batch`` override) it reads what the override last wrote.
         """
-        if self._pulling:
-            return self._ended or self._puller_said_ended
-        return self._ended
+        return self.end.ended or (self._pulling and self.end.puller_said_ended)
 
     def set_ended(self, ended: bool) -> None:
         """A write of torchrec's ``_dataloader_exhausted``.
@@ -412,16 +404,15 @@ class BatchSource:
         iterator.
         """
         if self._pulling:
-            self._puller_said_ended = ended
+            self.end = self.end.said_by_puller(ended)
             return
-        self._ended = self.stopped_from_outside = ended
-        if ended and not self.exhausted:
+        stopping = ended and not self.end.exhausted
+        self.end = self.end.written(ended)
+        if stopping:
             self.settle()
             self.unused += len(self._held)
             self._held.clear()
-            self.exhausted = True
-        elif not ended:
-            self.exhausted = False
+            self.end = self.end.found()
 
     @property
     def written_iterator(self) -> Optional[Iterator[Any]]:
@@ -438,9 +429,7 @@ class BatchSource:
             return
         if iterator is None or self._pulling:
             self.iterator = iterator
-            self.exhausted = self._ended = self._puller_said_ended = self.stopped_from_outside = (
-                False
-            )
+            self.end = self.end.new_iterator()
             return
         self._switch_to(iterator)
 
@@ -549,17 +538,18 @@ class BatchSource:
     def save(self) -> "SourceState":
         """Set this iterator's epoch aside (see :meth:`restore`); start afresh."""
         self.settle()
+        end = self.end
         state = SourceState(
-            self.iterator, self._held, self.exhausted, self._ended, self._in_flight, self._rewound
+            self.iterator, self._held, end.exhausted, end.ended, self._in_flight, self._rewound
         )
-        self.iterator, self._held, self.exhausted, self._ended = None, deque(), False, False
+        self.iterator, self._held, self.end = None, deque(), end.set_aside()
         self._in_flight, self._rewound = deque(), deque()
         return state
 
     def restore(self, state: "SourceState") -> None:
         """Continue an epoch set aside by :meth:`save`."""
-        self.iterator, self._held, self.exhausted = state.iterator, state.held, state.exhausted
-        self._ended = state.ended
+        self.iterator, self._held = state.iterator, state.held
+        self.end = self.end.brought_back(state.exhausted, state.ended)
         self._in_flight, self._rewound = state.in_flight, state.rewound
 
 

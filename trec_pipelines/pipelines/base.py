@@ -199,7 +199,7 @@ class TrainPipelineBase(PipelineCore, TrainPipeline[In, Out]):
         self._start_step(dataloader_iter)  # take-over, iterator switch, host batches
         if not self._connected:
             self._connect(dataloader_iter)                         # cur, memcpy (fill)
-        if self._source.stopped_from_outside:
+        if self._source.end.stopped_from_outside:
             self._drop_copied_batch()  # set from outside: as torchrec's, cur is not trained
         cur, i = self._cur_batch, self._cur_index
         self._training = i  # the copy of nxt below moves _cur_index on

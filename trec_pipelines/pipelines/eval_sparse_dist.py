@@ -502,7 +502,7 @@ class EvalPipelineSparseDist(TrainPipelineSparseDist[In, Out]):
                 "until StopIteration, or call reset() (dropping the batches in flight) "
                 "to switch now."
             )
-        if not self._loader_thread and not self._source.exhausted:
+        if not self._loader_thread and not self._source.end.exhausted:
             # Pull what this call takes before any work: with several ranks the
             # next pull's agreement then starts a step ahead, carried by this
             # step's splits exchange (see [Note: agreeing on each batch]).
@@ -513,7 +513,7 @@ class EvalPipelineSparseDist(TrainPipelineSparseDist[In, Out]):
             except Exception:
                 # Loading ends on the iterator's first error, as on the loader
                 # thread: the batches already pulled are still evaluated.
-                self._source.exhausted = True
+                self._source.stop_pulling()
                 raise
         if not self.batches:
             # fill: cur is copied by the loader, then input_dist (a malformed

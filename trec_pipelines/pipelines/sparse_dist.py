@@ -472,7 +472,7 @@ class TrainPipelineSparseDist(
         """Load ``cur`` (copy + input_dist) and ``nxt`` (copy) when the queue is empty."""
         if len(self.batches) >= 2:
             return
-        if self.batches and self._source.exhausted:
+        if self.batches and self._source.end.exhausted:
             return  # draining: the last batch trains alone
         if not self.batches:
             if not self.enqueue_batch(dataloader_iter):
@@ -579,7 +579,7 @@ class TrainPipelineSparseDist(
     def _stop_if_done(self) -> None:
         """End the epoch when nothing is in flight, or when the data ran out and
         ``execute_all_batches`` is False (dropping, and logging, what is in flight)."""
-        if self.batches and not self._execute_all_batches and self._source.exhausted:
+        if self.batches and not self._execute_all_batches and self._source.end.exhausted:
             logger.warning(
                 "%s: data exhausted with execute_all_batches=False; dropping %d "
                 "in-flight batch(es) untrained",
