@@ -22,11 +22,10 @@ from trec_pipelines.testing.dlrm import (
     assert_runs_equal,
     make_batches,
     make_sharded,
-    plain_loop_restarted,
     plain_loop_with_eval_pass,
     weights,
 )
-from trec_pipelines.testing.references import plain_loop_of
+from trec_pipelines.testing.references import plain_loop_of, plain_loop_restarted
 
 DEVICE = devices.device()
 SEED, RESTART_SEED, DATA_SEED = 1234, 99, 11

@@ -43,7 +43,7 @@ from torch import nn
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from trec_pipelines.testing import devices
-from trec_pipelines.testing.dlrm import Run, current_group, make_sharded, plain_loop
+from trec_pipelines.testing.dlrm import DLRM, Run, current_group, make_sharded, plain_loop
 
 _DIGEST_BYTES = 32  # sha256
 _runs: Dict[Tuple[bytes, ...], Tuple[Run, torch.Tensor]] = {}
@@ -184,9 +184,28 @@ def plain_loop_of(
     return run
 
 
+def plain_loop_restarted(batches: Sequence[Any], k: int, seed: int, restart_seed: int) -> Run:
+    """The plain loop over ``batches`` on a DLRM built with ``seed``, the reference of
+    a run resumed after ``k`` batches.  On more than 2 ranks it too restarts there, in
+    a model built with ``restart_seed`` and loaded from the first one's state: DDP
+    rebuilds its gradient buckets after a model's first backward, and an all-reduce
+    over more than two ranks sums in an order that depends on them, so any resumed
+    run (the plain loop's as well) differs from an uninterrupted one in the last
+    bits.  Two ranks sum two values, in either order the same."""
+    if dist.get_world_size() <= 2 or k == 0:
+        return plain_loop_of(DLRM, "table_wise", batches, seed=seed)
+    dmp, optimizer = make_sharded(DLRM, "table_wise", seed=seed)
+    first = plain_loop(dmp, optimizer, batches[:k])
+    dmp2, optimizer2 = make_sharded(DLRM, "table_wise", seed=restart_seed)
+    dmp2.load_state_dict(dmp.state_dict())
+    optimizer2.load_state_dict(optimizer.state_dict())
+    rest = plain_loop(dmp2, optimizer2, batches[k:])
+    return Run(list(first) + list(rest), rest.weights)
+
+
 def references_trained() -> int:
     """How many references this process has trained (the rest were copies)."""
     return _trained
 
 
-__all__ = ["plain_loop_of", "references_trained"]
+__all__ = ["plain_loop_of", "plain_loop_restarted", "references_trained"]
