@@ -10,6 +10,8 @@ trained once per process for the same inputs: every later call gets a copy of
 the first one's outputs and final weights.  The plain loop is deterministic for
 the same model, seed, sharding and batches, so the copy is what a new run would
 give, bit for bit; the tests that compare with it check the same thing.
+:func:`kept` does the same for any other reference: its caller names the
+computation and what it reads besides its inputs.
 
 The key is everything the run depends on, on every rank (a rank's outputs
 depend on the other ranks' batches too, through the all-to-alls and the
@@ -35,7 +37,7 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
-from typing import Any, Callable, Dict, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, TypeVar, cast
 
 import torch
 import torch.distributed as dist
@@ -46,7 +48,8 @@ from trec_pipelines.testing import devices
 from trec_pipelines.testing.dlrm import DLRM, Run, current_group, make_sharded, plain_loop
 
 _DIGEST_BYTES = 32  # sha256
-_runs: Dict[Tuple[bytes, ...], Tuple[Run, torch.Tensor]] = {}
+_runs: Dict[Tuple[bytes, ...], Tuple[Any, List[torch.Tensor]]] = {}
+T = TypeVar("T")
 _trained = 0
 
 
@@ -101,29 +104,15 @@ def _build_argument(value: Any) -> str:
     raise _NotKept(repr(value))
 
 
-def _local_digest(
-    model_factory: Callable[..., nn.Module],
-    sharding_type: str,
-    batches: Sequence[Any],
-    seed: int,
-    pg: dist.ProcessGroup,
-    build: Dict[str, Any],
-) -> Optional[bytes]:
-    """This rank's inputs of the run, hashed; None when one cannot be named for sure."""
+def _local_digest(what: str, inputs: Any, pg: dist.ProcessGroup) -> Optional[bytes]:
+    """This rank's ``what`` and ``inputs`` hashed, with the world size and device type;
+    None when an input cannot be named for sure."""
+    contents = hashlib.sha256(f"{what};{dist.get_world_size(pg)};{devices.device().type}".encode())
     try:
-        named = (
-            _top_level_name(model_factory),
-            sharding_type,
-            seed,
-            sorted((name, _build_argument(v)) for name, v in build.items()),
-            dist.get_world_size(pg),
-            devices.device().type,
-        )
-        contents = hashlib.sha256(repr(named).encode())
-        _digest(list(batches), contents)
-        return contents.digest()
+        _digest(inputs, contents)
     except _NotKept:
         return None
+    return contents.digest()
 
 
 def _key(local: Optional[bytes], pg: dist.ProcessGroup) -> Optional[Tuple[bytes, ...]]:
@@ -148,8 +137,64 @@ def _held_by_every_rank(key: Tuple[bytes, ...], pg: dist.ProcessGroup) -> bool:
     return bool(held.item())
 
 
-def _copy(run: Run) -> Run:
-    return Run([out.clone() for out in run], {k: v.clone() for k, v in run.weights.items()})
+def _copy(value: T) -> T:
+    """A copy of a reference: its tensors cloned, in the same runs, lists, tuples and dicts."""
+    copied: Any
+    if isinstance(value, torch.Tensor):
+        copied = value.clone()
+    elif isinstance(value, Run):
+        copied = Run([_copy(out) for out in value], _copy(value.weights))
+    elif isinstance(value, dict):
+        copied = {k: _copy(v) for k, v in value.items()}
+    elif isinstance(value, (list, tuple)):
+        copied = type(value)(_copy(item) for item in value)
+    else:
+        copied = value
+    return cast(T, copied)
+
+
+def _generator_states() -> List[torch.Tensor]:
+    states = [torch.get_rng_state()]
+    if torch.cuda.is_available():
+        states += torch.cuda.get_rng_state_all()
+    return states
+
+
+def _put_back(states: List[torch.Tensor]) -> None:
+    torch.set_rng_state(states[0])
+    if len(states) > 1:
+        torch.cuda.set_rng_state_all(states[1:])
+
+
+def kept(
+    what: Optional[str],
+    inputs: Any,
+    compute: Callable[[], T],
+    pg: Optional[dist.ProcessGroup] = None,
+) -> T:
+    """``compute()``, once per process for the same ``what`` and ``inputs`` on every rank
+    (see [Note: one reference per input]); later calls get a copy of its result.
+
+    ``what`` names the computation and whatever it reads besides ``inputs`` (a
+    test's model, seed, options), so that two computations of one name and the
+    same inputs are the same (None: computed every time, never kept); ``inputs`` are tensors, KJTs, numbers, strings,
+    dataclass batches and lists, tuples and dicts of them.  The result is a
+    :class:`~trec_pipelines.testing.dlrm.Run`, a tensor, or lists, tuples and
+    dicts of them.  Call it on every rank alike: it meets the other ranks over
+    ``pg`` (default :func:`~trec_pipelines.testing.dlrm.current_group`).
+    """
+    global _trained
+    group = pg if pg is not None else current_group()
+    key = _key(_local_digest(what, inputs, group) if what is not None else None, group)
+    if key is not None and _held_by_every_rank(key, group):
+        value, generators = _runs[key]
+        _put_back(generators)
+        return cast(T, _copy(value))
+    result = compute()
+    _trained += 1
+    if key is not None:
+        _runs[key] = (_copy(result), _generator_states())
+    return result
 
 
 def plain_loop_of(
@@ -167,21 +212,22 @@ def plain_loop_of(
     over ``pg``, default :func:`~trec_pipelines.testing.dlrm.current_group`).
     Returns a copy of the run: a caller may change it freely.
     """
-    global _trained
     batches = list(batches)
     group = pg if pg is not None else current_group()
-    key = _key(_local_digest(model_factory, sharding_type, batches, seed, group, build), group)
-    if key is not None and _held_by_every_rank(key, group):
-        run, generator_state = _runs[key]
-        torch.manual_seed(seed)  # as make_sharded would (every device's generator)
-        torch.set_rng_state(generator_state)
-        return _copy(run)
-    model, optimizer = make_sharded(model_factory, sharding_type, seed=seed, pg=group, **build)
-    run = plain_loop(model, optimizer, batches)
-    _trained += 1
-    if key is not None:
-        _runs[key] = (_copy(run), torch.get_rng_state())
-    return run
+
+    def train() -> Run:
+        model, optimizer = make_sharded(model_factory, sharding_type, seed=seed, pg=group, **build)
+        return plain_loop(model, optimizer, batches)
+
+    what: Optional[str]
+    try:
+        what = (
+            f"plain_loop:{_top_level_name(model_factory)};{sharding_type};{seed};"
+            f"{sorted((name, _build_argument(v)) for name, v in build.items())}"
+        )
+    except _NotKept:
+        what = None  # trained, never kept
+    return kept(what, batches, train, group)
 
 
 def plain_loop_restarted(batches: Sequence[Any], k: int, seed: int, restart_seed: int) -> Run:
@@ -208,4 +254,4 @@ def references_trained() -> int:
     return _trained
 
 
-__all__ = ["plain_loop_of", "plain_loop_restarted", "references_trained"]
+__all__ = ["kept", "plain_loop_of", "plain_loop_restarted", "references_trained"]
