@@ -20,9 +20,9 @@ from trec_pipelines.testing.dlrm import (
     assert_runs_equal,
     make_batches,
     make_sharded,
-    plain_loop,
     weights,
 )
+from trec_pipelines.testing.references import plain_loop_of
 
 DEVICE = devices.device()
 SEED, DATA_SEED = 1234, 7
@@ -68,7 +68,7 @@ def test_uneven_data_stops_every_rank_together_with_no_batch_pulled_ahead(name: 
     rank, last = dist.get_rank(), dist.get_world_size() - 1
     short = dist.new_group(backend=devices.backend(), timeout=timedelta(seconds=20))
     batches = make_batches(4 if rank == last else 6, seed=DATA_SEED)
-    ref = plain_loop(*make_sharded(DLRM, "table_wise", seed=SEED, pg=short), batches[:4])
+    ref = plain_loop_of(DLRM, "table_wise", batches[:4], seed=SEED, pg=short)
     held: Dict[bool, List[int]] = {}
     for ahead in (False, True):
         dmp, optimizer = make_sharded(DLRM, "table_wise", seed=SEED, pg=short)

@@ -24,9 +24,9 @@ from trec_pipelines.testing.dlrm import (
     assert_runs_equal,
     make_batches,
     make_sharded,
-    plain_loop,
     run_pipeline,
 )
+from trec_pipelines.testing.references import plain_loop_of
 
 DEVICE = devices.device()
 SEED, DATA_SEED = 1234, 7
@@ -47,7 +47,7 @@ def upstream_has_flag(name: str) -> bool:
 )
 def test_async_inplace_copy_trains_identically(name: str, async_copy: bool, inplace: bool) -> None:
     batches = make_batches(seed=DATA_SEED)
-    ref = plain_loop(*make_sharded(DLRM, "table_wise", seed=SEED), batches)
+    ref = plain_loop_of(DLRM, "table_wise", batches, seed=SEED)
     kwargs: Dict[str, Any] = dict(enable_inplace_copy_batch=inplace, async_inplace_copy=async_copy)
     dmp, optimizer = make_sharded(DLRM, "table_wise", seed=SEED)
     pipeline = getattr(trec_pipelines, name)(dmp, optimizer, DEVICE, **kwargs)

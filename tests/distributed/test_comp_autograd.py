@@ -35,6 +35,7 @@ from trec_pipelines.testing.dlrm import (
     plain_loop,
     weights,
 )
+from trec_pipelines.testing.references import plain_loop_of
 
 DEVICE = devices.device()
 SEED, DATA_SEED = 1234, 7
@@ -115,7 +116,7 @@ def _max_difference(a: Run, b: Run) -> float:
 
 def test_comp_autograd_matches_plain_loop_and_leaves_config_alone() -> None:
     batches: List[Batch] = make_batches(NUM_BATCHES, seed=DATA_SEED)  # type: ignore[assignment]
-    ref = plain_loop(*make_sharded(DLRM, "table_wise", seed=SEED), batches)
+    ref = plain_loop_of(DLRM, "table_wise", batches, seed=SEED)
     swapped = plain_loop(
         *make_sharded(DLRM, "table_wise", seed=SEED), [batches[1], batches[0]] + batches[2:]
     )
@@ -199,7 +200,7 @@ def test_normally_built_dmp_matches_plain_loop_and_keeps_training_eagerly() -> N
     backward compiles once."""
     extra = 2
     batches: List[Batch] = make_batches(NUM_BATCHES + extra, seed=DATA_SEED)  # type: ignore[assignment]
-    ref = plain_loop(*make_sharded(DLRM, "table_wise", seed=SEED), batches)
+    ref = plain_loop_of(DLRM, "table_wise", batches, seed=SEED)
 
     inductor = torch._inductor.config
     rules = torch._dynamo.trace_rules
@@ -301,7 +302,7 @@ def test_resumed_from_a_checkpoint_equals_the_plain_loop() -> None:
     from tests.distributed.test_resume import Counting
 
     batches = make_batches(NUM_BATCHES, seed=SEED + 5)
-    ref = plain_loop(*make_sharded(DLRM, "table_wise", seed=SEED), batches)
+    ref = plain_loop_of(DLRM, "table_wise", batches, seed=SEED)
     dmp, optimizer = make_sharded(DLRM, "table_wise", seed=SEED)
     pipeline = TrainPipelineSparseDistCompAutograd(dmp, optimizer, DEVICE)
     it = Counting(batches)

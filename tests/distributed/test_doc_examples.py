@@ -22,11 +22,10 @@ from trec_pipelines.testing.dlrm import (
     assert_runs_equal,
     make_batches,
     make_sharded,
-    plain_loop,
-    plain_loop_restarted,
     plain_loop_with_eval_pass,
     weights,
 )
+from trec_pipelines.testing.references import plain_loop_of, plain_loop_restarted
 
 DEVICE = devices.device()
 SEED, RESTART_SEED, DATA_SEED = 1234, 99, 11
@@ -39,7 +38,7 @@ def _outputs(raw: List[Any]) -> List[torch.Tensor]:
 
 def test_quickstart_trains_as_the_plain_loop(capsys: Any) -> None:
     batches = make_batches(N, seed=DATA_SEED)
-    ref = plain_loop(*make_sharded(DLRM, "table_wise", seed=SEED), batches)
+    ref = plain_loop_of(DLRM, "table_wise", batches, seed=SEED)
     dmp, optimizer = make_sharded(DLRM, "table_wise", seed=SEED)
     ours = Run(_outputs(quickstart.train_one_epoch(dmp, optimizer, batches, DEVICE)), weights(dmp))
     assert_runs_equal(ref, ours, ("plain loop", "quickstart"))
@@ -121,7 +120,7 @@ def test_staged_example_trains_as_the_plain_loop(prefetch: bool) -> None:
     """The guide's pipeline, built by the same function as on CUDA with every
     stream None: the loop's outputs and the weights are the plain loop's."""
     batches = make_batches(N, seed=DATA_SEED)
-    ref = plain_loop(*make_sharded(DLRM, "table_wise", seed=SEED), batches)
+    ref = plain_loop_of(DLRM, "table_wise", batches, seed=SEED)
     dmp, optimizer = make_sharded(DLRM, "table_wise", seed=SEED)
     streams = staged.make_streams(DEVICE)
     assert DEVICE.type != "cpu" or streams == staged.Streams(None, None, None)

@@ -27,11 +27,11 @@ from trec_pipelines.testing.dlrm import (
     assert_runs_equal,
     make_batches,
     make_sharded,
-    plain_loop,
     plain_loop_with_eval_pass,
     run_pipeline,
     weights,
 )
+from trec_pipelines.testing.references import plain_loop_of
 
 DEVICE = devices.device()
 SEED, DATA_SEED, EVAL_SEED = 1234, 7, 8
@@ -52,7 +52,7 @@ def test_sparse_dist_t_equals_torchrec_and_the_plain_loop(
     sharding_type: str, inplace: bool
 ) -> None:
     batches = make_batches(seed=DATA_SEED)
-    ref = plain_loop(*make_sharded(DLRM, sharding_type, seed=SEED), batches)
+    ref = plain_loop_of(DLRM, sharding_type, batches, seed=SEED)
     theirs = run_pipeline(
         upstream.TrainPipelineSparseDistT(
             *make_sharded(DLRM, sharding_type, seed=SEED),
@@ -117,7 +117,7 @@ def test_bwd_opt_equals_torchrec(sharding_type: str) -> None:
     theirs = _bwd_opt(upstream, sharding_type, sharding_type=kind)
     ours = _bwd_opt(trec_pipelines, sharding_type, sharding_type=kind)
     assert_runs_equal(theirs, ours, ("torchrec", "trec_pipelines"))
-    ref = plain_loop(*make_sharded(DLRM, sharding_type, seed=SEED), make_batches(seed=DATA_SEED))
+    ref = plain_loop_of(DLRM, sharding_type, make_batches(seed=DATA_SEED), seed=SEED)
     assert not torch.equal(ref[-1], ours[-1])  # a different schedule indeed
 
 
@@ -157,7 +157,7 @@ def test_bwd_opt_with_a_site_that_has_no_collective_says_so() -> None:
 
 def test_hybrid_training_equals_torchrec_and_the_plain_loop() -> None:
     batches = make_batches(seed=DATA_SEED)
-    ref = plain_loop(*make_sharded(DLRM, "table_wise", seed=SEED), batches)
+    ref = plain_loop_of(DLRM, "table_wise", batches, seed=SEED)
     theirs = run_pipeline(
         upstream.TrainEvalHybridPipelineBase(*make_sharded(DLRM, "table_wise", seed=SEED), DEVICE),
         batches,
@@ -296,7 +296,7 @@ def test_stash_variant_trains_as_the_plain_loop(name: str, sharding_type: str) -
     """On CPU nothing is stashed (the tables and the optimizer state are in host
     memory already): the schedule with its stash points equals the plain loop."""
     batches = make_batches(seed=DATA_SEED)
-    ref = plain_loop(*make_sharded(DLRM, sharding_type, seed=SEED), batches)
+    ref = plain_loop_of(DLRM, sharding_type, batches, seed=SEED)
     from torchrec.distributed.types import ShardingType
 
     dmp, optimizer = make_sharded(DLRM, sharding_type, seed=SEED)
@@ -410,7 +410,7 @@ def test_prefetch_ems_restores_cur_and_prefetches_nxt_before_the_backward() -> N
     batches = make_batches(4, seed=DATA_SEED)
     with mock.patch.object(prefetch_ems, "reads_a_cache", lambda module: True):
         ours = run_pipeline(pipeline, batches, model=dmp)
-    ref = plain_loop(*make_sharded(DLRM, "table_wise", seed=SEED), batches)
+    ref = plain_loop_of(DLRM, "table_wise", batches, seed=SEED)
     assert_runs_equal(ref, ours, ("plain_loop", "PrefetchEMS"))
     # cur's weights and caches, then nxt's rows; the site's own restore in the backward.
     steady = ["restore_weights", "restore_cache", "prefetch", "restore_weights", "step"]
@@ -579,7 +579,7 @@ def test_prefetch_ems_leaves_modules_without_a_cache_out_of_its_prefetch(
     from torchrec.distributed.types import NoWait
 
     batches = make_batches(seed=DATA_SEED)
-    ref = plain_loop(*make_sharded(DLRM, "table_wise", seed=SEED), batches)
+    ref = plain_loop_of(DLRM, "table_wise", batches, seed=SEED)
     dmp, optimizer = make_sharded(DLRM, "table_wise", seed=SEED)
     pipeline = trec_pipelines.TrainPipelinePrefetchEMS(dmp, optimizer, DEVICE, "over_arch")
     it = iter(batches)

@@ -41,6 +41,7 @@ from trec_pipelines.testing.dlrm import (
     run_pipeline,
     weights,
 )
+from trec_pipelines.testing.references import plain_loop_of
 
 DEVICE = devices.device()
 SEED, DATA_SEED = 1234, 11
@@ -191,7 +192,7 @@ def _poison(dmp: Any, poison: Any) -> None:
 def test_skip_failed_batch_on_every_rank(name: str) -> None:
     """A batch that fails every time is skipped; training equals the plain loop without it."""
     batches = make_batches(6, seed=DATA_SEED)
-    ref = plain_loop(*make_sharded(DLRM, "table_wise", seed=SEED), batches[:2] + batches[3:])
+    ref = plain_loop_of(DLRM, "table_wise", batches[:2] + batches[3:], seed=SEED)
     dmp, optimizer = make_sharded(DLRM, "table_wise", seed=SEED)
     pipeline = _pipeline(name, dmp, optimizer)
     _poison(dmp, batches[2])
@@ -259,7 +260,7 @@ def test_after_an_eval_pipeline_left_attached_training_equals_the_plain_loop() -
 
 def test_a_new_train_pipeline_takes_over_from_an_eval_pipeline() -> None:
     train, evaluation = make_batches(4, seed=DATA_SEED), make_batches(2, seed=DATA_SEED + 1)
-    ref = plain_loop(*make_sharded(DLRM, "table_wise", seed=SEED), train)
+    ref = plain_loop_of(DLRM, "table_wise", train, seed=SEED)
     dmp, optimizer = make_sharded(DLRM, "table_wise", seed=SEED)
     dmp.eval()
     run_pipeline(trec_pipelines.EvalPipelineSparseDist(dmp, None, DEVICE), evaluation, model=dmp)
@@ -334,7 +335,7 @@ def test_malformed_kjt_raises_before_training_on_both_ranks(name: str) -> None:
     batches = make_batches(6, seed=DATA_SEED)
     good = batches[:2] + batches[3:]
     batches[2] = _malformed(batches[2], drop=3)
-    ref = plain_loop(*make_sharded(DLRM, "table_wise", seed=SEED), good)
+    ref = plain_loop_of(DLRM, "table_wise", good, seed=SEED)
     dmp, optimizer = make_sharded(DLRM, "table_wise", seed=SEED)
     pipeline = _pipeline(name, dmp, optimizer)
     it = iter(batches)

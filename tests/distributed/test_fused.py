@@ -28,10 +28,10 @@ from trec_pipelines.testing.dlrm import (
     assert_runs_equal,
     make_batches,
     make_sharded,
-    plain_loop,
     run_pipeline,
     weights,
 )
+from trec_pipelines.testing.references import plain_loop_of
 from trec_pipelines.testing.torchrec_cpu import shim_active, torchrec_on_cpu
 from trec_pipelines.testing.torchrec_reference import takes
 
@@ -79,7 +79,7 @@ def assert_weights_equal(a: Dict[str, torch.Tensor], b: Dict[str, torch.Tensor],
 @pytest.mark.parametrize("sharding_type", FUSED_SHARDINGS)
 def test_fused_against_torchrec_and_plain_loop(sharding_type: str) -> None:
     batches = make_batches(seed=DATA_SEED)
-    ref = plain_loop(*make_sharded(DLRM, sharding_type, seed=SEED), batches)
+    ref = plain_loop_of(DLRM, sharding_type, batches, seed=SEED)
     theirs = run_theirs(upstream.TrainPipelineFusedSparseDist, batches, sharding_type)
     dmp, optimizer = make_sharded(DLRM, sharding_type, seed=SEED)
     pipeline = TrainPipelineFusedSparseDist(dmp, optimizer, DEVICE)
@@ -102,7 +102,7 @@ def test_fused_against_torchrec_and_plain_loop(sharding_type: str) -> None:
 )
 def test_fused_options_against_torchrec_and_plain_loop(kwargs: Dict[str, Any]) -> None:
     batches = make_batches(seed=DATA_SEED)
-    ref = plain_loop(*make_sharded(DLRM, "table_wise", seed=SEED), batches)
+    ref = plain_loop_of(DLRM, "table_wise", batches, seed=SEED)
     theirs = run_theirs(upstream.TrainPipelineFusedSparseDist, batches, "table_wise", **kwargs)
     dmp, optimizer = make_sharded(DLRM, "table_wise", seed=SEED)
     ours = run_ours(TrainPipelineFusedSparseDist(dmp, optimizer, DEVICE, **kwargs), batches, dmp)

@@ -40,10 +40,10 @@ from trec_pipelines.testing.dlrm import (
     assert_runs_equal,
     make_batches,
     make_sharded,
-    plain_loop,
     run_pipeline,
     weights,
 )
+from trec_pipelines.testing.references import plain_loop_of
 from trec_pipelines.testing.torchrec_cpu import shim_active, torchrec_on_cpu
 
 DEVICE = devices.device()
@@ -181,7 +181,7 @@ def test_ours_matches_the_accumulation_loop_and_torchrec(
 def test_accumulation_changes_training() -> None:
     """Guards the test above: accumulating is not the same as stepping every batch."""
     batches = make_batches(seed=DATA_SEED)
-    every_batch = plain_loop(*make_sharded(DLRM, "data_parallel", seed=SEED), batches)
+    every_batch = plain_loop_of(DLRM, "data_parallel", batches, seed=SEED)
     dmp, optimizer = make_sharded(DLRM, "data_parallel", seed=SEED)
     pipeline = trec_pipelines.TrainPipelineSparseDist(dmp, optimizer, DEVICE)
     ours = run_pipeline(
@@ -216,7 +216,7 @@ def test_is_last_batch_steps_on_the_partial_window() -> None:
 
 def test_disabled_is_the_pipeline_alone() -> None:
     batches = make_batches(seed=DATA_SEED)
-    ref = plain_loop(*make_sharded(DLRM, "table_wise", seed=SEED), batches)
+    ref = plain_loop_of(DLRM, "table_wise", batches, seed=SEED)
     dmp, optimizer = make_sharded(DLRM, "table_wise", seed=SEED)
     pipeline = trec_pipelines.TrainPipelineSparseDist(dmp, optimizer, DEVICE)
     wrapped = GradientAccumulationWrapper(pipeline, optimizer, dmp, GradientAccumulationConfig())

@@ -65,6 +65,7 @@ from trec_pipelines.testing.dlrm import (
     run_pipeline,
     weights,
 )
+from trec_pipelines.testing.references import plain_loop_of
 
 DEVICE = devices.device()
 SEED = 1234
@@ -218,7 +219,7 @@ def test_torchrec_pipeline_matches_plain_loop(pipeline_cls, sharding_type, neste
     factory = NestedDLRM if nested else DLRM
     batches = make_batches(seed=DATA_SEED, nested=nested)
 
-    ref = plain_loop(*make_sharded(factory, sharding_type, seed=SEED), batches)
+    ref = plain_loop_of(factory, sharding_type, batches, seed=SEED)
 
     dmp, opt = make_sharded(factory, sharding_type, seed=SEED)
     pipeline = pipeline_cls(dmp, opt, DEVICE)
@@ -297,7 +298,7 @@ def test_embedding_updates_show_in_predictions():
 @pytest.mark.parametrize("pipeline_cls", PIPELINES, ids=lambda c: c.__name__)
 def test_torchrec_short_data(pipeline_cls, n):
     batches = make_batches(n, seed=DATA_SEED)
-    ref = plain_loop(*make_sharded(DLRM, "table_wise", seed=SEED), batches)
+    ref = plain_loop_of(DLRM, "table_wise", batches, seed=SEED)
     pipeline = pipeline_cls(*make_sharded(DLRM, "table_wise", seed=SEED), DEVICE)
     got = run_pipeline(pipeline, batches)
     assert_runs_equal(ref, got)
@@ -312,7 +313,7 @@ def test_torchrec_sparse_dist_without_execute_all_batches_drops_two():
     )
     got = run_pipeline(pipeline, batches)
     assert len(got) == len(batches) - 2
-    ref = plain_loop(*make_sharded(DLRM, "table_wise", seed=SEED), batches[:-2])
+    ref = plain_loop_of(DLRM, "table_wise", batches[:-2], seed=SEED)
     assert_runs_equal(ref, got)
 
 
@@ -329,5 +330,5 @@ def test_torchrec_second_iterator():
     sdd = TrainPipelineSparseDist(*make_sharded(DLRM, "table_wise", seed=SEED), DEVICE)
     a = run_pipeline(sdd, first)
     b = run_pipeline(sdd, second)  # carries on without reset()
-    ref = plain_loop(*make_sharded(DLRM, "table_wise", seed=SEED), batches)
+    ref = plain_loop_of(DLRM, "table_wise", batches, seed=SEED)
     assert_runs_equal(ref, Run(list(a) + list(b), b.weights))

@@ -25,6 +25,7 @@ from tests.hook_parity import ours, overridable, torchrec_class
 from trec_pipelines.core.subclass_hooks import UncalledHookWarning, decided_hooks, uncalled_hooks
 from trec_pipelines.testing import devices
 from trec_pipelines.testing.dlrm import DLRM, make_batches, make_sharded, run_pipeline
+from trec_pipelines.testing.references import plain_loop_of
 from trec_pipelines.testing.torchrec_cpu import torchrec_on_cpu
 
 DEVICE = devices.device()
@@ -207,7 +208,7 @@ def test_hooks_are_called_as_torchrec_calls_them(name: str) -> None:
 
 # ------------------------------------------------- subclasses written as users write them
 
-from trec_pipelines.testing.dlrm import assert_runs_equal, plain_loop  # noqa: E402
+from trec_pipelines.testing.dlrm import assert_runs_equal  # noqa: E402
 
 
 def _scaler() -> torch.amp.GradScaler:
@@ -320,7 +321,7 @@ def test_a_next_batch_that_drops_batches_trains_as_on_torchrec(name: str) -> Non
     assert theirs is not None
     reference = _train(dropping(theirs, dropped), batches)
     assert_runs_equal(
-        plain_loop(*make_sharded(DLRM, "table_wise", seed=SEED), kept),
+        plain_loop_of(DLRM, "table_wise", kept, seed=SEED),
         reference,
         ("plain loop over the kept batches", name),
     )
@@ -334,7 +335,7 @@ def test_a_progress_rebuilt_from_the_verbs_trains_as_on_torchrec() -> None:
     assert theirs is not None
     reference = _train(rebuilt(theirs), batches)
     assert_runs_equal(
-        plain_loop(*make_sharded(DLRM, "table_wise", seed=SEED), batches),
+        plain_loop_of(DLRM, "table_wise", batches, seed=SEED),
         reference,
         ("plain loop", name),
     )

@@ -30,9 +30,9 @@ from trec_pipelines.testing.dlrm import (
     current_group,
     make_batches,
     make_sharded,
-    plain_loop,
     run_pipeline,
 )
+from trec_pipelines.testing.references import plain_loop_of
 
 DEVICE = devices.device()
 SEED, DATA_SEED = 321, 5
@@ -85,7 +85,7 @@ def _all_to_alls_issued() -> Iterator[List[Tuple[dist.ProcessGroup, str]]]:
 @pytest.mark.parametrize("name", TRAIN_VARIANTS)
 def test_dedicated_and_shared_train_the_same_as_the_plain_loop(name: str) -> None:
     batches = make_batches(6, seed=DATA_SEED)
-    ref = plain_loop(*make_sharded(DLRM, "table_wise", seed=SEED), batches)
+    ref = plain_loop_of(DLRM, "table_wise", batches, seed=SEED)
     runs = {}
     for group in ("dedicated", "shared"):
         dmp, optimizer = make_sharded(DLRM, "table_wise", seed=SEED)
@@ -126,7 +126,7 @@ def test_eval_dedicated_and_shared_predict_the_same(name: str) -> None:
 
 def test_staged_sparse_data_dist_util_runs_on_the_dedicated_group() -> None:
     batches = make_batches(6, seed=DATA_SEED)
-    ref = plain_loop(*make_sharded(DLRM, "table_wise", seed=SEED), batches)
+    ref = plain_loop_of(DLRM, "table_wise", batches, seed=SEED)
     dmp, optimizer = make_sharded(DLRM, "table_wise", seed=SEED)
     sdd = SparseDataDistUtil(dmp, data_dist_stream=None)
     pipeline = StagedTrainPipeline(

@@ -24,9 +24,9 @@ from trec_pipelines.testing.dlrm import (
     current_group,
     make_batches,
     make_sharded,
-    plain_loop,
     run_pipeline,
 )
+from trec_pipelines.testing.references import plain_loop_of
 
 DEVICE = devices.device()
 SEED, DATA_SEED = 77, 3
@@ -87,7 +87,7 @@ def test_a_detached_pipeline_makes_new_groups_after_a_release() -> None:
     """release_input_dist_groups() then detach() and attach(): the pipeline makes a
     new dedicated group and trains on as the plain loop does."""
     batches = make_batches(6, seed=DATA_SEED)
-    ref = plain_loop(*make_sharded(DLRM, "table_wise", seed=SEED), batches)
+    ref = plain_loop_of(DLRM, "table_wise", batches, seed=SEED)
     dmp, optimizer = make_sharded(DLRM, "table_wise", seed=SEED)
     pipeline = trec_pipelines.TrainPipelineSparseDist(dmp, optimizer, DEVICE)
     it = iter(batches)

@@ -30,10 +30,10 @@ from trec_pipelines.testing.dlrm import (
     assert_runs_equal,
     make_batches,
     make_sharded,
-    plain_loop,
     run_pipeline,
     weights,
 )
+from trec_pipelines.testing.references import plain_loop_of
 
 DEVICE = devices.device()
 SEED, DATA_SEED = 1234, 7
@@ -50,7 +50,7 @@ def lite_three_ways(
     factory: Callable[..., nn.Module], sharding_type: str, **ours_kwargs: Any
 ) -> Any:
     batches = _batches(factory)
-    ref = plain_loop(*make_sharded(factory, sharding_type, seed=SEED), batches)
+    ref = plain_loop_of(factory, sharding_type, batches, seed=SEED)
     theirs = run_pipeline(
         UpstreamLite(*make_sharded(factory, sharding_type, seed=SEED), DEVICE), batches
     )

@@ -23,9 +23,9 @@ from trec_pipelines.testing.dlrm import (
     assert_runs_equal,
     make_batches,
     make_sharded,
-    plain_loop,
     weights,
 )
+from trec_pipelines.testing.references import plain_loop_of
 
 DEVICE = devices.device()
 SEED, DATA_SEED = 1234, 7
@@ -57,7 +57,7 @@ def test_a_forward_without_the_pair_raises_on_every_rank_and_the_fix_trains(
 ) -> None:
     group = dist.new_group(backend=devices.backend(), timeout=timedelta(seconds=LIMIT_S))
     batches = make_batches(5, seed=DATA_SEED)
-    ref = plain_loop(*make_sharded(DLRM, "table_wise", seed=SEED, pg=group), batches)
+    ref = plain_loop_of(DLRM, "table_wise", batches, seed=SEED, pg=group)
     dmp, optimizer = make_sharded(DLRM, "table_wise", seed=SEED, pg=group)
     pipeline = getattr(trec_pipelines, name)(dmp, optimizer, DEVICE, **VARIANTS[name])
     wrong, described = MISTAKES[mistake]
@@ -94,7 +94,7 @@ def test_a_list_is_refused_before_any_collective_on_every_rank() -> None:
     batches = make_batches(3, seed=DATA_SEED)
     with pytest.raises(TypeError, match=r"Pass an iterator: it = iter\(batches\)"):
         pipeline.progress(batches)
-    ref = plain_loop(*make_sharded(DLRM, "table_wise", seed=SEED), batches)
+    ref = plain_loop_of(DLRM, "table_wise", batches, seed=SEED)
     outputs: List[torch.Tensor] = []
     it = iter(batches)
     while True:

@@ -40,10 +40,10 @@ from trec_pipelines.testing.dlrm import (
     assert_runs_equal,
     make_batches,
     make_sharded,
-    plain_loop,
     run_pipeline,
     weights,
 )
+from trec_pipelines.testing.references import plain_loop_of
 from trec_pipelines.testing.torchrec_cpu import torchrec_on_cpu
 
 DEVICE = devices.device()
@@ -550,7 +550,7 @@ def test_every_class_built_positionally_trains_as_the_plain_loop(name: str) -> N
     assert theirs is not None
     ours = getattr(trec_pipelines, name)
     batches = _my_batches(5)
-    reference = plain_loop(*make_sharded(DLRM, "table_wise", seed=SEED), batches)
+    reference = plain_loop_of(DLRM, "table_wise", batches, seed=SEED)
     dmp, optimizer = make_sharded(DLRM, "table_wise", seed=SEED)
     pipeline = ours(*_positional_arguments(theirs, ours, dmp, optimizer))
     assert_runs_equal(reference, run_pipeline(pipeline, batches, dmp), ("plain loop", name))

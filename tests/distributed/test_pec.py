@@ -59,6 +59,7 @@ from trec_pipelines.testing.dlrm import (
     run_pipeline,
     weights,
 )
+from trec_pipelines.testing.references import plain_loop_of
 from trec_pipelines.testing.torchrec_cpu import shim_active, torchrec_on_cpu
 
 DEVICE = devices.device()
@@ -99,7 +100,7 @@ class _OursRunsUnshimmed:
 @pytest.mark.parametrize("sharding_type", SHARDING_TYPES)
 def test_pec_matches_torchrec_and_plain_loop(sharding_type: str, factory: Any) -> None:
     batches = make_batches(seed=DATA_SEED, nested=factory is NestedDLRM)
-    ref = plain_loop(*make_sharded(factory, sharding_type, seed=SEED), batches)
+    ref = plain_loop_of(factory, sharding_type, batches, seed=SEED)
     dmp, optimizer = make_sharded(factory, sharding_type, seed=SEED)
     pipeline = trec_pipelines.TrainPipelinePEC(dmp, optimizer, DEVICE)
     ours = run_pipeline(_OursRunsUnshimmed(pipeline), batches, model=dmp)

@@ -35,9 +35,9 @@ from trec_pipelines.testing.dlrm import (
     assert_runs_equal,
     make_batches,
     make_sharded,
-    plain_loop,
     weights,
 )
+from trec_pipelines.testing.references import plain_loop_of
 
 DEVICE = devices.device()
 SEED, DATA_SEED = 1234, 11
@@ -125,7 +125,7 @@ def test_a_loader_error_on_one_rank_raises_peer_failed_on_the_others(
     rank, failed = dist.get_rank(), dist.get_world_size() - 1
     short = dist.new_group(backend=devices.backend(), timeout=timedelta(seconds=30))
     batches = make_batches(8, seed=DATA_SEED)
-    ref = plain_loop(*make_sharded(DLRM, "table_wise", seed=SEED, pg=short), batches)
+    ref = plain_loop_of(DLRM, "table_wise", batches, seed=SEED, pg=short)
     dmp, optimizer = make_sharded(DLRM, "table_wise", seed=SEED, pg=short)
     if name == "StagedTrainPipeline":
         pipeline: Any = _staged(dmp)

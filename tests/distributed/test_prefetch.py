@@ -28,9 +28,9 @@ from trec_pipelines.testing.dlrm import (
     assert_runs_equal,
     make_batches,
     make_sharded,
-    plain_loop,
     run_pipeline,
 )
+from trec_pipelines.testing.references import plain_loop_of
 from trec_pipelines.testing.torchrec_cpu import shim_active, torchrec_on_cpu
 
 DEVICE = devices.device()
@@ -58,7 +58,7 @@ def count_prefetches(module: ShardedModule) -> List[Tuple[Optional[Any], bool]]:
 @pytest.mark.parametrize("sharding_type", SHARDING_TYPES)
 def test_prefetch_matches_plain_loop(sharding_type: str) -> None:
     batches = make_batches(seed=DATA_SEED)
-    ref = plain_loop(*make_sharded(DLRM, sharding_type, seed=SEED), batches)
+    ref = plain_loop_of(DLRM, sharding_type, batches, seed=SEED)
     dmp, optimizer = make_sharded(DLRM, sharding_type, seed=SEED)
     calls = count_prefetches(sharded_module(dmp))
     pipeline = PrefetchTrainPipelineSparseDist(dmp, optimizer, DEVICE)
@@ -73,7 +73,7 @@ def test_prefetch_matches_plain_loop(sharding_type: str) -> None:
 
 def test_prefetch_kjt_inside_a_dict_and_two_epochs() -> None:
     batches = make_batches(4, seed=DATA_SEED, nested=True)
-    ref = plain_loop(*make_sharded(NestedDLRM, "column_wise", seed=SEED), batches + batches)
+    ref = plain_loop_of(NestedDLRM, "column_wise", batches + batches, seed=SEED)
     dmp, optimizer = make_sharded(NestedDLRM, "column_wise", seed=SEED)
     pipeline = PrefetchTrainPipelineSparseDist(dmp, optimizer, DEVICE, rewrite_strategy="fx")
     first = run_pipeline(pipeline, batches, model=dmp)

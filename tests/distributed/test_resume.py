@@ -31,9 +31,9 @@ from trec_pipelines.testing.dlrm import (
     assert_runs_equal,
     make_batches,
     make_sharded,
-    plain_loop_restarted,
     weights,
 )
+from trec_pipelines.testing.references import plain_loop_restarted
 
 DEVICE = devices.device()
 SEED, OTHER_SEED, DATA_SEED = 1234, 99, 11
@@ -90,7 +90,7 @@ def _train(pipeline: Any, it: Iterator[Any], steps: Optional[int] = None) -> Lis
 
 def _reference(batches: List[Any], k: int = 0) -> Run:
     """The plain loop, restarted after ``k`` batches on more than 2 ranks (see
-    :func:`~trec_pipelines.testing.dlrm.plain_loop_restarted`)."""
+    :func:`~trec_pipelines.testing.references.plain_loop_restarted`)."""
     return plain_loop_restarted(batches, k, SEED, OTHER_SEED)
 
 

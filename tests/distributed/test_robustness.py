@@ -30,6 +30,7 @@ from trec_pipelines.testing.dlrm import (
     run_pipeline,
     weights,
 )
+from trec_pipelines.testing.references import plain_loop_of
 
 DEVICE = devices.device()
 SEED, DATA_SEED = 1234, 7
@@ -141,7 +142,7 @@ def test_uneven_data_stops_in_step_with_the_agreement_one_pull_ahead() -> None:
     SparseDist's splits exchanges carried the codes (no collective of their own)."""
     rank = dist.get_rank()
     batches = make_batches(6 if rank == 0 else 4, seed=DATA_SEED)
-    ref = plain_loop(*make_sharded(DLRM, "table_wise", seed=SEED), batches[:4])
+    ref = plain_loop_of(DLRM, "table_wise", batches[:4], seed=SEED)
     dmp, optimizer = make_sharded(DLRM, "table_wise", seed=SEED)
     pipeline = trec_pipelines.TrainPipelineSparseDist(dmp, optimizer, DEVICE)
     assert_runs_equal(
@@ -157,7 +158,7 @@ def test_after_uneven_data_the_next_epoch_carries_on() -> None:
     rank = dist.get_rank()
     first = make_batches(5 if rank == 0 else 3, seed=DATA_SEED)
     second = make_batches(3, seed=DATA_SEED + 1)
-    ref = plain_loop(*make_sharded(DLRM, "table_wise", seed=SEED), first[:3] + second)
+    ref = plain_loop_of(DLRM, "table_wise", first[:3] + second, seed=SEED)
     dmp, optimizer = make_sharded(DLRM, "table_wise", seed=SEED)
     pipeline = trec_pipelines.TrainPipelineSparseDist(dmp, optimizer, DEVICE)
     epoch1 = run_pipeline(pipeline, first, model=dmp)
@@ -289,7 +290,7 @@ def test_a_persistent_workers_dataloader_trains_every_batch_of_every_epoch(name:
     every epoch, reset by iter(loader) (torchrec #2327): the second epoch trains
     every batch again, as the plain loop over both epochs."""
     batches = make_batches(4, seed=DATA_SEED)
-    ref = plain_loop(*make_sharded(DLRM, "table_wise", seed=SEED), batches + batches)
+    ref = plain_loop_of(DLRM, "table_wise", batches + batches, seed=SEED)
     dmp, optimizer = make_sharded(DLRM, "table_wise", seed=SEED)
     pipeline = TRAIN[name](dmp, optimizer)
     # The worker starts from a fork server (one per rank, which has imported this
@@ -319,7 +320,7 @@ def test_a_truncated_iterator_then_another_trains_none_of_the_first_in_the_secon
     over another iterator (torchrec #3750): the second epoch trains only its own
     batches, and the first's underlying iterator is left at its 4th batch."""
     first, second = make_batches(6, seed=DATA_SEED), make_batches(3, seed=DATA_SEED + 1)
-    ref = plain_loop(*make_sharded(DLRM, "table_wise", seed=SEED), first[:3] + second)
+    ref = plain_loop_of(DLRM, "table_wise", first[:3] + second, seed=SEED)
     dmp, optimizer = make_sharded(DLRM, "table_wise", seed=SEED)
     pipeline = TRAIN[name](dmp, optimizer)
     underlying = iter(first)

@@ -27,6 +27,7 @@ from trec_pipelines.testing.dlrm import (
     plain_loop,
     run_pipeline,
 )
+from trec_pipelines.testing.references import plain_loop_of
 
 DEVICE = devices.device()
 SEED, DATA_SEED = 1234, 7
@@ -36,7 +37,7 @@ def three_ways(
     name: str, factory: Callable[..., Any], sharding_type: str, **ours_kwargs: Any
 ) -> Any:
     batches = make_batches(seed=DATA_SEED, nested=factory is NestedDLRM)
-    ref = plain_loop(*make_sharded(factory, sharding_type, seed=SEED), batches)
+    ref = plain_loop_of(factory, sharding_type, batches, seed=SEED)
     theirs_cls: Type[Any] = getattr(upstream, name)
     theirs = run_pipeline(
         theirs_cls(*make_sharded(factory, sharding_type, seed=SEED), DEVICE), batches
@@ -99,7 +100,7 @@ def test_a_users_subclass_with_options_for_type_checkers_only_trains_as_ours(
 
 def test_sparse_dist_detach_attach_mid_epoch() -> None:
     batches = make_batches(seed=DATA_SEED)
-    ref = plain_loop(*make_sharded(DLRM, "table_wise", seed=SEED), batches)
+    ref = plain_loop_of(DLRM, "table_wise", batches, seed=SEED)
     dmp, optimizer = make_sharded(DLRM, "table_wise", seed=SEED)
     pipeline = trec_pipelines.TrainPipelineSparseDist(dmp, optimizer, DEVICE)
     it = iter(batches)

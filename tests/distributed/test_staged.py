@@ -25,10 +25,10 @@ from trec_pipelines.testing.dlrm import (
     assert_runs_equal,
     make_batches,
     make_sharded,
-    plain_loop,
     run_pipeline,
     weights,
 )
+from trec_pipelines.testing.references import plain_loop_of
 from trec_pipelines.testing.torchrec_cpu import shim_active, torchrec_on_cpu
 
 DEVICE = devices.device()
@@ -95,7 +95,7 @@ def staged_run(
 @pytest.mark.parametrize("sharding_type", SHARDING_TYPES)
 def test_h2d_and_input_dist_stages_match_plain_loop(sharding_type: str) -> None:
     batches = make_batches(seed=DATA_SEED)
-    ref = plain_loop(*make_sharded(DLRM, sharding_type, seed=SEED), batches)
+    ref = plain_loop_of(DLRM, sharding_type, batches, seed=SEED)
     ours = staged_run(sharding_type, batches)
     assert len(ref) == len(batches)
     assert_runs_equal(ref, ours, ("plain_loop", "staged"))
@@ -103,7 +103,7 @@ def test_h2d_and_input_dist_stages_match_plain_loop(sharding_type: str) -> None:
 
 def test_prefetch_stage_matches_plain_loop() -> None:
     batches = make_batches(seed=DATA_SEED)
-    ref = plain_loop(*make_sharded(DLRM, "table_wise", seed=SEED), batches)
+    ref = plain_loop_of(DLRM, "table_wise", batches, seed=SEED)
     ours = staged_run("table_wise", batches, third_stage="prefetch")
     assert_runs_equal(ref, ours, ("plain_loop", "staged+prefetch"))
 
@@ -111,7 +111,7 @@ def test_prefetch_stage_matches_plain_loop() -> None:
 @pytest.mark.parametrize("flush_after", [1, 4])
 def test_flush_mid_stream_loses_and_repeats_nothing(flush_after: int) -> None:
     batches = make_batches(seed=DATA_SEED)
-    ref = plain_loop(*make_sharded(DLRM, "table_wise", seed=SEED), batches)
+    ref = plain_loop_of(DLRM, "table_wise", batches, seed=SEED)
     it = Counting(batches)
     trained: List[int] = []
     flushes: List[tuple] = []
@@ -142,7 +142,7 @@ def test_none_streams_match_plain_loop(third_stage: Optional[str]) -> None:
     """No stream anywhere: the stages run on the current stream, the prefetch
     stage included (the mode comes from the stage list, not from a stream)."""
     batches = make_batches(seed=DATA_SEED)
-    ref = plain_loop(*make_sharded(DLRM, "table_wise", seed=SEED), batches)
+    ref = plain_loop_of(DLRM, "table_wise", batches, seed=SEED)
     ours = staged_run("table_wise", batches, third_stage=third_stage, stream=None)
     assert len(ref) == len(batches)
     assert_runs_equal(ref, ours, ("plain_loop", f"staged, None streams, {third_stage}"))
@@ -163,7 +163,7 @@ def test_lookup_stage_matches_torchrec_semi_sync_from_batch_0(
     ours = staged_run("table_wise", batches, third_stage="lookup", stream=stream)
     assert len(theirs) == len(batches)
     assert_runs_equal(theirs, ours, ("torchrec SemiSync", "staged + lookup"))
-    ref = plain_loop(*make_sharded(DLRM, "table_wise", seed=SEED), batches)
+    ref = plain_loop_of(DLRM, "table_wise", batches, seed=SEED)
     assert not torch.equal(ref[1], ours[1]), "the lookup stage ran synchronously"
 
 
@@ -175,7 +175,7 @@ def test_resumed_from_a_checkpoint_equals_the_plain_loop(k: int) -> None:
     copies) are in the pipeline's state; a new pipeline over a freshly built
     model (loaded from the checkpoint) runs every stage on them again first."""
     batches = make_batches(seed=DATA_SEED)
-    ref = plain_loop(*make_sharded(DLRM, "table_wise", seed=SEED), batches)
+    ref = plain_loop_of(DLRM, "table_wise", batches, seed=SEED)
 
     def build(seed: int) -> Any:
         dmp, optimizer = make_sharded(DLRM, "table_wise", seed=seed)

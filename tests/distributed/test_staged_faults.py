@@ -33,9 +33,9 @@ from trec_pipelines.testing.dlrm import (
     assert_runs_equal,
     make_batches,
     make_sharded,
-    plain_loop,
     weights,
 )
+from trec_pipelines.testing.references import plain_loop_of
 
 DEVICE = devices.device()
 SEED, DATA_SEED = 1234, 11
@@ -191,7 +191,7 @@ def test_a_stage_that_raises_is_run_again_and_training_equals_the_plain_loop(
 ) -> None:
     """Calls 0 and 1 are in the fill, 4 in the steady state."""
     batches = make_batches(6, seed=DATA_SEED)
-    ref = plain_loop(*make_sharded(DLRM, "table_wise", seed=SEED), batches)
+    ref = plain_loop_of(DLRM, "table_wise", batches, seed=SEED)
     dmp, optimizer = make_sharded(DLRM, "table_wise", seed=SEED)
 
     def wrap(name: str, runnable: Callable[[Any], Any]) -> Callable[[Any], Any]:
@@ -210,7 +210,7 @@ def test_an_iterator_that_raises_loses_and_repeats_nothing(
 ) -> None:
     """The plain loop over such an iterator just skips the exception: same batches."""
     batches = make_batches(6, seed=DATA_SEED)
-    ref = plain_loop(*make_sharded(DLRM, "table_wise", seed=SEED), batches)
+    ref = plain_loop_of(DLRM, "table_wise", batches, seed=SEED)
     dmp, optimizer = make_sharded(DLRM, "table_wise", seed=SEED)
     it = FlakyIterator(batches, at)
     ours = train_calling_progress_again(_staged(dmp, third_stage), dmp, optimizer, it)
@@ -244,7 +244,7 @@ def test_a_poison_batch_skipped_after_retrying_equals_the_plain_loop_without_it(
 ) -> None:
     """0 and 1 fail in the fill (prefetch: 0 only), 3 in the steady state, 5 is the last batch."""
     batches = make_batches(6, seed=DATA_SEED)
-    ref = plain_loop(*make_sharded(DLRM, "table_wise", seed=SEED), batches[:at] + batches[at + 1 :])
+    ref = plain_loop_of(DLRM, "table_wise", batches[:at] + batches[at + 1 :], seed=SEED)
     dmp, optimizer = make_sharded(DLRM, "table_wise", seed=SEED)
     poisoned: List[Poisoned] = []
 
@@ -284,7 +284,7 @@ def test_a_malformed_batch_raises_before_any_stage_and_training_equals_the_plain
     batches = make_batches(6, seed=DATA_SEED)
     good = batches[:at] + batches[at + 1 :]
     batches[at] = _malformed(batches[at], drop=3)
-    ref = plain_loop(*make_sharded(DLRM, "table_wise", seed=SEED), good)
+    ref = plain_loop_of(DLRM, "table_wise", good, seed=SEED)
     dmp, optimizer = make_sharded(DLRM, "table_wise", seed=SEED)
     pipeline = _staged(dmp, third_stage)
     it = iter(batches)

@@ -31,6 +31,7 @@ from trec_pipelines.testing.dlrm import (
     plain_loop,
     weights,
 )
+from trec_pipelines.testing.references import plain_loop_of
 
 DEVICE = devices.device()
 SEED, DATA_SEED, SECOND_SEED = 1234, 5, 9
@@ -93,7 +94,7 @@ def _two_epochs(cls: type) -> Run:
 def _plain() -> Run:
     """The plain loop over the batches every rank has, epoch after epoch."""
     kept = _mine(FIRST, DATA_SEED)[: min(FIRST)] + _mine(SECOND, SECOND_SEED)[: min(SECOND)]
-    return plain_loop(*make_sharded(DLRM, "table_wise", seed=SEED), kept)
+    return plain_loop_of(DLRM, "table_wise", kept, seed=SEED)
 
 
 @pytest.mark.parametrize("name", ["TrainPipelineSparseDist", "TrainPipelineBase"])

@@ -39,6 +39,7 @@ from trec_pipelines.testing.dlrm import (
     run_pipeline,
     weights,
 )
+from trec_pipelines.testing.references import kept
 
 DEVICE = devices.device()
 SEED, DATA_SEED = 1234, 23
@@ -105,9 +106,19 @@ PAIRS = list(itertools.product(TRAINERS + ["Eval"], TRAINERS))
 
 
 def _reference(first: str, first_batches: List[Any], second_batches: List[Any]) -> tuple:
-    """The plain runs of both parts on one fresh model: (first part, second part)."""
+    """The plain runs of both parts on one fresh model: (first part, second part); the
+    same for every second pipeline and every first one that trains (kept once per run)."""
+    evaluates = first == "Eval"
+    return kept(
+        f"{__name__}._reference:DLRM;table_wise;{SEED}",
+        (evaluates, first_batches, second_batches),
+        lambda: _plain_runs(evaluates, first_batches, second_batches),
+    )
+
+
+def _plain_runs(evaluates: bool, first_batches: List[Any], second_batches: List[Any]) -> tuple:
     dmp, optimizer = make_sharded(DLRM, "table_wise", seed=SEED)
-    if first == "Eval":
+    if evaluates:
         dmp.eval()
         with torch.no_grad():
             first_run = Run([dmp(batch)[1] for batch in first_batches], weights(dmp))

@@ -429,25 +429,6 @@ def plain_loop(model: nn.Module, optimizer, batches: Iterable) -> Run:
     return Run(outputs, weights(model))
 
 
-def plain_loop_restarted(batches: Sequence, k: int, seed: int, restart_seed: int) -> Run:
-    """The plain loop over ``batches`` on a DLRM built with ``seed``, the reference of
-    a run resumed after ``k`` batches.  On more than 2 ranks it too restarts there, in
-    a model built with ``restart_seed`` and loaded from the first one's state: DDP
-    rebuilds its gradient buckets after a model's first backward, and an all-reduce
-    over more than two ranks sums in an order that depends on them, so any resumed
-    run (the plain loop's as well) differs from an uninterrupted one in the last
-    bits.  Two ranks sum two values, in either order the same."""
-    dmp, optimizer = make_sharded(DLRM, "table_wise", seed=seed)
-    if dist.get_world_size() <= 2 or k == 0:
-        return plain_loop(dmp, optimizer, batches)
-    first = plain_loop(dmp, optimizer, batches[:k])
-    dmp2, optimizer2 = make_sharded(DLRM, "table_wise", seed=restart_seed)
-    dmp2.load_state_dict(dmp.state_dict())
-    optimizer2.load_state_dict(optimizer.state_dict())
-    rest = plain_loop(dmp2, optimizer2, batches[k:])
-    return Run(list(first) + list(rest), rest.weights)
-
-
 def plain_loop_with_eval_pass(
     model: nn.Module, optimizer, train: List, evaluation: List, at: int
 ) -> Tuple[Run, List[torch.Tensor], Run]:
