@@ -134,6 +134,16 @@ class NoAllReduceWait:
         pass
 
 
+def _ddps_own_wait(pipeline: type, reason: str) -> NoAllReduceWait:
+    logger.info(
+        "%s: the dense gradients' all-reduce is waited at the end of the backward "
+        "(DDP's own wait): %s",
+        pipeline.__name__,
+        reason,
+    )
+    return NoAllReduceWait()
+
+
 def all_reduce_wait(
     model: torch.nn.Module, pipeline: type, *deferred_past: str
 ) -> Union[AllReduceWait, NoAllReduceWait]:
@@ -148,25 +158,13 @@ def all_reduce_wait(
         return NoAllReduceWait()
     overridden = [hook for hook in deferred_past if overrides_outside(pipeline, hook)]
     if overridden:
-        logger.info(
-            "%s: the dense gradients' all-reduce is waited at the end of the backward: "
-            "the subclass's own %s may read them",
-            pipeline.__name__,
-            ", ".join(overridden),
-        )
-        return NoAllReduceWait()
+        return _ddps_own_wait(pipeline, f"the subclass's own {', '.join(overridden)} may read them")
     installed = getattr(ddp, _ATTRIBUTE, None)
     if isinstance(installed, AllReduceWait):
         return installed
     reason = _why_not(ddp)
     if reason is not None:
-        logger.info(
-            "%s: the dense gradients' all-reduce is waited at the end of the backward "
-            "(DDP's own wait): %s",
-            pipeline.__name__,
-            reason,
-        )
-        return NoAllReduceWait()
+        return _ddps_own_wait(pipeline, reason)
     hook = AllReduceWait(ddp)
     setattr(ddp, _ATTRIBUTE, hook)
     return hook
