@@ -18,10 +18,12 @@ from typing import Any, Dict, List, Optional, Sequence, Set
 import torch
 import torch.distributed as dist
 from torch import nn
+from torchrec.sparse.jagged_tensor import KeyedTensor
 
 from benchmarks.contenders.build import DEVICE, Contender
 from benchmarks.contenders.variants import TRAIN
 from benchmarks.settings import netns
+from trec_pipelines.core.all_reduce_wait import AllReduceWait, all_reduce_wait
 from trec_pipelines.testing.dlrm import Batch
 
 
@@ -45,6 +47,16 @@ class StageTimes:
     step, as it can't be timed inside autograd's backward.  None in results
     from before the probe measured them, and ``emb_update`` None when the
     lookup's output had no gradient to replay.
+
+    The backward's own pieces, from a second forward and backward of the same
+    batch run apart after the step (:class:`_DenseReplay`), as SemiSync runs
+    them: ``dense_bwd``, the backward with the lookup's output detached and
+    DDP's all-reduce not waited; ``allreduce``, from its first bucket's issue
+    to its last bucket's end, waited alone; ``allreduce_from``, the fraction of
+    the dense backward run when its first bucket was issued (a fraction
+    summed over the steps, not seconds); ``emb_backward``, the lookup's
+    backward (the gradient all-to-all and the fused update) after it.  None
+    where the model has no ``DistributedDataParallel`` the probe can hook.
     """
 
     h2d: float = 0.0
@@ -62,6 +74,10 @@ class StageTimes:
     backward: Optional[float] = None
     opt: Optional[float] = None
     emb_update: Optional[float] = None
+    dense_bwd: Optional[float] = None
+    allreduce: Optional[float] = None
+    allreduce_from: Optional[float] = None
+    emb_backward: Optional[float] = None
 
     def add(self, key: str, seconds: Optional[float]) -> None:
         """Add ``seconds`` to the piece ``key``; one step without it (None) leaves it None."""
@@ -113,6 +129,10 @@ class StageProbe(Contender):
     def __init__(self) -> None:
         super().__init__("probe:stages", "stages", "probe", TRAIN)
         self.last = StageTimes()
+        self._replay: Optional[_DenseReplay] = None
+
+    def _build(self) -> None:
+        self._replay = _DenseReplay.on(self.model)
 
     def _run_epoch(self, batches: Sequence[Batch]) -> int:
         model, optimizer, pg = self.model, self.optimizer, self.pg
@@ -170,10 +190,30 @@ class StageProbe(Contender):
                 ("emb_update", split.emb_update()),  # after the step's timed pieces
             ):
                 times.add(key, seconds)
+            pieces = self._replay_dense(batch, ctx, dist_input)
+            for key in _DenseReplay.KEYS:
+                times.add(key, None if pieces is None else pieces[key])
         if link:
             times.link_bytes_input_dist, times.link_bytes_compute = link_input, link_compute
         self.last = times
         return len(batches)
+
+    def _replay_dense(self, batch: Batch, ctx: Any, dist_input: Any) -> Optional[Dict[str, float]]:
+        """The step's backward again, in pieces (:class:`_DenseReplay`); its gradients dropped."""
+        replay, model, optimizer = self._replay, self.model, self.optimizer
+        if replay is None or model is None or optimizer is None:
+            return None
+        ebc = model.module.ebc
+        split = _SplitForward(ebc, ctx, dist_input, detach=True)
+        ebc.forward = split
+        try:
+            optimizer.zero_grad()
+            losses, _ = model(batch)
+        finally:
+            del ebc.forward
+        pieces = replay.backward(torch.sum(losses, dim=0), split)
+        optimizer.zero_grad()
+        return pieces
 
 
 def _now() -> float:
@@ -195,11 +235,15 @@ class _SplitForward:
     embedding update, fused with the optimizer) can be timed again on its own.
     """
 
-    def __init__(self, ebc: nn.Module, ctx: Any, dist_input: Any) -> None:
+    def __init__(self, ebc: nn.Module, ctx: Any, dist_input: Any, detach: bool = False) -> None:
         self.ebc, self.ctx, self.dist_input = ebc, ctx, dist_input
         self.lookup = self.out_a2a = 0.0
         self.outputs = 0
         self.grads: Dict[int, torch.Tensor] = {}
+        # detach: the output dist's values, and the leaf the dense part reads in their place.
+        self.detach = detach
+        self.sent: Optional[torch.Tensor] = None
+        self.leaf: Optional[torch.Tensor] = None
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         t0 = _now()
@@ -207,6 +251,10 @@ class _SplitForward:
         t1 = _now()
         out = self.ebc.output_dist(self.ctx, embs).wait()
         self.lookup, self.out_a2a = t1 - t0, _now() - t1
+        if self.detach:
+            self.sent = out.values()
+            self.leaf = self.sent.detach().requires_grad_()
+            return KeyedTensor(out.keys(), out.length_per_key(), self.leaf)
         self.outputs = len(embs)
         for k, emb in enumerate(embs):
             if emb.requires_grad:
@@ -228,3 +276,52 @@ class _SplitForward:
         start = _now()
         torch.autograd.backward(embs, [self.grads[k] for k in range(len(embs))])
         return _now() - start
+
+
+class _DenseReplay:
+    """Times the backward's pieces apart: the dense backward, DDP's all-reduce, the lookup's backward.
+
+    SemiSync's all-reduce hook on the model's ``DistributedDataParallel``
+    (:mod:`trec_pipelines.core.all_reduce_wait`): inside :meth:`backward` DDP
+    is told each bucket is done at once, so the backward returns without
+    waiting, and the all-reduce is then waited on its own; outside, DDP waits
+    as usual, with its own arithmetic.
+    """
+
+    KEYS = ("dense_bwd", "allreduce", "allreduce_from", "emb_backward")
+
+    def __init__(self, hook: AllReduceWait) -> None:
+        self._hook = hook
+
+    @classmethod
+    def on(cls, model: Optional[nn.Module]) -> Optional[_DenseReplay]:
+        """The replay for ``model``'s DDP, or None where the hook can't go on it."""
+        if model is None:
+            return None
+        hook = all_reduce_wait(model, StageProbe)
+        return cls(hook) if isinstance(hook, AllReduceWait) else None
+
+    def backward(self, loss: torch.Tensor, split: _SplitForward) -> Optional[Dict[str, float]]:
+        """Seconds of each piece of ``loss``'s backward (``allreduce_from`` a fraction), or
+        None when the dense part left no gradient at the detached lookup output."""
+        hook = self._hook
+        hook.first_issued = None
+        with hook.deferring():
+            start = _now()
+            loss.backward()
+            dense_end = _now()
+        first = hook.first_issued
+        hook.wait()
+        reduced = _now()
+        leaf, sent = split.leaf, split.sent
+        if leaf is None or sent is None or leaf.grad is None or first is None:
+            return None
+        torch.autograd.backward([sent], [leaf.grad])
+        emb_end = _now()
+        dense = dense_end - start
+        return {
+            "dense_bwd": dense,
+            "allreduce": reduced - first,
+            "allreduce_from": (first - start) / dense if dense > 0 else 1.0,
+            "emb_backward": emb_end - reduced,
+        }

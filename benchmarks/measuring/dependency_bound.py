@@ -140,11 +140,15 @@ class OpTimes:
     time; 0 for the loopback, taken to move bytes at memory speed); where not
     given, all of ``ms``.  ``derived`` names the operations not measured on
     their own, each with how it was derived (for the table's footnote).
+    ``allreduce_from``, where measured, is the all-reduce's start as a
+    fraction of the dense backward (:func:`dependency_bound` uses it).
     """
 
     ms: Mapping[str, float]
     busy_ms: Mapping[str, float] = field(default_factory=dict)
     derived: Mapping[str, str] = field(default_factory=dict)
+    # Measured: the fraction of the dense backward run before DDP's all-reduce starts.
+    allreduce_from: Optional[float] = None
 
     def __post_init__(self) -> None:
         missing = [op for op in OPS if op not in self.ms]
@@ -270,15 +274,20 @@ def dependency_bound(
     times: OpTimes,
     semantics: str,
     cores: Optional[float] = 1.0,
-    allreduce_from: float = ALLREDUCE_FROM,
+    allreduce_from: Optional[float] = None,
 ) -> DependencyBound:
     """The bound of [Note: the dependency bound] for ``semantics`` (``SYNC`` or ``STALE``).
 
     ``cores``: the cores' worth one rank's compute gets (the machine's cores
     over the ranks sharing them); None when not known, which leaves the
     cores term out.  ``allreduce_from``: the fraction of the
-    dense backward after which DDP's all-reduce may start, in [0, 1].
+    dense backward after which DDP's all-reduce may start, in [0, 1]; by
+    default the one measured with ``times``, else ``ALLREDUCE_FROM``.
     """
+    if allreduce_from is None:
+        allreduce_from = (
+            times.allreduce_from if times.allreduce_from is not None else ALLREDUCE_FROM
+        )
     if cores is not None and cores <= 0:
         raise ValueError(f"cores must be > 0 (the cores' worth one rank gets), got {cores}")
     if not 0.0 <= allreduce_from <= 1.0:
@@ -304,12 +313,20 @@ def semantics_of(variant: str) -> str:
 
 # Keys of the probe's epoch record (seconds summed over the epoch) this reads.
 PROBE_KEYS = ("h2d", "input_dist", "lookup", "out_a2a", "forward", "backward", "opt", "emb_update")
+# The backward's pieces, timed apart (``allreduce_from`` a fraction summed over the
+# epoch); results from before the probe timed them derive these (``DERIVED``).
+PIECE_KEYS = ("dense_bwd", "allreduce", "allreduce_from", "emb_backward")
 
 DERIVED = {
     DENSE_FWD: "forward - lookup - out a2a",
     GRAD_A2A: "out a2a (the same bytes the other way; autograd runs it inside the backward)",
     ALLREDUCE: "max(0, link time of the model's collectives - 2 x out a2a), 0 over the loopback",
     DENSE_BWD: "max(0, backward - grad a2a - emb update - all-reduce)",
+}
+# What stays derived once the backward's pieces are timed.
+DERIVED_FROM_PIECES = {
+    DENSE_FWD: DERIVED[DENSE_FWD],
+    GRAD_A2A: "max(0, the lookup's backward - emb update)",
 }
 
 
@@ -333,9 +350,16 @@ def op_times(
     :func:`benchmarks.measuring.schedule_bound.step_costs`); None without an
     emulated link, where collectives take no link time.
 
-    What the probe can't time on its own is derived (``DERIVED``), each rule
-    keeping the bound a lower one: the dense forward is the forward's
-    remainder; the gradient all-to-all is taken as the forward one (the same
+    Where the probe timed the backward's pieces apart (``PIECE_KEYS``: the
+    dense backward with DDP's all-reduce not waited, the all-reduce waited
+    alone, the lookup's backward after it), they are the operations' times,
+    and the fraction of the dense backward run before the all-reduce's first
+    bucket is issued is ``allreduce_from``.  Only the dense forward (the
+    forward's remainder) and the gradient all-to-all (the lookup's backward
+    less the update) stay derived.
+
+    Older results derive the rest (``DERIVED``), each rule keeping the bound
+    a lower one: the gradient all-to-all is taken as the forward one (the same
     bytes), and on every cycle it sits next to the dense backward, from which
     it is subtracted, so their sum is the backward's own remainder; the
     all-reduce gets the link time the two all-to-alls' wall times leave, no
@@ -349,19 +373,27 @@ def op_times(
     m = {k: _median([1e3 * s[k] / steps for s in stages]) for k in PROBE_KEYS}
     out_a2a = m["out_a2a"]
     link = link_compute_ms or 0.0
-    allreduce = max(0.0, link - 2 * out_a2a)
     ms = {
         H2D: m["h2d"],
         INPUT_DIST: m["input_dist"],
         LOOKUP: m["lookup"],
         OUT_A2A: out_a2a,
         DENSE_FWD: max(0.0, m["forward"] - m["lookup"] - out_a2a),
-        GRAD_A2A: out_a2a,
         EMB_UPDATE: m["emb_update"],
-        ALLREDUCE: allreduce,
-        DENSE_BWD: max(0.0, m["backward"] - out_a2a - m["emb_update"] - allreduce),
         OPT: m["opt"],
     }
+    allreduce_from: Optional[float] = None
+    if all(k in s for s in stages for k in PIECE_KEYS):
+        p = {k: _median([1e3 * s[k] / steps for s in stages]) for k in PIECE_KEYS}
+        ms[DENSE_BWD], ms[ALLREDUCE] = p["dense_bwd"], p["allreduce"]
+        ms[GRAD_A2A] = max(0.0, p["emb_backward"] - m["emb_update"])
+        allreduce_from = min(1.0, max(0.0, p["allreduce_from"] / 1e3))
+        derived = dict(DERIVED_FROM_PIECES)
+    else:
+        ms[GRAD_A2A] = out_a2a
+        ms[ALLREDUCE] = max(0.0, link - 2 * out_a2a)
+        ms[DENSE_BWD] = max(0.0, m["backward"] - out_a2a - m["emb_update"] - ms[ALLREDUCE])
+        derived = dict(DERIVED)
     a2a_busy = min(out_a2a, link / 2)  # the two all-to-alls carry the same bytes
     busy = {
         INPUT_DIST: link_input_dist_ms or 0.0,
@@ -369,7 +401,7 @@ def op_times(
         GRAD_A2A: a2a_busy,
         ALLREDUCE: link - 2 * a2a_busy,
     }
-    return OpTimes(ms, busy, dict(DERIVED))
+    return OpTimes(ms, busy, derived, allreduce_from)
 
 
 __all__ = [

@@ -149,9 +149,14 @@ def format_dependency(report: DependencyReport, table: TableLayout) -> List[str]
     ops = ", ".join(f"{LABEL[op]}{'*' if op in derived else ''} {t.ms[op]:.2f}" for op in OPS)
     busy = f"link busy {t.load(LINK):.2f} ms"
     cores = "cores per rank -" if report.cores is None else f"cores per rank {report.cores:g}"
+    start = (
+        ""
+        if t.allreduce_from is None
+        else f", all-reduce issued {100 * t.allreduce_from:.0f}% into the dense bwd"
+    )
     lines = [
         "Dependency bound per step (batches may overlap; each operation's time from the stage "
-        f"probe, ms): {ops}; {busy}, {cores}",
+        f"probe, ms): {ops}; {busy}, {cores}{start}",
     ]
     lines += _semantics_line(report, SYNC)
     lines += _semantics_line(report, STALE)
@@ -159,11 +164,18 @@ def format_dependency(report: DependencyReport, table: TableLayout) -> List[str]
         "  * derived, not timed on its own: "
         + "; ".join(f"{LABEL[op]} = {how}" for op, how in derived.items())
     )
-    lines.append(
+    timed = (
         "  timed on the training thread: lookup (the sharded module's compute), out a2a "
         "(its output dist, waited), forward, backward, opt (zero_grad + step), emb update (the "
         "lookup's backward with its fused optimizer, replayed alone after the step)"
     )
+    if t.allreduce_from is not None:
+        timed += (
+            "; and, in a replay of the backward after the step, as SemiSync runs it: dense bwd "
+            "(the lookup's output detached, DDP's all-reduce not waited), all-reduce (first "
+            "bucket issued to last one done, waited alone), the lookup's backward after it"
+        )
+    lines.append(timed)
     body = [
         [
             v.variant,
@@ -211,6 +223,7 @@ def summary(report: Optional[DependencyReport]) -> Optional[Dict[str, Any]]:
         "op_ms_per_step": dict(t.ms),
         "busy_ms_per_step": {op: t.busy(op) for op in OPS},
         "derived": dict(t.derived),
+        "allreduce_from": t.allreduce_from,
         "cores_per_rank": report.cores,
         "semantics": {
             s: {

@@ -201,6 +201,37 @@ def test_op_times_derive_what_the_probe_cannot_separate() -> None:
     assert short is not None and short.ms["allreduce"] == 0.0 and short.busy("out_a2a") == 5.0
 
 
+def _pieces_epoch() -> Dict[str, float]:
+    """As :func:`_probe_epoch`, with the backward's pieces timed apart: per step a 40 ms dense
+    backward whose all-reduce (15 ms) starts 90% into it, and 9 ms of lookup backward."""
+    return {
+        **_probe_epoch(),
+        "dense_bwd": 0.4,
+        "allreduce": 0.15,
+        "allreduce_from": 9.0,  # a fraction, summed over the 10 steps
+        "emb_backward": 0.09,  # 3 of gradient all-to-all + the 6 of the update
+    }
+
+
+def test_op_times_take_the_backwards_pieces_where_the_probe_timed_them() -> None:
+    times = db.op_times([_pieces_epoch()], 10, 28.0, 3.0)
+    assert times is not None
+    assert dict(times.ms) == pytest.approx(
+        {**BASE, "dense_bwd": 40.0, "allreduce": 15.0, "grad_a2a": 3.0}
+    )
+    assert times.allreduce_from == pytest.approx(0.9)
+    assert set(times.derived) == {"dense_fwd", "grad_a2a"}
+    # The dense cycle waits for 90% of the backward, then the whole all-reduce:
+    # 20 + 36 + 15 + 4, where the all-reduce from the backward's start would give 20 + 40 + 4.
+    bound = db.dependency_bound(times, db.STALE, cores=None)
+    assert bound.terms[DENSE] == pytest.approx(20 + 36 + 15 + 4)
+    assert db.dependency_bound(times, db.STALE, None, 0.0).terms[DENSE] == pytest.approx(64)
+    # One epoch without the pieces (a DDP the probe could not hook): all derived.
+    mixed = db.op_times([_pieces_epoch(), _probe_epoch()], 10, 28.0, 3.0)
+    assert mixed is not None and mixed.allreduce_from is None
+    assert dict(mixed.ms) == pytest.approx(BASE)
+
+
 def test_results_from_before_the_probe_split_the_step_have_no_op_times() -> None:
     old = {k: v for k, v in _probe_epoch().items() if k in ("h2d", "input_dist", "compute")}
     assert db.op_times([old], 10) is None and db.op_times([], 10) is None
@@ -315,3 +346,13 @@ def test_summary_stores_the_dependency_bound_and_old_results_stay_readable() -> 
     bound = results.summary(_raw(old))["throughput"][0]["bound"]
     assert bound["any_schedule"]["binding"] and bound["dependency"] is None
     assert "dependency bound" not in results.format_report(_raw(old), repeats=1)
+
+
+def test_report_says_where_the_all_reduce_starts_when_the_probe_timed_the_pieces() -> None:
+    raw = _raw(_pieces_epoch())
+    text = results.format_report(raw, repeats=1)
+    assert "all-reduce issued 90% into the dense bwd" in text
+    assert "dense bwd 40.00" in text and "dense bwd*" not in text
+    dep = json.loads(json.dumps(results.summary(raw)))["throughput"][0]["bound"]["dependency"]
+    assert dep["allreduce_from"] == pytest.approx(0.9)
+    assert "all-reduce issued" not in results.format_report(_raw(), repeats=1)
