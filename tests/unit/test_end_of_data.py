@@ -81,7 +81,7 @@ def test_an_epoch_set_aside_keeps_whether_its_data_ended() -> None:
     assert source.next(data) == 1
     assert source.next(data) is None
     saved = source.save()
-    assert (saved.exhausted, saved.ended) == (True, True)
+    assert saved.end == EndOfData(exhausted=True, ended=True)
     assert source.end == NOT_ENDED
     source.restore(saved)
     assert source.end == EndOfData(exhausted=True, ended=True)
