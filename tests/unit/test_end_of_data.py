@@ -2,13 +2,25 @@
 
 Each test drives a :class:`BatchSource` (one rank, no agreement) with a plain
 iterator and checks its ``end`` record and torchrec's view (:attr:`BatchSource.ended`)
-after each call; see ``[Note: the end of the data]``.
+after each call; see ``[Note: the end of the data]``.  The last ones switch
+iterators on ``TrainPipelineBase`` (the fake model) and compare with a plain loop
+over the batches that should train: an epoch set aside keeps its own marks.
 """
 
 from __future__ import annotations
 
 from typing import Any, Iterator, List, Optional
 
+import pytest
+
+from tests.unit.fakes import (
+    TinyModel,
+    assert_same_training,
+    base_pipeline,
+    drain,
+    make_batches,
+    plain_loop,
+)
 from trec_pipelines.data.end_of_data import EndOfData
 from trec_pipelines.data.source import BatchSource
 
@@ -69,7 +81,37 @@ def test_an_epoch_set_aside_keeps_whether_its_data_ended() -> None:
     assert source.next(data) == 1
     assert source.next(data) is None
     saved = source.save()
-    assert (saved.exhausted, saved.ended) == (True, True)
+    assert saved.end == EndOfData(exhausted=True, ended=True)
     assert source.end == NOT_ENDED
     source.restore(saved)
     assert source.end == EndOfData(exhausted=True, ended=True)
+
+
+def test_true_written_while_another_iterator_runs_leaves_a_parked_epoch_training() -> None:
+    first, second = make_batches(4), make_batches(3, seed=3)
+    model, ref = TinyModel(), TinyModel()
+    pipeline = base_pipeline(model)
+    parked = iter(first)
+    outputs = [pipeline.progress(parked)]  # trains first[0]; first[1] copied
+    running = iter(second)
+    outputs.append(pipeline.progress(running))  # parks first[1]; trains second[0]
+    pipeline._data_iter_stopped = True  # ends the running iterator's epoch only
+    outputs += drain(pipeline, parked)  # first[1:] train, as with no switch
+    expected = plain_loop(ref, [first[0], second[0], *first[1:]])
+    assert_same_training(outputs, expected, model, ref)
+
+
+def test_true_written_before_an_epoch_is_set_aside_comes_back_with_it() -> None:
+    first, second = make_batches(4), make_batches(3, seed=3)
+    model, ref = TinyModel(), TinyModel()
+    pipeline = base_pipeline(model)
+    stopped = iter(first)
+    outputs = [pipeline.progress(stopped)]  # trains first[0]; first[1] copied
+    pipeline._data_iter_stopped = True  # as torchrec's: first[1] will not train
+    other = iter(second)
+    outputs.append(pipeline.progress(other))  # parks first[1]; trains second[0]
+    with pytest.raises(StopIteration):
+        pipeline.progress(stopped)  # back: its epoch ends, first[1] untrained
+    outputs += drain(pipeline, other)  # second[1:]
+    expected = plain_loop(ref, [first[0], *second])
+    assert_same_training(outputs, expected, model, ref)

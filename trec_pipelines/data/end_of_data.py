@@ -33,8 +33,11 @@ The usual course of an epoch: not ended, then ``exhausted`` (a pull found the
 end; with the ranks agreeing a step ahead, torchrec's flag does not read it
 yet), then ``exhausted`` and ``ended`` (the copy stage found no batch), then
 ``ended`` and ``epoch_over``, then not ended again at the next epoch's first
-pull.  A batch source that sets an epoch aside (a parked iterator) keeps only
-``exhausted`` and ``ended`` with it (:meth:`set_aside`, :meth:`brought_back`).
+pull.  A batch source that sets an epoch aside (a parked iterator) keeps the
+whole record with it and, when that iterator comes back, takes it back whole:
+no mark of the iterator that ran in between reaches the epoch brought back (a
+True written between steps while another iterator ran does not drop its copied
+batch), and none of its own is lost on the way (:meth:`set_aside`).
 """
 
 from __future__ import annotations
@@ -88,9 +91,6 @@ class EndOfData:
         return replace(self, exhausted=False, epoch_over=True)
 
     def set_aside(self) -> EndOfData:
-        """The epoch's iterator was set aside (parked): the source starts afresh."""
-        return replace(self, exhausted=False, ended=False)
-
-    def brought_back(self, exhausted: bool, ended: bool) -> EndOfData:
-        """An epoch set aside comes back with its own ``exhausted`` and ``ended``."""
-        return replace(self, exhausted=exhausted, ended=ended)
+        """The epoch's iterator was set aside (parked), this record with it: the
+        source starts afresh, as for a new iterator."""
+        return self.new_iterator()

@@ -538,30 +538,27 @@ class BatchSource:
     def save(self) -> "SourceState":
         """Set this iterator's epoch aside (see :meth:`restore`); start afresh."""
         self.settle()
-        end = self.end
-        state = SourceState(
-            self.iterator, self._held, end.exhausted, end.ended, self._in_flight, self._rewound
-        )
-        self.iterator, self._held, self.end = None, deque(), end.set_aside()
+        state = SourceState(self.iterator, self._held, self.end, self._in_flight, self._rewound)
+        self.iterator, self._held, self.end = None, deque(), self.end.set_aside()
         self._in_flight, self._rewound = deque(), deque()
         return state
 
     def restore(self, state: "SourceState") -> None:
         """Continue an epoch set aside by :meth:`save`."""
         self.iterator, self._held = state.iterator, state.held
-        self.end = self.end.brought_back(state.exhausted, state.ended)
+        self.end = state.end  # its own marks, whole: none of the iterator run meanwhile
         self._in_flight, self._rewound = state.in_flight, state.rewound
 
 
 @dataclass
 class SourceState:
-    """An iterator's epoch set aside: its fetched-ahead batches, whether it ended,
-    and (``keep_in_flight``) the host copies of its in-flight and rewound batches."""
+    """An iterator's epoch set aside: its fetched-ahead batches, its end-of-data
+    record (every mark, see ``[Note: the end of the data]``), and
+    (``keep_in_flight``) the host copies of its in-flight and rewound batches."""
 
     iterator: Optional[Iterator[Any]]
     held: Deque[Any]
-    exhausted: bool
-    ended: bool
+    end: EndOfData
     in_flight: Deque[Tuple[int, Any]] = field(default_factory=deque)
     rewound: Deque[Tuple[int, Any]] = field(default_factory=deque)
 
