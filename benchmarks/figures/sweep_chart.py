@@ -35,6 +35,11 @@ VARIANT_COLORS = (
     "tab:olive",
 )
 BOUND_LABEL = "any-schedule bound"
+# The dependency bounds' curves, per semantics: (label, colour, line style).
+DEPENDENCY_STYLE = {
+    "sync": ("sync dependency bound", "tab:gray", ":"),
+    "one-step-stale": ("one-step-stale dependency bound", "tab:cyan", ":"),
+}
 
 Series = List[Tuple[int, Optional[float]]]
 
@@ -47,6 +52,7 @@ class Panel:
     dims: List[int] = field(default_factory=list)
     variants: Dict[str, Series] = field(default_factory=dict)
     bound: Series = field(default_factory=list)
+    dependency: Dict[str, Series] = field(default_factory=dict)  # semantics -> curve
     input_dist_share: Dict[int, Optional[float]] = field(default_factory=dict)
     failed: List[int] = field(default_factory=list)
 
@@ -73,10 +79,14 @@ def panels(document: Mapping[str, Any]) -> List[Panel]:
         for variant, values in (point.get("variants") or {}).items():
             panel.variants.setdefault(variant, []).append((dim, values.get("ours_vs_plain")))
         panel.bound.append((dim, point.get("bound_vs_plain")))
+        for semantics, ratio in (point.get("dependency_vs_plain") or {}).items():
+            panel.dependency.setdefault(semantics, []).append((dim, ratio))
         panel.input_dist_share[dim] = _share(point)
     for panel in by_link.values():
         panel.dims.sort()
         panel.bound.sort()
+        for series in panel.dependency.values():
+            series.sort()
         for series in panel.variants.values():
             series.sort()
     return [by_link[k] for k in sorted(by_link)]
@@ -100,6 +110,17 @@ def _draw_panel(ax: Any, panel: Panel) -> None:
         color=BOUND_COLOR,
         label=BOUND_LABEL,
     )
+    for semantics, series in sorted(panel.dependency.items()):
+        label, color, style = DEPENDENCY_STYLE.get(semantics, (semantics, "tab:gray", ":"))
+        xs = [d for d, r in series if r is not None]
+        ax.plot(
+            xs,
+            [r for _, r in series if r is not None],
+            linestyle=style,
+            marker="v",
+            color=color,
+            label=label,
+        )
     ax.axhline(1.0, color="black", linewidth=0.8)
     ax.set_xscale("log", base=2)
     ax.set_xticks(panel.dims)

@@ -9,7 +9,9 @@ ids are a large share of the link's bytes (dim 8: as many bytes as the pooled
 embeddings, a quarter of the step's with the gradient all-reduce) to the one
 where the model's own collectives fill it (dim 128: the ids are 3%), each at a
 slow and a fast link.  Each point also records the any-schedule bound
-(``benchmarks/measuring/schedule_bound.py``), drawn as a curve next to the variants.
+(``benchmarks/measuring/schedule_bound.py``) and the dependency bound of each
+semantics (``benchmarks/measuring/dependency_bound.py``), drawn as curves next
+to the variants.
 
     python -m benchmarks sweep                               # 3 dims x 2 links, ~6-8 min
     python -m benchmarks sweep --dims 8,128 --link-gbits 1   # 2 points
@@ -179,6 +181,7 @@ def point_record(point: SweepPoint, document: Mapping[str, Any]) -> Dict[str, An
         link_ms={"input_dist": costs.get("link_input_dist"), "model": costs.get("link_compute")},
         link_bytes={"input_dist": link_bytes.get("input_dist"), "model": link_bytes.get("compute")},
         compute_ms=(bound.get("stage_ms_per_step") or {}).get("compute"),
+        dependency_vs_plain=_dependency_vs_plain(bound.get("dependency") or {}),
         variants={
             row["variant"]: {
                 "ours_qps": _median(row.get("ours")),
@@ -189,6 +192,15 @@ def point_record(point: SweepPoint, document: Mapping[str, Any]) -> Dict[str, An
         },
     )
     return record
+
+
+def _dependency_vs_plain(dependency: Mapping[str, Any]) -> Dict[str, Optional[float]]:
+    """Each semantics' dependency bound over the plain loop (empty for a point without one)."""
+    out: Dict[str, Optional[float]] = {}
+    for semantics, values in (dependency.get("semantics") or {}).items():
+        share = values.get("plain_of_bound")
+        out[semantics] = 1.0 / share if share else None
+    return out
 
 
 def _ratio(a: Optional[float], b: Optional[float]) -> Optional[float]:

@@ -63,7 +63,12 @@ def test_dry_run_prints_the_runs(capsys: pytest.CaptureFixture[str]) -> None:
 
 
 def _results(
-    plain: float, ours: Dict[str, float], bound: float, ids: float, model: float
+    plain: float,
+    ours: Dict[str, float],
+    bound: float,
+    ids: float,
+    model: float,
+    dependency: Optional[Dict[str, float]] = None,
 ) -> Dict[str, Any]:
     """A point's results.json, as far as the sweep reads it."""
     rows = [
@@ -88,6 +93,13 @@ def _results(
                         "costs_ms_per_step": {"link_input_dist": 3.0, "link_compute": 100.0},
                         "link_bytes_per_step": {"input_dist": ids, "compute": model},
                         "stage_ms_per_step": {"compute": 80.0},
+                        # the plain loop's share of each semantics' dependency bound
+                        "dependency": {
+                            "semantics": {
+                                s: {"plain_of_bound": share}
+                                for s, share in (dependency or {}).items()
+                            }
+                        },
                     },
                 }
             ]
@@ -97,9 +109,17 @@ def _results(
 
 def test_a_point_s_record() -> None:
     point = sweep.SweepPoint(128, 1.0)
+    shares = {"sync": 0.8, "one-step-stale": 0.5}
     record = sweep.point_record(
-        point, _results(1000.0, {"TrainPipelineSparseDist": 1100.0}, 1500.0, 1e5, 9e5)
+        point, _results(1000.0, {"TrainPipelineSparseDist": 1100.0}, 1500.0, 1e5, 9e5, shares)
     )
+    # The plain loop at 80% and 50% of the bounds: they are 1.25x and 2x its rate.
+    assert record["dependency_vs_plain"] == {
+        "sync": pytest.approx(1.25),
+        "one-step-stale": pytest.approx(2.0),
+    }
+    older = sweep.point_record(point, _results(1000.0, {}, 1500.0, 1e5, 9e5))
+    assert older["dependency_vs_plain"] == {}  # a point from before the dependency bound
     assert record["status"] == "ok" and record["name"] == "dim128-1gbit"
     assert record["variants"] == {
         "TrainPipelineSparseDist": {"ours_qps": 1100.0, "ours_vs_plain": pytest.approx(1.1)}
@@ -118,8 +138,11 @@ def _document() -> Dict[str, Any]:
         ratio = 1.3 if point.dim == 8 else 1.02
         ours = {v: 1000.0 * ratio for v in sweep.SWEEP_VARIANTS}
         ids, model = (4e5, 1e5) if point.dim == 8 else (4e5, 1.3e7)
+        shares = {"sync": 1 / (ratio + 0.3), "one-step-stale": 1 / (ratio + 0.4)}
         records.append(
-            sweep.point_record(point, _results(1000.0, ours, 1000.0 * (ratio + 0.2), ids, model))
+            sweep.point_record(
+                point, _results(1000.0, ours, 1000.0 * (ratio + 0.2), ids, model, shares)
+            )
         )
     records[-1] = {
         "dim": 128,
@@ -140,6 +163,10 @@ def test_panels_are_what_is_drawn() -> None:
         (128, pytest.approx(1.02)),
     ]
     assert slow.bound == [(8, pytest.approx(1.5)), (128, pytest.approx(1.22))]
+    assert slow.dependency == {
+        "sync": [(8, pytest.approx(1.6)), (128, pytest.approx(1.32))],
+        "one-step-stale": [(8, pytest.approx(1.7)), (128, pytest.approx(1.42))],
+    }
     share: Optional[float] = slow.input_dist_share[8]
     assert share == pytest.approx(0.8) and slow.input_dist_share[128] == pytest.approx(4e5 / 1.34e7)
     assert list(fast.variants["TrainPipelineSparseDist"]) == [(8, pytest.approx(1.3))]
