@@ -91,18 +91,18 @@ def undo_python_reducer_side_effects() -> Iterator[None]:
         yield
 
 
-def _assert_close(ours: Run, ref: Run) -> None:
+def _assert_close(ours: Run, ref: Run, atol: float = ATOL) -> None:
     assert len(ours) == len(ref)
     for step, (a, b) in enumerate(zip(ours, ref, strict=True)):
         torch.testing.assert_close(
-            a, b, atol=ATOL, rtol=RTOL, msg=lambda m, step=step: f"step {step}: {m}"
+            a, b, atol=atol, rtol=RTOL, msg=lambda m, step=step: f"step {step}: {m}"
         )
     assert ours.weights.keys() == ref.weights.keys()
     for key in ref.weights:
         torch.testing.assert_close(
             ours.weights[key],
             ref.weights[key],
-            atol=ATOL,
+            atol=atol,
             rtol=RTOL,
             msg=lambda m, key=key: f"{key}: {m}",
         )
