@@ -27,6 +27,7 @@ numbers to ceilings.
 from __future__ import annotations
 
 import contextlib
+import gc
 import os
 import sys
 import threading
@@ -198,6 +199,12 @@ def _measure_one(module: Any, name: str, root: str, shim: bool) -> ReadPath:
     functions: Optional[int] = None
     files: Optional[int] = None
     names: Tuple[str, ...] = ()
+    # An earlier pipeline left for the collector notes a wrapper change when it
+    # is collected: inside the counted step that adds its finalizer, and before
+    # it the step takes the slow path that looks for a new owner.  Collect it
+    # now and keep the collector off until the step has been counted.
+    gc.collect()
+    gc.disable()
     with torchrec_on_cpu() if shim else contextlib.nullcontext():
         try:
             _, step = _build(module, name)
@@ -209,6 +216,8 @@ def _measure_one(module: Any, name: str, root: str, shim: bool) -> ReadPath:
                 f"{name} ({module.__name__}): no step on this device: {error!r:.120}",
                 file=sys.stderr,
             )
+        finally:
+            gc.enable()
     return ReadPath(name, functions, files, len(private_names(cls)), len(cls.__mro__), names)
 
 
