@@ -54,7 +54,9 @@ class StageTimes:
     DDP's all-reduce not waited; ``allreduce``, from its first bucket's issue
     to its last bucket's end, waited alone; ``allreduce_from``, the fraction of
     the dense backward run when its first bucket was issued (a fraction
-    summed over the steps, not seconds); ``emb_backward``, the lookup's
+    summed over the steps, not seconds); ``grad_from``, likewise the fraction
+    run when the embeddings' gradient reached the lookup's output (from there
+    the gradient all-to-all could start); ``emb_backward``, the lookup's
     backward (the gradient all-to-all and the fused update) after it.  None
     where the model has no ``DistributedDataParallel`` the probe can hook.
     """
@@ -77,6 +79,7 @@ class StageTimes:
     dense_bwd: Optional[float] = None
     allreduce: Optional[float] = None
     allreduce_from: Optional[float] = None
+    grad_from: Optional[float] = None
     emb_backward: Optional[float] = None
 
     def add(self, key: str, seconds: Optional[float]) -> None:
@@ -288,7 +291,7 @@ class _DenseReplay:
     as usual, with its own arithmetic.
     """
 
-    KEYS = ("dense_bwd", "allreduce", "allreduce_from", "emb_backward")
+    KEYS = ("dense_bwd", "allreduce", "allreduce_from", "grad_from", "emb_backward")
 
     def __init__(self, hook: AllReduceWait) -> None:
         self._hook = hook
@@ -306,6 +309,12 @@ class _DenseReplay:
         None when the dense part left no gradient at the detached lookup output."""
         hook = self._hook
         hook.first_issued = None
+        leaf, sent = split.leaf, split.sent
+        grad_ready: List[float] = []
+        if leaf is not None:
+            # A leaf's hook runs when autograd hands it its gradient: as soon as the
+            # interaction's backward made it (autograd runs leaves' accumulation first).
+            leaf.register_hook(lambda grad: grad_ready.append(time.perf_counter()))
         with hook.deferring():
             start = _now()
             loss.backward()
@@ -313,8 +322,7 @@ class _DenseReplay:
         first = hook.first_issued
         hook.wait()
         reduced = _now()
-        leaf, sent = split.leaf, split.sent
-        if leaf is None or sent is None or leaf.grad is None or first is None:
+        if leaf is None or sent is None or leaf.grad is None or first is None or not grad_ready:
             return None
         torch.autograd.backward([sent], [leaf.grad])
         emb_end = _now()
@@ -323,5 +331,6 @@ class _DenseReplay:
             "dense_bwd": dense,
             "allreduce": reduced - first,
             "allreduce_from": (first - start) / dense if dense > 0 else 1.0,
+            "grad_from": (grad_ready[0] - start) / dense if dense > 0 else 1.0,
             "emb_backward": emb_end - reduced,
         }

@@ -26,8 +26,11 @@ Within batch *i*: input dist -> lookup -> out a2a -> dense fwd -> dense bwd
 -> grad a2a -> emb update, and dense bwd -> all-reduce -> opt.  DDP starts the
 all-reduce during the backward: it may start once ``ALLREDUCE_FROM`` of the
 dense backward has run (0 by default: with it) and ends no earlier than the
-backward does, so that edge's lag is ``max(f * bwd, bwd - all-reduce)``.
-Between batches:
+backward does, so that edge's lag is ``max(f * bwd, bwd - all-reduce)``.  The
+gradient all-to-all may start once the dense backward has produced the
+embeddings' gradient, ``GRAD_FROM`` of the way through it (1 by default: at
+its end; the bottom MLP's backward need not come first), so that edge's lag is
+``g * bwd``.  Between batches:
 
 * ``sync`` (the plain loop's math: SparseDist, Fused, Base, Staged, ...):
   lookup(i+1) after emb update(i); dense fwd(i+1) after opt(i).
@@ -38,7 +41,7 @@ Between batches:
 
 The input dist and H2D of batch *i+1* depend on nothing of batch *i*.
 
-The bound is the largest of two kinds of term, a simple lower bound on the
+The bound is the largest of three kinds of term, a simple lower bound on the
 steady-state period of every schedule that keeps these dependencies and runs
 one operation at a time per resource (not the best such schedule's period,
 which can be longer: it also makes the cycles' operations queue for their
@@ -56,6 +59,20 @@ resources):
   least ``n L`` after batch *i*'s, so a step takes at least ``L / D`` on
   average, whatever the schedule.  Every simple cycle of the graph is a
   term (the graph has ten nodes; there are a handful).
+* ``sync`` only, the link's window: the cycles let the link carry batch
+  *i*'s all-reduce and gradient all-to-all and batch *i+1*'s output
+  all-to-all at once, each cycle one of them.  Under sync semantics all three
+  fall between the same two points: none can start before batch *i*'s dense
+  forward and the first ``min(f, g)`` of its dense backward have run, and all
+  must be done when batch *i+1*'s dense forward starts (it needs batch *i*'s
+  optimizer step, after the all-reduce, and batch *i+1*'s embeddings, after
+  the output all-to-all, whose lookup waits for batch *i*'s update, after the
+  gradient all-to-all).  One link carries them one after the other, so
+  successive dense forwards start at least ``dense fwd + min(f, g) * dense bwd
+  + all-reduce + grad a2a + out a2a`` apart (each collective at the time it
+  holds the link).  Under one-step-stale semantics batch *i+1*'s lookup no
+  longer waits for batch *i*'s update, its output all-to-all can cross the
+  link during batch *i*'s dense work, and there is no such window.
 
 The operation times are measured each alone (the stage probe, one rank's
 training thread); operations that overlap in a real schedule share the
@@ -64,7 +81,7 @@ machine and only get slower, so the terms stay lower bounds.
 Each term only grows with each operation's time (the all-reduce edge's lag
 falls as the all-reduce grows, but every cycle through it continues with the
 all-reduce itself, so the sum ``max(f * bwd + all-reduce, bwd)`` grows), so
-more time on an operation never lowers the bound.
+more time on an operation never lowers the bound (nor does it lower the window).
 
 The sync cycles: lookup > out a2a > dense fwd > dense bwd > grad a2a > emb
 update (the embeddings' round trip, both all-to-alls on it) and dense fwd >
@@ -128,6 +145,11 @@ SEMANTICS = (SYNC, STALE)
 
 # Default fraction of the dense backward after which DDP's all-reduce may start.
 ALLREDUCE_FROM = 0.0
+# Default fraction of the dense backward after which the gradient all-to-all may start.
+GRAD_FROM = 1.0
+
+# The sync bound's link-window term (see the Note).
+WINDOW = "window dense fwd > dense bwd to the first collective > link: all-reduce + grad a2a + next out a2a"
 
 
 @dataclass(frozen=True)
@@ -141,7 +163,9 @@ class OpTimes:
     given, all of ``ms``.  ``derived`` names the operations not measured on
     their own, each with how it was derived (for the table's footnote).
     ``allreduce_from``, where measured, is the all-reduce's start as a
-    fraction of the dense backward (:func:`dependency_bound` uses it).
+    fraction of the dense backward (:func:`dependency_bound` uses it);
+    ``grad_from``, where measured, the fraction of the dense backward run when
+    the embeddings' gradient is ready for the gradient all-to-all.
     """
 
     ms: Mapping[str, float]
@@ -149,6 +173,8 @@ class OpTimes:
     derived: Mapping[str, str] = field(default_factory=dict)
     # Measured: the fraction of the dense backward run before DDP's all-reduce starts.
     allreduce_from: Optional[float] = None
+    # Measured: the fraction of the dense backward run when the embeddings' gradient is ready.
+    grad_from: Optional[float] = None
 
     def __post_init__(self) -> None:
         missing = [op for op in OPS if op not in self.ms]
@@ -177,7 +203,9 @@ class Edge:
     lag: float
 
 
-def _edges(times: OpTimes, semantics: str, allreduce_from: float) -> List[Edge]:
+def _edges(
+    times: OpTimes, semantics: str, allreduce_from: float, grad_from: float = GRAD_FROM
+) -> List[Edge]:
     t = times.ms
 
     def after(src: str, dst: str, distance: int = 0) -> Edge:
@@ -190,7 +218,8 @@ def _edges(times: OpTimes, semantics: str, allreduce_from: float) -> List[Edge]:
         after(LOOKUP, OUT_A2A),
         after(OUT_A2A, DENSE_FWD),
         after(DENSE_FWD, DENSE_BWD),
-        after(DENSE_BWD, GRAD_A2A),
+        # The embeddings' gradient is ready part of the way through the dense backward.
+        Edge(DENSE_BWD, GRAD_A2A, 0, grad_from * bwd),
         after(GRAD_A2A, EMB_UPDATE),
         # Starts after a fraction of the backward, ends no earlier than it.
         Edge(DENSE_BWD, ALLREDUCE, 0, max(allreduce_from * bwd, bwd - ar)),
@@ -275,6 +304,7 @@ def dependency_bound(
     semantics: str,
     cores: Optional[float] = 1.0,
     allreduce_from: Optional[float] = None,
+    grad_from: Optional[float] = None,
 ) -> DependencyBound:
     """The bound of [Note: the dependency bound] for ``semantics`` (``SYNC`` or ``STALE``).
 
@@ -283,22 +313,29 @@ def dependency_bound(
     cores term out.  ``allreduce_from``: the fraction of the
     dense backward after which DDP's all-reduce may start, in [0, 1]; by
     default the one measured with ``times``, else ``ALLREDUCE_FROM``.
+    ``grad_from``: likewise for the gradient all-to-all (``GRAD_FROM``).
     """
     if allreduce_from is None:
         allreduce_from = (
             times.allreduce_from if times.allreduce_from is not None else ALLREDUCE_FROM
         )
+    if grad_from is None:
+        grad_from = times.grad_from if times.grad_from is not None else GRAD_FROM
     if cores is not None and cores <= 0:
         raise ValueError(f"cores must be > 0 (the cores' worth one rank gets), got {cores}")
-    if not 0.0 <= allreduce_from <= 1.0:
-        raise ValueError(
-            f"allreduce_from is a fraction of the backward, in [0, 1]; got {allreduce_from}"
-        )
+    for name, value in (("allreduce_from", allreduce_from), ("grad_from", grad_from)):
+        if not 0.0 <= value <= 1.0:
+            raise ValueError(f"{name} is a fraction of the backward, in [0, 1]; got {value}")
     terms: Dict[str, float] = {LINK: times.load(LINK), COPY: times.load(COPY)}
     if cores is not None:
         terms[CORES] = times.load(CORES) / cores
-    for cycle in cycles(_edges(times, semantics, allreduce_from)):
+    for cycle in cycles(_edges(times, semantics, allreduce_from, grad_from)):
         terms[cycle.name] = cycle.per_step_ms
+    if semantics == SYNC:
+        t = times.ms
+        first = min(allreduce_from, grad_from) * t[DENSE_BWD]
+        carried = sum(times.busy(op) for op in (ALLREDUCE, GRAD_A2A, OUT_A2A))
+        terms[WINDOW] = t[DENSE_FWD] + first + carried
     return DependencyBound(terms, semantics)
 
 
@@ -316,6 +353,9 @@ PROBE_KEYS = ("h2d", "input_dist", "lookup", "out_a2a", "forward", "backward", "
 # The backward's pieces, timed apart (``allreduce_from`` a fraction summed over the
 # epoch); results from before the probe timed them derive these (``DERIVED``).
 PIECE_KEYS = ("dense_bwd", "allreduce", "allreduce_from", "emb_backward")
+# Timed with them since 2026-11-28: when the embeddings' gradient is ready (a fraction
+# of the dense backward, summed over the epoch); results without it take ``GRAD_FROM``.
+GRAD_FROM_KEY = "grad_from"
 
 DERIVED = {
     DENSE_FWD: "forward - lookup - out a2a",
@@ -354,7 +394,8 @@ def op_times(
     dense backward with DDP's all-reduce not waited, the all-reduce waited
     alone, the lookup's backward after it), they are the operations' times,
     and the fraction of the dense backward run before the all-reduce's first
-    bucket is issued is ``allreduce_from``.  Only the dense forward (the
+    bucket is issued is ``allreduce_from`` (and, where timed, the fraction run
+    when the embeddings' gradient was ready is ``grad_from``).  Only the dense forward (the
     forward's remainder) and the gradient all-to-all (the lookup's backward
     less the update) stay derived.
 
@@ -383,11 +424,15 @@ def op_times(
         OPT: m["opt"],
     }
     allreduce_from: Optional[float] = None
+    grad_from: Optional[float] = None
     if all(k in s for s in stages for k in PIECE_KEYS):
         p = {k: _median([1e3 * s[k] / steps for s in stages]) for k in PIECE_KEYS}
         ms[DENSE_BWD], ms[ALLREDUCE] = p["dense_bwd"], p["allreduce"]
         ms[GRAD_A2A] = max(0.0, p["emb_backward"] - m["emb_update"])
         allreduce_from = min(1.0, max(0.0, p["allreduce_from"] / 1e3))
+        if all(GRAD_FROM_KEY in s for s in stages):
+            g = _median([s[GRAD_FROM_KEY] / steps for s in stages])
+            grad_from = min(1.0, max(0.0, g))
         derived = dict(DERIVED_FROM_PIECES)
     else:
         ms[GRAD_A2A] = out_a2a
@@ -401,7 +446,7 @@ def op_times(
         GRAD_A2A: a2a_busy,
         ALLREDUCE: link - 2 * a2a_busy,
     }
-    return OpTimes(ms, busy, derived, allreduce_from)
+    return OpTimes(ms, busy, derived, allreduce_from, grad_from)
 
 
 __all__ = [
@@ -409,6 +454,7 @@ __all__ = [
     "Cycle",
     "DependencyBound",
     "Edge",
+    "GRAD_FROM",
     "OPS",
     "OpTimes",
     "SEMANTICS",
@@ -418,4 +464,5 @@ __all__ = [
     "dependency_bound",
     "op_times",
     "semantics_of",
+    "WINDOW",
 ]

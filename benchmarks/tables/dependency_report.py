@@ -154,6 +154,8 @@ def format_dependency(report: DependencyReport, table: TableLayout) -> List[str]
         if t.allreduce_from is None
         else f", all-reduce issued {100 * t.allreduce_from:.0f}% into the dense bwd"
     )
+    if t.grad_from is not None:
+        start += f", the embeddings' gradient ready {100 * t.grad_from:.0f}% into it"
     lines = [
         "Dependency bound per step (batches may overlap; each operation's time from the stage "
         f"probe, ms): {ops}; {busy}, {cores}{start}",
@@ -175,6 +177,11 @@ def format_dependency(report: DependencyReport, table: TableLayout) -> List[str]
             "(the lookup's output detached, DDP's all-reduce not waited), all-reduce (first "
             "bucket issued to last one done, waited alone), the lookup's backward after it"
         )
+    lines.append(
+        "  window: under sync semantics batch i's all-reduce and grad a2a and batch i+1's out a2a "
+        "all cross the link between batch i's first collective and batch i+1's dense fwd, one "
+        "after the other"
+    )
     lines.append(timed)
     body = [
         [
@@ -224,6 +231,7 @@ def summary(report: Optional[DependencyReport]) -> Optional[Dict[str, Any]]:
         "busy_ms_per_step": {op: t.busy(op) for op in OPS},
         "derived": dict(t.derived),
         "allreduce_from": t.allreduce_from,
+        "grad_from": t.grad_from,
         "cores_per_rank": report.cores,
         "semantics": {
             s: {

@@ -55,6 +55,10 @@ def test_the_split_step_trains_the_dense_part_as_the_plain_loop_and_records_ever
             record["compute"], rel=1e-6
         )
         assert record["lookup"] + record["out_a2a"] <= record["forward"]
+        # The backward replayed in pieces: when the all-reduce was issued and when the
+        # embeddings' gradient was ready, each a fraction of the dense backward (one step).
+        assert all(key in record for key in ("dense_bwd", "allreduce", "emb_backward")), record
+        assert 0.0 <= record["allreduce_from"] <= 1.0 and 0.0 <= record["grad_from"] <= 1.0
     finally:
         for contender in (probe, plain, untrained):
             contender.close()

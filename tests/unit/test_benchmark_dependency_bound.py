@@ -15,6 +15,7 @@ from benchmarks.tables import report, results
 ROUND_TRIP = "cycle lookup > out a2a > dense fwd > dense bwd > grad a2a > emb update"
 DENSE = "cycle dense fwd > dense bwd > all-reduce > opt"
 TAKE_TURNS = "cycle lookup > emb update"
+WINDOW = db.WINDOW
 
 # ms per step; cores ops add up to 70, link ops to 33, the round trip to 82, the dense cycle to 54.
 BASE = {
@@ -49,6 +50,9 @@ def test_sync_round_trip_carries_both_all_to_alls_and_binds() -> None:
             "cores": 10 + 20 + 30 + 6 + 4,
             ROUND_TRIP: 10 + 8 + 20 + 30 + 8 + 6,  # out a2a and grad a2a on it
             DENSE: 20 + max(30, 12) + 4,
+            # The all-reduce may start with the backward: the dense fwd, then the three
+            # collectives one after the other on the link.
+            WINDOW: 20 + 0 + (12 + 8 + 8),
         }
     )
     assert bound.binding == ROUND_TRIP and bound.step_ms == pytest.approx(82.0)
@@ -98,6 +102,40 @@ def test_the_all_reduce_starts_after_a_fraction_of_the_backward() -> None:
     assert end.terms[DENSE] == pytest.approx(20 + 30 + 25 + 4)
 
 
+def test_the_link_window_binds_when_the_collectives_start_late() -> None:
+    """Under sync semantics batch i's all-reduce and gradient all-to-all and batch i+1's
+    output all-to-all share the link between two dense forwards: written out, a step where
+    all three start 90% into the backward takes 20 + 27 + 30 + 25 + 25 ms at least."""
+    times = _times(out_a2a=25.0, grad_a2a=25.0, allreduce=30.0)
+    late = db.dependency_bound(times, db.SYNC, allreduce_from=0.9, grad_from=0.9)
+    assert late.terms[WINDOW] == pytest.approx(20 + 27 + 30 + 25 + 25)
+    assert late.binding == WINDOW and late.step_ms == pytest.approx(127.0)
+    # Each cycle alone lets the three overlap on the link, and stays below it.
+    assert late.terms[ROUND_TRIP] == pytest.approx(10 + 25 + 20 + 27 + 25 + 6)
+    assert late.terms[DENSE] == pytest.approx(20 + 27 + 30 + 4)
+    # The window opens at the earlier of the two starts.
+    early = db.dependency_bound(times, db.SYNC, allreduce_from=0.9, grad_from=0.5)
+    assert early.terms[WINDOW] == pytest.approx(20 + 15 + 80)
+    # What a collective holds the link for counts, not its wall time.
+    busy = db.OpTimes(times.ms, busy_ms={"allreduce": 10.0})
+    assert db.dependency_bound(busy, db.SYNC, None, 0.9, 0.9).terms[WINDOW] == pytest.approx(
+        20 + 27 + 10 + 25 + 25
+    )
+    # One step stale: batch i+1's output all-to-all may cross during batch i's dense work.
+    assert WINDOW not in db.dependency_bound(times, db.STALE, None, 0.9, 0.9).terms
+
+
+def test_the_gradient_all_to_all_starts_when_the_embeddings_gradient_is_ready() -> None:
+    # Half-way through the 30 ms dense backward: the round trip is 15 ms shorter.
+    half = db.dependency_bound(_times(), db.SYNC, grad_from=0.5)
+    assert half.terms[ROUND_TRIP] == pytest.approx(10 + 8 + 20 + 15 + 8 + 6)
+    stale = db.dependency_bound(_times(), db.STALE, grad_from=0.5)
+    assert stale.terms[ROUND_TRIP + " (over 2 steps)"] == pytest.approx((82 - 15) / 2)
+    # Measured with the times, it is the default.
+    measured = db.OpTimes(_times().ms, grad_from=0.5)
+    assert db.dependency_bound(measured, db.SYNC).terms == pytest.approx(half.terms)
+
+
 def test_cycles_per_semantics() -> None:
     def names(semantics: str) -> List[str]:
         return [c.name for c in db.cycles(db._edges(_times(), semantics, 0.0))]
@@ -114,17 +152,19 @@ def test_a_cycle_that_reaches_no_later_batch_is_refused() -> None:
 
 @pytest.mark.parametrize("semantics", db.SEMANTICS)
 @pytest.mark.parametrize("allreduce_from", [0.0, 0.3, 1.0])
+@pytest.mark.parametrize("grad_from", [0.2, 1.0])
 def test_more_time_on_an_operation_never_lowers_a_bound(
-    semantics: str, allreduce_from: float
+    semantics: str, allreduce_from: float, grad_from: float
 ) -> None:
     rng = random.Random(7)
     for _ in range(40):
         ms = {op: rng.uniform(0.0, 50.0) for op in db.OPS}
         busy = {op: rng.uniform(0.0, 50.0) for op in ("input_dist", "out_a2a", "allreduce")}
-        before = db.dependency_bound(db.OpTimes(ms, busy), semantics, 1.0, allreduce_from)
+        args = (1.0, allreduce_from, grad_from)
+        before = db.dependency_bound(db.OpTimes(ms, busy), semantics, *args)
         for op in db.OPS:
             grown = db.OpTimes({**ms, op: ms[op] + rng.uniform(0.1, 30.0)}, busy)
-            after = db.dependency_bound(grown, semantics, 1.0, allreduce_from)
+            after = db.dependency_bound(grown, semantics, *args)
             assert after.step_ms >= before.step_ms - 1e-9, (op, ms)
             for name, value in before.terms.items():
                 assert after.terms[name] >= value - 1e-9, (op, name, ms)
@@ -147,6 +187,8 @@ def test_wrong_inputs_say_what_to_do() -> None:
         db.dependency_bound(_times(), "async")
     with pytest.raises(ValueError, match="in \\[0, 1\\]"):
         db.dependency_bound(_times(), db.SYNC, allreduce_from=1.5)
+    with pytest.raises(ValueError, match="grad_from is a fraction"):
+        db.dependency_bound(_times(), db.SYNC, grad_from=-0.1)
     with pytest.raises(ValueError, match="cores must be > 0"):
         db.dependency_bound(_times(), db.SYNC, cores=0.0)
     assert "cores" not in db.dependency_bound(_times(), db.SYNC, cores=None).terms
@@ -220,6 +262,7 @@ def test_op_times_take_the_backwards_pieces_where_the_probe_timed_them() -> None
         {**BASE, "dense_bwd": 40.0, "allreduce": 15.0, "grad_a2a": 3.0}
     )
     assert times.allreduce_from == pytest.approx(0.9)
+    assert times.grad_from is None  # timed since the window term: older results take 1
     assert set(times.derived) == {"dense_fwd", "grad_a2a"}
     # The dense cycle waits for 90% of the backward, then the whole all-reduce:
     # 20 + 36 + 15 + 4, where the all-reduce from the backward's start would give 20 + 40 + 4.
@@ -230,6 +273,18 @@ def test_op_times_take_the_backwards_pieces_where_the_probe_timed_them() -> None
     mixed = db.op_times([_pieces_epoch(), _probe_epoch()], 10, 28.0, 3.0)
     assert mixed is not None and mixed.allreduce_from is None
     assert dict(mixed.ms) == pytest.approx(BASE)
+
+
+def test_op_times_take_when_the_embeddings_gradient_was_ready() -> None:
+    epochs = [{**_pieces_epoch(), "grad_from": g} for g in (8.0, 7.0, 9.5)]  # summed over 10
+    times = db.op_times(epochs, 10, 28.0, 3.0)
+    assert times is not None and times.grad_from == pytest.approx(0.8)  # the median epoch's
+    # The round trip's dense bwd is the 32 ms before the gradient is ready; the window opens
+    # at 32 ms (before the all-reduce's 36): 20 + 32 + the link time of the three collectives
+    # (out a2a 8, the 3 ms grad a2a, the all-reduce's 12 of the link's 28 ms).
+    bound = db.dependency_bound(times, db.SYNC, cores=None)
+    assert bound.terms[ROUND_TRIP] == pytest.approx(10 + 8 + 20 + 32 + 3 + 6)
+    assert bound.terms[WINDOW] == pytest.approx(20 + 32 + 8 + 3 + 12)
 
 
 def test_results_from_before_the_probe_split_the_step_have_no_op_times() -> None:
