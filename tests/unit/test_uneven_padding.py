@@ -114,3 +114,26 @@ def test_the_uneven_stop_warning_says_how_many_batches_are_not_trained() -> None
     message = uneven_stop(1, 1, generator)
     assert "cannot say how many batches are left" in message, message
     assert "not trained:" not in message
+
+
+def test_an_epoch_set_aside_pads_with_its_own_last_batch() -> None:
+    """An eval epoch parked after its last batch (another iterator's epoch ran meanwhile)
+    pads with that batch when it comes back, as it would have without the detour; before,
+    it padded with the other iterator's batch."""
+    source = BatchSource(  # type: ignore[arg-type]
+        _OtherRank(10), pipelineable=False, pad_uneven=True, agree_ahead=False
+    )
+    first = iter(["a0", "a1"])
+    got = []
+    for _ in range(2):
+        source.fetch_ahead(first)
+        got.append(source.next(first))
+    parked = source.save()
+    other = iter(["b0", "b1", "b2"])
+    source.fetch_ahead(other)
+    assert source.next(other) == "b0"
+    source.restore(parked)
+    source.fetch_ahead(first)
+    padding = source.next(first)  # this rank's data ended, the other rank's has not
+    assert got == ["a0", "a1"] and isinstance(padding, Padding)
+    assert unwrap(padding)[0] == "a1"

@@ -539,8 +539,10 @@ class BatchSource:
         """Set this iterator's epoch aside (see :meth:`restore`); start afresh."""
         self.settle()
         state = SourceState(self.iterator, self._held, self.end, self._in_flight, self._rewound)
+        state.last_real, state.pulled = self._last_real, self._epoch_pulled
         self.iterator, self._held, self.end = None, deque(), self.end.set_aside()
         self._in_flight, self._rewound = deque(), deque()
+        self._last_real, self._epoch_pulled = None, 0
         return state
 
     def restore(self, state: "SourceState") -> None:
@@ -548,19 +550,24 @@ class BatchSource:
         self.iterator, self._held = state.iterator, state.held
         self.end = state.end  # its own marks, whole: none of the iterator run meanwhile
         self._in_flight, self._rewound = state.in_flight, state.rewound
+        # Its own last batch pads it, not the other iterator's (see [Note: padding uneven eval data]).
+        self._last_real, self._epoch_pulled = state.last_real, state.pulled
 
 
 @dataclass
 class SourceState:
     """An iterator's epoch set aside: its fetched-ahead batches, its end-of-data
-    record (every mark, see ``[Note: the end of the data]``), and
-    (``keep_in_flight``) the host copies of its in-flight and rewound batches."""
+    record (every mark, see ``[Note: the end of the data]``),
+    (``keep_in_flight``) the host copies of its in-flight and rewound batches, its
+    last accepted batch (what pads it) and how many batches it pulled."""
 
     iterator: Optional[Iterator[Any]]
     held: Deque[Any]
     end: EndOfData
     in_flight: Deque[Tuple[int, Any]] = field(default_factory=deque)
     rewound: Deque[Tuple[int, Any]] = field(default_factory=deque)
+    last_real: Optional[Any] = None
+    pulled: int = 0
 
     def host_batches(self) -> List[Any]:
         """The host batches set aside (see :meth:`BatchSource.host_batches`)."""
