@@ -332,6 +332,10 @@ def test_a_persistent_workers_dataloader_trains_every_batch_of_every_epoch(name:
     outputs = list(run_pipeline(pipeline, it, model=dmp))
     assert iter(loader) is it  # the same iterator object, reset by the DataLoader
     outputs += list(run_pipeline(pipeline, it, model=dmp))
+    # The worker is stopped here, not when a later test's garbage collection finds
+    # the iterator (the pipeline holds it in a cycle): a worker stopped from there
+    # was seen to outlast DataLoader's 5 s join timeout.
+    it._shutdown_workers()
     ours = Run(outputs, weights(dmp))
     _compare(name, ref, ours, "plain loop over both epochs")
 
