@@ -32,6 +32,7 @@ from trec_pipelines.testing.dlrm import (
     run_pipeline,
     weights,
 )
+from trec_pipelines.testing.references import kept
 from trec_pipelines.testing.torchrec_cpu import shim_active, torchrec_on_cpu
 
 DEVICE = devices.device()
@@ -88,7 +89,12 @@ def eval_run(
 def test_eval_mode_model_matches_eval_loop(cls: Any, model: str, sharding_type: str) -> None:
     factory = MODELS[model]
     batches = make_batches(seed=DATA_SEED)
-    ref = eval_loop(make_sharded(factory, sharding_type, seed=SEED)[0], batches)
+    # The same for both pipelines: scored once per run.
+    ref = kept(
+        f"{__name__}.eval_loop:{model};{SEED}",
+        (sharding_type, batches),
+        lambda: eval_loop(make_sharded(factory, sharding_type, seed=SEED)[0], batches),
+    )
     assert not shim_active()
     ours = eval_run(cls, factory, batches, sharding_type)
     assert len(ref) == len(batches)
