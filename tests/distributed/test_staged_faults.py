@@ -16,8 +16,7 @@ import pytest
 import torch
 
 from tests.distributed.test_faults import (
-    FaultyDLRM,
-    FaultyOptimizer,
+    _build,
     _malformed,
     plain_loop_with_retry_of,
 )
@@ -43,10 +42,9 @@ FAULT_POINTS = ["before_lookup", "after_lookup", "backward", "optimizer"]
 
 
 def _faulty(where: str, at: int) -> Tuple[Any, Any]:
-    """A sharded FaultyDLRM and a FaultyOptimizer: one of them raises at call ``at``."""
-    model_at = -1 if where == "optimizer" else at
-    dmp, optimizer = make_sharded(lambda: FaultyDLRM(where, model_at), "table_wise", seed=SEED)
-    return dmp, FaultyOptimizer(optimizer, at if where == "optimizer" else -1)
+    """A sharded FaultyDLRM and a FaultyOptimizer: one of them raises at call ``at``
+    (test_faults' builder, so the retry reference it keeps is this model's)."""
+    return _build(where, at)
 
 
 def _staged(
@@ -128,7 +126,7 @@ def test_retrying_the_failed_batch_equals_the_plain_loop_with_retry(
     where: str, at: int, third_stage: Optional[str]
 ) -> None:
     batches = make_batches(6, seed=DATA_SEED)
-    ref = plain_loop_with_retry_of(where, at, batches)  # on what _faulty(where, at) builds
+    ref = plain_loop_with_retry_of(where, at, batches)
     dmp, optimizer = _faulty(where, at)
     ours = train_staged(_staged(dmp, third_stage), dmp, optimizer, batches, retry=True)
     assert_runs_equal(
