@@ -538,8 +538,15 @@ class BatchSource:
     def save(self) -> "SourceState":
         """Set this iterator's epoch aside (see :meth:`restore`); start afresh."""
         self.settle()
-        state = SourceState(self.iterator, self._held, self.end, self._in_flight, self._rewound)
-        state.last_real, state.pulled = self._last_real, self._epoch_pulled
+        state = SourceState(
+            self.iterator,
+            self._held,
+            self.end,
+            self._in_flight,
+            self._rewound,
+            self._last_real,
+            self._epoch_pulled,
+        )
         self.iterator, self._held, self.end = None, deque(), self.end.set_aside()
         self._in_flight, self._rewound = deque(), deque()
         self._last_real, self._epoch_pulled = None, 0
