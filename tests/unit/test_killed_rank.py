@@ -1,7 +1,8 @@
 """Issue #22, item 4: a rank killed mid-epoch under torchrun; the restarted job resumes exactly.
 
 Two runs of tests/elastic/train_with_checkpoints.py on 2 gloo ranks under
-``torchrun --max-restarts``: one that never stops, and one whose rank 1 dies
+``torchrun --max-restarts`` (the ranks forked from the test process's rank
+server, tests/elastic/rank_server.py): one that never stops, and one whose rank 1 dies
 (``os._exit``) before step 5, after the checkpoint of step 3.  torchrun
 restarts both ranks, which load the last checkpoint and train to the end.  The final weights must
 be the uninterrupted run's, bit for bit, and the restarted attempt must train
@@ -20,11 +21,13 @@ from typing import Dict
 import pytest
 import torch
 
+from tests.elastic.rank_server import RankServer
+
 REPO = Path(__file__).resolve().parents[2]
 STEPS, EVERY, DIE_AT = 12, 3, 5
 
 
-def _run(out: Path, variant: str, die_at: int) -> subprocess.CompletedProcess:
+def _run(server: RankServer, out: Path, variant: str, die_at: int) -> subprocess.CompletedProcess:
     command = [
         sys.executable,
         "-m",
@@ -34,8 +37,7 @@ def _run(out: Path, variant: str, die_at: int) -> subprocess.CompletedProcess:
         # One restart: the rank killed on purpose.  The script drops its model after
         # destroying the group, so torch's teardown has no gloo thread left to abort on.
         "--max-restarts=1",
-        "-m",
-        "tests.elastic.train_with_checkpoints",
+        *server.entry_point("tests.elastic.train_with_checkpoints"),
         "--out",
         str(out),
         "--variant",
@@ -77,13 +79,15 @@ def _training_attempt(out: Path, rank: int) -> int:
 
 
 @pytest.mark.parametrize("variant", ["TrainPipelineSparseDist", "TrainPipelineSemiSync"])
-def test_killed_rank_resumes_from_the_last_checkpoint_exactly(tmp_path: Path, variant: str) -> None:
+def test_killed_rank_resumes_from_the_last_checkpoint_exactly(
+    rank_server: RankServer, tmp_path: Path, variant: str
+) -> None:
     whole, killed = tmp_path / "whole", tmp_path / "killed"
     whole.mkdir()
     killed.mkdir()
-    done = _run(whole, variant, die_at=-1)
+    done = _run(rank_server, whole, variant, die_at=-1)
     assert done.returncode == 0, done.stderr[-3000:]
-    restarted = _run(killed, variant, die_at=DIE_AT)
+    restarted = _run(rank_server, killed, variant, die_at=DIE_AT)
     assert restarted.returncode == 0, restarted.stderr[-3000:]
     assert "exitcode  : 17" in restarted.stderr or "exitcode: 17" in restarted.stderr.replace(
         "  ", " "

@@ -3,8 +3,9 @@
 With one rank there is nothing to exchange: a ``KJTAllToAll``'s own forward
 skips its splits collective, and our pipelines leave it that way instead of
 fusing it into a splits all-to-all of one rank per step (which torchrec's
-pipelines run).  The run is in a fresh process (one_rank_group.py), so the
-one-rank gloo world never meets this process's state.
+pipelines run).  The run is in a process of its own (one_rank_group.py, forked
+from the rank server, tests/elastic/rank_server.py), so the one-rank gloo world
+never meets this process's state.
 """
 
 from __future__ import annotations
@@ -12,7 +13,8 @@ from __future__ import annotations
 import json
 import os
 import subprocess
-import sys
+
+from tests.elastic.rank_server import RankServer
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 VARIANTS = [
@@ -25,9 +27,11 @@ VARIANTS = [
 ]
 
 
-def test_one_rank_group_skips_the_splits_collective_and_trains_as_before() -> None:
+def test_one_rank_group_skips_the_splits_collective_and_trains_as_before(
+    rank_server: RankServer,
+) -> None:
     done = subprocess.run(
-        [sys.executable, "-m", "tests.unit.one_rank_group", *VARIANTS],
+        rank_server.command("tests.unit.one_rank_group", *VARIANTS),
         cwd=REPO,
         capture_output=True,
         text=True,

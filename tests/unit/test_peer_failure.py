@@ -1,6 +1,7 @@
 """A step that raises on one rank only ends the other ranks within seconds.
 
-tests/elastic/one_rank_fails.py under torchrun, on 2 and 4 gloo ranks, with
+tests/elastic/one_rank_fails.py under torchrun (its ranks forked from the test
+process's rank server, tests/elastic/rank_server.py), on 2 and 4 gloo ranks, with
 SparseDist, Fused, SemiSync, Base and Staged: rank 0's forward raises at batch 2
 and rank 0 stays alive (``stay``), or retries alone (``retry``).  The model's
 process group would time out after 120 s; the other ranks must instead exit
@@ -24,11 +25,13 @@ from typing import Optional
 
 import pytest
 
+from tests.elastic.rank_server import RankServer
+
 REPO = Path(__file__).resolve().parents[2]
 
 
 def _launch(
-    out: Path, ranks: int, then: str, grace: Optional[float], pipeline: str
+    server: RankServer, out: Path, ranks: int, then: str, grace: Optional[float], pipeline: str
 ) -> tuple[subprocess.CompletedProcess, float]:
     command = [
         sys.executable,
@@ -36,8 +39,7 @@ def _launch(
         "torch.distributed.run",
         "--standalone",
         f"--nproc_per_node={ranks}",
-        "-m",
-        "tests.elastic.one_rank_fails",
+        *server.entry_point("tests.elastic.one_rank_fails"),
         "--out",
         str(out),
         "--then",
@@ -71,9 +73,14 @@ CASES = [
 
 @pytest.mark.parametrize("ranks,then,grace,pipeline", CASES)
 def test_the_other_ranks_end_within_seconds_naming_the_failed_rank(
-    tmp_path: Path, ranks: int, then: str, grace: Optional[float], pipeline: str
+    rank_server: RankServer,
+    tmp_path: Path,
+    ranks: int,
+    then: str,
+    grace: Optional[float],
+    pipeline: str,
 ) -> None:
-    done, _ = _launch(tmp_path, ranks, then, grace, pipeline)
+    done, _ = _launch(rank_server, tmp_path, ranks, then, grace, pipeline)
     log = done.stdout + done.stderr
     assert done.returncode != 0, log[-3000:]
     first = json.loads((tmp_path / "rank0.json").read_text())
