@@ -45,7 +45,6 @@ import logging
 from typing import (
     Any,
     Callable,
-    ClassVar,
     Dict,
     Iterator,
     List,
@@ -61,6 +60,7 @@ from torchrec.distributed.train_pipeline.types import PipelineState
 from trec_pipelines.assembly import resume, torchrec_state
 from trec_pipelines.assembly.options import PipelineOptions, accepted_options, resolve_options
 from trec_pipelines.assembly.pipelined_model import PipelinedModel
+from trec_pipelines.assembly.traits import Traits
 from trec_pipelines.core.checks import (
     check_device,
     check_forward_output,
@@ -72,8 +72,6 @@ from trec_pipelines.core.precision import Precision
 from trec_pipelines.core.step_guard import StepGuard, guarded_step, skip_failed_batch
 from trec_pipelines.core.streams import StreamSet
 from trec_pipelines.core.subclass_hooks import (
-    Refused,
-    Uncalled,
     beginning_the_step,
     check_subclass,
     overrides_outside,
@@ -97,18 +95,16 @@ def _guarded(progress: Callable[[Any, Iterator[Any]], Any]) -> Callable[[Any, It
 class PipelineCore:
     """The shared part of every pipeline (see [Note: the core under every pipeline])."""
 
-    # Each hook of torchrec's a class does not honour (see [Note: subclass hooks]).
-    _uncalled_hooks: ClassVar[Mapping[str, Uncalled]] = {}
-    _refused_hooks: ClassVar[Mapping[str, Refused]] = {}
-    # Whether a subclass's own progress() runs inside the step guard.
-    _guards_user_progress: ClassVar[bool] = True
+    # What the class is: every answer the core asks of it (see [Note: a pipeline's traits]).
+    _traits: Traits = Traits()
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
-        check_subclass(cls, _guarded if cls._guards_user_progress else None)
-        cls._pulls_when_copied = cls._pulls_through_next_batch and overrides_outside(
-            cls, "_next_batch"
-        )
+        traits = cls._traits
+        check_subclass(cls, _guarded if traits.guards_user_progress else None)
+        pulls = traits.pulls_through_next_batch and overrides_outside(cls, "_next_batch")
+        if pulls != traits.pulls_when_copied:
+            cls._traits = traits.updated(pulls_when_copied=pulls)
 
     # torchrec's attributes (see [Note: torchrec's state on our pipelines]).
     _dataloader_iter = torchrec_state.DATALOADER_ITER
@@ -119,26 +115,9 @@ class PipelineCore:
     # Where a step is (torchrec's ``_state``, written by torchrec's base class at
     # construction; outside code writes it too).  Holds torchrec's enum.
     _state: PipelineState
-    # Whether each step moves ``_state`` through IDLE, CALL_FWD and CALL_BWD, as
-    # the torchrec class of the same name does (the others stay IDLE).
-    _tracks_state: ClassVar[bool] = False
     _streams: StreamSet
     # The schedule recorder's holder; class-level until a pipeline records.
     _recording: Recording
-
-    # Variants that only run forwards (Eval) take optimizer=None.
-    _requires_optimizer: bool = True
-    # Variants whose steps start the pipelined input_dist, whose splits
-    # exchange carries the ranks' agreement on each pull (see
-    # [Note: agreeing on each batch]); the others agree by an all-reduce.
-    _carries_agreement: bool = False
-    # Whether each host batch is pulled through _next_batch (torchrec's hook);
-    # False where torchrec's class never calls it (it is then refused).
-    _pulls_through_next_batch: bool = True
-    # Whether each host batch is pulled where the copy stage asks for it, not
-    # ahead: a user's _next_batch override then sees torchrec's state (see
-    # [Note: a user's _next_batch pulls at torchrec's moment]).  Set per class.
-    _pulls_when_copied: ClassVar[bool] = False
 
     _options: PipelineOptions
     _model: torch.nn.Module
@@ -167,7 +146,7 @@ class PipelineCore:
         """
         name = type(self).__name__
         self._init_options(options)
-        if self._requires_optimizer:
+        if self._traits.requires_optimizer:
             check_optimizer(optimizer, name, model)
         self._device = check_device(device, name)
         check_model_device(model, self._device, name)
@@ -175,7 +154,7 @@ class PipelineCore:
         # None only for the eval variants, which never step it.
         self._optimizer: torch.optim.Optimizer = cast(torch.optim.Optimizer, optimizer)
         # A pull made in the copy stage is agreed there, by an all-reduce of its own.
-        carried = self._carries_agreement and not self._pulls_when_copied
+        carried = self._traits.carries_agreement and not self._traits.pulls_when_copied
         self._agreement = self._agreement_over(model, carried=carried)
         self._precision = Precision(
             self._device,
@@ -215,8 +194,8 @@ class PipelineCore:
             validate=self._options["validate_batches"],
             # Only a user's _next_batch is called back: ours would hand the pull
             # straight back to the source, which pulls itself.
-            puller=self._next_batch if self._pulls_when_copied else None,
-            agree_ahead=self._options["agree_ahead"] and not self._pulls_when_copied,
+            puller=self._next_batch if self._traits.pulls_when_copied else None,
+            agree_ahead=self._options["agree_ahead"] and not self._traits.pulls_when_copied,
             # An eval pipeline pads a rank whose data ended (training stops at the shortest).
             pad_uneven="uneven_data" in accepted_options(type(self))
             and self._options["uneven_data"] == "pad",
@@ -256,13 +235,13 @@ class PipelineCore:
         fix instead of Python's unpacking error.  A subclass's own step that calls
         ``_model_fwd`` directly gets what it returns, as on torchrec."""
         output = self._model_fwd(batch)
-        if (type(output) is tuple and len(output) == 2) or not self._requires_optimizer:
+        if (type(output) is tuple and len(output) == 2) or not self._traits.requires_optimizer:
             return cast(Tuple[torch.Tensor, Any], output)
         return cast(Tuple[torch.Tensor, Any], check_forward_output(output, type(self).__name__))
 
     def _enter_phase(self, phase: PipelineState) -> None:
-        """Set ``_state`` to ``phase`` where torchrec's class does (``_tracks_state``)."""
-        if self._tracks_state:
+        """Set ``_state`` to ``phase`` where torchrec's class does (``tracks_state``)."""
+        if self._traits.tracks_state:
             self._state = phase
 
     # ------------------------------------------------------- the in-flight batches
@@ -298,7 +277,7 @@ class PipelineCore:
         # Pull the host batches this call copies before any work: an iterator
         # error then reaches the caller with the pipeline untouched.  A user's
         # _next_batch pulls in the copy stage instead, where torchrec calls it.
-        ahead = 0 if self._pulls_when_copied else self._batches_to_fetch()
+        ahead = 0 if self._traits.pulls_when_copied else self._batches_to_fetch()
         self._source.fetch_ahead(dataloader_iter, ahead)
         self._step_guard.begin()  # from here a failure is rolled back and retried
 

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import logging
-from typing import Any, Callable, ClassVar, Iterator, List, Mapping, Optional, Tuple
+from typing import Any, Callable, Iterator, List, Optional, Tuple
 
 import torch
 from torchrec.distributed.train_pipeline import In, Out, TrainPipeline
@@ -14,7 +14,7 @@ from trec_pipelines.assembly.pipeline import PipelineCore
 from trec_pipelines.core.batch_transfer import copy_to_device, wait_for_batch
 from trec_pipelines.core.step_guard import guarded_step
 from trec_pipelines.core.streams import make_streams
-from trec_pipelines.core.subclass_hooks import Uncalled, never_called
+from trec_pipelines.core.subclass_hooks import never_called
 from trec_pipelines.observe import recorder as rec
 
 logger: logging.Logger = logging.getLogger(__name__)
@@ -98,9 +98,11 @@ class TrainPipelineBase(PipelineCore, TrainPipeline[In, Out]):
       The fused (in-backward) embedding optimizers see the scaled gradients: see the options guide.
     """
 
-    _uncalled_hooks: ClassVar[Mapping[str, Uncalled]] = {
-        "sync_embeddings": never_called("TrainPipelineBase", "nothing (call it yourself)"),
-    }
+    _traits = PipelineCore._traits.updated(
+        hooks={
+            "sync_embeddings": never_called("TrainPipelineBase", "nothing (call it yourself)"),
+        },
+    )
 
     def __init__(
         self,

@@ -5,7 +5,7 @@ from __future__ import annotations
 import contextlib
 import logging
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Any, ClassVar, Dict, Iterator, Mapping, Optional, Tuple, cast
+from typing import Any, Dict, Iterator, Optional, Tuple, cast
 
 import torch
 from torchrec.distributed.train_pipeline import In, Out
@@ -26,7 +26,7 @@ from trec_pipelines.core.streams import (
     record_stream_tree,
     wait_stream,
 )
-from trec_pipelines.core.subclass_hooks import ASYNC_SUBMIT_OFF, Refused, Uncalled
+from trec_pipelines.core.subclass_hooks import ASYNC_SUBMIT_OFF, Refused
 from trec_pipelines.data.padding import first_real_output, unwrap
 from trec_pipelines.model.args import CallArgs
 from trec_pipelines.model.context import CPUEmbeddingTrainPipelineContext, TrainPipelineContext
@@ -142,35 +142,35 @@ class EvalPipelineCPUSparse(TrainPipelineSparseDist[In, Out]):
       one raises ``MalformedBatchError`` before any work is issued for it.
     """
 
-    # torchrec's class leaves _state IDLE.
-    _tracks_state = False
-
-    _uncalled_hooks: ClassVar[Mapping[str, Uncalled]] = {
-        "_submit_inplace_copy": ASYNC_SUBMIT_OFF,
-    }
-    _refused_hooks: ClassVar[Mapping[str, Refused]] = {
-        "_get_or_alloc_pinned": Refused(
-            "the pinned buffers here are two per module, alternating between batches, each "
-            "released by the event of the copy that read it (one buffer per name would be "
-            "overwritten while its copy is in flight)",
-            "_sparse_forward(batch, context) or copy_data_to_gpu(batch, context)",
-        ),
-        "_embedding_lookup_and_pin": Refused(
-            "the host lookup and the pinning are one stage here",
-            "_sparse_forward(batch, context)",
-        ),
-        "_copy_to_gpu": Refused(
-            "the copy stage is one method here", "copy_data_to_gpu(batch, context)"
-        ),
-        "_inplace_copy_to_gpu": Refused(
-            "the copy stage is one method here", "copy_data_to_gpu(batch, context)"
-        ),
-    }
-
-    _requires_optimizer = False
-    _carries_agreement = False  # its input_dist may run on a thread of its own
-    _input_dist_role = "default"
-    _input_dist_ahead = False
+    # torchrec's class leaves _state IDLE; input_dist runs in the step that uses it.
+    _traits = TrainPipelineSparseDist._traits.updated(
+        hooks={
+            "_submit_inplace_copy": ASYNC_SUBMIT_OFF,
+        }
+        | {
+            "_get_or_alloc_pinned": Refused(
+                "the pinned buffers here are two per module, alternating between batches, each "
+                "released by the event of the copy that read it (one buffer per name would be "
+                "overwritten while its copy is in flight)",
+                "_sparse_forward(batch, context) or copy_data_to_gpu(batch, context)",
+            ),
+            "_embedding_lookup_and_pin": Refused(
+                "the host lookup and the pinning are one stage here",
+                "_sparse_forward(batch, context)",
+            ),
+            "_copy_to_gpu": Refused(
+                "the copy stage is one method here", "copy_data_to_gpu(batch, context)"
+            ),
+            "_inplace_copy_to_gpu": Refused(
+                "the copy stage is one method here", "copy_data_to_gpu(batch, context)"
+            ),
+        },
+        tracks_state=False,
+        requires_optimizer=False,
+        carries_agreement=False,  # its input_dist may run on a thread of its own
+        input_dist_role="default",
+        input_dist_ahead=False,
+    )
 
     def __init__(
         self,
@@ -208,7 +208,7 @@ class EvalPipelineCPUSparse(TrainPipelineSparseDist[In, Out]):
         )
         self._pipeline_depth = pipeline_depth
         self._multi_thread = multi_thread
-        self._depth = pipeline_depth
+        self._traits = self._traits.updated(depth=pipeline_depth)
         self._sparse_executor: Optional[ThreadPoolExecutor] = (
             ThreadPoolExecutor(max_workers=1, thread_name_prefix=SPARSE_THREAD)
             if multi_thread

@@ -24,10 +24,8 @@ from dataclasses import dataclass
 from typing import (
     Any,
     Callable,
-    ClassVar,
     ContextManager,
     Iterator,
-    Mapping,
     Optional,
     Tuple,
     Union,
@@ -44,7 +42,7 @@ from trec_pipelines.core.batch_transfer import copy_to_device, shares_kjt_storag
 from trec_pipelines.core.checks import predictions
 from trec_pipelines.core.errors import MalformedBatchError
 from trec_pipelines.core.streams import has_streams
-from trec_pipelines.core.subclass_hooks import Uncalled, never_called
+from trec_pipelines.core.subclass_hooks import never_called
 from trec_pipelines.data.one_slot_handoff import OneSlotHandoff
 from trec_pipelines.data.padding import first_real_output, unwrap
 from trec_pipelines.data.source import BatchSource
@@ -327,45 +325,47 @@ class EvalPipelineSparseDist(TrainPipelineSparseDist[In, Out]):
       Results are the same either way.
     """
 
-    # torchrec's class leaves _state IDLE.
-    _tracks_state = False
-
-    # torchrec's Eval loads on its own thread and never pulls through _next_batch.
-    _pulls_through_next_batch = False
-    _uncalled_hooks: ClassVar[Mapping[str, Uncalled]] = (
-        {
-            "_next_batch": never_called(
-                "EvalPipelineSparseDist",
-                "the iterator you pass (wrap it to filter batches)",
-                _LOADS_ON_ITS_THREAD,
-            ),
-            "_submit_inplace_copy": never_called(
-                "EvalPipelineSparseDist", "the iterator you pass", _LOADS_ON_ITS_THREAD
-            ),
-            "_shutdown_async_inplace_copy": never_called(
-                "EvalPipelineSparseDist",
-                "nothing: there is no asynchronous copy to shut down",
-                "its finaliser (1.9.2) stops its loading thread only",
-            ),
-        }
-        | {
-            hook: never_called("EvalPipelineSparseDist", "progress(dataloader_iter)", _EVALUATES)
-            for hook in ("_backward", "_optimizer_step", "sync_embeddings")
-        }
-        | {
-            hook: never_called(
-                "EvalPipelineSparseDist", "progress(dataloader_iter)", _LOADS_ON_ITS_THREAD
-            )
-            for hook in (
-                "copy_batch_to_gpu",
-                "inplace_copy_batch_to_gpu",
-                "enqueue_batch",
-                "fill_pipeline",
-            )
-        }
+    # torchrec's class leaves _state IDLE; its Eval loads on its own thread and
+    # never pulls through _next_batch.
+    _traits = TrainPipelineSparseDist._traits.updated(
+        hooks=(
+            {
+                "_next_batch": never_called(
+                    "EvalPipelineSparseDist",
+                    "the iterator you pass (wrap it to filter batches)",
+                    _LOADS_ON_ITS_THREAD,
+                ),
+                "_submit_inplace_copy": never_called(
+                    "EvalPipelineSparseDist", "the iterator you pass", _LOADS_ON_ITS_THREAD
+                ),
+                "_shutdown_async_inplace_copy": never_called(
+                    "EvalPipelineSparseDist",
+                    "nothing: there is no asynchronous copy to shut down",
+                    "its finaliser (1.9.2) stops its loading thread only",
+                ),
+            }
+            | {
+                hook: never_called(
+                    "EvalPipelineSparseDist", "progress(dataloader_iter)", _EVALUATES
+                )
+                for hook in ("_backward", "_optimizer_step", "sync_embeddings")
+            }
+            | {
+                hook: never_called(
+                    "EvalPipelineSparseDist", "progress(dataloader_iter)", _LOADS_ON_ITS_THREAD
+                )
+                for hook in (
+                    "copy_batch_to_gpu",
+                    "inplace_copy_batch_to_gpu",
+                    "enqueue_batch",
+                    "fill_pipeline",
+                )
+            }
+        ),
+        tracks_state=False,
+        pulls_through_next_batch=False,
+        requires_optimizer=False,
     )
-
-    _requires_optimizer = False
 
     def __init__(
         self,

@@ -6,12 +6,10 @@ from __future__ import annotations
 from typing import (
     Any,
     Callable,
-    ClassVar,
     Deque,
     Iterator,
     List,
     Literal,
-    Mapping,
     Optional,
     Tuple,
     cast,
@@ -31,7 +29,7 @@ from trec_pipelines.core.streams import (
     record_event,
     wait_stream,
 )
-from trec_pipelines.core.subclass_hooks import ASYNC_SUBMIT_OFF, Uncalled, never_called
+from trec_pipelines.core.subclass_hooks import ASYNC_SUBMIT_OFF, never_called
 from trec_pipelines.model.args import CallArgs
 from trec_pipelines.model.context import EmbeddingTrainPipelineContext
 from trec_pipelines.observe import recorder as rec
@@ -167,14 +165,15 @@ class TrainPipelineFusedSparseDist(TrainPipelineSparseDist[In, Out]):
     """
 
     # torchrec's class leaves _state IDLE.
-    _tracks_state = False
-
-    _uncalled_hooks: ClassVar[Mapping[str, Uncalled]] = {
-        "wait_embedding_lookup": never_called(
-            "TrainPipelineFusedSparseDist", "start_embedding_lookup(batch, context)"
-        ),
-        "_submit_inplace_copy": ASYNC_SUBMIT_OFF,
-    }
+    _traits = TrainPipelineSparseDist._traits.updated(
+        hooks={
+            "wait_embedding_lookup": never_called(
+                "TrainPipelineFusedSparseDist", "start_embedding_lookup(batch, context)"
+            ),
+            "_submit_inplace_copy": ASYNC_SUBMIT_OFF,
+        },
+        tracks_state=False,
+    )
 
     # context_type is always EmbeddingTrainPipelineContext here.
     contexts: Deque[EmbeddingTrainPipelineContext]  # type: ignore[assignment]

@@ -33,7 +33,7 @@ that of the run that never failed, bit for bit (tests/distributed/test_pec.py).
 
 from __future__ import annotations
 
-from typing import Any, Callable, ClassVar, Deque, Iterator, List, Mapping, Optional, Tuple
+from typing import Any, Callable, Deque, Iterator, List, Optional, Tuple
 
 import torch
 from torchrec.distributed.train_pipeline import In, Out
@@ -43,7 +43,7 @@ from trec_pipelines._types import AnyShardedModule
 from trec_pipelines.assembly.options import SparseDistTrainOptions, takes_options
 from trec_pipelines.core.step_guard import guarded_step
 from trec_pipelines.core.streams import current_stream, record_stream, wait_event
-from trec_pipelines.core.subclass_hooks import ASYNC_SUBMIT_OFF, Refused, Uncalled
+from trec_pipelines.core.subclass_hooks import ASYNC_SUBMIT_OFF, Refused
 from trec_pipelines.model.args import CallArgs
 from trec_pipelines.model.context import PECTrainPipelineContext
 from trec_pipelines.observe import recorder as rec
@@ -166,37 +166,38 @@ class TrainPipelinePEC(TrainPipelineSparseDist[In, Out]):
       The fused (in-backward) embedding optimizers see the scaled gradients: see the options guide.
     """
 
-    # torchrec's class leaves _state IDLE.
-    _tracks_state = False
-
-    # torchrec keeps the deferred NOL gradient on the next batch's context; ours
-    # keeps it on the pipeline, so it survives a rolled-back step and a checkpoint.
-    _uncalled_hooks: ClassVar[Mapping[str, Uncalled]] = {
-        "_submit_inplace_copy": ASYNC_SUBMIT_OFF,
-    }
-    _refused_hooks: ClassVar[Mapping[str, Refused]] = {
-        hook: Refused(
-            "its PEC state lives on torchrec's contexts; here the deferred gradient and the "
-            "overlapped lookups are kept by the pipeline, to survive a failed step and a "
-            "checkpoint",
-            "progress(dataloader_iter), or the hooks every SparseDist pipeline honours",
-        )
-        for hook in (
-            "_compute_and_output_dist",
-            "_defer_nol_grad",
-            "_pec_module_ctx",
-            "_pec_nol_compute",
-            "_pec_ol_compute",
-            "_pec_overlap_dist",
-            "_precache_length_per_key",
-            "_record_stream_backward_ctx",
-            "_record_stream_forward_ctx",
-            "_start_deferred_nol_grad",
-            "_start_pec_ol_grad",
-            "_wait_pec_grad",
-            "_wait_pec_overlap_results",
-        )
-    }
+    # torchrec's class leaves _state IDLE.  torchrec keeps the deferred NOL
+    # gradient on the next batch's context; ours keeps it on the pipeline, so it
+    # survives a rolled-back step and a checkpoint.
+    _traits = TrainPipelineSparseDist._traits.updated(
+        hooks={
+            "_submit_inplace_copy": ASYNC_SUBMIT_OFF,
+        }
+        | {
+            hook: Refused(
+                "its PEC state lives on torchrec's contexts; here the deferred gradient and the "
+                "overlapped lookups are kept by the pipeline, to survive a failed step and a "
+                "checkpoint",
+                "progress(dataloader_iter), or the hooks every SparseDist pipeline honours",
+            )
+            for hook in (
+                "_compute_and_output_dist",
+                "_defer_nol_grad",
+                "_pec_module_ctx",
+                "_pec_nol_compute",
+                "_pec_ol_compute",
+                "_pec_overlap_dist",
+                "_precache_length_per_key",
+                "_record_stream_backward_ctx",
+                "_record_stream_forward_ctx",
+                "_start_deferred_nol_grad",
+                "_start_pec_ol_grad",
+                "_wait_pec_grad",
+                "_wait_pec_overlap_results",
+            )
+        },
+        tracks_state=False,
+    )
 
     contexts: Deque[PECTrainPipelineContext]  # type: ignore[assignment]
 

@@ -158,7 +158,9 @@ class PrefetchTrainPipelineSparseDist(TrainPipelineSparseDist[In, Out]):
     """
 
     # torchrec's class leaves _state IDLE.
-    _tracks_state = False
+    _traits = TrainPipelineSparseDist._traits.updated(
+        tracks_state=False,
+    )
 
     @property
     def _prefetch_stream(self) -> Optional[torch.Stream]:

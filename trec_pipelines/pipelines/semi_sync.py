@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import logging
-from typing import Any, Callable, ClassVar, Dict, Iterator, List, Mapping, Optional, Tuple, cast
+from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple, cast
 
 import torch
 from torchrec.distributed.train_pipeline import In, Out
@@ -21,7 +21,7 @@ from trec_pipelines.core.streams import (
     record_stream,
     wait_event,
 )
-from trec_pipelines.core.subclass_hooks import ASYNC_SUBMIT_OFF, Uncalled, never_called
+from trec_pipelines.core.subclass_hooks import ASYNC_SUBMIT_OFF, never_called
 from trec_pipelines.model.args import CallArgs
 from trec_pipelines.model.context import EmbeddingTrainPipelineContext, TrainPipelineContext
 from trec_pipelines.observe import recorder as rec
@@ -196,21 +196,24 @@ class TrainPipelineSemiSync(TrainPipelineSparseDist[In, Out]):
       The fused (in-backward) embedding optimizers see the scaled gradients: see the options guide.
     """
 
-    # torchrec's class leaves _state IDLE.
-    _tracks_state = False
-
-    _depth = 4
-    # torchrec's SemiSync runs its dense backward and step itself.
-    _uncalled_hooks: ClassVar[Mapping[str, Uncalled]] = {
-        "_backward": never_called(
-            "TrainPipelineSemiSync", "nothing: pass grad_scaler= for a scaled backward"
-        ),
-        "_optimizer_step": never_called(
-            "TrainPipelineSemiSync", "_mlp_optimizer_step(current_batch)"
-        ),
-        "_wait_for_batch": never_called("TrainPipelineSemiSync", "_mlp_forward(batch, context)"),
-        "_submit_inplace_copy": ASYNC_SUBMIT_OFF,
-    }
+    # torchrec's class leaves _state IDLE; its SemiSync runs its dense backward and
+    # step itself.
+    _traits = TrainPipelineSparseDist._traits.updated(
+        hooks={
+            "_backward": never_called(
+                "TrainPipelineSemiSync", "nothing: pass grad_scaler= for a scaled backward"
+            ),
+            "_optimizer_step": never_called(
+                "TrainPipelineSemiSync", "_mlp_optimizer_step(current_batch)"
+            ),
+            "_wait_for_batch": never_called(
+                "TrainPipelineSemiSync", "_mlp_forward(batch, context)"
+            ),
+            "_submit_inplace_copy": ASYNC_SUBMIT_OFF,
+        },
+        tracks_state=False,
+        depth=4,
+    )
 
     def __init__(
         self,

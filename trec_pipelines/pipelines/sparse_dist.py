@@ -7,11 +7,9 @@ from collections import deque
 from typing import (
     Any,
     Callable,
-    ClassVar,
     Deque,
     Iterator,
     List,
-    Mapping,
     Optional,
     Tuple,
     Type,
@@ -33,8 +31,6 @@ from trec_pipelines.core.subclass_hooks import (
     ASYNC_COPY,
     FORWARD_TYPE,
     VERSION_0,
-    Refused,
-    Uncalled,
 )
 from trec_pipelines.data.inplace_copy import AsyncInplaceCopyMixin, BatchQueue, InplaceCopyWorker
 from trec_pipelines.data.padding import unwrap
@@ -182,32 +178,24 @@ class TrainPipelineSparseDist(
       The fused (in-backward) embedding optimizers see the scaled gradients: see the options guide.
     """
 
-    # Most batches in flight right after a step's H2D: what a call may pull.
-    _depth: int = 3
-    # The stream role input_dist is recorded on; Lite runs it on the default stream.
-    _input_dist_role: str = "data_dist"
-    # Whether a batch's input_dist starts in an earlier step than its forward
-    # (False for Lite): then it may run on a dedicated group (input_dist_group).
-    _input_dist_ahead: bool = True
-    # Each step's splits exchange carries the ranks' agreement on a pull.
-    _carries_agreement: bool = True
-    # Each step moves _state through IDLE, CALL_FWD and CALL_BWD, as torchrec's.
-    _tracks_state: ClassVar[bool] = True
+    _traits = PipelineCore._traits.updated(
+        hooks={
+            "_fill_pipeline": VERSION_0,
+            "_copy_batch_to_gpu": VERSION_0,
+            "_start_sparse_data_dist": VERSION_0,
+            "_wait_sparse_data_dist": VERSION_0,
+            "_pipelined_forward_type": FORWARD_TYPE,
+            "_setup_async_inplace_copy": ASYNC_COPY,
+            "_submit_inplace_copy": ASYNC_COPY,
+            "_shutdown_async_inplace_copy": ASYNC_COPY,
+        },
+        depth=3,  # batches in flight right after a step's copy: what a call may pull
+        carries_agreement=True,  # each step's splits exchange carries the agreement
+        tracks_state=True,  # IDLE, CALL_FWD and CALL_BWD, as torchrec's
+    )
     # torchrec's attribute: the forward wrapper class of the pipelined modules
     # (read, not set: _make_forward builds each module's wrapper).
     _pipelined_forward_type: type = PipelinedForward
-    _uncalled_hooks: ClassVar[Mapping[str, Uncalled]] = {
-        "_fill_pipeline": VERSION_0,
-        "_copy_batch_to_gpu": VERSION_0,
-        "_start_sparse_data_dist": VERSION_0,
-        "_wait_sparse_data_dist": VERSION_0,
-    }
-    _refused_hooks: ClassVar[Mapping[str, Refused]] = {
-        "_pipelined_forward_type": FORWARD_TYPE,
-        "_setup_async_inplace_copy": ASYNC_COPY,
-        "_submit_inplace_copy": ASYNC_COPY,
-        "_shutdown_async_inplace_copy": ASYNC_COPY,
-    }
 
     def __init__(
         self,
@@ -235,7 +223,7 @@ class TrainPipelineSparseDist(
             optimizer,
             device,
             options,
-            input_dist_group=None if self._input_dist_ahead else "shared",
+            input_dist_group=None if self._traits.input_dist_ahead else "shared",
         )
         self._execute_all_batches = execute_all_batches
         self._apply_jit = apply_jit
@@ -337,7 +325,7 @@ class TrainPipelineSparseDist(
         (see [Note: a user's _next_batch pulls at torchrec's moment]) and
         ``execute_all_batches`` is False, the epoch ends at this pull, as torchrec's
         copy stage ends it (``StopIteration``), the batches in flight untrained."""
-        if self._pulls_when_copied and not self._execute_all_batches:
+        if self._traits.pulls_when_copied and not self._execute_all_batches:
             self._stop_if_done()
 
     def _create_context(self) -> TrainPipelineContext:
@@ -416,14 +404,16 @@ class TrainPipelineSparseDist(
         """
         if batch is None:
             return
-        with self._recording.span(rec.INPUT_DIST_START, context.index, self._input_dist_role):
+        with self._recording.span(
+            rec.INPUT_DIST_START, context.index, self._traits.input_dist_role
+        ):
             with on_stream(self._streams.data_dist):
                 wait_for_batch(batch, self._streams.memcpy)
                 start_input_dist(self._input_dist_modules(), batch, context, self._agreement)
 
     def wait_sparse_data_dist(self, context: TrainPipelineContext) -> None:
         """Finish the splits all-to-all, which launches the tensors all-to-all."""
-        with self._recording.span(rec.INPUT_DIST_WAIT, context.index, self._input_dist_role):
+        with self._recording.span(rec.INPUT_DIST_WAIT, context.index, self._traits.input_dist_role):
             with on_stream(self._streams.data_dist):
                 wait_input_dist(context)
 
@@ -540,7 +530,7 @@ class TrainPipelineSparseDist(
         self._set_module_context(self.contexts[0])
 
     def _batches_to_fetch(self) -> int:
-        return self._depth - len(self.batches)
+        return self._traits.depth - len(self.batches)
 
     def _in_flight(self) -> int:
         return len(self.batches)

@@ -119,7 +119,9 @@ class TrainPipelineSparseDistT(TrainPipelineSparseDist[In, Out]):
     """
 
     # torchrec's constructor takes no async_inplace_copy: it never submits a copy.
-    _uncalled_hooks = {"_submit_inplace_copy": ASYNC_SUBMIT_OFF}
+    _traits = TrainPipelineSparseDist._traits.updated(
+        hooks={"_submit_inplace_copy": ASYNC_SUBMIT_OFF},
+    )
 
     def __init__(
         self,

@@ -8,11 +8,9 @@ from collections import deque
 from typing import (
     Any,
     Callable,
-    ClassVar,
     Deque,
     Iterator,
     List,
-    Mapping,
     Optional,
     Tuple,
 )
@@ -143,18 +141,19 @@ class StagedTrainPipeline(PipelineCore, TrainPipeline[In, Optional[StageOut]]):
 
     # torchrec's stage bookkeeping (a list of outputs with events) has another
     # shape here: batches in slots, each with its host copy and index.
-    _refused_hooks: ClassVar[Mapping[str, Refused]] = {
-        hook: Refused(
-            "it works on torchrec's per-stage output list, which is not how this pipeline "
-            "keeps its in-flight batches (slots, each with its host copy and index)",
-            "a PipelineStage's runnable (wrap it), or progress(dataloader_iter)",
-        )
-        for hook in ("_run_stage", "_advance", "_run_with_event")
-    }
-
-    # No step guard: a stage that raises is resumed by the next call instead
-    # (see [Note: a stage or the iterator raises]).
-    _guards_user_progress: ClassVar[bool] = False
+    _traits = PipelineCore._traits.updated(
+        hooks={
+            hook: Refused(
+                "it works on torchrec's per-stage output list, which is not how this pipeline "
+                "keeps its in-flight batches (slots, each with its host copy and index)",
+                "a PipelineStage's runnable (wrap it), or progress(dataloader_iter)",
+            )
+            for hook in ("_run_stage", "_advance", "_run_with_event")
+        },
+        # No step guard: a stage that raises is resumed by the next call instead
+        # (see [Note: a stage or the iterator raises]).
+        guards_user_progress=False,
+    )
 
     @property
     def _initialized(self) -> bool:
