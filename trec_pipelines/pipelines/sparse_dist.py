@@ -32,7 +32,8 @@ from trec_pipelines.core.subclass_hooks import (
     FORWARD_TYPE,
     VERSION_0,
 )
-from trec_pipelines.data.inplace_copy import AsyncInplaceCopyMixin, BatchQueue, InplaceCopyWorker
+from trec_pipelines.data import inplace_copy
+from trec_pipelines.data.inplace_copy import BatchQueue, InplaceCopyWorker
 from trec_pipelines.data.padding import unwrap
 from trec_pipelines.model.backward_hooks import pipeline_hook, register_backward_hook
 from trec_pipelines.model.context import TrainPipelineContext
@@ -50,9 +51,7 @@ logger: logging.Logger = logging.getLogger(__name__)
 
 
 @takes_options(SparseDistTrainOptions)
-class TrainPipelineSparseDist(
-    SparseDistRewrite, PipelineCore, TrainPipeline[In, Out], AsyncInplaceCopyMixin[In]
-):
+class TrainPipelineSparseDist(SparseDistRewrite, PipelineCore, TrainPipeline[In, Out]):
     """Three batches in flight: ``cur`` trains, ``nxt`` is in input_dist, ``new`` is copied.
 
     ==========  =======  ==================================================
@@ -196,6 +195,8 @@ class TrainPipelineSparseDist(
     # torchrec's attribute: the forward wrapper class of the pipelined modules
     # (read, not set: _make_forward builds each module's wrapper).
     _pipelined_forward_type: type = PipelinedForward
+    # torchrec 1.9.2's: whether a worker issues the in-place copies (read-only).
+    _async_inplace_copy = inplace_copy.ASYNC_INPLACE_COPY
 
     def __init__(
         self,
@@ -240,7 +241,9 @@ class TrainPipelineSparseDist(
         self._streams: StreamSet = self._make_streams()
         # A slot may hold the Future of a copy the worker is issuing.
         self.batches: Deque[Optional[Any]] = BatchQueue()
-        self._copy_worker: Optional[InplaceCopyWorker] = self._make_copy_worker(async_inplace_copy)
+        self._copy_worker: Optional[InplaceCopyWorker] = inplace_copy.make_copy_worker(
+            self, async_inplace_copy
+        )
         self.contexts: Deque[TrainPipelineContext] = deque()
         self._warned_shared_features = False
         # Set-up a subclass runs once the model is first rewritten (the backward
@@ -582,3 +585,7 @@ class TrainPipelineSparseDist(
         if not self.batches:
             self._source.end_epoch()
             raise StopIteration
+
+
+# Held, not inherited: as torchrec 1.9.2's class, an instance of its mixin.
+inplace_copy.AsyncInplaceCopyMixin.register(TrainPipelineSparseDist)
