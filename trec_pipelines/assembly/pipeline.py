@@ -22,11 +22,14 @@ A variant says what it holds in flight through three small methods
 :meth:`~PipelineCore._bring_back`) and how many host batches a step pulls
 (:meth:`~PipelineCore._batches_to_fetch`); the rest follows.
 
-The core is the one class of ours under every pipeline (with
-``SparseDistRewrite`` under the SparseDist family), so that a pipeline's MRO
-is torchrec's plus at most two classes.  What every pipeline has besides is
-held and called, not inherited: torchrec's attributes are properties from
-:mod:`~trec_pipelines.assembly.torchrec_state` assigned in the class body; the
+The core is the one class of ours under every pipeline, so that a
+pipeline's MRO is torchrec's plus one class.  What every pipeline has besides
+is held and called, not inherited: torchrec's attributes are properties from
+:mod:`~trec_pipelines.assembly.torchrec_state` assigned in the class body (the
+SparseDist family's rewrite hooks and ``attach``/``detach``, likewise, from
+:mod:`~trec_pipelines.pipelines.sparse_dist_rewrite`); what a class is, its
+flags and its decisions on torchrec's hooks, is one
+:class:`~trec_pipelines.assembly.traits.Traits` (``_traits``); the
 subclass-hook checks run from ``__init_subclass__``
 (:func:`~trec_pipelines.core.subclass_hooks.check_subclass`); the recording
 methods hand each call to ``self._recording``

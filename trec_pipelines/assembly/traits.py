@@ -52,6 +52,10 @@ class Traits:
     # Whether a batch's input_dist starts in an earlier step than its forward
     # (not in Lite): then it may run on a dedicated group (input_dist_group).
     input_dist_ahead: bool = True
+    # Whether attach() of a new model mid-epoch rewrites it at once, for the
+    # batches in flight (not in Lite: none of them has started its input_dist,
+    # and the next progress() rewrites it as it starts one).
+    rewrite_on_attach: bool = True
     # Each of torchrec's hooks the class does not honour, uncalled or refused
     # (see [Note: subclass hooks]); a variant's own decisions win over its base's.
     hooks: Mapping[str, Decision] = field(default_factory=dict)

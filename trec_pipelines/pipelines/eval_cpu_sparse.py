@@ -32,6 +32,7 @@ from trec_pipelines.model.args import CallArgs
 from trec_pipelines.model.context import CPUEmbeddingTrainPipelineContext, TrainPipelineContext
 from trec_pipelines.observe import recorder as rec
 from trec_pipelines.pipelines.sparse_dist import TrainPipelineSparseDist
+from trec_pipelines.pipelines.sparse_dist_rewrite import current_context, rewrite_checked
 from trec_pipelines.sparse.forwards import BaseForward, CPUEmbeddingPipelinedForward
 from trec_pipelines.sparse.input_dist import start_input_dist, wait_input_dist
 
@@ -229,7 +230,7 @@ class EvalPipelineCPUSparse(TrainPipelineSparseDist[In, Out]):
     def _make_forward(
         self, name: str, call_args: CallArgs, module: AnyShardedModule
     ) -> BaseForward[Any]:
-        context = cast(CPUEmbeddingTrainPipelineContext, self._current_context())
+        context = cast(CPUEmbeddingTrainPipelineContext, current_context(self))
         return CPUEmbeddingPipelinedForward(name, call_args, module, context)
 
     def _pipeline_model(
@@ -239,7 +240,7 @@ class EvalPipelineCPUSparse(TrainPipelineSparseDist[In, Out]):
         pipelined_forward: Optional[type] = None,
     ) -> None:
         """Rewrite the model on the first batch (its input dist runs in the host stage)."""
-        self._rewrite_checked(batch)
+        rewrite_checked(self, batch)
         self._set_module_context(context)
 
     # ------------------------------------------------------------------ stages
@@ -266,7 +267,7 @@ class EvalPipelineCPUSparse(TrainPipelineSparseDist[In, Out]):
             if on_main
             else contextlib.nullcontext()
         ):
-            modules = self._input_dist_modules()
+            modules = self._pipelined.input_dist_modules()
             start_input_dist(modules, batch, context)
             wait_input_dist(context)
             for name, module, _ in modules:
@@ -324,7 +325,7 @@ class EvalPipelineCPUSparse(TrainPipelineSparseDist[In, Out]):
         assert isinstance(context, CPUEmbeddingTrainPipelineContext)
         consumer = current_stream(self._device)
         with self._recording.span(rec.WAIT_BATCH, context.index):  # memcpy -> default
-            wait_for_batch(batch, self._streams.memcpy, self._record_batch)
+            wait_for_batch(batch, self._streams.memcpy, not self._enable_inplace_copy_batch)
             record_stream_tree(context.gpu_embedding_outputs, consumer)
         with self._recording.span(rec.FORWARD, context.index), torch.no_grad():
             output = self._model_fwd(batch)
@@ -352,7 +353,7 @@ class EvalPipelineCPUSparse(TrainPipelineSparseDist[In, Out]):
             return
         if not self.enqueue_batch(dataloader_iter):
             return
-        if self._rewrite is None:
+        if self._pipelined.result is None:
             self._pipeline_model(self.batches[0], self.contexts[0], self._pipelined_forward_type)
         cur = self.contexts[0]
         assert isinstance(cur, CPUEmbeddingTrainPipelineContext)

@@ -38,7 +38,11 @@ from typing_extensions import Unpack
 
 from trec_pipelines.assembly.options import EvalSparseDistOptions, takes_options
 from trec_pipelines.core import lifetime
-from trec_pipelines.core.batch_transfer import copy_to_device, shares_kjt_storage
+from trec_pipelines.core.batch_transfer import (
+    copy_to_device,
+    shares_kjt_storage,
+    warn_shared_features,
+)
 from trec_pipelines.core.checks import predictions
 from trec_pipelines.core.errors import MalformedBatchError
 from trec_pipelines.core.streams import has_streams
@@ -443,7 +447,7 @@ class EvalPipelineSparseDist(TrainPipelineSparseDist[In, Out]):
             return False
         batch, index, shared, padding = loaded
         if shared:
-            self._warn_shared_features()
+            warn_shared_features(self)
         self.batches.append(batch)
         context = self._create_context()
         context.index, context.features_shared_with_loader = index, shared  # the loader's

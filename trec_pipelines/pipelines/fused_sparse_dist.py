@@ -34,6 +34,7 @@ from trec_pipelines.model.args import CallArgs
 from trec_pipelines.model.context import EmbeddingTrainPipelineContext
 from trec_pipelines.observe import recorder as rec
 from trec_pipelines.pipelines.sparse_dist import TrainPipelineSparseDist
+from trec_pipelines.pipelines.sparse_dist_rewrite import current_context
 from trec_pipelines.sparse import lookup
 from trec_pipelines.sparse.forwards import BaseForward, InSyncEmbeddingPipelinedForward
 
@@ -256,14 +257,14 @@ class TrainPipelineFusedSparseDist(TrainPipelineSparseDist[In, Out]):
             name,
             call_args,
             module,
-            cast(EmbeddingTrainPipelineContext, self._current_context()),
+            cast(EmbeddingTrainPipelineContext, current_context(self)),
             self._lookup_stream,
         )
 
     def _lookup_modules(self) -> List[Tuple[str, AnyShardedModule]]:
-        if self._rewrite is None:
+        if self._pipelined.result is None:
             return []
-        return [(p.name, p.module) for p in self._rewrite.pipelined]
+        return [(p.name, p.module) for p in self._pipelined.result.pipelined]
 
     def _weights_ready_event(self) -> Optional[torch.Event]:
         if self._weights_ready is None:

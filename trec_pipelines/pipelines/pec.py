@@ -48,6 +48,7 @@ from trec_pipelines.model.args import CallArgs
 from trec_pipelines.model.context import PECTrainPipelineContext
 from trec_pipelines.observe import recorder as rec
 from trec_pipelines.pipelines.sparse_dist import TrainPipelineSparseDist
+from trec_pipelines.pipelines.sparse_dist_rewrite import current_context
 from trec_pipelines.sparse import lookup, pec_ops
 from trec_pipelines.sparse.forwards import BaseForward, PECPipelinedForward
 
@@ -231,7 +232,7 @@ class TrainPipelinePEC(TrainPipelineSparseDist[In, Out]):
         self, name: str, call_args: CallArgs, module: AnyShardedModule
     ) -> BaseForward[Any]:
         # Lookups run on the default stream: nothing to hand over.
-        return PECPipelinedForward(name, call_args, module, self._current_context())  # type: ignore[arg-type]
+        return PECPipelinedForward(name, call_args, module, current_context(self))  # type: ignore[arg-type]
 
     def _pipeline_model(
         self, batch: Any, context: Any, pipelined_forward: Optional[type] = None
@@ -240,14 +241,20 @@ class TrainPipelinePEC(TrainPipelineSparseDist[In, Out]):
         pec_ops.check_pec_supported(self._pec_modules(), type(self).__name__)
 
     def _pec_modules(self) -> List[Tuple[str, Any]]:
-        if self._rewrite is None:
+        if self._pipelined.result is None:
             return []
-        return [(p.name, p.module) for p in self._rewrite.pipelined if pec_ops.is_pec(p.module)]
+        return [
+            (p.name, p.module) for p in self._pipelined.result.pipelined if pec_ops.is_pec(p.module)
+        ]
 
     def _other_modules(self) -> List[Tuple[str, AnyShardedModule]]:
-        if self._rewrite is None:
+        if self._pipelined.result is None:
             return []
-        return [(p.name, p.module) for p in self._rewrite.pipelined if not pec_ops.is_pec(p.module)]
+        return [
+            (p.name, p.module)
+            for p in self._pipelined.result.pipelined
+            if not pec_ops.is_pec(p.module)
+        ]
 
     # ------------------------------------------------------------------ verbs
 
@@ -262,7 +269,7 @@ class TrainPipelinePEC(TrainPipelineSparseDist[In, Out]):
         with self._recording.span(rec.WAIT_BATCH, context.index):  # data_dist -> default (event)
             consumer = current_stream(self._device)
             wait_event(consumer, context.overlap_dist_event)
-            if self._record_batch:
+            if not self._enable_inplace_copy_batch:
                 record_stream(self.batches[0], consumer)
 
     def _overlap_dist(

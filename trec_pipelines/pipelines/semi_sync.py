@@ -31,6 +31,7 @@ from trec_pipelines.pipelines.semi_sync_start import (
     say_synchronous_start,
 )
 from trec_pipelines.pipelines.sparse_dist import TrainPipelineSparseDist
+from trec_pipelines.pipelines.sparse_dist_rewrite import current_context
 from trec_pipelines.sparse.deferred_lookup import DeferralPlan, deferring, plan_deferral
 from trec_pipelines.sparse.forwards import BaseForward, EmbeddingPipelinedForward
 from trec_pipelines.sparse.input_dist import start_input_dist
@@ -274,13 +275,13 @@ class TrainPipelineSemiSync(TrainPipelineSparseDist[In, Out]):
             name,
             call_args,
             module,
-            cast(EmbeddingTrainPipelineContext, self._current_context()),
+            cast(EmbeddingTrainPipelineContext, current_context(self)),
             self._streams.data_dist,
         )
 
     def _lookup_modules(self) -> List[Tuple[str, AnyShardedModule]]:
-        assert self._rewrite is not None
-        return [(p.name, p.module) for p in self._rewrite.pipelined]
+        assert self._pipelined.result is not None
+        return [(p.name, p.module) for p in self._pipelined.result.pipelined]
 
     def _plan_deferral(self) -> None:
         """Find the tables looked up in their batch's forward; refuse a group mixing kernels.
@@ -297,7 +298,7 @@ class TrainPipelineSemiSync(TrainPipelineSparseDist[In, Out]):
     def _validate_optimizer(self) -> None:
         """Report pipelined modules whose parameters the optimizer also holds (see
         :func:`~trec_pipelines.pipelines.semi_sync_start.report_shared_parameters`)."""
-        rewrite, name = self._rewrite, type(self).__name__
+        rewrite, name = self._pipelined.result, type(self).__name__
         pipelined = rewrite.pipelined if rewrite is not None else []
         report_shared_parameters(name, self._optimizer, pipelined, self._deferral, self._strict)
 
@@ -345,7 +346,9 @@ class TrainPipelineSemiSync(TrainPipelineSparseDist[In, Out]):
             with on_stream(self._streams.data_dist):
                 wait_for_batch(batch, self._streams.memcpy)
                 model_input = self.extract_model_input_from_batch(batch)
-                start_input_dist(self._input_dist_modules(), model_input, context, self._agreement)
+                start_input_dist(
+                    self._pipelined.input_dist_modules(), model_input, context, self._agreement
+                )
 
     def start_embedding_lookup(
         self, batch: Optional[Any], context: EmbeddingTrainPipelineContext

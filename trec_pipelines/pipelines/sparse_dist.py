@@ -23,7 +23,7 @@ from typing_extensions import Unpack
 
 from trec_pipelines.assembly.options import SparseDistTrainOptions, takes_options
 from trec_pipelines.assembly.pipeline import PipelineCore
-from trec_pipelines.core.batch_transfer import copy_to_device, shares_kjt_storage, wait_for_batch
+from trec_pipelines.core.batch_transfer import copy_to_device, note_shared_features, wait_for_batch
 from trec_pipelines.core.checks import check_apply_jit
 from trec_pipelines.core.step_guard import guarded_step
 from trec_pipelines.core.streams import StreamSet, make_streams, on_stream
@@ -39,7 +39,7 @@ from trec_pipelines.model.backward_hooks import pipeline_hook, register_backward
 from trec_pipelines.model.context import TrainPipelineContext
 from trec_pipelines.model.rewrite import RewriteResult
 from trec_pipelines.observe import recorder as rec
-from trec_pipelines.pipelines.sparse_dist_rewrite import SparseDistRewrite
+from trec_pipelines.pipelines import sparse_dist_rewrite as rewrite
 from trec_pipelines.sparse.forwards import PipelinedForward
 from trec_pipelines.sparse.input_dist import (
     release_input_dist_inputs,
@@ -51,7 +51,7 @@ logger: logging.Logger = logging.getLogger(__name__)
 
 
 @takes_options(SparseDistTrainOptions)
-class TrainPipelineSparseDist(SparseDistRewrite, PipelineCore, TrainPipeline[In, Out]):
+class TrainPipelineSparseDist(PipelineCore, TrainPipeline[In, Out]):
     """Three batches in flight: ``cur`` trains, ``nxt`` is in input_dist, ``new`` is copied.
 
     ==========  =======  ==================================================
@@ -197,6 +197,17 @@ class TrainPipelineSparseDist(SparseDistRewrite, PipelineCore, TrainPipeline[In,
     _pipelined_forward_type: type = PipelinedForward
     # torchrec 1.9.2's: whether a worker issues the in-place copies (read-only).
     _async_inplace_copy = inplace_copy.ASYNC_INPLACE_COPY
+    # The model rewrite: torchrec's hooks and attributes, and attach/detach
+    # (see trec_pipelines.pipelines.sparse_dist_rewrite).
+    _model_attached = rewrite.MODEL_ATTACHED
+    _pipelined_modules = rewrite.PIPELINED_MODULES
+    _pipelined_postprocs = rewrite.PIPELINED_POSTPROCS
+    _make_forward = rewrite.make_forward
+    _pipeline_model = rewrite.pipeline_model
+    _init_pipelined_modules = rewrite.init_pipelined_modules
+    _set_module_context = rewrite.set_module_context
+    detach = rewrite.detach
+    attach = rewrite.attach
 
     def __init__(
         self,
@@ -269,18 +280,9 @@ class TrainPipelineSparseDist(SparseDistRewrite, PipelineCore, TrainPipeline[In,
         return make_streams(self._device, memcpy=True, data_dist=True)
 
     @property
-    def _record_batch(self) -> bool:
-        """Whether the default stream must ``record_stream`` the batch it takes.
-
-        An in-place copy allocates the batch on the default stream itself, where
-        a ``record_stream`` would do nothing.
-        """
-        return not self._enable_inplace_copy_batch
-
-    @property
     def rewrite_result(self) -> Optional[RewriteResult]:
         """What the model rewrite pipelined and what it left alone (after the first batch)."""
-        return self._rewrite
+        return self._pipelined.result
 
     def register_backward_hook(self, site: Any, work: Callable[[Any], None]) -> RemovableHandle:
         """Run ``work(self)`` each training step when the backward reaches ``site``.
@@ -320,7 +322,7 @@ class TrainPipelineSparseDist(SparseDistRewrite, PipelineCore, TrainPipeline[In,
             if self._copy_worker is not None:  # TrainPipelineSparseDistT's copy thread
                 return self._copy_worker.submit(host), context
             batch = copy_to_device(host, self._device, self._streams.memcpy)
-        self._note_shared_features(host, batch, context)
+        note_shared_features(self, host, batch, context)
         return batch, context
 
     def _end_at_the_pull(self) -> None:
@@ -335,24 +337,6 @@ class TrainPipelineSparseDist(SparseDistRewrite, PipelineCore, TrainPipeline[In,
         """The context of the batch just pulled (torchrec's hook, honoured: one per
         batch copied; an override must return an instance of ``context_type``)."""
         return self._context_type(index=self._source.last_index)
-
-    def _note_shared_features(self, host: Any, batch: Any, context: TrainPipelineContext) -> None:
-        """With ``free_features_storage_early``: mark a batch whose "copy" kept the
-        loader's storage (it was on the device already), which must not be freed."""
-        if self._free_features_storage_early and shares_kjt_storage(host, batch):
-            context.features_shared_with_loader = True
-            self._warn_shared_features()
-
-    def _warn_shared_features(self) -> None:
-        if not self._warned_shared_features:
-            self._warned_shared_features = True
-            logger.warning(
-                "%s: free_features_storage_early has nothing to free on this batch: it "
-                "was on %s already, so its KeyedJaggedTensors are the loader's own "
-                "tensors (freeing them would destroy the data, e.g. for the next epoch)",
-                type(self).__name__,
-                self._device,
-            )
 
     def inplace_copy_batch_to_gpu(
         self, dataloader_iter: Iterator[Any]
@@ -377,7 +361,7 @@ class TrainPipelineSparseDist(SparseDistRewrite, PipelineCore, TrainPipeline[In,
                 # free_features_storage_early.
                 return self._copy_worker.submit(host), context
             batch = copy_to_device(host, self._device, self._streams.memcpy, inplace=True)
-        self._note_shared_features(host, batch, context)
+        note_shared_features(self, host, batch, context)
         return batch, context
 
     def enqueue_batch(self, dataloader_iter: Iterator[Any]) -> bool:
@@ -412,7 +396,9 @@ class TrainPipelineSparseDist(SparseDistRewrite, PipelineCore, TrainPipeline[In,
         ):
             with on_stream(self._streams.data_dist):
                 wait_for_batch(batch, self._streams.memcpy)
-                start_input_dist(self._input_dist_modules(), batch, context, self._agreement)
+                start_input_dist(
+                    self._pipelined.input_dist_modules(), batch, context, self._agreement
+                )
 
     def wait_sparse_data_dist(self, context: TrainPipelineContext) -> None:
         """Finish the splits all-to-all, which launches the tensors all-to-all."""
@@ -427,7 +413,10 @@ class TrainPipelineSparseDist(SparseDistRewrite, PipelineCore, TrainPipeline[In,
 
     def _wait_for_batch(self) -> None:
         with self._recording.span(rec.WAIT_BATCH, self.contexts[0].index):  # data_dist -> default
-            wait_for_batch(self.batches[0], self._streams.data_dist, self._record_batch)
+            # An in-place copy allocated the batch on the default stream itself,
+            # where a record_stream would do nothing.
+            record = not self._enable_inplace_copy_batch
+            wait_for_batch(self.batches[0], self._streams.data_dist, record)
 
     def sync_embeddings(
         self,

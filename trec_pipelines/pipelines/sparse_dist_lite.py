@@ -130,6 +130,7 @@ class TrainPipelineSparseDistLite(TrainPipelineSparseDist[In, Out]):
         # input_dist runs on the default stream, in the step that trains the batch.
         input_dist_role="default",
         input_dist_ahead=False,
+        rewrite_on_attach=False,
     )
 
     def __init__(
@@ -166,15 +167,11 @@ class TrainPipelineSparseDistLite(TrainPipelineSparseDist[In, Out]):
     def _make_streams(self) -> StreamSet:
         return make_streams(self._device, memcpy=True)
 
-    def _pipeline_model_without_input_dist(self, batch: Any) -> None:
-        # attach() of a new model mid-epoch: no in-flight batch has started its
-        # input_dist yet, so the rewrite waits for the next progress(), which
-        # starts one for ``cur`` anyway.
-        return None
-
     def _wait_for_batch(self) -> None:
         with self._recording.span(rec.WAIT_BATCH, self.contexts[0].index):  # memcpy -> default
-            wait_for_batch(self.batches[0], self._streams.memcpy, self._record_batch)
+            wait_for_batch(
+                self.batches[0], self._streams.memcpy, not self._enable_inplace_copy_batch
+            )
 
     def fill_pipeline(self, dataloader_iter: Iterator[Any]) -> None:
         """Load ``cur`` (copy only) when the queue is empty."""
