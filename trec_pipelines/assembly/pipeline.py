@@ -37,8 +37,8 @@ methods hand each call to ``self._recording``
 methods to :func:`~trec_pipelines.assembly.resume.save_state` and
 :func:`~trec_pipelines.assembly.resume.load_state`, one line each.
 StagedTrainPipeline stands on the core too: it shares the start of the
-set-up (:meth:`~PipelineCore._init_options`,
-:meth:`~PipelineCore._agreement_over`), overrides what it does its own way
+set-up (:func:`init_options`, :func:`agreement_over`; the others start with
+:func:`init_core`), overrides what it does its own way
 (pulling, ``skip_failed_batch``, the resume hooks) and runs no step guard.
 """
 
@@ -95,6 +95,82 @@ def _guarded(progress: Callable[[Any, Iterator[Any]], Any]) -> Callable[[Any, It
     return guarded_step(beginning_the_step(progress))
 
 
+def init_core(
+    pipeline: Any,
+    model: torch.nn.Module,
+    optimizer: Optional[torch.optim.Optimizer],
+    device: Any,
+    options: Mapping[str, Any],
+    *,
+    input_dist_group: Optional[InputDistGroup] = None,
+) -> None:
+    """Check torchrec's arguments, resolve our options and build the shared parts
+    (every pipeline's constructor calls it first, after ``super().__init__()``).
+
+    ``input_dist_group`` overrides the option's value for the splits fusion
+    (a variant whose input_dist never runs ahead keeps it on the model's group).
+    """
+    name = type(pipeline).__name__
+    init_options(pipeline, options)
+    if pipeline._traits.requires_optimizer:
+        check_optimizer(optimizer, name, model)
+    pipeline._device = check_device(device, name)
+    check_model_device(model, pipeline._device, name)
+    pipeline._model = model
+    # None only for the eval variants, which never step it.
+    pipeline._optimizer = cast(torch.optim.Optimizer, optimizer)
+    # A pull made in the copy stage is agreed there, by an all-reduce of its own.
+    carried = pipeline._traits.carries_agreement and not pipeline._traits.pulls_when_copied
+    pipeline._agreement = agreement_over(pipeline, model, carried=carried)
+    pipeline._precision = Precision(
+        pipeline._device,
+        pipeline._options["autocast_dtype"],
+        pipeline._options["grad_scaler"],
+        model=model,
+        pipeline=name,
+    )
+    pipeline._source = new_source(pipeline)
+    pipeline._step_guard = StepGuard()
+    # In-flight batches of iterators set aside by a switch (see _switch_iterator).
+    pipeline._parked = ParkedEpochs()
+    group = input_dist_group or pipeline._options["input_dist_group"]
+    pipeline._pipelined = PipelinedModel(pipeline, model, group)
+    # Set when another pipeline detached this one to take the model over.
+    pipeline._taken_over_by = None
+
+
+def init_options(pipeline: Any, options: Mapping[str, Any]) -> None:
+    """The set-up every pipeline starts with, StagedTrainPipeline's too: its
+    recording (off) and our options, resolved for its class."""
+    pipeline._recording = Recording()
+    pipeline._options = resolve_options(type(pipeline).__name__, type(pipeline), options)
+
+
+def agreement_over(
+    pipeline: Any, model: Optional[torch.nn.Module], *, carried: bool
+) -> Optional[AgreementChannel]:
+    """The channel the ranks training ``model`` agree on each pull over (None
+    alone or with ``sync_exhaustion=False``); ``carried``: on the splits exchange."""
+    group = agreement_group(pipeline, model, pipeline._options["sync_exhaustion"])
+    return None if group is None else AgreementChannel(group, carried=carried)
+
+
+def new_source(pipeline: Any) -> BatchSource:
+    """A source of host batches for a new epoch count, with the ranks' agreement."""
+    return BatchSource(
+        pipeline._agreement,
+        keep_in_flight=True,
+        validate=pipeline._options["validate_batches"],
+        # Only a user's _next_batch is called back: ours would hand the pull
+        # straight back to the source, which pulls itself.
+        puller=pipeline._next_batch if pipeline._traits.pulls_when_copied else None,
+        agree_ahead=pipeline._options["agree_ahead"] and not pipeline._traits.pulls_when_copied,
+        # An eval pipeline pads a rank whose data ended (training stops at the shortest).
+        pad_uneven="uneven_data" in accepted_options(type(pipeline))
+        and pipeline._options["uneven_data"] == "pad",
+    )
+
+
 class PipelineCore:
     """The shared part of every pipeline (see [Note: the core under every pipeline])."""
 
@@ -129,80 +205,14 @@ class PipelineCore:
     _step_guard: StepGuard
     _parked: ParkedEpochs
     _pipelined: PipelinedModel
+    _optimizer: torch.optim.Optimizer
+    _agreement: Optional[AgreementChannel]
+    _precision: Precision
+    # Set when another pipeline detached this one to take the model over.
+    _taken_over_by: Optional[str]
     # The model's forward, or custom_model_fwd (torchrec's attribute, read and
     # called by subclasses as it is: see _call_forward for ours).
     _model_fwd: Callable[..., Any]
-
-    def _init_core(
-        self,
-        model: torch.nn.Module,
-        optimizer: Optional[torch.optim.Optimizer],
-        device: Any,
-        options: Mapping[str, Any],
-        *,
-        input_dist_group: Optional[InputDistGroup] = None,
-    ) -> None:
-        """Check torchrec's arguments, resolve our options and build the shared parts.
-
-        ``input_dist_group`` overrides the option's value for the splits fusion
-        (a variant whose input_dist never runs ahead keeps it on the model's group).
-        """
-        name = type(self).__name__
-        self._init_options(options)
-        if self._traits.requires_optimizer:
-            check_optimizer(optimizer, name, model)
-        self._device = check_device(device, name)
-        check_model_device(model, self._device, name)
-        self._model = model
-        # None only for the eval variants, which never step it.
-        self._optimizer: torch.optim.Optimizer = cast(torch.optim.Optimizer, optimizer)
-        # A pull made in the copy stage is agreed there, by an all-reduce of its own.
-        carried = self._traits.carries_agreement and not self._traits.pulls_when_copied
-        self._agreement = self._agreement_over(model, carried=carried)
-        self._precision = Precision(
-            self._device,
-            self._options["autocast_dtype"],
-            self._options["grad_scaler"],
-            model=model,
-            pipeline=name,
-        )
-        self._source = self._new_source()
-        self._step_guard = StepGuard()
-        # In-flight batches of iterators set aside by a switch (see _switch_iterator).
-        self._parked = ParkedEpochs()
-        group = input_dist_group or self._options["input_dist_group"]
-        self._pipelined = PipelinedModel(self, model, group)
-        # Set when another pipeline detached this one to take the model over.
-        self._taken_over_by: Optional[str] = None
-
-    def _init_options(self, options: Mapping[str, Any]) -> None:
-        """The set-up every pipeline starts with, StagedTrainPipeline's too: its
-        recording (off) and our options, resolved for its class."""
-        self._recording = Recording()
-        self._options = resolve_options(type(self).__name__, type(self), options)
-
-    def _agreement_over(
-        self, model: Optional[torch.nn.Module], *, carried: bool
-    ) -> Optional[AgreementChannel]:
-        """The channel the ranks training ``model`` agree on each pull over (None
-        alone or with ``sync_exhaustion=False``); ``carried``: on the splits exchange."""
-        group = agreement_group(self, model, self._options["sync_exhaustion"])
-        return None if group is None else AgreementChannel(group, carried=carried)
-
-    def _new_source(self) -> BatchSource:
-        """A source of host batches for a new epoch count, with the ranks' agreement."""
-        return BatchSource(
-            self._agreement,
-            keep_in_flight=True,
-            validate=self._options["validate_batches"],
-            # Only a user's _next_batch is called back: ours would hand the pull
-            # straight back to the source, which pulls itself.
-            puller=self._next_batch if self._traits.pulls_when_copied else None,
-            agree_ahead=self._options["agree_ahead"] and not self._traits.pulls_when_copied,
-            # An eval pipeline pads a rank whose data ended (training stops at the shortest).
-            pad_uneven="uneven_data" in accepted_options(type(self))
-            and self._options["uneven_data"] == "pad",
-        )
 
     # ------------------------------------------------------------ torchrec's hooks
 
@@ -389,36 +399,6 @@ class PipelineCore:
         (a data loader restored from its own state taken at the same point).
         """
         resume.load_state(self, state_dict)
-
-    # What resume.save_state and resume.load_state ask a pipeline (see
-    # [Note: exact resume]); a variant overrides the ones it needs.
-
-    def _unfinished(self) -> Tuple[List[Tuple[int, Any]], int]:
-        """``(index, host batch)`` pulled and not trained, oldest first; the next index."""
-        return self._source.unfinished()
-
-    def _is_fresh(self) -> bool:
-        """Nothing pulled yet (or since ``reset()``): the state may be loaded."""
-        return self._source.is_fresh()
-
-    def _resume(self, batches: List[Tuple[int, Any]], next_index: int) -> None:
-        """Serve ``batches`` first, then number new ones from ``next_index``."""
-        self._source.resume(batches, next_index)
-
-    def _settle(self) -> None:
-        """Finish whatever is still pulling batches (a loader thread) before the state is read."""
-
-    def _extra_state(self) -> Dict[str, Any]:
-        """What exactness needs besides the batches (host tensors after ``to_host``)."""
-        return {}
-
-    def _load_extra_state(self, extra: Dict[str, Any], variant: str) -> None:
-        """Take :meth:`_extra_state` of the saving pipeline back (``variant`` saved it)."""
-        resume.ignore_extra_state(self, extra, variant)
-
-    def _resume_blocker(self) -> Optional[str]:
-        """Why the pipeline's state cannot be taken or loaded now, or None."""
-        return resume.parked_blocker(self)
 
     # --------------------------------------------------------------- recording
 

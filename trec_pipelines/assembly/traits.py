@@ -16,8 +16,9 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
-from typing import Any, Mapping, Optional
+from typing import Any, Mapping, Optional, Type
 
+from trec_pipelines.assembly.resume import ResumeHooks
 from trec_pipelines.core.subclass_hooks import Decision
 
 
@@ -59,6 +60,9 @@ class Traits:
     # Each of torchrec's hooks the class does not honour, uncalled or refused
     # (see [Note: subclass hooks]); a variant's own decisions win over its base's.
     hooks: Mapping[str, Decision] = field(default_factory=dict)
+    # What a checkpoint asks of the pipeline, made for each state_dict() and
+    # load_state_dict() call: a variant that keeps more names a subclass.
+    resume: Type[ResumeHooks] = ResumeHooks
 
     def updated(self, hooks: Optional[Mapping[str, Decision]] = None, **answers: Any) -> Traits:
         """These traits with ``answers`` changed and ``hooks`` decided on top of these."""

@@ -10,7 +10,7 @@ from torchrec.distributed.train_pipeline import In, Out, TrainPipeline
 from typing_extensions import Unpack
 
 from trec_pipelines.assembly.options import TrainBatchOptions, takes_options
-from trec_pipelines.assembly.pipeline import PipelineCore
+from trec_pipelines.assembly.pipeline import PipelineCore, init_core
 from trec_pipelines.core.batch_transfer import copy_to_device, wait_for_batch
 from trec_pipelines.core.step_guard import guarded_step
 from trec_pipelines.core.streams import make_streams
@@ -114,7 +114,7 @@ class TrainPipelineBase(PipelineCore, TrainPipeline[In, Out]):
         **options: Unpack[TrainBatchOptions],
     ) -> None:
         super().__init__()
-        self._init_core(model, optimizer, device, options)
+        init_core(self, model, optimizer, device, options)
         self._model_fwd = custom_model_fwd or model
         self._enable_inplace_copy_batch = enable_inplace_copy_batch
         self._streams = make_streams(self._device, memcpy=True)

@@ -37,6 +37,7 @@ from torchrec.distributed.train_pipeline import In, Out
 from typing_extensions import Unpack
 
 from trec_pipelines.assembly.options import EvalSparseDistOptions, takes_options
+from trec_pipelines.assembly.resume import ResumeHooks
 from trec_pipelines.core import lifetime
 from trec_pipelines.core.batch_transfer import (
     copy_to_device,
@@ -214,6 +215,14 @@ _LOADS_ON_ITS_THREAD = "it pulls and copies each batch on its own loading thread
 _EVALUATES = "it evaluates: no backward, no optimizer step"
 
 
+class _EvalResume(ResumeHooks):
+    def settle(self) -> None:
+        """Let the loader thread finish the pull it may be in, so every batch it
+        took from the iterator is listed in the source for a checkpoint."""
+        if self.pipeline._loader is not None:
+            self.pipeline._loader.settle()
+
+
 @takes_options(EvalSparseDistOptions)
 class EvalPipelineSparseDist(TrainPipelineSparseDist[In, Out]):
     """Forward only; ``cur`` runs while ``nxt`` is in input_dist, batches copied ahead by a loader.
@@ -369,6 +378,7 @@ class EvalPipelineSparseDist(TrainPipelineSparseDist[In, Out]):
         tracks_state=False,
         pulls_through_next_batch=False,
         requires_optimizer=False,
+        resume=_EvalResume,
     )
 
     def __init__(
@@ -547,12 +557,6 @@ class EvalPipelineSparseDist(TrainPipelineSparseDist[In, Out]):
         return output, ctx.padding
 
     # ------------------------------------------------------------ lifecycle
-
-    def _settle(self) -> None:
-        """Let the loader thread finish the pull it may be in, so every batch it
-        took from the iterator is listed in the source for a checkpoint."""
-        if self._loader is not None:
-            self._loader.settle()
 
     def reset(self) -> None:
         """Stop the loader and drop the batches in flight; the next ``progress()`` starts an epoch."""

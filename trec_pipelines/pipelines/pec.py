@@ -41,6 +41,7 @@ from typing_extensions import Unpack
 
 from trec_pipelines._types import AnyShardedModule
 from trec_pipelines.assembly.options import SparseDistTrainOptions, takes_options
+from trec_pipelines.assembly.resume import ResumeHooks
 from trec_pipelines.core.step_guard import guarded_step
 from trec_pipelines.core.streams import current_stream, record_stream, wait_event
 from trec_pipelines.core.subclass_hooks import ASYNC_SUBMIT_OFF, Refused
@@ -51,6 +52,18 @@ from trec_pipelines.pipelines.sparse_dist import TrainPipelineSparseDist
 from trec_pipelines.pipelines.sparse_dist_rewrite import current_context
 from trec_pipelines.sparse import lookup, pec_ops
 from trec_pipelines.sparse.forwards import BaseForward, PECPipelinedForward
+
+
+class _PECResume(ResumeHooks):
+    def settle(self) -> None:
+        """Apply the deferred NOL gradient before a checkpoint: it belongs to the
+        model's state (batch ``i-1`` was trained), which the caller reads next.
+
+        Take the pipeline's state before reading the model's (see the guide
+        docs/guides/checkpoint.md).  The resumed pipeline refills from ``cur`` as
+        a retried step does, which is exact (see [Note: PEC, retrying a step]).
+        """
+        self.pipeline._flush_deferred_nol_grad()
 
 
 @takes_options(SparseDistTrainOptions)
@@ -198,6 +211,7 @@ class TrainPipelinePEC(TrainPipelineSparseDist[In, Out]):
             )
         },
         tracks_state=False,
+        resume=_PECResume,
     )
 
     contexts: Deque[PECTrainPipelineContext]  # type: ignore[assignment]
@@ -444,16 +458,6 @@ class TrainPipelinePEC(TrainPipelineSparseDist[In, Out]):
         if dataloader_iter is not self._source.iterator:
             self._flush_deferred_nol_grad()
         super()._switch_iterator(dataloader_iter)
-
-    def _settle(self) -> None:
-        """Apply the deferred NOL gradient before a checkpoint: it belongs to the
-        model's state (batch ``i-1`` was trained), which the caller reads next.
-
-        Take the pipeline's state before reading the model's (see the guide
-        docs/guides/checkpoint.md).  The resumed pipeline refills from ``cur`` as
-        a retried step does, which is exact (see [Note: PEC, retrying a step]).
-        """
-        self._flush_deferred_nol_grad()
 
     def detach(self) -> torch.nn.Module:
         """As SparseDist's, once the deferred NOL gradient is applied (the caller may read those rows)."""

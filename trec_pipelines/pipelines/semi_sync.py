@@ -11,6 +11,7 @@ from typing_extensions import Unpack
 
 from trec_pipelines._types import AnyShardedModule
 from trec_pipelines.assembly.options import SparseDistTrainOptions, takes_options
+from trec_pipelines.assembly.pipeline import new_source
 from trec_pipelines.core.all_reduce_wait import all_reduce_wait
 from trec_pipelines.core.batch_transfer import wait_for_batch
 from trec_pipelines.core.step_guard import guarded_step
@@ -25,6 +26,7 @@ from trec_pipelines.core.subclass_hooks import ASYNC_SUBMIT_OFF, never_called
 from trec_pipelines.model.args import CallArgs
 from trec_pipelines.model.context import EmbeddingTrainPipelineContext, TrainPipelineContext
 from trec_pipelines.observe import recorder as rec
+from trec_pipelines.pipelines.semi_sync_resume import SemiSyncResume
 from trec_pipelines.pipelines.semi_sync_start import (
     TORCHREC_START_BATCH,
     report_shared_parameters,
@@ -36,7 +38,6 @@ from trec_pipelines.sparse.deferred_lookup import DeferralPlan, deferring, plan_
 from trec_pipelines.sparse.forwards import BaseForward, EmbeddingPipelinedForward
 from trec_pipelines.sparse.input_dist import start_input_dist
 from trec_pipelines.sparse.lookup import (
-    finish_lookup,
     start_embedding_lookup as run_embedding_lookup,
 )
 
@@ -214,6 +215,7 @@ class TrainPipelineSemiSync(TrainPipelineSparseDist[In, Out]):
         },
         tracks_state=False,
         depth=4,
+        resume=SemiSyncResume,
     )
 
     def __init__(
@@ -550,43 +552,6 @@ class TrainPipelineSemiSync(TrainPipelineSparseDist[In, Out]):
             # The failed step swapped gradients: its retry must find the previous batch's.
             self._gradients = stash
 
-    # ------------------------------------------------------------ checkpoint
-
-    def _extra_state(self) -> Dict[str, Any]:
-        """``nxt``'s looked-up embeddings and the stashed gradients.
-
-        Once semi-sync, ``nxt`` was looked up before ``cur``'s update: a resumed
-        pipeline, looking it up again from the checkpointed tables, would read
-        rows one update newer.  So its lookup is finished here (the output
-        all-to-all already issued) and the values its dense part will see are
-        kept; the resumed pipeline gives its dense part these values and sends
-        the gradients into its own lookup, whose table gradient does not
-        depend on the rows' values.  With ``stash_gradients``, the dense
-        gradients of the last batch, which the next step applies, are kept too.
-        Size: ``nxt``'s pooled embeddings (batch x summed embedding dims) and,
-        stashing, one gradient per dense parameter.
-        """
-        extra: Dict[str, Any] = {}
-        if self._gradients:
-            extra["semi_sync_stashed_gradients"] = dict(self._gradients)
-        if self.contexts and self._embedding_context(0).embedding_a2a_requests:
-            context = self._embedding_context(0)
-            extra["semi_sync_lookup"] = (context.index, finish_lookup(context))
-        return extra
-
-    def _load_extra_state(self, extra: Dict[str, Any], variant: str) -> None:
-        extra = dict(extra)
-        gradients = extra.pop("semi_sync_stashed_gradients", None)
-        if gradients is not None and self._stash_gradients:
-            devices = {name: p.device for name, p in self._model.named_parameters()}
-            self._gradients = {name: g.to(devices[name]) for name, g in gradients.items()}
-        elif gradients is not None:
-            extra["semi_sync_stashed_gradients"] = gradients  # reported as unused below
-        lookup = extra.pop("semi_sync_lookup", None)
-        if lookup is not None:
-            self._restored_lookup = lookup
-        super()._load_extra_state(extra, variant)
-
     def _embedding_context(self, slot: int) -> EmbeddingTrainPipelineContext:
         return cast(EmbeddingTrainPipelineContext, self.contexts[slot])
 
@@ -595,7 +560,7 @@ class TrainPipelineSemiSync(TrainPipelineSparseDist[In, Out]):
     def reset(self) -> None:
         """Drop the in-flight batches and restart the batch count (synchronous again)."""
         super().reset()
-        self._source = self._new_source()
+        self._source = new_source(self)
         self._gradients.clear()
         self._restored_lookup = None
         self._said_synchronous_start = False  # the count restarts: synchronous again

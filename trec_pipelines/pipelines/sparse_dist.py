@@ -22,7 +22,7 @@ from torchrec.distributed.train_pipeline.types import PipelineState
 from typing_extensions import Unpack
 
 from trec_pipelines.assembly.options import SparseDistTrainOptions, takes_options
-from trec_pipelines.assembly.pipeline import PipelineCore
+from trec_pipelines.assembly.pipeline import PipelineCore, init_core
 from trec_pipelines.core.batch_transfer import copy_to_device, note_shared_features, wait_for_batch
 from trec_pipelines.core.checks import check_apply_jit
 from trec_pipelines.core.step_guard import guarded_step
@@ -230,7 +230,8 @@ class TrainPipelineSparseDist(PipelineCore, TrainPipeline[In, Out]):
         super().__init__()
         # Lite starts a batch's input_dist in the step that trains it: nothing
         # queues behind it, so it stays on the model's group.
-        self._init_core(
+        init_core(
+            self,
             model,
             optimizer,
             device,
