@@ -171,6 +171,18 @@ def new_source(pipeline: Any) -> BatchSource:
     )
 
 
+def call_forward(pipeline: Any, batch: Any) -> Tuple[torch.Tensor, Any]:
+    """``pipeline._model_fwd(batch)``, checked in a training pipeline to have returned
+    torchrec's pair ``(losses, output)`` (a type and a length check): a forward
+    that returns a bare loss, a dict or a longer tuple gets an error naming the
+    fix instead of Python's unpacking error.  A subclass's own step that calls
+    ``_model_fwd`` directly gets what it returns, as on torchrec."""
+    output = pipeline._model_fwd(batch)
+    if (type(output) is tuple and len(output) == 2) or not pipeline._traits.requires_optimizer:
+        return cast(Tuple[torch.Tensor, Any], output)
+    return cast(Tuple[torch.Tensor, Any], check_forward_output(output, type(pipeline).__name__))
+
+
 class PipelineCore:
     """The shared part of every pipeline (see [Note: the core under every pipeline])."""
 
@@ -211,7 +223,7 @@ class PipelineCore:
     # Set when another pipeline detached this one to take the model over.
     _taken_over_by: Optional[str]
     # The model's forward, or custom_model_fwd (torchrec's attribute, read and
-    # called by subclasses as it is: see _call_forward for ours).
+    # called by subclasses as it is: see call_forward for ours).
     _model_fwd: Callable[..., Any]
 
     # ------------------------------------------------------------ torchrec's hooks
@@ -240,17 +252,6 @@ class PipelineCore:
         if self._source.pulling:
             return self._source.hook_next(dataloader_iter)
         return self._source.direct_next(dataloader_iter)
-
-    def _call_forward(self, batch: Any) -> Tuple[torch.Tensor, Any]:
-        """``self._model_fwd(batch)``, checked in a training pipeline to have returned
-        torchrec's pair ``(losses, output)`` (a type and a length check): a forward
-        that returns a bare loss, a dict or a longer tuple gets an error naming the
-        fix instead of Python's unpacking error.  A subclass's own step that calls
-        ``_model_fwd`` directly gets what it returns, as on torchrec."""
-        output = self._model_fwd(batch)
-        if (type(output) is tuple and len(output) == 2) or not self._traits.requires_optimizer:
-            return cast(Tuple[torch.Tensor, Any], output)
-        return cast(Tuple[torch.Tensor, Any], check_forward_output(output, type(self).__name__))
 
     def _enter_phase(self, phase: PipelineState) -> None:
         """Set ``_state`` to ``phase`` where torchrec's class does (``tracks_state``)."""
@@ -347,14 +348,10 @@ class PipelineCore:
         self._parked.clear()
         self._source.drop_in_flight()
         self._step_guard.failed = None
-        self._end_epoch()
+        self._source.end_epoch()  # the next progress() starts a new epoch
         # Batch indices start from 0 again, as in torchrec: the DMPCollection
         # sync every N batches (sync_embeddings) counts from the reset.
         self._source.restart_count()
-
-    def _end_epoch(self) -> None:
-        """The epoch is over: the next ``progress()`` starts a new one."""
-        self._source.end_epoch()
 
     def skip_failed_batch(self) -> int:
         """Drop the batch the last ``progress()`` failed on instead of retrying it.

@@ -11,7 +11,7 @@ from typing_extensions import Unpack
 
 from trec_pipelines._types import AnyShardedModule
 from trec_pipelines.assembly.options import SparseDistTrainOptions, takes_options
-from trec_pipelines.assembly.pipeline import new_source
+from trec_pipelines.assembly.pipeline import call_forward, new_source
 from trec_pipelines.core.all_reduce_wait import all_reduce_wait
 from trec_pipelines.core.batch_transfer import wait_for_batch
 from trec_pipelines.core.step_guard import guarded_step
@@ -387,7 +387,7 @@ class TrainPipelineSemiSync(TrainPipelineSparseDist[In, Out]):
                 # Allocated on the memcpy stream; an inplace copy allocates here.
                 record_stream(batch, consumer)
         with self._recording.span(rec.FORWARD, context.index), self._precision.autocast():
-            return self._call_forward(batch)
+            return call_forward(self, batch)
 
     def _dense_backward(self, losses: torch.Tensor, context: TrainPipelineContext) -> None:
         with self._recording.span(rec.BACKWARD, context.index):

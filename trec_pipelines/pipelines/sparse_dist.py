@@ -22,7 +22,7 @@ from torchrec.distributed.train_pipeline.types import PipelineState
 from typing_extensions import Unpack
 
 from trec_pipelines.assembly.options import SparseDistTrainOptions, takes_options
-from trec_pipelines.assembly.pipeline import PipelineCore, init_core
+from trec_pipelines.assembly.pipeline import PipelineCore, call_forward, init_core
 from trec_pipelines.core.batch_transfer import copy_to_device, note_shared_features, wait_for_batch
 from trec_pipelines.core.checks import check_apply_jit
 from trec_pipelines.core.step_guard import guarded_step
@@ -447,7 +447,7 @@ class TrainPipelineSparseDist(PipelineCore, TrainPipeline[In, Out]):
     def _forward(self) -> Tuple[torch.Tensor, Any]:
         self._enter_phase(PipelineState.CALL_FWD)
         with self._recording.span(rec.FORWARD, self.contexts[0].index), self._precision.autocast():
-            return self._call_forward(self.batches[0])
+            return call_forward(self, self.batches[0])
 
     # --------------------------------------------------------------- schedule
 
