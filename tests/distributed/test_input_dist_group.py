@@ -95,9 +95,9 @@ def test_dedicated_and_shared_train_the_same_as_the_plain_loop(name: str) -> Non
         assert used, f"{name}: no splits-only input_dist on the model"
         if group == "dedicated":
             assert current_group() not in used
-            assert used == set(pipeline._fusion.groups.values())
+            assert used == set(pipeline._pipelined.fusion.groups.values())
         else:
-            assert used == {current_group()} and not pipeline._fusion.groups
+            assert used == {current_group()} and not pipeline._pipelined.fusion.groups
     assert_runs_equal(ref, runs["dedicated"], ("plain loop", f"{name}, dedicated"))
     assert_runs_equal(runs["shared"], runs["dedicated"], (f"{name}, shared", f"{name}, dedicated"))
 
@@ -192,7 +192,7 @@ def test_one_dedicated_group_per_sharding_group_reused_and_detach_restores() -> 
     first = trec_pipelines.TrainPipelineSparseDist(dmp, optimizer, DEVICE)
     run_pipeline(first, batches[:2], model=dmp)
     assert _kjt_all_to_alls(dmp), "the model's input_dists exist after its first batch"
-    groups = first._fusion.groups
+    groups = first._pipelined.fusion.groups
     assert set(groups) == {current_group()} and groups[current_group()] is not current_group()
     first.detach()
     # The model's own modules: their own group and their class's forward.
@@ -201,7 +201,7 @@ def test_one_dedicated_group_per_sharding_group_reused_and_detach_restores() -> 
     # A second pipeline (another variant) on the same model reuses the group.
     second = trec_pipelines.TrainPipelineFusedSparseDist(dmp, optimizer, DEVICE)
     run_pipeline(second, batches[2:], model=dmp)
-    assert second._fusion.groups == groups
+    assert second._pipelined.fusion.groups == groups
     # attach() after detach() reuses the pipeline's groups, without a collective.
     second.detach()
     second.attach()

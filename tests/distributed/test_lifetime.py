@@ -99,7 +99,7 @@ def test_a_detached_pipeline_makes_new_groups_after_a_release() -> None:
     pipeline.detach()
     pipeline.attach()
     second = idg.dedicated_of(current_group())
-    assert second is not None and set(pipeline._fusion.groups.values()) == {second}
+    assert second is not None and set(pipeline._pipelined.fusion.groups.values()) == {second}
     del second
     rest = run_pipeline(pipeline, it, model=dmp)
     assert_runs_equal(ref, type(rest)(outputs + list(rest), rest.weights))

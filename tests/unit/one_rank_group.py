@@ -89,7 +89,7 @@ def _run(names: List[str]) -> None:
         record = {
             "run": name,
             "matches": _matches(semi_ref if name == "TrainPipelineSemiSync" else ref, ours),
-            "splits_only_overrides": len(pipeline._fusion.overrides),
+            "splits_only_overrides": len(pipeline._pipelined.fusion.overrides),
             "awaited": sorted(set(issued)),
             "steps": len(ours),
         }

@@ -1,5 +1,5 @@
-"""Each public pipeline class has torchrec's shape: torchrec's MRO plus at most two
-classes of ours, and torchrec's public methods plus the documented ones of ours.
+"""Each public pipeline class has torchrec's shape: torchrec's MRO plus at most one
+class of ours, and torchrec's public methods plus the documented ones of ours.
 
 A pipeline holds its parts (batch source, step guard, recording, resume
 helpers) and calls them; it does not inherit them.  The classes are compared
@@ -46,9 +46,10 @@ VARIANT_OWN: Dict[str, FrozenSet[str]] = {
 }
 # torchrec classes of the newer release that ours mirrors on the older one (the
 # asynchronous in-place copy's mixin, new in torchrec 1.9): they stand for
-# torchrec's class and are not counted as ours.
+# torchrec's class and are not counted as ours.  A pipeline holds what the mixin
+# gives (its copy worker) and is registered as the mixin's virtual subclass.
 STAND_INS: FrozenSet[str] = frozenset({"AsyncInplaceCopyMixin"})
-MAX_OURS = 2
+MAX_OURS = 1
 # torchrec bases a class of ours does not derive from (pre-existing; the
 # migration guide's "Subclassing" lists what of them it keeps): torchrec's PT2
 # derives from its TrainPipelineBase, ours from the core alone.
@@ -107,12 +108,15 @@ def test_every_public_pipeline_is_checked() -> None:
 
 
 @pytest.mark.parametrize("name,ours", CLASSES, ids=[n for n, _ in CLASSES])
-def test_mro_is_torchrecs_plus_at_most_two_of_ours(name: str, ours: type) -> None:
+def test_mro_is_torchrecs_plus_at_most_one_of_ours(name: str, ours: type) -> None:
     theirs, counted = _reference(ours)
     our_names = [c.__name__ for c in ours.__mro__]
     their_names = [c.__name__ for c in theirs.__mro__]
     skipped = NOT_DERIVED.get(ours.__name__, frozenset())
-    assert set(their_names) - skipped <= set(our_names), (name, our_names, their_names)
+    # A stand-in is held, not inherited: ours is registered as its virtual subclass.
+    stood_in = {n for n in STAND_INS if issubclass(ours, getattr(trec_pipelines, n))}
+    assert set(their_names) - skipped - stood_in <= set(our_names), (name, our_names, their_names)
+    assert {n for n in their_names if n in STAND_INS} <= stood_in | set(our_names), name
     counted_names = [n for n in our_names if n in their_names or n not in STAND_INS]
     assert len(counted_names) <= len(their_names) + MAX_OURS + counted, (name, our_names)
     extra = [n for n in our_names if n not in their_names and n not in STAND_INS]

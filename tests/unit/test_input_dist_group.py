@@ -40,9 +40,9 @@ def test_every_variant_that_pipelines_the_input_dist_takes_it(name: str) -> None
     with pytest.raises(ValueError, match="input_dist_group must be one of"):
         cls(model, optimizer_for(model), torch.device("cpu"), input_dist_group="own")
     pipeline = cls(model, optimizer_for(model), torch.device("cpu"), input_dist_group="shared")
-    assert pipeline._fusion.input_dist_group == "shared"
+    assert pipeline._pipelined.fusion.input_dist_group == "shared"
     assert (
-        cls(model, optimizer_for(model), torch.device("cpu"))._fusion.input_dist_group
+        cls(model, optimizer_for(model), torch.device("cpu"))._pipelined.fusion.input_dist_group
         == "dedicated"
     )
 
@@ -52,7 +52,7 @@ def test_lite_keeps_the_models_group() -> None:
     pipeline = trec_pipelines.TrainPipelineSparseDistLite(
         model, optimizer_for(model), torch.device("cpu")
     )
-    assert pipeline._fusion.input_dist_group == "shared"
+    assert pipeline._pipelined.fusion.input_dist_group == "shared"
 
 
 def test_without_a_process_group_there_is_nothing_to_make() -> None:

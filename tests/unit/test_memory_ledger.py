@@ -149,8 +149,8 @@ def test_ledger_holds_the_documented_batches_at_every_action(name: str) -> None:
     assert max(steady) == PEAK[name]
     assert max(s.held.batches for s in samples) == PEAK[name]
     # The class's own statement of its depth, where it keeps one, agrees.
-    depth = getattr(type(pipeline), "_depth", None)
-    if depth is not None and not name.startswith(("TrainPipelineBase", "TrainPipelinePT2")):
+    depth = type(pipeline)._traits.depth
+    if depth and not name.startswith(("TrainPipelineBase", "TrainPipelinePT2")):
         assert depth == DOCUMENTED_DEPTH[name]
 
 

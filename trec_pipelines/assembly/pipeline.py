@@ -22,11 +22,14 @@ A variant says what it holds in flight through three small methods
 :meth:`~PipelineCore._bring_back`) and how many host batches a step pulls
 (:meth:`~PipelineCore._batches_to_fetch`); the rest follows.
 
-The core is the one class of ours under every pipeline (with
-``SparseDistRewrite`` under the SparseDist family), so that a pipeline's MRO
-is torchrec's plus at most two classes.  What every pipeline has besides is
-held and called, not inherited: torchrec's attributes are properties from
-:mod:`~trec_pipelines.assembly.torchrec_state` assigned in the class body; the
+The core is the one class of ours under every pipeline, so that a
+pipeline's MRO is torchrec's plus one class.  What every pipeline has besides
+is held and called, not inherited: torchrec's attributes are properties from
+:mod:`~trec_pipelines.assembly.torchrec_state` assigned in the class body (the
+SparseDist family's rewrite hooks and ``attach``/``detach``, likewise, from
+:mod:`~trec_pipelines.pipelines.sparse_dist_rewrite`); what a class is, its
+flags and its decisions on torchrec's hooks, is one
+:class:`~trec_pipelines.assembly.traits.Traits` (``_traits``); the
 subclass-hook checks run from ``__init_subclass__``
 (:func:`~trec_pipelines.core.subclass_hooks.check_subclass`); the recording
 methods hand each call to ``self._recording``
@@ -34,8 +37,8 @@ methods hand each call to ``self._recording``
 methods to :func:`~trec_pipelines.assembly.resume.save_state` and
 :func:`~trec_pipelines.assembly.resume.load_state`, one line each.
 StagedTrainPipeline stands on the core too: it shares the start of the
-set-up (:meth:`~PipelineCore._init_options`,
-:meth:`~PipelineCore._agreement_over`), overrides what it does its own way
+set-up (:func:`init_options`, :func:`agreement_over`; the others start with
+:func:`init_core`), overrides what it does its own way
 (pulling, ``skip_failed_batch``, the resume hooks) and runs no step guard.
 """
 
@@ -45,7 +48,6 @@ import logging
 from typing import (
     Any,
     Callable,
-    ClassVar,
     Dict,
     Iterator,
     List,
@@ -61,6 +63,7 @@ from torchrec.distributed.train_pipeline.types import PipelineState
 from trec_pipelines.assembly import resume, torchrec_state
 from trec_pipelines.assembly.options import PipelineOptions, accepted_options, resolve_options
 from trec_pipelines.assembly.pipelined_model import PipelinedModel
+from trec_pipelines.assembly.traits import Traits
 from trec_pipelines.core.checks import (
     check_device,
     check_forward_output,
@@ -72,8 +75,6 @@ from trec_pipelines.core.precision import Precision
 from trec_pipelines.core.step_guard import StepGuard, guarded_step, skip_failed_batch
 from trec_pipelines.core.streams import StreamSet
 from trec_pipelines.core.subclass_hooks import (
-    Refused,
-    Uncalled,
     beginning_the_step,
     check_subclass,
     overrides_outside,
@@ -94,21 +95,107 @@ def _guarded(progress: Callable[[Any, Iterator[Any]], Any]) -> Callable[[Any, It
     return guarded_step(beginning_the_step(progress))
 
 
+def init_core(
+    pipeline: Any,
+    model: torch.nn.Module,
+    optimizer: Optional[torch.optim.Optimizer],
+    device: Any,
+    options: Mapping[str, Any],
+    *,
+    input_dist_group: Optional[InputDistGroup] = None,
+) -> None:
+    """Check torchrec's arguments, resolve our options and build the shared parts
+    (every pipeline's constructor calls it first, after ``super().__init__()``).
+
+    ``input_dist_group`` overrides the option's value for the splits fusion
+    (a variant whose input_dist never runs ahead keeps it on the model's group).
+    """
+    name = type(pipeline).__name__
+    init_options(pipeline, options)
+    if pipeline._traits.requires_optimizer:
+        check_optimizer(optimizer, name, model)
+    pipeline._device = check_device(device, name)
+    check_model_device(model, pipeline._device, name)
+    pipeline._model = model
+    # None only for the eval variants, which never step it.
+    pipeline._optimizer = cast(torch.optim.Optimizer, optimizer)
+    # A pull made in the copy stage is agreed there, by an all-reduce of its own.
+    carried = pipeline._traits.carries_agreement and not pipeline._traits.pulls_when_copied
+    pipeline._agreement = agreement_over(pipeline, model, carried=carried)
+    pipeline._precision = Precision(
+        pipeline._device,
+        pipeline._options["autocast_dtype"],
+        pipeline._options["grad_scaler"],
+        model=model,
+        pipeline=name,
+    )
+    pipeline._source = new_source(pipeline)
+    pipeline._step_guard = StepGuard()
+    # In-flight batches of iterators set aside by a switch (see _switch_iterator).
+    pipeline._parked = ParkedEpochs()
+    group = input_dist_group or pipeline._options["input_dist_group"]
+    pipeline._pipelined = PipelinedModel(pipeline, model, group)
+    # Set when another pipeline detached this one to take the model over.
+    pipeline._taken_over_by = None
+
+
+def init_options(pipeline: Any, options: Mapping[str, Any]) -> None:
+    """The set-up every pipeline starts with, StagedTrainPipeline's too: its
+    recording (off) and our options, resolved for its class."""
+    pipeline._recording = Recording()
+    pipeline._options = resolve_options(type(pipeline).__name__, type(pipeline), options)
+
+
+def agreement_over(
+    pipeline: Any, model: Optional[torch.nn.Module], *, carried: bool
+) -> Optional[AgreementChannel]:
+    """The channel the ranks training ``model`` agree on each pull over (None
+    alone or with ``sync_exhaustion=False``); ``carried``: on the splits exchange."""
+    group = agreement_group(pipeline, model, pipeline._options["sync_exhaustion"])
+    return None if group is None else AgreementChannel(group, carried=carried)
+
+
+def new_source(pipeline: Any) -> BatchSource:
+    """A source of host batches for a new epoch count, with the ranks' agreement."""
+    return BatchSource(
+        pipeline._agreement,
+        keep_in_flight=True,
+        validate=pipeline._options["validate_batches"],
+        # Only a user's _next_batch is called back: ours would hand the pull
+        # straight back to the source, which pulls itself.
+        puller=pipeline._next_batch if pipeline._traits.pulls_when_copied else None,
+        agree_ahead=pipeline._options["agree_ahead"] and not pipeline._traits.pulls_when_copied,
+        # An eval pipeline pads a rank whose data ended (training stops at the shortest).
+        pad_uneven="uneven_data" in accepted_options(type(pipeline))
+        and pipeline._options["uneven_data"] == "pad",
+    )
+
+
+def call_forward(pipeline: Any, batch: Any) -> Tuple[torch.Tensor, Any]:
+    """``pipeline._model_fwd(batch)``, checked in a training pipeline to have returned
+    torchrec's pair ``(losses, output)`` (a type and a length check): a forward
+    that returns a bare loss, a dict or a longer tuple gets an error naming the
+    fix instead of Python's unpacking error.  A subclass's own step that calls
+    ``_model_fwd`` directly gets what it returns, as on torchrec."""
+    output = pipeline._model_fwd(batch)
+    if (type(output) is tuple and len(output) == 2) or not pipeline._traits.requires_optimizer:
+        return cast(Tuple[torch.Tensor, Any], output)
+    return cast(Tuple[torch.Tensor, Any], check_forward_output(output, type(pipeline).__name__))
+
+
 class PipelineCore:
     """The shared part of every pipeline (see [Note: the core under every pipeline])."""
 
-    # Each hook of torchrec's a class does not honour (see [Note: subclass hooks]).
-    _uncalled_hooks: ClassVar[Mapping[str, Uncalled]] = {}
-    _refused_hooks: ClassVar[Mapping[str, Refused]] = {}
-    # Whether a subclass's own progress() runs inside the step guard.
-    _guards_user_progress: ClassVar[bool] = True
+    # What the class is: every answer the core asks of it (see [Note: a pipeline's traits]).
+    _traits: Traits = Traits()
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
-        check_subclass(cls, _guarded if cls._guards_user_progress else None)
-        cls._pulls_when_copied = cls._pulls_through_next_batch and overrides_outside(
-            cls, "_next_batch"
-        )
+        traits = cls._traits
+        check_subclass(cls, _guarded if traits.guards_user_progress else None)
+        pulls = traits.pulls_through_next_batch and overrides_outside(cls, "_next_batch")
+        if pulls != traits.pulls_when_copied:
+            cls._traits = traits.updated(pulls_when_copied=pulls)
 
     # torchrec's attributes (see [Note: torchrec's state on our pipelines]).
     _dataloader_iter = torchrec_state.DATALOADER_ITER
@@ -119,26 +206,9 @@ class PipelineCore:
     # Where a step is (torchrec's ``_state``, written by torchrec's base class at
     # construction; outside code writes it too).  Holds torchrec's enum.
     _state: PipelineState
-    # Whether each step moves ``_state`` through IDLE, CALL_FWD and CALL_BWD, as
-    # the torchrec class of the same name does (the others stay IDLE).
-    _tracks_state: ClassVar[bool] = False
     _streams: StreamSet
     # The schedule recorder's holder; class-level until a pipeline records.
     _recording: Recording
-
-    # Variants that only run forwards (Eval) take optimizer=None.
-    _requires_optimizer: bool = True
-    # Variants whose steps start the pipelined input_dist, whose splits
-    # exchange carries the ranks' agreement on each pull (see
-    # [Note: agreeing on each batch]); the others agree by an all-reduce.
-    _carries_agreement: bool = False
-    # Whether each host batch is pulled through _next_batch (torchrec's hook);
-    # False where torchrec's class never calls it (it is then refused).
-    _pulls_through_next_batch: bool = True
-    # Whether each host batch is pulled where the copy stage asks for it, not
-    # ahead: a user's _next_batch override then sees torchrec's state (see
-    # [Note: a user's _next_batch pulls at torchrec's moment]).  Set per class.
-    _pulls_when_copied: ClassVar[bool] = False
 
     _options: PipelineOptions
     _model: torch.nn.Module
@@ -147,80 +217,14 @@ class PipelineCore:
     _step_guard: StepGuard
     _parked: ParkedEpochs
     _pipelined: PipelinedModel
+    _optimizer: torch.optim.Optimizer
+    _agreement: Optional[AgreementChannel]
+    _precision: Precision
+    # Set when another pipeline detached this one to take the model over.
+    _taken_over_by: Optional[str]
     # The model's forward, or custom_model_fwd (torchrec's attribute, read and
-    # called by subclasses as it is: see _call_forward for ours).
+    # called by subclasses as it is: see call_forward for ours).
     _model_fwd: Callable[..., Any]
-
-    def _init_core(
-        self,
-        model: torch.nn.Module,
-        optimizer: Optional[torch.optim.Optimizer],
-        device: Any,
-        options: Mapping[str, Any],
-        *,
-        input_dist_group: Optional[InputDistGroup] = None,
-    ) -> None:
-        """Check torchrec's arguments, resolve our options and build the shared parts.
-
-        ``input_dist_group`` overrides the option's value for the splits fusion
-        (a variant whose input_dist never runs ahead keeps it on the model's group).
-        """
-        name = type(self).__name__
-        self._init_options(options)
-        if self._requires_optimizer:
-            check_optimizer(optimizer, name, model)
-        self._device = check_device(device, name)
-        check_model_device(model, self._device, name)
-        self._model = model
-        # None only for the eval variants, which never step it.
-        self._optimizer: torch.optim.Optimizer = cast(torch.optim.Optimizer, optimizer)
-        # A pull made in the copy stage is agreed there, by an all-reduce of its own.
-        carried = self._carries_agreement and not self._pulls_when_copied
-        self._agreement = self._agreement_over(model, carried=carried)
-        self._precision = Precision(
-            self._device,
-            self._options["autocast_dtype"],
-            self._options["grad_scaler"],
-            model=model,
-            pipeline=name,
-        )
-        self._source = self._new_source()
-        self._step_guard = StepGuard()
-        # In-flight batches of iterators set aside by a switch (see _switch_iterator).
-        self._parked = ParkedEpochs()
-        group = input_dist_group or self._options["input_dist_group"]
-        self._pipelined = PipelinedModel(self, model, group)
-        # Set when another pipeline detached this one to take the model over.
-        self._taken_over_by: Optional[str] = None
-
-    def _init_options(self, options: Mapping[str, Any]) -> None:
-        """The set-up every pipeline starts with, StagedTrainPipeline's too: its
-        recording (off) and our options, resolved for its class."""
-        self._recording = Recording()
-        self._options = resolve_options(type(self).__name__, type(self), options)
-
-    def _agreement_over(
-        self, model: Optional[torch.nn.Module], *, carried: bool
-    ) -> Optional[AgreementChannel]:
-        """The channel the ranks training ``model`` agree on each pull over (None
-        alone or with ``sync_exhaustion=False``); ``carried``: on the splits exchange."""
-        group = agreement_group(self, model, self._options["sync_exhaustion"])
-        return None if group is None else AgreementChannel(group, carried=carried)
-
-    def _new_source(self) -> BatchSource:
-        """A source of host batches for a new epoch count, with the ranks' agreement."""
-        return BatchSource(
-            self._agreement,
-            keep_in_flight=True,
-            validate=self._options["validate_batches"],
-            # Only a user's _next_batch is called back: ours would hand the pull
-            # straight back to the source, which pulls itself.
-            puller=self._next_batch if self._pulls_when_copied else None,
-            agree_ahead=self._options["agree_ahead"] and not self._pulls_when_copied,
-            # An eval pipeline pads a rank whose data ended (training stops at the shortest).
-            pad_uneven="uneven_data" in accepted_options(type(self))
-            and self._options["uneven_data"] == "pad",
-        )
 
     # ------------------------------------------------------------ torchrec's hooks
 
@@ -249,20 +253,9 @@ class PipelineCore:
             return self._source.hook_next(dataloader_iter)
         return self._source.direct_next(dataloader_iter)
 
-    def _call_forward(self, batch: Any) -> Tuple[torch.Tensor, Any]:
-        """``self._model_fwd(batch)``, checked in a training pipeline to have returned
-        torchrec's pair ``(losses, output)`` (a type and a length check): a forward
-        that returns a bare loss, a dict or a longer tuple gets an error naming the
-        fix instead of Python's unpacking error.  A subclass's own step that calls
-        ``_model_fwd`` directly gets what it returns, as on torchrec."""
-        output = self._model_fwd(batch)
-        if (type(output) is tuple and len(output) == 2) or not self._requires_optimizer:
-            return cast(Tuple[torch.Tensor, Any], output)
-        return cast(Tuple[torch.Tensor, Any], check_forward_output(output, type(self).__name__))
-
     def _enter_phase(self, phase: PipelineState) -> None:
-        """Set ``_state`` to ``phase`` where torchrec's class does (``_tracks_state``)."""
-        if self._tracks_state:
+        """Set ``_state`` to ``phase`` where torchrec's class does (``tracks_state``)."""
+        if self._traits.tracks_state:
             self._state = phase
 
     # ------------------------------------------------------- the in-flight batches
@@ -298,7 +291,7 @@ class PipelineCore:
         # Pull the host batches this call copies before any work: an iterator
         # error then reaches the caller with the pipeline untouched.  A user's
         # _next_batch pulls in the copy stage instead, where torchrec calls it.
-        ahead = 0 if self._pulls_when_copied else self._batches_to_fetch()
+        ahead = 0 if self._traits.pulls_when_copied else self._batches_to_fetch()
         self._source.fetch_ahead(dataloader_iter, ahead)
         self._step_guard.begin()  # from here a failure is rolled back and retried
 
@@ -355,14 +348,10 @@ class PipelineCore:
         self._parked.clear()
         self._source.drop_in_flight()
         self._step_guard.failed = None
-        self._end_epoch()
+        self._source.end_epoch()  # the next progress() starts a new epoch
         # Batch indices start from 0 again, as in torchrec: the DMPCollection
         # sync every N batches (sync_embeddings) counts from the reset.
         self._source.restart_count()
-
-    def _end_epoch(self) -> None:
-        """The epoch is over: the next ``progress()`` starts a new one."""
-        self._source.end_epoch()
 
     def skip_failed_batch(self) -> int:
         """Drop the batch the last ``progress()`` failed on instead of retrying it.
@@ -407,36 +396,6 @@ class PipelineCore:
         (a data loader restored from its own state taken at the same point).
         """
         resume.load_state(self, state_dict)
-
-    # What resume.save_state and resume.load_state ask a pipeline (see
-    # [Note: exact resume]); a variant overrides the ones it needs.
-
-    def _unfinished(self) -> Tuple[List[Tuple[int, Any]], int]:
-        """``(index, host batch)`` pulled and not trained, oldest first; the next index."""
-        return self._source.unfinished()
-
-    def _is_fresh(self) -> bool:
-        """Nothing pulled yet (or since ``reset()``): the state may be loaded."""
-        return self._source.is_fresh()
-
-    def _resume(self, batches: List[Tuple[int, Any]], next_index: int) -> None:
-        """Serve ``batches`` first, then number new ones from ``next_index``."""
-        self._source.resume(batches, next_index)
-
-    def _settle(self) -> None:
-        """Finish whatever is still pulling batches (a loader thread) before the state is read."""
-
-    def _extra_state(self) -> Dict[str, Any]:
-        """What exactness needs besides the batches (host tensors after ``to_host``)."""
-        return {}
-
-    def _load_extra_state(self, extra: Dict[str, Any], variant: str) -> None:
-        """Take :meth:`_extra_state` of the saving pipeline back (``variant`` saved it)."""
-        resume.ignore_extra_state(self, extra, variant)
-
-    def _resume_blocker(self) -> Optional[str]:
-        """Why the pipeline's state cannot be taken or loaded now, or None."""
-        return resume.parked_blocker(self)
 
     # --------------------------------------------------------------- recording
 

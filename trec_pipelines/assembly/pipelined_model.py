@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import logging
 import weakref
-from typing import Any, Callable, Dict, List, Optional
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
 
@@ -98,6 +98,17 @@ class PipelinedModel:
     @property
     def postprocs(self) -> List[PipelinedPostproc]:
         return [] if self.result is None else list(self.result.postprocs)
+
+    def input_dist_modules(self) -> List[Tuple[str, AnyShardedModule, CallArgs]]:
+        """``(name, module, call_args)`` of each module whose input_dist the pipeline runs.
+
+        Empty without a rewrite: a subclass's ``_init_pipelined_modules`` (or
+        ``_pipeline_model``) did not call ours.  Then, as on torchrec, no module
+        is pipelined and each runs its own input_dist inside the forward.
+        """
+        if self.result is None:
+            return []
+        return [(p.name, p.module, p.call_args) for p in self.result.pipelined]
 
     def take_over(self) -> None:
         """Detach every other pipeline whose wrappers are on the model.

@@ -24,8 +24,8 @@ trained once, and the weights equal those of the run that never stopped, bit
 for bit: no variant's numerics depend on when a batch's copy or input_dist
 ran, only on the weights its lookup reads, which the model checkpoint holds.
 Variants whose in-flight work read older weights keep what exactness needs
-besides (its ``_extra_state()``: SemiSync's looked-up embeddings and
-stashed gradients).
+besides (its :class:`ResumeHooks`' ``extra_state()``: SemiSync's
+looked-up embeddings and stashed gradients).
 
 The state is per rank, under a key naming the rank (``"rank_3"``), as
 torchtitan stores its data loader: every rank saves its own entry into one
@@ -68,7 +68,7 @@ class SavedPipeline:
         batches: ``(index, host batch)`` of every batch pulled and not trained,
             oldest first: the resumed pipeline trains them first, in this order.
         next_index: the index of the next batch pulled from the iterator.
-        extra: what a variant needs besides (its ``_extra_state()``),
+        extra: what a variant needs besides (its ``ResumeHooks.extra_state()``),
             host tensors only.
     """
 
@@ -163,24 +163,62 @@ class Resumable(Protocol):
         """
 
 
-# How a pipeline takes part (see [Note: exact resume]): it has ``_source``, a
-# BatchSource with ``keep_in_flight=True``, and the hooks the functions below
-# call, whose defaults are on PipelineCore: _unfinished, _is_fresh, _resume,
-# _settle, _extra_state, _load_extra_state and _resume_blocker.  A variant may
-# override _settle, _extra_state, _load_extra_state and _resume_blocker; one
-# that pulls batches its own way (StagedTrainPipeline) overrides _unfinished,
-# _is_fresh and _resume.
+class ResumeHooks:
+    """What :func:`save_state` and :func:`load_state` ask of a pipeline (see
+    [Note: exact resume]).
+
+    The defaults serve a pipeline whose ``_source`` (a BatchSource with
+    ``keep_in_flight=True``) holds every batch pulled and not trained.  A
+    variant that needs more names a subclass of its own in its traits
+    (``Traits.resume``): SemiSync keeps its looked-up embeddings
+    (:meth:`extra_state`), the eval pipeline settles its loader thread
+    (:meth:`settle`), StagedTrainPipeline, which pulls its own way, lists its
+    batches itself (:meth:`unfinished`, :meth:`is_fresh`, :meth:`resume`).
+    Made for each call, so it holds nothing between two.
+    """
+
+    def __init__(self, pipeline: Any) -> None:
+        self.pipeline = pipeline
+
+    def unfinished(self) -> Tuple[List[Tuple[int, Any]], int]:
+        """``(index, host batch)`` pulled and not trained, oldest first; the next index."""
+        batches, next_index = self.pipeline._source.unfinished()
+        return batches, next_index
+
+    def is_fresh(self) -> bool:
+        """Nothing pulled yet (or since ``reset()``): the state may be loaded."""
+        return bool(self.pipeline._source.is_fresh())
+
+    def resume(self, batches: List[Tuple[int, Any]], next_index: int) -> None:
+        """Serve ``batches`` first, then number new ones from ``next_index``."""
+        self.pipeline._source.resume(batches, next_index)
+
+    def settle(self) -> None:
+        """Finish whatever is still pulling batches (a loader thread) before the state is read."""
+
+    def extra_state(self) -> Dict[str, Any]:
+        """What exactness needs besides the batches (host tensors after ``to_host``)."""
+        return {}
+
+    def load_extra_state(self, extra: Dict[str, Any], variant: str) -> None:
+        """Take :meth:`extra_state` of the saving pipeline back (``variant`` saved it)."""
+        ignore_extra_state(self.pipeline, extra, variant)
+
+    def blocker(self) -> Optional[str]:
+        """Why the pipeline's state cannot be taken or loaded now, or None."""
+        return parked_blocker(self.pipeline)
 
 
 def save_state(pipeline: Any) -> Dict[str, Any]:
     """``pipeline``'s in-flight batches, for a checkpoint (see :meth:`Resumable.state_dict`)."""
     name = type(pipeline).__name__
-    blocker = pipeline._resume_blocker()
+    hooks: ResumeHooks = pipeline._traits.resume(pipeline)
+    blocker = hooks.blocker()
     if blocker is not None:
         raise RuntimeError(f"{name}.state_dict(): {blocker}")
-    pipeline._settle()
+    hooks.settle()
     rank, world = _rank_and_world()
-    batches, next_index = pipeline._unfinished()
+    batches, next_index = hooks.unfinished()
     saved = SavedPipeline(
         format=FORMAT,
         variant=name,
@@ -188,7 +226,7 @@ def save_state(pipeline: Any) -> Dict[str, Any]:
         world_size=world,
         batches=[(index, to_host(batch)) for index, batch in batches],
         next_index=next_index,
-        extra=to_host(pipeline._extra_state()),
+        extra=to_host(hooks.extra_state()),
     )
     return {rank_key(rank): encode(saved)}
 
@@ -196,6 +234,7 @@ def save_state(pipeline: Any) -> Dict[str, Any]:
 def load_state(pipeline: Any, state_dict: Mapping[str, Any]) -> None:
     """Load ``state_dict`` into ``pipeline`` (see :meth:`Resumable.load_state_dict`)."""
     name = type(pipeline).__name__
+    hooks: ResumeHooks = pipeline._traits.resume(pipeline)
     rank, world = _rank_and_world()
     key = rank_key(rank)
     if key not in state_dict:
@@ -212,17 +251,17 @@ def load_state(pipeline: Any, state_dict: Mapping[str, Any]) -> None:
             "in-flight batches are its share of the data: resume on as many ranks "
             "as saved, or start the epoch afresh without load_state_dict()."
         )
-    if not pipeline._is_fresh():
+    if not hooks.is_fresh():
         raise RuntimeError(
             f"{name}.load_state_dict() on a pipeline that has already pulled "
             "batches: build a new pipeline (or call reset()) and load the state "
             "before its first progress()."
         )
-    blocker = pipeline._resume_blocker()
+    blocker = hooks.blocker()
     if blocker is not None:
         raise RuntimeError(f"{name}.load_state_dict(): {blocker}")
-    pipeline._load_extra_state(saved.extra, saved.variant)
-    pipeline._resume(saved.batches, saved.next_index)
+    hooks.load_extra_state(saved.extra, saved.variant)
+    hooks.resume(saved.batches, saved.next_index)
     if saved.batches:
         logger.info(
             "%s: resuming with %d batch(es) in flight from a %s checkpoint "

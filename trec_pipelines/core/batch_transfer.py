@@ -2,7 +2,8 @@
 
 Each pipeline's ``progress()`` is a sequence of these calls (and of the sparse
 ops in :mod:`trec_pipelines.sparse`); the streams they run on are passed in
-explicitly.  Nothing here keeps pipeline state.
+explicitly.  Nothing here keeps state of its own (the one flag,
+``_warned_shared_features``, lives on the pipeline).
 """
 
 from __future__ import annotations
@@ -42,6 +43,27 @@ def shares_kjt_storage(host: Any, device: Any) -> bool:
     """
     owned = {kjt.values().untyped_storage().data_ptr() for kjt in kjts_in(host)}
     return any(kjt.values().untyped_storage().data_ptr() in owned for kjt in kjts_in(device))
+
+
+def note_shared_features(pipeline: Any, host: Any, batch: Any, context: Any) -> None:
+    """With ``free_features_storage_early``: mark a batch whose "copy" kept the
+    loader's storage (it was on the device already), which must not be freed."""
+    if pipeline._free_features_storage_early and shares_kjt_storage(host, batch):
+        context.features_shared_with_loader = True
+        warn_shared_features(pipeline)
+
+
+def warn_shared_features(pipeline: Any) -> None:
+    """Log, once per pipeline, that ``free_features_storage_early`` has nothing to free."""
+    if not pipeline._warned_shared_features:
+        pipeline._warned_shared_features = True
+        logger.warning(
+            "%s: free_features_storage_early has nothing to free on this batch: it "
+            "was on %s already, so its KeyedJaggedTensors are the loader's own "
+            "tensors (freeing them would destroy the data, e.g. for the next epoch)",
+            type(pipeline).__name__,
+            pipeline._device,
+        )
 
 
 def copy_to_device(

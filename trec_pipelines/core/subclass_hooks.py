@@ -20,9 +20,9 @@ same-named class is, in ours, one of
   shape here).  A subclass that defines it gets a ``TypeError`` as the class
   is created, naming the hook, why, and what to override instead.
 
-Never silently ignored.  Each class declares its decisions in
-``_uncalled_hooks`` and ``_refused_hooks``, merged along its bases (the
-nearest class's decision wins); ``PipelineCore.__init_subclass__`` calls
+Never silently ignored.  Each class declares its decisions in its traits'
+``hooks`` (:class:`~trec_pipelines.assembly.traits.Traits`), on top of its
+base's (the nearest class's decision wins); ``PipelineCore.__init_subclass__`` calls
 :func:`check_subclass`, which checks a subclass defined outside this package
 as it is created.  Where torchrec's releases differ,
 a hook either release never calls is uncalled (a ``TypeError`` would stop
@@ -110,17 +110,10 @@ def never_called(cls: str, instead: str, why: str = "") -> Uncalled:
 
 
 def decided_hooks(cls: type) -> Dict[str, Decision]:
-    """Every hook ``cls`` does not honour, uncalled or refused, merged along its
-    bases (the nearest class's decision wins)."""
-    merged: Dict[str, Decision] = {}
-    for base in reversed(cls.__mro__):
-        uncalled = base.__dict__.get("_uncalled_hooks", {})
-        refused = base.__dict__.get("_refused_hooks", {})
-        both = set(uncalled) & set(refused)
-        assert not both, f"{base.__name__} declares {sorted(both)} both uncalled and refused"
-        merged.update(uncalled)
-        merged.update(refused)
-    return merged
+    """Every hook ``cls`` does not honour, uncalled or refused: its traits' ``hooks``
+    (each class's decisions on top of its base's, the nearest class's winning)."""
+    traits = getattr(cls, "_traits", None)
+    return dict(traits.hooks) if traits is not None else {}
 
 
 def refused_hooks(cls: type) -> Dict[str, Refused]:

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import logging
 import weakref
+from abc import ABCMeta
 from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, Generic, Optional
@@ -120,10 +121,58 @@ class InplaceCopyWorker:
         self._finalizer()
 
 
-class AsyncInplaceCopyMixin(Generic[In]):
+def make_copy_worker(
+    pipeline: Any, async_inplace_copy: bool, *, every_copy: bool = False
+) -> Optional[InplaceCopyWorker]:
+    """The worker issuing ``pipeline``'s in-place copies for ``async_inplace_copy``, or None.
+
+    Called once the pipeline's ``_device``, ``_streams`` and
+    ``_enable_inplace_copy_batch`` are set; the pipeline keeps the result as
+    ``_copy_worker`` and submits its copies there when it is not None.  With
+    ``every_copy`` (TrainPipelineSparseDistT) the worker issues every copy, in
+    place or not, as ``enable_inplace_copy_batch`` says; otherwise the worker
+    copies in place, and sets ``enable_inplace_copy_batch`` when it was off.
+    See [Note: async in-place copy].
+    """
+    name = type(pipeline).__name__
+    memcpy: Optional[torch.Stream] = pipeline._streams.memcpy
+    if every_copy:
+        device = async_copy_device(True, pipeline._device, memcpy, name, "the copy thread")
+        if device is None or memcpy is None:
+            return None
+        return InplaceCopyWorker(device, memcpy, pipeline._enable_inplace_copy_batch)
+    device = async_copy_device(async_inplace_copy, pipeline._device, memcpy, name)
+    if device is None or memcpy is None:
+        return None
+    if not pipeline._enable_inplace_copy_batch:
+        logger.info(
+            "%s: async_inplace_copy=True copies batches in place, as if "
+            "enable_inplace_copy_batch=True (torchrec ignores it without that flag)",
+            name,
+        )
+        pipeline._enable_inplace_copy_batch = True
+    return InplaceCopyWorker(device, memcpy)
+
+
+def _is_async(pipeline: Any) -> bool:
+    return getattr(pipeline, "_copy_worker", None) is not None
+
+
+# torchrec 1.9.2's attribute, read-only: assigned in the body of each class that
+# holds a copy worker (a property has to live on a class in the pipeline's MRO).
+ASYNC_INPLACE_COPY = property(
+    _is_async, doc="True when in-place copies are issued by the background worker."
+)
+
+
+class AsyncInplaceCopyMixin(Generic[In], metaclass=ABCMeta):
     """What a pipeline needs for ``async_inplace_copy`` (torchrec 1.9.2's name).
 
-    The pipeline calls :meth:`_make_copy_worker` once its device, streams and
+    Our pipelines hold their copy worker (:func:`make_copy_worker`) rather than
+    derive from this class; each that takes ``async_inplace_copy`` is registered
+    as a virtual subclass, so ``isinstance(pipeline, AsyncInplaceCopyMixin)``
+    holds as it does for torchrec's.  A class of your own may still mix it in:
+    it calls :meth:`_make_copy_worker` once its device, streams and
     ``enable_inplace_copy_batch`` are set, keeps the result in ``_copy_worker``
     and submits its in-place copies there when it is not None.
     """
@@ -136,36 +185,11 @@ class AsyncInplaceCopyMixin(Generic[In]):
     def _make_copy_worker(
         self, async_inplace_copy: bool, *, every_copy: bool = False
     ) -> Optional[InplaceCopyWorker]:
-        """The worker issuing in-place copies for ``async_inplace_copy``, or None.
+        """The worker issuing in-place copies for ``async_inplace_copy``, or None
+        (see :func:`make_copy_worker`)."""
+        return make_copy_worker(self, async_inplace_copy, every_copy=every_copy)
 
-        With ``every_copy`` (TrainPipelineSparseDistT) the worker issues every
-        copy, in place or not, as ``enable_inplace_copy_batch`` says.  See
-        [Note: async in-place copy].
-        """
-        name = type(self).__name__
-        if every_copy:
-            device = async_copy_device(
-                True, self._device, self._streams.memcpy, name, "the copy thread"
-            )
-            if device is None or self._streams.memcpy is None:
-                return None
-            return InplaceCopyWorker(device, self._streams.memcpy, self._enable_inplace_copy_batch)
-        device = async_copy_device(async_inplace_copy, self._device, self._streams.memcpy, name)
-        if device is None or self._streams.memcpy is None:
-            return None
-        if not self._enable_inplace_copy_batch:
-            logger.info(
-                "%s: async_inplace_copy=True copies batches in place, as if "
-                "enable_inplace_copy_batch=True (torchrec ignores it without that flag)",
-                name,
-            )
-            self._enable_inplace_copy_batch = True
-        return InplaceCopyWorker(device, self._streams.memcpy)
-
-    @property
-    def _async_inplace_copy(self) -> bool:
-        """True when in-place copies are issued by the background worker."""
-        return self._copy_worker is not None
+    _async_inplace_copy = ASYNC_INPLACE_COPY
 
 
 class BatchQueue(deque):  # type: ignore[type-arg]
@@ -198,9 +222,11 @@ class BatchQueue(deque):  # type: ignore[type-arg]
 
 
 __all__ = [
+    "ASYNC_INPLACE_COPY",
     "AsyncInplaceCopyMixin",
     "BatchQueue",
     "InplaceCopyWorker",
     "WORKER_THREAD",
     "async_copy_device",
+    "make_copy_worker",
 ]

@@ -3,18 +3,18 @@
 from __future__ import annotations
 
 import logging
-from typing import Any, Callable, ClassVar, Iterator, List, Mapping, Optional, Tuple
+from typing import Any, Callable, Iterator, List, Optional, Tuple
 
 import torch
 from torchrec.distributed.train_pipeline import In, Out, TrainPipeline
 from typing_extensions import Unpack
 
 from trec_pipelines.assembly.options import TrainBatchOptions, takes_options
-from trec_pipelines.assembly.pipeline import PipelineCore
+from trec_pipelines.assembly.pipeline import PipelineCore, call_forward, init_core
 from trec_pipelines.core.batch_transfer import copy_to_device, wait_for_batch
 from trec_pipelines.core.step_guard import guarded_step
 from trec_pipelines.core.streams import make_streams
-from trec_pipelines.core.subclass_hooks import Uncalled, never_called
+from trec_pipelines.core.subclass_hooks import never_called
 from trec_pipelines.observe import recorder as rec
 
 logger: logging.Logger = logging.getLogger(__name__)
@@ -98,9 +98,11 @@ class TrainPipelineBase(PipelineCore, TrainPipeline[In, Out]):
       The fused (in-backward) embedding optimizers see the scaled gradients: see the options guide.
     """
 
-    _uncalled_hooks: ClassVar[Mapping[str, Uncalled]] = {
-        "sync_embeddings": never_called("TrainPipelineBase", "nothing (call it yourself)"),
-    }
+    _traits = PipelineCore._traits.updated(
+        hooks={
+            "sync_embeddings": never_called("TrainPipelineBase", "nothing (call it yourself)"),
+        },
+    )
 
     def __init__(
         self,
@@ -112,7 +114,7 @@ class TrainPipelineBase(PipelineCore, TrainPipeline[In, Out]):
         **options: Unpack[TrainBatchOptions],
     ) -> None:
         super().__init__()
-        self._init_core(model, optimizer, device, options)
+        init_core(self, model, optimizer, device, options)
         self._model_fwd = custom_model_fwd or model
         self._enable_inplace_copy_batch = enable_inplace_copy_batch
         self._streams = make_streams(self._device, memcpy=True)
@@ -130,15 +132,12 @@ class TrainPipelineBase(PipelineCore, TrainPipeline[In, Out]):
     def _connect(self, dataloader_iter: Iterator[Any]) -> None:
         """The first batch of an epoch, copied (torchrec's hook, honoured: the first
         ``progress()`` of each epoch calls it)."""
-        self._copy(dataloader_iter)
-        self._connected = True
-
-    def _copy(self, dataloader_iter: Iterator[Any]) -> None:
         host = self._source.next(dataloader_iter)
         if host is None:
             self._cur_batch = None
-            return
-        self._copy_batch_to_gpu(host)
+        else:
+            self._copy_batch_to_gpu(host)
+        self._connected = True
 
     def _copy_batch_to_gpu(self, cur_batch: Any) -> None:
         """Issue the copy of host batch ``cur_batch`` on the memcpy stream; it becomes
@@ -175,6 +174,7 @@ class TrainPipelineBase(PipelineCore, TrainPipeline[In, Out]):
 
     def reset(self) -> None:
         super().reset()
+        self._epoch_ended = True
         self._reset_data_iter()
 
     # --------------------------------------------------------------- schedule
@@ -199,12 +199,16 @@ class TrainPipelineBase(PipelineCore, TrainPipeline[In, Out]):
         self._start_step(dataloader_iter)  # take-over, iterator switch, host batches
         if not self._connected:
             self._connect(dataloader_iter)                         # cur, memcpy (fill)
-        if self._source.end.stopped_from_outside:
-            self._drop_copied_batch()  # set from outside: as torchrec's, cur is not trained
+        if self._source.end.stopped_from_outside and self._cur_batch is not None:
+            # _data_iter_stopped written from outside after cur was copied: as
+            # torchrec's, cur is not trained.
+            self._cur_batch = None
+            self._source.drop_in_flight()
         cur, i = self._cur_batch, self._cur_index
         self._training = i  # the copy of nxt below moves _cur_index on
         if cur is None:
-            self._end_epoch()
+            self._epoch_ended = True  # the next step starts a new epoch
+            self._source.end_epoch()
             raise StopIteration
         self._batch_count += 1
         training = self._model.training
@@ -213,21 +217,18 @@ class TrainPipelineBase(PipelineCore, TrainPipeline[In, Out]):
                 self._optimizer.zero_grad()                        # cur, default
         self._wait_for_batch(cur)                                  # cur, memcpy -> default
         with self._recording.span(rec.FORWARD, i), self._precision.autocast():
-            losses, output = self._call_forward(cur)               # cur, default
+            losses, output = call_forward(self, cur)               # cur, default
         del cur  # from here only autograd holds what it saved of cur's input
-        self._copy(dataloader_iter)                                # nxt, memcpy
+        host = self._source.next(dataloader_iter)                  # nxt, host
+        if host is None:
+            self._cur_batch = None
+        else:
+            self._copy_batch_to_gpu(host)                          # nxt, memcpy
         if training:
             self._backward(losses)                                 # cur, default
             self._optimizer_step()                                 # cur, default
         return output
         # fmt: on
-
-    def _drop_copied_batch(self) -> None:
-        """Forget the batch copied for this step, untrained (the data was declared
-        ended by a write of ``_data_iter_stopped`` after it was copied)."""
-        if self._cur_batch is not None:
-            self._cur_batch = None
-            self._source.drop_in_flight()
 
     def _start_step(self, dataloader_iter: Iterator[Any]) -> None:
         if self._epoch_ended:  # the fill of the new epoch copies its first batch
@@ -247,7 +248,3 @@ class TrainPipelineBase(PipelineCore, TrainPipeline[In, Out]):
 
     def _bring_back(self, state: Tuple[Optional[Any], int, bool]) -> None:
         self._cur_batch, self._cur_index, self._connected = state
-
-    def _end_epoch(self) -> None:
-        self._epoch_ended = True
-        self._source.end_epoch()

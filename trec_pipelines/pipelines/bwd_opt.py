@@ -146,7 +146,9 @@ class TrainPipelineSparseDistBwdOpt(TrainPipelineSparseDist[In, Out]):
     """
 
     # torchrec's constructor takes no async_inplace_copy: it never submits a copy.
-    _uncalled_hooks = {"_submit_inplace_copy": ASYNC_SUBMIT_OFF}
+    _traits = TrainPipelineSparseDist._traits.updated(
+        hooks={"_submit_inplace_copy": ASYNC_SUBMIT_OFF},
+    )
 
     @property
     def _output_dist_site(self) -> InjectionSite:

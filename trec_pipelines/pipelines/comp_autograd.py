@@ -7,11 +7,9 @@ import logging
 from typing import (
     Any,
     Callable,
-    ClassVar,
     ContextManager,
     Dict,
     Iterator,
-    Mapping,
     Optional,
     Tuple,
     Type,
@@ -28,7 +26,7 @@ from typing_extensions import Unpack
 
 from trec_pipelines.assembly.options import SparseDistTrainOptions, takes_options
 from trec_pipelines.core.step_guard import guarded_step
-from trec_pipelines.core.subclass_hooks import ASYNC_SUBMIT_OFF, Uncalled, never_called
+from trec_pipelines.core.subclass_hooks import ASYNC_SUBMIT_OFF, never_called
 from trec_pipelines.model.compiler_settings import HeldSettings
 from trec_pipelines.model.context import TrainPipelineContext
 from trec_pipelines.observe import recorder as rec
@@ -290,17 +288,18 @@ class TrainPipelineSparseDistCompAutograd(TrainPipelineSparseDist[In, Out]):
       The fused (in-backward) embedding optimizers see the scaled gradients: see the options guide.
     """
 
-    # torchrec's class leaves _state IDLE.
-    _tracks_state = False
-
-    # torchrec's CompAutograd runs its backward itself, under compiled autograd.
-    _uncalled_hooks: ClassVar[Mapping[str, Uncalled]] = {
-        "_backward": never_called(
-            "TrainPipelineSparseDistCompAutograd",
-            "nothing: pass grad_scaler= for a scaled backward",
-        ),
-        "_submit_inplace_copy": ASYNC_SUBMIT_OFF,
-    }
+    # torchrec's CompAutograd runs its backward itself, under compiled autograd,
+    # and leaves _state IDLE.
+    _traits = TrainPipelineSparseDist._traits.updated(
+        hooks={
+            "_backward": never_called(
+                "TrainPipelineSparseDistCompAutograd",
+                "nothing: pass grad_scaler= for a scaled backward",
+            ),
+            "_submit_inplace_copy": ASYNC_SUBMIT_OFF,
+        },
+        tracks_state=False,
+    )
 
     def __init__(
         self,

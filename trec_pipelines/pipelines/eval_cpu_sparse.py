@@ -5,7 +5,7 @@ from __future__ import annotations
 import contextlib
 import logging
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Any, ClassVar, Dict, Iterator, Mapping, Optional, Tuple, cast
+from typing import Any, Dict, Iterator, Optional, Tuple, cast
 
 import torch
 from torchrec.distributed.train_pipeline import In, Out
@@ -26,12 +26,13 @@ from trec_pipelines.core.streams import (
     record_stream_tree,
     wait_stream,
 )
-from trec_pipelines.core.subclass_hooks import ASYNC_SUBMIT_OFF, Refused, Uncalled
+from trec_pipelines.core.subclass_hooks import ASYNC_SUBMIT_OFF, Refused
 from trec_pipelines.data.padding import first_real_output, unwrap
 from trec_pipelines.model.args import CallArgs
 from trec_pipelines.model.context import CPUEmbeddingTrainPipelineContext, TrainPipelineContext
 from trec_pipelines.observe import recorder as rec
 from trec_pipelines.pipelines.sparse_dist import TrainPipelineSparseDist
+from trec_pipelines.pipelines.sparse_dist_rewrite import current_context, rewrite_checked
 from trec_pipelines.sparse.forwards import BaseForward, CPUEmbeddingPipelinedForward
 from trec_pipelines.sparse.input_dist import start_input_dist, wait_input_dist
 
@@ -142,35 +143,35 @@ class EvalPipelineCPUSparse(TrainPipelineSparseDist[In, Out]):
       one raises ``MalformedBatchError`` before any work is issued for it.
     """
 
-    # torchrec's class leaves _state IDLE.
-    _tracks_state = False
-
-    _uncalled_hooks: ClassVar[Mapping[str, Uncalled]] = {
-        "_submit_inplace_copy": ASYNC_SUBMIT_OFF,
-    }
-    _refused_hooks: ClassVar[Mapping[str, Refused]] = {
-        "_get_or_alloc_pinned": Refused(
-            "the pinned buffers here are two per module, alternating between batches, each "
-            "released by the event of the copy that read it (one buffer per name would be "
-            "overwritten while its copy is in flight)",
-            "_sparse_forward(batch, context) or copy_data_to_gpu(batch, context)",
-        ),
-        "_embedding_lookup_and_pin": Refused(
-            "the host lookup and the pinning are one stage here",
-            "_sparse_forward(batch, context)",
-        ),
-        "_copy_to_gpu": Refused(
-            "the copy stage is one method here", "copy_data_to_gpu(batch, context)"
-        ),
-        "_inplace_copy_to_gpu": Refused(
-            "the copy stage is one method here", "copy_data_to_gpu(batch, context)"
-        ),
-    }
-
-    _requires_optimizer = False
-    _carries_agreement = False  # its input_dist may run on a thread of its own
-    _input_dist_role = "default"
-    _input_dist_ahead = False
+    # torchrec's class leaves _state IDLE; input_dist runs in the step that uses it.
+    _traits = TrainPipelineSparseDist._traits.updated(
+        hooks={
+            "_submit_inplace_copy": ASYNC_SUBMIT_OFF,
+        }
+        | {
+            "_get_or_alloc_pinned": Refused(
+                "the pinned buffers here are two per module, alternating between batches, each "
+                "released by the event of the copy that read it (one buffer per name would be "
+                "overwritten while its copy is in flight)",
+                "_sparse_forward(batch, context) or copy_data_to_gpu(batch, context)",
+            ),
+            "_embedding_lookup_and_pin": Refused(
+                "the host lookup and the pinning are one stage here",
+                "_sparse_forward(batch, context)",
+            ),
+            "_copy_to_gpu": Refused(
+                "the copy stage is one method here", "copy_data_to_gpu(batch, context)"
+            ),
+            "_inplace_copy_to_gpu": Refused(
+                "the copy stage is one method here", "copy_data_to_gpu(batch, context)"
+            ),
+        },
+        tracks_state=False,
+        requires_optimizer=False,
+        carries_agreement=False,  # its input_dist may run on a thread of its own
+        input_dist_role="default",
+        input_dist_ahead=False,
+    )
 
     def __init__(
         self,
@@ -208,7 +209,7 @@ class EvalPipelineCPUSparse(TrainPipelineSparseDist[In, Out]):
         )
         self._pipeline_depth = pipeline_depth
         self._multi_thread = multi_thread
-        self._depth = pipeline_depth
+        self._traits = self._traits.updated(depth=pipeline_depth)
         self._sparse_executor: Optional[ThreadPoolExecutor] = (
             ThreadPoolExecutor(max_workers=1, thread_name_prefix=SPARSE_THREAD)
             if multi_thread
@@ -229,7 +230,7 @@ class EvalPipelineCPUSparse(TrainPipelineSparseDist[In, Out]):
     def _make_forward(
         self, name: str, call_args: CallArgs, module: AnyShardedModule
     ) -> BaseForward[Any]:
-        context = cast(CPUEmbeddingTrainPipelineContext, self._current_context())
+        context = cast(CPUEmbeddingTrainPipelineContext, current_context(self))
         return CPUEmbeddingPipelinedForward(name, call_args, module, context)
 
     def _pipeline_model(
@@ -239,7 +240,7 @@ class EvalPipelineCPUSparse(TrainPipelineSparseDist[In, Out]):
         pipelined_forward: Optional[type] = None,
     ) -> None:
         """Rewrite the model on the first batch (its input dist runs in the host stage)."""
-        self._rewrite_checked(batch)
+        rewrite_checked(self, batch)
         self._set_module_context(context)
 
     # ------------------------------------------------------------------ stages
@@ -266,7 +267,7 @@ class EvalPipelineCPUSparse(TrainPipelineSparseDist[In, Out]):
             if on_main
             else contextlib.nullcontext()
         ):
-            modules = self._input_dist_modules()
+            modules = self._pipelined.input_dist_modules()
             start_input_dist(modules, batch, context)
             wait_input_dist(context)
             for name, module, _ in modules:
@@ -324,7 +325,7 @@ class EvalPipelineCPUSparse(TrainPipelineSparseDist[In, Out]):
         assert isinstance(context, CPUEmbeddingTrainPipelineContext)
         consumer = current_stream(self._device)
         with self._recording.span(rec.WAIT_BATCH, context.index):  # memcpy -> default
-            wait_for_batch(batch, self._streams.memcpy, self._record_batch)
+            wait_for_batch(batch, self._streams.memcpy, not self._enable_inplace_copy_batch)
             record_stream_tree(context.gpu_embedding_outputs, consumer)
         with self._recording.span(rec.FORWARD, context.index), torch.no_grad():
             output = self._model_fwd(batch)
@@ -352,7 +353,7 @@ class EvalPipelineCPUSparse(TrainPipelineSparseDist[In, Out]):
             return
         if not self.enqueue_batch(dataloader_iter):
             return
-        if self._rewrite is None:
+        if self._pipelined.result is None:
             self._pipeline_model(self.batches[0], self.contexts[0], self._pipelined_forward_type)
         cur = self.contexts[0]
         assert isinstance(cur, CPUEmbeddingTrainPipelineContext)

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any, Callable, ClassVar, Iterator, Mapping, Optional, Tuple, cast
+from typing import Any, Callable, Iterator, Optional, Tuple, cast
 
 import torch
 from torchrec.distributed.train_pipeline import In, Out
@@ -10,7 +10,7 @@ from typing_extensions import Unpack
 
 from trec_pipelines.assembly.options import EvalSparseDistOptions, takes_options
 from trec_pipelines.core.checks import predictions
-from trec_pipelines.core.subclass_hooks import Uncalled, never_called
+from trec_pipelines.core.subclass_hooks import never_called
 from trec_pipelines.data.padding import first_real_output
 from trec_pipelines.observe import recorder as rec
 from trec_pipelines.pipelines.fused_sparse_dist import EmbLookupStream, TrainPipelineFusedSparseDist
@@ -132,13 +132,13 @@ class EvalPipelineFusedSparseDist(TrainPipelineFusedSparseDist[In, Out]):
       Results are the same either way.
     """
 
-    _uncalled_hooks: ClassVar[Mapping[str, Uncalled]] = {
-        hook: never_called("EvalPipelineFusedSparseDist", "progress(dataloader_iter)")
-        for hook in ("_backward", "_optimizer_step", "sync_embeddings")
-    }
-
-    # Nothing is trained: optimizer=None is fine.
-    _requires_optimizer: bool = False
+    _traits = TrainPipelineFusedSparseDist._traits.updated(
+        hooks={
+            hook: never_called("EvalPipelineFusedSparseDist", "progress(dataloader_iter)")
+            for hook in ("_backward", "_optimizer_step", "sync_embeddings")
+        },
+        requires_optimizer=False,  # nothing is trained: optimizer=None is fine
+    )
 
     def __init__(
         self,

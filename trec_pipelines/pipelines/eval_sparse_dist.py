@@ -24,10 +24,8 @@ from dataclasses import dataclass
 from typing import (
     Any,
     Callable,
-    ClassVar,
     ContextManager,
     Iterator,
-    Mapping,
     Optional,
     Tuple,
     Union,
@@ -39,12 +37,17 @@ from torchrec.distributed.train_pipeline import In, Out
 from typing_extensions import Unpack
 
 from trec_pipelines.assembly.options import EvalSparseDistOptions, takes_options
+from trec_pipelines.assembly.resume import ResumeHooks
 from trec_pipelines.core import lifetime
-from trec_pipelines.core.batch_transfer import copy_to_device, shares_kjt_storage
+from trec_pipelines.core.batch_transfer import (
+    copy_to_device,
+    shares_kjt_storage,
+    warn_shared_features,
+)
 from trec_pipelines.core.checks import predictions
 from trec_pipelines.core.errors import MalformedBatchError
 from trec_pipelines.core.streams import has_streams
-from trec_pipelines.core.subclass_hooks import Uncalled, never_called
+from trec_pipelines.core.subclass_hooks import never_called
 from trec_pipelines.data.one_slot_handoff import OneSlotHandoff
 from trec_pipelines.data.padding import first_real_output, unwrap
 from trec_pipelines.data.source import BatchSource
@@ -212,6 +215,14 @@ _LOADS_ON_ITS_THREAD = "it pulls and copies each batch on its own loading thread
 _EVALUATES = "it evaluates: no backward, no optimizer step"
 
 
+class _EvalResume(ResumeHooks):
+    def settle(self) -> None:
+        """Let the loader thread finish the pull it may be in, so every batch it
+        took from the iterator is listed in the source for a checkpoint."""
+        if self.pipeline._loader is not None:
+            self.pipeline._loader.settle()
+
+
 @takes_options(EvalSparseDistOptions)
 class EvalPipelineSparseDist(TrainPipelineSparseDist[In, Out]):
     """Forward only; ``cur`` runs while ``nxt`` is in input_dist, batches copied ahead by a loader.
@@ -327,45 +338,48 @@ class EvalPipelineSparseDist(TrainPipelineSparseDist[In, Out]):
       Results are the same either way.
     """
 
-    # torchrec's class leaves _state IDLE.
-    _tracks_state = False
-
-    # torchrec's Eval loads on its own thread and never pulls through _next_batch.
-    _pulls_through_next_batch = False
-    _uncalled_hooks: ClassVar[Mapping[str, Uncalled]] = (
-        {
-            "_next_batch": never_called(
-                "EvalPipelineSparseDist",
-                "the iterator you pass (wrap it to filter batches)",
-                _LOADS_ON_ITS_THREAD,
-            ),
-            "_submit_inplace_copy": never_called(
-                "EvalPipelineSparseDist", "the iterator you pass", _LOADS_ON_ITS_THREAD
-            ),
-            "_shutdown_async_inplace_copy": never_called(
-                "EvalPipelineSparseDist",
-                "nothing: there is no asynchronous copy to shut down",
-                "its finaliser (1.9.2) stops its loading thread only",
-            ),
-        }
-        | {
-            hook: never_called("EvalPipelineSparseDist", "progress(dataloader_iter)", _EVALUATES)
-            for hook in ("_backward", "_optimizer_step", "sync_embeddings")
-        }
-        | {
-            hook: never_called(
-                "EvalPipelineSparseDist", "progress(dataloader_iter)", _LOADS_ON_ITS_THREAD
-            )
-            for hook in (
-                "copy_batch_to_gpu",
-                "inplace_copy_batch_to_gpu",
-                "enqueue_batch",
-                "fill_pipeline",
-            )
-        }
+    # torchrec's class leaves _state IDLE; its Eval loads on its own thread and
+    # never pulls through _next_batch.
+    _traits = TrainPipelineSparseDist._traits.updated(
+        hooks=(
+            {
+                "_next_batch": never_called(
+                    "EvalPipelineSparseDist",
+                    "the iterator you pass (wrap it to filter batches)",
+                    _LOADS_ON_ITS_THREAD,
+                ),
+                "_submit_inplace_copy": never_called(
+                    "EvalPipelineSparseDist", "the iterator you pass", _LOADS_ON_ITS_THREAD
+                ),
+                "_shutdown_async_inplace_copy": never_called(
+                    "EvalPipelineSparseDist",
+                    "nothing: there is no asynchronous copy to shut down",
+                    "its finaliser (1.9.2) stops its loading thread only",
+                ),
+            }
+            | {
+                hook: never_called(
+                    "EvalPipelineSparseDist", "progress(dataloader_iter)", _EVALUATES
+                )
+                for hook in ("_backward", "_optimizer_step", "sync_embeddings")
+            }
+            | {
+                hook: never_called(
+                    "EvalPipelineSparseDist", "progress(dataloader_iter)", _LOADS_ON_ITS_THREAD
+                )
+                for hook in (
+                    "copy_batch_to_gpu",
+                    "inplace_copy_batch_to_gpu",
+                    "enqueue_batch",
+                    "fill_pipeline",
+                )
+            }
+        ),
+        tracks_state=False,
+        pulls_through_next_batch=False,
+        requires_optimizer=False,
+        resume=_EvalResume,
     )
-
-    _requires_optimizer = False
 
     def __init__(
         self,
@@ -443,7 +457,7 @@ class EvalPipelineSparseDist(TrainPipelineSparseDist[In, Out]):
             return False
         batch, index, shared, padding = loaded
         if shared:
-            self._warn_shared_features()
+            warn_shared_features(self)
         self.batches.append(batch)
         context = self._create_context()
         context.index, context.features_shared_with_loader = index, shared  # the loader's
@@ -543,12 +557,6 @@ class EvalPipelineSparseDist(TrainPipelineSparseDist[In, Out]):
         return output, ctx.padding
 
     # ------------------------------------------------------------ lifecycle
-
-    def _settle(self) -> None:
-        """Let the loader thread finish the pull it may be in, so every batch it
-        took from the iterator is listed in the source for a checkpoint."""
-        if self._loader is not None:
-            self._loader.settle()
 
     def reset(self) -> None:
         """Stop the loader and drop the batches in flight; the next ``progress()`` starts an epoch."""

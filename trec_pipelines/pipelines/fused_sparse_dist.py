@@ -6,12 +6,10 @@ from __future__ import annotations
 from typing import (
     Any,
     Callable,
-    ClassVar,
     Deque,
     Iterator,
     List,
     Literal,
-    Mapping,
     Optional,
     Tuple,
     cast,
@@ -31,11 +29,12 @@ from trec_pipelines.core.streams import (
     record_event,
     wait_stream,
 )
-from trec_pipelines.core.subclass_hooks import ASYNC_SUBMIT_OFF, Uncalled, never_called
+from trec_pipelines.core.subclass_hooks import ASYNC_SUBMIT_OFF, never_called
 from trec_pipelines.model.args import CallArgs
 from trec_pipelines.model.context import EmbeddingTrainPipelineContext
 from trec_pipelines.observe import recorder as rec
 from trec_pipelines.pipelines.sparse_dist import TrainPipelineSparseDist
+from trec_pipelines.pipelines.sparse_dist_rewrite import current_context
 from trec_pipelines.sparse import lookup
 from trec_pipelines.sparse.forwards import BaseForward, InSyncEmbeddingPipelinedForward
 
@@ -167,14 +166,15 @@ class TrainPipelineFusedSparseDist(TrainPipelineSparseDist[In, Out]):
     """
 
     # torchrec's class leaves _state IDLE.
-    _tracks_state = False
-
-    _uncalled_hooks: ClassVar[Mapping[str, Uncalled]] = {
-        "wait_embedding_lookup": never_called(
-            "TrainPipelineFusedSparseDist", "start_embedding_lookup(batch, context)"
-        ),
-        "_submit_inplace_copy": ASYNC_SUBMIT_OFF,
-    }
+    _traits = TrainPipelineSparseDist._traits.updated(
+        hooks={
+            "wait_embedding_lookup": never_called(
+                "TrainPipelineFusedSparseDist", "start_embedding_lookup(batch, context)"
+            ),
+            "_submit_inplace_copy": ASYNC_SUBMIT_OFF,
+        },
+        tracks_state=False,
+    )
 
     # context_type is always EmbeddingTrainPipelineContext here.
     contexts: Deque[EmbeddingTrainPipelineContext]  # type: ignore[assignment]
@@ -257,14 +257,14 @@ class TrainPipelineFusedSparseDist(TrainPipelineSparseDist[In, Out]):
             name,
             call_args,
             module,
-            cast(EmbeddingTrainPipelineContext, self._current_context()),
+            cast(EmbeddingTrainPipelineContext, current_context(self)),
             self._lookup_stream,
         )
 
     def _lookup_modules(self) -> List[Tuple[str, AnyShardedModule]]:
-        if self._rewrite is None:
+        if self._pipelined.result is None:
             return []
-        return [(p.name, p.module) for p in self._rewrite.pipelined]
+        return [(p.name, p.module) for p in self._pipelined.result.pipelined]
 
     def _weights_ready_event(self) -> Optional[torch.Event]:
         if self._weights_ready is None:

@@ -33,7 +33,7 @@ that of the run that never failed, bit for bit (tests/distributed/test_pec.py).
 
 from __future__ import annotations
 
-from typing import Any, Callable, ClassVar, Deque, Iterator, List, Mapping, Optional, Tuple
+from typing import Any, Callable, Deque, Iterator, List, Optional, Tuple
 
 import torch
 from torchrec.distributed.train_pipeline import In, Out
@@ -41,15 +41,29 @@ from typing_extensions import Unpack
 
 from trec_pipelines._types import AnyShardedModule
 from trec_pipelines.assembly.options import SparseDistTrainOptions, takes_options
+from trec_pipelines.assembly.resume import ResumeHooks
 from trec_pipelines.core.step_guard import guarded_step
 from trec_pipelines.core.streams import current_stream, record_stream, wait_event
-from trec_pipelines.core.subclass_hooks import ASYNC_SUBMIT_OFF, Refused, Uncalled
+from trec_pipelines.core.subclass_hooks import ASYNC_SUBMIT_OFF, Refused
 from trec_pipelines.model.args import CallArgs
 from trec_pipelines.model.context import PECTrainPipelineContext
 from trec_pipelines.observe import recorder as rec
 from trec_pipelines.pipelines.sparse_dist import TrainPipelineSparseDist
+from trec_pipelines.pipelines.sparse_dist_rewrite import current_context
 from trec_pipelines.sparse import lookup, pec_ops
 from trec_pipelines.sparse.forwards import BaseForward, PECPipelinedForward
+
+
+class _PECResume(ResumeHooks):
+    def settle(self) -> None:
+        """Apply the deferred NOL gradient before a checkpoint: it belongs to the
+        model's state (batch ``i-1`` was trained), which the caller reads next.
+
+        Take the pipeline's state before reading the model's (see the guide
+        docs/guides/checkpoint.md).  The resumed pipeline refills from ``cur`` as
+        a retried step does, which is exact (see [Note: PEC, retrying a step]).
+        """
+        self.pipeline._flush_deferred_nol_grad()
 
 
 @takes_options(SparseDistTrainOptions)
@@ -166,37 +180,39 @@ class TrainPipelinePEC(TrainPipelineSparseDist[In, Out]):
       The fused (in-backward) embedding optimizers see the scaled gradients: see the options guide.
     """
 
-    # torchrec's class leaves _state IDLE.
-    _tracks_state = False
-
-    # torchrec keeps the deferred NOL gradient on the next batch's context; ours
-    # keeps it on the pipeline, so it survives a rolled-back step and a checkpoint.
-    _uncalled_hooks: ClassVar[Mapping[str, Uncalled]] = {
-        "_submit_inplace_copy": ASYNC_SUBMIT_OFF,
-    }
-    _refused_hooks: ClassVar[Mapping[str, Refused]] = {
-        hook: Refused(
-            "its PEC state lives on torchrec's contexts; here the deferred gradient and the "
-            "overlapped lookups are kept by the pipeline, to survive a failed step and a "
-            "checkpoint",
-            "progress(dataloader_iter), or the hooks every SparseDist pipeline honours",
-        )
-        for hook in (
-            "_compute_and_output_dist",
-            "_defer_nol_grad",
-            "_pec_module_ctx",
-            "_pec_nol_compute",
-            "_pec_ol_compute",
-            "_pec_overlap_dist",
-            "_precache_length_per_key",
-            "_record_stream_backward_ctx",
-            "_record_stream_forward_ctx",
-            "_start_deferred_nol_grad",
-            "_start_pec_ol_grad",
-            "_wait_pec_grad",
-            "_wait_pec_overlap_results",
-        )
-    }
+    # torchrec's class leaves _state IDLE.  torchrec keeps the deferred NOL
+    # gradient on the next batch's context; ours keeps it on the pipeline, so it
+    # survives a rolled-back step and a checkpoint.
+    _traits = TrainPipelineSparseDist._traits.updated(
+        hooks={
+            "_submit_inplace_copy": ASYNC_SUBMIT_OFF,
+        }
+        | {
+            hook: Refused(
+                "its PEC state lives on torchrec's contexts; here the deferred gradient and the "
+                "overlapped lookups are kept by the pipeline, to survive a failed step and a "
+                "checkpoint",
+                "progress(dataloader_iter), or the hooks every SparseDist pipeline honours",
+            )
+            for hook in (
+                "_compute_and_output_dist",
+                "_defer_nol_grad",
+                "_pec_module_ctx",
+                "_pec_nol_compute",
+                "_pec_ol_compute",
+                "_pec_overlap_dist",
+                "_precache_length_per_key",
+                "_record_stream_backward_ctx",
+                "_record_stream_forward_ctx",
+                "_start_deferred_nol_grad",
+                "_start_pec_ol_grad",
+                "_wait_pec_grad",
+                "_wait_pec_overlap_results",
+            )
+        },
+        tracks_state=False,
+        resume=_PECResume,
+    )
 
     contexts: Deque[PECTrainPipelineContext]  # type: ignore[assignment]
 
@@ -230,7 +246,7 @@ class TrainPipelinePEC(TrainPipelineSparseDist[In, Out]):
         self, name: str, call_args: CallArgs, module: AnyShardedModule
     ) -> BaseForward[Any]:
         # Lookups run on the default stream: nothing to hand over.
-        return PECPipelinedForward(name, call_args, module, self._current_context())  # type: ignore[arg-type]
+        return PECPipelinedForward(name, call_args, module, current_context(self))  # type: ignore[arg-type]
 
     def _pipeline_model(
         self, batch: Any, context: Any, pipelined_forward: Optional[type] = None
@@ -239,14 +255,20 @@ class TrainPipelinePEC(TrainPipelineSparseDist[In, Out]):
         pec_ops.check_pec_supported(self._pec_modules(), type(self).__name__)
 
     def _pec_modules(self) -> List[Tuple[str, Any]]:
-        if self._rewrite is None:
+        if self._pipelined.result is None:
             return []
-        return [(p.name, p.module) for p in self._rewrite.pipelined if pec_ops.is_pec(p.module)]
+        return [
+            (p.name, p.module) for p in self._pipelined.result.pipelined if pec_ops.is_pec(p.module)
+        ]
 
     def _other_modules(self) -> List[Tuple[str, AnyShardedModule]]:
-        if self._rewrite is None:
+        if self._pipelined.result is None:
             return []
-        return [(p.name, p.module) for p in self._rewrite.pipelined if not pec_ops.is_pec(p.module)]
+        return [
+            (p.name, p.module)
+            for p in self._pipelined.result.pipelined
+            if not pec_ops.is_pec(p.module)
+        ]
 
     # ------------------------------------------------------------------ verbs
 
@@ -261,7 +283,7 @@ class TrainPipelinePEC(TrainPipelineSparseDist[In, Out]):
         with self._recording.span(rec.WAIT_BATCH, context.index):  # data_dist -> default (event)
             consumer = current_stream(self._device)
             wait_event(consumer, context.overlap_dist_event)
-            if self._record_batch:
+            if not self._enable_inplace_copy_batch:
                 record_stream(self.batches[0], consumer)
 
     def _overlap_dist(
@@ -436,16 +458,6 @@ class TrainPipelinePEC(TrainPipelineSparseDist[In, Out]):
         if dataloader_iter is not self._source.iterator:
             self._flush_deferred_nol_grad()
         super()._switch_iterator(dataloader_iter)
-
-    def _settle(self) -> None:
-        """Apply the deferred NOL gradient before a checkpoint: it belongs to the
-        model's state (batch ``i-1`` was trained), which the caller reads next.
-
-        Take the pipeline's state before reading the model's (see the guide
-        docs/guides/checkpoint.md).  The resumed pipeline refills from ``cur`` as
-        a retried step does, which is exact (see [Note: PEC, retrying a step]).
-        """
-        self._flush_deferred_nol_grad()
 
     def detach(self) -> torch.nn.Module:
         """As SparseDist's, once the deferred NOL gradient is applied (the caller may read those rows)."""

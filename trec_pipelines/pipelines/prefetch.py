@@ -39,6 +39,7 @@ from trec_pipelines.model.args import CallArgs
 from trec_pipelines.model.context import PrefetchTrainPipelineContext, TrainPipelineContext
 from trec_pipelines.observe import recorder as rec
 from trec_pipelines.pipelines.sparse_dist import TrainPipelineSparseDist
+from trec_pipelines.pipelines.sparse_dist_rewrite import current_context
 from trec_pipelines.sparse.cache_prefetch import prefetch_modules
 from trec_pipelines.sparse.forwards import BaseForward, PrefetchPipelinedForward
 
@@ -158,7 +159,9 @@ class PrefetchTrainPipelineSparseDist(TrainPipelineSparseDist[In, Out]):
     """
 
     # torchrec's class leaves _state IDLE.
-    _tracks_state = False
+    _traits = TrainPipelineSparseDist._traits.updated(
+        tracks_state=False,
+    )
 
     @property
     def _prefetch_stream(self) -> Optional[torch.Stream]:
@@ -217,7 +220,7 @@ class PrefetchTrainPipelineSparseDist(TrainPipelineSparseDist[In, Out]):
             name,
             call_args,
             module,
-            cast(PrefetchTrainPipelineContext, self._current_context()),
+            cast(PrefetchTrainPipelineContext, current_context(self)),
             self._streams.prefetch,
         )
 
@@ -231,12 +234,12 @@ class PrefetchTrainPipelineSparseDist(TrainPipelineSparseDist[In, Out]):
         ``module_contexts`` to ``module_input_post_prefetch`` /
         ``module_contexts_post_prefetch``, where the forward wrapper finds them.
         """
-        assert self._rewrite is not None, "the model is rewritten before any prefetch"
+        assert self._pipelined.result is not None, "the model is rewritten before any prefetch"
         context.module_input_post_prefetch.clear()
         context.module_contexts_post_prefetch.clear()
         with self._recording.span(rec.EMB_PREFETCH, context.index, "prefetch"):
             prefetch_modules(
-                self._rewrite.pipelined,
+                self._pipelined.result.pipelined,
                 context,
                 dist_stream=self._streams.data_dist,
                 prefetch_stream=self._streams.prefetch,
@@ -259,7 +262,9 @@ class PrefetchTrainPipelineSparseDist(TrainPipelineSparseDist[In, Out]):
         # The prefetch stream waited for data_dist, which waited for memcpy:
         # waiting for prefetch covers the whole chain of this batch.
         with self._recording.span(rec.WAIT_BATCH, self.contexts[0].index):  # prefetch -> default
-            wait_for_batch(self.batches[0], self._streams.prefetch, self._record_batch)
+            wait_for_batch(
+                self.batches[0], self._streams.prefetch, not self._enable_inplace_copy_batch
+            )
 
     def _forward(self) -> Tuple[torch.Tensor, Any]:
         losses, output = super()._forward()

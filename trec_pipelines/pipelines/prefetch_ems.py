@@ -258,7 +258,7 @@ class TrainPipelinePrefetchEMS(TrainPipelineSparseDistEmbStash[In, Out]):
         context = self.contexts[1]
         here = current_stream(self._device)
         with self._recording.span(rec.EMB_PREFETCH, context.index):
-            for name, module, _ in self._input_dist_modules():
+            for name, module, _ in self._pipelined.input_dist_modules():
                 request = context.input_dist_tensors_requests.get(name)
                 if request is None or not self._reads_a_cache(name, module):
                     continue  # no cache to fill: nxt's input dist stays in flight

@@ -8,11 +8,9 @@ from dataclasses import dataclass
 from typing import (
     Any,
     Callable,
-    ClassVar,
     ContextManager,
     Dict,
     Iterator,
-    Mapping,
     Optional,
 )
 
@@ -23,11 +21,11 @@ from torchrec.pt2.utils import default_pipeline_input_transformer
 from typing_extensions import Unpack
 
 from trec_pipelines.assembly.options import TrainBatchOptions, takes_options
-from trec_pipelines.assembly.pipeline import PipelineCore
+from trec_pipelines.assembly.pipeline import PipelineCore, init_core
 from trec_pipelines.core.batch_transfer import copy_to_device
 from trec_pipelines.core.checks import check_forward_output
 from trec_pipelines.core.step_guard import guarded_step
-from trec_pipelines.core.subclass_hooks import Uncalled, never_called
+from trec_pipelines.core.subclass_hooks import never_called
 from trec_pipelines.model.compiler_settings import HeldSettings
 from trec_pipelines.observe import recorder as rec
 
@@ -163,20 +161,22 @@ class TrainPipelinePT2(PipelineCore, TrainPipeline[In, Out]):
     """
 
     # Each step moves _state through IDLE, CALL_FWD and CALL_BWD, as torchrec's.
-    _tracks_state = True
-
     # torchrec's PT2 inlines its pull, copy, wait and backward: the Base hooks it
     # inherits are never called there, so an override would change nothing.
-    _pulls_through_next_batch = False
-    _uncalled_hooks: ClassVar[Mapping[str, Uncalled]] = {
-        hook: never_called("TrainPipelinePT2", "progress(dataloader_iter)")
-        for hook in ("_next_batch", "_connect", "_copy_batch_to_gpu", "_wait_for_batch")
-    } | {
-        "_backward": never_called(
-            "TrainPipelinePT2",
-            "nothing: pass grad_scaler= (and autocast_dtype=) for mixed precision",
-        ),
-    }
+    _traits = PipelineCore._traits.updated(
+        hooks={
+            hook: never_called("TrainPipelinePT2", "progress(dataloader_iter)")
+            for hook in ("_next_batch", "_connect", "_copy_batch_to_gpu", "_wait_for_batch")
+        }
+        | {
+            "_backward": never_called(
+                "TrainPipelinePT2",
+                "nothing: pass grad_scaler= (and autocast_dtype=) for mixed precision",
+            ),
+        },
+        tracks_state=True,
+        pulls_through_next_batch=False,
+    )
 
     def __init__(
         self,
@@ -190,7 +190,7 @@ class TrainPipelinePT2(PipelineCore, TrainPipeline[In, Out]):
         **options: Unpack[TrainBatchOptions],
     ) -> None:
         super().__init__()
-        self._init_core(model, optimizer, device, options)
+        init_core(self, model, optimizer, device, options)
         self._compile_configs = compile_configs or TorchCompileConfig()
         self._pre_compile_fn = pre_compile_fn
         self._post_compile_fn = post_compile_fn

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import logging
-from typing import Any, Callable, ClassVar, Dict, Iterator, List, Mapping, Optional, Tuple, cast
+from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple, cast
 
 import torch
 from torchrec.distributed.train_pipeline import In, Out
@@ -11,6 +11,7 @@ from typing_extensions import Unpack
 
 from trec_pipelines._types import AnyShardedModule
 from trec_pipelines.assembly.options import SparseDistTrainOptions, takes_options
+from trec_pipelines.assembly.pipeline import call_forward, new_source
 from trec_pipelines.core.all_reduce_wait import all_reduce_wait
 from trec_pipelines.core.batch_transfer import wait_for_batch
 from trec_pipelines.core.step_guard import guarded_step
@@ -21,21 +22,22 @@ from trec_pipelines.core.streams import (
     record_stream,
     wait_event,
 )
-from trec_pipelines.core.subclass_hooks import ASYNC_SUBMIT_OFF, Uncalled, never_called
+from trec_pipelines.core.subclass_hooks import ASYNC_SUBMIT_OFF, never_called
 from trec_pipelines.model.args import CallArgs
 from trec_pipelines.model.context import EmbeddingTrainPipelineContext, TrainPipelineContext
 from trec_pipelines.observe import recorder as rec
+from trec_pipelines.pipelines.semi_sync_resume import SemiSyncResume
 from trec_pipelines.pipelines.semi_sync_start import (
     TORCHREC_START_BATCH,
     report_shared_parameters,
     say_synchronous_start,
 )
 from trec_pipelines.pipelines.sparse_dist import TrainPipelineSparseDist
+from trec_pipelines.pipelines.sparse_dist_rewrite import current_context
 from trec_pipelines.sparse.deferred_lookup import DeferralPlan, deferring, plan_deferral
 from trec_pipelines.sparse.forwards import BaseForward, EmbeddingPipelinedForward
 from trec_pipelines.sparse.input_dist import start_input_dist
 from trec_pipelines.sparse.lookup import (
-    finish_lookup,
     start_embedding_lookup as run_embedding_lookup,
 )
 
@@ -196,21 +198,25 @@ class TrainPipelineSemiSync(TrainPipelineSparseDist[In, Out]):
       The fused (in-backward) embedding optimizers see the scaled gradients: see the options guide.
     """
 
-    # torchrec's class leaves _state IDLE.
-    _tracks_state = False
-
-    _depth = 4
-    # torchrec's SemiSync runs its dense backward and step itself.
-    _uncalled_hooks: ClassVar[Mapping[str, Uncalled]] = {
-        "_backward": never_called(
-            "TrainPipelineSemiSync", "nothing: pass grad_scaler= for a scaled backward"
-        ),
-        "_optimizer_step": never_called(
-            "TrainPipelineSemiSync", "_mlp_optimizer_step(current_batch)"
-        ),
-        "_wait_for_batch": never_called("TrainPipelineSemiSync", "_mlp_forward(batch, context)"),
-        "_submit_inplace_copy": ASYNC_SUBMIT_OFF,
-    }
+    # torchrec's class leaves _state IDLE; its SemiSync runs its dense backward and
+    # step itself.
+    _traits = TrainPipelineSparseDist._traits.updated(
+        hooks={
+            "_backward": never_called(
+                "TrainPipelineSemiSync", "nothing: pass grad_scaler= for a scaled backward"
+            ),
+            "_optimizer_step": never_called(
+                "TrainPipelineSemiSync", "_mlp_optimizer_step(current_batch)"
+            ),
+            "_wait_for_batch": never_called(
+                "TrainPipelineSemiSync", "_mlp_forward(batch, context)"
+            ),
+            "_submit_inplace_copy": ASYNC_SUBMIT_OFF,
+        },
+        tracks_state=False,
+        depth=4,
+        resume=SemiSyncResume,
+    )
 
     def __init__(
         self,
@@ -271,13 +277,13 @@ class TrainPipelineSemiSync(TrainPipelineSparseDist[In, Out]):
             name,
             call_args,
             module,
-            cast(EmbeddingTrainPipelineContext, self._current_context()),
+            cast(EmbeddingTrainPipelineContext, current_context(self)),
             self._streams.data_dist,
         )
 
     def _lookup_modules(self) -> List[Tuple[str, AnyShardedModule]]:
-        assert self._rewrite is not None
-        return [(p.name, p.module) for p in self._rewrite.pipelined]
+        assert self._pipelined.result is not None
+        return [(p.name, p.module) for p in self._pipelined.result.pipelined]
 
     def _plan_deferral(self) -> None:
         """Find the tables looked up in their batch's forward; refuse a group mixing kernels.
@@ -294,7 +300,7 @@ class TrainPipelineSemiSync(TrainPipelineSparseDist[In, Out]):
     def _validate_optimizer(self) -> None:
         """Report pipelined modules whose parameters the optimizer also holds (see
         :func:`~trec_pipelines.pipelines.semi_sync_start.report_shared_parameters`)."""
-        rewrite, name = self._rewrite, type(self).__name__
+        rewrite, name = self._pipelined.result, type(self).__name__
         pipelined = rewrite.pipelined if rewrite is not None else []
         report_shared_parameters(name, self._optimizer, pipelined, self._deferral, self._strict)
 
@@ -342,7 +348,9 @@ class TrainPipelineSemiSync(TrainPipelineSparseDist[In, Out]):
             with on_stream(self._streams.data_dist):
                 wait_for_batch(batch, self._streams.memcpy)
                 model_input = self.extract_model_input_from_batch(batch)
-                start_input_dist(self._input_dist_modules(), model_input, context, self._agreement)
+                start_input_dist(
+                    self._pipelined.input_dist_modules(), model_input, context, self._agreement
+                )
 
     def start_embedding_lookup(
         self, batch: Optional[Any], context: EmbeddingTrainPipelineContext
@@ -379,7 +387,7 @@ class TrainPipelineSemiSync(TrainPipelineSparseDist[In, Out]):
                 # Allocated on the memcpy stream; an inplace copy allocates here.
                 record_stream(batch, consumer)
         with self._recording.span(rec.FORWARD, context.index), self._precision.autocast():
-            return self._call_forward(batch)
+            return call_forward(self, batch)
 
     def _dense_backward(self, losses: torch.Tensor, context: TrainPipelineContext) -> None:
         with self._recording.span(rec.BACKWARD, context.index):
@@ -544,43 +552,6 @@ class TrainPipelineSemiSync(TrainPipelineSparseDist[In, Out]):
             # The failed step swapped gradients: its retry must find the previous batch's.
             self._gradients = stash
 
-    # ------------------------------------------------------------ checkpoint
-
-    def _extra_state(self) -> Dict[str, Any]:
-        """``nxt``'s looked-up embeddings and the stashed gradients.
-
-        Once semi-sync, ``nxt`` was looked up before ``cur``'s update: a resumed
-        pipeline, looking it up again from the checkpointed tables, would read
-        rows one update newer.  So its lookup is finished here (the output
-        all-to-all already issued) and the values its dense part will see are
-        kept; the resumed pipeline gives its dense part these values and sends
-        the gradients into its own lookup, whose table gradient does not
-        depend on the rows' values.  With ``stash_gradients``, the dense
-        gradients of the last batch, which the next step applies, are kept too.
-        Size: ``nxt``'s pooled embeddings (batch x summed embedding dims) and,
-        stashing, one gradient per dense parameter.
-        """
-        extra: Dict[str, Any] = {}
-        if self._gradients:
-            extra["semi_sync_stashed_gradients"] = dict(self._gradients)
-        if self.contexts and self._embedding_context(0).embedding_a2a_requests:
-            context = self._embedding_context(0)
-            extra["semi_sync_lookup"] = (context.index, finish_lookup(context))
-        return extra
-
-    def _load_extra_state(self, extra: Dict[str, Any], variant: str) -> None:
-        extra = dict(extra)
-        gradients = extra.pop("semi_sync_stashed_gradients", None)
-        if gradients is not None and self._stash_gradients:
-            devices = {name: p.device for name, p in self._model.named_parameters()}
-            self._gradients = {name: g.to(devices[name]) for name, g in gradients.items()}
-        elif gradients is not None:
-            extra["semi_sync_stashed_gradients"] = gradients  # reported as unused below
-        lookup = extra.pop("semi_sync_lookup", None)
-        if lookup is not None:
-            self._restored_lookup = lookup
-        super()._load_extra_state(extra, variant)
-
     def _embedding_context(self, slot: int) -> EmbeddingTrainPipelineContext:
         return cast(EmbeddingTrainPipelineContext, self.contexts[slot])
 
@@ -589,7 +560,7 @@ class TrainPipelineSemiSync(TrainPipelineSparseDist[In, Out]):
     def reset(self) -> None:
         """Drop the in-flight batches and restart the batch count (synchronous again)."""
         super().reset()
-        self._source = self._new_source()
+        self._source = new_source(self)
         self._gradients.clear()
         self._restored_lookup = None
         self._said_synchronous_start = False  # the count restarts: synchronous again

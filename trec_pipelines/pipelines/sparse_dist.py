@@ -7,11 +7,9 @@ from collections import deque
 from typing import (
     Any,
     Callable,
-    ClassVar,
     Deque,
     Iterator,
     List,
-    Mapping,
     Optional,
     Tuple,
     Type,
@@ -24,8 +22,8 @@ from torchrec.distributed.train_pipeline.types import PipelineState
 from typing_extensions import Unpack
 
 from trec_pipelines.assembly.options import SparseDistTrainOptions, takes_options
-from trec_pipelines.assembly.pipeline import PipelineCore
-from trec_pipelines.core.batch_transfer import copy_to_device, shares_kjt_storage, wait_for_batch
+from trec_pipelines.assembly.pipeline import PipelineCore, call_forward, init_core
+from trec_pipelines.core.batch_transfer import copy_to_device, note_shared_features, wait_for_batch
 from trec_pipelines.core.checks import check_apply_jit
 from trec_pipelines.core.step_guard import guarded_step
 from trec_pipelines.core.streams import StreamSet, make_streams, on_stream
@@ -33,16 +31,15 @@ from trec_pipelines.core.subclass_hooks import (
     ASYNC_COPY,
     FORWARD_TYPE,
     VERSION_0,
-    Refused,
-    Uncalled,
 )
-from trec_pipelines.data.inplace_copy import AsyncInplaceCopyMixin, BatchQueue, InplaceCopyWorker
+from trec_pipelines.data import inplace_copy
+from trec_pipelines.data.inplace_copy import BatchQueue, InplaceCopyWorker
 from trec_pipelines.data.padding import unwrap
 from trec_pipelines.model.backward_hooks import pipeline_hook, register_backward_hook
 from trec_pipelines.model.context import TrainPipelineContext
 from trec_pipelines.model.rewrite import RewriteResult
 from trec_pipelines.observe import recorder as rec
-from trec_pipelines.pipelines.sparse_dist_rewrite import SparseDistRewrite
+from trec_pipelines.pipelines import sparse_dist_rewrite as rewrite
 from trec_pipelines.sparse.forwards import PipelinedForward
 from trec_pipelines.sparse.input_dist import (
     release_input_dist_inputs,
@@ -54,9 +51,7 @@ logger: logging.Logger = logging.getLogger(__name__)
 
 
 @takes_options(SparseDistTrainOptions)
-class TrainPipelineSparseDist(
-    SparseDistRewrite, PipelineCore, TrainPipeline[In, Out], AsyncInplaceCopyMixin[In]
-):
+class TrainPipelineSparseDist(PipelineCore, TrainPipeline[In, Out]):
     """Three batches in flight: ``cur`` trains, ``nxt`` is in input_dist, ``new`` is copied.
 
     ==========  =======  ==================================================
@@ -182,32 +177,37 @@ class TrainPipelineSparseDist(
       The fused (in-backward) embedding optimizers see the scaled gradients: see the options guide.
     """
 
-    # Most batches in flight right after a step's H2D: what a call may pull.
-    _depth: int = 3
-    # The stream role input_dist is recorded on; Lite runs it on the default stream.
-    _input_dist_role: str = "data_dist"
-    # Whether a batch's input_dist starts in an earlier step than its forward
-    # (False for Lite): then it may run on a dedicated group (input_dist_group).
-    _input_dist_ahead: bool = True
-    # Each step's splits exchange carries the ranks' agreement on a pull.
-    _carries_agreement: bool = True
-    # Each step moves _state through IDLE, CALL_FWD and CALL_BWD, as torchrec's.
-    _tracks_state: ClassVar[bool] = True
+    _traits = PipelineCore._traits.updated(
+        hooks={
+            "_fill_pipeline": VERSION_0,
+            "_copy_batch_to_gpu": VERSION_0,
+            "_start_sparse_data_dist": VERSION_0,
+            "_wait_sparse_data_dist": VERSION_0,
+            "_pipelined_forward_type": FORWARD_TYPE,
+            "_setup_async_inplace_copy": ASYNC_COPY,
+            "_submit_inplace_copy": ASYNC_COPY,
+            "_shutdown_async_inplace_copy": ASYNC_COPY,
+        },
+        depth=3,  # batches in flight right after a step's copy: what a call may pull
+        carries_agreement=True,  # each step's splits exchange carries the agreement
+        tracks_state=True,  # IDLE, CALL_FWD and CALL_BWD, as torchrec's
+    )
     # torchrec's attribute: the forward wrapper class of the pipelined modules
     # (read, not set: _make_forward builds each module's wrapper).
     _pipelined_forward_type: type = PipelinedForward
-    _uncalled_hooks: ClassVar[Mapping[str, Uncalled]] = {
-        "_fill_pipeline": VERSION_0,
-        "_copy_batch_to_gpu": VERSION_0,
-        "_start_sparse_data_dist": VERSION_0,
-        "_wait_sparse_data_dist": VERSION_0,
-    }
-    _refused_hooks: ClassVar[Mapping[str, Refused]] = {
-        "_pipelined_forward_type": FORWARD_TYPE,
-        "_setup_async_inplace_copy": ASYNC_COPY,
-        "_submit_inplace_copy": ASYNC_COPY,
-        "_shutdown_async_inplace_copy": ASYNC_COPY,
-    }
+    # torchrec 1.9.2's: whether a worker issues the in-place copies (read-only).
+    _async_inplace_copy = inplace_copy.ASYNC_INPLACE_COPY
+    # The model rewrite: torchrec's hooks and attributes, and attach/detach
+    # (see trec_pipelines.pipelines.sparse_dist_rewrite).
+    _model_attached = rewrite.MODEL_ATTACHED
+    _pipelined_modules = rewrite.PIPELINED_MODULES
+    _pipelined_postprocs = rewrite.PIPELINED_POSTPROCS
+    _make_forward = rewrite.make_forward
+    _pipeline_model = rewrite.pipeline_model
+    _init_pipelined_modules = rewrite.init_pipelined_modules
+    _set_module_context = rewrite.set_module_context
+    detach = rewrite.detach
+    attach = rewrite.attach
 
     def __init__(
         self,
@@ -230,12 +230,13 @@ class TrainPipelineSparseDist(
         super().__init__()
         # Lite starts a batch's input_dist in the step that trains it: nothing
         # queues behind it, so it stays on the model's group.
-        self._init_core(
+        init_core(
+            self,
             model,
             optimizer,
             device,
             options,
-            input_dist_group=None if self._input_dist_ahead else "shared",
+            input_dist_group=None if self._traits.input_dist_ahead else "shared",
         )
         self._execute_all_batches = execute_all_batches
         self._apply_jit = apply_jit
@@ -252,7 +253,9 @@ class TrainPipelineSparseDist(
         self._streams: StreamSet = self._make_streams()
         # A slot may hold the Future of a copy the worker is issuing.
         self.batches: Deque[Optional[Any]] = BatchQueue()
-        self._copy_worker: Optional[InplaceCopyWorker] = self._make_copy_worker(async_inplace_copy)
+        self._copy_worker: Optional[InplaceCopyWorker] = inplace_copy.make_copy_worker(
+            self, async_inplace_copy
+        )
         self.contexts: Deque[TrainPipelineContext] = deque()
         self._warned_shared_features = False
         # Set-up a subclass runs once the model is first rewritten (the backward
@@ -278,18 +281,9 @@ class TrainPipelineSparseDist(
         return make_streams(self._device, memcpy=True, data_dist=True)
 
     @property
-    def _record_batch(self) -> bool:
-        """Whether the default stream must ``record_stream`` the batch it takes.
-
-        An in-place copy allocates the batch on the default stream itself, where
-        a ``record_stream`` would do nothing.
-        """
-        return not self._enable_inplace_copy_batch
-
-    @property
     def rewrite_result(self) -> Optional[RewriteResult]:
         """What the model rewrite pipelined and what it left alone (after the first batch)."""
-        return self._rewrite
+        return self._pipelined.result
 
     def register_backward_hook(self, site: Any, work: Callable[[Any], None]) -> RemovableHandle:
         """Run ``work(self)`` each training step when the backward reaches ``site``.
@@ -329,7 +323,7 @@ class TrainPipelineSparseDist(
             if self._copy_worker is not None:  # TrainPipelineSparseDistT's copy thread
                 return self._copy_worker.submit(host), context
             batch = copy_to_device(host, self._device, self._streams.memcpy)
-        self._note_shared_features(host, batch, context)
+        note_shared_features(self, host, batch, context)
         return batch, context
 
     def _end_at_the_pull(self) -> None:
@@ -337,31 +331,13 @@ class TrainPipelineSparseDist(
         (see [Note: a user's _next_batch pulls at torchrec's moment]) and
         ``execute_all_batches`` is False, the epoch ends at this pull, as torchrec's
         copy stage ends it (``StopIteration``), the batches in flight untrained."""
-        if self._pulls_when_copied and not self._execute_all_batches:
+        if self._traits.pulls_when_copied and not self._execute_all_batches:
             self._stop_if_done()
 
     def _create_context(self) -> TrainPipelineContext:
         """The context of the batch just pulled (torchrec's hook, honoured: one per
         batch copied; an override must return an instance of ``context_type``)."""
         return self._context_type(index=self._source.last_index)
-
-    def _note_shared_features(self, host: Any, batch: Any, context: TrainPipelineContext) -> None:
-        """With ``free_features_storage_early``: mark a batch whose "copy" kept the
-        loader's storage (it was on the device already), which must not be freed."""
-        if self._free_features_storage_early and shares_kjt_storage(host, batch):
-            context.features_shared_with_loader = True
-            self._warn_shared_features()
-
-    def _warn_shared_features(self) -> None:
-        if not self._warned_shared_features:
-            self._warned_shared_features = True
-            logger.warning(
-                "%s: free_features_storage_early has nothing to free on this batch: it "
-                "was on %s already, so its KeyedJaggedTensors are the loader's own "
-                "tensors (freeing them would destroy the data, e.g. for the next epoch)",
-                type(self).__name__,
-                self._device,
-            )
 
     def inplace_copy_batch_to_gpu(
         self, dataloader_iter: Iterator[Any]
@@ -386,7 +362,7 @@ class TrainPipelineSparseDist(
                 # free_features_storage_early.
                 return self._copy_worker.submit(host), context
             batch = copy_to_device(host, self._device, self._streams.memcpy, inplace=True)
-        self._note_shared_features(host, batch, context)
+        note_shared_features(self, host, batch, context)
         return batch, context
 
     def enqueue_batch(self, dataloader_iter: Iterator[Any]) -> bool:
@@ -416,14 +392,18 @@ class TrainPipelineSparseDist(
         """
         if batch is None:
             return
-        with self._recording.span(rec.INPUT_DIST_START, context.index, self._input_dist_role):
+        with self._recording.span(
+            rec.INPUT_DIST_START, context.index, self._traits.input_dist_role
+        ):
             with on_stream(self._streams.data_dist):
                 wait_for_batch(batch, self._streams.memcpy)
-                start_input_dist(self._input_dist_modules(), batch, context, self._agreement)
+                start_input_dist(
+                    self._pipelined.input_dist_modules(), batch, context, self._agreement
+                )
 
     def wait_sparse_data_dist(self, context: TrainPipelineContext) -> None:
         """Finish the splits all-to-all, which launches the tensors all-to-all."""
-        with self._recording.span(rec.INPUT_DIST_WAIT, context.index, self._input_dist_role):
+        with self._recording.span(rec.INPUT_DIST_WAIT, context.index, self._traits.input_dist_role):
             with on_stream(self._streams.data_dist):
                 wait_input_dist(context)
 
@@ -434,7 +414,10 @@ class TrainPipelineSparseDist(
 
     def _wait_for_batch(self) -> None:
         with self._recording.span(rec.WAIT_BATCH, self.contexts[0].index):  # data_dist -> default
-            wait_for_batch(self.batches[0], self._streams.data_dist, self._record_batch)
+            # An in-place copy allocated the batch on the default stream itself,
+            # where a record_stream would do nothing.
+            record = not self._enable_inplace_copy_batch
+            wait_for_batch(self.batches[0], self._streams.data_dist, record)
 
     def sync_embeddings(
         self,
@@ -464,7 +447,7 @@ class TrainPipelineSparseDist(
     def _forward(self) -> Tuple[torch.Tensor, Any]:
         self._enter_phase(PipelineState.CALL_FWD)
         with self._recording.span(rec.FORWARD, self.contexts[0].index), self._precision.autocast():
-            return self._call_forward(self.batches[0])
+            return call_forward(self, self.batches[0])
 
     # --------------------------------------------------------------- schedule
 
@@ -540,7 +523,7 @@ class TrainPipelineSparseDist(
         self._set_module_context(self.contexts[0])
 
     def _batches_to_fetch(self) -> int:
-        return self._depth - len(self.batches)
+        return self._traits.depth - len(self.batches)
 
     def _in_flight(self) -> int:
         return len(self.batches)
@@ -592,3 +575,7 @@ class TrainPipelineSparseDist(
         if not self.batches:
             self._source.end_epoch()
             raise StopIteration
+
+
+# Held, not inherited: as torchrec 1.9.2's class, an instance of its mixin.
+inplace_copy.AsyncInplaceCopyMixin.register(TrainPipelineSparseDist)

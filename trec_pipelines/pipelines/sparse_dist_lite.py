@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any, Callable, ClassVar, Iterator, Mapping, Optional, Tuple, Type
+from typing import Any, Callable, Iterator, Optional, Tuple, Type
 
 import torch
 from torchrec.distributed.train_pipeline import In, Out
@@ -13,7 +13,7 @@ from trec_pipelines.assembly.options import LiteOptions, takes_options
 from trec_pipelines.core.batch_transfer import wait_for_batch
 from trec_pipelines.core.step_guard import guarded_step
 from trec_pipelines.core.streams import StreamSet, make_streams
-from trec_pipelines.core.subclass_hooks import Uncalled, never_called
+from trec_pipelines.core.subclass_hooks import never_called
 from trec_pipelines.model.context import TrainPipelineContext
 from trec_pipelines.observe import recorder as rec
 from trec_pipelines.pipelines.sparse_dist import TrainPipelineSparseDist
@@ -120,16 +120,18 @@ class TrainPipelineSparseDistLite(TrainPipelineSparseDist[In, Out]):
       The fused (in-backward) embedding optimizers see the scaled gradients: see the options guide.
     """
 
-    _uncalled_hooks: ClassVar[Mapping[str, Uncalled]] = {
-        "sync_embeddings": never_called(
-            "TrainPipelineSparseDistLite", "nothing (call it yourself)"
-        ),
-    }
-
-    _depth = 2
-
-    _input_dist_role = "default"
-    _input_dist_ahead = False
+    _traits = TrainPipelineSparseDist._traits.updated(
+        hooks={
+            "sync_embeddings": never_called(
+                "TrainPipelineSparseDistLite", "nothing (call it yourself)"
+            ),
+        },
+        depth=2,
+        # input_dist runs on the default stream, in the step that trains the batch.
+        input_dist_role="default",
+        input_dist_ahead=False,
+        rewrite_on_attach=False,
+    )
 
     def __init__(
         self,
@@ -165,15 +167,11 @@ class TrainPipelineSparseDistLite(TrainPipelineSparseDist[In, Out]):
     def _make_streams(self) -> StreamSet:
         return make_streams(self._device, memcpy=True)
 
-    def _pipeline_model_without_input_dist(self, batch: Any) -> None:
-        # attach() of a new model mid-epoch: no in-flight batch has started its
-        # input_dist yet, so the rewrite waits for the next progress(), which
-        # starts one for ``cur`` anyway.
-        return None
-
     def _wait_for_batch(self) -> None:
         with self._recording.span(rec.WAIT_BATCH, self.contexts[0].index):  # memcpy -> default
-            wait_for_batch(self.batches[0], self._streams.memcpy, self._record_batch)
+            wait_for_batch(
+                self.batches[0], self._streams.memcpy, not self._enable_inplace_copy_batch
+            )
 
     def fill_pipeline(self, dataloader_iter: Iterator[Any]) -> None:
         """Load ``cur`` (copy only) when the queue is empty."""

@@ -10,6 +10,7 @@ from typing_extensions import Unpack
 
 from trec_pipelines.assembly.options import SparseDistTrainOptions, takes_options
 from trec_pipelines.core.subclass_hooks import ASYNC_SUBMIT_OFF
+from trec_pipelines.data.inplace_copy import make_copy_worker
 from trec_pipelines.model.context import TrainPipelineContext
 from trec_pipelines.pipelines.sparse_dist import TrainPipelineSparseDist
 
@@ -119,7 +120,9 @@ class TrainPipelineSparseDistT(TrainPipelineSparseDist[In, Out]):
     """
 
     # torchrec's constructor takes no async_inplace_copy: it never submits a copy.
-    _uncalled_hooks = {"_submit_inplace_copy": ASYNC_SUBMIT_OFF}
+    _traits = TrainPipelineSparseDist._traits.updated(
+        hooks={"_submit_inplace_copy": ASYNC_SUBMIT_OFF},
+    )
 
     def __init__(
         self,
@@ -153,4 +156,4 @@ class TrainPipelineSparseDistT(TrainPipelineSparseDist[In, Out]):
             clear_data_dist_inputs=clear_data_dist_inputs,
             **options,
         )
-        self._copy_worker = self._make_copy_worker(False, every_copy=True)
+        self._copy_worker = make_copy_worker(self, False, every_copy=True)

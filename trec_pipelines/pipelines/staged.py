@@ -8,11 +8,9 @@ from collections import deque
 from typing import (
     Any,
     Callable,
-    ClassVar,
     Deque,
     Iterator,
     List,
-    Mapping,
     Optional,
     Tuple,
 )
@@ -22,7 +20,8 @@ from torchrec.distributed.train_pipeline import In, TrainPipeline
 from typing_extensions import Unpack
 
 from trec_pipelines.assembly.options import BatchOptions, takes_options
-from trec_pipelines.assembly.pipeline import PipelineCore
+from trec_pipelines.assembly.pipeline import PipelineCore, agreement_over, init_options
+from trec_pipelines.assembly.resume import ResumeHooks
 from trec_pipelines.core.errors import MalformedBatchError
 from trec_pipelines.core.streams import (
     current_stream,
@@ -49,6 +48,39 @@ logger: logging.Logger = logging.getLogger(__name__)
 
 # One unit of a fill or a step: (stage index, slot, is the stage's fill_callback).
 _Work = Tuple[int, int, bool]
+
+
+class _StagedResume(ResumeHooks):
+    """The state is the host copies of the batches in the stages (and of the one a
+    failed step was about to return), not their stage outputs: a resumed
+    pipeline runs every stage on them again, as a fresh fill would."""
+
+    pipeline: StagedTrainPipeline[Any, Any]
+
+    def unfinished(self) -> Tuple[List[Tuple[int, Any]], int]:
+        p = self.pipeline
+        items = [p._ready] + p._slots
+        held = sorted((item.index, item.host) for item in items if item is not None)
+        held += list(p._resumed)
+        ahead = p._source.ahead()
+        held += [(p._loaded + k, batch) for k, batch in enumerate(ahead)]
+        return held, p._loaded + len(ahead)
+
+    def is_fresh(self) -> bool:
+        p = self.pipeline
+        return (
+            p._loaded == 0
+            and p._ready is None
+            and all(slot is None for slot in p._slots)
+            and not p._resumed
+            and p._source.is_fresh()
+        )
+
+    def resume(self, batches: List[Tuple[int, Any]], next_index: int) -> None:
+        p = self.pipeline
+        p._resumed = deque(batches)
+        p._loaded = next_index
+        p._source.resume([], next_index)
 
 
 @takes_options(BatchOptions)
@@ -143,18 +175,20 @@ class StagedTrainPipeline(PipelineCore, TrainPipeline[In, Optional[StageOut]]):
 
     # torchrec's stage bookkeeping (a list of outputs with events) has another
     # shape here: batches in slots, each with its host copy and index.
-    _refused_hooks: ClassVar[Mapping[str, Refused]] = {
-        hook: Refused(
-            "it works on torchrec's per-stage output list, which is not how this pipeline "
-            "keeps its in-flight batches (slots, each with its host copy and index)",
-            "a PipelineStage's runnable (wrap it), or progress(dataloader_iter)",
-        )
-        for hook in ("_run_stage", "_advance", "_run_with_event")
-    }
-
-    # No step guard: a stage that raises is resumed by the next call instead
-    # (see [Note: a stage or the iterator raises]).
-    _guards_user_progress: ClassVar[bool] = False
+    _traits = PipelineCore._traits.updated(
+        hooks={
+            hook: Refused(
+                "it works on torchrec's per-stage output list, which is not how this pipeline "
+                "keeps its in-flight batches (slots, each with its host copy and index)",
+                "a PipelineStage's runnable (wrap it), or progress(dataloader_iter)",
+            )
+            for hook in ("_run_stage", "_advance", "_run_with_event")
+        },
+        # No step guard: a stage that raises is resumed by the next call instead
+        # (see [Note: a stage or the iterator raises]).
+        guards_user_progress=False,
+        resume=_StagedResume,
+    )
 
     @property
     def _initialized(self) -> bool:
@@ -170,13 +204,13 @@ class StagedTrainPipeline(PipelineCore, TrainPipeline[In, Optional[StageOut]]):
         **options: Unpack[BatchOptions],
     ) -> None:
         super().__init__()
-        self._init_options(options)
+        init_options(self, options)
         # Each load's agreement rides a SparseDataDistUtil stage's splits
         # exchange where there is one, else an all-reduce started a call ahead.
         # Its model says which ranks train together; without one, the world.
         carriers = agreement_carriers(pipeline_stages)
         model = next((c.trained_model for c in carriers if c.trained_model is not None), None)
-        channel = self._agreement_over(model, carried=bool(carriers))
+        channel = agreement_over(self, model, carried=bool(carriers))
         if channel is not None:
             for carrier in carriers:
                 carrier.carry_agreement(channel)
@@ -521,34 +555,6 @@ class StagedTrainPipeline(PipelineCore, TrainPipeline[In, Optional[StageOut]]):
         self._filled = False
         if self.on_flush_end is not None:
             self.on_flush_end()
-
-    # ------------------------------------------------------------ checkpoint
-
-    # The state is the host copies of the batches in the stages (and of the one a
-    # failed step was about to return), not their stage outputs: a resumed
-    # pipeline runs every stage on them again, as a fresh fill would.
-
-    def _unfinished(self) -> Tuple[List[Tuple[int, Any]], int]:
-        items = [self._ready] + self._slots
-        held = sorted((item.index, item.host) for item in items if item is not None)
-        held += list(self._resumed)
-        ahead = self._source.ahead()
-        held += [(self._loaded + k, batch) for k, batch in enumerate(ahead)]
-        return held, self._loaded + len(ahead)
-
-    def _is_fresh(self) -> bool:
-        return (
-            self._loaded == 0
-            and self._ready is None
-            and all(slot is None for slot in self._slots)
-            and not self._resumed
-            and self._source.is_fresh()
-        )
-
-    def _resume(self, batches: List[Tuple[int, Any]], next_index: int) -> None:
-        self._resumed = deque(batches)
-        self._loaded = next_index
-        self._source.resume([], next_index)
 
     def _end_epoch(self) -> None:
         self._filled = False

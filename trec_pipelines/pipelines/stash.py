@@ -8,7 +8,7 @@ device has streams, nothing on CPU, where there is no device memory to free).
 from __future__ import annotations
 
 import logging
-from typing import Any, Callable, ClassVar, Iterator, Mapping, Optional, Tuple, Type, Union
+from typing import Any, Callable, Iterator, Optional, Tuple, Type, Union
 
 import torch
 from torchrec.distributed.train_pipeline import In, Out
@@ -18,7 +18,7 @@ from typing_extensions import Unpack
 
 from trec_pipelines.assembly.options import SparseDistTrainOptions, takes_options
 from trec_pipelines.core.step_guard import guarded_step
-from trec_pipelines.core.subclass_hooks import ASYNC_SUBMIT_OFF, Refused, Uncalled
+from trec_pipelines.core.subclass_hooks import ASYNC_SUBMIT_OFF, Refused
 from trec_pipelines.model.backward_hooks import (
     FirstGradTensorFinder,
     InjectionSite,
@@ -154,9 +154,9 @@ class TrainPipelineSparseDistOptStash(TrainPipelineSparseDist[In, Out]):
       The fused (in-backward) embedding optimizers see the scaled gradients: see the options guide.
     """
 
-    _uncalled_hooks: ClassVar[Mapping[str, Uncalled]] = {
-        "_submit_inplace_copy": ASYNC_SUBMIT_OFF,
-    }
+    _traits = TrainPipelineSparseDist._traits.updated(
+        hooks={"_submit_inplace_copy": ASYNC_SUBMIT_OFF},
+    )
 
     @property
     def _output_dist_site(self) -> InjectionSite:
@@ -416,16 +416,16 @@ class TrainPipelineSparseDistEmbStash(TrainPipelineSparseDist[In, Out]):
       The fused (in-backward) embedding optimizers see the scaled gradients: see the options guide.
     """
 
-    _uncalled_hooks: ClassVar[Mapping[str, Uncalled]] = {
-        "_submit_inplace_copy": ASYNC_SUBMIT_OFF,
-    }
-    _refused_hooks: ClassVar[Mapping[str, Refused]] = {
-        hook: Refused(
-            "the stash sites are hooked once, after the first rewrite, through _hook_sites",
-            "_hook_sites()",
-        )
-        for hook in ("_try_hook_stash", "_log_ems_config")
-    }
+    _traits = TrainPipelineSparseDist._traits.updated(
+        hooks={"_submit_inplace_copy": ASYNC_SUBMIT_OFF}
+        | {
+            hook: Refused(
+                "the stash sites are hooked once, after the first rewrite, through _hook_sites",
+                "_hook_sites()",
+            )
+            for hook in ("_try_hook_stash", "_log_ems_config")
+        },
+    )
 
     @property
     def _injection_site(self) -> Any:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any, ClassVar, Mapping, Tuple
+from typing import Any, Tuple
 
 import torch
 from torchrec.distributed.train_pipeline import In, Out
@@ -126,14 +126,16 @@ class TrainEvalHybridPipelineBase(TrainPipelineSparseDist[In, Out]):
       The fused (in-backward) embedding optimizers see the scaled gradients: see the options guide.
     """
 
-    _refused_hooks: ClassVar[Mapping[str, Refused]] = {
-        "_prepare_pipeline_step": Refused(
-            "it pre-pulls the next host batch and drains eval batches by torchrec's own state; "
-            "here the batches are pulled at the top of each step and an iterator switch parks "
-            "the other mode's batches",
-            "_next_batch(dataloader_iter) to filter or transform batches",
-        ),
-    }
+    _traits = TrainPipelineSparseDist._traits.updated(
+        hooks={
+            "_prepare_pipeline_step": Refused(
+                "it pre-pulls the next host batch and drains eval batches by torchrec's own state; "
+                "here the batches are pulled at the top of each step and an iterator switch parks "
+                "the other mode's batches",
+                "_next_batch(dataloader_iter) to filter or transform batches",
+            ),
+        },
+    )
 
     def _forward(self) -> Tuple[torch.Tensor, Any]:
         if self._model.training:
