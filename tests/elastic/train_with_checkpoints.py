@@ -5,7 +5,9 @@ Run under ``torchrun --max-restarts`` by tests/unit/test_killed_rank.py: with
 right before step ``S``; torchrun restarts every rank, which finds the last
 checkpoint (model, optimizer, pipeline, data loader, all through
 ``torch.distributed.checkpoint``) and trains to the end.  Each rank writes its
-final weights and the indices of the batches its attempts trained.
+final weights and the indices of the batches its attempts trained.  With
+``--uninterrupted DIR`` the first attempt first trains a run that is not killed
+into ``DIR``, the reference, in the same processes.
 """
 
 from __future__ import annotations
@@ -62,39 +64,23 @@ def attempt_store(attempt: int, rank: int, world: int) -> dist.Store:
     return dist.PrefixStore(f"attempt_{attempt}/", store)
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--out", required=True, help="directory for checkpoints and results")
-    parser.add_argument("--variant", default="TrainPipelineSparseDist")
-    parser.add_argument("--batches", type=int, default=12)
-    parser.add_argument("--every", type=int, default=3, help="checkpoint after every N steps")
-    parser.add_argument("--die-at", type=int, default=-1, help="step the first attempt dies before")
-    parser.add_argument("--die-rank", type=int, default=1)
-    args = parser.parse_args()
-
-    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
-    dist.init_process_group(
-        "gloo",
-        store=attempt_store(attempt, rank, world),
-        rank=rank,
-        world_size=world,
-        timeout=timedelta(minutes=2),  # a test: fail rather than wait 30 minutes
-    )
-    torch.set_num_threads(1)
+def train(out: str, args: argparse.Namespace, die_at: int) -> List[Any]:
+    """One run into ``out``: resume from its last checkpoint if there is one, train to
+    the end, write this rank's weights and the steps this attempt trained.  Returns
+    the objects that hold the default group, for the caller to drop."""
+    rank, attempt = dist.get_rank(), int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
     me = f"rank_{rank}"
-
     dmp, optimizer = make_sharded(
         DLRM, "table_wise", seed=1234 + attempt
     )  # a restart starts elsewhere
     pipeline = getattr(trec_pipelines, args.variant)(dmp, optimizer, CPU)
     loader = StatefulDataLoader(Batches(make_batches(args.batches, seed=5)), batch_size=None)
-    latest = os.path.join(args.out, "latest")
+    latest = os.path.join(out, "latest")
     step = 0
     if os.path.exists(latest):
         with open(latest) as f:
             step = int(f.read())
-        path = os.path.join(args.out, f"step_{step}")
+        path = os.path.join(out, f"step_{step}")
         model_state, optimizer_state = dmp.state_dict(), optimizer.state_dict()
         dcp.load({"model": model_state}, checkpoint_id=path)
         dcp.load({"optimizer": optimizer_state}, checkpoint_id=path)
@@ -114,13 +100,13 @@ def main() -> None:
     # must train nothing, and the loader restored from an end-of-epoch state
     # would start the next epoch.
     while step < args.batches:
-        if attempt == 0 and step == args.die_at and rank == args.die_rank:
+        if attempt == 0 and step == die_at and rank == args.die_rank:
             os._exit(17)
         pipeline.progress(it)
         trained.append(step)
         step += 1
         if step % args.every == 0:
-            path = os.path.join(args.out, f"step_{step}")
+            path = os.path.join(out, f"step_{step}")
             dcp.save(
                 {
                     "pipeline": pipeline,  # first: PEC applies a deferred gradient here
@@ -137,14 +123,51 @@ def main() -> None:
                 os.replace(latest + ".tmp", latest)
             dist.barrier()
 
-    torch.save(weights(dmp), os.path.join(args.out, f"weights_{me}.pt"))
-    with open(os.path.join(args.out, f"steps_{me}_attempt_{attempt}.json"), "w") as f:
+    torch.save(weights(dmp), os.path.join(out, f"weights_{me}.pt"))
+    with open(os.path.join(out, f"steps_{me}_attempt_{attempt}.json"), "w") as f:
         json.dump({"resumed_from": resumed_from, "trained_steps": trained}, f)
+    return [pipeline, dmp, optimizer, loader]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--out", required=True, help="directory for checkpoints and results")
+    parser.add_argument(
+        "--uninterrupted",
+        default="",
+        help="first train a run that is not killed into this directory (first attempt only)",
+    )
+    parser.add_argument("--variant", default="TrainPipelineSparseDist")
+    parser.add_argument("--batches", type=int, default=12)
+    parser.add_argument("--every", type=int, default=3, help="checkpoint after every N steps")
+    parser.add_argument("--die-at", type=int, default=-1, help="step the first attempt dies before")
+    parser.add_argument("--die-rank", type=int, default=1)
+    args = parser.parse_args()
+
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+    dist.init_process_group(
+        "gloo",
+        store=attempt_store(attempt, rank, world),
+        rank=rank,
+        world_size=world,
+        timeout=timedelta(minutes=2),  # a test: fail rather than wait 30 minutes
+    )
+    torch.set_num_threads(1)
+    if args.uninterrupted and attempt == 0:
+        # The reference run, in the same launch as the one killed: a launch of its
+        # own would import torch and torchrec on every rank once more.  A restarted
+        # attempt goes straight to the killed run (the first finished this one
+        # before the kill, which comes later).
+        reference = train(args.uninterrupted, args, die_at=-1)
+        del reference  # its model goes while the group it holds still exists
+        gc.collect()
+    held = train(args.out, args, die_at=args.die_at)
     dist.destroy_process_group()
     # The model and DDP hold torch's default group: drop them, so its gloo threads
     # are joined here rather than in the interpreter's teardown (see "the program
     # exits" in the what-happens-when guide).
-    del pipeline, dmp, optimizer, loader
+    del held
     gc.collect()
 
 
