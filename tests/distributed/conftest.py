@@ -146,6 +146,31 @@ def per_test_group(process_group, request):
     dist.destroy_process_group(group)
 
 
+@pytest.fixture(scope="session")
+def compiled_autograd_group(process_group):
+    """One group for the models the compiled-autograd tests train, kept for the run.
+
+    Compiling a backward takes 15 to 35 s here, nearly all of it dynamo tracing
+    the captured graph and AOT autograd (inductor's own work comes from its
+    cache).  Compiled autograd keeps what it compiled, keyed by the graph's
+    shape, and dynamo checks its guards before reusing it; the only guards a
+    new model of the same shape fails are its process group's name (DDP's
+    all-reduce, torchrec's all-to-all).  So those models are built on this
+    group, and a test that trains one with a backward compiled before (another
+    model of the same shape) reuses that compilation instead of making its own.
+    The compiled graphs keep their models alive: they are dropped here, while
+    the group still exists, and by a test that resets the compiler to compile
+    afresh.  Unlike the groups of ``per_test_group``, a collective left waiting
+    here by a failed test breaks the compiled-autograd tests after it as well.
+    """
+    group = dist.new_group(backend=devices.backend(), timeout=PG_TIMEOUT)
+    yield group
+    torch._dynamo.reset()
+    gc.collect()
+    release_input_dist_groups(group)
+    dist.destroy_process_group(group)
+
+
 # Known, understood noise from torchrec 1.8.0 / fbgemm on CPU.  The fbgemm one
 # ("autograd kernel was not registered ... silently incorrect") comes from the
 # data_parallel tables' dense kernel; test_harness's

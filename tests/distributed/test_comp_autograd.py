@@ -14,6 +14,7 @@ import pytest
 import torch
 import torch._inductor.config
 import torch._logging
+import torch.distributed as dist
 from torchrec.distributed import comm_ops
 
 from trec_pipelines.model.backward_hooks import (
@@ -25,7 +26,7 @@ from trec_pipelines.pipelines.comp_autograd import (
     TrainPipelineSparseDistCompAutograd,
     touched_settings,
 )
-from trec_pipelines.testing import devices
+from trec_pipelines.testing import devices, dlrm
 from trec_pipelines.testing.dlrm import (
     DLRM,
     Batch,
@@ -67,27 +68,37 @@ HELD: Dict[str, Any] = {
 
 
 @contextlib.contextmanager
-def python_reducer_side_effects_undone() -> Iterator[None]:
-    """Leave the process as the tests after a compiled-autograd run expect it.
+def python_reducer_side_effects_undone(group: dist.ProcessGroup) -> Iterator[None]:
+    """Build the test's models on ``group``; leave the process as the tests after
+    a compiled-autograd run expect it.
 
-    A DDP built with the Python reducer turns on inductor's DDP-fusion settings
-    globally (in DDP's constructor, not in the pipeline): they are put back.
-    The compiled graphs keep the test's model alive; they are dropped so that
-    it is freed now, while its process group still exists, not at exit.
+    ``group`` is conftest's ``compiled_autograd_group``: the compiled backward
+    is kept for the next test (one of the same shape reuses it instead of
+    compiling its own), and with it the model it was compiled for, which
+    therefore holds that group rather than the test's own.  A DDP built with
+    the Python reducer turns on inductor's DDP-fusion settings globally (in
+    DDP's constructor, not in the pipeline): they are put back.  The test's
+    other garbage is collected now, while the test's own group still exists.
     """
     inductor = torch._inductor.config
-    with inductor.patch(
-        _fuse_ddp_communication=inductor._fuse_ddp_communication,
-        _fuse_ddp_bucket_size=inductor._fuse_ddp_bucket_size,
-    ):
-        yield
-    torch._dynamo.reset()
+    own = dlrm.current_group()
+    dlrm.set_current_group(group)
+    try:
+        with inductor.patch(
+            _fuse_ddp_communication=inductor._fuse_ddp_communication,
+            _fuse_ddp_bucket_size=inductor._fuse_ddp_bucket_size,
+        ):
+            yield
+    finally:
+        dlrm.set_current_group(own)
     gc.collect()
 
 
 @pytest.fixture(autouse=True)
-def undo_python_reducer_side_effects() -> Iterator[None]:
-    with python_reducer_side_effects_undone():
+def undo_python_reducer_side_effects(
+    compiled_autograd_group: dist.ProcessGroup, per_test_group: dist.ProcessGroup
+) -> Iterator[None]:
+    with python_reducer_side_effects_undone(compiled_autograd_group):
         yield
 
 
@@ -115,6 +126,9 @@ def _max_difference(a: Run, b: Run) -> float:
 
 
 def test_comp_autograd_matches_plain_loop_and_leaves_config_alone() -> None:
+    # Compiled afresh: what this test checks happens while a backward compiles,
+    # and a backward of this shape compiled by an earlier test would be reused.
+    torch._dynamo.reset()
     batches: List[Batch] = make_batches(NUM_BATCHES, seed=DATA_SEED)  # type: ignore[assignment]
     ref = plain_loop_of(DLRM, "table_wise", batches, seed=SEED)
     swapped = plain_loop(

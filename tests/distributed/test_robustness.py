@@ -23,6 +23,7 @@ from trec_pipelines.testing.dlrm import (
     DLRM,
     Run,
     assert_runs_equal,
+    current_group,
     make_batches,
     make_sharded,
     plain_loop_with_eval_pass,
@@ -86,11 +87,15 @@ EVAL: Dict[str, Callable[[torch.nn.Module, Any], Any]] = {
 @pytest.fixture(autouse=True)
 def undo_compiled_autograd_side_effects(request: pytest.FixtureRequest) -> Iterator[None]:
     """What CompAutograd's run changes in the process is put back after its test
-    (only there: the clean-up collects the garbage, a third of a second a test)."""
+    (only there: the clean-up collects the garbage), and its models are built on
+    the group its compiled backward is kept with (conftest's
+    ``compiled_autograd_group``), so that it reuses a backward of the same shape
+    compiled before it (in ``test_comp_autograd.py`` or here)."""
     if "CompAutograd" not in request.node.name:
         yield
         return
-    with python_reducer_side_effects_undone():
+    request.getfixturevalue("per_test_group")
+    with python_reducer_side_effects_undone(request.getfixturevalue("compiled_autograd_group")):
         yield
 
 
@@ -108,8 +113,9 @@ def test_uneven_data_ends_every_rank_at_the_same_step_by_default(name: str) -> N
     eval pipelines with ``uneven_data="stop"``) every rank ends its epoch after 4
     steps, with StopIteration, as the plain loop over the common 4 does; the
     longer ranks log and count the batch they pulled past the end.  The model's
-    group times out after 20 s, so a rank left waiting in a collective fails the
-    test instead of hanging it."""
+    group times out after 20 s (CompAutograd's: the tier's 120 s, that of the
+    group its compiled backward is kept with), so a rank left waiting in a
+    collective fails the test instead of hanging it."""
     rank, last = dist.get_rank(), dist.get_world_size() - 1
     short = dist.new_group(backend=devices.backend(), timeout=timedelta(seconds=20))
     batches = make_batches(4 if rank == last else 6, seed=DATA_SEED)
@@ -123,7 +129,8 @@ def test_uneven_data_ends_every_rank_at_the_same_step_by_default(name: str) -> N
         )
     else:
         ref = plain_loop_of(DLRM, "table_wise", batches[:4], seed=SEED, pg=short)
-    dmp, optimizer = make_sharded(DLRM, "table_wise", seed=SEED, pg=short)
+    model_group = current_group() if name == "TrainPipelineSparseDistCompAutograd" else short
+    dmp, optimizer = make_sharded(DLRM, "table_wise", seed=SEED, pg=model_group)
     if name in EVAL:
         dmp.eval()
         pipeline = EVAL[name](dmp, None)
