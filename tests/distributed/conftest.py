@@ -89,6 +89,14 @@ class _RankBarrier:
         )
         self.count = 0
 
+    def any_rank(self, flag: bool, timeout_s: float) -> bool:
+        """Whether ``flag`` is true on any rank (every rank calls it, as ``wait``)."""
+        self.count += 1
+        key = f"trec_pipelines_tests/any/{self.count}"
+        self.store.add(key, int(flag))
+        self.wait(timeout_s)
+        return self.store.add(key, 0) > 0
+
     def wait(self, timeout_s: float) -> None:
         self.count += 1
         key = f"trec_pipelines_tests/barrier/{self.count}"
@@ -146,29 +154,65 @@ def per_test_group(process_group, request):
     dist.destroy_process_group(group)
 
 
+# The group the compiled-autograd tests build their models on, kept across them
+# while they pass (see compiled_autograd_group).
+_compiled_autograd_group = None
+
+
+def _drop_compiled_autograd_group():
+    """Drop the kept group and what compiled autograd keeps of models built on it."""
+    global _compiled_autograd_group
+    group, _compiled_autograd_group = _compiled_autograd_group, None
+    if group is None:
+        return
+    # The compiled graphs keep their models alive: they go while the group exists.
+    torch._dynamo.reset()
+    gc.collect()
+    release_input_dist_groups(group)
+    dist.destroy_process_group(group)
+
+
 @pytest.fixture(scope="session")
-def compiled_autograd_group(process_group):
-    """One group for the models the compiled-autograd tests train, kept for the run.
+def _compiled_autograd_session(process_group):
+    yield
+    _drop_compiled_autograd_group()
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    # Each phase's report on the test, for fixtures' teardown to read.
+    outcome = yield
+    report = outcome.get_result()
+    setattr(item, f"_trec_report_{report.when}", report)
+
+
+@pytest.fixture
+def compiled_autograd_group(_compiled_autograd_session, per_test_group, request):
+    """The group the compiled-autograd tests build their models on, kept while they pass.
 
     Compiling a backward takes 15 to 35 s here, nearly all of it dynamo tracing
     the captured graph and AOT autograd (inductor's own work comes from its
     cache).  Compiled autograd keeps what it compiled, keyed by the graph's
     shape, and dynamo checks its guards before reusing it; the only guards a
     new model of the same shape fails are its process group's name (DDP's
-    all-reduce, torchrec's all-to-all).  So those models are built on this
-    group, and a test that trains one with a backward compiled before (another
-    model of the same shape) reuses that compilation instead of making its own.
-    The compiled graphs keep their models alive: they are dropped here, while
-    the group still exists, and by a test that resets the compiler to compile
-    afresh.  Unlike the groups of ``per_test_group``, a collective left waiting
-    here by a failed test breaks the compiled-autograd tests after it as well.
+    all-reduce, torchrec's all-to-all).  So those models are built on one group
+    kept from test to test, and a test that trains one with a backward compiled
+    before (another model of the same shape) reuses that compilation instead of
+    making its own.  After a test that failed on any rank (the ranks agree
+    through the store, as at each test's start) the group is replaced, with
+    what was compiled for it: a collective a failed test left waiting cannot
+    break the next test, as with ``per_test_group``.
     """
-    group = dist.new_group(backend=devices.backend(), timeout=PG_TIMEOUT)
-    yield group
-    torch._dynamo.reset()
-    gc.collect()
-    release_input_dist_groups(group)
-    dist.destroy_process_group(group)
+    global _compiled_autograd_group
+    if _compiled_autograd_group is None:
+        _compiled_autograd_group = dist.new_group(backend=devices.backend(), timeout=PG_TIMEOUT)
+    yield _compiled_autograd_group
+    failed = any(
+        getattr(getattr(request.node, f"_trec_report_{when}", None), "failed", False)
+        for when in ("setup", "call")
+    )
+    if _barrier.any_rank(failed, 2 * PG_TIMEOUT.total_seconds() + 30):
+        _drop_compiled_autograd_group()
 
 
 # Known, understood noise from torchrec 1.8.0 / fbgemm on CPU.  The fbgemm one
