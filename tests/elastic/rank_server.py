@@ -111,6 +111,9 @@ def _run_child(request: Dict[str, object], fds: List[int]) -> int:
     random.seed()  # a fresh interpreter's random state, not the server's
     module = str(request["module"])
     sys.argv = [module, *request["args"]]  # type: ignore[misc]
+    # Preloaded for its imports; run afresh as __main__, as ``python -m`` runs it
+    # (runpy warns about a module already imported).
+    sys.modules.pop(module, None)
     code = 0
     try:
         runpy.run_module(module, run_name="__main__", alter_sys=True)
@@ -137,6 +140,7 @@ def _fork(connection: socket.socket, held: Sequence[socket.socket]) -> int:
     if child == 0:
         code = 1
         try:
+            signal.set_wakeup_fd(-1)
             for signum in (signal.SIGTERM, signal.SIGINT, signal.SIGCHLD):
                 signal.signal(signum, signal.SIG_DFL)
             for own in (*held, connection):
@@ -163,9 +167,17 @@ def serve(path: str) -> None:
     os.rename(path + ".binding", path)  # the socket appears once it accepts
     selector = selectors.DefaultSelector()
     selector.register(listener, selectors.EVENT_READ)
+    # A child's end wakes the loop at once (not at its next poll): its stand-in
+    # must end when the child does, as a rank torchrun watches would.
+    wake, woken = socket.socketpair()
+    for end in (wake, woken):
+        end.setblocking(False)
+    signal.signal(signal.SIGCHLD, lambda *_: None)
+    signal.set_wakeup_fd(wake.fileno())
+    selector.register(woken, selectors.EVENT_READ)
     children: Dict[int, socket.socket] = {}
     try:
-        _serve(parent, listener, selector, children)
+        _serve(parent, listener, woken, selector, children, [wake, woken])
     finally:
         for child in children:
             os.kill(child, signal.SIGKILL)
@@ -174,14 +186,22 @@ def serve(path: str) -> None:
 def _serve(
     parent: int,
     listener: socket.socket,
+    woken: socket.socket,
     selector: selectors.BaseSelector,
     children: Dict[int, socket.socket],
+    own: List[socket.socket],
 ) -> None:
     while os.getppid() == parent:
         for key, _ in selector.select(timeout=0.05):
-            if key.fileobj is listener:
+            if key.fileobj is woken:
+                try:
+                    woken.recv(4096)  # a signal arrived: children are reaped below
+                except BlockingIOError:
+                    pass
+            elif key.fileobj is listener:
                 connection, _ = listener.accept()
-                children[_fork(connection, [listener, *children.values()])] = connection
+                held = [listener, *own, *children.values()]
+                children[_fork(connection, held)] = connection
                 selector.register(connection, selectors.EVENT_READ)
             else:
                 # A stand-in only ever closes its end: it was killed (SIGKILL
