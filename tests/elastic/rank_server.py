@@ -201,16 +201,14 @@ def _serve(
             elif key.fileobj is listener:
                 connection, _ = listener.accept()
                 held = [listener, *own, *children.values()]
-                children[_fork(connection, held)] = connection
-                selector.register(connection, selectors.EVENT_READ)
+                child = _fork(connection, held)
+                children[child] = connection
+                selector.register(connection, selectors.EVENT_READ, child)
             else:
                 # A stand-in only ever closes its end: it was killed (SIGKILL
                 # cannot be passed on), so its child goes too.
-                connection = key.fileobj  # type: ignore[assignment]
-                for child, held in children.items():
-                    if held is connection:
-                        os.kill(child, signal.SIGKILL)
-                selector.unregister(connection)
+                os.kill(key.data, signal.SIGKILL)
+                selector.unregister(key.fileobj)
         while children:
             child, status = os.waitpid(-1, os.WNOHANG)
             if child == 0:

@@ -50,7 +50,7 @@ def _seen(done: subprocess.CompletedProcess) -> Dict[str, Any]:
     ],
 )
 def test_the_child_is_what_a_fresh_interpreter_is(
-    rank_server: RankServer, tmp_path: Path, args: List[str], stdin: str
+    rank_server: RankServer, args: List[str], stdin: str
 ) -> None:
     fresh = _run([sys.executable, "-m", PROBE, *args], REPO, stdin)
     forked = _run(rank_server.command(PROBE, *args), REPO, stdin)
