@@ -3,7 +3,7 @@
 #   .venv         the pinned CPU stack (torch 2.13.0 CPU, torchrec 1.8.0)
 #   .venv-latest  the current release (torch 2.14.1, torchrec 1.9.2)
 #   .venv-oldest  the oldest supported release (torch 2.12.0, torchrec 1.7.0):
-#                 `make test-oldest`, the unit tier and the 2-rank drop-in tests
+#                 `make test-oldest`, the unit and 2-rank tiers
 
 # The interpreter each stack's venv is made with: PYTHON for all of them, or
 # PYTHON_PINNED / PYTHON_LATEST for one stack (CI runs the pinned stack on 3.11,
@@ -118,14 +118,11 @@ distributed-4-latest: $(STAMP_LATEST)
 	$(call run_4_ranks,$(VENV_LATEST))
 
 # The oldest supported torchrec: the unit tier (the API-parity test reads this
-# torchrec) and the 2-rank tests that compare ours with torchrec's classes built
-# and subclassed as outside code does.  The whole 2-rank tier runs on the other
-# two stacks.
-DROPIN_TESTS ?= tests/distributed/test_upstream_sparse_dist.py \
-	tests/distributed/test_outside_subclasses.py \
-	tests/distributed/test_framework_subclasses.py \
-	tests/distributed/test_state_at_pull.py \
-	tests/distributed/test_sparse_dist.py
+# torchrec) and the whole 2-rank tier.  OLDEST_TESTS= a few files runs part of
+# it, e.g. the files that build and subclass torchrec's classes as outside code
+# does: tests/distributed/test_upstream_sparse_dist.py
+# tests/distributed/test_outside_subclasses.py tests/distributed/test_framework_subclasses.py
+OLDEST_TESTS ?= tests/distributed
 
 test-oldest: unit-oldest distributed-oldest
 
@@ -133,7 +130,7 @@ unit-oldest: $(STAMP_OLDEST)
 	$(PY_OLDEST) -m pytest -q -n $(NPROC) --dist worksteal tests/unit
 
 distributed-oldest: $(STAMP_OLDEST)
-	$(VENV_OLDEST)/bin/torchrun --standalone --nproc_per_node=$(NPROC) -m pytest -q -p no:cacheprovider $(DROPIN_TESTS)
+	$(VENV_OLDEST)/bin/torchrun --standalone --nproc_per_node=$(NPROC) -m pytest -q -p no:cacheprovider $(OLDEST_TESTS)
 
 # The whole suite on this host's NVIDIA GPUs: TREC_DEVICE=cuda (trec_pipelines/testing/devices.py)
 # puts every rank on its GPU with NCCL, and the torchrec CPU shims are off.  One
