@@ -115,6 +115,10 @@ def main() -> None:
     # would start the next epoch.
     while step < args.batches:
         if attempt == 0 and step == args.die_at and rank == args.die_rank:
+            # What the test reads to know the death was the planned one: torchrun
+            # names only the first failure it saw, which may be the other rank's.
+            with open(os.path.join(args.out, f"died_{me}_at_step_{step}"), "w"):
+                pass
             os._exit(17)
         pipeline.progress(it)
         trained.append(step)
