@@ -19,6 +19,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from tests.distributed.threads import threads_named
 from trec_pipelines.core import lifetime
 from trec_pipelines.core.input_dist_group import dedicated_of, release_input_dist_groups
 from trec_pipelines.testing import devices
@@ -194,36 +195,24 @@ def _destroy_groups_made_since(groups_before: Set[dist.ProcessGroup]) -> None:
 # test's models, pipelines and optimizers often hold theirs in reference cycles
 # that only a full collection frees.  Each group keeps a loop thread that wakes
 # every few milliseconds: 40 to 70 of them lived on at any time through the
-# pinned 2-rank tier, a sixth of its CPU in the kernel (perf, 2026-11-28).  A full collection
-# takes tens of milliseconds, so it runs only once this many loops beyond those
-# left after the last one have piled up.
+# pinned 2-rank tier, 18% of a system-wide profile's samples (perf, 2026-11-28).
+# A full collection walks every object made since the tests began, so it runs
+# only once this many loops beyond those left after the last one have piled up.
 _LOOPS_BEYOND_LAST_COLLECTION = 8
 _loops_after_collection = 0
 
 
-def _gloo_loops() -> int:
-    """How many of this process's threads are gloo's TCP loops (0 where the
-    threads cannot be listed by name: Linux only)."""
-    try:
-        tasks = os.listdir("/proc/self/task")
-    except OSError:
-        return 0
-    found = 0
-    for task in tasks:
-        try:
-            with open(f"/proc/self/task/{task}/comm") as comm:
-                found += comm.read().startswith("gloo_tcp_loop")
-        except OSError:  # the thread ended meanwhile
-            pass
-    return found
-
-
 def _collect_unreachable_groups() -> None:
-    """A full collection, once destroyed groups' loops have piled up."""
+    """A full collection, once destroyed groups' loops have piled up (Linux,
+    where the threads can be counted by name; elsewhere nothing)."""
     global _loops_after_collection
-    if _gloo_loops() > _loops_after_collection + _LOOPS_BEYOND_LAST_COLLECTION:
+    try:
+        loops = threads_named("gloo_tcp_loop")
+    except OSError:
+        return
+    if loops > _loops_after_collection + _LOOPS_BEYOND_LAST_COLLECTION:
         gc.collect()
-        _loops_after_collection = _gloo_loops()
+        _loops_after_collection = threads_named("gloo_tcp_loop")
 
 
 # The group the compiled-autograd tests build their models on, kept across them

@@ -8,7 +8,6 @@ here, on 2 gloo ranks, what the exit hook does is called directly.
 from __future__ import annotations
 
 import gc
-import os
 import time
 
 import pytest
@@ -16,6 +15,7 @@ import torch
 import torch.distributed as dist
 
 import trec_pipelines
+from tests.distributed.threads import threads_named
 from trec_pipelines.core import input_dist_group as idg, lifetime
 from trec_pipelines.testing import devices
 from trec_pipelines.testing.dlrm import (
@@ -38,11 +38,7 @@ pytestmark = pytest.mark.skipif(
 
 def gloo_workers() -> int:
     """How many gloo worker threads this process runs (two per gloo group)."""
-    count = 0
-    for task in os.listdir("/proc/self/task"):
-        with open(f"/proc/self/task/{task}/comm") as f:
-            count += f.read().strip() == "pt_gloo_runloop"
-    return count
+    return threads_named("pt_gloo_runloop")
 
 
 def settled_workers(expected: int, timeout_s: float = 5.0) -> int:
