@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import os
 import weakref
-from typing import List
+from typing import Any, List, Tuple
 
 import pytest
 import torch
@@ -130,6 +130,33 @@ def test_the_wrapper_lives_as_long_as_a_recorder_watches(monkeypatch: pytest.Mon
         links.unwatch(first)
         links.unwatch(second)
     assert dist.all_to_all_single is original and not links.watched()
+
+
+def test_a_wrapper_left_under_a_spy_removes_itself_once_back_on_top(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # A spy wraps ours while a recorder watches and puts ours back only after the
+    # recorder stopped: ours stays until its next call, which goes straight to
+    # torch's function (here a stand-in) and puts that back.
+    calls: List[Tuple[Any, ...]] = []
+
+    def torch_function(*args: Any, **kwargs: Any) -> None:
+        calls.append(args)
+
+    monkeypatch.setattr(dist, "all_to_all_single", torch_function)
+    monkeypatch.setattr(links, "_original", None)
+    monkeypatch.setattr(links, "_watching", weakref.WeakValueDictionary())
+    recorder = ScheduleRecorder()
+    links.watch(recorder)
+    ours = dist.all_to_all_single
+    spy = lambda *args, **kwargs: ours(*args, **kwargs)  # noqa: E731
+    dist.all_to_all_single = spy
+    links.unwatch(recorder)
+    assert dist.all_to_all_single is spy and links._original is torch_function
+    dist.all_to_all_single = ours  # the spy puts back what it found
+    dist.all_to_all_single("out", "in")
+    assert calls == [("out", "in")]
+    assert dist.all_to_all_single is torch_function and links._original is None
 
 
 def test_the_stored_timeline_reads_back_as_recorded() -> None:

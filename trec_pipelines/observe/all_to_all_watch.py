@@ -18,7 +18,9 @@ returned) completes when it returns.
 The wrapper is installed when the first recorder starts watching and removed
 when the last one stops; when something else wrapped the function meanwhile
 (and has not put it back), it stays, calling torch's function straight through
-while nobody watches.  With no recorder ever enabled, nothing is wrapped.
+while nobody watches, and removes itself at its first call once it is
+``torch.distributed.all_to_all_single`` again (that other wrapper put it back).
+With no recorder ever enabled, nothing is wrapped.
 """
 
 from __future__ import annotations
@@ -71,12 +73,18 @@ def watch(recorder: Watcher) -> None:
 
 def unwatch(recorder: Watcher) -> None:
     """Stop noting all-to-alls in ``recorder``; the last one out removes the wrapper."""
-    global _original
     with _lock:
         _watching.pop(id(recorder), None)
-        if not _watching and _original is not None and dist.all_to_all_single is _all_to_all_single:
-            dist.all_to_all_single = _original
-            _original = None
+        _remove_if_unwatched()
+
+
+def _remove_if_unwatched() -> None:
+    """Put torch's function back if nobody watches and the wrapper is on top
+    (the caller holds ``_lock``)."""
+    global _original
+    if not _watching and _original is not None and dist.all_to_all_single is _all_to_all_single:
+        dist.all_to_all_single = _original
+        _original = None
 
 
 def watched() -> bool:
@@ -98,6 +106,8 @@ def _all_to_all_single(*args: Any, **kwargs: Any) -> Any:
     assert original is not None, "the wrapper is only called while installed"
     recorders = list(_watching.values())
     if not recorders:
+        with _lock:
+            _remove_if_unwatched()
         return original(*args, **kwargs)
     sent = _argument(args, kwargs, 1, "input")
     nbytes = sent.numel() * sent.element_size() if isinstance(sent, torch.Tensor) else 0
