@@ -287,13 +287,20 @@ def test_a_model_on_one_rank_trains_alone(sync_exhaustion: Optional[bool]) -> No
 # 7.3e-5 on the outputs after 7 steps on 4 ranks (measured).  5e-4 is ~7x that;
 # a batch trained twice or skipped changes the number of outputs, checked first.
 MANY_RANKS_ATOL = 5e-4
+# On 2 ranks test_comp_autograd's ATOL was measured over 4 steps; these epochs
+# run 6 to 8, and the compiled backward's rounding grows with the steps: 1.14e-6
+# on an embedding weight after 6 steps (the truncated-iterator test run alone,
+# so compiling its own backward; after the tests before it in the tier it reuses
+# a backward they compiled, whose generated code rounds differently, and stays
+# under 1e-6).  1e-5 is ~9x that and 100x below what a schedule fault moves.
+LONGER_RUN_ATOL = 1e-5
 
 
 def _compare(name: str, ref: Run, ours: Run, what: str) -> None:
     if name != "TrainPipelineSparseDistCompAutograd":
         assert_runs_equal(ref, ours, (what, name))
     elif dist.get_world_size() == 2:
-        _assert_close(ours, ref)  # compiled: close, as in the uneven-data test above
+        _assert_close(ours, ref, atol=LONGER_RUN_ATOL)  # compiled: close
     else:
         assert len(ours) == len(ref), f"{len(ours)} steps, {what} has {len(ref)}"
         _assert_close(ours, ref, atol=MANY_RANKS_ATOL)
