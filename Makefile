@@ -89,7 +89,9 @@ DIST4_TESTS ?= $(filter-out tests/distributed/test_comp_autograd.py,$(wildcard t
 # runs on 2 ranks on both stacks there.
 DIST4_SHARD ?=
 
-# $(call run_4_ranks,venv): both agents of the 4-rank world; the second's tail is shown.
+# $(call run_4_ranks,venv): both agents of the 4-rank world; the second's tail is
+# shown, and when either failed its last 60 lines, its whole output kept in
+# .distributed-4.host1.log.
 define run_4_ranks
 @if [ -z "$(strip $(DIST4_TESTS))" ]; then \
 	echo "4-rank tier: DIST4_TESTS is empty, nothing to run"; exit 0; fi; \
@@ -99,8 +101,10 @@ define run_4_ranks
 	-m pytest -q -p no:cacheprovider $(DIST4_TESTS)"; \
 	$$agent > .distributed-4.host1.log 2>&1 & host1=$$!; \
 	rc=0; $$agent || rc=$$?; wait $$host1 || rc=$$?; \
-	echo "--- second host:"; tail -n 5 .distributed-4.host1.log; \
-	rm -f .distributed-4.host1.log; exit $$rc
+	if [ $$rc -eq 0 ]; then \
+	echo "--- second host:"; tail -n 5 .distributed-4.host1.log; rm -f .distributed-4.host1.log; \
+	else echo "--- second host (all of it in .distributed-4.host1.log):"; \
+	tail -n 60 .distributed-4.host1.log; fi; exit $$rc
 endef
 
 distributed-4: $(STAMP)
