@@ -14,6 +14,6 @@ def threads_named(name: str) -> int:
         try:
             with open(f"/proc/self/task/{task}/comm") as comm:
                 count += comm.read().strip() == name
-        except FileNotFoundError:  # the thread ended meanwhile
+        except OSError:  # the thread ended meanwhile (ENOENT, or ESRCH mid-exit)
             pass
     return count
