@@ -127,24 +127,23 @@ def per_test_group(process_group, request):
     If a test fails on one rank only while the other waits in a collective,
     that collective times out (PG_TIMEOUT) and its group is dead: with a
     single group every later test would fail too ("Connection closed by
-    peer").  Instead every test starts with a store barrier that waits long
-    enough for a rank stuck in the previous test's collective to time out
-    and catch up, then gets a group of its own.  If a rank never turns up,
-    the remaining tests fail at once instead of waiting again.  At the test's
-    end its group goes, with every other group the test made.
+    peer").  Instead every test gets a group of its own, and ends with a store
+    barrier that waits long enough for a rank stuck in the test's collective
+    to time out and catch up.  If a rank never turns up, the remaining tests
+    fail at once instead of waiting again.  Only then does the test's group
+    go, with every other group the test made: a rank that destroyed them
+    sooner (a skipped test is over in milliseconds) would close connections a
+    slower rank may still be making in its ``new_group``, which then fails
+    with "Gloo connectFullMesh failed ... Connection closed by peer" (seen in
+    the 4-rank tier, a test of four ranks failing on one).
     """
-    global _barrier, _peer_lost
+    global _barrier
     from trec_pipelines.testing import dlrm, torchrec_cpu as torchrec_shim
 
     if _peer_lost:
         pytest.fail(_peer_lost, pytrace=False)
     if _barrier is None:
         _barrier = _RankBarrier(dist.get_world_size())
-    try:
-        _barrier.wait(2 * PG_TIMEOUT.total_seconds() + 30)
-    except TimeoutError as e:
-        _peer_lost = f"another rank stopped responding before this test ({e})"
-        pytest.fail(_peer_lost, pytrace=False)
     groups_before = _live_groups()
     group = dist.new_group(backend=devices.backend(), timeout=PG_TIMEOUT)
     dlrm.set_current_group(group)
@@ -153,7 +152,18 @@ def per_test_group(process_group, request):
     if torchrec_shim.shim_entries() > shim_entries_before:
         _shimmed_tests.append(request.node.nodeid)
     dlrm.set_current_group(None)
+    _meet_every_rank()
     _destroy_groups_made_since(groups_before)
+
+
+def _meet_every_rank() -> None:
+    """The store barrier at a test's end; a rank that never turns up fails the
+    remaining tests at once (see per_test_group)."""
+    global _peer_lost
+    try:
+        _barrier.wait(2 * PG_TIMEOUT.total_seconds() + 30)
+    except TimeoutError as e:
+        _peer_lost = f"another rank stopped responding in the test before ({e})"
 
 
 # torchrec.distributed.comm's process-wide groups, made on first use and kept.
@@ -278,7 +288,7 @@ def compiled_autograd_group(_compiled_autograd_session, per_test_group, request)
     kept from test to test, and a test that trains one with a backward compiled
     before (another model of the same shape) reuses that compilation instead of
     making its own.  After a test that failed on any rank (the ranks agree
-    through the store, as at each test's start) the group is replaced, with
+    through the store, as at each test's end) the group is replaced, with
     what was compiled for it: a collective a failed test left waiting cannot
     break the next test, as with ``per_test_group``.
     """

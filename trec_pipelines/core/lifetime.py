@@ -35,6 +35,21 @@ interpreter is still whole:
 the teardown).  ``detach()`` releases nothing: a detached pipeline resumes where
 it stopped, with its batches in flight and the threads that hold them.
 
+[Note: a group every member has made]
+``torch.distributed.new_group`` returns on a rank once that rank's side of
+each gloo connection is made, which can be before a peer's side is: the rank
+that opened a connection counts it made as soon as it has sent its greeting,
+while the peer has yet to read it.  A rank that goes on and destroys the group
+(a pipeline whose constructor raised, or one dropped at once, is released at
+the next group's making) closes connections a slower member is still making,
+and that member's ``new_group`` fails with "Gloo connectFullMesh failed ...
+Connection closed by peer" while every other rank carries on.  Seen one run in
+two in a 4-rank test run on two cores: the other ranks had made a group,
+skipped the test it was for and destroyed the group, all within 10 ms, before
+the fourth rank had read their greetings.  So :func:`own_group` returns a gloo
+group only after a barrier on it, which no member leaves before every member
+has finished making the group.
+
 What this cannot reach: the groups the package does not make.  torch's default
 group is held by the model's sharded modules and by DDP, so a program whose
 model is still alive at exit leaves that group's threads to the teardown, with
@@ -76,8 +91,12 @@ _executors: "weakref.WeakSet[ThreadPoolExecutor]" = weakref.WeakSet()
 
 
 def own_group(group: dist.ProcessGroup, owner: Optional[object] = None) -> dist.ProcessGroup:
-    """Register ``group``, made by the package; released at exit, or once ``owner``
-    (if given) has been collected (see [Note: a clean exit]).  Returns ``group``."""
+    """Register ``group``, just made by the package, once every member has made it
+    (see [Note: a group every member has made]); released at exit, or once
+    ``owner`` (if given) has been collected (see [Note: a clean exit]).  Every
+    member calls it, in the same order.  Returns ``group``."""
+    if dist.get_backend(group) == dist.Backend.GLOO:
+        dist.barrier(group=group)
     # Those torch destroyed meanwhile (destroy_process_group() with no argument
     # destroys every group) go now: nothing may use them again.
     for stale in [k for k, g in _groups.items() if not _registered(g)]:
