@@ -43,10 +43,9 @@ while the peer has yet to read it.  A rank that goes on and destroys the group
 (a pipeline whose constructor raised, or one dropped at once, is released at
 the next group's making) closes connections a slower member is still making,
 and that member's ``new_group`` fails with "Gloo connectFullMesh failed ...
-Connection closed by peer" while every other rank carries on.  Seen one run in
-two in a 4-rank test run on two cores: the other ranks had made a group,
-skipped the test it was for and destroyed the group, all within 10 ms, before
-the fourth rank had read their greetings.  So :func:`own_group` returns a gloo
+Connection closed by peer" while every other rank carries on.  Seen in the
+package's 4-rank tests on two cores: three ranks made a group and destroyed it
+within 10 ms, before the fourth had read their greetings.  So :func:`own_group` returns a gloo
 group only after a barrier on it, which no member leaves before every member
 has finished making the group.
 
