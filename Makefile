@@ -85,8 +85,8 @@ DIST4_PORT ?= 29517
 DIST4_TESTS ?= $(filter-out tests/distributed/test_comp_autograd.py,$(wildcard tests/distributed/test_*.py))
 # DIST4_SHARD=k/n runs the k-th of n disjoint parts of the 4-rank tier (by a
 # hash of each test's id; empty: all of it).  DIST4_TESTS= (empty) runs
-# nothing: .ci/run leaves the 4-rank tier out (CI's time budget); every test
-# runs on 2 ranks on both stacks there.
+# nothing: .ci/run runs the tier on the pinned stack only (make test-latest
+# DIST4_TESTS=); every test runs on 2 ranks on every stack there.
 DIST4_SHARD ?=
 
 # $(call run_4_ranks,venv): both agents of the 4-rank world; the second's tail is
