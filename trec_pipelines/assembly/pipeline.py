@@ -82,6 +82,7 @@ from trec_pipelines.core.subclass_hooks import (
 from trec_pipelines.data.agreement import AgreementChannel, agreement_group
 from trec_pipelines.data.parked import ParkedEpochs
 from trec_pipelines.data.source import BatchSource
+from trec_pipelines.model.rewrite import WrapperChanges
 from trec_pipelines.observe.action_records import Action, Transfer
 from trec_pipelines.observe.ledger import LedgerSummary, MemorySample
 from trec_pipelines.observe.recorder import ScheduleRecorder
@@ -299,7 +300,8 @@ class PipelineCore:
         """Detach any other pipeline whose forward wrappers are on this model
         (an eval pipeline left attached when its data ended; see
         :mod:`trec_pipelines.sparse.takeover`)."""
-        self._pipelined.take_over()
+        if self._pipelined.looked_at != WrapperChanges.count:  # a wrapper changed since
+            self._pipelined.take_over()
 
     def _switch_iterator(self, dataloader_iter: Iterator[Any]) -> None:
         """Set the previous iterator's in-flight batches aside when another is passed.

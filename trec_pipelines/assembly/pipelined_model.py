@@ -39,11 +39,11 @@ from trec_pipelines.model.postproc import PipelinedPostproc
 from trec_pipelines.model.rewrite import (
     RewriteResult,
     Strategy,
+    WrapperChanges,
     note_wrapper_change,
     reapply_rewrite,
     restore_model,
     rewrite_model,
-    wrapper_changes,
 )
 from trec_pipelines.sparse.forwards import BaseForward
 from trec_pipelines.sparse.input_dist import SplitsFusion
@@ -81,8 +81,9 @@ class PipelinedModel:
         self.attached = True
         # The model's sharded modules, found once: each take-over looks at their forwards.
         self._sharded: Optional[Dict[str, AnyShardedModule]] = None
-        # The wrapper-change count when the modules were last looked at.
-        self._looked_at = -1
+        # The wrapper-change count (WrapperChanges.count) when the modules were last
+        # looked at: a step's start calls take_over() only when it differs.
+        self.looked_at = -1
         self.fusion = SplitsFusion(input_dist_group)
 
     @property
@@ -113,14 +114,12 @@ class PipelinedModel:
     def take_over(self) -> None:
         """Detach every other pipeline whose wrappers are on the model.
 
-        Called at the start of every step: it looks at the modules' forwards
-        only when some wrapper was put on or taken off since it last looked
-        (anywhere in the process), so a steady state costs one comparison.
+        A step's start calls it only when some wrapper was put on or taken off
+        since it last looked (anywhere in the process: :attr:`looked_at` differs
+        from ``WrapperChanges.count``), so a steady state costs one comparison.
         """
-        if self._looked_at == wrapper_changes():
-            return
         self._sharded = take_model_over(self.owner, self.model, self._sharded)
-        self._looked_at = wrapper_changes()
+        self.looked_at = WrapperChanges.count
 
     def rewrite(
         self,

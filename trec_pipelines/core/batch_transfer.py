@@ -1,23 +1,56 @@
-"""The verbs every timeline is built from: check, copy and wait for a batch, and the backward.
+"""The verbs every timeline is built from: check, walk, copy and wait for a batch.
 
 Each pipeline's ``progress()`` is a sequence of these calls (and of the sparse
 ops in :mod:`trec_pipelines.sparse`); the streams they run on are passed in
 explicitly.  Nothing here keeps state of its own (the one flag,
-``_warned_shared_features``, lives on the pipeline).
+``_warned_shared_features``, lives on the pipeline).  The batch walker,
+:func:`kjts_in`, stands here on the ground floor so that the per-batch checks
+and copies of every part can call it; :func:`trec_pipelines.model.rewrite.kjt_fields`
+is the walker that also records each KJT's path.
 """
 
 from __future__ import annotations
 
 import logging
-from typing import Any, Optional
+from typing import Any, List, Optional
 
 import torch
+from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 from torchrec.streamable import Multistreamable, Pipelineable
 
-from trec_pipelines.core.batch_walk import kjts_in
 from trec_pipelines.core.streams import hand_off, on_stream
 
 logger: logging.Logger = logging.getLogger(__name__)
+
+# What holds no KJT: skipped without a call (a batch's tensors, flags and counts).
+_LEAVES = (torch.Tensor, bool, int, float, str, bytes, type(None))
+
+
+def kjts_in(
+    value: Any, found: Optional[List[KeyedJaggedTensor]] = None, depth: int = 0
+) -> List[KeyedJaggedTensor]:
+    """The KJTs :func:`~trec_pipelines.model.rewrite.kjt_fields` finds in batch ``value``,
+    in the same order, without their paths: what the per-batch checks need, at a
+    fraction of the cost (``found`` and ``depth``: the walk's list and level so far)."""
+    found = [] if found is None else found
+    # Leaves (tensors, KJTs) are handled in the loop, so a flat batch costs one call.
+    if isinstance(value, KeyedJaggedTensor):
+        found.append(value)
+        return found
+    if isinstance(value, dict):
+        items: Any = (item for key, item in value.items() if isinstance(key, (str, int)))
+    elif isinstance(value, (list, tuple)):
+        items = value
+    elif hasattr(value, "__dict__") and not isinstance(value, torch.Tensor):
+        items = vars(value).values()
+    else:
+        return found
+    for item in items:
+        if isinstance(item, KeyedJaggedTensor):
+            found.append(item)
+        elif depth < 3 and not isinstance(item, _LEAVES):
+            kjts_in(item, found, depth + 1)
+    return found
 
 
 def check_batch(batch: Any) -> None:
@@ -46,9 +79,10 @@ def shares_kjt_storage(host: Any, device: Any) -> bool:
 
 
 def note_shared_features(pipeline: Any, host: Any, batch: Any, context: Any) -> None:
-    """With ``free_features_storage_early``: mark a batch whose "copy" kept the
-    loader's storage (it was on the device already), which must not be freed."""
-    if pipeline._free_features_storage_early and shares_kjt_storage(host, batch):
+    """Mark a batch whose "copy" kept the loader's storage (it was on the device
+    already), which ``free_features_storage_early`` must not free; called only
+    with that option on."""
+    if shares_kjt_storage(host, batch):
         context.features_shared_with_loader = True
         warn_shared_features(pipeline)
 

@@ -130,11 +130,6 @@ class Precision:
             loss = self.scaler.scale(loss)
         loss.backward()
 
-    def backward_per_sample(self, losses: torch.Tensor) -> None:
-        """The backward of the per-sample losses summed over the batch (what torchrec's
-        pipelines do), scaled when there is a scaler."""
-        self.backward(torch.sum(losses, dim=0))
-
     def step(self, optimizer: torch.optim.Optimizer) -> None:
         """The optimizer step, through the scaler when there is one."""
         if self.scaler is None:

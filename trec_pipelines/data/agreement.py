@@ -109,24 +109,15 @@ from trec_pipelines.model.rewrite import sharded_modules
 # what a rank with no pull to report carries in a splits exchange; FAILED: its
 # iterator raised.
 ENDED, MALFORMED, FINE, NOTHING, FAILED = 0, 1, 2, 3, 4
-_OUTCOME_BITS = 3
+# A code is pull * PER_PULL + outcome: ``divmod(code, PER_PULL)`` reads (pull, outcome).
+PER_PULL = 1 << 3
 # The pull number rides above the outcome, modulo this (an int32 splits tensor holds it).
 _PULLS = 1 << 27
 
 
 def encode(pull: int, outcome: int) -> int:
     """One rank's report of pull number ``pull``."""
-    return (pull % _PULLS) << _OUTCOME_BITS | outcome
-
-
-def outcome_of(code: int) -> int:
-    """The outcome a code reports (ENDED, MALFORMED, FINE, NOTHING or FAILED)."""
-    return code & ((1 << _OUTCOME_BITS) - 1)
-
-
-def pull_of(code: int) -> int:
-    """The pull number a code reports (modulo 2**27)."""
-    return code >> _OUTCOME_BITS
+    return (pull % _PULLS) * PER_PULL + outcome
 
 
 @dataclass(frozen=True)
@@ -263,12 +254,10 @@ class Agreement:
 def decide(codes: Sequence[int], ranks: Sequence[int]) -> Agreed:
     """One pull's outcome from every rank's code; raises :class:`OutOfStepError`
     on every rank alike when the ranks' pull numbers differ."""
-    pulls = {pull_of(code) for code in codes}
-    outcomes = [outcome_of(code) for code in codes]
-    if len(pulls) > 1 or NOTHING in outcomes:
-        raise OutOfStepError.at(
-            [None if outcome_of(c) == NOTHING else pull_of(c) for c in codes], ranks
-        )
+    read = [divmod(code, PER_PULL) for code in codes]  # (pull, outcome) of each rank
+    outcomes = [outcome for _, outcome in read]
+    if len({pull for pull, _ in read}) > 1 or NOTHING in outcomes:
+        raise OutOfStepError.at([None if o == NOTHING else p for p, o in read], ranks)
     return Agreed(
         [r for r, o in zip(ranks, outcomes, strict=True) if o == MALFORMED],
         ENDED in outcomes,
@@ -329,7 +318,9 @@ class AgreementChannel:
 
     def take(self) -> Optional[Agreement]:
         """The oldest pull waiting to be carried, handed to the exchange that
-        carries it (None: nothing waits, the exchange carries NOTHING)."""
+        carries it (None: nothing waits, the exchange carries NOTHING).  A splits
+        exchange carries a code: the misses so far (:meth:`missed`) were the first ones."""
+        self._missed = 0
         return self._waiting.popleft() if self._waiting else None
 
     def withdraw(self, agreement: Agreement) -> None:
@@ -344,10 +335,6 @@ class AgreementChannel:
         self._missed += 1
         if self._missed >= self.MISSES_BEFORE_GIVING_UP:
             self.no_carrier()
-
-    def carrying(self) -> None:
-        """A splits exchange carries a code: the misses so far were the first ones."""
-        self._missed = 0
 
     def no_carrier(self) -> None:
         """The step's exchanges cannot carry codes (none spans the world):

@@ -33,7 +33,7 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass, field
 from datetime import timedelta
-from typing import Any, Callable, Iterator, List, Optional, Tuple
+from typing import Any, List, Optional, Tuple
 
 import torch.distributed as dist
 
@@ -181,16 +181,3 @@ def agreed_failure(
         f"{index} for the retry. {again}",
     )
     return raised, retry
-
-
-def pull(
-    iterator: Iterator[Any], next_from: Callable[[Iterator[Any]], Optional[Any]]
-) -> Tuple[Optional[Any], Optional[Exception]]:
-    """``next_from(iterator)``, or the exception it raised: reported with the pull,
-    and raised on every rank once agreed (see the module note)."""
-    try:
-        return next_from(iterator), None
-    except StopIteration:
-        raise  # a puller's own way to end the data, as before
-    except Exception as error:  # noqa: BLE001  every rank raises it once agreed
-        return None, error

@@ -19,7 +19,7 @@ from trec_pipelines.core.batch_transfer import check_batch
 from trec_pipelines.core.checks import check_iterator
 from trec_pipelines.core.errors import MalformedBatchError
 from trec_pipelines.data import pull_failure
-from trec_pipelines.data.agreement import Agreed, Agreement, AgreementChannel
+from trec_pipelines.data.agreement import Agreement, AgreementChannel
 from trec_pipelines.data.end_of_data import EndOfData
 from trec_pipelines.data.padding import Padding, nothing_to_pad_with, uneven_stop
 from trec_pipelines.data.validation import batch_problem
@@ -260,7 +260,12 @@ class BatchSource:
             self._retry.meet()
             batch, self._retry = self._retry.batch, None
         if batch is None:
-            batch, error = pull_failure.pull(iterator, self._next_from)
+            try:
+                batch = self._next_from(iterator)
+            except StopIteration:
+                raise  # a puller's own way to end the data, as before
+            except Exception as raised:  # noqa: BLE001  reported with the pull, raised once agreed
+                error = raised
         problem = batch_problem(batch) if self._validate and batch is not None else None
         assert self.agreement is not None  # launched only with a channel
         if error is not None:
@@ -271,20 +276,33 @@ class BatchSource:
         self._pending.append(_Pending(batch, problem, agreement, error))
 
     def _resolve(self) -> Optional[Any]:
-        """The oldest pull under agreement, agreed: its batch, or None at the end."""
+        """The oldest pull under agreement, agreed: its batch, or None at the end.
+
+        Every rank decides alike: malformed if any rank's batch is (so all drop it
+        in step), else ended if any rank's data ended (``pad_uneven``: padded until
+        every rank's ended)."""
         pending = self._pending.popleft()
-        agreed = pending.agreement.result()
+        batch, agreed = pending.batch, pending.agreement.result()
         if agreed.failed_on:  # some rank's next() raised: every rank raises here
             self._pulls -= 1  # the retry agrees on this pull again, under its number
             index = self.loaded + len(self._held)
             raised, self._retry = pull_failure.agreed_failure(
-                pending.error, pending.batch, agreed.failed_on, index
+                pending.error, batch, agreed.failed_on, index
             )
             raise raised
-        if pending.batch is not None:
+        if batch is not None:
             self._epoch_pulled += 1
-        outcome = self._agreed(pending.batch, pending.problem, agreed)
-        return self._accept(*outcome)
+        if agreed.malformed_on:
+            here = "this rank's data has ended" if batch is None else "this rank's batch is fine"
+            problem = pending.problem or f"{here}; the error raised there says what is wrong"
+            return self._accept(None, problem, agreed.malformed_on)
+        if agreed.ended and self.pad_uneven and not agreed.all_ended:
+            return self._accept(self._padded(batch), None, None)
+        if batch is not None and agreed.ended:
+            self.unused += 1
+            logger.warning("%s", uneven_stop(self._epoch_pulled, 1, self.iterator))
+            return self._accept(None, None, None)
+        return self._accept(batch, None, None)
 
     def _accept(
         self, batch: Optional[Any], problem: Optional[str], malformed_on: Optional[List[int]]
@@ -341,24 +359,6 @@ class BatchSource:
             self._spent = None  # refilled
             return False
         return True
-
-    def _agreed(
-        self, batch: Optional[Any], problem: Optional[str], agreed: Agreed
-    ) -> Tuple[Optional[Any], Optional[str], Optional[List[int]]]:
-        """Every rank's (batch, problem, ranks it is malformed on) after agreeing:
-        malformed if any rank's batch is (so all drop it in step), else ended if
-        any rank's data ended."""
-        if agreed.malformed_on:
-            here = "this rank's data has ended" if batch is None else "this rank's batch is fine"
-            problem = problem or f"{here}; the error raised there says what is wrong"
-            return None, problem, agreed.malformed_on
-        if agreed.ended and self.pad_uneven and not agreed.all_ended:
-            return self._padded(batch), None, None
-        if batch is not None and agreed.ended:
-            self.unused += 1
-            logger.warning("%s", uneven_stop(self._epoch_pulled, 1, self.iterator))
-            return None, None, None
-        return batch, None, None
 
     def _padded(self, batch: Optional[Any]) -> Any:
         """Some rank's data ended, not every rank's (``pad_uneven``): a batch here is

@@ -32,7 +32,7 @@ import numpy as np
 import torch
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
-from trec_pipelines.core.batch_walk import kjts_in
+from trec_pipelines.core.batch_transfer import kjts_in
 from trec_pipelines.model.rewrite import kjt_fields
 
 
@@ -57,27 +57,19 @@ _INTEGER_DTYPES = frozenset({torch.int8, torch.uint8, torch.int16, torch.int32, 
 _SMALL = 2048
 
 
-def _plain_host(tensor: Optional[torch.Tensor]) -> bool:
-    return tensor is not None and type(tensor) is torch.Tensor and tensor.is_cpu
-
-
-def _total_and_min(lengths: torch.Tensor) -> Tuple[int, int]:
-    """The sum and the minimum of ``lengths`` (0 and 0 when empty)."""
-    if lengths.numel() <= _SMALL:
-        flat = lengths.tolist()
-        return sum(flat), min(flat, default=0)
-    array = lengths.numpy()
-    return (int(array.sum()), int(array.min())) if array.size else (0, 0)
-
-
-def _row_sums(lengths: torch.Tensor, rows: int) -> List[int]:
-    """Sums of ``lengths`` viewed as ``rows`` equal rows (per key, for a fixed stride)."""
+def _sums(lengths: torch.Tensor, rows: int) -> Tuple[int, int, List[int]]:
+    """The sum and the minimum of ``lengths`` (0 and 0 when empty), and its sums
+    viewed as ``rows`` equal rows (per key, for a fixed stride)."""
     if lengths.numel() <= _SMALL:
         flat = lengths.tolist()
         width = len(flat) // rows
-        return [sum(flat[r * width : (r + 1) * width]) for r in range(rows)]
-    per_row: List[int] = lengths.numpy().reshape(rows, -1).sum(axis=1).tolist()
-    return per_row
+        per_row = [sum(flat[r * width : (r + 1) * width]) for r in range(rows)]
+        return sum(per_row), min(flat, default=0), per_row
+    array = lengths.numpy()
+    if not array.size:
+        return 0, 0, [0] * rows
+    per_row = array.reshape(rows, -1).sum(axis=1).tolist()
+    return int(array.sum()), int(array.min()), per_row
 
 
 def _running_sum_matches(offsets: torch.Tensor, lengths: torch.Tensor) -> bool:
@@ -114,20 +106,20 @@ def _looks_consistent(kjt: KeyedJaggedTensor) -> bool:
     keys = kjt.keys()
     if not keys:
         return True
-    if kjt.variable_stride_per_key() or not _plain_host(lengths):
+    if kjt.variable_stride_per_key() or type(lengths) is not torch.Tensor or not lengths.is_cpu:
         return False
     if lengths.numel() != len(keys) * kjt.stride():
         return False
     # With no negative length and the right total, the lengths split the values
     # among the keys; per-key sums are only needed to compare a cached length_per_key.
-    total, smallest = _total_and_min(lengths)
+    total, smallest, per_key = _sums(lengths, len(keys))
     if smallest < 0 or total != n:
         return False
     cached = kjt.length_per_key_or_none()
-    if cached is not None and list(cached) != _row_sums(lengths, len(keys)):
+    if cached is not None and list(cached) != per_key:
         return False
     if offsets is not None and not (
-        _plain_host(offsets) and _running_sum_matches(offsets, lengths)
+        type(offsets) is torch.Tensor and offsets.is_cpu and _running_sum_matches(offsets, lengths)
     ):
         return False
     return True

@@ -240,22 +240,19 @@ def _plan(
 # None when the flag is not ours to set).
 _Saved = Tuple[torch.nn.Module, bool, Any, Optional[bool]]
 
-# How many times, in this process, forward wrappers were put on or taken off a
-# module, or a pipeline holding some was collected: a pipeline that looked at
-# its model's modules when the count was N needs no second look while it is N
-# (see PipelinedModel.take_over).
-_wrapper_changes = 0
+
+class WrapperChanges:
+    """How many times, in this process, forward wrappers were put on or taken off a
+    module, or a pipeline holding some was collected: a pipeline that looked at
+    its model's modules when :attr:`count` was N needs no second look while it is
+    N (see ``PipelinedModel.take_over``, which reads it at every step's start)."""
+
+    count = 0
 
 
 def note_wrapper_change() -> None:
-    """Count one change of the wrappers on some module (see :func:`wrapper_changes`)."""
-    global _wrapper_changes
-    _wrapper_changes += 1
-
-
-def wrapper_changes() -> int:
-    """The number of wrapper changes so far in this process."""
-    return _wrapper_changes
+    """Count one change of the wrappers on some module (see :class:`WrapperChanges`)."""
+    WrapperChanges.count += 1
 
 
 def _install(module: torch.nn.Module, forward: Any, mark_pipelined: bool = True) -> _Saved:

@@ -71,11 +71,6 @@ from trec_pipelines.observe.task_names import (
 )
 
 
-def profiler_running() -> bool:
-    """Whether a PyTorch profiler is running (a span then labels its work)."""
-    return torch.autograd.profiler._is_profiler_enabled
-
-
 @dataclass
 class ScheduleRecorder:
     """Collects :class:`Action` records; a pipeline owns at most one.
@@ -207,7 +202,7 @@ class _Span:
     def __enter__(self) -> None:
         self._recorder._open.setdefault(threading.get_ident(), []).append(self._action)
         self._start_event = self._recorder._event(self._stream)
-        if profiler_running():
+        if torch.autograd.profiler._is_profiler_enabled:  # a profiler labels the span
             self._label = torch.profiler.record_function(f"trec_pipelines::{self._action.task}")
             self._label.__enter__()
         self._action.cpu_start = time.perf_counter()

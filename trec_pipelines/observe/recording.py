@@ -20,7 +20,7 @@ from trec_pipelines.core.streams import current_stream
 from trec_pipelines.observe import all_to_all_watch as links, schedule_view
 from trec_pipelines.observe.action_records import Action, Transfer
 from trec_pipelines.observe.ledger import LedgerSummary, MemoryLedger, MemorySample, summarize
-from trec_pipelines.observe.recorder import ScheduleRecorder, profiler_running
+from trec_pipelines.observe.recorder import ScheduleRecorder
 
 _NO_SPAN: ContextManager[None] = contextlib.nullcontext()
 
@@ -138,6 +138,6 @@ class Recording:
         recorder = self.recorder
         if recorder is not None:
             return recorder.span(task, batch, stream, thread)
-        if profiler_running():
+        if torch.autograd.profiler._is_profiler_enabled:  # a profiler labels the work
             return torch.profiler.record_function(f"trec_pipelines::{task}")
         return _NO_SPAN

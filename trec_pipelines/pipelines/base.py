@@ -160,7 +160,7 @@ class TrainPipelineBase(PipelineCore, TrainPipeline[In, Out]):
         """The backward of the summed per-sample losses, through ``grad_scaler`` if any
         (torchrec's hook, honoured)."""
         with self._recording.span(rec.BACKWARD, self._training):
-            self._precision.backward_per_sample(losses)
+            self._precision.backward(torch.sum(losses, dim=0))
 
     def _optimizer_step(self) -> None:
         """The optimizer step, through ``grad_scaler`` if any (ours calls it where
@@ -196,6 +196,8 @@ class TrainPipelineBase(PipelineCore, TrainPipeline[In, Out]):
         """
         # See [Note: a progress() timeline] in trec_pipelines.pipelines.
         # fmt: off
+        if self._epoch_ended:  # the fill of the new epoch copies its first batch
+            self._epoch_ended = self._connected = False
         self._start_step(dataloader_iter)  # take-over, iterator switch, host batches
         if not self._connected:
             self._connect(dataloader_iter)                         # cur, memcpy (fill)
@@ -229,11 +231,6 @@ class TrainPipelineBase(PipelineCore, TrainPipeline[In, Out]):
             self._optimizer_step()                                 # cur, default
         return output
         # fmt: on
-
-    def _start_step(self, dataloader_iter: Iterator[Any]) -> None:
-        if self._epoch_ended:  # the fill of the new epoch copies its first batch
-            self._epoch_ended = self._connected = False
-        super()._start_step(dataloader_iter)
 
     def _batches_to_fetch(self) -> int:
         return 1 if self._connected else 2  # the fill copies cur too

@@ -365,7 +365,7 @@ class TrainPipelineSparseDistCompAutograd(TrainPipelineSparseDist[In, Out]):
     def _compiled_backward(self, losses: torch.Tensor) -> None:
         with self.get_compiled_autograd_ctx(), sync_collectives():
             with self._recording.span(rec.BACKWARD, self.contexts[0].index):
-                self._precision.backward_per_sample(losses)
+                self._precision.backward(torch.sum(losses, dim=0))
 
     @guarded_step
     def progress(self, dataloader_iter: Iterator[Any]) -> Any:

@@ -268,7 +268,7 @@ class EvalPipelineCPUSparse(TrainPipelineSparseDist[In, Out]):
             else contextlib.nullcontext()
         ):
             modules = self._pipelined.input_dist_modules()
-            start_input_dist(modules, batch, context)
+            start_input_dist(self._pipelined.result, batch, context)
             wait_input_dist(context)
             for name, module, _ in modules:
                 data = context.input_dist_tensors_requests.pop(name).wait()

@@ -348,9 +348,7 @@ class TrainPipelineSemiSync(TrainPipelineSparseDist[In, Out]):
             with on_stream(self._streams.data_dist):
                 wait_for_batch(batch, self._streams.memcpy)
                 model_input = self.extract_model_input_from_batch(batch)
-                start_input_dist(
-                    self._pipelined.input_dist_modules(), model_input, context, self._agreement
-                )
+                start_input_dist(self._pipelined.result, model_input, context, self._agreement)
 
     def start_embedding_lookup(
         self, batch: Optional[Any], context: EmbeddingTrainPipelineContext
@@ -391,7 +389,7 @@ class TrainPipelineSemiSync(TrainPipelineSparseDist[In, Out]):
 
     def _dense_backward(self, losses: torch.Tensor, context: TrainPipelineContext) -> None:
         with self._recording.span(rec.BACKWARD, context.index):
-            self._precision.backward_per_sample(losses)
+            self._precision.backward(torch.sum(losses, dim=0))
 
     def embedding_backward(self, context: EmbeddingTrainPipelineContext) -> None:
         """Send the gradients the dense backward left on the detached embeddings into them.

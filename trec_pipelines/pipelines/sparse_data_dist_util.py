@@ -475,13 +475,12 @@ class SparseDataDistUtil(SparseDataDistStages[In]):
         self._drop_untrained_batch()
         ctx = self._dist_context()
         self._holes.discard(self._index_of(ctx))  # e.g. after a flush: a batch again
-        modules = [(p.name, p.module, p.call_args) for p in self._rewrite.pipelined]
         if self._with_prefetch:
             # A caching module's input dist may read the cache state the prefetch
             # stage writes (torchrec PR #4191): after the prefetches issued so far.
             wait_stream(self._dist_stream, self._prefetch_stream)
         with on_stream(self._dist_stream):
-            start_input_dist(modules, batch, ctx, self._agreement)
+            start_input_dist(self._rewrite, batch, ctx, self._agreement)
         assert ctx.index is not None
         self._last_started = ctx.index
         self._end_tick()

@@ -323,7 +323,8 @@ class TrainPipelineSparseDist(PipelineCore, TrainPipeline[In, Out]):
             if self._copy_worker is not None:  # TrainPipelineSparseDistT's copy thread
                 return self._copy_worker.submit(host), context
             batch = copy_to_device(host, self._device, self._streams.memcpy)
-        note_shared_features(self, host, batch, context)
+        if self._free_features_storage_early:
+            note_shared_features(self, host, batch, context)
         return batch, context
 
     def _end_at_the_pull(self) -> None:
@@ -362,7 +363,8 @@ class TrainPipelineSparseDist(PipelineCore, TrainPipeline[In, Out]):
                 # free_features_storage_early.
                 return self._copy_worker.submit(host), context
             batch = copy_to_device(host, self._device, self._streams.memcpy, inplace=True)
-        note_shared_features(self, host, batch, context)
+        if self._free_features_storage_early:
+            note_shared_features(self, host, batch, context)
         return batch, context
 
     def enqueue_batch(self, dataloader_iter: Iterator[Any]) -> bool:
@@ -397,9 +399,7 @@ class TrainPipelineSparseDist(PipelineCore, TrainPipeline[In, Out]):
         ):
             with on_stream(self._streams.data_dist):
                 wait_for_batch(batch, self._streams.memcpy)
-                start_input_dist(
-                    self._pipelined.input_dist_modules(), batch, context, self._agreement
-                )
+                start_input_dist(self._pipelined.result, batch, context, self._agreement)
 
     def wait_sparse_data_dist(self, context: TrainPipelineContext) -> None:
         """Finish the splits all-to-all, which launches the tensors all-to-all."""
@@ -433,7 +433,7 @@ class TrainPipelineSparseDist(PipelineCore, TrainPipeline[In, Out]):
         """The backward of the summed per-sample losses, through ``grad_scaler`` if any
         (torchrec's hook, honoured)."""
         with self._recording.span(rec.BACKWARD, self.contexts[0].index):
-            self._precision.backward_per_sample(losses)
+            self._precision.backward(torch.sum(losses, dim=0))
 
     def _optimizer_step(self) -> None:
         """The optimizer step, through ``grad_scaler`` if any (torchrec's hook, honoured)."""
@@ -553,7 +553,7 @@ class TrainPipelineSparseDist(PipelineCore, TrainPipeline[In, Out]):
             self.attach()  # detaches the pipeline that took the model, then re-wraps
             return
         if self._pipelined.attached:
-            self._pipelined.take_over()
+            super()._take_over_model()
             return
         # Detached by the user: attach again, as upstream's ``progress()`` does.
         logger.info("%s.progress() after detach(): attaching the model again", type(self).__name__)

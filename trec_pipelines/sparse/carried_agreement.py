@@ -31,17 +31,11 @@ from torchrec.distributed.embedding_sharding import (
 from trec_pipelines.core.errors import OutOfStepError
 from trec_pipelines.data.agreement import (
     NOTHING,
+    PER_PULL,
     Agreement,
     AgreementChannel,
     CarriedCode,
-    outcome_of,
-    pull_of,
 )
-
-
-def spans_world(pg: dist.ProcessGroup) -> bool:
-    """True when ``pg`` has every rank of the world (it can carry agreements)."""
-    return pg.size() == dist.get_world_size()
 
 
 class _SplitsWithCode(SplitsAllToAllAwaitable, CarriedCode):
@@ -54,7 +48,6 @@ class _SplitsWithCode(SplitsAllToAllAwaitable, CarriedCode):
     def __init__(
         self, tensors: List[torch.Tensor], pg: dist.ProcessGroup, channel: AgreementChannel
     ) -> None:
-        channel.carrying()
         self._agreement: Optional[Agreement] = channel.take()
         code = channel.nothing() if self._agreement is None else self._agreement.code
         column = torch.full((pg.size(),), code, dtype=tensors[0].dtype, device=tensors[0].device)
@@ -65,24 +58,20 @@ class _SplitsWithCode(SplitsAllToAllAwaitable, CarriedCode):
             self._agreement.carrier = self
 
     def _wait_impl(self) -> List[List[int]]:
-        if self._splits is None:
-            received = super()._wait_impl()
-            self._splits, codes = received[:-1], received[-1]
-            self._deliver(codes)
-        return self._splits
-
-    def _deliver(self, codes: List[int]) -> None:
+        if self._splits is not None:
+            return self._splits
+        received = super()._wait_impl()
+        self._splits, codes = received[:-1], received[-1]
         agreement, self._agreement = self._agreement, None
-        if agreement is not None:
-            agreement.carrier = None  # no cycle left to hold this exchange (and its group)
         if agreement is None:
-            if any(outcome_of(code) != NOTHING for code in codes):
-                raise OutOfStepError.at(
-                    [None if outcome_of(c) == NOTHING else pull_of(c) for c in codes], self._ranks
-                )
-            return
+            read = [divmod(code, PER_PULL) for code in codes]  # (pull, outcome) of each rank
+            if any(outcome != NOTHING for _, outcome in read):
+                raise OutOfStepError.at([None if o == NOTHING else p for p, o in read], self._ranks)
+            return self._splits
+        agreement.carrier = None  # no cycle left to hold this exchange (and its group)
         agreement.deliver(codes, self._ranks)
         agreement.result()  # raises here, on every rank, if they are out of step
+        return self._splits
 
     def wait_code(self) -> None:
         self.wait()

@@ -25,6 +25,7 @@ never does.)
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import logging
 import weakref
@@ -49,12 +50,9 @@ from trec_pipelines.core import lifetime
 from trec_pipelines.core.input_dist_group import GroupRef, InputDistGroup, dedicated_groups
 from trec_pipelines.data.agreement import AgreementChannel
 from trec_pipelines.model.context import TrainPipelineContext
-from trec_pipelines.model.postproc import (
-    PipelinedPostproc,
-    postprocs_read_by,
-    use_context_for_postprocs,
-)
-from trec_pipelines.sparse.carried_agreement import CarryingFusedSplits, spans_world
+from trec_pipelines.model.postproc import use_context_for_postprocs
+from trec_pipelines.model.rewrite import RewriteResult
+from trec_pipelines.sparse.carried_agreement import CarryingFusedSplits
 
 logger: logging.Logger = logging.getLogger(__name__)
 
@@ -243,37 +241,45 @@ class SplitsFusion:
 
 
 def start_input_dist(
-    modules: Sequence[Tuple[str, AnyShardedModule, Any]],
+    rewrite: Optional[RewriteResult],
     batch: Any,
     context: TrainPipelineContext,
     agreement: Optional[AgreementChannel] = None,
 ) -> None:
-    """Launch the splits phase of every module's ``input_dist`` for ``batch``.
+    """Launch the splits phase of the ``input_dist`` of every module ``rewrite``
+    pipelined (None: the model was not rewritten, nothing to launch) for ``batch``.
 
-    ``modules`` holds ``(name, module, call_args)``; writes ``module_contexts``,
-    ``input_dist_splits_requests`` and ``fused_splits_awaitables`` (and, through
-    the postprocs the arguments are read from, ``postproc_fwd_results``).  With
-    ``agreement``, the splits exchange carries the oldest pull it has not agreed
-    yet (see :mod:`trec_pipelines.sparse.carried_agreement`).
+    Writes ``module_contexts``, ``input_dist_splits_requests`` and
+    ``fused_splits_awaitables`` (and, through the postprocs the arguments are read
+    from, ``postproc_fwd_results``).  With ``agreement``, the splits exchange
+    carries the oldest pull it has not agreed yet (see
+    :mod:`trec_pipelines.sparse.carried_agreement`).
     """
-    postprocs: Dict[int, PipelinedPostproc] = {}
-    for _, _, call_args in modules:
-        for postproc in postprocs_read_by(call_args):
-            postprocs.setdefault(id(postproc), postproc)
+    pipelined = rewrite.pipelined if rewrite is not None else ()
     # The postprocs cache their output in the context they hold: this batch's
     # for the stage, the forward's again after it.
-    with use_context_for_postprocs(list(postprocs.values()), context):
-        for name, module, call_args in modules:
-            args, kwargs = call_args.build_args_kwargs(batch)
-            _start_module_input_dist(name, module, args, kwargs, context)
-    _release_early_inputs(context)
+    postprocs = list(rewrite.postprocs) if rewrite is not None else []
+    with use_context_for_postprocs(postprocs, context) if postprocs else contextlib.nullcontext():
+        for entry in pipelined:
+            args, kwargs = entry.call_args.build_args_kwargs(batch)
+            _start_module_input_dist(entry.name, entry.module, args, kwargs, context)
+    # With free_features_storage_early, a module lists the batch KJTs it has
+    # finished with; every module has permuted its features by now.  Storage
+    # the loader's batch still owns (no copy was made) is only forgotten.
+    for module_ctx in context.module_contexts.values():
+        releasable = getattr(module_ctx, "early_releasable_inputs", None)
+        if releasable:
+            if not context.features_shared_with_loader:
+                for kjt in releasable:
+                    kjt.clear_storage()
+            releasable.clear()
     _fuse_splits(context, agreement)
 
 
 def _start_module_input_dist(
     name: str,
     module: AnyShardedModule,
-    args: Tuple[Any, ...],
+    args: Sequence[Any],
     kwargs: Dict[str, Any],
     context: TrainPipelineContext,
 ) -> None:
@@ -287,32 +293,18 @@ def _start_module_input_dist(
     )
 
 
-def _release_early_inputs(context: TrainPipelineContext) -> None:
-    # With free_features_storage_early, a module lists the batch KJTs it has
-    # finished with; every module has permuted its features by now.  Storage
-    # the loader's batch still owns (no copy was made) is only forgotten.
-    for module_ctx in context.module_contexts.values():
-        releasable = getattr(module_ctx, "early_releasable_inputs", None)
-        if releasable:
-            if not context.features_shared_with_loader:
-                for kjt in releasable:
-                    kjt.clear_storage()
-            releasable.clear()
-
-
-def _process_group_of(request: Awaitable[Any]) -> Optional[dist.ProcessGroup]:
-    for awaitable in getattr(request, "awaitables", ()):
-        if isinstance(awaitable, KJTSplitsAllToAllMeta):
-            return awaitable.pg
-    return None
-
-
 def _fuse_splits(
     context: TrainPipelineContext, agreement: Optional[AgreementChannel] = None
 ) -> None:
     names_per_pg: Dict[dist.ProcessGroup, List[str]] = defaultdict(list)
     for name, request in context.input_dist_splits_requests.items():
-        pg = _process_group_of(request) if isinstance(request, KJTListSplitsAwaitable) else None
+        # The group of its splits all-to-all (None: not one of torchrec's KJT input dists).
+        metas = (
+            getattr(request, "awaitables", ())
+            if isinstance(request, KJTListSplitsAwaitable)
+            else ()
+        )
+        pg = next((a.pg for a in metas if isinstance(a, KJTSplitsAllToAllMeta)), None)
         if pg is None:
             # Nothing to fuse (a one-rank group, or not a KJT input dist, as a
             # custom sharded module's): waited on its own.
@@ -321,7 +313,8 @@ def _fuse_splits(
             names_per_pg[pg].append(name)
     carrier = None
     if agreement is not None and agreement.carried:
-        carrier = next((pg for pg in names_per_pg if spans_world(pg)), None)
+        world = dist.get_world_size()
+        carrier = next((pg for pg in names_per_pg if pg.size() == world), None)
         if carrier is None:
             agreement.missed()  # the same on every rank: the same modules, groups
     for pg, names in names_per_pg.items():
