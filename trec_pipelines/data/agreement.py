@@ -257,13 +257,20 @@ def decide(codes: Sequence[int], ranks: Sequence[int]) -> Agreed:
     read = [divmod(code, PER_PULL) for code in codes]  # (pull, outcome) of each rank
     outcomes = [outcome for _, outcome in read]
     if len({pull for pull, _ in read}) > 1 or NOTHING in outcomes:
-        raise OutOfStepError.at([None if o == NOTHING else p for p, o in read], ranks)
+        raise out_of_step(codes, ranks)
     return Agreed(
         [r for r, o in zip(ranks, outcomes, strict=True) if o == MALFORMED],
         ENDED in outcomes,
         all(o == ENDED for o in outcomes),
         [r for r, o in zip(ranks, outcomes, strict=True) if o == FAILED],
     )
+
+
+def out_of_step(codes: Sequence[int], ranks: Sequence[int]) -> OutOfStepError:
+    """The error every rank raises alike when the ranks' ``codes`` are not of one pull
+    (a rank that reports NOTHING has no pull)."""
+    read = [divmod(code, PER_PULL) for code in codes]  # (pull, outcome) of each rank
+    return OutOfStepError.at([None if o == NOTHING else p for p, o in read], ranks)
 
 
 class CarriedCode:

@@ -59,16 +59,16 @@ _SMALL = 2048
 
 def _sums(lengths: torch.Tensor, rows: int) -> Tuple[int, int, List[int]]:
     """The sum and the minimum of ``lengths`` (0 and 0 when empty), and its sums
-    viewed as ``rows`` equal rows (per key, for a fixed stride)."""
+    viewed as ``rows`` equal rows (per key, for a fixed stride; none for ``rows=0``)."""
     if lengths.numel() <= _SMALL:
         flat = lengths.tolist()
-        width = len(flat) // rows
+        width = len(flat) // rows if rows else 0
         per_row = [sum(flat[r * width : (r + 1) * width]) for r in range(rows)]
-        return sum(per_row), min(flat, default=0), per_row
+        return sum(flat), min(flat, default=0), per_row
     array = lengths.numpy()
     if not array.size:
         return 0, 0, [0] * rows
-    per_row = array.reshape(rows, -1).sum(axis=1).tolist()
+    per_row = array.reshape(rows, -1).sum(axis=1).tolist() if rows else []
     return int(array.sum()), int(array.min()), per_row
 
 
@@ -112,10 +112,10 @@ def _looks_consistent(kjt: KeyedJaggedTensor) -> bool:
         return False
     # With no negative length and the right total, the lengths split the values
     # among the keys; per-key sums are only needed to compare a cached length_per_key.
-    total, smallest, per_key = _sums(lengths, len(keys))
+    cached = kjt.length_per_key_or_none()
+    total, smallest, per_key = _sums(lengths, len(keys) if cached is not None else 0)
     if smallest < 0 or total != n:
         return False
-    cached = kjt.length_per_key_or_none()
     if cached is not None and list(cached) != per_key:
         return False
     if offsets is not None and not (

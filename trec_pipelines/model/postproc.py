@@ -48,6 +48,7 @@ from typing import (
     Iterator,
     List,
     Optional,
+    Sequence,
     Set,
     Tuple,
     Union,
@@ -240,7 +241,7 @@ class PipelinedPostproc(torch.nn.Module):
 
 @contextlib.contextmanager
 def use_context_for_postprocs(
-    pipelined_postprocs: List[PipelinedPostproc],
+    pipelined_postprocs: Sequence[PipelinedPostproc],
     next_batch_context: TrainPipelineContext,
 ) -> Generator[None, None, None]:
     """Point ``pipelined_postprocs`` at ``next_batch_context`` (the batch whose

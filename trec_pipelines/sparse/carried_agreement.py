@@ -28,13 +28,13 @@ from torchrec.distributed.embedding_sharding import (
     KJTSplitsAllToAllMeta,
 )
 
-from trec_pipelines.core.errors import OutOfStepError
 from trec_pipelines.data.agreement import (
     NOTHING,
     PER_PULL,
     Agreement,
     AgreementChannel,
     CarriedCode,
+    out_of_step,
 )
 
 
@@ -64,9 +64,8 @@ class _SplitsWithCode(SplitsAllToAllAwaitable, CarriedCode):
         self._splits, codes = received[:-1], received[-1]
         agreement, self._agreement = self._agreement, None
         if agreement is None:
-            read = [divmod(code, PER_PULL) for code in codes]  # (pull, outcome) of each rank
-            if any(outcome != NOTHING for _, outcome in read):
-                raise OutOfStepError.at([None if o == NOTHING else p for p, o in read], self._ranks)
+            if any(code % PER_PULL != NOTHING for code in codes):  # some rank sent a pull
+                raise out_of_step(codes, self._ranks)
             return self._splits
         agreement.carrier = None  # no cycle left to hold this exchange (and its group)
         agreement.deliver(codes, self._ranks)

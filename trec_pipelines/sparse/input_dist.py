@@ -258,7 +258,7 @@ def start_input_dist(
     pipelined = rewrite.pipelined if rewrite is not None else ()
     # The postprocs cache their output in the context they hold: this batch's
     # for the stage, the forward's again after it.
-    postprocs = list(rewrite.postprocs) if rewrite is not None else []
+    postprocs = rewrite.postprocs if rewrite is not None else ()
     with use_context_for_postprocs(postprocs, context) if postprocs else contextlib.nullcontext():
         for entry in pipelined:
             args, kwargs = entry.call_args.build_args_kwargs(batch)
