@@ -7,7 +7,7 @@ on data-parallel tables (the dense kernel, trained by the optimizer the
 scaler steps); a step whose gradients overflow on one rank is skipped on
 every rank alike.  A scaler with fused (in-backward) table optimizers is
 refused: they would update from the scaled gradient, before any overflow is
-found (``trec_pipelines/core/precision.py``, ``[Note: mixed precision]``);
+found (``trec_pipelines/core/model_step.py``, ``[Note: mixed precision]``);
 what the refusal suggests instead, bfloat16 autocast without a scaler, trains
 table-wise fused tables as the plain loop, on every variant.
 """

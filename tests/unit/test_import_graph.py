@@ -369,12 +369,13 @@ def test_no_import_cycle_in_benchmarks() -> None:
 
 # The floors, bottom up: (name, what stands on it).
 FLOORS: List[Tuple[str, Tuple[str, ...]]] = [
-    # The ground: streams, errors, state, checks, precision, the step guard, the batch
-    # walker and copies, the input-dist groups, the subclass hooks; shared types.
+    # The ground: streams and batch copies, errors, state, checks, the model's calls,
+    # the step guard, the input-dist groups, the subclass hooks; shared types.
     ("ground", ("core", "_types.py", "_version.py")),
     # The parts that stand on the ground alone: the model rewrite and the recorder.
     ("model rewrite and observation", ("model", "observe")),
-    # The data path: batch source, validation, the ranks' agreement, the loader thread.
+    # The data path: batch source, validation and the batch walker, the ranks'
+    # agreement, the loader thread.
     ("data", ("data",)),
     # The pipelined forwards, the take-over and the sparse ops they run (input dist, lookups).
     ("sparse", ("sparse",)),

@@ -55,7 +55,7 @@ from tests.unit.fakes import (
 )
 from tests.unit.test_schedule_spec import SPECS
 from trec_pipelines.core import streams
-from trec_pipelines.core.batch_transfer import copy_to_device, wait_for_batch
+from trec_pipelines.core.streams import copy_to_device, wait_for_batch
 from trec_pipelines.data.inplace_copy import WORKER_THREAD
 from trec_pipelines.observe import recorder as rec
 from trec_pipelines.pipelines import base as base_module, sparse_dist as sparse_dist_module

@@ -238,7 +238,7 @@ def test_the_fast_walk_finds_the_kjts_the_rewrite_finds() -> None:
     # batch_problem's walk (no paths) must see every KJT kjt_fields sees, nested or not.
     from types import SimpleNamespace
 
-    from trec_pipelines.core.batch_transfer import kjts_in
+    from trec_pipelines.data.validation import kjts_in
     from trec_pipelines.model.rewrite import kjt_fields
 
     k = lambda: _kjt(GOOD)  # noqa: E731

@@ -239,7 +239,7 @@ def not_applicable(
 
 def examples_per_batch(batch: Any) -> Optional[int]:
     """Samples in one rank's batch: the stride of its first KeyedJaggedTensor (None: it has none)."""
-    from trec_pipelines.core.batch_transfer import kjts_in
+    from trec_pipelines.data.validation import kjts_in
 
     kjts = kjts_in(batch)
     return int(kjts[0].stride()) if kjts else None

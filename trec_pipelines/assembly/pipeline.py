@@ -10,10 +10,12 @@ every one of them and is written once, in :class:`PipelineCore`:
   :class:`~trec_pipelines.data.source.BatchSource` (validation, and the ranks'
   agreement on each pull), the :class:`~trec_pipelines.core.step_guard.StepGuard`,
   and the :class:`~trec_pipelines.assembly.pipelined_model.PipelinedModel`;
-* the start of a step (:meth:`PipelineCore._start_step`): the schedule
+* the start of a step (``_start_step``:
+  :func:`~trec_pipelines.core.step_guard.start_step`): the schedule
   recorder's new call, the take-over of a model another pipeline left
   attached, the iterator switch (parking the previous iterator's in-flight
-  batches), pulling the host batches the step will copy, and the step guard;
+  batches, :meth:`PipelineCore._switch_iterator`), pulling the host batches
+  the step will copy, and the step guard;
 * what a user calls between steps: :meth:`~PipelineCore.skip_failed_batch`
   and :attr:`~PipelineCore.unused_batches`.
 
@@ -66,13 +68,18 @@ from trec_pipelines.assembly.pipelined_model import PipelinedModel
 from trec_pipelines.assembly.traits import Traits
 from trec_pipelines.core.checks import (
     check_device,
-    check_forward_output,
     check_model_device,
     check_optimizer,
 )
 from trec_pipelines.core.input_dist_group import InputDistGroup
-from trec_pipelines.core.precision import Precision
-from trec_pipelines.core.step_guard import StepGuard, guarded_step, skip_failed_batch
+from trec_pipelines.core.model_step import Precision
+from trec_pipelines.core.step_guard import (
+    StepGuard,
+    enter_phase,
+    guarded_step,
+    skip_failed_batch,
+    start_step,
+)
 from trec_pipelines.core.streams import StreamSet
 from trec_pipelines.core.subclass_hooks import (
     beginning_the_step,
@@ -82,7 +89,6 @@ from trec_pipelines.core.subclass_hooks import (
 from trec_pipelines.data.agreement import AgreementChannel, agreement_group
 from trec_pipelines.data.parked import ParkedEpochs
 from trec_pipelines.data.source import BatchSource
-from trec_pipelines.model.rewrite import WrapperChanges
 from trec_pipelines.observe.action_records import Action, Transfer
 from trec_pipelines.observe.ledger import LedgerSummary, MemorySample
 from trec_pipelines.observe.recorder import ScheduleRecorder
@@ -172,18 +178,6 @@ def new_source(pipeline: Any) -> BatchSource:
     )
 
 
-def call_forward(pipeline: Any, batch: Any) -> Tuple[torch.Tensor, Any]:
-    """``pipeline._model_fwd(batch)``, checked in a training pipeline to have returned
-    torchrec's pair ``(losses, output)`` (a type and a length check): a forward
-    that returns a bare loss, a dict or a longer tuple gets an error naming the
-    fix instead of Python's unpacking error.  A subclass's own step that calls
-    ``_model_fwd`` directly gets what it returns, as on torchrec."""
-    output = pipeline._model_fwd(batch)
-    if (type(output) is tuple and len(output) == 2) or not pipeline._traits.requires_optimizer:
-        return cast(Tuple[torch.Tensor, Any], output)
-    return cast(Tuple[torch.Tensor, Any], check_forward_output(output, type(pipeline).__name__))
-
-
 class PipelineCore:
     """The shared part of every pipeline (see [Note: the core under every pipeline])."""
 
@@ -254,10 +248,8 @@ class PipelineCore:
             return self._source.hook_next(dataloader_iter)
         return self._source.direct_next(dataloader_iter)
 
-    def _enter_phase(self, phase: PipelineState) -> None:
-        """Set ``_state`` to ``phase`` where torchrec's class does (``tracks_state``)."""
-        if self._traits.tracks_state:
-            self._state = phase
+    # Set ``_state`` where torchrec's class does (``tracks_state``).
+    _enter_phase = enter_phase
 
     # ------------------------------------------------------- the in-flight batches
 
@@ -283,25 +275,16 @@ class PipelineCore:
 
     # ----------------------------------------------------------- a step's start
 
-    def _start_step(self, dataloader_iter: Iterator[Any]) -> None:
-        """What every step does before its timeline, in one place (see the module note)."""
-        self._recording.begin_call()
-        self._take_over_model()
-        if dataloader_iter is not self._source.iterator:
-            self._switch_iterator(dataloader_iter)
-        # Pull the host batches this call copies before any work: an iterator
-        # error then reaches the caller with the pipeline untouched.  A user's
-        # _next_batch pulls in the copy stage instead, where torchrec calls it.
-        ahead = 0 if self._traits.pulls_when_copied else self._batches_to_fetch()
-        self._source.fetch_ahead(dataloader_iter, ahead)
-        self._step_guard.begin()  # from here a failure is rolled back and retried
+    # What every step does before its timeline, in one place (see the note in
+    # trec_pipelines.core.step_guard).
+    _start_step = start_step
 
     def _take_over_model(self) -> None:
         """Detach any other pipeline whose forward wrappers are on this model
         (an eval pipeline left attached when its data ended; see
-        :mod:`trec_pipelines.sparse.takeover`)."""
-        if self._pipelined.looked_at != WrapperChanges.count:  # a wrapper changed since
-            self._pipelined.take_over()
+        :mod:`trec_pipelines.sparse.takeover`); a step's start calls it when a
+        wrapper changed since this pipeline last looked."""
+        self._pipelined.take_over()
 
     def _switch_iterator(self, dataloader_iter: Iterator[Any]) -> None:
         """Set the previous iterator's in-flight batches aside when another is passed.

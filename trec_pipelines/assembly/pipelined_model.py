@@ -81,9 +81,11 @@ class PipelinedModel:
         self.attached = True
         # The model's sharded modules, found once: each take-over looks at their forwards.
         self._sharded: Optional[Dict[str, AnyShardedModule]] = None
-        # The wrapper-change count (WrapperChanges.count) when the modules were last
+        # The wrapper-change count (``changes.count``) when the modules were last
         # looked at: a step's start calls take_over() only when it differs.
         self.looked_at = -1
+        # The process's count of wrapper changes, read live (a class, not a copy).
+        self.changes = WrapperChanges
         self.fusion = SplitsFusion(input_dist_group)
 
     @property
@@ -162,6 +164,7 @@ class PipelinedModel:
                 self.fusion.unfuse()
             restore_model(self.result)
         self.attached = False
+        self.looked_at = -1  # the next step's start takes the model back
 
     def reattach(self, make_forward: MakeForward) -> None:
         """Swap the same wrappers in again after :meth:`detach`, taking the model

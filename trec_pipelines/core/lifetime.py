@@ -82,6 +82,16 @@ class _Thread:
 
 # id(group) -> the group: the package's groups, live.
 _groups: Dict[int, dist.ProcessGroup] = {}
+
+
+class Releases:
+    """How many times, in this process, groups left the package's registry
+    (released, or found destroyed): a holder of a group that saw the same
+    :attr:`count` when it last asked :func:`is_owned` needs no second look."""
+
+    count = 0
+
+
 # Groups whose owner was collected, released at the next release_orphans();
 # weakly, so a group released meanwhile is not kept, nor mistaken for another.
 _orphans: List["weakref.ReferenceType[dist.ProcessGroup]"] = []
@@ -100,6 +110,7 @@ def own_group(group: dist.ProcessGroup, owner: Optional[object] = None) -> dist.
     # destroys every group) go now: nothing may use them again.
     for stale in [k for k, g in _groups.items() if not _registered(g)]:
         del _groups[stale]
+        Releases.count += 1
     _groups[id(group)] = group
     if owner is not None:
         # Not at exit: release_all() releases it then, in order.
@@ -117,6 +128,7 @@ def release_group(group: dist.ProcessGroup) -> bool:
     reference.  Returns whether it was destroyed here."""
     if _groups.get(id(group)) is group:
         del _groups[id(group)]
+        Releases.count += 1
     return _destroy(group)
 
 
@@ -203,6 +215,7 @@ def release_all() -> Dict[str, int]:
     _orphans.clear()
     groups = list(_groups.values())
     _groups.clear()
+    Releases.count += 1
     destroyed = 0
     while groups:
         try:

@@ -1,4 +1,4 @@
-"""Device streams and events: the only module that touches them.
+"""Device streams and events: the only module that touches them, and a batch's way across them.
 
 [Note: stream protocol]
 Every pipeline runs its work on a few named streams (see :class:`StreamSet`).
@@ -20,6 +20,8 @@ On a device with streams four rules keep the overlap correct:
 4. Each verb issues its kernels on the stream its recorder span names, in the
    variant's documented order.
 
+A batch crosses to the device through :func:`copy_to_device` (on the memcpy
+stream) and to the stream that uses it through :func:`wait_for_batch`.
 :func:`hand_off` is rules 1 and 2 in one call, which is what nearly every
 cross-stream hand-over in the pipelines needs.  Where the consumer must not
 also wait for later work on the producer, an event recorded right after the
@@ -38,6 +40,7 @@ from dataclasses import dataclass
 from typing import Any, ContextManager, Iterator, List, Optional, Tuple
 
 import torch
+from torchrec.streamable import Multistreamable, Pipelineable
 
 # Devices whose runtime has streams we overlap on.
 _STREAM_DEVICES = ("cuda", "mtia")
@@ -228,6 +231,8 @@ def describe(stream: Optional[torch.Stream], streams: StreamSet) -> str:
 
 __all__ = [
     "StreamSet",
+    "check_batch",
+    "copy_to_device",
     "current_stream",
     "describe",
     "device_module",
@@ -241,5 +246,62 @@ __all__ = [
     "record_stream_tree",
     "use_device_module",
     "wait_event",
+    "wait_for_batch",
     "wait_stream",
 ]
+
+
+# ------------------------------------------------- a batch on its way to the device
+
+
+def check_batch(batch: Any) -> None:
+    """Raise a ``TypeError`` naming the fix when ``batch`` can't be pipelined."""
+    if isinstance(batch, (torch.Tensor, Pipelineable)):
+        return
+    raise TypeError(
+        f"the data iterator yielded a {type(batch).__name__}, which is neither a "
+        "torch.Tensor nor a torchrec.streamable.Pipelineable. Wrap the batch in a "
+        "class that implements Pipelineable (to(device, non_blocking) and "
+        "record_stream(stream)), for example a dataclass of tensors and "
+        "KeyedJaggedTensors."
+    )
+
+
+def copy_to_device(
+    batch: Any,
+    device: torch.device,
+    stream: Optional[torch.Stream],
+    inplace: bool = False,
+    blocking: bool = False,
+) -> Any:
+    """Host-to-device copy of ``batch`` issued on ``stream``.
+
+    With ``inplace`` the batch allocates its device memory on the current stream
+    and copies on ``stream`` itself (``data_copy_stream``), so the consumer
+    needs no ``record_stream``.  ``blocking`` waits for the copy to finish.
+    """
+    if not isinstance(batch, (torch.Tensor, Pipelineable)):
+        check_batch(batch)  # raises, naming the fix
+    if blocking:
+        return batch.to(device=device, non_blocking=False)
+    if stream is None:  # no side stream (CPU): the copy runs where it is issued
+        return batch.to(device=device, non_blocking=True)
+    if inplace:
+        return batch.to(device=device, non_blocking=True, data_copy_stream=stream)
+    with on_stream(stream):
+        return batch.to(device=device, non_blocking=True)
+
+
+def wait_for_batch(batch: Any, producer: Optional[torch.Stream], record: bool = True) -> None:
+    """Make the current stream wait for ``batch``, produced on ``producer``."""
+    if producer is None or batch is None:
+        return
+    if record:
+        if not isinstance(batch, (torch.Tensor, Multistreamable)):
+            raise TypeError(
+                f"{type(batch).__name__} must implement Multistreamable.record_stream "
+                "to cross streams"
+            )
+        hand_off(batch, producer)
+    else:
+        hand_off(None, producer)

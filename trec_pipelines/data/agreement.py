@@ -214,7 +214,7 @@ class Agreement:
     """One pull's agreement, under way: :meth:`result` waits for it."""
 
     def __init__(self, channel: "AgreementChannel", pull: int, outcome: int) -> None:
-        self.code = encode(pull, outcome)
+        self.code = (pull % _PULLS) * PER_PULL + outcome  # as encode() writes it
         self._channel = channel
         # Every rank's code (in the order of ``_ranks``), once known.
         self._codes: Optional[List[int]] = None
@@ -226,7 +226,7 @@ class Agreement:
 
     def all_reduce(self) -> None:
         """Start exchanging this pull's code on the channel's own group."""
-        group = self._channel.group
+        group = self._channel._group() or self._channel.group  # the property raises: released
         self._flags = torch.zeros(group.size(), dtype=torch.int64)
         self._flags[group.rank()] = self.code
         self._work = dist.all_reduce(self._flags, group=group, async_op=True)

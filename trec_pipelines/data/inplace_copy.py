@@ -38,8 +38,7 @@ import torch
 from torchrec.distributed.train_pipeline import In
 
 from trec_pipelines.core import lifetime
-from trec_pipelines.core.batch_transfer import copy_to_device
-from trec_pipelines.core.streams import current_stream, has_streams, on_stream
+from trec_pipelines.core.streams import copy_to_device, current_stream, has_streams, on_stream
 
 logger: logging.Logger = logging.getLogger(__name__)
 
@@ -197,8 +196,9 @@ class BatchQueue(deque):  # type: ignore[type-arg]
 
     Reading a slot (``q[k]``, ``popleft()``, ``pop()``, iteration) waits for the
     copy worker to have issued that batch's copy and stores the device batch in
-    the slot, so pipeline code only ever sees device batches.  Without
-    ``async_inplace_copy`` no slot holds a Future and this is a plain deque.
+    the slot, so pipeline code only ever sees device batches.  A pipeline holds
+    one only with a copy worker (``async_inplace_copy``, TrainPipelineSparseDistT);
+    otherwise its ``batches`` is a plain deque.
     """
 
     def __getitem__(self, index: Any) -> Any:

@@ -13,11 +13,13 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Any, Callable, Deque, Iterator, List, Optional, Tuple
 
+import torch
 import torch.distributed as dist
+from torchrec.streamable import Pipelineable
 
-from trec_pipelines.core.batch_transfer import check_batch
 from trec_pipelines.core.checks import check_iterator
 from trec_pipelines.core.errors import MalformedBatchError
+from trec_pipelines.core.streams import check_batch
 from trec_pipelines.data import pull_failure
 from trec_pipelines.data.agreement import Agreement, AgreementChannel
 from trec_pipelines.data.end_of_data import EndOfData
@@ -33,7 +35,7 @@ class _Pending:
 
     batch: Optional[Any]
     problem: Optional[str]  # why it is malformed here, if it is
-    agreement: Agreement
+    agreement: Optional[Agreement]  # None: no other rank agrees on it
     error: Optional[Exception] = None  # what next() raised here, if it did
 
 
@@ -198,26 +200,25 @@ class BatchSource:
             self.end = self.end.new_epoch()
             self._epoch_pulled = 0
         if self.agreement is None:
-            batch = self._next_from(iterator)
+            batch = self.raw_next(iterator) if self._puller is None else self._puller_next(iterator)
             problem = batch_problem(batch) if self._validate and batch is not None else None
-            return self._accept(batch, problem, None)
+            return self._resolve(_Pending(batch, problem, None))
         if not self._pending:
             self._launch(iterator)
-        return self._resolve()
+        return self._resolve(self._pending.popleft())
 
-    def _next_from(self, iterator: Iterator[Any]) -> Optional[Any]:
+    def _puller_next(self, iterator: Iterator[Any]) -> Optional[Any]:
         """The next batch through the pipeline's puller (None: the end of the data)."""
-        if self._puller is not None:
-            self._pulling = True
-            try:
-                batch = self._puller(iterator)
-            finally:
-                self._pulling = False
-            if batch is None and not self._is_spent(iterator):
-                # The puller says the data ended: don't pull again this epoch.
-                self._spent = (iterator, getattr(iterator, "_num_yielded", None))
-            return batch
-        return self.raw_next(iterator)
+        assert self._puller is not None
+        self._pulling = True
+        try:
+            batch = self._puller(iterator)
+        finally:
+            self._pulling = False
+        if batch is None and not self._is_spent(iterator):
+            # The puller says the data ended: don't pull again this epoch.
+            self._spent = (iterator, getattr(iterator, "_num_yielded", None))
+        return batch
 
     @property
     def pulling(self) -> bool:
@@ -261,7 +262,10 @@ class BatchSource:
             batch, self._retry = self._retry.batch, None
         if batch is None:
             try:
-                batch = self._next_from(iterator)
+                if self._puller is None:
+                    batch = self.raw_next(iterator)
+                else:
+                    batch = self._puller_next(iterator)
             except StopIteration:
                 raise  # a puller's own way to end the data, as before
             except Exception as raised:  # noqa: BLE001  reported with the pull, raised once agreed
@@ -275,38 +279,37 @@ class BatchSource:
         self._pulls += 1
         self._pending.append(_Pending(batch, problem, agreement, error))
 
-    def _resolve(self) -> Optional[Any]:
-        """The oldest pull under agreement, agreed: its batch, or None at the end.
+    def _resolve(self, pending: _Pending) -> Optional[Any]:
+        """A pull, agreed (``pending.agreement`` None: this rank's alone): its batch,
+        or None at the end.
 
         Every rank decides alike: malformed if any rank's batch is (so all drop it
         in step), else ended if any rank's data ended (``pad_uneven``: padded until
         every rank's ended)."""
-        pending = self._pending.popleft()
-        batch, agreed = pending.batch, pending.agreement.result()
-        if agreed.failed_on:  # some rank's next() raised: every rank raises here
-            self._pulls -= 1  # the retry agrees on this pull again, under its number
-            index = self.loaded + len(self._held)
-            raised, self._retry = pull_failure.agreed_failure(
-                pending.error, batch, agreed.failed_on, index
-            )
-            raise raised
-        if batch is not None:
-            self._epoch_pulled += 1
-        if agreed.malformed_on:
-            here = "this rank's data has ended" if batch is None else "this rank's batch is fine"
-            problem = pending.problem or f"{here}; the error raised there says what is wrong"
-            return self._accept(None, problem, agreed.malformed_on)
-        if agreed.ended and self.pad_uneven and not agreed.all_ended:
-            return self._accept(self._padded(batch), None, None)
-        if batch is not None and agreed.ended:
-            self.unused += 1
-            logger.warning("%s", uneven_stop(self._epoch_pulled, 1, self.iterator))
-            return self._accept(None, None, None)
-        return self._accept(batch, None, None)
-
-    def _accept(
-        self, batch: Optional[Any], problem: Optional[str], malformed_on: Optional[List[int]]
-    ) -> Optional[Any]:
+        batch, problem, malformed_on = pending.batch, pending.problem, None
+        if pending.agreement is not None:
+            agreed = pending.agreement.result()
+            if agreed.failed_on:  # some rank's next() raised: every rank raises here
+                self._pulls -= 1  # the retry agrees on this pull again, under its number
+                index = self.loaded + len(self._held)
+                raised, self._retry = pull_failure.agreed_failure(
+                    pending.error, batch, agreed.failed_on, index
+                )
+                raise raised
+            if batch is not None:
+                self._epoch_pulled += 1
+            if agreed.malformed_on:
+                here = (
+                    "this rank's data has ended" if batch is None else "this rank's batch is fine"
+                )
+                problem = problem or f"{here}; the error raised there says what is wrong"
+                malformed_on = agreed.malformed_on
+            elif agreed.ended and self.pad_uneven and not agreed.all_ended:
+                batch = self._padded(batch)
+            elif batch is not None and agreed.ended:
+                self.unused += 1
+                logger.warning("%s", uneven_stop(self._epoch_pulled, 1, self.iterator))
+                batch = None
         if problem is not None:
             self.rejected += 1
             raise MalformedBatchError.dropped(self.loaded + len(self._held), problem, malformed_on)
@@ -316,8 +319,8 @@ class BatchSource:
             return None
         if isinstance(batch, Padding):
             return batch
-        if self._pipelineable:
-            check_batch(batch)
+        if self._pipelineable and not isinstance(batch, (torch.Tensor, Pipelineable)):
+            check_batch(batch)  # raises, naming the fix
         self._last_real = batch
         return batch
 
@@ -325,6 +328,7 @@ class BatchSource:
         """Pulls started after the one where the data ended: agreed, and not used."""
         while self._pending:
             pending = self._pending.popleft()
+            assert pending.agreement is not None  # only pulls under agreement wait here
             pending.agreement.result()
             if pending.batch is not None:
                 self.unused += 1
@@ -340,7 +344,7 @@ class BatchSource:
         parking an epoch).  A batch found malformed is dropped and logged."""
         while self._pending and not self.end.exhausted:
             try:
-                batch = self._resolve()
+                batch = self._resolve(self._pending.popleft())
             except MalformedBatchError as error:
                 logger.warning("%s", error)
                 continue

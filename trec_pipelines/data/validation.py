@@ -21,19 +21,57 @@ lengths is checked on Python lists (small batches) or NumPy views of its
 tensors (large ones), with no torch dispatch.  Only a KJT that fails that
 check, or one it doesn't cover (offsets only, variable stride, device
 tensors), takes the torch path, which also finds the key to name.
+
+The KJTs of a batch are found by :func:`kjts_in`, which the check below
+shares: :func:`shares_kjt_storage` tells a device "copy" that kept the
+loader's own storage (a batch already on the device), which
+``free_features_storage_early`` must not free.
 """
 
 from __future__ import annotations
 
 import itertools
-from typing import Any, List, Optional, Tuple
+import logging
+from typing import Any, List, Optional
 
 import numpy as np
 import torch
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
-from trec_pipelines.core.batch_transfer import kjts_in
 from trec_pipelines.model.rewrite import kjt_fields
+
+logger: logging.Logger = logging.getLogger(__name__)
+
+
+# What holds no KJT: skipped without a call (a batch's tensors, flags and counts).
+_LEAVES = (torch.Tensor, bool, int, float, str, bytes, type(None))
+
+
+def kjts_in(
+    value: Any, found: Optional[List[KeyedJaggedTensor]] = None, depth: int = 0
+) -> List[KeyedJaggedTensor]:
+    """The KJTs :func:`~trec_pipelines.model.rewrite.kjt_fields` finds in batch ``value``,
+    in the same order, without their paths: what the per-batch checks need, at a
+    fraction of the cost (``found`` and ``depth``: the walk's list and level so far)."""
+    found = [] if found is None else found
+    # Leaves (tensors, KJTs) are handled in the loop, so a flat batch costs one call.
+    if isinstance(value, KeyedJaggedTensor):
+        found.append(value)
+        return found
+    if isinstance(value, dict):
+        items: Any = (item for key, item in value.items() if isinstance(key, (str, int)))
+    elif isinstance(value, (list, tuple)):
+        items = value
+    elif hasattr(value, "__dict__") and not isinstance(value, torch.Tensor):
+        items = vars(value).values()
+    else:
+        return found
+    for item in items:
+        if isinstance(item, KeyedJaggedTensor):
+            found.append(item)
+        elif depth < 3 and not isinstance(item, _LEAVES):
+            kjts_in(item, found, depth + 1)
+    return found
 
 
 def _not_integer(tensor: Optional[torch.Tensor]) -> bool:
@@ -55,21 +93,6 @@ _INTEGER_DTYPES = frozenset({torch.int8, torch.uint8, torch.int16, torch.int32, 
 # NumPy reduction costs ~10 us (cold caches), ``tolist()`` plus ``min``/``sum``
 # on 64 lengths ~8 us in all; above it, NumPy's per-element speed wins.
 _SMALL = 2048
-
-
-def _sums(lengths: torch.Tensor, rows: int) -> Tuple[int, int, List[int]]:
-    """The sum and the minimum of ``lengths`` (0 and 0 when empty), and its sums
-    viewed as ``rows`` equal rows (per key, for a fixed stride; none for ``rows=0``)."""
-    if lengths.numel() <= _SMALL:
-        flat = lengths.tolist()
-        width = len(flat) // rows if rows else 0
-        per_row = [sum(flat[r * width : (r + 1) * width]) for r in range(rows)]
-        return sum(flat), min(flat, default=0), per_row
-    array = lengths.numpy()
-    if not array.size:
-        return 0, 0, [0] * rows
-    per_row = array.reshape(rows, -1).sum(axis=1).tolist() if rows else []
-    return int(array.sum()), int(array.min()), per_row
 
 
 def _running_sum_matches(offsets: torch.Tensor, lengths: torch.Tensor) -> bool:
@@ -113,9 +136,18 @@ def _looks_consistent(kjt: KeyedJaggedTensor) -> bool:
     # With no negative length and the right total, the lengths split the values
     # among the keys; per-key sums are only needed to compare a cached length_per_key.
     cached = kjt.length_per_key_or_none()
-    total, smallest, per_key = _sums(lengths, len(keys) if cached is not None else 0)
-    if smallest < 0 or total != n:
-        return False
+    rows = len(keys) if cached is not None else 0
+    if lengths.numel() <= _SMALL:
+        flat = lengths.tolist()
+        if min(flat, default=0) < 0 or sum(flat) != n:
+            return False
+        width = len(flat) // rows if rows else 0
+        per_key = [sum(flat[r * width : (r + 1) * width]) for r in range(rows)]
+    else:
+        array = lengths.numpy()
+        if int(array.min()) < 0 or int(array.sum()) != n:
+            return False
+        per_key = array.reshape(rows, -1).sum(axis=1).tolist() if rows else []
     if cached is not None and list(cached) != per_key:
         return False
     if offsets is not None and not (
@@ -215,3 +247,40 @@ def batch_problem(batch: Any) -> Optional[str]:
             where = f"KeyedJaggedTensor {path}" if path else "KeyedJaggedTensor"
             return f"{where}: {problem}"
     return None
+
+
+# -------------------------------------- a device copy that kept the loader's storage
+
+
+def shares_kjt_storage(host: Any, device: Any) -> bool:
+    """True when a ``KeyedJaggedTensor`` of ``device`` (a batch's device copy)
+    still uses the storage of one of ``host``'s (the batch as the loader gave it).
+
+    That is the case when the batch was already on the device (any batch on
+    CPU, a loader that yields device tensors): the "copy" is the loader's own
+    tensors, which ``free_features_storage_early`` must not free.
+    """
+    owned = {kjt.values().untyped_storage().data_ptr() for kjt in kjts_in(host)}
+    return any(kjt.values().untyped_storage().data_ptr() in owned for kjt in kjts_in(device))
+
+
+def note_shared_features(pipeline: Any, host: Any, batch: Any, context: Any) -> None:
+    """Mark a batch whose "copy" kept the loader's storage (it was on the device
+    already), which ``free_features_storage_early`` must not free; called only
+    with that option on."""
+    if shares_kjt_storage(host, batch):
+        context.features_shared_with_loader = True
+        warn_shared_features(pipeline)
+
+
+def warn_shared_features(pipeline: Any) -> None:
+    """Log, once per pipeline, that ``free_features_storage_early`` has nothing to free."""
+    if not pipeline._warned_shared_features:
+        pipeline._warned_shared_features = True
+        logger.warning(
+            "%s: free_features_storage_early has nothing to free on this batch: it "
+            "was on %s already, so its KeyedJaggedTensors are the loader's own "
+            "tensors (freeing them would destroy the data, e.g. for the next epoch)",
+            type(pipeline).__name__,
+            pipeline._device,
+        )

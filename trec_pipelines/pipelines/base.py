@@ -10,10 +10,10 @@ from torchrec.distributed.train_pipeline import In, Out, TrainPipeline
 from typing_extensions import Unpack
 
 from trec_pipelines.assembly.options import TrainBatchOptions, takes_options
-from trec_pipelines.assembly.pipeline import PipelineCore, call_forward, init_core
-from trec_pipelines.core.batch_transfer import copy_to_device, wait_for_batch
+from trec_pipelines.assembly.pipeline import PipelineCore, init_core
+from trec_pipelines.core.model_step import call_forward
 from trec_pipelines.core.step_guard import guarded_step
-from trec_pipelines.core.streams import make_streams
+from trec_pipelines.core.streams import copy_to_device, make_streams, wait_for_batch
 from trec_pipelines.core.subclass_hooks import never_called
 from trec_pipelines.observe import recorder as rec
 

@@ -15,15 +15,16 @@ from typing_extensions import Unpack
 from trec_pipelines._types import AnyShardedModule
 from trec_pipelines.assembly.options import EvalHostOptions, takes_options
 from trec_pipelines.core import lifetime
-from trec_pipelines.core.batch_transfer import copy_to_device, wait_for_batch
 from trec_pipelines.core.step_guard import guarded_step
 from trec_pipelines.core.streams import (
     StreamSet,
+    copy_to_device,
     current_stream,
     make_streams,
     on_stream,
     record_event,
     record_stream_tree,
+    wait_for_batch,
     wait_stream,
 )
 from trec_pipelines.core.subclass_hooks import ASYNC_SUBMIT_OFF, Refused

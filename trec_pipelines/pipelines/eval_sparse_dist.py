@@ -39,18 +39,14 @@ from typing_extensions import Unpack
 from trec_pipelines.assembly.options import EvalSparseDistOptions, takes_options
 from trec_pipelines.assembly.resume import ResumeHooks
 from trec_pipelines.core import lifetime
-from trec_pipelines.core.batch_transfer import (
-    copy_to_device,
-    shares_kjt_storage,
-    warn_shared_features,
-)
 from trec_pipelines.core.checks import predictions
 from trec_pipelines.core.errors import MalformedBatchError
-from trec_pipelines.core.streams import has_streams
+from trec_pipelines.core.streams import copy_to_device, has_streams
 from trec_pipelines.core.subclass_hooks import never_called
 from trec_pipelines.data.one_slot_handoff import OneSlotHandoff
 from trec_pipelines.data.padding import first_real_output, unwrap
 from trec_pipelines.data.source import BatchSource
+from trec_pipelines.data.validation import shares_kjt_storage, warn_shared_features
 from trec_pipelines.observe import recorder as rec
 from trec_pipelines.pipelines.sparse_dist import TrainPipelineSparseDist
 

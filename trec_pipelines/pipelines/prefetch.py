@@ -26,13 +26,13 @@ from typing_extensions import Unpack
 
 from trec_pipelines._types import AnyShardedModule
 from trec_pipelines.assembly.options import SparseDistTrainOptions, takes_options
-from trec_pipelines.core.batch_transfer import wait_for_batch
 from trec_pipelines.core.step_guard import guarded_step
 from trec_pipelines.core.streams import (
     StreamSet,
     current_stream,
     make_streams,
     record_event,
+    wait_for_batch,
     wait_stream,
 )
 from trec_pipelines.model.args import CallArgs

@@ -22,9 +22,9 @@ from typing_extensions import Unpack
 
 from trec_pipelines.assembly.options import TrainBatchOptions, takes_options
 from trec_pipelines.assembly.pipeline import PipelineCore, init_core
-from trec_pipelines.core.batch_transfer import copy_to_device
 from trec_pipelines.core.checks import check_forward_output
 from trec_pipelines.core.step_guard import guarded_step
+from trec_pipelines.core.streams import copy_to_device
 from trec_pipelines.core.subclass_hooks import never_called
 from trec_pipelines.model.compiler_settings import HeldSettings
 from trec_pipelines.observe import recorder as rec

@@ -11,9 +11,9 @@ from typing_extensions import Unpack
 
 from trec_pipelines._types import AnyShardedModule
 from trec_pipelines.assembly.options import SparseDistTrainOptions, takes_options
-from trec_pipelines.assembly.pipeline import call_forward, new_source
+from trec_pipelines.assembly.pipeline import new_source
 from trec_pipelines.core.all_reduce_wait import all_reduce_wait
-from trec_pipelines.core.batch_transfer import wait_for_batch
+from trec_pipelines.core.model_step import call_forward
 from trec_pipelines.core.step_guard import guarded_step
 from trec_pipelines.core.streams import (
     current_stream,
@@ -21,6 +21,7 @@ from trec_pipelines.core.streams import (
     record_event,
     record_stream,
     wait_event,
+    wait_for_batch,
 )
 from trec_pipelines.core.subclass_hooks import ASYNC_SUBMIT_OFF, never_called
 from trec_pipelines.model.args import CallArgs

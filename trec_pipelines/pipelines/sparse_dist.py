@@ -22,11 +22,17 @@ from torchrec.distributed.train_pipeline.types import PipelineState
 from typing_extensions import Unpack
 
 from trec_pipelines.assembly.options import SparseDistTrainOptions, takes_options
-from trec_pipelines.assembly.pipeline import PipelineCore, call_forward, init_core
-from trec_pipelines.core.batch_transfer import copy_to_device, note_shared_features, wait_for_batch
+from trec_pipelines.assembly.pipeline import PipelineCore, init_core
 from trec_pipelines.core.checks import check_apply_jit
+from trec_pipelines.core.model_step import call_forward
 from trec_pipelines.core.step_guard import guarded_step
-from trec_pipelines.core.streams import StreamSet, make_streams, on_stream
+from trec_pipelines.core.streams import (
+    StreamSet,
+    copy_to_device,
+    make_streams,
+    on_stream,
+    wait_for_batch,
+)
 from trec_pipelines.core.subclass_hooks import (
     ASYNC_COPY,
     FORWARD_TYPE,
@@ -34,13 +40,14 @@ from trec_pipelines.core.subclass_hooks import (
 )
 from trec_pipelines.data import inplace_copy
 from trec_pipelines.data.inplace_copy import BatchQueue, InplaceCopyWorker
-from trec_pipelines.data.padding import unwrap
+from trec_pipelines.data.padding import Padding
+from trec_pipelines.data.validation import note_shared_features
 from trec_pipelines.model.backward_hooks import pipeline_hook, register_backward_hook
 from trec_pipelines.model.context import TrainPipelineContext
 from trec_pipelines.model.rewrite import RewriteResult
 from trec_pipelines.observe import recorder as rec
 from trec_pipelines.pipelines import sparse_dist_rewrite as rewrite
-from trec_pipelines.sparse.forwards import PipelinedForward
+from trec_pipelines.sparse.forwards import PipelinedForward, set_module_context
 from trec_pipelines.sparse.input_dist import (
     release_input_dist_inputs,
     start_input_dist,
@@ -197,6 +204,11 @@ class TrainPipelineSparseDist(PipelineCore, TrainPipeline[In, Out]):
     _pipelined_forward_type: type = PipelinedForward
     # torchrec 1.9.2's: whether a worker issues the in-place copies (read-only).
     _async_inplace_copy = inplace_copy.ASYNC_INPLACE_COPY
+    # torchrec's 2D-sharding weight sync (a no-op without ``DMPCollection``), inherited
+    # as it is: it reads only ``context.index``, which our contexts have too.
+    sync_embeddings: Callable[  # type: ignore[assignment]  # any context with an index
+        [torch.nn.Module, Optional[int], Optional[Any]], None
+    ]
     # The model rewrite: torchrec's hooks and attributes, and attach/detach
     # (see trec_pipelines.pipelines.sparse_dist_rewrite).
     _model_attached = rewrite.MODEL_ATTACHED
@@ -205,7 +217,7 @@ class TrainPipelineSparseDist(PipelineCore, TrainPipeline[In, Out]):
     _make_forward = rewrite.make_forward
     _pipeline_model = rewrite.pipeline_model
     _init_pipelined_modules = rewrite.init_pipelined_modules
-    _set_module_context = rewrite.set_module_context
+    _set_module_context = set_module_context
     detach = rewrite.detach
     attach = rewrite.attach
 
@@ -251,11 +263,12 @@ class TrainPipelineSparseDist(PipelineCore, TrainPipeline[In, Out]):
         check_apply_jit(apply_jit, type(self).__name__)
 
         self._streams: StreamSet = self._make_streams()
-        # A slot may hold the Future of a copy the worker is issuing.
-        self.batches: Deque[Optional[Any]] = BatchQueue()
         self._copy_worker: Optional[InplaceCopyWorker] = inplace_copy.make_copy_worker(
             self, async_inplace_copy
         )
+        # With a copy worker a slot may hold the Future of a copy it is issuing:
+        # a BatchQueue waits for it where the slot is read.
+        self.batches: Deque[Optional[Any]] = deque() if self._copy_worker is None else BatchQueue()
         self.contexts: Deque[TrainPipelineContext] = deque()
         self._warned_shared_features = False
         # Set-up a subclass runs once the model is first rewritten (the backward
@@ -313,7 +326,9 @@ class TrainPipelineSparseDist(PipelineCore, TrainPipeline[In, Out]):
 
         Returns ``(None, None)`` once the iterator is exhausted.
         """
-        host, padding = unwrap(self._source.next(dataloader_iter))
+        host, padding = self._source.next(dataloader_iter), False
+        if isinstance(host, Padding):  # an eval pipeline's: its batch runs, its output unused
+            host, padding = host.batch, True
         if host is None:
             self._end_at_the_pull()
             return None, None
@@ -349,7 +364,9 @@ class TrainPipelineSparseDist(PipelineCore, TrainPipeline[In, Out]):
         and the batch is a Future until its slot is read (see
         the note "async in-place copy" in the source of ``trec_pipelines.data.inplace_copy``).
         """
-        host, padding = unwrap(self._source.next(dataloader_iter))
+        host, padding = self._source.next(dataloader_iter), False
+        if isinstance(host, Padding):  # an eval pipeline's: its batch runs, its output unused
+            host, padding = host.batch, True
         if host is None:
             self._end_at_the_pull()
             return None, None
@@ -418,16 +435,6 @@ class TrainPipelineSparseDist(PipelineCore, TrainPipeline[In, Out]):
             # where a record_stream would do nothing.
             record = not self._enable_inplace_copy_batch
             wait_for_batch(self.batches[0], self._streams.data_dist, record)
-
-    def sync_embeddings(
-        self,
-        model: torch.nn.Module,
-        interval_batches: Optional[int],
-        context: Optional[Any] = None,
-    ) -> None:
-        """torchrec's 2D-sharding weight sync (a no-op without ``DMPCollection``);
-        it reads only ``context.index``, which our contexts have too."""
-        super().sync_embeddings(model, interval_batches, context)
 
     def _backward(self, losses: torch.Tensor) -> None:
         """The backward of the summed per-sample losses, through ``grad_scaler`` if any
@@ -530,7 +537,7 @@ class TrainPipelineSparseDist(PipelineCore, TrainPipeline[In, Out]):
 
     def _set_aside(self) -> Tuple[Deque[Optional[Any]], Deque[TrainPipelineContext]]:
         aside = (self.batches, self.contexts)
-        self.batches, self.contexts = BatchQueue(), deque()
+        self.batches, self.contexts = type(self.batches)(), deque()
         return aside
 
     def _bring_back(self, state: Tuple[Deque[Optional[Any]], Deque[TrainPipelineContext]]) -> None:
@@ -546,7 +553,8 @@ class TrainPipelineSparseDist(PipelineCore, TrainPipeline[In, Out]):
         that way (not by the user) takes the model back the same way at its
         next ``progress()``, so train and eval pipelines can alternate on one
         model.  A wrapper whose pipeline was collected is undone from what it
-        recorded it replaced.
+        recorded it replaced.  A step's start calls it when a wrapper changed (or
+        this pipeline was detached) since it last looked.
         """
         if self._taken_over_by is not None:
             self._taken_over_by = None

@@ -10,9 +10,8 @@ from torchrec.distributed.train_pipeline.types import PipelineState
 from typing_extensions import Unpack
 
 from trec_pipelines.assembly.options import LiteOptions, takes_options
-from trec_pipelines.core.batch_transfer import wait_for_batch
 from trec_pipelines.core.step_guard import guarded_step
-from trec_pipelines.core.streams import StreamSet, make_streams
+from trec_pipelines.core.streams import StreamSet, make_streams, wait_for_batch
 from trec_pipelines.core.subclass_hooks import never_called
 from trec_pipelines.model.context import TrainPipelineContext
 from trec_pipelines.observe import recorder as rec

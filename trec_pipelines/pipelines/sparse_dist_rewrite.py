@@ -1,7 +1,8 @@
 """How :class:`~trec_pipelines.pipelines.sparse_dist.TrainPipelineSparseDist` rewrites
 its model: the forward and postproc wrappers it installs, torchrec's rewrite
-hooks (``_pipeline_model``, ``_init_pipelined_modules``, ``_set_module_context``),
-which batch's context the wrappers read, and ``detach()`` / ``attach()``.
+hooks (``_pipeline_model``, ``_init_pipelined_modules``; ``_set_module_context``
+is :func:`~trec_pipelines.sparse.forwards.set_module_context`), which batch's
+context the wrappers read, and ``detach()`` / ``attach()``.
 
 The rewrite's result lives in the pipeline's
 :class:`~trec_pipelines.assembly.pipelined_model.PipelinedModel` (``_pipelined``).
@@ -115,17 +116,6 @@ def init_pipelined_modules(
         self.start_sparse_data_dist(batch, context)
 
 
-def set_module_context(self: Pipeline, context: TrainPipelineContext) -> None:
-    """Point the forward wrappers and postprocs at the batch whose forward runs next."""
-    result = self._pipelined.result
-    if result is None:
-        return
-    for pipelined in result.pipelined:
-        cast(BaseForward[Any], pipelined.module.forward).set_context(context)
-    for postproc in result.postprocs:
-        postproc.set_context(context)
-
-
 # ------------------------------------------------------- attach / detach
 
 
@@ -207,5 +197,4 @@ __all__ = [
     "make_forward",
     "pipeline_model",
     "rewrite_checked",
-    "set_module_context",
 ]

@@ -10,7 +10,7 @@ from typing_extensions import Unpack
 
 from trec_pipelines.assembly.options import SparseDistTrainOptions, takes_options
 from trec_pipelines.core.subclass_hooks import ASYNC_SUBMIT_OFF
-from trec_pipelines.data.inplace_copy import make_copy_worker
+from trec_pipelines.data.inplace_copy import BatchQueue, make_copy_worker
 from trec_pipelines.model.context import TrainPipelineContext
 from trec_pipelines.pipelines.sparse_dist import TrainPipelineSparseDist
 
@@ -157,3 +157,4 @@ class TrainPipelineSparseDistT(TrainPipelineSparseDist[In, Out]):
             **options,
         )
         self._copy_worker = make_copy_worker(self, False, every_copy=True)
+        self.batches = BatchQueue(self.batches)  # its slots may hold the worker's Futures

@@ -32,7 +32,7 @@ context has moved on to the next batch).
 from __future__ import annotations
 
 import weakref
-from typing import Any, Dict, Generic, Iterable, List, Optional, Tuple, TypeVar, Union
+from typing import Any, Dict, Generic, Iterable, List, Optional, Tuple, TypeVar, Union, cast
 
 import torch
 from torchrec.distributed.pec_embedding import ShardedPECEmbeddingCollection
@@ -120,6 +120,17 @@ class BaseForward(Generic[C]):
     def get_context(self) -> C:
         return self._context
 
+    def _input(self, store: Dict[str, Any]) -> Optional[Any]:
+        """This module's entry, popped from ``store``; None when this call must redo
+        the module's input_dist (:attr:`direct`, or the batch's input was used up by
+        an earlier, failed forward); raises, saying why, when it is missing."""
+        if self._name in store and not self.direct:
+            self._consumed, self._consumed_in = self._context, self.attempt
+            return store.pop(self._name)
+        if self.direct or (self._consumed is self._context and self._consumed_in != self.attempt):
+            return None
+        return self._take(store)  # raises: called twice, or outside progress()
+
     def _take(self, store: Dict[str, Any]) -> Any:
         """Pop this module's entry from ``store`` or explain why it is missing."""
         if self._name in store:
@@ -139,15 +150,6 @@ class BaseForward(Generic[C]):
             "pipeline.attach() to resume (with StagedTrainPipeline: the "
             "SparseDataDistUtil's detach(); its next progress() pipelines the "
             "model again)."
-        )
-
-    def _runs_again(self, store: Dict[str, Any]) -> bool:
-        """True when this call must redo the module's input_dist: :attr:`direct`,
-        or the batch's input was used up by an earlier, failed forward."""
-        return self.direct or (
-            self._name not in store
-            and self._consumed is self._context
-            and self._consumed_in != self.attempt
         )
 
     def _forward_again(self, input: Tuple[Any, ...], kwargs: Dict[str, Any]) -> Awaitable[Any]:
@@ -176,9 +178,9 @@ class PipelinedForward(BaseForward[TrainPipelineContext]):
         self._wait_stream = None if wait_on_current_stream else stream
 
     def __call__(self, *input: Any, **kwargs: Any) -> Awaitable[Any]:
-        if self._runs_again(self._context.input_dist_tensors_requests):
+        request = self._input(self._context.input_dist_tensors_requests)
+        if request is None:
             return self._forward_again(input, kwargs)
-        request = self._take(self._context.input_dist_tensors_requests)
         with on_stream(self._wait_stream):
             data = request.wait()
         module_ctx = self._context.module_contexts.pop(self._name)
@@ -205,9 +207,9 @@ class PrefetchPipelinedForward(BaseForward[PrefetchTrainPipelineContext]):
         super().__init__(name, args, module, context, prefetch_stream)
 
     def __call__(self, *input: Any, **kwargs: Any) -> Awaitable[Any]:
-        if self._runs_again(self._context.module_input_post_prefetch):
+        data = self._input(self._context.module_input_post_prefetch)
+        if data is None:
             return self._forward_again(input, kwargs)
-        data = self._take(self._context.module_input_post_prefetch)
         module_ctx = self._context.module_contexts_post_prefetch.pop(self._name)
         hand_off(data, self._stream)
         hand_off(module_ctx, self._stream)
@@ -226,10 +228,10 @@ class EmbeddingPipelinedForward(BaseForward[EmbeddingTrainPipelineContext]):
     """
 
     def __call__(self, *input: Any, **kwargs: Any) -> Any:
-        if self._runs_again(self._context.embedding_a2a_requests):
+        awaitable = self._input(self._context.embedding_a2a_requests)
+        if awaitable is None:
             # The lookup ran ahead and cannot be replayed: look up afresh.
             return self._forward_again(input, kwargs)
-        awaitable = self._take(self._context.embedding_a2a_requests)
         module_ctx = self._context.module_contexts.pop(self._name)
         # Wait for this batch's lookup only (see [Note: lookup ordering on streams]).
         consumer = current_stream(_device_of(self._stream))
@@ -381,3 +383,16 @@ def _detached_leaf(tensor: torch.Tensor) -> torch.Tensor:
 
 def _device_of(stream: Optional[torch.Stream]) -> torch.device:
     return stream.device if stream is not None else torch.device("cpu")
+
+
+def set_module_context(self: Any, context: Any) -> None:
+    """Point the forward wrappers and postprocs of pipeline ``self``'s rewrite at
+    ``context``, the batch whose forward runs next (torchrec's
+    ``_set_module_context``, assigned in the SparseDist family's class body)."""
+    result = self._pipelined.result
+    if result is None:
+        return
+    for pipelined in result.pipelined:
+        cast(BaseForward[Any], pipelined.module.forward).set_context(context)
+    for postproc in result.postprocs:
+        postproc.set_context(context)

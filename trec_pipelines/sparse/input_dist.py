@@ -66,6 +66,8 @@ class SplitsOnlyKJTAllToAll:
         self._group: GroupRef = weakref.ref(pg)
         # A dedicated group stays usable only until it is released.
         self._owned = lifetime.is_owned(pg)
+        # The registry's release count when the group was last found usable.
+        self._checked_at = lifetime.Releases.count
         self._splits = splits
         self._stagger = stagger
         self._bounds = [0] + list(itertools.accumulate(splits))
@@ -91,17 +93,19 @@ class SplitsOnlyKJTAllToAll:
                     f"but the sharding plan expects {self._bounds[-1]}; the batch must "
                     "carry exactly the features the sharded module was planned for"
                 )
-            rank = dist.get_rank(self._pg)
+            pg = self._group()
+            if pg is None or self._checked_at != lifetime.Releases.count:
+                pg = self._pg  # a group was released since the last look: is it this one?
+                self._checked_at = lifetime.Releases.count
+            rank = dist.get_rank(pg)
             device = input.values().device
             input_splits = input.dist_splits(self._splits)
             splits_tensors = [torch.tensor(s, device=device) for s in input_splits]
             if not input.variable_stride_per_key():
                 # Every rank also learns every other rank's batch size.
-                splits_tensors.append(
-                    torch.tensor([input.stride()] * self._pg.size(), device=device)
-                )
+                splits_tensors.append(torch.tensor([input.stride()] * pg.size(), device=device))
             return KJTSplitsAllToAllMeta(
-                pg=self._pg,
+                pg=pg,
                 _input=input,
                 splits=self._splits,
                 splits_tensors=splits_tensors,
