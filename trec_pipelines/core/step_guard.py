@@ -398,7 +398,7 @@ def start_step(self: Any, dataloader_iter: Iterator[Any]) -> None:
     ahead = 0 if self._traits.pulls_when_copied else self._batches_to_fetch()
     self._source.fetch_ahead(dataloader_iter, ahead)
     guard: StepGuard = self._step_guard
-    if not guard.begun:  # from here a failure is rolled back and retried
+    if not guard.begun:  # from here a failure is rolled back and retried (as guard.begin())
         guard.begun, guard.steps = True, guard.steps + 1
 
 

@@ -37,7 +37,7 @@ from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass
-from typing import Any, ContextManager, Iterator, List, Optional, Tuple
+from typing import Any, ContextManager, Iterator, List, Optional, Tuple, cast
 
 import torch
 from torchrec.streamable import Multistreamable, Pipelineable
@@ -230,8 +230,8 @@ def describe(stream: Optional[torch.Stream], streams: StreamSet) -> str:
 
 
 __all__ = [
+    "PIPELINEABLE",
     "StreamSet",
-    "check_batch",
     "copy_to_device",
     "current_stream",
     "describe",
@@ -240,6 +240,7 @@ __all__ = [
     "has_streams",
     "make_streams",
     "new_stream",
+    "not_pipelineable",
     "on_stream",
     "record_event",
     "record_stream",
@@ -254,11 +255,13 @@ __all__ = [
 # ------------------------------------------------- a batch on its way to the device
 
 
-def check_batch(batch: Any) -> None:
-    """Raise a ``TypeError`` naming the fix when ``batch`` can't be pipelined."""
-    if isinstance(batch, (torch.Tensor, Pipelineable)):
-        return
-    raise TypeError(
+# What a pipeline can copy to the device and hand across streams.
+PIPELINEABLE = (torch.Tensor, Pipelineable)
+
+
+def not_pipelineable(batch: Any) -> TypeError:
+    """The error for a ``batch`` that is not :data:`PIPELINEABLE`, naming the fix."""
+    return TypeError(
         f"the data iterator yielded a {type(batch).__name__}, which is neither a "
         "torch.Tensor nor a torchrec.streamable.Pipelineable. Wrap the batch in a "
         "class that implements Pipelineable (to(device, non_blocking) and "
@@ -280,14 +283,15 @@ def copy_to_device(
     and copies on ``stream`` itself (``data_copy_stream``), so the consumer
     needs no ``record_stream``.  ``blocking`` waits for the copy to finish.
     """
-    if not isinstance(batch, (torch.Tensor, Pipelineable)):
-        check_batch(batch)  # raises, naming the fix
+    if not isinstance(batch, PIPELINEABLE):
+        raise not_pipelineable(batch)
     if blocking:
         return batch.to(device=device, non_blocking=False)
     if stream is None:  # no side stream (CPU): the copy runs where it is issued
         return batch.to(device=device, non_blocking=True)
     if inplace:
-        return batch.to(device=device, non_blocking=True, data_copy_stream=stream)
+        # A batch class's own to() (Pipelineable's signature has no data_copy_stream).
+        return cast(Any, batch).to(device=device, non_blocking=True, data_copy_stream=stream)
     with on_stream(stream):
         return batch.to(device=device, non_blocking=True)
 

@@ -13,13 +13,11 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Any, Callable, Deque, Iterator, List, Optional, Tuple
 
-import torch
 import torch.distributed as dist
-from torchrec.streamable import Pipelineable
 
 from trec_pipelines.core.checks import check_iterator
 from trec_pipelines.core.errors import MalformedBatchError
-from trec_pipelines.core.streams import check_batch
+from trec_pipelines.core.streams import PIPELINEABLE, not_pipelineable
 from trec_pipelines.data import pull_failure
 from trec_pipelines.data.agreement import Agreement, AgreementChannel
 from trec_pipelines.data.end_of_data import EndOfData
@@ -319,8 +317,8 @@ class BatchSource:
             return None
         if isinstance(batch, Padding):
             return batch
-        if self._pipelineable and not isinstance(batch, (torch.Tensor, Pipelineable)):
-            check_batch(batch)  # raises, naming the fix
+        if self._pipelineable and not isinstance(batch, PIPELINEABLE):
+            raise not_pipelineable(batch)
         self._last_real = batch
         return batch
 
