@@ -212,8 +212,15 @@ class _News:
     def start_watcher(self) -> None:
         if self._watcher is not None or grace_seconds() <= 0:
             return
+        # The failures published so far, read here and not in the thread: a peer's
+        # failure published while the thread is still starting (a busy machine) is
+        # then new to it, not mistaken for an old one.
+        try:
+            seen = self._store.add(_PUBLISHED, 0)
+        except Exception:  # noqa: BLE001  the store went away: the job is ending
+            return
         self._watcher = threading.Thread(
-            target=self._watch, name="trec_pipelines-peer-failure", daemon=True
+            target=self._watch, args=(seen,), name="trec_pipelines-peer-failure", daemon=True
         )
         self._watcher.start()
 
@@ -222,12 +229,8 @@ class _News:
         if self._watcher is not None and self._watcher is not threading.current_thread():
             self._watcher.join(timeout=2 * _POLL_SECONDS)
 
-    def _watch(self) -> None:
+    def _watch(self, seen: int) -> None:
         store = self._store.clone() if hasattr(self._store, "clone") else self._store
-        try:
-            seen = store.add(_PUBLISHED, 0)
-        except Exception:  # noqa: BLE001  the store went away: the job is ending
-            return
         # (step, time): the step the main thread was in when a new failure was published.
         suspect: Optional[Tuple[int, float]] = None
         while not self._stop.wait(_POLL_SECONDS):
