@@ -94,7 +94,7 @@ import contextlib
 import weakref
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Any, Deque, List, Optional, Sequence
+from typing import Deque, List, Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -177,13 +177,13 @@ def steps_are_collective(model: Optional[torch.nn.Module]) -> bool:
 
 
 def agreement_group(
-    pipeline: Any, model: Optional[torch.nn.Module], sync_exhaustion: Optional[bool]
+    owner: object, model: Optional[torch.nn.Module], sync_exhaustion: Optional[bool]
 ) -> Optional[dist.ProcessGroup]:
-    """The gloo group ``pipeline``'s :class:`~trec_pipelines.data.source.BatchSource`
-    agrees on each pull over, or None when it agrees on nothing (see
-    ``[Note: agreeing on each batch]``).  ``sync_exhaustion=None`` agrees when
-    the model's steps are collective (:func:`steps_are_collective`).  Once
-    ``pipeline`` is collected, the next call destroys the group."""
+    """The gloo group the :class:`~trec_pipelines.data.source.BatchSource` of
+    ``owner`` (a pipeline) agrees on each pull over, or None when it agrees on
+    nothing (see ``[Note: agreeing on each batch]``).  ``sync_exhaustion=None``
+    agrees when the model's steps are collective (:func:`steps_are_collective`).
+    Once ``owner`` is collected, the next call destroys the group."""
     lifetime.release_orphans()
     initialized = dist.is_available() and dist.is_initialized()
     if sync_exhaustion and not initialized:
@@ -207,7 +207,7 @@ def agreement_group(
     # with the others.
     group = dist.new_group(backend="gloo", timeout=timeout)
     assert isinstance(group, dist.ProcessGroup)  # every rank is a member
-    return lifetime.own_group(group, owner=pipeline)
+    return lifetime.own_group(group, owner=owner)
 
 
 class Agreement:
@@ -298,7 +298,7 @@ class AgreementChannel:
         self.ranks: List[int] = dist.get_process_group_ranks(group)
         # Pulls waiting for an exchange to carry them, oldest first.
         self._waiting: Deque[Agreement] = deque()
-        self._missed = 0  # exchanges in a row that carried nothing (see missed())
+        self._missed = 0  # exchanges in a row that carried nothing (see missed(), carrier_found())
         self.carried_pulls = 0  # pulls whose codes a splits exchange carried
 
     @property
@@ -323,11 +323,15 @@ class AgreementChannel:
             agreement.all_reduce()
         return agreement
 
-    def take(self) -> Optional[Agreement]:
-        """The oldest pull waiting to be carried, handed to the exchange that
-        carries it (None: nothing waits, the exchange carries NOTHING).  A splits
-        exchange carries a code: the misses so far (:meth:`missed`) were the first ones."""
+    def carrier_found(self) -> None:
+        """A splits exchange that carries a code is being made: the run of
+        exchanges that could not (:meth:`missed`) ends, and its count starts again
+        from 0 (those were a model's first input_dists, not exchanges that never carry)."""
         self._missed = 0
+
+    def take(self) -> Optional[Agreement]:
+        """The oldest pull waiting to be carried, taken off the queue for the
+        exchange that carries it (None: nothing waits, the exchange carries NOTHING)."""
         return self._waiting.popleft() if self._waiting else None
 
     def withdraw(self, agreement: Agreement) -> None:

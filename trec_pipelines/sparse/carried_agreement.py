@@ -48,6 +48,7 @@ class _SplitsWithCode(SplitsAllToAllAwaitable, CarriedCode):
     def __init__(
         self, tensors: List[torch.Tensor], pg: dist.ProcessGroup, channel: AgreementChannel
     ) -> None:
+        channel.carrier_found()
         self._agreement: Optional[Agreement] = channel.take()
         code = channel.nothing() if self._agreement is None else self._agreement.code
         column = torch.full((pg.size(),), code, dtype=tensors[0].dtype, device=tensors[0].device)
