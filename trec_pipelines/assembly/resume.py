@@ -43,10 +43,26 @@ from __future__ import annotations
 import io
 import logging
 from dataclasses import dataclass, field, fields
-from typing import Any, Dict, List, Mapping, Optional, Protocol, Tuple, runtime_checkable
+from typing import (
+    TYPE_CHECKING,
+    Any,
+    Dict,
+    List,
+    Mapping,
+    Optional,
+    Protocol,
+    Tuple,
+    runtime_checkable,
+)
 
 import torch
 import torch.distributed as dist
+
+from trec_pipelines.data.parked import ParkedEpochs
+from trec_pipelines.data.source import BatchSource
+
+if TYPE_CHECKING:  # traits.py names ResumeHooks, the default hooks of every class
+    from trec_pipelines.assembly.traits import Traits
 
 logger: logging.Logger = logging.getLogger(__name__)
 
@@ -163,6 +179,18 @@ class Resumable(Protocol):
         """
 
 
+class CheckpointedPipeline(Protocol):
+    """What :func:`save_state`, :func:`load_state` and the default
+    :class:`ResumeHooks` read of a pipeline: its traits, which name its hooks,
+    and the batch source that holds its batches in flight."""
+
+    @property
+    def _traits(self) -> Traits: ...
+
+    @property
+    def _source(self) -> BatchSource: ...
+
+
 class ResumeHooks:
     """What :func:`save_state` and :func:`load_state` ask of a pipeline (see
     [Note: exact resume]).
@@ -174,10 +202,13 @@ class ResumeHooks:
     (:meth:`extra_state`), the eval pipeline settles its loader thread
     (:meth:`settle`), StagedTrainPipeline, which pulls its own way, lists its
     batches itself (:meth:`unfinished`, :meth:`is_fresh`, :meth:`resume`).
-    Made for each call, so it holds nothing between two.
+    Made for each call, so it holds nothing between two.  A subclass that reads
+    more of its pipeline declares ``pipeline`` as its class.
     """
 
-    def __init__(self, pipeline: Any) -> None:
+    pipeline: CheckpointedPipeline
+
+    def __init__(self, pipeline: CheckpointedPipeline) -> None:
         self.pipeline = pipeline
 
     def unfinished(self) -> Tuple[List[Tuple[int, Any]], int]:
@@ -202,14 +233,15 @@ class ResumeHooks:
 
     def load_extra_state(self, extra: Dict[str, Any], variant: str) -> None:
         """Take :meth:`extra_state` of the saving pipeline back (``variant`` saved it)."""
-        ignore_extra_state(self.pipeline, extra, variant)
+        ignore_extra_state(type(self.pipeline).__name__, extra, variant)
 
     def blocker(self) -> Optional[str]:
         """Why the pipeline's state cannot be taken or loaded now, or None."""
-        return parked_blocker(self.pipeline)
+        # StagedTrainPipeline parks nothing: it has no ParkedEpochs.
+        return parked_blocker(getattr(self.pipeline, "_parked", None))
 
 
-def save_state(pipeline: Any) -> Dict[str, Any]:
+def save_state(pipeline: CheckpointedPipeline) -> Dict[str, Any]:
     """``pipeline``'s in-flight batches, for a checkpoint (see :meth:`Resumable.state_dict`)."""
     name = type(pipeline).__name__
     hooks: ResumeHooks = pipeline._traits.resume(pipeline)
@@ -231,7 +263,7 @@ def save_state(pipeline: Any) -> Dict[str, Any]:
     return {rank_key(rank): encode(saved)}
 
 
-def load_state(pipeline: Any, state_dict: Mapping[str, Any]) -> None:
+def load_state(pipeline: CheckpointedPipeline, state_dict: Mapping[str, Any]) -> None:
     """Load ``state_dict`` into ``pipeline`` (see :meth:`Resumable.load_state_dict`)."""
     name = type(pipeline).__name__
     hooks: ResumeHooks = pipeline._traits.resume(pipeline)
@@ -274,22 +306,22 @@ def load_state(pipeline: Any, state_dict: Mapping[str, Any]) -> None:
         )
 
 
-def ignore_extra_state(pipeline: Any, extra: Dict[str, Any], variant: str) -> None:
-    """Warn that the ``variant`` checkpoint holds ``extra`` state ``pipeline`` does not use."""
+def ignore_extra_state(name: str, extra: Dict[str, Any], variant: str) -> None:
+    """Warn that the ``variant`` checkpoint holds ``extra`` state the pipeline
+    class ``name`` does not use."""
     if extra:
         logger.warning(
             "%s: the %s checkpoint also holds %s, which this variant does not use: "
             "its in-flight batches are trained as this variant trains them",
-            type(pipeline).__name__,
+            name,
             variant,
             sorted(extra),
         )
 
 
-def parked_blocker(pipeline: Any) -> Optional[str]:
-    """Why ``pipeline``'s state cannot be taken or loaded now (batches of another
-    iterator are parked), or None."""
-    parked = getattr(pipeline, "_parked", None)
+def parked_blocker(parked: Optional[ParkedEpochs]) -> Optional[str]:
+    """Why the state of a pipeline with ``parked`` epochs cannot be taken or
+    loaded now (batches of another iterator are parked), or None."""
     if parked is not None and parked.states():
         return (
             "batches of another iterator are parked (a different iterator was "

@@ -212,6 +212,8 @@ _EVALUATES = "it evaluates: no backward, no optimizer step"
 
 
 class _EvalResume(ResumeHooks):
+    pipeline: EvalPipelineSparseDist[Any, Any]
+
     def settle(self) -> None:
         """Let the loader thread finish the pull it may be in, so every batch it
         took from the iterator is listed in the source for a checkpoint."""

@@ -55,6 +55,8 @@ from trec_pipelines.sparse.forwards import BaseForward, PECPipelinedForward
 
 
 class _PECResume(ResumeHooks):
+    pipeline: TrainPipelinePEC[Any, Any]
+
     def settle(self) -> None:
         """Apply the deferred NOL gradient before a checkpoint: it belongs to the
         model's state (batch ``i-1`` was trained), which the caller reads next.

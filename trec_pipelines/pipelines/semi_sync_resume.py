@@ -3,15 +3,20 @@
 
 from __future__ import annotations
 
-from typing import Any, Dict, cast
+from typing import TYPE_CHECKING, Any, Dict, cast
 
 from trec_pipelines.assembly.resume import ResumeHooks
 from trec_pipelines.model.context import EmbeddingTrainPipelineContext
 from trec_pipelines.sparse.lookup import finish_lookup
 
+if TYPE_CHECKING:  # semi_sync.py names this class in its traits
+    from trec_pipelines.pipelines.semi_sync import TrainPipelineSemiSync
+
 
 class SemiSyncResume(ResumeHooks):
     """SemiSync's checkpoint: ``nxt``'s looked-up embeddings and the stashed gradients."""
+
+    pipeline: TrainPipelineSemiSync[Any, Any]
 
     def extra_state(self) -> Dict[str, Any]:
         """``nxt``'s looked-up embeddings and the stashed gradients.
