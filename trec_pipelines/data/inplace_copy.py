@@ -32,13 +32,19 @@ import weakref
 from abc import ABCMeta
 from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Any, Generic, Optional
+from typing import Any, Generic, Optional, Protocol
 
 import torch
 from torchrec.distributed.train_pipeline import In
 
 from trec_pipelines.core import lifetime
-from trec_pipelines.core.streams import copy_to_device, current_stream, has_streams, on_stream
+from trec_pipelines.core.streams import (
+    StreamSet,
+    copy_to_device,
+    current_stream,
+    has_streams,
+    on_stream,
+)
 
 logger: logging.Logger = logging.getLogger(__name__)
 
@@ -120,8 +126,21 @@ class InplaceCopyWorker:
         self._finalizer()
 
 
+class CopyingPipeline(Protocol):
+    """What :func:`make_copy_worker` uses of a pipeline: its device, its side
+    streams (the memcpy one) and ``enable_inplace_copy_batch``, which it may turn on."""
+
+    _enable_inplace_copy_batch: bool
+
+    @property
+    def _device(self) -> torch.device: ...
+
+    @property
+    def _streams(self) -> StreamSet: ...
+
+
 def make_copy_worker(
-    pipeline: Any, async_inplace_copy: bool, *, every_copy: bool = False
+    pipeline: CopyingPipeline, async_inplace_copy: bool, *, every_copy: bool = False
 ) -> Optional[InplaceCopyWorker]:
     """The worker issuing ``pipeline``'s in-place copies for ``async_inplace_copy``, or None.
 
@@ -153,7 +172,7 @@ def make_copy_worker(
     return InplaceCopyWorker(device, memcpy)
 
 
-def _is_async(pipeline: Any) -> bool:
+def _is_async(pipeline: object) -> bool:
     return getattr(pipeline, "_copy_worker", None) is not None
 
 

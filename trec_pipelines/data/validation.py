@@ -32,7 +32,7 @@ from __future__ import annotations
 
 import itertools
 import logging
-from typing import Any, List, Optional
+from typing import Any, List, Optional, Protocol
 
 import numpy as np
 import torch
@@ -264,7 +264,19 @@ def shares_kjt_storage(host: Any, device: Any) -> bool:
     return any(kjt.values().untyped_storage().data_ptr() in owned for kjt in kjts_in(device))
 
 
-def note_shared_features(pipeline: Any, host: Any, batch: Any, context: Any) -> None:
+class WarnsOfSharedFeatures(Protocol):
+    """What :func:`warn_shared_features` uses of a pipeline: its device, and the
+    flag that it has warned, which it sets."""
+
+    _warned_shared_features: bool
+
+    @property
+    def _device(self) -> torch.device: ...
+
+
+def note_shared_features(
+    pipeline: WarnsOfSharedFeatures, host: Any, batch: Any, context: Any
+) -> None:
     """Mark a batch whose "copy" kept the loader's storage (it was on the device
     already), which ``free_features_storage_early`` must not free; called only
     with that option on."""
@@ -273,7 +285,7 @@ def note_shared_features(pipeline: Any, host: Any, batch: Any, context: Any) -> 
         warn_shared_features(pipeline)
 
 
-def warn_shared_features(pipeline: Any) -> None:
+def warn_shared_features(pipeline: WarnsOfSharedFeatures) -> None:
     """Log, once per pipeline, that ``free_features_storage_early`` has nothing to free."""
     if not pipeline._warned_shared_features:
         pipeline._warned_shared_features = True
