@@ -27,7 +27,18 @@ import itertools
 import statistics
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterable, Iterator, List, NamedTuple, Optional, Tuple
+from typing import (
+    Any,
+    Callable,
+    Iterable,
+    Iterator,
+    List,
+    NamedTuple,
+    Optional,
+    Protocol,
+    Tuple,
+    cast,
+)
 
 import torch
 from torch import nn
@@ -35,6 +46,7 @@ from torch import nn
 from trec_pipelines.advise.variants import Variant, examples_per_batch, iterable_problem
 from trec_pipelines.core.streams import device_module, has_streams, new_stream
 from trec_pipelines.observe.memory import DEVICE_BATCH, HOST_BATCH, device_memory, rss_bytes
+from trec_pipelines.observe.recorder import Recordable
 from trec_pipelines.pipelines.sparse_data_dist_util import SparseDataDistUtil
 from trec_pipelines.pipelines.staged import PipelineStage
 from trec_pipelines.sparse.input_dist_tap import tap_input_dist
@@ -100,6 +112,15 @@ class Taken(NamedTuple):
     pass_length: Optional[int]
 
 
+class _Driven(Protocol):
+    """What a round uses of a contender's pipeline: ``progress(it)``; besides,
+    ``reset()`` and the recording methods
+    (:class:`~trec_pipelines.observe.recorder.Recordable`) where it has them
+    (a user's own class may lack them)."""
+
+    def progress(self, dataloader_iter: Iterator[Any]) -> Any: ...
+
+
 @dataclass
 class _Built:
     """One contender's objects for a round (``pipeline`` None: the plain loop)."""
@@ -107,9 +128,9 @@ class _Built:
     model: nn.Module
     optimizer: Any
     batches: Iterable[Any]
-    pipeline: Any = None
+    pipeline: Optional[_Driven] = None
     staged: bool = False  # the pipeline returns batches; the loop trains them
-    rewrite: Any = (
+    rewrite: object = (
         None  # what holds the rewrite_result (the pipeline, or Staged's SparseDataDistUtil)
     )
     after_step: List[Callable[[], None]] = field(default_factory=list)
@@ -234,6 +255,7 @@ def _run_epoch(built: _Built, batches: List[Any], device: torch.device) -> int:
 def _run_staged_epoch(built: _Built, batches: List[Any]) -> int:
     """StagedTrainPipeline: each batch it returns is trained by this loop; None ends the epoch."""
     pipeline = built.pipeline
+    assert pipeline is not None  # the plain loop has no pipeline, and is not staged
     it = iter(batches)
     steps = 0
     while steps <= len(batches) + 8:
@@ -411,16 +433,19 @@ def _timed(
 def _detail(built: _Built, result: RoundResult, batches: List[Any], device: torch.device) -> None:
     """The first round's untimed memory epoch: the ledger, resident and device memory."""
     pipeline = built.pipeline
-    ledger = pipeline is not None and hasattr(pipeline, "enable_schedule_recording")
+    # Every pipeline of the package records its schedule; a user's own class may not.
+    recording = (
+        cast(Recordable, pipeline) if hasattr(pipeline, "enable_schedule_recording") else None
+    )
     with _sampling(built, device) as peaks:
-        if ledger:
-            pipeline.disable_schedule_recording()
-            pipeline.enable_schedule_recording(memory=True)
+        if recording is not None:
+            recording.disable_schedule_recording()
+            recording.enable_schedule_recording(memory=True)
             try:
                 _run_epoch(built, batches, device)
-                summary = pipeline.memory_ledger()
+                summary = recording.memory_ledger()
             finally:
-                pipeline.disable_schedule_recording()
+                recording.disable_schedule_recording()
             result.held_peak, result.held_steady = summary.peak_bytes, summary.steady_bytes
             result.held_host = summary.max_by_place[HOST_BATCH]
             result.held_device = summary.max_by_place[DEVICE_BATCH]

@@ -135,8 +135,10 @@ class LedgerSummary:
 class MemoryLedger:
     """Measures a pipeline after each recorded action (see the module docstring)."""
 
-    def __init__(self, pipeline: Any, device: Optional[torch.device] = None) -> None:
-        # Weak: the pipeline owns the recorder that owns this ledger.
+    def __init__(self, pipeline: object, device: Optional[torch.device] = None) -> None:
+        # Any object is walked (see footprint()); its ``_model`` and ``_optimizer``,
+        # where it has them, are left out.  Weak: the pipeline owns the recorder
+        # that owns this ledger.
         self._pipeline = weakref.ref(pipeline)
         self._device = device
         self._skip: Set[StorageKey] = set()

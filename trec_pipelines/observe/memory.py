@@ -284,7 +284,7 @@ def _host_holder(obj: Any) -> bool:
 
 
 def footprint(
-    root: Any,
+    root: object,
     skip: Iterable[StorageKey] = (),
     frames: Iterable[Dict[str, Any]] = (),
     skip_objects: Iterable[Any] = (),
@@ -420,7 +420,7 @@ def _batch_groups(
     return [(frozenset(g), host) for g, host in groups if g]
 
 
-def pipeline_frames(root: Any, start: Optional[types.FrameType]) -> List[Dict[str, Any]]:
+def pipeline_frames(root: object, start: Optional[types.FrameType]) -> List[Dict[str, Any]]:
     """The local variables of every running method of ``root`` from ``start`` outwards."""
     out: List[Dict[str, Any]] = []
     frame = start

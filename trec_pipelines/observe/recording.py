@@ -34,8 +34,12 @@ class Recording:
     def __init__(self) -> None:
         self.recorder: Optional[ScheduleRecorder] = None
 
-    def enable(self, pipeline: Any, memory: bool) -> ScheduleRecorder:
-        """Record from the next ``progress()`` call on (``memory``: with the ledger)."""
+    def enable(self, pipeline: object, memory: bool) -> ScheduleRecorder:
+        """Record from the next ``progress()`` call on (``memory``: with the ledger).
+
+        Read of ``pipeline``, where it has them: its ``_streams`` and ``_device``,
+        the streams the recorder times; with ``memory`` the ledger walks it.
+        """
         if self.recorder is None:
             streams = getattr(pipeline, "_streams", None)
             roles: Dict[str, Optional[torch.Stream]] = {}
@@ -89,8 +93,9 @@ class Recording:
             self.actions(), path, memory=self.memory_samples(), transfers=self.transfers()
         )
 
-    def save_timeline(self, pipeline: Any, path: str, calls: Optional[Tuple[int, int]]) -> None:
-        """Draw the recorded timeline of ``pipeline`` to a PNG at ``path``."""
+    def save_timeline(self, pipeline: object, path: str, calls: Optional[Tuple[int, int]]) -> None:
+        """Draw the recorded timeline of ``pipeline`` to a PNG at ``path`` (its
+        class names it; its ``_device``, where it has one, says whether it ran on CPU)."""
         device = getattr(pipeline, "_device", None)
         schedule_view.draw_timeline(
             self.actions(),

@@ -48,7 +48,7 @@ import contextlib
 import itertools
 import threading
 from dataclasses import dataclass
-from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
+from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple, TypeVar
 
 import torch
 from torch._subclasses.fake_tensor import FakeTensor
@@ -57,7 +57,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 from trec_pipelines.core import streams
-from trec_pipelines.observe.recorder import ScheduleRecorder
+from trec_pipelines.observe.recorder import Recordable, ScheduleRecorder
 from trec_pipelines.testing.stream_checker import assert_stream_protocol, check_stream_protocol
 
 # The stand-in device is also importable from here, where it was first defined.
@@ -131,6 +131,9 @@ def _device_argument(args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> bool:
 
 _active: Optional["StreamRecorder"] = None
 
+# A pipeline given to StreamRecorder.watch, handed back as the same type.
+P = TypeVar("P", bound=Recordable)
+
 
 class StreamRecorder:
     """Records the stream protocol of everything run inside ``with StreamRecorder() as r:``.
@@ -174,7 +177,7 @@ class StreamRecorder:
 
     # ------------------------------------------------------------- public
 
-    def watch(self, pipeline: Any) -> Any:
+    def watch(self, pipeline: P) -> P:
         """Turn on ``pipeline``'s schedule recording (its verbs become spans); returns it.
 
         Read ``pipeline.schedule_actions`` only after the recording: it
