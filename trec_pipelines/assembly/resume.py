@@ -43,26 +43,13 @@ from __future__ import annotations
 import io
 import logging
 from dataclasses import dataclass, field, fields
-from typing import (
-    TYPE_CHECKING,
-    Any,
-    Dict,
-    List,
-    Mapping,
-    Optional,
-    Protocol,
-    Tuple,
-    runtime_checkable,
-)
+from typing import Any, Dict, List, Mapping, Optional, Protocol, Tuple, Type, runtime_checkable
 
 import torch
 import torch.distributed as dist
 
 from trec_pipelines.data.parked import ParkedEpochs
 from trec_pipelines.data.source import BatchSource
-
-if TYPE_CHECKING:  # traits.py names ResumeHooks, the default hooks of every class
-    from trec_pipelines.assembly.traits import Traits
 
 logger: logging.Logger = logging.getLogger(__name__)
 
@@ -179,13 +166,21 @@ class Resumable(Protocol):
         """
 
 
+class NamesResumeHooks(Protocol):
+    """What the checkpoint functions read of a pipeline class's
+    :class:`~trec_pipelines.assembly.traits.Traits`: the hooks it names."""
+
+    @property
+    def resume(self) -> Type[ResumeHooks]: ...
+
+
 class CheckpointedPipeline(Protocol):
     """What :func:`save_state`, :func:`load_state` and the default
     :class:`ResumeHooks` read of a pipeline: its traits, which name its hooks,
     and the batch source that holds its batches in flight."""
 
     @property
-    def _traits(self) -> Traits: ...
+    def _traits(self) -> NamesResumeHooks: ...
 
     @property
     def _source(self) -> BatchSource: ...

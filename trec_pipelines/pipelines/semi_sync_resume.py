@@ -3,20 +3,35 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Dict, cast
+from typing import Any, Dict, List, Optional, Protocol, Sequence, Tuple, cast
 
-from trec_pipelines.assembly.resume import ResumeHooks
-from trec_pipelines.model.context import EmbeddingTrainPipelineContext
+import torch
+
+from trec_pipelines.assembly.resume import CheckpointedPipeline, ResumeHooks
+from trec_pipelines.model.context import EmbeddingTrainPipelineContext, TrainPipelineContext
 from trec_pipelines.sparse.lookup import finish_lookup
 
-if TYPE_CHECKING:  # semi_sync.py names this class in its traits
-    from trec_pipelines.pipelines.semi_sync import TrainPipelineSemiSync
+
+class SemiSyncPipeline(CheckpointedPipeline, Protocol):
+    """What :class:`SemiSyncResume` reads and writes of a TrainPipelineSemiSync."""
+
+    _gradients: Dict[str, torch.Tensor]
+    _restored_lookup: Optional[Tuple[int, Dict[str, List[torch.Tensor]]]]
+
+    @property
+    def _stash_gradients(self) -> bool: ...
+
+    @property
+    def _model(self) -> torch.nn.Module: ...
+
+    @property
+    def contexts(self) -> Sequence[TrainPipelineContext]: ...
 
 
 class SemiSyncResume(ResumeHooks):
     """SemiSync's checkpoint: ``nxt``'s looked-up embeddings and the stashed gradients."""
 
-    pipeline: TrainPipelineSemiSync[Any, Any]
+    pipeline: SemiSyncPipeline
 
     def extra_state(self) -> Dict[str, Any]:
         """``nxt``'s looked-up embeddings and the stashed gradients.
