@@ -136,9 +136,9 @@ class MemoryLedger:
     """Measures a pipeline after each recorded action (see the module docstring)."""
 
     def __init__(self, pipeline: object, device: Optional[torch.device] = None) -> None:
-        # Any object is walked (see footprint()); its ``_model`` and ``_optimizer``,
-        # where it has them, are left out.  Weak: the pipeline owns the recorder
-        # that owns this ledger.
+        # Any object can be measured: footprint() walks it, leaving out its
+        # ``_model`` and ``_optimizer`` where it has them.  Weak: the pipeline
+        # owns the recorder that owns this ledger.
         self._pipeline = weakref.ref(pipeline)
         self._device = device
         self._skip: Set[StorageKey] = set()

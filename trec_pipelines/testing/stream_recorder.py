@@ -132,7 +132,7 @@ def _device_argument(args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> bool:
 _active: Optional["StreamRecorder"] = None
 
 # A pipeline given to StreamRecorder.watch, handed back as the same type.
-P = TypeVar("P", bound=Recordable)
+_Watched = TypeVar("_Watched", bound=Recordable)
 
 
 class StreamRecorder:
@@ -177,7 +177,7 @@ class StreamRecorder:
 
     # ------------------------------------------------------------- public
 
-    def watch(self, pipeline: P) -> P:
+    def watch(self, pipeline: _Watched) -> _Watched:
         """Turn on ``pipeline``'s schedule recording (its verbs become spans); returns it.
 
         Read ``pipeline.schedule_actions`` only after the recording: it
