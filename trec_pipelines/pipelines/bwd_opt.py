@@ -38,8 +38,8 @@ class TrainPipelineSparseDistBwdOpt(TrainPipelineSparseDist[In, Out]):
     memcpy      ``new``  host-to-device copy
     ==========  =======  ==========================================================
 
-    torchrec's experimental class (``experimental_pipelines``).  The slots are
-    :class:`TrainPipelineSparseDist`'s.
+    torchrec's experimental class (``experimental_pipelines``).  Three batches in
+    flight, in :class:`TrainPipelineSparseDist`'s slots.
 
     The step is a backward hook at ``site_fqn``'s output dist (an
     :class:`~trec_pipelines.model.backward_hooks.OutputDistTensorFinder` of

@@ -36,8 +36,8 @@ class TrainPipelinePrefetchEMS(TrainPipelineSparseDistEmbStash[In, Out]):
     memcpy      ``new``  host-to-device copy
     ==========  =======  ==========================================================
 
-    torchrec's experimental class (``experimental_pipelines``).  The slots are
-    :class:`TrainPipelineSparseDist`'s; ``nxt``'s input dist is waited for
+    torchrec's experimental class (``experimental_pipelines``).  Three batches in
+    flight, in :class:`TrainPipelineSparseDist`'s slots; ``nxt``'s input dist is waited for
     before ``cur``'s backward, for the prefetch, and its forward then finds it
     done.
 

@@ -27,8 +27,8 @@ class TrainPipelineSparseDistT(TrainPipelineSparseDist[In, Out]):
     memcpy      ``new``  host-to-device copy, issued by the worker thread
     ==========  =======  ==========================================================
 
-    torchrec's experimental class (``experimental_pipelines``).  The slots are
-    SparseDist's; ``new``'s slot holds the copy's Future until the next step
+    torchrec's experimental class (``experimental_pipelines``).  Three batches in
+    flight, in SparseDist's slots; ``new``'s slot holds the copy's Future until the next step
     first reads it, before any stream waits for the copy.
 
     Every copy of ``new``, in place (``enable_inplace_copy_batch``) or not, is

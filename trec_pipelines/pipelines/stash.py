@@ -54,8 +54,8 @@ class TrainPipelineSparseDistOptStash(TrainPipelineSparseDist[In, Out]):
     memcpy      ``new``  host-to-device copy (and the restore's copies)
     ==========  =======  ==========================================================
 
-    torchrec's experimental class (``experimental_pipelines``).  The slots are
-    :class:`TrainPipelineSparseDist`'s.
+    torchrec's experimental class (``experimental_pipelines``).  Three batches in
+    flight, in :class:`TrainPipelineSparseDist`'s slots.
 
     After each optimizer step its state (Adam's moments, Shampoo's factors) is
     copied to the host and its device memory freed, on a worker thread, so the
@@ -234,8 +234,8 @@ class TrainPipelineSparseDistEmbStash(TrainPipelineSparseDist[In, Out]):
     memcpy      ``new``  host-to-device copy
     ==========  =======  ==========================================================
 
-    torchrec's experimental class (``experimental_pipelines``).  The slots are
-    :class:`TrainPipelineSparseDist`'s.
+    torchrec's experimental class (``experimental_pipelines``).  Three batches in
+    flight, in :class:`TrainPipelineSparseDist`'s slots.
 
     The sharded embedding modules of tables configured with ``stash_weights``
     stash those weights to the host right after their lookup (inside the
