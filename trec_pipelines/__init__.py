@@ -27,6 +27,7 @@ from trec_pipelines.advise import (
     Verdict as Verdict,
     advise as advise,
 )
+from trec_pipelines.assembly.options import PipelineOptions as PipelineOptions
 from trec_pipelines.assembly.resume import Resumable as Resumable
 from trec_pipelines.core.errors import (
     MalformedBatchError as MalformedBatchError,
@@ -160,7 +161,10 @@ _PUBLIC_GROUPS: Dict[str, Tuple[str, ...]] = {
     ),
     # torchrec's experimental_pipelines, also importable from our module of that name.
     "Experimental pipelines": tuple(experimental_pipelines.__all__),
+    # PipelineOptions documents what the pipelines share: torchrec's parameters, our
+    # options, progress().
     "Options and errors": (
+        "PipelineOptions",
         "TorchCompileConfig",
         "GradientAccumulationConfig",
         "GradientAccumulationWrapper",

@@ -13,8 +13,9 @@ import torch.distributed as dist
 from torchdata.stateful_dataloader import StatefulDataLoader
 from torchrec.datasets.random import RandomRecDataset
 
-from docs.examples import checkpoint, quickstart, schedule, staged
+from docs.examples import checkpoint, my_variant, quickstart, schedule, staged
 from tests.elastic.train_with_checkpoints import Batches
+from trec_pipelines import TrainPipelineSparseDist
 from trec_pipelines.testing import devices
 from trec_pipelines.testing.dlrm import (
     DLRM,
@@ -23,6 +24,7 @@ from trec_pipelines.testing.dlrm import (
     make_batches,
     make_sharded,
     plain_loop_with_eval_pass,
+    run_pipeline,
     weights,
 )
 from trec_pipelines.testing.references import plain_loop_of, plain_loop_restarted
@@ -181,3 +183,90 @@ def test_staged_example_evaluates_mid_epoch_with_batches_in_flight() -> None:
         ("plain loop", "staged, evaluated mid-epoch"),
     )
     assert_runs_equal(Run(evaluated_ref, {}), Run(_outputs(evaluated), {}))
+
+
+def test_my_variant_trains_as_the_plain_loop() -> None:
+    """The variant of the writing-a-variant guide: every step's output and the final
+    weights are the plain loop's, and it holds the four batches it declares."""
+    batches = make_batches(N, seed=DATA_SEED)
+    ref = plain_loop_of(DLRM, "table_wise", batches, seed=SEED)
+    dmp, optimizer = make_sharded(DLRM, "table_wise", seed=SEED)
+    pipeline = my_variant.TrainPipelineCopyAhead(dmp, optimizer, DEVICE)
+    it = iter(batches)
+    outputs = [pipeline.progress(it).detach().clone()]
+    assert len(pipeline.batches) == 3  # after the first step: nxt and two copied ahead
+    while True:
+        try:
+            outputs.append(pipeline.progress(it).detach().clone())
+        except StopIteration:
+            break
+    assert_runs_equal(ref, Run(outputs, weights(dmp)), ("plain loop", "my variant"))
+
+
+def test_my_variant_on_uneven_data_stops_where_sparse_dist_stops() -> None:
+    """Rank 0 holds 7 batches, rank 1 holds 5: the variant ends every rank's epoch at
+    the same step as TrainPipelineSparseDist, with the same outputs and weights
+    (the ranks' agreement on each pull, which the variant inherits)."""
+    batches = make_batches(N if dist.get_rank() == 0 else N - 2, seed=DATA_SEED)
+    dmp, optimizer = make_sharded(DLRM, "table_wise", seed=SEED)
+    ref = run_pipeline(TrainPipelineSparseDist(dmp, optimizer, DEVICE), batches)
+    dmp, optimizer = make_sharded(DLRM, "table_wise", seed=SEED)
+    ours = run_pipeline(my_variant.TrainPipelineCopyAhead(dmp, optimizer, DEVICE), batches)
+    assert len(ours) == N - 2
+    assert_runs_equal(ref, ours, ("TrainPipelineSparseDist", "my variant"))
+
+
+def test_my_variant_resumes_and_retries_as_the_core_gives_it() -> None:
+    """An iterator that fails once (the step is rolled back and retried), then a
+    checkpoint after 3 steps, resumed into a new variant: the run is the plain loop's."""
+    batches = make_batches(N, seed=DATA_SEED)
+    ref = plain_loop_restarted(batches, 3, SEED, RESTART_SEED)
+    dmp, optimizer = make_sharded(DLRM, "table_wise", seed=SEED)
+    pipeline = my_variant.TrainPipelineCopyAhead(dmp, optimizer, DEVICE)
+    loader = StatefulDataLoader(Batches(batches), batch_size=None)
+    it, failed = _FailingOnce(iter(loader), at=6), 0
+    before: List[torch.Tensor] = []
+    while len(before) < 3:
+        try:
+            before.append(pipeline.progress(it).detach().clone())
+        except _Fault:
+            failed += 1  # rolled back: the next call retries the step
+    assert failed == 1
+    state = {"pipeline": pipeline.state_dict(), "loader": loader.state_dict()}
+    state.update(model=dmp.state_dict(), optimizer=optimizer.state_dict())
+
+    dmp, optimizer = make_sharded(DLRM, "table_wise", seed=RESTART_SEED)
+    dmp.load_state_dict(state["model"])
+    optimizer.load_state_dict(state["optimizer"])
+    pipeline = my_variant.TrainPipelineCopyAhead(dmp, optimizer, DEVICE)
+    pipeline.load_state_dict(state["pipeline"])
+    loader = StatefulDataLoader(Batches(batches), batch_size=None)
+    loader.load_state_dict(state["loader"])
+    it = iter(loader)
+    after: List[torch.Tensor] = []
+    while True:
+        try:
+            after.append(pipeline.progress(it).detach().clone())
+        except StopIteration:
+            break
+    assert_runs_equal(ref, Run(before + after, weights(dmp)), ("plain loop", "my variant"))
+
+
+class _Fault(RuntimeError):
+    pass
+
+
+class _FailingOnce:
+    """An iterator that raises once, at its ``at``-th ``next()``."""
+
+    def __init__(self, it: Any, at: int) -> None:
+        self.it, self.at, self.calls = it, at, 0
+
+    def __iter__(self) -> "_FailingOnce":
+        return self
+
+    def __next__(self) -> Any:
+        self.calls += 1
+        if self.calls == self.at:
+            raise _Fault("the data iterator failed once")
+        return next(self.it)

@@ -1,24 +1,37 @@
-"""Every public method and constructor parameter of every exported pipeline class is
-described where ``help()`` (pydoc) and ``inspect.getdoc`` look."""
+"""What ``help()`` (pydoc) and the API reference say of the pipeline classes.
+
+Each class's docstring says what its schedule does, the parameters no other class
+takes and what differs from torchrec's class, in at most 60 lines; what the classes
+share (torchrec's parameters that several take, our keyword-only options, what every
+``progress()`` does) is described once, in ``trec_pipelines.PipelineOptions``, which
+every class links to (see [Note: documented once] in ``trec_pipelines/core/api_docs.py``).
+"""
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 import pydoc
-from pathlib import Path
-from typing import List, Tuple
+import re
+from typing import Dict, List, Tuple
 
 import pytest
 
 import trec_pipelines as tp
-from tests import docstrings
+from trec_pipelines.assembly.options import DEFAULTS, DOCS, accepted_options
 from trec_pipelines.core import step_guard
 from trec_pipelines.core.api_docs import (
+    EVAL_PROGRESS,
     PROGRESS,
+    PROGRESS_LINK,
     TORCHREC_PARAMETERS,
+    own_parameters,
     parameters_of,
-    undocumented_parameters,
+    shared_doc,
 )
+
+LINK = ":class:`~trec_pipelines.PipelineOptions`"
+MAX_LINES = 60
 
 
 def _pipeline_classes() -> List[Tuple[str, type]]:
@@ -86,69 +99,128 @@ def test_the_shared_methods_are_ours_where_a_class_has_them(name: str, cls: type
         assert inspect.getdoc(getattr(cls, method)), (name, method)
 
 
+def _words(text: str) -> str:
+    return " ".join(text.split())
+
+
+def _args(cls: type) -> Dict[str, str]:
+    """The entries of the ``Args:`` section of ``cls``'s docstring (a dataclass's
+    ``Attributes:``): name -> its text."""
+    doc = inspect.getdoc(cls) or ""
+    head = "\nAttributes:\n" if dataclasses.is_dataclass(cls) else "\nArgs:\n"
+    if head not in doc:
+        return {}
+    section = doc.split(head, 1)[1].split("\n\n", 1)[0]
+    entries = re.split(r"^    (\w+): ", section, flags=re.M)[1:]
+    return {n: _words(t) for n, t in zip(entries[::2], entries[1::2], strict=True)}
+
+
+def _own_keywords(cls: type) -> List[str]:
+    """Keyword-only parameters of ``cls`` that are not our shared options (its own)."""
+    return [
+        p.name
+        for p in inspect.signature(cls).parameters.values()
+        if p.kind is p.KEYWORD_ONLY and p.name not in DEFAULTS
+    ]
+
+
 @pytest.mark.parametrize("name,cls", CLASSES, ids=[n for n, _ in CLASSES])
-def test_every_constructor_parameter_is_described(name: str, cls: type) -> None:
-    assert undocumented_parameters(cls) == {}
-    doc = inspect.getdoc(cls) or ""
-    rendered = pydoc.render_doc(cls, renderer=pydoc.plaintext)
-    words = " ".join(doc.split())
-    shown = " ".join(word for word in rendered.split() if word != "|")
+def test_every_parameter_is_described_in_one_place(name: str, cls: type) -> None:
+    # A parameter other classes take too: in the shared table, not again in the class;
+    # its own (torchrec's, or keyword-only and not one of our shared options): in its Args.
+    args = _args(cls)
+    own = own_parameters(cls) + _own_keywords(cls)
+    assert sorted(args) == sorted(own), name
     for param in parameters_of(cls):
-        if param in TORCHREC_PARAMETERS:
-            # Written from the one table (wrapped in the source), in help() too.
-            described = f"{param}: {' '.join(TORCHREC_PARAMETERS[param].split())}"
-            assert described in words, param
-            assert described in shown, param
+        assert (param in TORCHREC_PARAMETERS) != (param in args), (name, param)
 
 
-def test_keyword_options_are_described_as_well() -> None:
-    # Our options (WithOptions) stay listed after torchrec's parameters.
-    doc = inspect.getdoc(tp.TrainPipelineSparseDist) or ""
-    args, options = doc.index("Args:"), doc.index(docstrings.OPTIONS_HEAD)
-    assert args < options
-    for param in inspect.signature(tp.TrainPipelineSparseDist).parameters.values():
-        if param.kind is param.KEYWORD_ONLY:
-            assert f"``{param.name}``:" in doc[options:], param.name
-
-
-def test_progress_says_to_pass_an_iterator_on_every_class() -> None:
+def test_the_shared_table_holds_what_several_classes_take() -> None:
+    takers: Dict[str, List[str]] = {}
     for name, cls in CLASSES:
-        if hasattr(cls, "progress") and name != "StagedTrainPipeline":
-            assert (inspect.getdoc(cls.progress) or "").startswith(PROGRESS.splitlines()[0]), name
+        for param in parameters_of(cls):
+            takers.setdefault(param, []).append(name)
+    for param in TORCHREC_PARAMETERS:
+        assert len(takers.get(param, [])) >= 2, (param, takers.get(param))
+    shared = {p for p, names in takers.items() if len(names) >= 2}
+    assert shared <= set(TORCHREC_PARAMETERS), shared - set(TORCHREC_PARAMETERS)
 
 
-def test_the_table_has_no_description_nobody_uses() -> None:
-    used = {p for _, cls in CLASSES for p in parameters_of(cls)}
-    assert set(TORCHREC_PARAMETERS) - used == set()
+def test_pipeline_options_describes_every_shared_thing_once() -> None:
+    doc = tp.PipelineOptions.__doc__ or ""
+    assert doc == shared_doc(DOCS, DEFAULTS)
+    words = _words(doc)
+    for param, text in TORCHREC_PARAMETERS.items():
+        assert words.count(f"``{param}`` {_words(text)}") == 1, param
+    for option, default in DEFAULTS.items():
+        assert words.count(f"``{option}={default!r}`` {DOCS[option]}") == 1, option
+        assert len(re.findall(rf"^``{option}=", doc, flags=re.M)) == 1, option
+    assert _words(PROGRESS) in words and _words(EVAL_PROGRESS) in words
+    # help() shows it, as the API reference does.
+    shown = _words(pydoc.render_doc(tp.PipelineOptions, renderer=pydoc.plaintext).replace("|", ""))
+    assert _words(PROGRESS) in shown and "``validate_batches=True``" in shown
 
 
-def test_the_docstrings_in_the_source_say_what_the_tables_say() -> None:
-    # The Args sections, option lists and progress() docstrings are written in the source by
-    # `python -m tests.docstrings`; none is out of date.
-    out_of_date = docstrings.stale()
-    assert out_of_date == {}, f"run `{docstrings.COMMAND}`: {sorted(map(str, out_of_date))}"
-    assert len(docstrings.pipeline_classes()) == 20  # every pipeline class but PipelineStage
-
-
-@pytest.mark.parametrize("cls", docstrings.pipeline_classes(), ids=lambda c: c.__name__)
-def test_each_class_docstring_ends_with_its_args_then_its_options(cls: type) -> None:
+@pytest.mark.parametrize("name,cls", CLASSES, ids=[n for n, _ in CLASSES])
+def test_each_class_links_to_what_they_share_and_says_it_no_more(name: str, cls: type) -> None:
     doc = inspect.getdoc(cls) or ""
-    assert doc.endswith(docstrings.class_tail(cls))
-    assert doc.count(docstrings.ARGS_HEAD) == 1 and doc.count(docstrings.OPTIONS_HEAD) == 1
+    shares = accepted_options(cls) or set(parameters_of(cls)) & set(TORCHREC_PARAMETERS)
+    assert (LINK in doc) == bool(shares), name  # PipelineStage, a dataclass, shares nothing
+    words = _words(doc)
+    for text in [*TORCHREC_PARAMETERS.values(), *DOCS.values(), PROGRESS, EVAL_PROGRESS]:
+        # No sentence of the shared descriptions is copied into a class.
+        for sentence in re.split(r"(?<=[.;])\s", _words(text)):
+            if len(sentence.split()) >= 8:
+                assert sentence not in words, (name, sentence)
+
+
+@pytest.mark.parametrize("name,cls", CLASSES, ids=[n for n, _ in CLASSES])
+def test_each_progress_says_what_it_does_and_links_to_the_contract(name: str, cls: type) -> None:
     own = cls.__dict__.get("progress")
-    if docstrings.progress_doc(cls) is not None:
-        assert inspect.getdoc(own) == docstrings.progress_doc(cls)
+    if own is None or cls is tp.StagedTrainPipeline:  # Staged's progress() is its own
+        return
+    doc = inspect.getdoc(own) or ""
+    assert doc.startswith(PROGRESS.splitlines()[0]), name
+    assert PROGRESS_LINK in doc, name
 
 
-def test_an_out_of_date_docstring_is_written_back(tmp_path: Path) -> None:
-    source = Path(inspect.getfile(tp.TrainPipelineBase)).read_text()
-    progress = "\n".join(docstrings._render(PROGRESS, 8)) + "\n"
-    assert progress in source
-    stale = tmp_path / "base.py"
-    stale.write_text(
-        source.replace(progress, "").replace("        model: The model:", "        model: A model:")
-    )
-    assert docstrings.rewrite(stale, [tp.TrainPipelineBase]) == source
+@pytest.mark.parametrize("name,cls", CLASSES, ids=[n for n, _ in CLASSES])
+def test_help_shows_every_parameter_and_option_in_the_signature(name: str, cls: type) -> None:
+    signature = inspect.signature(cls)
+    params = signature.parameters
+    assert set(accepted_options(cls)) <= set(params), name
+    for option in accepted_options(cls):
+        assert params[option].kind is params[option].KEYWORD_ONLY, (name, option)
+        assert params[option].default == DEFAULTS[option], (name, option)
+    rendered = pydoc.render_doc(cls, renderer=pydoc.plaintext)
+    shown = next(line for line in rendered.splitlines() if f"{name}(" in line and "|" in line)
+    for param in params.values():
+        assert re.search(rf"[(, ]\*?\*?{param.name}\b", shown), (name, param.name)
+
+
+@pytest.mark.parametrize("name,cls", CLASSES, ids=[n for n, _ in CLASSES])
+def test_no_class_docstring_runs_over_60_lines(name: str, cls: type) -> None:
+    lines = (inspect.getdoc(cls) or "").splitlines()
+    assert len(lines) <= MAX_LINES, f"{name}: {len(lines)} lines"
+
+
+def test_the_checks_read_args_and_find_a_copy() -> None:
+    """Guards the readers above on a docstring made for it."""
+
+    class Fake:
+        """Summary.
+
+        Args:
+            alpha: One,
+                two.
+            beta: Three.
+
+        Tail.
+        """
+
+    assert _args(Fake) == {"alpha": "One, two.", "beta": "Three."}
+    copied = _words(DOCS["validate_batches"])
+    assert copied in _words(f"A class saying {copied} again")
 
 
 def test_a_stopping_rank_says_where_the_error_is_and_how_to_set_the_grace() -> None:

@@ -27,6 +27,9 @@ import trec_pipelines.testing
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 API_PAGE = ROOT / "docs" / "api.md"
 TESTING_SECTION = "Testing the stream protocol"
+# The last section: the helpers a contributor's tests use, each from its own module.
+HELPERS_SECTION = "Testing helpers"
+HELPER_MODULES = ("dlrm", "references", "plans", "devices")
 DIRECTIVE = re.compile(
     r"^\.\. (?:auto)?(?:class|function|exception|data|attribute)::\s+(\S+)", re.M
 )
@@ -121,6 +124,8 @@ def test_api_page_has_one_section_per_group_in_order() -> None:
     expected = [("", ["__version__"])]
     expected += [(role, list(names)) for role, names in trec_pipelines._PUBLIC_GROUPS.items()]
     expected += [(TESTING_SECTION, list(trec_pipelines.testing.__all__))]
+    helpers = sections.pop()
+    assert helpers[0] == HELPERS_SECTION
     assert [heading for heading, _ in sections] == [heading for heading, _ in expected]
     for (heading, documented), (_, names) in zip(sections, expected, strict=True):
         assert documented == names, (
@@ -136,3 +141,19 @@ def test_the_page_reader_sees_what_a_page_documents() -> None:
         ".. autofunction:: f\n## B\n.. autoexception:: E\n.. data:: T\n"
     )
     assert page_sections(text) == [("", ["__version__"]), ("A", ["X", "f"]), ("B", ["E", "T"])]
+
+
+def test_the_helpers_section_documents_names_of_the_helper_modules() -> None:
+    """Each name the last section documents is a function or class of one of the testing
+    helper modules, and each of those modules has its part."""
+    text = API_PAGE.read_text().split(f"## {HELPERS_SECTION}\n", 1)[1]
+    parts = re.split(r"^\.\. py:module:: trec_pipelines\.testing\.(\w+)$", text, flags=re.M)
+    modules = parts[1::2]
+    assert modules == list(HELPER_MODULES)
+    for module, body in zip(modules, parts[2::2], strict=True):
+        loaded = importlib.import_module(f"trec_pipelines.testing.{module}")
+        names = DIRECTIVE.findall(body)
+        assert names, module
+        for name in names:
+            obj = getattr(loaded, name, None)
+            assert inspect.isfunction(obj) or inspect.isclass(obj), f"{module}.{name}"

@@ -7,8 +7,9 @@ documentation (its docstring's Attributes) in its concern's ``TypedDict``, its d
 :data:`DEFAULTS`.  A group of classes' ``TypedDict`` inherits the concerns it gathers; their
 constructors take ``**options: Unpack[...]`` of it (for mypy and IDEs) and name it again with
 :func:`takes_options` (for ``help()``, ``inspect.signature`` and :func:`resolve_options`'s
-checks, which read the types).  Class docstrings list the options in the source, written by
-``python -m tests.docstrings`` and checked against these declarations by a unit test.
+checks, which read the types).  The documentation of every option is shown in one place,
+:class:`PipelineOptions`'s docstring (``trec_pipelines.PipelineOptions``), which each
+class's docstring links to (see [Note: documented once] in :mod:`trec_pipelines.core.api_docs`).
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from typing import Any, Callable, Literal, Mapping, Optional, TypedDict, TypeVar
 
 import torch
 
+from trec_pipelines.core.api_docs import shared_doc
 from trec_pipelines.core.input_dist_group import DEFAULT_INPUT_DIST_GROUP, InputDistGroup
 from trec_pipelines.data.padding import UnevenData
 from trec_pipelines.model.rewrite import Strategy, UnpipelinedPolicy
@@ -172,11 +174,14 @@ class EvalHostOptions(BatchOptions, RewriteOptions, EvalDataOptions, total=False
 
 
 class PipelineOptions(SparseDistTrainOptions, EvalDataOptions, total=False):
-    """Every option: what :func:`resolve_options` returns, each key set."""
+    # Every option: what resolve_options returns, each key set.  Public, and its
+    # docstring is the one description of what the pipelines share (shared_doc).
+    pass
 
 
 _TYPES: dict[str, Any] = typing.get_type_hints(PipelineOptions)
 assert set(_TYPES) == set(DEFAULTS) == set(DOCS), "an option without its default or its doc"
+PipelineOptions.__doc__ = shared_doc(DOCS, DEFAULTS)
 C = TypeVar("C", bound=type)
 _CONCERN = "_trec_options_concern"  # the class attribute @takes_options sets
 

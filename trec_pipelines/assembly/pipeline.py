@@ -102,6 +102,24 @@ def _guarded(progress: Callable[[Any, Iterator[Any]], Any]) -> Callable[[Any, It
     return guarded_step(beginning_the_step(progress))
 
 
+def check_depth(cls: type[PipelineCore], depth: Any) -> int:
+    """``depth`` as given by the class keyword of ``cls``, checked: a positive
+    int, on a pipeline that counts the batches it holds (the SparseDist family)."""
+    name = cls.__name__
+    if isinstance(depth, bool) or not isinstance(depth, int) or depth < 1:
+        raise TypeError(
+            f"{name}: depth must be a positive int (the most batches the pipeline holds "
+            f"in flight right after a step's copy: 3 in TrainPipelineSparseDist), got {depth!r}"
+        )
+    if cls._traits.depth == 0:
+        raise TypeError(
+            f"{name}: depth={depth} applies to a pipeline that holds a queue of batches "
+            f"(TrainPipelineSparseDist and its subclasses); {cls.__mro__[1].__name__} holds "
+            "a fixed number: subclass TrainPipelineSparseDist, or drop the depth keyword"
+        )
+    return depth
+
+
 def init_core(
     pipeline: Any,
     model: torch.nn.Module,
@@ -184,8 +202,14 @@ class PipelineCore:
     # What the class is: every answer the core asks of it (see [Note: a pipeline's traits]).
     _traits: Traits = Traits()
 
-    def __init_subclass__(cls, **kwargs: Any) -> None:
+    def __init_subclass__(cls, depth: Optional[int] = None, **kwargs: Any) -> None:
+        """``depth``: how many batches a subclass holds in flight right after a
+        step's copy, when it holds more (or fewer) than its base, declared with the
+        class (``class MyPipeline(TrainPipelineSparseDist, depth=4): ...``; see the
+        guide to writing a variant)."""
         super().__init_subclass__(**kwargs)
+        if depth is not None:
+            cls._traits = cls._traits.updated(depth=check_depth(cls, depth))
         traits = cls._traits
         check_subclass(cls, _guarded if traits.guards_user_progress else None)
         pulls = traits.pulls_through_next_batch and overrides_outside(cls, "_next_batch")

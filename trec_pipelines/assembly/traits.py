@@ -46,7 +46,9 @@ class Traits:
     # Whether a subclass's own progress() runs inside the step guard.
     guards_user_progress: bool = True
     # The most batches in flight right after a step's copy: what a call may
-    # pull (0: the class keeps no such count).
+    # pull (0: the class keeps no such count).  Public: a subclass outside
+    # this package declares it with the class keyword ``depth``
+    # (PipelineCore.__init_subclass__).
     depth: int = 0
     # The stream role input_dist is recorded on (Lite: the default stream).
     input_dist_role: str = "data_dist"

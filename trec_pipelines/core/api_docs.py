@@ -1,21 +1,24 @@
-"""What ``help()`` and the API page say about torchrec's parameters and the shared ``progress()``.
+"""What every pipeline shares, described once: torchrec's parameters and ``progress()``.
 
 [Note: documented once]
-Every pipeline class takes some of torchrec's constructor parameters, with torchrec's names, and
-most share ``progress()``'s contract.  Each parameter is described once, in
-:data:`TORCHREC_PARAMETERS` (one entry per name), and the shared ``progress()`` contract once, in
-:data:`PROGRESS` (:data:`EVAL_PROGRESS`: what the eval pipelines add).  The class docstrings carry
-them in the source, where a reader and ``help()`` find the same text: each ends with an ``Args:``
-section for the torchrec parameters its constructor takes and the list of our keyword-only
-options (see [Note: one declaration per option]), and each ``progress()`` has the shared
-contract as its docstring.  ``python -m tests.docstrings`` writes those parts from these tables,
-and ``tests/unit/test_api_docs.py`` checks that the source says what they say.
+Every pipeline class takes some of torchrec's constructor parameters, with torchrec's names,
+most take some of our keyword-only options, and most share ``progress()``'s contract.  Each is
+described once: a torchrec parameter that more than one class takes in
+:data:`TORCHREC_PARAMETERS`, our options in their ``TypedDict``'s docstrings
+(:mod:`trec_pipelines.assembly.options`), the shared ``progress()`` in :data:`PROGRESS`
+(:data:`EVAL_PROGRESS`: what the eval pipelines add).  :func:`shared_doc` puts them in one
+docstring, ``trec_pipelines.PipelineOptions``'s, which ``help()`` and the API reference show;
+each class's docstring links to it and keeps what is its own: what its schedule does, the
+parameters no other class takes (its ``Args:``), and what differs from torchrec's class.
+``tests/unit/test_api_docs.py`` checks that every parameter is described in exactly one of
+those places and every class links to the shared one.
 """
 
 from __future__ import annotations
 
 import inspect
-from typing import Dict, List, Mapping
+import textwrap
+from typing import List, Mapping
 
 TORCHREC_PARAMETERS: Mapping[str, str] = {
     # -- every pipeline
@@ -84,17 +87,7 @@ TORCHREC_PARAMETERS: Mapping[str, str] = {
         "1.9.2); implies ``enable_inplace_copy_batch``. On a device without streams "
         "(CPU) the copy stays on the training thread (logged)."
     ),
-    # -- one class or a few
-    "compile_configs": (
-        "A ``TorchCompileConfig``: when (``compile_on_iter``) and how to "
-        "``torch.compile`` the model; ``None``: its defaults."
-    ),
-    "pre_compile_fn": "Called with the model right before it is compiled; ``None``: nothing.",
-    "post_compile_fn": "Called with the model right after it is compiled; ``None``: nothing.",
-    "input_transformer": (
-        "Applied to each device batch right before the model; ``None``: torchrec's "
-        "``default_pipeline_input_transformer``."
-    ),
+    # -- a few classes
     "strict": (
         "TrainPipelineSemiSync: raise ``ValueError``, instead of warning, when the "
         "optimizer holds a pipelined module's parameters. The fused pipelines accept "
@@ -109,34 +102,6 @@ TORCHREC_PARAMETERS: Mapping[str, str] = {
         "``True``: after the next batch's input_dist is started and the newest batch's "
         "copy issued."
     ),
-    "start_batch": (
-        "How many batches train synchronously, counted from construction or "
-        "``reset()``, before the semi-synchronous schedule starts (0: from the first)."
-    ),
-    "stash_gradients": (
-        "Once semi-synchronous, each step applies the previous batch's dense "
-        "gradients instead of its own."
-    ),
-    "pipeline_stages": (
-        "The ``PipelineStage`` list, in order: each batch goes through every stage "
-        "before ``progress()`` returns it."
-    ),
-    "debug_mode": "Log each stage's work on each batch (at INFO).",
-    "compute_stream": (
-        "The stream the caller trains the returned batch on; ``None``: the current stream."
-    ),
-    "on_flush_end": (
-        "Called once a flush (``set_flush(True)``) has drained the pipeline, before it "
-        "fills again; ``None``: nothing."
-    ),
-    "data_dist_stream": "The stream input_dist runs on; ``None``: the current stream.",
-    "prefetch_stream": (
-        "Adds the cache prefetch after input_dist, on this stream; ``None``: no prefetch."
-    ),
-    "embedding_lookup_stream": (
-        "Runs the embedding lookup as a stage of its own, on this stream; ``None``: "
-        "the lookup stays in the forward."
-    ),
     "site_fqn": (
         "Where in the backward the class's work runs (the optimizer step, or the "
         "restore of what was stashed): a module's name or an ``InjectionSite``."
@@ -145,20 +110,6 @@ TORCHREC_PARAMETERS: Mapping[str, str] = {
         "The sharding type whose output dist marks the site in the backward "
         "(``OutputDistTensorFinder``)."
     ),
-    "delay_stash": (
-        "Stash the embeddings only when the forward reaches ``stash_site_fqn`` (or, "
-        "without one, when the backward reaches ``site_fqn``) instead of right after "
-        "their lookup."
-    ),
-    "stash_site_fqn": (
-        "With ``delay_stash``: the module whose forward pre-hook stashes; ``None``: "
-        "stash when the backward reaches ``site_fqn``."
-    ),
-    "multi_thread": (
-        "Run the host stage (input dist, lookup, output dist) on a thread of its own, "
-        "overlapping the device's work."
-    ),
-    "pipeline_depth": "Batches in flight, 1 or 2 (2: the copy overlaps the next host stage).",
 }
 
 PROGRESS = """Run one step on the next batch of ``dataloader_iter``; return its output.
@@ -167,11 +118,11 @@ PROGRESS = """Run one step on the next batch of ``dataloader_iter``; return its 
 itself), the same one for every call of an epoch.  A training step runs the
 forward, the backward of ``torch.sum(losses, dim=0)`` and the optimizer step
 (the forward alone when the model is in eval mode) and returns the second
-element of the forward's ``(losses, output)``; the class docstring shows what
-else the step overlaps.  At the end of the data it raises ``StopIteration``;
+element of the forward's ``(losses, output)``; each class's docstring shows
+what else its step overlaps.  At the end of the data it raises ``StopIteration``;
 calling it again then starts a new epoch, with a new iterator or the same one
 refilled (a spent iterator ends again at once).  A step that raises is rolled
-back: the next call retries the same batch, and :meth:`skip_failed_batch`
+back: the next call retries the same batch, and ``skip_failed_batch()``
 drops it instead.  With several ranks, call it on every rank alike."""
 
 
@@ -185,14 +136,9 @@ def parameters_of(cls: type) -> List[str]:
     return names
 
 
-def undocumented_parameters(cls: type) -> Dict[str, str]:
-    """Constructor parameters of ``cls`` with no description in its docstring (for tests)."""
-    doc = inspect.getdoc(cls) or ""
-    return {
-        name: "missing"
-        for name in parameters_of(cls)
-        if f"    {name}: " not in doc and f"``{name}``:" not in doc
-    }
+def own_parameters(cls: type) -> List[str]:
+    """The torchrec parameters of ``cls`` that no other class takes: its docstring's ``Args:``."""
+    return [name for name in parameters_of(cls) if name not in TORCHREC_PARAMETERS]
 
 
 # What the eval pipelines' progress() adds to PROGRESS.
@@ -203,3 +149,52 @@ of batches, it returns one output per batch of this rank's own: once this
 rank's data has ended, the call runs padding steps (their outputs thrown away)
 until every rank's has, then raises ``StopIteration`` (``uneven_data="pad"``,
 the default; see the what-happens-when guide)."""
+
+
+# The link every pipeline class's docstring ends with (its target: shared_doc()).
+SHARED_LINK = (
+    "torchrec's parameters the classes share, our keyword-only options and what every "
+    "``progress()`` does: :class:`~trec_pipelines.PipelineOptions`."
+)
+# The first line of every pipeline's own progress() docstring, then this link.
+PROGRESS_LINK = "What every ``progress()`` does: :class:`~trec_pipelines.PipelineOptions`."
+
+
+def _entries(terms: Mapping[str, str]) -> List[str]:
+    """``terms`` as a definition list (term on its line, its text indented below)."""
+    lines: List[str] = []
+    for term, text in terms.items():
+        lines += [term, *textwrap.wrap(text, 88, initial_indent="    ", subsequent_indent="    ")]
+        lines.append("")
+    return lines
+
+
+def shared_doc(options: Mapping[str, str], defaults: Mapping[str, object]) -> str:
+    """The one description of what the pipeline classes share: torchrec's parameters
+    (:data:`TORCHREC_PARAMETERS`), our ``options`` (name -> text, with their
+    ``defaults``) and the ``progress()`` contract (:data:`PROGRESS`, :data:`EVAL_PROGRESS`)."""
+    lines = [
+        "What the pipeline classes share: torchrec's parameters, our options, ``progress()``.",
+        "",
+        "Each pipeline class's docstring says what its schedule does, the parameters no",
+        "other class takes and what differs from torchrec's class; what they share is",
+        "described here, once.  A class's signature (``help()``, ``inspect.signature``)",
+        "lists every parameter and option it takes.  As a type, this ``TypedDict`` holds",
+        "every option, as a pipeline resolves its keywords.",
+        "",
+        "**torchrec's parameters** that several classes take, with torchrec's names,",
+        "positions and defaults:",
+        "",
+        *_entries({f"``{name}``": text for name, text in TORCHREC_PARAMETERS.items()}),
+        "**Our keyword-only options**, after torchrec's parameters; with every default the",
+        "results are torchrec's, bit for bit (the :doc:`options guide </guides/options>`",
+        "says more of each):",
+        "",
+        *_entries({f"``{name}={defaults[name]!r}``": options[name] for name in defaults}),
+        "**What every** ``progress()`` **does**:",
+        "",
+        *PROGRESS.splitlines(),
+        "",
+        *EVAL_PROGRESS.splitlines(),
+    ]
+    return "\n".join(lines)

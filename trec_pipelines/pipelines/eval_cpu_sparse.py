@@ -85,63 +85,13 @@ class EvalPipelineCPUSparse(TrainPipelineSparseDist[In, Out]):
             except StopIteration:
                 break
 
-    torchrec's parameters, in torchrec's order:
-
     Args:
-        model: The model: its forward takes a batch on ``device`` and, in a training pipeline,
-            returns ``(losses, output)`` (the eval pipelines also take a model that returns
-            predictions alone). Usually a ``DistributedModelParallel``, whose sharded modules'
-            input_dist the pipeline runs ahead; a model without sharded modules trains unpipelined
-            (logged).
-        optimizer: The optimizer over the parameters the backward does not update itself (not the
-            fused, in-backward embedding optimizer), stepped once per trained batch. The eval
-            pipelines take ``None``.
-        device: The device batches are copied to and the model runs on: a ``torch.device`` or a
-            string naming one (``"cuda:0"``, ``"cpu"``).
-        execute_all_batches: ``True``: when the iterator ends, train the batches still in flight;
-            ``False``: drop them (logged), so N-2 of N batches are trained.
-        apply_jit: torchrec's switch to TorchScript the model's unsharded modules. ``True`` raises
-            ``ValueError`` here: TorchScript is deprecated in PyTorch; compile the dense part
-            instead.
-        pipeline_postproc: Run the parameter-free modules between the batch and a sharded module
-            (postprocs) ahead, in the input_dist stage, once per batch; ``False``: they run in the
-            forward, and a sharded module that reads their output is not pipelined.
-        enable_inplace_copy_batch: Copy each batch into device memory allocated on the default
-            stream, the copy itself on the memcpy stream (no ``record_stream`` needed); ``False``:
-            ``batch.to(device)`` on the memcpy stream.
         multi_thread: Run the host stage (input dist, lookup, output dist) on a thread of its own,
             overlapping the device's work.
         pipeline_depth: Batches in flight, 1 or 2 (2: the copy overlaps the next host stage).
-        free_features_storage_early: Free the device copy of a batch's sparse features once its
-            input_dist has read them (only storage the pipeline's own copy made).
-        clear_data_dist_inputs: Free the inputs of the tensors all-to-all in flight once it has
-            them, to lower peak memory.
 
-    Our keyword-only options (each described in the options guide):
-
-    * ``rewrite_strategy``: How the sharded modules' inputs are found: "fx" (trace the model),
-      "direct" (bind the batch's KeyedJaggedTensor fields) or "auto" (trace, falling back to direct
-      binding).
-    * ``on_unpipelined``: A sharded module the rewrite cannot pipeline is logged and trained
-      unpipelined ("warn"), or refused with the reason ("raise").
-    * ``sync_exhaustion``: The ranks agree on every batch they pull, so data that ends on one rank
-      first ends every rank's epoch at the same step (an eval pipeline pads until every rank's data
-      ended instead: ``uneven_data``), and a batch malformed on one rank is dropped on all. None
-      (the default) agrees whenever the model's steps join collectives across ranks; True insists
-      (and needs torch.distributed); False turns it off.
-    * ``agree_ahead``: With the ranks agreeing on each batch (``sync_exhaustion``), pull one host
-      batch a step ahead so its agreement rides the current step's exchange, at the cost of one more
-      host batch held (pulled from the iterator, not yet copied to the device; see the memory
-      guide). False holds none: each pull is agreed as it is made, with a blocking round trip of its
-      own on a gloo group. No effect without the agreement.
-    * ``uneven_data``: What an eval pipeline does when the ranks hold different numbers of batches
-      (with the ranks agreeing on each batch, see ``sync_exhaustion``). "pad" (the default) scores
-      every rank's batches: a rank whose data ended runs padding steps, whose outputs no one sees,
-      until every rank's data has ended, then raises ``StopIteration``. "stop" ends every rank's
-      epoch where the first rank's data ends, as training always does; the other ranks' remaining
-      batches are not scored (``unused_batches``).
-    * ``validate_batches``: Check each host batch's KeyedJaggedTensors as it is pulled: a malformed
-      one raises ``MalformedBatchError`` before any work is issued for it.
+    torchrec's parameters the classes share, our keyword-only options and what every ``progress()``
+    does: :class:`~trec_pipelines.PipelineOptions`.
     """
 
     # torchrec's class leaves _state IDLE; input_dist runs in the step that uses it.
@@ -368,24 +318,7 @@ class EvalPipelineCPUSparse(TrainPipelineSparseDist[In, Out]):
     def progress(self, dataloader_iter: Iterator[Any]) -> Any:
         """Run one step on the next batch of ``dataloader_iter``; return its output.
 
-        ``dataloader_iter`` is an iterator (``iter(dataloader)``, not the data loader
-        itself), the same one for every call of an epoch.  A training step runs the
-        forward, the backward of ``torch.sum(losses, dim=0)`` and the optimizer step
-        (the forward alone when the model is in eval mode) and returns the second
-        element of the forward's ``(losses, output)``; the class docstring shows what
-        else the step overlaps.  At the end of the data it raises ``StopIteration``;
-        calling it again then starts a new epoch, with a new iterator or the same one
-        refilled (a spent iterator ends again at once).  A step that raises is rolled
-        back: the next call retries the same batch, and :meth:`skip_failed_batch`
-        drops it instead.  With several ranks, call it on every rank alike.
-
-        An eval pipeline runs the forward alone, under ``no_grad`` (no backward, no
-        optimizer step), and returns the predictions: ``pred`` of a ``(loss, pred)``
-        pair, or the forward's output as it is.  With ranks holding different numbers
-        of batches, it returns one output per batch of this rank's own: once this
-        rank's data has ended, the call runs padding steps (their outputs thrown away)
-        until every rank's has, then raises ``StopIteration`` (``uneven_data="pad"``,
-        the default; see the what-happens-when guide).
+        What every ``progress()`` does: :class:`~trec_pipelines.PipelineOptions`.
         """
         # See [Note: padding uneven eval data] in trec_pipelines.data.padding.
         return first_real_output(lambda: self._evaluate_step(dataloader_iter))

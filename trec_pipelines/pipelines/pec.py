@@ -85,16 +85,10 @@ class TrainPipelinePEC(TrainPipelineSparseDist[In, Out]):
     ==========  =======  ===========================================================
 
     ``prv`` is the batch trained by the previous call, whose non-overlapping
-    (NOL) gradient this step applies.  Per ``progress()`` call, in the order
-    issued: wait(cur), copy(new), OL lookup(cur), lookup(cur), overlap
-    dist(nxt vs cur), input_dist start(new), NOL gradient start(prv),
-    zero_grad(cur), forward(cur), input_dist wait(new), NOL gradient
-    apply(prv), NOL lookup(nxt), backward(cur), OL gradient start(cur),
-    step(cur), OL gradient apply(cur); then ``cur``'s NOL gradient is handed to
-    ``nxt``'s step (the last batch applies its own at once, after a final
-    overlap dist with no ``nxt``).  Filling an empty pipeline copies batch 0,
-    distributes it, runs its overlap dist and NOL lookup, then copies batch 1
-    and distributes it (start and wait).
+    (NOL) gradient this step applies; ``cur``'s is handed to ``nxt``'s step (the
+    last batch applies its own at once).  Each call's verbs, fill and drain
+    included, are drawn in :doc:`/guides/variants` (in issue order: the timeline in
+    ``progress()``'s source).
 
     PEC modules (``ShardedPECEmbeddingCollection``, torchrec >= 1.9) look up
     and update the ids a batch shares with its neighbours in its own step, and
@@ -114,10 +108,7 @@ class TrainPipelinePEC(TrainPipelineSparseDist[In, Out]):
     once.  A ``progress()`` that raises is rolled back and the next one retries
     its batch, with the deferred NOL gradient of the batch before it applied
     exactly once and the failed attempt's own PEC update discarded (see
-    the note "PEC, retrying a step" in the source of ``trec_pipelines.pipelines.pec``).  The
-    rest (epochs, iterators, our keyword-only options) is
-    :class:`TrainPipelineSparseDist`'s.  The schedule is drawn in
-    :doc:`/guides/variants`.
+    the note "PEC, retrying a step" in the source of ``trec_pipelines.pipelines.pec``).
 
     Differences from torchrec: :ref:`the migration guide <migrating-pec>` (docs/guides/migrating.md).
 
@@ -131,55 +122,8 @@ class TrainPipelinePEC(TrainPipelineSparseDist[In, Out]):
             except StopIteration:
                 break
 
-    torchrec's parameters, in torchrec's order:
-
-    Args:
-        model: The model: its forward takes a batch on ``device`` and, in a training pipeline,
-            returns ``(losses, output)`` (the eval pipelines also take a model that returns
-            predictions alone). Usually a ``DistributedModelParallel``, whose sharded modules'
-            input_dist the pipeline runs ahead; a model without sharded modules trains unpipelined
-            (logged).
-        optimizer: The optimizer over the parameters the backward does not update itself (not the
-            fused, in-backward embedding optimizer), stepped once per trained batch. The eval
-            pipelines take ``None``.
-        device: The device batches are copied to and the model runs on: a ``torch.device`` or a
-            string naming one (``"cuda:0"``, ``"cpu"``).
-        execute_all_batches: ``True``: when the iterator ends, train the batches still in flight;
-            ``False``: drop them (logged), so N-2 of N batches are trained.
-        apply_jit: torchrec's switch to TorchScript the model's unsharded modules. ``True`` raises
-            ``ValueError`` here: TorchScript is deprecated in PyTorch; compile the dense part
-            instead.
-        custom_model_fwd: A function of the device batch called instead of ``model(batch)``,
-            returning ``(losses, output)`` as the forward would; ``None``: the model's forward.
-
-    Our keyword-only options (each described in the options guide):
-
-    * ``rewrite_strategy``: How the sharded modules' inputs are found: "fx" (trace the model),
-      "direct" (bind the batch's KeyedJaggedTensor fields) or "auto" (trace, falling back to direct
-      binding).
-    * ``on_unpipelined``: A sharded module the rewrite cannot pipeline is logged and trained
-      unpipelined ("warn"), or refused with the reason ("raise").
-    * ``sync_exhaustion``: The ranks agree on every batch they pull, so data that ends on one rank
-      first ends every rank's epoch at the same step (an eval pipeline pads until every rank's data
-      ended instead: ``uneven_data``), and a batch malformed on one rank is dropped on all. None
-      (the default) agrees whenever the model's steps join collectives across ranks; True insists
-      (and needs torch.distributed); False turns it off.
-    * ``agree_ahead``: With the ranks agreeing on each batch (``sync_exhaustion``), pull one host
-      batch a step ahead so its agreement rides the current step's exchange, at the cost of one more
-      host batch held (pulled from the iterator, not yet copied to the device; see the memory
-      guide). False holds none: each pull is agreed as it is made, with a blocking round trip of its
-      own on a gloo group. No effect without the agreement.
-    * ``validate_batches``: Check each host batch's KeyedJaggedTensors as it is pulled: a malformed
-      one raises ``MalformedBatchError`` before any work is issued for it.
-    * ``input_dist_group``: "dedicated" runs the pipelined input_dist on a process group of the same
-      ranks that carries nothing else; "shared" keeps it on the model's group, as torchrec does.
-      Results are the same either way.
-    * ``autocast_dtype``: Run each training forward under ``torch.autocast`` on the pipeline's
-      device with this dtype (``torch.bfloat16``, or ``torch.float16`` on CUDA); None runs it as the
-      model is.
-    * ``grad_scaler``: A ``torch.amp.GradScaler``: the backward scales the summed loss, and the
-      optimizer steps through the scaler (unscale, skip the step on inf or nan, update the scale).
-      The fused (in-backward) embedding optimizers see the scaled gradients: see the options guide.
+    torchrec's parameters the classes share, our keyword-only options and what every ``progress()``
+    does: :class:`~trec_pipelines.PipelineOptions`.
     """
 
     # torchrec's class leaves _state IDLE.  torchrec keeps the deferred NOL
@@ -374,16 +318,7 @@ class TrainPipelinePEC(TrainPipelineSparseDist[In, Out]):
     def progress(self, dataloader_iter: Iterator[Any]) -> Any:
         """Run one step on the next batch of ``dataloader_iter``; return its output.
 
-        ``dataloader_iter`` is an iterator (``iter(dataloader)``, not the data loader
-        itself), the same one for every call of an epoch.  A training step runs the
-        forward, the backward of ``torch.sum(losses, dim=0)`` and the optimizer step
-        (the forward alone when the model is in eval mode) and returns the second
-        element of the forward's ``(losses, output)``; the class docstring shows what
-        else the step overlaps.  At the end of the data it raises ``StopIteration``;
-        calling it again then starts a new epoch, with a new iterator or the same one
-        refilled (a spent iterator ends again at once).  A step that raises is rolled
-        back: the next call retries the same batch, and :meth:`skip_failed_batch`
-        drops it instead.  With several ranks, call it on every rank alike.
+        What every ``progress()`` does: :class:`~trec_pipelines.PipelineOptions`.
         """
         # See [Note: a progress() timeline] in trec_pipelines.pipelines.
         # fmt: off

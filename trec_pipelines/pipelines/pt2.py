@@ -100,9 +100,7 @@ class TrainPipelinePT2(PipelineCore, TrainPipeline[In, Out]):
     the program sees its own configuration.  The end of the data raises
     ``StopIteration``, and calling ``progress()`` again starts a new epoch.  A
     step that raises is rolled back and the next call retries its batch
-    (:meth:`skip_failed_batch` drops one that fails every time).  Our
-    keyword-only options are listed at the end and in the
-    :doc:`options guide </guides/options>`.
+    (:meth:`skip_failed_batch` drops one that fails every time).
 
     Differences from torchrec: :ref:`the migration guide <migrating-pt2>` (docs/guides/migrating.md).
 
@@ -118,19 +116,7 @@ class TrainPipelinePT2(PipelineCore, TrainPipeline[In, Out]):
             except StopIteration:
                 break
 
-    torchrec's parameters, in torchrec's order:
-
     Args:
-        model: The model: its forward takes a batch on ``device`` and, in a training pipeline,
-            returns ``(losses, output)`` (the eval pipelines also take a model that returns
-            predictions alone). Usually a ``DistributedModelParallel``, whose sharded modules'
-            input_dist the pipeline runs ahead; a model without sharded modules trains unpipelined
-            (logged).
-        optimizer: The optimizer over the parameters the backward does not update itself (not the
-            fused, in-backward embedding optimizer), stepped once per trained batch. The eval
-            pipelines take ``None``.
-        device: The device batches are copied to and the model runs on: a ``torch.device`` or a
-            string naming one (``"cuda:0"``, ``"cpu"``).
         compile_configs: A ``TorchCompileConfig``: when (``compile_on_iter``) and how to
             ``torch.compile`` the model; ``None``: its defaults.
         pre_compile_fn: Called with the model right before it is compiled; ``None``: nothing.
@@ -138,26 +124,8 @@ class TrainPipelinePT2(PipelineCore, TrainPipeline[In, Out]):
         input_transformer: Applied to each device batch right before the model; ``None``: torchrec's
             ``default_pipeline_input_transformer``.
 
-    Our keyword-only options (each described in the options guide):
-
-    * ``sync_exhaustion``: The ranks agree on every batch they pull, so data that ends on one rank
-      first ends every rank's epoch at the same step (an eval pipeline pads until every rank's data
-      ended instead: ``uneven_data``), and a batch malformed on one rank is dropped on all. None
-      (the default) agrees whenever the model's steps join collectives across ranks; True insists
-      (and needs torch.distributed); False turns it off.
-    * ``agree_ahead``: With the ranks agreeing on each batch (``sync_exhaustion``), pull one host
-      batch a step ahead so its agreement rides the current step's exchange, at the cost of one more
-      host batch held (pulled from the iterator, not yet copied to the device; see the memory
-      guide). False holds none: each pull is agreed as it is made, with a blocking round trip of its
-      own on a gloo group. No effect without the agreement.
-    * ``validate_batches``: Check each host batch's KeyedJaggedTensors as it is pulled: a malformed
-      one raises ``MalformedBatchError`` before any work is issued for it.
-    * ``autocast_dtype``: Run each training forward under ``torch.autocast`` on the pipeline's
-      device with this dtype (``torch.bfloat16``, or ``torch.float16`` on CUDA); None runs it as the
-      model is.
-    * ``grad_scaler``: A ``torch.amp.GradScaler``: the backward scales the summed loss, and the
-      optimizer steps through the scaler (unscale, skip the step on inf or nan, update the scale).
-      The fused (in-backward) embedding optimizers see the scaled gradients: see the options guide.
+    torchrec's parameters the classes share, our keyword-only options and what every ``progress()``
+    does: :class:`~trec_pipelines.PipelineOptions`.
     """
 
     # Each step moves _state through IDLE, CALL_FWD and CALL_BWD, as torchrec's.
@@ -247,16 +215,7 @@ class TrainPipelinePT2(PipelineCore, TrainPipeline[In, Out]):
     def progress(self, dataloader_iter: Iterator[Any]) -> Any:
         """Run one step on the next batch of ``dataloader_iter``; return its output.
 
-        ``dataloader_iter`` is an iterator (``iter(dataloader)``, not the data loader
-        itself), the same one for every call of an epoch.  A training step runs the
-        forward, the backward of ``torch.sum(losses, dim=0)`` and the optimizer step
-        (the forward alone when the model is in eval mode) and returns the second
-        element of the forward's ``(losses, output)``; the class docstring shows what
-        else the step overlaps.  At the end of the data it raises ``StopIteration``;
-        calling it again then starts a new epoch, with a new iterator or the same one
-        refilled (a spent iterator ends again at once).  A step that raises is rolled
-        back: the next call retries the same batch, and :meth:`skip_failed_batch`
-        drops it instead.  With several ranks, call it on every rank alike.
+        What every ``progress()`` does: :class:`~trec_pipelines.PipelineOptions`.
         """
         self._enter_phase(PipelineState.IDLE)
         self._start_step(dataloader_iter)  # take-over, iterator switch, host batch

@@ -60,67 +60,35 @@ class TrainPipelineSemiSync(TrainPipelineSparseDist[In, Out]):
     memcpy      ``slot(3)``  host-to-device copy
     ==========  ===========  ======================================================
 
-    ``cur`` trains, ``nxt`` has been (or is about to be) looked up,
-    ``slot(2)`` is in input_dist and ``slot(3)`` is being copied.  The
-    recorder shows, per call: ``InputDistStart[i+2] ZeroGrad[i] WaitBatch[i]
+    The recorder shows, per call: ``InputDistStart[i+2] ZeroGrad[i] WaitBatch[i]
     Forward[i] H2D[i+3] EmbLookup[i+1]`` (semi-sync) ``InputDistWait[i+2]
-    Backward[i] EmbBackward[i] OptimizerStep EmbLookup[i+1]`` (synchronous).
-    The first call fills the pipeline (lookup of batch 0, input_dist of 1, copy
-    of 2) and returns batch 0's output.  ``OptimizerStep`` carries the batch
-    whose gradients it applies (``i-1`` when stashing); a skipped step is not
-    recorded.
-
+    Backward[i] EmbBackward[i] OptimizerStep EmbLookup[i+1]`` (synchronous).  The
+    first call fills the pipeline (lookup of batch 0, input_dist of 1, copy of 2).
     Pipelined modules get an
     :class:`~trec_pipelines.sparse.forwards.EmbeddingPipelinedForward`: the forward
-    reads the lookup already run for its batch, as detached leaves, so the
-    dense backward stops there and :meth:`embedding_backward` then sends the
-    leaves' gradients into the tables, whose fused optimizer updates them.
-    Under ``DistributedDataParallel`` the embedding backward runs while DDP's
-    all-reduce is in flight, and the step waits for it before any dense
-    gradient is read: DDP's gradients, bit for bit (see
-    ``trec_pipelines/core/all_reduce_wait.py`` for when DDP keeps its own wait).
-    Batches before ``start_batch`` train synchronously: ``nxt`` is looked up
-    after ``cur``'s update, and training equals the plain loop.  With the
-    default ``start_batch=900`` (torchrec's), a run shorter than 900 batches
-    (counted from construction or ``reset()``, across epochs) is never
-    semi-synchronous: it trains as ``TrainPipelineSparseDist`` does, bit for
-    bit; pass a smaller ``start_batch`` (0: from the first batch) to overlap
-    sooner.  From
-    ``start_batch`` on, ``nxt`` is looked up before ``cur``'s update (batch
-    ``i`` reads rows updated through ``i-2``), and the all-to-all of its
-    embeddings overlaps ``cur``'s backward.  With ``stash_gradients`` every
-    semi-sync step applies the previous batch's dense gradients instead (none
-    at ``start_batch``: that step is skipped).  ``reset()`` restarts the batch
-    count (synchronous again for ``start_batch`` batches), and every loaded
-    batch is trained whatever ``execute_all_batches`` says.  The optimizer
-    should hold the dense parameters (and the dense-kernel tables) only: a
-    pipelined module's fused table in it is reported when an epoch starts, as
-    an error with ``strict``.  Epochs, failed steps, iterators and our
-    keyword-only options are as in :class:`TrainPipelineSparseDist`.
+    reads its batch's lookup as detached leaves, so the dense backward stops there and
+    :meth:`embedding_backward` sends the leaves' gradients into the tables, whose fused
+    optimizer updates them.  Under ``DistributedDataParallel`` the embedding backward
+    runs while DDP's all-reduce is in flight: DDP's gradients, bit for bit.
 
-    Looking up a step ahead is for tables with a fused kernel, updated inside
-    the embedding backward.  A table with the ``dense`` kernel, every
-    ``data_parallel`` table among them (torchrec's planner picks that for
-    small tables), is updated in place by the dense optimizer and has no
-    embeddings all-to-all to hide: its sharding group is looked up in its own
-    batch's forward, after the previous step's update, so those tables train
-    synchronously, like the dense parameters (with ``stash_gradients``, from
-    the previous batch's gradient, like them).  A sharding type whose tables
-    mix the dense kernel with a fused one is looked up as one group and
-    cannot be split: the first batch raises ``ValueError`` naming the tables;
-    give them one kind of kernel, or shard the dense-kernel ones
-    ``data_parallel``.  See ``[Note: semi-sync and tables the dense optimizer
-    updates]`` (``trec_pipelines/sparse/deferred_lookup.py``).
+    Batches before ``start_batch`` (default 900, torchrec's; counted from
+    construction or ``reset()``, across epochs) train synchronously, as
+    ``TrainPipelineSparseDist`` does, bit for bit.  From then on ``nxt`` is looked up
+    before ``cur``'s update (batch ``i`` reads rows updated through ``i-2``) and the
+    all-to-all of its embeddings overlaps ``cur``'s backward.  Every loaded batch is
+    trained whatever ``execute_all_batches`` says.  The optimizer should hold the
+    dense parameters (and dense-kernel tables) only; a pipelined module's fused table
+    in it is reported when an epoch starts (an error with ``strict``).  Tables with the
+    ``dense`` kernel (every ``data_parallel`` table) train synchronously, like the
+    dense parameters; a sharding type mixing them with fused tables raises
+    ``ValueError`` at the first batch (``[Note: semi-sync and tables the dense
+    optimizer updates]`` in ``trec_pipelines/sparse/deferred_lookup.py``).
 
     Differences from torchrec: :ref:`the migration guide <migrating-semi-sync>` (docs/guides/migrating.md).
 
     Example::
 
-        dense_optimizer = KeyedOptimizerWrapper(
-            dict(in_backward_optimizer_filter(dmp_model.named_parameters())),
-            lambda params: torch.optim.Adagrad(params, lr=0.01),
-        )
-        pipeline = TrainPipelineSemiSync(dmp_model, dense_optimizer, device, start_batch=900)
+        pipeline = TrainPipelineSemiSync(dmp_model, dense_optimizer, device, start_batch=0)
         it = iter(dataloader)
         while True:
             try:
@@ -128,75 +96,15 @@ class TrainPipelineSemiSync(TrainPipelineSparseDist[In, Out]):
             except StopIteration:
                 break
 
-    torchrec's parameters, in torchrec's order:
-
     Args:
-        model: The model: its forward takes a batch on ``device`` and, in a training pipeline,
-            returns ``(losses, output)`` (the eval pipelines also take a model that returns
-            predictions alone). Usually a ``DistributedModelParallel``, whose sharded modules'
-            input_dist the pipeline runs ahead; a model without sharded modules trains unpipelined
-            (logged).
-        optimizer: The optimizer over the parameters the backward does not update itself (not the
-            fused, in-backward embedding optimizer), stepped once per trained batch. The eval
-            pipelines take ``None``.
-        device: The device batches are copied to and the model runs on: a ``torch.device`` or a
-            string naming one (``"cuda:0"``, ``"cpu"``).
-        execute_all_batches: ``True``: when the iterator ends, train the batches still in flight;
-            ``False``: drop them (logged), so N-2 of N batches are trained.
-        apply_jit: torchrec's switch to TorchScript the model's unsharded modules. ``True`` raises
-            ``ValueError`` here: TorchScript is deprecated in PyTorch; compile the dense part
-            instead.
-        start_batch: How many batches train synchronously, counted from construction or ``reset()``,
-            before the semi-synchronous schedule starts (0: from the first).
-        stash_gradients: Once semi-synchronous, each step applies the previous batch's dense
-            gradients instead of its own.
-        pipeline_postproc: Run the parameter-free modules between the batch and a sharded module
-            (postprocs) ahead, in the input_dist stage, once per batch; ``False``: they run in the
-            forward, and a sharded module that reads their output is not pipelined.
-        custom_model_fwd: A function of the device batch called instead of ``model(batch)``,
-            returning ``(losses, output)`` as the forward would; ``None``: the model's forward.
-        strict: TrainPipelineSemiSync: raise ``ValueError``, instead of warning, when the optimizer
-            holds a pipelined module's parameters. The fused pipelines accept it and do not use it,
-            as torchrec's.
-        dmp_collection_sync_interval_batches: With a ``DMPCollection`` (2D sharding): sync the
-            replicas' embedding weights and optimizer states every this many batches (``None``:
-            never). No effect on other models.
-        enable_inplace_copy_batch: Copy each batch into device memory allocated on the default
-            stream, the copy itself on the memcpy stream (no ``record_stream`` needed); ``False``:
-            ``batch.to(device)`` on the memcpy stream.
-        free_features_storage_early: Free the device copy of a batch's sparse features once its
-            input_dist has read them (only storage the pipeline's own copy made).
-        clear_data_dist_inputs: Free the inputs of the tensors all-to-all in flight once it has
-            them, to lower peak memory.
+        start_batch: How many batches train synchronously, counted from construction or
+            ``reset()``, before the semi-synchronous schedule starts (0: from the first).
+        stash_gradients: Once semi-synchronous, each step applies the previous batch's
+            dense gradients instead of its own (none at ``start_batch``: that step is
+            skipped, and ``OptimizerStep`` records the batch ``i-1`` it applies).
 
-    Our keyword-only options (each described in the options guide):
-
-    * ``rewrite_strategy``: How the sharded modules' inputs are found: "fx" (trace the model),
-      "direct" (bind the batch's KeyedJaggedTensor fields) or "auto" (trace, falling back to direct
-      binding).
-    * ``on_unpipelined``: A sharded module the rewrite cannot pipeline is logged and trained
-      unpipelined ("warn"), or refused with the reason ("raise").
-    * ``sync_exhaustion``: The ranks agree on every batch they pull, so data that ends on one rank
-      first ends every rank's epoch at the same step (an eval pipeline pads until every rank's data
-      ended instead: ``uneven_data``), and a batch malformed on one rank is dropped on all. None
-      (the default) agrees whenever the model's steps join collectives across ranks; True insists
-      (and needs torch.distributed); False turns it off.
-    * ``agree_ahead``: With the ranks agreeing on each batch (``sync_exhaustion``), pull one host
-      batch a step ahead so its agreement rides the current step's exchange, at the cost of one more
-      host batch held (pulled from the iterator, not yet copied to the device; see the memory
-      guide). False holds none: each pull is agreed as it is made, with a blocking round trip of its
-      own on a gloo group. No effect without the agreement.
-    * ``validate_batches``: Check each host batch's KeyedJaggedTensors as it is pulled: a malformed
-      one raises ``MalformedBatchError`` before any work is issued for it.
-    * ``input_dist_group``: "dedicated" runs the pipelined input_dist on a process group of the same
-      ranks that carries nothing else; "shared" keeps it on the model's group, as torchrec does.
-      Results are the same either way.
-    * ``autocast_dtype``: Run each training forward under ``torch.autocast`` on the pipeline's
-      device with this dtype (``torch.bfloat16``, or ``torch.float16`` on CUDA); None runs it as the
-      model is.
-    * ``grad_scaler``: A ``torch.amp.GradScaler``: the backward scales the summed loss, and the
-      optimizer steps through the scaler (unscale, skip the step on inf or nan, update the scale).
-      The fused (in-backward) embedding optimizers see the scaled gradients: see the options guide.
+    torchrec's parameters the classes share, our keyword-only options and what every ``progress()``
+    does: :class:`~trec_pipelines.PipelineOptions`.
     """
 
     # torchrec's class leaves _state IDLE; its SemiSync runs its dense backward and
@@ -491,16 +399,7 @@ class TrainPipelineSemiSync(TrainPipelineSparseDist[In, Out]):
     def progress(self, dataloader_iter: Iterator[Any]) -> Any:
         """Run one step on the next batch of ``dataloader_iter``; return its output.
 
-        ``dataloader_iter`` is an iterator (``iter(dataloader)``, not the data loader
-        itself), the same one for every call of an epoch.  A training step runs the
-        forward, the backward of ``torch.sum(losses, dim=0)`` and the optimizer step
-        (the forward alone when the model is in eval mode) and returns the second
-        element of the forward's ``(losses, output)``; the class docstring shows what
-        else the step overlaps.  At the end of the data it raises ``StopIteration``;
-        calling it again then starts a new epoch, with a new iterator or the same one
-        refilled (a spent iterator ends again at once).  A step that raises is rolled
-        back: the next call retries the same batch, and :meth:`skip_failed_batch`
-        drops it instead.  With several ranks, call it on every rank alike.
+        What every ``progress()`` does: :class:`~trec_pipelines.PipelineOptions`.
         """
         # See [Note: a progress() timeline] in trec_pipelines.pipelines.
         # fmt: off

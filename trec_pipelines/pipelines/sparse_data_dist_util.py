@@ -81,25 +81,17 @@ class SparseDataDistUtil(SparseDataDistStages[In]):
     advance at the end of every forward (the hook) and, while the pipeline
     fills, in :meth:`wait_sdd_fill_callback`.
 
-    Passing ``prefetch_stream`` adds cache prefetch (:meth:`prefetch`, a stage
-    after input_dist); passing ``embedding_lookup_stream`` runs the lookup as a
-    stage (:meth:`start_embedding_lookup`), one batch ahead of the forward, so
-    that batch is looked up before the optimizer step of the batch before it
-    (semi-synchronous).  Every stream may be ``None`` (on CPU): a
-    :class:`StagedTrainPipeline` given a stage that runs :meth:`prefetch` or
-    :meth:`start_embedding_lookup` turns that mode on (see
-    :meth:`stage_declared`), and the work runs on the current stream.  The
-    stages are ordered against the caller's forward and backward on the
-    compute stream: a prefetch waits for the end of the last forward, the
-    backward for the next batch's lookup, and an input dist for the prefetches
-    before it.  A batch whose forward raised can be trained again (a module
-    whose pipelined input was used up runs its ``input_dist`` again on the
-    arguments it is given, bit for bit; with a lookup stage the batch is looked
-    up again with the current weights) or skipped by calling ``progress()``
-    again (see the note "a failed forward in the caller's loop" in the source of
-    ``trec_pipelines.pipelines.sparse_data_dist_util``).  Our keyword-only
-    options: ``rewrite_strategy`` and ``input_dist_group``, as in
-    :class:`~trec_pipelines.pipelines.sparse_dist.TrainPipelineSparseDist`.
+    Every stream may be ``None`` (on CPU): a :class:`StagedTrainPipeline` given a
+    stage that runs :meth:`prefetch` or :meth:`start_embedding_lookup` turns that
+    mode on (see :meth:`stage_declared`), and the work runs on the current stream.
+    The stages are ordered against the caller's forward and backward on the compute
+    stream: a prefetch waits for the end of the last forward, the backward for the
+    next batch's lookup, and an input dist for the prefetches before it.  A batch
+    whose forward raised can be trained again (bit for bit; with a lookup stage it
+    is looked up again with the current weights) or skipped by calling
+    ``progress()`` again (the note "a failed forward in the caller's loop" in the
+    source of ``trec_pipelines.pipelines.sparse_data_dist_util``).  It takes our
+    options ``rewrite_strategy``, ``on_unpipelined`` and ``input_dist_group``.
 
     Differences from torchrec: :ref:`the migration guide <migrating-sdd-util>` (docs/guides/migrating.md).
 
@@ -116,36 +108,16 @@ class SparseDataDistUtil(SparseDataDistStages[In]):
             torch.sum(loss, dim=0).backward()
             optimizer.step()
 
-    torchrec's parameters, in torchrec's order:
-
     Args:
-        model: The model: its forward takes a batch on ``device`` and, in a training pipeline,
-            returns ``(losses, output)`` (the eval pipelines also take a model that returns
-            predictions alone). Usually a ``DistributedModelParallel``, whose sharded modules'
-            input_dist the pipeline runs ahead; a model without sharded modules trains unpipelined
-            (logged).
         data_dist_stream: The stream input_dist runs on; ``None``: the current stream.
-        apply_jit: torchrec's switch to TorchScript the model's unsharded modules. ``True`` raises
-            ``ValueError`` here: TorchScript is deprecated in PyTorch; compile the dense part
-            instead.
-        prefetch_stream: Adds the cache prefetch after input_dist, on this stream; ``None``: no
-            prefetch.
-        pipeline_postproc: Run the parameter-free modules between the batch and a sharded module
-            (postprocs) ahead, in the input_dist stage, once per batch; ``False``: they run in the
-            forward, and a sharded module that reads their output is not pipelined.
-        embedding_lookup_stream: Runs the embedding lookup as a stage of its own, on this stream;
-            ``None``: the lookup stays in the forward.
+        prefetch_stream: Adds the cache prefetch (:meth:`prefetch`, a stage after
+            input_dist) on this stream; ``None``: no prefetch.
+        embedding_lookup_stream: Runs the embedding lookup as a stage of its own
+            (:meth:`start_embedding_lookup`) on this stream, one batch ahead of the
+            forward, so that batch is looked up before the optimizer step of the batch
+            before it (semi-synchronous); ``None``: the lookup stays in the forward.
 
-    Our keyword-only options (each described in the options guide):
-
-    * ``rewrite_strategy``: How the sharded modules' inputs are found: "fx" (trace the model),
-      "direct" (bind the batch's KeyedJaggedTensor fields) or "auto" (trace, falling back to direct
-      binding).
-    * ``on_unpipelined``: A sharded module the rewrite cannot pipeline is logged and trained
-      unpipelined ("warn"), or refused with the reason ("raise").
-    * ``input_dist_group``: "dedicated" runs the pipelined input_dist on a process group of the same
-      ranks that carries nothing else; "shared" keeps it on the model's group, as torchrec does.
-      Results are the same either way.
+    torchrec's ``model`` and our keyword-only options: :class:`~trec_pipelines.PipelineOptions`.
     """
 
     # Debugging aid: check the contexts' contents whenever one is used.

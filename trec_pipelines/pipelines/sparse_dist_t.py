@@ -27,8 +27,8 @@ class TrainPipelineSparseDistT(TrainPipelineSparseDist[In, Out]):
     memcpy      ``new``  host-to-device copy, issued by the worker thread
     ==========  =======  ==========================================================
 
-    torchrec's experimental class (``experimental_pipelines``).  The slots are
-    SparseDist's; ``new``'s slot holds the copy's Future until the next step
+    torchrec's experimental class (``experimental_pipelines``).  Three batches in
+    flight, in SparseDist's slots; ``new``'s slot holds the copy's Future until the next step
     first reads it, before any stream waits for the copy.
 
     Every copy of ``new``, in place (``enable_inplace_copy_batch``) or not, is
@@ -53,70 +53,8 @@ class TrainPipelineSparseDistT(TrainPipelineSparseDist[In, Out]):
             except StopIteration:
                 break
 
-    torchrec's parameters, in torchrec's order:
-
-    Args:
-        model: The model: its forward takes a batch on ``device`` and, in a training pipeline,
-            returns ``(losses, output)`` (the eval pipelines also take a model that returns
-            predictions alone). Usually a ``DistributedModelParallel``, whose sharded modules'
-            input_dist the pipeline runs ahead; a model without sharded modules trains unpipelined
-            (logged).
-        optimizer: The optimizer over the parameters the backward does not update itself (not the
-            fused, in-backward embedding optimizer), stepped once per trained batch. The eval
-            pipelines take ``None``.
-        device: The device batches are copied to and the model runs on: a ``torch.device`` or a
-            string naming one (``"cuda:0"``, ``"cpu"``).
-        execute_all_batches: ``True``: when the iterator ends, train the batches still in flight;
-            ``False``: drop them (logged), so N-2 of N batches are trained.
-        apply_jit: torchrec's switch to TorchScript the model's unsharded modules. ``True`` raises
-            ``ValueError`` here: TorchScript is deprecated in PyTorch; compile the dense part
-            instead.
-        context_type: The class of the context made for each batch (``TrainPipelineContext`` or a
-            subclass of it, for fields of your own).
-        pipeline_postproc: Run the parameter-free modules between the batch and a sharded module
-            (postprocs) ahead, in the input_dist stage, once per batch; ``False``: they run in the
-            forward, and a sharded module that reads their output is not pipelined.
-        custom_model_fwd: A function of the device batch called instead of ``model(batch)``,
-            returning ``(losses, output)`` as the forward would; ``None``: the model's forward.
-        dmp_collection_sync_interval_batches: With a ``DMPCollection`` (2D sharding): sync the
-            replicas' embedding weights and optimizer states every this many batches (``None``:
-            never). No effect on other models.
-        enable_inplace_copy_batch: Copy each batch into device memory allocated on the default
-            stream, the copy itself on the memcpy stream (no ``record_stream`` needed); ``False``:
-            ``batch.to(device)`` on the memcpy stream.
-        free_features_storage_early: Free the device copy of a batch's sparse features once its
-            input_dist has read them (only storage the pipeline's own copy made).
-        clear_data_dist_inputs: Free the inputs of the tensors all-to-all in flight once it has
-            them, to lower peak memory.
-
-    Our keyword-only options (each described in the options guide):
-
-    * ``rewrite_strategy``: How the sharded modules' inputs are found: "fx" (trace the model),
-      "direct" (bind the batch's KeyedJaggedTensor fields) or "auto" (trace, falling back to direct
-      binding).
-    * ``on_unpipelined``: A sharded module the rewrite cannot pipeline is logged and trained
-      unpipelined ("warn"), or refused with the reason ("raise").
-    * ``sync_exhaustion``: The ranks agree on every batch they pull, so data that ends on one rank
-      first ends every rank's epoch at the same step (an eval pipeline pads until every rank's data
-      ended instead: ``uneven_data``), and a batch malformed on one rank is dropped on all. None
-      (the default) agrees whenever the model's steps join collectives across ranks; True insists
-      (and needs torch.distributed); False turns it off.
-    * ``agree_ahead``: With the ranks agreeing on each batch (``sync_exhaustion``), pull one host
-      batch a step ahead so its agreement rides the current step's exchange, at the cost of one more
-      host batch held (pulled from the iterator, not yet copied to the device; see the memory
-      guide). False holds none: each pull is agreed as it is made, with a blocking round trip of its
-      own on a gloo group. No effect without the agreement.
-    * ``validate_batches``: Check each host batch's KeyedJaggedTensors as it is pulled: a malformed
-      one raises ``MalformedBatchError`` before any work is issued for it.
-    * ``input_dist_group``: "dedicated" runs the pipelined input_dist on a process group of the same
-      ranks that carries nothing else; "shared" keeps it on the model's group, as torchrec does.
-      Results are the same either way.
-    * ``autocast_dtype``: Run each training forward under ``torch.autocast`` on the pipeline's
-      device with this dtype (``torch.bfloat16``, or ``torch.float16`` on CUDA); None runs it as the
-      model is.
-    * ``grad_scaler``: A ``torch.amp.GradScaler``: the backward scales the summed loss, and the
-      optimizer steps through the scaler (unscale, skip the step on inf or nan, update the scale).
-      The fused (in-backward) embedding optimizers see the scaled gradients: see the options guide.
+    torchrec's parameters the classes share, our keyword-only options and what every ``progress()``
+    does: :class:`~trec_pipelines.PipelineOptions`.
     """
 
     # torchrec's constructor takes no async_inplace_copy: it never submits a copy.

@@ -100,11 +100,9 @@ class StagedTrainPipeline(PipelineCore, TrainPipeline[In, Optional[StageOut]]):
     ==========  ===========  ==================================================
 
     The newest batch goes first, so a stage's work for batch ``i+k`` overlaps
-    the caller's forward/backward/step of batch ``i``.  Stages hand a batch to
-    each other by events, not by ``wait_stream``: a stage waits only for the
-    one earlier stage of that batch.  Filling an empty pipeline loads N
-    batches and runs all N stages for batch 0, N-1 for batch 1, ..., stage 0
-    only for batch N-1; then every ``progress()`` call loads one more.
+    the caller's forward/backward/step of batch ``i``; a stage waits by event only
+    for the one earlier stage of that batch.  Filling an empty pipeline loads N
+    batches (all N stages for batch 0, ..., stage 0 only for batch N-1).
 
     ``progress()`` returns ``None`` once every batch has come out; called again,
     it starts a new epoch, on a new iterator or the same one refilled.
@@ -114,23 +112,13 @@ class StagedTrainPipeline(PipelineCore, TrainPipeline[In, Optional[StageOut]]):
     ``None`` (CPU), and a stage may run on the current stream.  Use
     :class:`~trec_pipelines.pipelines.sparse_data_dist_util.SparseDataDistUtil`
     to put the sparse ``input_dist`` among the stages; it must come last.  A
-    failure never wedges the pipeline: a stage, fill callback or iterator that
-    raises inside ``progress()`` is resumed at that unit of work by the next
-    call (a stage is re-run from its start, so it should raise before leaving
-    half its work done), and :meth:`skip_failed_batch` drops a batch a stage
-    fails on every time (while filling, or if stage 0 failed, the next batch
-    takes its place; otherwise the stages after the failed one find a gap and
-    call their ``data_exhausted_callback``; a stage's owner that keeps state per batch
-    learns of the skip through :class:`SkipAware`).  When the caller's forward, backward or optimizer step
-    raises, train the batch again or call ``progress()`` again to move on;
-    with several ranks, do the same on every rank.  Each loaded batch's
-    ``KeyedJaggedTensor`` objects are checked before stage 0
-    (``validate_batches=True``, keyword-only): a malformed one raises
-    :class:`~trec_pipelines.core.errors.MalformedBatchError` and is dropped.  With
-    several ranks, the ranks agree on every batch they load
-    (``sync_exhaustion``): a batch malformed on one rank is dropped on every rank,
-    each raising for it, and data that ends on one rank first ends the epoch on
-    every rank at the same step.  See :doc:`/guides/what-happens-when` for each case.
+    stage, fill callback or iterator that raises inside ``progress()`` is resumed
+    at that unit of work by the next call (a stage is re-run from its start), and
+    :meth:`skip_failed_batch` drops a batch a stage fails on every time (a stage's
+    owner that keeps state per batch learns of it through :class:`SkipAware`).
+    When your own step raises, train the batch again or call ``progress()`` again
+    to move on, alike on every rank.  Our ``validate_batches`` and
+    ``sync_exhaustion`` apply before stage 0 (:doc:`/guides/what-happens-when`).
 
     Differences from torchrec: :ref:`the migration guide <migrating-staged>` (docs/guides/migrating.md).
 
@@ -146,8 +134,6 @@ class StagedTrainPipeline(PipelineCore, TrainPipeline[In, Optional[StageOut]]):
             loss.backward()
             optimizer.step()
 
-    torchrec's parameters, in torchrec's order:
-
     Args:
         pipeline_stages: The ``PipelineStage`` list, in order: each batch goes through every stage
             before ``progress()`` returns it.
@@ -157,20 +143,8 @@ class StagedTrainPipeline(PipelineCore, TrainPipeline[In, Optional[StageOut]]):
         on_flush_end: Called once a flush (``set_flush(True)``) has drained the pipeline, before it
             fills again; ``None``: nothing.
 
-    Our keyword-only options (each described in the options guide):
-
-    * ``sync_exhaustion``: The ranks agree on every batch they pull, so data that ends on one rank
-      first ends every rank's epoch at the same step (an eval pipeline pads until every rank's data
-      ended instead: ``uneven_data``), and a batch malformed on one rank is dropped on all. None
-      (the default) agrees whenever the model's steps join collectives across ranks; True insists
-      (and needs torch.distributed); False turns it off.
-    * ``agree_ahead``: With the ranks agreeing on each batch (``sync_exhaustion``), pull one host
-      batch a step ahead so its agreement rides the current step's exchange, at the cost of one more
-      host batch held (pulled from the iterator, not yet copied to the device; see the memory
-      guide). False holds none: each pull is agreed as it is made, with a blocking round trip of its
-      own on a gloo group. No effect without the agreement.
-    * ``validate_batches``: Check each host batch's KeyedJaggedTensors as it is pulled: a malformed
-      one raises ``MalformedBatchError`` before any work is issued for it.
+    Our keyword-only options: :class:`~trec_pipelines.PipelineOptions` (this
+    ``progress()`` is its own, described above).
     """
 
     # torchrec's stage bookkeeping (a list of outputs with events) has another
