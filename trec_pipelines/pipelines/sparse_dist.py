@@ -46,8 +46,8 @@ from trec_pipelines.model.backward_hooks import pipeline_hook, register_backward
 from trec_pipelines.model.context import TrainPipelineContext
 from trec_pipelines.model.rewrite import RewriteResult
 from trec_pipelines.observe import recorder as rec
-from trec_pipelines.pipelines import sparse_dist_rewrite as rewrite
-from trec_pipelines.sparse.forwards import PipelinedForward, set_module_context
+from trec_pipelines.pipelines.sparse_dist_rewrite import SparseDistRewrite
+from trec_pipelines.sparse.forwards import PipelinedForward
 from trec_pipelines.sparse.input_dist import (
     release_input_dist_inputs,
     start_input_dist,
@@ -58,7 +58,7 @@ logger: logging.Logger = logging.getLogger(__name__)
 
 
 @takes_options(SparseDistTrainOptions)
-class TrainPipelineSparseDist(PipelineCore, TrainPipeline[In, Out]):
+class TrainPipelineSparseDist(SparseDistRewrite, TrainPipeline[In, Out]):
     """Three batches in flight: ``cur`` trains, ``nxt`` is in input_dist, ``new`` is copied.
 
     ==========  =======  ==================================================
@@ -209,17 +209,6 @@ class TrainPipelineSparseDist(PipelineCore, TrainPipeline[In, Out]):
     sync_embeddings: Callable[  # type: ignore[assignment]  # any context with an index
         [torch.nn.Module, Optional[int], Optional[Any]], None
     ]
-    # The model rewrite: torchrec's hooks and attributes, and attach/detach
-    # (see trec_pipelines.pipelines.sparse_dist_rewrite).
-    _model_attached = rewrite.MODEL_ATTACHED
-    _pipelined_modules = rewrite.PIPELINED_MODULES
-    _pipelined_postprocs = rewrite.PIPELINED_POSTPROCS
-    _make_forward = rewrite.make_forward
-    _pipeline_model = rewrite.pipeline_model
-    _init_pipelined_modules = rewrite.init_pipelined_modules
-    _set_module_context = set_module_context
-    detach = rewrite.detach
-    attach = rewrite.attach
 
     def __init__(
         self,
