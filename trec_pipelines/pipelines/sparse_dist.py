@@ -315,6 +315,27 @@ class TrainPipelineSparseDist(SparseDistRewrite, TrainPipeline[In, Out]):
 
         Returns ``(None, None)`` once the iterator is exhausted.
         """
+        return self._load_and_copy(dataloader_iter, inplace=False)
+
+    def inplace_copy_batch_to_gpu(
+        self, dataloader_iter: Iterator[Any]
+    ) -> Tuple[Optional[Any], Optional[TrainPipelineContext]]:
+        """As :meth:`copy_batch_to_gpu`, allocating on the current stream.
+
+        With ``async_inplace_copy`` the copy is submitted to the worker thread
+        and the batch is a Future until its slot is read (see
+        the note "async in-place copy" in the source of ``trec_pipelines.data.inplace_copy``).
+        """
+        return self._load_and_copy(dataloader_iter, inplace=True)
+
+    def _load_and_copy(
+        self, dataloader_iter: Iterator[Any], *, inplace: bool
+    ) -> Tuple[Optional[Any], Optional[TrainPipelineContext]]:
+        """The copy stage behind both of torchrec's copy methods (``enqueue_batch``
+        calls the one ``enable_inplace_copy_batch`` picks, so an override of either
+        is called as torchrec calls it): pull, make the context, copy.  ``inplace``
+        allocates the device batch on the current stream, the copy itself on the
+        memcpy stream."""
         host, padding = self._source.next(dataloader_iter), False
         if isinstance(host, Padding):  # an eval pipeline's: its batch runs, its output unused
             host, padding = host.batch, True
@@ -324,9 +345,15 @@ class TrainPipelineSparseDist(SparseDistRewrite, TrainPipeline[In, Out]):
         context = self._create_context()
         context.padding = padding  # an eval pipeline's padding batch (trec_pipelines.data.padding)
         with self._recording.span(rec.H2D, context.index, "memcpy"):
-            if self._copy_worker is not None:  # TrainPipelineSparseDistT's copy thread
+            if self._copy_worker is not None:
+                # async_inplace_copy's worker, or TrainPipelineSparseDistT's copy
+                # thread (which copies in place as enable_inplace_copy_batch says).
+                # Not checked for shared storage: the copy is still to be made.  The
+                # worker copies a host batch into new device memory; a loader that
+                # yields device tensors should not combine async_inplace_copy with
+                # free_features_storage_early.
                 return self._copy_worker.submit(host), context
-            batch = copy_to_device(host, self._device, self._streams.memcpy)
+            batch = copy_to_device(host, self._device, self._streams.memcpy, inplace=inplace)
         if self._free_features_storage_early:
             note_shared_features(self, host, batch, context)
         return batch, context
@@ -343,35 +370,6 @@ class TrainPipelineSparseDist(SparseDistRewrite, TrainPipeline[In, Out]):
         """The context of the batch just pulled (torchrec's hook, honoured: one per
         batch copied; an override must return an instance of ``context_type``)."""
         return self._context_type(index=self._source.last_index)
-
-    def inplace_copy_batch_to_gpu(
-        self, dataloader_iter: Iterator[Any]
-    ) -> Tuple[Optional[Any], Optional[TrainPipelineContext]]:
-        """As :meth:`copy_batch_to_gpu`, allocating on the current stream.
-
-        With ``async_inplace_copy`` the copy is submitted to the worker thread
-        and the batch is a Future until its slot is read (see
-        the note "async in-place copy" in the source of ``trec_pipelines.data.inplace_copy``).
-        """
-        host, padding = self._source.next(dataloader_iter), False
-        if isinstance(host, Padding):  # an eval pipeline's: its batch runs, its output unused
-            host, padding = host.batch, True
-        if host is None:
-            self._end_at_the_pull()
-            return None, None
-        context = self._create_context()
-        context.padding = padding  # an eval pipeline's padding batch (trec_pipelines.data.padding)
-        with self._recording.span(rec.H2D, context.index, "memcpy"):
-            if self._copy_worker is not None:
-                # Not checked for shared storage: the copy is still to be made.  The
-                # worker copies a host batch into new device memory; a loader that
-                # yields device tensors should not combine async_inplace_copy with
-                # free_features_storage_early.
-                return self._copy_worker.submit(host), context
-            batch = copy_to_device(host, self._device, self._streams.memcpy, inplace=True)
-        if self._free_features_storage_early:
-            note_shared_features(self, host, batch, context)
-        return batch, context
 
     def enqueue_batch(self, dataloader_iter: Iterator[Any]) -> bool:
         """Load, copy and queue one batch; False when the iterator is exhausted."""
