@@ -317,17 +317,6 @@ class TrainPipelineSparseDist(SparseDistRewrite, TrainPipeline[In, Out]):
         """
         return self._load_and_copy(dataloader_iter, inplace=False)
 
-    def inplace_copy_batch_to_gpu(
-        self, dataloader_iter: Iterator[Any]
-    ) -> Tuple[Optional[Any], Optional[TrainPipelineContext]]:
-        """As :meth:`copy_batch_to_gpu`, allocating on the current stream.
-
-        With ``async_inplace_copy`` the copy is submitted to the worker thread
-        and the batch is a Future until its slot is read (see
-        the note "async in-place copy" in the source of ``trec_pipelines.data.inplace_copy``).
-        """
-        return self._load_and_copy(dataloader_iter, inplace=True)
-
     def _load_and_copy(
         self, dataloader_iter: Iterator[Any], *, inplace: bool
     ) -> Tuple[Optional[Any], Optional[TrainPipelineContext]]:
@@ -370,6 +359,17 @@ class TrainPipelineSparseDist(SparseDistRewrite, TrainPipeline[In, Out]):
         """The context of the batch just pulled (torchrec's hook, honoured: one per
         batch copied; an override must return an instance of ``context_type``)."""
         return self._context_type(index=self._source.last_index)
+
+    def inplace_copy_batch_to_gpu(
+        self, dataloader_iter: Iterator[Any]
+    ) -> Tuple[Optional[Any], Optional[TrainPipelineContext]]:
+        """As :meth:`copy_batch_to_gpu`, allocating on the current stream.
+
+        With ``async_inplace_copy`` the copy is submitted to the worker thread
+        and the batch is a Future until its slot is read (see
+        the note "async in-place copy" in the source of ``trec_pipelines.data.inplace_copy``).
+        """
+        return self._load_and_copy(dataloader_iter, inplace=True)
 
     def enqueue_batch(self, dataloader_iter: Iterator[Any]) -> bool:
         """Load, copy and queue one batch; False when the iterator is exhausted."""

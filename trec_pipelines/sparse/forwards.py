@@ -32,18 +32,7 @@ context has moved on to the next batch).
 from __future__ import annotations
 
 import weakref
-from typing import (
-    Any,
-    Dict,
-    Generic,
-    Iterable,
-    List,
-    Optional,
-    Protocol,
-    Tuple,
-    TypeVar,
-    Union,
-)
+from typing import Any, Dict, Generic, Iterable, List, Optional, Protocol, Tuple, TypeVar, Union
 
 import torch
 from torchrec.distributed.pec_embedding import ShardedPECEmbeddingCollection
