@@ -31,7 +31,17 @@ from __future__ import annotations
 import enum
 import logging
 from dataclasses import dataclass
-from typing import Any, Callable, Iterator, List, Optional, Protocol, Tuple, runtime_checkable
+from typing import (
+    Any,
+    Callable,
+    Iterator,
+    List,
+    Optional,
+    Protocol,
+    Tuple,
+    TypeVar,
+    runtime_checkable,
+)
 
 import torch
 from torch import nn
@@ -173,7 +183,19 @@ class InjectionSite:
     hook_position: float = 1.0
 
 
-def _target_type(site: Any) -> InjectionTargetType:
+class Site(Protocol):
+    """A site as this module reads it: ours (:class:`InjectionSite`) or torchrec's
+    (``backward_injection.InjectionSite``).  ``target_type`` and ``hook_position``
+    are read when the site has them (torchrec's older sites do not)."""
+
+    @property
+    def fqn(self) -> str: ...
+
+    @property
+    def tensor_finder(self) -> GradTensorFinder: ...
+
+
+def _target_type(site: Site) -> InjectionTargetType:
     raw = getattr(site, "target_type", InjectionTargetType.ACTIVATION)
     try:
         return InjectionTargetType(getattr(raw, "value", raw))
@@ -185,7 +207,7 @@ def _target_type(site: Any) -> InjectionTargetType:
 
 
 def register_backward_hook(
-    site: Any, model: nn.Module, hook_fn: Callable[[torch.Tensor], None]
+    site: Site, model: nn.Module, hook_fn: Callable[[torch.Tensor], None]
 ) -> RemovableHandle:
     """Attach ``hook_fn(grad)`` at ``site`` in ``model`` (DMP/DDP wrappers are looked through).
 
@@ -229,7 +251,7 @@ def _nearest_first(start: int, n: int) -> Iterator[int]:
 
 
 def _hook_parameter(
-    site: Any, target: nn.Module, hook_fn: Callable[[torch.Tensor], None]
+    site: Site, target: nn.Module, hook_fn: Callable[[torch.Tensor], None]
 ) -> RemovableHandle:
     params = list(target.named_parameters())
     if not params:
@@ -261,7 +283,7 @@ def _hook_parameter(
 
 
 def _hook_activation(
-    site: Any, target: nn.Module, hook_fn: Callable[[torch.Tensor], None]
+    site: Site, target: nn.Module, hook_fn: Callable[[torch.Tensor], None]
 ) -> RemovableHandle:
     finder = site.tensor_finder
 
@@ -279,11 +301,14 @@ def _hook_activation(
     return target.register_forward_hook(after_forward, with_kwargs=True)
 
 
+P = TypeVar("P")
+
+
 def pipeline_hook(
-    site: Any, pipeline: Any, work: Callable[[Any], None]
+    site: Site, pipeline: P, work: Callable[[P], None]
 ) -> Callable[[torch.Tensor], None]:
     """The gradient hook that runs ``work(pipeline)``, labelled for the profiler."""
-    label = f"## backward_hook {getattr(site, 'fqn', site)} ##"
+    label = f"## backward_hook {site.fqn} ##"
 
     def run(grad: torch.Tensor) -> None:
         with record_function(label):

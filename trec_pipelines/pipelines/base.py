@@ -94,12 +94,17 @@ class TrainPipelineBase(PipelineCore, TrainPipeline[In, Out]):
     def _connect(self, dataloader_iter: Iterator[Any]) -> None:
         """The first batch of an epoch, copied (torchrec's hook, honoured: the first
         ``progress()`` of each epoch calls it)."""
+        self._copy_next_batch(dataloader_iter)
+        self._connected = True
+
+    def _copy_next_batch(self, dataloader_iter: Iterator[Any]) -> None:
+        """Pull the next host batch and copy it (it becomes ``cur``); at the end of
+        the data ``cur`` is None."""
         host = self._source.next(dataloader_iter)
         if host is None:
             self._cur_batch = None
         else:
             self._copy_batch_to_gpu(host)
-        self._connected = True
 
     def _copy_batch_to_gpu(self, cur_batch: Any) -> None:
         """Issue the copy of host batch ``cur_batch`` on the memcpy stream; it becomes
@@ -174,11 +179,7 @@ class TrainPipelineBase(PipelineCore, TrainPipeline[In, Out]):
         with self._recording.span(rec.FORWARD, i), self._precision.autocast():
             losses, output = call_forward(self, cur)               # cur, default
         del cur  # from here only autograd holds what it saved of cur's input
-        host = self._source.next(dataloader_iter)                  # nxt, host
-        if host is None:
-            self._cur_batch = None
-        else:
-            self._copy_batch_to_gpu(host)                          # nxt, memcpy
+        self._copy_next_batch(dataloader_iter)                     # nxt, host -> memcpy
         if training:
             self._backward(losses)                                 # cur, default
             self._optimizer_step()                                 # cur, default

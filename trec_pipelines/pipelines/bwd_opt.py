@@ -202,5 +202,5 @@ class TrainPipelineSparseDistBwdOpt(TrainPipelineSparseDist[In, Out]):
         self._optimizer_step()
 
 
-def _step_in_backward(pipeline: Any) -> None:
+def _step_in_backward(pipeline: TrainPipelineSparseDistBwdOpt[Any, Any]) -> None:
     pipeline._step_now()

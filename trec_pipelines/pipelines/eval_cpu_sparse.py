@@ -33,7 +33,6 @@ from trec_pipelines.model.args import CallArgs
 from trec_pipelines.model.context import CPUEmbeddingTrainPipelineContext, TrainPipelineContext
 from trec_pipelines.observe import recorder as rec
 from trec_pipelines.pipelines.sparse_dist import TrainPipelineSparseDist
-from trec_pipelines.pipelines.sparse_dist_rewrite import current_context, rewrite_checked
 from trec_pipelines.sparse.forwards import BaseForward, CPUEmbeddingPipelinedForward
 from trec_pipelines.sparse.input_dist import start_input_dist, wait_input_dist
 
@@ -181,7 +180,7 @@ class EvalPipelineCPUSparse(TrainPipelineSparseDist[In, Out]):
     def _make_forward(
         self, name: str, call_args: CallArgs, module: AnyShardedModule
     ) -> BaseForward[Any]:
-        context = cast(CPUEmbeddingTrainPipelineContext, current_context(self))
+        context = cast(CPUEmbeddingTrainPipelineContext, self._current_context())
         return CPUEmbeddingPipelinedForward(name, call_args, module, context)
 
     def _pipeline_model(
@@ -191,7 +190,7 @@ class EvalPipelineCPUSparse(TrainPipelineSparseDist[In, Out]):
         pipelined_forward: Optional[type] = None,
     ) -> None:
         """Rewrite the model on the first batch (its input dist runs in the host stage)."""
-        rewrite_checked(self, batch)
+        self._rewrite(batch)
         self._set_module_context(context)
 
     # ------------------------------------------------------------------ stages

@@ -34,7 +34,6 @@ from trec_pipelines.model.args import CallArgs
 from trec_pipelines.model.context import EmbeddingTrainPipelineContext
 from trec_pipelines.observe import recorder as rec
 from trec_pipelines.pipelines.sparse_dist import TrainPipelineSparseDist
-from trec_pipelines.pipelines.sparse_dist_rewrite import current_context
 from trec_pipelines.sparse import lookup
 from trec_pipelines.sparse.forwards import BaseForward, InSyncEmbeddingPipelinedForward
 
@@ -190,7 +189,7 @@ class TrainPipelineFusedSparseDist(TrainPipelineSparseDist[In, Out]):
             name,
             call_args,
             module,
-            cast(EmbeddingTrainPipelineContext, current_context(self)),
+            cast(EmbeddingTrainPipelineContext, self._current_context()),
             self._lookup_stream,
         )
 

@@ -49,7 +49,6 @@ from trec_pipelines.model.args import CallArgs
 from trec_pipelines.model.context import PECTrainPipelineContext
 from trec_pipelines.observe import recorder as rec
 from trec_pipelines.pipelines.sparse_dist import TrainPipelineSparseDist
-from trec_pipelines.pipelines.sparse_dist_rewrite import current_context
 from trec_pipelines.sparse import lookup, pec_ops
 from trec_pipelines.sparse.forwards import BaseForward, PECPipelinedForward
 
@@ -192,7 +191,7 @@ class TrainPipelinePEC(TrainPipelineSparseDist[In, Out]):
         self, name: str, call_args: CallArgs, module: AnyShardedModule
     ) -> BaseForward[Any]:
         # Lookups run on the default stream: nothing to hand over.
-        return PECPipelinedForward(name, call_args, module, current_context(self))  # type: ignore[arg-type]
+        return PECPipelinedForward(name, call_args, module, self._current_context())  # type: ignore[arg-type]
 
     def _pipeline_model(
         self, batch: Any, context: Any, pipelined_forward: Optional[type] = None

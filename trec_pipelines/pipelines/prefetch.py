@@ -39,7 +39,6 @@ from trec_pipelines.model.args import CallArgs
 from trec_pipelines.model.context import PrefetchTrainPipelineContext, TrainPipelineContext
 from trec_pipelines.observe import recorder as rec
 from trec_pipelines.pipelines.sparse_dist import TrainPipelineSparseDist
-from trec_pipelines.pipelines.sparse_dist_rewrite import current_context
 from trec_pipelines.sparse.cache_prefetch import prefetch_modules
 from trec_pipelines.sparse.forwards import BaseForward, PrefetchPipelinedForward
 
@@ -160,7 +159,7 @@ class PrefetchTrainPipelineSparseDist(TrainPipelineSparseDist[In, Out]):
             name,
             call_args,
             module,
-            cast(PrefetchTrainPipelineContext, current_context(self)),
+            cast(PrefetchTrainPipelineContext, self._current_context()),
             self._streams.prefetch,
         )
 

@@ -34,7 +34,6 @@ from trec_pipelines.pipelines.semi_sync_start import (
     say_synchronous_start,
 )
 from trec_pipelines.pipelines.sparse_dist import TrainPipelineSparseDist
-from trec_pipelines.pipelines.sparse_dist_rewrite import current_context
 from trec_pipelines.sparse.deferred_lookup import DeferralPlan, deferring, plan_deferral
 from trec_pipelines.sparse.forwards import BaseForward, EmbeddingPipelinedForward
 from trec_pipelines.sparse.input_dist import start_input_dist
@@ -186,7 +185,7 @@ class TrainPipelineSemiSync(TrainPipelineSparseDist[In, Out]):
             name,
             call_args,
             module,
-            cast(EmbeddingTrainPipelineContext, current_context(self)),
+            cast(EmbeddingTrainPipelineContext, self._current_context()),
             self._streams.data_dist,
         )
 

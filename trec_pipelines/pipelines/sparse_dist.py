@@ -46,8 +46,8 @@ from trec_pipelines.model.backward_hooks import pipeline_hook, register_backward
 from trec_pipelines.model.context import TrainPipelineContext
 from trec_pipelines.model.rewrite import RewriteResult
 from trec_pipelines.observe import recorder as rec
-from trec_pipelines.pipelines import sparse_dist_rewrite as rewrite
-from trec_pipelines.sparse.forwards import PipelinedForward, set_module_context
+from trec_pipelines.pipelines.sparse_dist_rewrite import SparseDistRewrite
+from trec_pipelines.sparse.forwards import PipelinedForward
 from trec_pipelines.sparse.input_dist import (
     release_input_dist_inputs,
     start_input_dist,
@@ -58,7 +58,7 @@ logger: logging.Logger = logging.getLogger(__name__)
 
 
 @takes_options(SparseDistTrainOptions)
-class TrainPipelineSparseDist(PipelineCore, TrainPipeline[In, Out]):
+class TrainPipelineSparseDist(SparseDistRewrite, TrainPipeline[In, Out]):
     """Three batches in flight: ``cur`` trains, ``nxt`` is in input_dist, ``new`` is copied.
 
     ==========  =======  ==================================================
@@ -141,17 +141,6 @@ class TrainPipelineSparseDist(PipelineCore, TrainPipeline[In, Out]):
     sync_embeddings: Callable[  # type: ignore[assignment]  # any context with an index
         [torch.nn.Module, Optional[int], Optional[Any]], None
     ]
-    # The model rewrite: torchrec's hooks and attributes, and attach/detach
-    # (see trec_pipelines.pipelines.sparse_dist_rewrite).
-    _model_attached = rewrite.MODEL_ATTACHED
-    _pipelined_modules = rewrite.PIPELINED_MODULES
-    _pipelined_postprocs = rewrite.PIPELINED_POSTPROCS
-    _make_forward = rewrite.make_forward
-    _pipeline_model = rewrite.pipeline_model
-    _init_pipelined_modules = rewrite.init_pipelined_modules
-    _set_module_context = set_module_context
-    detach = rewrite.detach
-    attach = rewrite.attach
 
     def __init__(
         self,
@@ -258,6 +247,16 @@ class TrainPipelineSparseDist(PipelineCore, TrainPipeline[In, Out]):
 
         Returns ``(None, None)`` once the iterator is exhausted.
         """
+        return self._load_and_copy(dataloader_iter, inplace=False)
+
+    def _load_and_copy(
+        self, dataloader_iter: Iterator[Any], *, inplace: bool
+    ) -> Tuple[Optional[Any], Optional[TrainPipelineContext]]:
+        """The copy stage behind both of torchrec's copy methods (``enqueue_batch``
+        calls the one ``enable_inplace_copy_batch`` picks, so an override of either
+        is called as torchrec calls it): pull, make the context, copy.  ``inplace``
+        allocates the device batch on the current stream, the copy itself on the
+        memcpy stream."""
         host, padding = self._source.next(dataloader_iter), False
         if isinstance(host, Padding):  # an eval pipeline's: its batch runs, its output unused
             host, padding = host.batch, True
@@ -267,9 +266,15 @@ class TrainPipelineSparseDist(PipelineCore, TrainPipeline[In, Out]):
         context = self._create_context()
         context.padding = padding  # an eval pipeline's padding batch (trec_pipelines.data.padding)
         with self._recording.span(rec.H2D, context.index, "memcpy"):
-            if self._copy_worker is not None:  # TrainPipelineSparseDistT's copy thread
+            if self._copy_worker is not None:
+                # async_inplace_copy's worker, or TrainPipelineSparseDistT's copy
+                # thread (which copies in place as enable_inplace_copy_batch says).
+                # Not checked for shared storage: the copy is still to be made.  The
+                # worker copies a host batch into new device memory; a loader that
+                # yields device tensors should not combine async_inplace_copy with
+                # free_features_storage_early.
                 return self._copy_worker.submit(host), context
-            batch = copy_to_device(host, self._device, self._streams.memcpy)
+            batch = copy_to_device(host, self._device, self._streams.memcpy, inplace=inplace)
         if self._free_features_storage_early:
             note_shared_features(self, host, batch, context)
         return batch, context
@@ -296,25 +301,7 @@ class TrainPipelineSparseDist(PipelineCore, TrainPipeline[In, Out]):
         and the batch is a Future until its slot is read (see
         the note "async in-place copy" in the source of ``trec_pipelines.data.inplace_copy``).
         """
-        host, padding = self._source.next(dataloader_iter), False
-        if isinstance(host, Padding):  # an eval pipeline's: its batch runs, its output unused
-            host, padding = host.batch, True
-        if host is None:
-            self._end_at_the_pull()
-            return None, None
-        context = self._create_context()
-        context.padding = padding  # an eval pipeline's padding batch (trec_pipelines.data.padding)
-        with self._recording.span(rec.H2D, context.index, "memcpy"):
-            if self._copy_worker is not None:
-                # Not checked for shared storage: the copy is still to be made.  The
-                # worker copies a host batch into new device memory; a loader that
-                # yields device tensors should not combine async_inplace_copy with
-                # free_features_storage_early.
-                return self._copy_worker.submit(host), context
-            batch = copy_to_device(host, self._device, self._streams.memcpy, inplace=True)
-        if self._free_features_storage_early:
-            note_shared_features(self, host, batch, context)
-        return batch, context
+        return self._load_and_copy(dataloader_iter, inplace=True)
 
     def enqueue_batch(self, dataloader_iter: Iterator[Any]) -> bool:
         """Load, copy and queue one batch; False when the iterator is exhausted."""

@@ -217,7 +217,7 @@ class TrainPipelineSparseDistOptStash(TrainPipelineSparseDist[In, Out]):
             self._stashing.start_optimizer_stash(self._optimizer)
 
 
-def _start_optimizer_restore(pipeline: Any) -> None:
+def _start_optimizer_restore(pipeline: TrainPipelineSparseDistOptStash[Any, Any]) -> None:
     pipeline._restore_now()
 
 
@@ -375,9 +375,9 @@ class TrainPipelineSparseDistEmbStash(TrainPipelineSparseDist[In, Out]):
             self._stashing.restore_embedding_weights()
 
 
-def _execute_pending_stashes(pipeline: Any) -> None:
+def _execute_pending_stashes(pipeline: TrainPipelineSparseDistEmbStash[Any, Any]) -> None:
     pipeline._stashing.execute_pending_stashes()
 
 
-def _restore_embedding_weights(pipeline: Any) -> None:
+def _restore_embedding_weights(pipeline: TrainPipelineSparseDistEmbStash[Any, Any]) -> None:
     pipeline._restore_now()

@@ -32,7 +32,7 @@ context has moved on to the next batch).
 from __future__ import annotations
 
 import weakref
-from typing import Any, Dict, Generic, Iterable, List, Optional, Tuple, TypeVar, Union, cast
+from typing import Any, Dict, Generic, Iterable, List, Optional, Protocol, Tuple, TypeVar, Union
 
 import torch
 from torchrec.distributed.pec_embedding import ShardedPECEmbeddingCollection
@@ -60,6 +60,16 @@ from trec_pipelines.sparse.input_dist import run_input_dist
 C = TypeVar("C", bound=TrainPipelineContext)
 
 
+class WrapperOwner(Protocol):
+    """What a wrapper knows of the pipeline that installed it: another pipeline
+    taking the model over detaches it and leaves its own class name in
+    ``_taken_over_by`` (see :mod:`trec_pipelines.sparse.takeover`)."""
+
+    _taken_over_by: Optional[str]
+
+    def detach(self) -> torch.nn.Module: ...
+
+
 class BaseForward(Generic[C]):
     """State shared by every wrapper: which module, its argument recipe, its context."""
 
@@ -85,20 +95,20 @@ class BaseForward(Generic[C]):
         self.direct = False
         self._consumed_in = 0  # the attempt that consumed ``_consumed``
         # The pipeline that installed this wrapper (see claim()).
-        self._owner: Optional[weakref.ReferenceType[Any]] = None
+        self._owner: Optional[weakref.ReferenceType[WrapperOwner]] = None
         self.owner_name = "pipeline"
         # (had an instance forward, that forward): what this wrapper replaced on
         # the module, so it can be undone after its pipeline is gone.
         self.replaced: Optional[Tuple[bool, Any]] = None
 
-    def claim(self, pipeline: Any) -> None:
+    def claim(self, pipeline: WrapperOwner) -> None:
         """Record ``pipeline`` as the one that installed this wrapper, so another
         pipeline finding it on the model knows whom to take the model from."""
         self._owner = weakref.ref(pipeline)
         self.owner_name = type(pipeline).__name__
 
     @property
-    def owner(self) -> Optional[Any]:
+    def owner(self) -> Optional[WrapperOwner]:
         """The pipeline that installed this wrapper, or None if it was collected."""
         return self._owner() if self._owner is not None else None
 
@@ -383,16 +393,3 @@ def _detached_leaf(tensor: torch.Tensor) -> torch.Tensor:
 
 def _device_of(stream: Optional[torch.Stream]) -> torch.device:
     return stream.device if stream is not None else torch.device("cpu")
-
-
-def set_module_context(self: Any, context: Any) -> None:
-    """Point the forward wrappers and postprocs of pipeline ``self``'s rewrite at
-    ``context``, the batch whose forward runs next (torchrec's
-    ``_set_module_context``, assigned in the SparseDist family's class body)."""
-    result = self._pipelined.result
-    if result is None:
-        return
-    for pipelined in result.pipelined:
-        cast(BaseForward[Any], pipelined.module.forward).set_context(context)
-    for postproc in result.postprocs:
-        postproc.set_context(context)

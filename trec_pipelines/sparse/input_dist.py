@@ -76,13 +76,19 @@ class SplitsOnlyKJTAllToAll:
 
     @property
     def _pg(self) -> dist.ProcessGroup:
+        """The group, or an error saying it was released.  Whether a dedicated group
+        is still owned is looked up only after some group was released since the
+        last look (the registry's release count moved)."""
         pg = self._group()
+        if pg is not None and self._checked_at == lifetime.Releases.count:
+            return pg
         if pg is None or (self._owned and not lifetime.is_owned(pg)):
             raise RuntimeError(
                 "the process group this pipelined input_dist ran on was released "
                 "(release_input_dist_groups(), or the interpreter is exiting); call the "
                 "pipeline's detach() then attach() to make a new one"
             )
+        self._checked_at = lifetime.Releases.count
         return pg
 
     def __call__(self, input: KeyedJaggedTensor) -> KJTSplitsAllToAllMeta:
@@ -93,10 +99,7 @@ class SplitsOnlyKJTAllToAll:
                     f"but the sharding plan expects {self._bounds[-1]}; the batch must "
                     "carry exactly the features the sharded module was planned for"
                 )
-            pg = self._group()
-            if pg is None or self._checked_at != lifetime.Releases.count:
-                pg = self._pg  # a group was released since the last look: is it this one?
-                self._checked_at = lifetime.Releases.count
+            pg = self._pg
             rank = dist.get_rank(pg)
             device = input.values().device
             input_splits = input.dist_splits(self._splits)
