@@ -195,7 +195,7 @@ def record_stream_tree(obj: Any, stream: Optional[torch.Stream]) -> int:
     return 0
 
 
-def record_stream_held(obj: Any, stream: Optional[torch.Stream], depth: int = 4) -> int:
+def record_stream_held(obj: Any, stream: Optional[torch.Stream], depth: int = 6) -> int:
     """:func:`record_stream` every Tensor / ``Multistreamable`` that ``obj`` holds,
     looking through its attributes, lists, tuples and dicts ``depth`` levels deep;
     returns how many were recorded.
