@@ -56,7 +56,13 @@ from trec_pipelines.pipelines.sparse_data_dist_util import SparseDataDistUtil
 from trec_pipelines.pipelines.staged import PipelineStage, StagedTrainPipeline
 from trec_pipelines.sparse import forwards as forwards_module
 from trec_pipelines.sparse.stashing import Stashing
-from trec_pipelines.testing import StreamRecorder, check_stream_protocol, devices, summarize
+from trec_pipelines.testing import (
+    StreamRecorder,
+    check_stream_protocol,
+    devices,
+    host_memory_of,
+    summarize,
+)
 from trec_pipelines.testing.dlrm import (
     DLRM,
     FieldwiseBatch,
@@ -65,7 +71,6 @@ from trec_pipelines.testing.dlrm import (
     make_sharded,
     run_pipeline,
 )
-from trec_pipelines.testing.stream_recorder import host_memory_of
 from trec_pipelines.testing.stream_records import OpRecord
 
 DEVICE = devices.device()
