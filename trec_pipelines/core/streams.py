@@ -17,7 +17,9 @@ On a device with streams four rules keep the overlap correct:
    buffers made before the pipeline are never freed under it: exempt.
 3. An event is waited on only after it has been recorded; a wait on an
    unrecorded event orders nothing.
-4. Each verb issues its kernels on the stream its recorder span names, in the
+4. Each verb issues its kernels on the stream its recorder span names, or on
+   a side stream that stream waits for before the verb ends (the forward
+   finishing its input_dist on data_dist, where it was issued), in the
    variant's documented order.
 
 A batch crosses to the device through :func:`copy_to_device` (on the memcpy
