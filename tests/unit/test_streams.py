@@ -137,9 +137,15 @@ def test_record_stream_held_records_what_an_awaitable_holds_without_waiting_it(
     seen: List[int] = []
     monkeypatch.setattr(torch.Tensor, "record_stream", lambda t, s: seen.append(t.numel()))
     consumer = _Stream([], "default")
+    consumer.device = torch.device("cpu")  # the tensors' device type
     lazy = _Lazy()
     kjt = KeyedJaggedTensor(keys=["f"], values=torch.zeros(4), lengths=torch.tensor([4]))
-    holder = SimpleNamespace(awaitable=lazy, features=kjt, module=torch.nn.Linear(2, 2))
+    holder = SimpleNamespace(
+        awaitable=lazy,
+        features=kjt,
+        module=torch.nn.Linear(2, 2),
+        elsewhere=torch.zeros(9, device="meta"),  # another device type: not this stream's
+    )
     assert streams.record_stream_held(holder, consumer) == 4  # type: ignore[arg-type]
     assert sorted(seen) == [1, 2, 3, 4, 7]  # the KJT records its values and lengths
     assert not lazy.waited  # no attribute lookup that would wait for it

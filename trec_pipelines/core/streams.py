@@ -205,8 +205,9 @@ def record_stream_held(obj: Any, stream: Optional[torch.Stream], depth: int = 6)
     For an awaitable issued on one stream and waited on another (an embedding
     lookup's output all-to-all): its ``wait()`` reads the buffers the issue
     allocated and then drops them, so they must be recorded on the waiting
-    stream before the wait, while they can still be reached.  Modules, streams
-    and events are not looked into.
+    stream before the wait, while they can still be reached.  Tensors on
+    another device type (host memory) are skipped; modules, streams and events
+    are not looked into.
     """
     if stream is None:
         return 0
@@ -217,8 +218,13 @@ def _record_held(obj: Any, stream: torch.Stream, depth: int, seen: set[int]) -> 
     if obj is None or id(obj) in seen:
         return 0
     seen.add(id(obj))
+    if isinstance(obj, torch.Tensor):
+        if obj.device.type != stream.device.type:
+            return 0  # host (or meta) memory: no stream of this device uses it
+        obj.record_stream(stream)
+        return 1
     # No getattr on anything else: a LazyAwaitable's __getattr__ would wait for it.
-    if isinstance(obj, (torch.Tensor, Multistreamable)):
+    if isinstance(obj, Multistreamable):
         obj.record_stream(stream)
         return 1
     if depth == 0 or isinstance(obj, (torch.nn.Module, torch.Stream, torch.Event, type)):
