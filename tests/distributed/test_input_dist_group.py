@@ -168,12 +168,10 @@ def test_input_dist_runs_on_the_dedicated_group_on_the_data_dist_stream() -> Non
         # spy puts back what it saved (else later recordings see no all-to-all).
         pipeline.disable_schedule_recording()
         del pipeline
-    # Every race rule, (a)-(c), and (d) but for its span part: the forward
-    # wrapper finishes the input_dist (the tensors wait and torchrec's KJT
-    # permute) on the data_dist stream inside the Forward verb by design, and
-    # the default stream then waits for it; (d)'s span check would count those
-    # kernels as the Forward's own.
-    recorder.assert_protocol(span_streams=False)
+    # Every rule: the forward wrapper finishes the input_dist (the tensors wait
+    # and torchrec's KJT permute) on the data_dist stream inside the Forward
+    # verb, and the default stream waits for it before the verb ends (rule d).
+    recorder.assert_protocol()
     model_group = current_group()
     dedicated = {idg.dedicated_of(model_group)}
     on_dedicated = [stream for group, stream in calls if group in dedicated]

@@ -1086,6 +1086,88 @@ def test_synchronize_orders_everything_after_it() -> None:
     assert check_stream_protocol(recorder) == []
 
 
+def _verb_finishing_side_work(join: bool, read_after: bool) -> List[Violation]:
+    """Forward finishes on data_dist an all-to-all InputDistStart issued there,
+    as torchrec's does, then (``join``) makes its own stream wait for it."""
+    with StreamRecorder() as recorder:
+        side = recorder.device.Stream(name="data_dist")
+        default = streams.current_stream(CPU)
+        schedule = rec.ScheduleRecorder(streams={"default": default, "data_dist": side})
+        schedule.begin_call()
+        with schedule.span("InputDistStart", 0, "data_dist"), _ops_on(side):
+            sent = torch.ones(4) * 2
+        with schedule.span("Forward", 0, "default"):
+            with _ops_on(side):  # completes where it was issued
+                received = sent + 1
+            if join:
+                streams.hand_off(received, side)
+        with schedule.span("Backward", 0, "default"):
+            if read_after:
+                received.sum()
+            torch.ones(2) * 3  # more work on the verb's stream
+    return check_stream_protocol(recorder)
+
+
+def test_verb_may_finish_side_stream_work_it_joins_before_it_ends() -> None:
+    """Rule (d): on a GPU, what the default stream runs after Forward waits for
+    the data_dist kernels Forward issued, exactly as if they had run on default."""
+    assert _verb_finishing_side_work(join=True, read_after=True) == []
+    # Not joined: the kernels escape the verb -- reported even when nothing reads them.
+    (violation,) = _verb_finishing_side_work(join=False, read_after=False)
+    assert violation == Violation(
+        "d",
+        "work on the wrong stream: P0 Forward[i0]@default is recorded on stream 'default', "
+        "but its aten.add.Tensor ran on stream 'data_dist' (at step P0 Forward[i0]@default "
+        "(progress call 0, task Forward)), and stream 'default' had not waited for that work "
+        "when the step ended (no wait_stream('data_dist') and no wait of an event recorded "
+        "after it).",
+    )
+    # ... and a read of their output after the verb is a race of its own (rule a).
+    rules = sorted(v.rule for v in _verb_finishing_side_work(join=False, read_after=True))
+    assert rules == ["a", "d"]
+
+
+def test_default_stream_work_in_a_side_stream_verb_is_reported_even_when_joined() -> None:
+    """The default stream is no side stream: work a memcpy verb issues there
+    serializes the copy with compute, whatever waits come after."""
+    with StreamRecorder() as recorder:
+        side = recorder.device.Stream(name="memcpy")
+        default = streams.current_stream(CPU)
+        schedule = rec.ScheduleRecorder(streams={"default": default, "memcpy": side})
+        schedule.begin_call()
+        with schedule.span("H2D", 0, "memcpy"):
+            torch.ones(3) + 1  # issued on default
+            side.wait_stream(default)
+    (violation,) = check_stream_protocol(recorder)
+    assert violation.rule == "d"
+    assert "but its aten.ones.default ran on stream 'default'" in violation.message
+    assert "had not waited" not in violation.message
+
+
+def test_host_memory_is_host_work_not_a_stream_kernel() -> None:
+    """fbgemm keeps the learning rate in a host tensor on every device: the fused
+    optimizer's fill_ and the lookup's clone of it run on the CPU in program
+    order, so they race with nothing; a kernel mixing it with device memory
+    is still checked."""
+
+    def run(host: bool) -> List[Violation]:
+        lr = torch.tensor(0.1)
+        table = torch.ones(4)
+        with StreamRecorder(host_memory=[lr] if host else []) as recorder:
+            side = recorder.device.Stream(name="data_dist")
+            with _ops_on(side):
+                lr.clone()  # the lookup reads the rate
+            lr.fill_(0.2)  # zero_grad() sets it, on default, no wait
+            table.add_(lr)  # a device kernel reading it: the update
+            with _ops_on(side):
+                table.sum()  # read on data_dist without waiting for the update
+        return check_stream_protocol(recorder)
+
+    assert [v.rule for v in run(host=False)] == ["a", "a"]
+    (violation,) = run(host=True)
+    assert "produced by aten.add_.Tensor on stream 'default'" in violation.message
+
+
 def test_pipeline_built_outside_the_recording_is_refused() -> None:
     model = StandIn()
     pipeline = TrainPipelineSparseDist(model, optimizer_for(model), CPU)

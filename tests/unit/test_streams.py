@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+from types import SimpleNamespace
 from typing import Any, List, Tuple
 
 import pytest
 import torch
+from torchrec.distributed.types import LazyAwaitable
 
 from trec_pipelines.core import streams
 
@@ -103,6 +105,54 @@ def test_lookup_outputs_of_both_kinds_are_recorded(monkeypatch: Any) -> None:
     record_output(keyed, consumer)  # type: ignore[arg-type]
     record_output(jagged, consumer)  # type: ignore[arg-type]
     assert (6, "default") in seen and (5, "default") in seen
+
+
+class _HeldRequest:
+    """A request as torchrec's all-to-alls hold one: buffers in attributes, one nested."""
+
+    def __init__(self) -> None:
+        self.tensor: Any = torch.zeros(7)
+        self.info = SimpleNamespace(splits=[torch.zeros(2)], by_name={"sizes": torch.zeros(3)})
+        self.again = self  # a cycle is walked once
+
+
+class _Lazy(LazyAwaitable[torch.Tensor]):
+    """Waits (and says so) the moment an attribute it lacks is looked up."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.request = _HeldRequest()
+        self.waited = False
+
+    def _wait_impl(self) -> torch.Tensor:
+        self.waited = True
+        return torch.zeros(1)
+
+
+def test_record_stream_held_records_what_an_awaitable_holds_without_waiting_it(
+    monkeypatch: Any,
+) -> None:
+    from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
+
+    seen: List[int] = []
+    monkeypatch.setattr(torch.Tensor, "record_stream", lambda t, s: seen.append(t.numel()))
+    consumer = _Stream([], "default")
+    consumer.device = torch.device("cpu")  # the tensors' device type
+    lazy = _Lazy()
+    kjt = KeyedJaggedTensor(keys=["f"], values=torch.zeros(4), lengths=torch.tensor([4]))
+    holder = SimpleNamespace(
+        awaitable=lazy,
+        features=kjt,
+        module=torch.nn.Linear(2, 2),
+        elsewhere=torch.zeros(9, device="meta"),  # another device type: not this stream's
+    )
+    assert streams.record_stream_held(holder, consumer) == 4  # type: ignore[arg-type]
+    assert sorted(seen) == [1, 2, 3, 4, 7]  # the KJT records its values and lengths
+    assert not lazy.waited  # no attribute lookup that would wait for it
+    assert streams.record_stream_held(holder, None) == 0  # no streams (CPU): nothing
+    seen.clear()
+    assert streams.record_stream_held(holder, consumer, depth=1) == 1  # type: ignore[arg-type]
+    assert sorted(seen) == [1, 4]  # only the KJT is one level down; a module is not entered
 
 
 class _SmallPool(_DeviceModule):

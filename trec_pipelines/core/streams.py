@@ -17,7 +17,9 @@ On a device with streams four rules keep the overlap correct:
    buffers made before the pipeline are never freed under it: exempt.
 3. An event is waited on only after it has been recorded; a wait on an
    unrecorded event orders nothing.
-4. Each verb issues its kernels on the stream its recorder span names, in the
+4. Each verb issues its kernels on the stream its recorder span names, or on
+   a side stream that stream waits for before the verb ends (the forward
+   finishing its input_dist on data_dist, where it was issued), in the
    variant's documented order.
 
 A batch crosses to the device through :func:`copy_to_device` (on the memcpy
@@ -195,6 +197,50 @@ def record_stream_tree(obj: Any, stream: Optional[torch.Stream]) -> int:
     return 0
 
 
+def record_stream_held(obj: Any, stream: Optional[torch.Stream], depth: int = 6) -> int:
+    """:func:`record_stream` every Tensor / ``Multistreamable`` that ``obj`` holds,
+    looking through its attributes, lists, tuples and dicts ``depth`` levels deep;
+    returns how many were recorded.
+
+    For an awaitable issued on one stream and waited on another (an embedding
+    lookup's output all-to-all): its ``wait()`` reads the buffers the issue
+    allocated and then drops them, so they must be recorded on the waiting
+    stream before the wait, while they can still be reached.  Tensors on
+    another device type (host memory) are skipped; modules, streams and events
+    are not looked into.
+    """
+    if stream is None:
+        return 0
+    return _record_held(obj, stream, depth, set())
+
+
+def _record_held(obj: Any, stream: torch.Stream, depth: int, seen: set[int]) -> int:
+    if obj is None or id(obj) in seen:
+        return 0
+    seen.add(id(obj))
+    if isinstance(obj, torch.Tensor):
+        if obj.device.type != stream.device.type:
+            return 0  # host (or meta) memory: no stream of this device uses it
+        obj.record_stream(stream)
+        return 1
+    # No getattr on anything else: a LazyAwaitable's __getattr__ would wait for it.
+    if isinstance(obj, Multistreamable):
+        obj.record_stream(stream)
+        return 1
+    if depth == 0 or isinstance(obj, (torch.nn.Module, torch.Stream, torch.Event, type)):
+        return 0
+    if isinstance(obj, (list, tuple)):
+        items: Any = obj
+    elif isinstance(obj, dict):
+        items = obj.values()
+    else:
+        try:
+            items = object.__getattribute__(obj, "__dict__").values()
+        except AttributeError:  # no attributes of its own (slots, a C object)
+            return 0
+    return sum(_record_held(item, stream, depth - 1, seen) for item in items)
+
+
 def hand_off(obj: Any, producer: Optional[torch.Stream]) -> None:
     """Hand ``obj``, made on ``producer``, to the current stream (rules 1 and 2)."""
     if producer is None:
@@ -244,6 +290,7 @@ __all__ = [
     "on_stream",
     "record_event",
     "record_stream",
+    "record_stream_held",
     "record_stream_tree",
     "use_device_module",
     "wait_event",

@@ -45,6 +45,7 @@ from trec_pipelines.core.streams import (
     hand_off,
     on_stream,
     record_stream,
+    record_stream_held,
     wait_event,
 )
 from trec_pipelines.model.args import CallArgs
@@ -247,6 +248,11 @@ class EmbeddingPipelinedForward(BaseForward[EmbeddingTrainPipelineContext]):
         consumer = current_stream(_device_of(self._stream))
         wait_event(consumer, self._context.embedding_lookup_event)
         record_stream(module_ctx, consumer)
+        # The wait below reads the output all-to-all's buffers, allocated on the
+        # lookup stream, on this one and drops them: record them while reachable
+        # (torchrec does not, and the lookup stream could reuse them too soon).
+        if consumer != self._stream:
+            record_stream_held(awaitable, consumer)
         if isinstance(awaitable, Iterable):
             # Managed-collision modules return (embeddings, remapped ids).
             embeddings_awaitable, remapped_awaitable = awaitable

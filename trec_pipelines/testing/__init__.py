@@ -27,11 +27,12 @@ from trec_pipelines.testing.stream_checker import (
     summarize,
 )
 from trec_pipelines.testing.stream_device import RecordingDevice, RecordingEvent, RecordingStream
-from trec_pipelines.testing.stream_recorder import StreamRecorder
+from trec_pipelines.testing.stream_recorder import StreamRecorder, host_memory_of
 
 # The recorder, the checks, what they report, then the stand-in device.
 __all__ = [
     "StreamRecorder",
+    "host_memory_of",
     "assert_stream_protocol",
     "check_stream_protocol",
     "check_schedule",

@@ -32,7 +32,17 @@ order them and returns every :class:`Violation` of four rules:
     the (task, batch) sequence recorded on each stream role must equal that
     sequence's projection on the role.  Independently of a given schedule,
     every kernel issued inside a verb runs on the stream the verb is recorded
-    on (when that role names a stream of the pipeline's recorder).
+    on (when that role names a stream of the pipeline's recorder), or on a
+    side stream that the verb's stream waits for before the verb ends.  A verb
+    may finish, on the side stream where it was issued, work an earlier verb
+    started there (torchrec's forward completes the input_dist's all-to-all on
+    the data_dist stream, then joins that stream): everything after the verb
+    on its stream is still ordered after that work, as if it had run there.
+    A side stream is one some verb is recorded on, other than the default
+    stream.  Reported: work a verb issues on the default stream when the verb
+    is recorded on a side stream (it serializes what the schedule overlaps),
+    and side-stream work its verb's stream has not waited for when the verb
+    ends.
 
 Every message names the tensor (dtype, shape, storage number), where it was
 produced (stream, and the pipeline step and task active then), the two
@@ -53,6 +63,8 @@ from trec_pipelines.testing.stream_records import (
     RecordEventRecord,
     Recording,
     RecordStreamRecord,
+    Span,
+    SpanRecord,
     SyncRecord,
     WaitEventRecord,
     WaitStreamRecord,
@@ -157,9 +169,16 @@ class _Replay:
         self._record_streams: DefaultDict[int, Set[Any]] = defaultdict(set)
         self._pending: DefaultDict[Any, List[_PendingReuse]] = defaultdict(list)
         self.summary = ProtocolSummary({}, 0, 0, 0, 0)
+        # (d): a verb's kernels on a side stream not its own, checked when the verb ends.
+        self._off_stream: Dict[Span, List[_Access]] = {}
+        # The streams some verb is recorded on, but for the default stream.
+        self._side_streams: Set[Any] = set()
         for record in recorder.records:
             if isinstance(record, RecordEventRecord):
                 self._first_record.setdefault(record.event, record)
+            elif isinstance(record, SpanRecord) and record.span.stream is not None:
+                if record.span.role != "default":
+                    self._side_streams.add(record.span.stream)
 
     # ------------------------------------------------------------ helpers
 
@@ -198,6 +217,10 @@ class _Replay:
                 self._free(record)
             elif isinstance(record, SyncRecord):
                 self._sync(record)
+            elif isinstance(record, SpanRecord) and not record.enter:
+                self._span_ends(record.span)
+        for span in list(self._off_stream):  # verbs still open when the recording ended
+            self._span_ends(span)
         return self.violations
 
     def _op(self, op: OpRecord) -> None:
@@ -207,8 +230,6 @@ class _Replay:
         for pending in self._pending.pop(stream, []):
             if clock.get(pending.user, 0) < pending.use.position:
                 self._report_reuse(pending, op)
-        if self._span_streams:
-            self._check_span_stream(op)
         accessed = list(dict.fromkeys(op.reads + op.writes))
         ops = self.summary.ops
         ops[_name(stream)] = ops.get(_name(stream), 0) + 1
@@ -228,6 +249,8 @@ class _Replay:
         self._count[stream] = position
         clock[stream] = position
         here = _Access(position, op)
+        if self._span_streams:
+            self._check_span_stream(here)
         for storage in op.reads:
             self._reads[storage][stream] = here
         for storage in op.writes + op.allocs:
@@ -334,17 +357,41 @@ class _Replay:
             "still reads it.",
         )
 
-    def _check_span_stream(self, op: OpRecord) -> None:
+    def _check_span_stream(self, here: _Access) -> None:
+        op = here.record
         span = op.where.span
         if span is None or span.stream is None or span.stream is op.stream:
             return
         if not (op.reads or op.writes or op.allocs):
             return  # touches no memory
+        if op.stream in self._side_streams:
+            # Fine if the verb's stream has waited for it by the time the verb ends.
+            self._off_stream.setdefault(span, []).append(here)
+            return
+        self._report_span_stream(span, op, "")
+
+    def _span_ends(self, span: Span) -> None:
+        pending = self._off_stream.pop(span, [])
+        if not pending:
+            return
+        clock = self._clock(span.stream)
+        for access in pending:
+            op = access.record
+            if clock.get(op.stream, 0) < access.position:
+                self._report_span_stream(
+                    span,
+                    op,
+                    f", and stream '{span.role}' had not waited for that work when the step "
+                    f"ended (no wait_stream('{_name(op.stream)}') and no wait of an event "
+                    "recorded after it)",
+                )
+
+    def _report_span_stream(self, span: Span, op: OpRecord, unjoined: str) -> None:
         self._report(
             "d",
             (span, op.stream),
             f"work on the wrong stream: {span} is recorded on stream '{span.role}', but "
-            f"its {op.op} ran on stream '{_name(op.stream)}' (at {op.where}).",
+            f"its {op.op} ran on stream '{_name(op.stream)}' (at {op.where}){unjoined}.",
         )
 
 

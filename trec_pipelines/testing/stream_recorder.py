@@ -48,7 +48,18 @@ import contextlib
 import itertools
 import threading
 from dataclasses import dataclass
-from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple, TypeVar
+from typing import (
+    Any,
+    Callable,
+    Dict,
+    Iterable,
+    Iterator,
+    List,
+    Optional,
+    Set,
+    Tuple,
+    TypeVar,
+)
 
 import torch
 from torch._subclasses.fake_tensor import FakeTensor
@@ -153,13 +164,22 @@ class StreamRecorder:
                 pipeline.progress(it)
         recorder.assert_protocol()
 
+    ``host_memory``: tensors that stay in host memory when the model runs on
+    a real device, though everything is on the CPU here (fbgemm's embedding
+    kernels keep their learning rate in a host tensor, ``learning_rate_tensor``,
+    on every device: see :func:`host_memory_of`).  An op that touches only
+    these (and what it makes of them) runs on the host in program order, so it
+    is not a kernel of any stream and is left out of the record.
+
     Attributes:
         device: the :class:`RecordingDevice` the pipeline's streams come from.
         records: everything recorded, in the order the CPU issued it.
         tensors: storage number -> the first tensor seen on that storage.
     """
 
-    def __init__(self, device: torch.device = CPU) -> None:
+    def __init__(
+        self, device: torch.device = CPU, *, host_memory: Iterable[torch.Tensor] = ()
+    ) -> None:
         self.device = RecordingDevice(self, device)
         self.records: List[Record] = []
         self.tensors: Dict[int, TensorInfo] = {}
@@ -174,6 +194,13 @@ class StreamRecorder:
         self._call = -1
         self._recording = False
         self._stack: Optional[contextlib.ExitStack] = None
+        # Storages that stay in host memory on a real device: work on them alone
+        # runs on the CPU, in program order, on no stream.
+        self._host_memory: Set[int] = set()
+        for tensor in host_memory:
+            sid, _ = self._storage(tensor, external=True)
+            if sid is not None:
+                self._host_memory.add(sid)
 
     # ------------------------------------------------------------- public
 
@@ -357,6 +384,11 @@ class StreamRecorder:
                     sid, new = self._storage(tensor, external=False)
                     if sid is not None and new:
                         allocs.append(sid)
+            touched = reads + writes
+            if touched and self._host_memory.issuperset(touched):
+                # Host work (a fill_ or clone of fbgemm's learning-rate tensor): not a kernel.
+                self._host_memory.update(allocs)
+                return
             for sid in allocs:
                 self._alloc_stream[sid] = stream
             for sid in itertools.chain(reads, writes):
@@ -517,6 +549,35 @@ def _patched(owner: Any, name: str, value: Any) -> Iterator[None]:
             delattr(owner, name)
 
 
+def host_memory_of(model: torch.nn.Module) -> List[torch.Tensor]:
+    """The tensors of ``model`` that stay in host memory on a real device: each
+    fbgemm embedding kernel's ``learning_rate_tensor`` (a CPU tensor on every
+    device; the fused optimizer's ``zero_grad()`` and ``step()`` write it, the
+    lookup reads it).  Pass them as ``StreamRecorder(host_memory=...)``."""
+    found: List[torch.Tensor] = []
+    seen: Set[int] = set()
+    todo: List[Any] = [model]
+    while todo:  # submodules, also those a sharded module keeps in plain lists
+        module = todo.pop()
+        if id(module) in seen:
+            continue
+        seen.add(id(module))
+        tensor = module.__dict__.get("learning_rate_tensor")
+        if isinstance(tensor, torch.Tensor):
+            found.append(tensor)
+        for value in module.__dict__.values():
+            for item in (
+                value.values()
+                if isinstance(value, dict)
+                else value
+                if isinstance(value, (list, tuple))
+                else [value]
+            ):
+                if isinstance(item, torch.nn.Module):
+                    todo.append(item)
+    return found
+
+
 def active_recorder() -> Optional[StreamRecorder]:
     """The recorder currently recording, if any."""
     return _active
@@ -540,4 +601,5 @@ __all__ = [
     "WaitStreamRecord",
     "Where",
     "active_recorder",
+    "host_memory_of",
 ]
