@@ -12,7 +12,7 @@ import pytest
 
 import trec_pipelines as tp
 from tests import docstrings
-from trec_pipelines.core import step_guard
+from trec_pipelines.core import peer_failure
 from trec_pipelines.core.api_docs import (
     PROGRESS,
     TORCHREC_PARAMETERS,
@@ -152,7 +152,7 @@ def test_an_out_of_date_docstring_is_written_back(tmp_path: Path) -> None:
 
 
 def test_a_stopping_rank_says_where_the_error_is_and_how_to_set_the_grace() -> None:
-    message = step_guard.stop_message(
+    message = peer_failure.stop_message(
         1, {0: "batch 2: TrainPipelineSparseDist.progress() raised Fault: boom"}, 10.4
     )
     assert message == (

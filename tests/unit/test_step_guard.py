@@ -236,11 +236,12 @@ def test_a_step_that_goes_through_after_a_failure_ends_that_failures_standing(
     "rank 0 failed first" (two ranks' failure news on one store; no watcher)."""
     from torch.distributed import HashStore
 
-    from trec_pipelines.core import step_guard
+    from trec_pipelines.core import peer_failure, step_guard
 
     monkeypatch.setenv("TREC_PIPELINES_PEER_FAILURE_GRACE", "0")
     store = HashStore()
-    rank0, rank1 = step_guard._News(store, 0, 2, None), step_guard._News(store, 1, 2, None)
+    rank0 = peer_failure.FailureNews(store, 0, 2, None)
+    rank1 = peer_failure.FailureNews(store, 1, 2, None)
     monkeypatch.setattr(step_guard, "news", lambda: rank0)
     model = _model("before_lookup", 1)
     pipeline = tp.TrainPipelineSparseDist(model, optimizer_for(model), CPU)
