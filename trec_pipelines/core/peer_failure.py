@@ -58,6 +58,7 @@ from __future__ import annotations
 import itertools
 import logging
 import os
+import re
 import threading
 import time
 from datetime import timedelta
@@ -271,6 +272,27 @@ class Watch:
             self.since = (step, now)  # a step entered behind the failure: its wait starts
         waited = now - self.since[1]
         return waited if waited >= grace_seconds() else None
+
+
+# What the process group says when a peer's process went away: gloo's reads and
+# writes on a socket its peer closed ("Connection closed by peer [10.0.0.2]:43027",
+# "Read error [10.0.0.2]:43027: Connection reset by peer", a write's "Broken pipe")
+# and NCCL's remote error.  The group cannot take that peer back: a retry fails too.
+_GONE = ("connection closed by peer", "connection reset by peer", "ncclremoteerror")
+_ADDRESS = re.compile(r"\[([^\]\s]+)\]:(\d+)")
+
+
+def gone_peer(error: BaseException) -> Optional[str]:
+    """The peer whose process is gone, as the error names it ("the peer at
+    [10.0.0.2]:43027", or "a peer" when it gives no address), or None when
+    ``error`` does not say a peer went away."""
+    text = str(error)
+    address = _ADDRESS.search(text)
+    said = text.lower()
+    # A broken pipe only where gloo names the peer it wrote to (a user's own pipe may heal).
+    if not any(words in said for words in _GONE) and not ("broken pipe" in said and address):
+        return None
+    return "a peer" if address is None else f"the peer at {address.group(0)}"
 
 
 def stop_message(rank: int, peers: Dict[int, str], waited: float) -> str:

@@ -72,7 +72,13 @@ import torch.distributed as dist
 
 from trec_pipelines.core.errors import is_users_mistake
 from trec_pipelines.core.notes import add_note
-from trec_pipelines.core.peer_failure import RETRY_WAIT, grace_seconds, news, note_peers
+from trec_pipelines.core.peer_failure import (
+    RETRY_WAIT,
+    gone_peer,
+    grace_seconds,
+    news,
+    note_peers,
+)
 
 logger: logging.Logger = logging.getLogger(__name__)
 
@@ -163,12 +169,25 @@ def _where() -> str:
 
 def _explain(error: BaseException, pipeline: str, index: Optional[int]) -> None:
     batch = "its batch" if index is None else f"batch {index}"
-    note = (
-        f"trec_pipelines: {_where()}{pipeline}.progress() raised while training "
-        f"{batch}; the pipeline rolled back, and the next progress() retries {batch} "
-        "from its host copy (call pipeline.skip_failed_batch() first to drop it instead)."
-    )
-    if _where():
+    gone = gone_peer(error)
+    where = _where()
+    if gone is None:
+        note = (
+            f"trec_pipelines: {where}{pipeline}.progress() raised while training "
+            f"{batch}; the pipeline rolled back, and the next progress() retries {batch} "
+            "from its host copy (call pipeline.skip_failed_batch() first to drop it instead)."
+        )
+    else:
+        note = (
+            f"trec_pipelines: {where}{pipeline}.progress() raised while training "
+            f"{batch} because {gone} is gone: its process ended (its own output says why: "
+            "an error, killed, out of memory) or it left the process group. The pipeline "
+            "rolled back, but no retry can succeed in this job: the process group cannot "
+            "take that peer back, so progress() and skip_failed_batch() would fail again. "
+            "Restart the job from the last checkpoint (torchrun --max-restarts restarts "
+            "every rank)."
+        )
+    if where:
         grace = grace_seconds()
         note += (
             " With several ranks: the other ranks that did not raise are waiting in this "
@@ -184,11 +203,14 @@ def _explain(error: BaseException, pipeline: str, index: Optional[int]) -> None:
                 else "with TREC_PIPELINES_PEER_FAILURE_GRACE=0, waits until the process "
                 "group's timeout."
             )
-            + f" A retry goes on only where every rank raised at {batch}: call progress() "
-            "(or skip_failed_batch()) on every rank within "
-            f"{RETRY_WAIT.total_seconds():.0f} s of each other; a rank that "
-            "retries while another did not fail there raises OutOfStepError."
         )
+        if gone is None:
+            note += (
+                f" A retry goes on only where every rank raised at {batch}: call progress() "
+                "(or skip_failed_batch()) on every rank within "
+                f"{RETRY_WAIT.total_seconds():.0f} s of each other; a rank that "
+                "retries while another did not fail there raises OutOfStepError."
+            )
     add_note(error, note)
 
 
