@@ -47,7 +47,12 @@ A failure that is the user's mistake
 (:func:`~trec_pipelines.core.errors.is_users_mistake`: a forward that does not
 return ``(losses, output)``) is rolled back the same way, but its error gets
 no note offering a retry, nor one naming a peer that "failed first": every
-rank made the same mistake, and only a fix helps.
+rank made the same mistake, and only a fix helps.  A failure that says a
+peer's process is gone (:func:`~trec_pipelines.core.peer_failure.gone_peer`:
+gloo's "Connection closed by peer", "Connection reset by peer") is rolled
+back too, but its note names that peer and advises a restart from the last
+checkpoint instead of a retry: the process group cannot take the peer back,
+so no retry can succeed.
 
 Several ranks: a rank whose step raised after some of the step's collectives
 were issued leaves the other ranks waiting in the matching collective.  It
