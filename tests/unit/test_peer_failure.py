@@ -177,9 +177,11 @@ def test_a_failure_that_no_longer_stands_or_was_answered_ends_nothing(
     rank1.begin_step()
     assert watch.look(0.0) is None and watch.look(2 * GRACE) is None  # an old one
     rank0.retract()
-    # Rank 0 fails, then its next step goes through: its failure no longer stands.
+    # Rank 0 fails, fails again (a reset, a new epoch), then its next step goes
+    # through: neither failure stands any more.
     rank0.failed("TrainPipelineBase.progress() raised Fault: boom", 1)
-    assert watch.look(3 * GRACE) is None
+    rank0.failed("TrainPipelineBase.progress() raised Fault: boom", 0)
+    assert watch.look(3 * GRACE) is None and len(watch.pending) == 2
     rank0.retract()
     assert watch.look(5 * GRACE) is None and not watch.pending
     # Rank 0 fails, and rank 1 fails after it (its collective was cut): rank 1's own

@@ -102,6 +102,7 @@ class FailureNews:
         self.rank, self._world = rank, world
         self._failures = 0  # this rank's failed steps so far
         self.standing = False  # this rank's last failure is not retried yet
+        self._standing_from = 0  # the first of the failures standing since then
         # The step the main thread is in (None between steps): a new number at
         # each step's start (begin_step), so the watcher tells one step from the next.
         self.step: Optional[int] = None
@@ -132,6 +133,7 @@ class FailureNews:
         self._store.set(f"{_PREFIX}/rank{self.rank}/last", str(self._failures))
         if not self.standing:
             self.standing = True
+            self._standing_from = self._failures
             self._store.add(_STANDING, 1)
         number = int(self._store.add(_PUBLISHED, 1))
         self._store.set(_publication(number), f"{self.rank}|{self._failures}")
@@ -183,7 +185,10 @@ class FailureNews:
         collectives met again.  A later error elsewhere is then not blamed on it."""
         if self.standing:
             self.standing = False
-            self._store.set(_retracted(self.rank, self._failures), "1")
+            # Each failure since it began standing (a step that raised again before
+            # any went through) is over: a watcher may hold any of them pending.
+            for count in range(self._standing_from, self._failures + 1):
+                self._store.set(_retracted(self.rank, count), "1")
             self._store.add(_STANDING, -1)
 
     # ----------------------------------------------------------------- watcher
