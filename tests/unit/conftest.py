@@ -64,6 +64,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: List[pytest.Item
 # torchrec and trec_pipelines (tests/elastic/rank_server.py).
 RANK_MODULES = (
     "tests.elastic.one_rank_fails",
+    "tests.elastic.peer_killed",
     "tests.elastic.train_with_checkpoints",
     "tests.unit.one_rank_group",
 )

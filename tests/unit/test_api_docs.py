@@ -19,7 +19,7 @@ import pytest
 
 import trec_pipelines as tp
 from trec_pipelines.assembly.options import DEFAULTS, DOCS, accepted_options
-from trec_pipelines.core import step_guard
+from trec_pipelines.core import peer_failure
 from trec_pipelines.core.api_docs import (
     EVAL_PROGRESS,
     PROGRESS,
@@ -224,7 +224,7 @@ def test_the_checks_read_args_and_find_a_copy() -> None:
 
 
 def test_a_stopping_rank_says_where_the_error_is_and_how_to_set_the_grace() -> None:
-    message = step_guard.stop_message(
+    message = peer_failure.stop_message(
         1, {0: "batch 2: TrainPipelineSparseDist.progress() raised Fault: boom"}, 10.4
     )
     assert message == (

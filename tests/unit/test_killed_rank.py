@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import os
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -116,3 +117,46 @@ def test_killed_rank_resumes_from_the_last_checkpoint_exactly(
         assert ours.keys() == reference.keys()
         for key in reference:
             assert torch.equal(ours[key], reference[key]), (rank, key)
+
+
+def test_a_rank_whose_peer_was_killed_is_told_to_restart_not_to_retry(
+    rank_server: RankServer, tmp_path: Path
+) -> None:
+    """tests/elastic/peer_killed.py: rank 1 is SIGKILLed in its step 2; rank 0's step
+    fails on the closed connection, and its note names the peer gone and says to
+    restart from the last checkpoint, offering no retry (none can succeed)."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    ranks = []
+    for rank in (0, 1):
+        env = dict(
+            os.environ,
+            PYTHONPATH=str(REPO),
+            OMP_NUM_THREADS="1",
+            RANK=str(rank),
+            LOCAL_RANK=str(rank),
+            WORLD_SIZE="2",
+            MASTER_ADDR="127.0.0.1",
+            MASTER_PORT=str(port),
+        )
+        command = rank_server.command("tests.elastic.peer_killed", "--out", str(tmp_path))
+        ranks.append(
+            subprocess.Popen(
+                command, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT
+            )
+        )
+    try:
+        logs = [process.communicate(timeout=240)[0].decode() for process in ranks]
+    finally:
+        for process in ranks:
+            process.kill()
+    # Killed (its stand-in ends with status 1: SIGKILL cannot be passed on to it).
+    assert ranks[1].returncode != 0 and not (tmp_path / "rank1.json").exists(), logs[1][-3000:]
+    record = json.loads((tmp_path / "rank0.json").read_text())
+    assert record["steps"] == 2 and record["error"], (record, logs[0][-3000:])
+    notes = record["notes"]
+    assert "while training batch 2 because the peer at [" in notes, record
+    assert "is gone" in notes and "no retry can succeed in this job" in notes, record
+    assert "Restart the job from the last checkpoint" in notes, record
+    assert "retries batch" not in notes and "A retry goes on" not in notes, record

@@ -236,11 +236,12 @@ def test_a_step_that_goes_through_after_a_failure_ends_that_failures_standing(
     "rank 0 failed first" (two ranks' failure news on one store; no watcher)."""
     from torch.distributed import HashStore
 
-    from trec_pipelines.core import step_guard
+    from trec_pipelines.core import peer_failure, step_guard
 
     monkeypatch.setenv("TREC_PIPELINES_PEER_FAILURE_GRACE", "0")
     store = HashStore()
-    rank0, rank1 = step_guard._News(store, 0, 2, None), step_guard._News(store, 1, 2, None)
+    rank0 = peer_failure.FailureNews(store, 0, 2, None)
+    rank1 = peer_failure.FailureNews(store, 1, 2, None)
     monkeypatch.setattr(step_guard, "news", lambda: rank0)
     model = _model("before_lookup", 1)
     pipeline = tp.TrainPipelineSparseDist(model, optimizer_for(model), CPU)
@@ -361,3 +362,71 @@ def test_semi_sync_stash_survives_a_failed_optimizer_step() -> None:
     assert before.keys() == pipeline._gradients.keys()
     assert all(torch.equal(before[name], pipeline._gradients[name]) for name in before)
     assert len(drain(pipeline, it)) == 2
+
+
+# ------------------------------------------------------------ a peer that is gone
+
+
+class _PeerGoneModel(TinyModel):
+    """TinyModel whose forward number ``at`` raises what gloo raises once a peer's
+    process ended in the middle of a collective."""
+
+    def __init__(self, message: str, at: int) -> None:
+        super().__init__()
+        self.message, self.at, self.calls = message, at, 0
+
+    def forward(self, batch: Batch) -> Tuple[torch.Tensor, torch.Tensor]:
+        if not torch.fx._symbolic_trace.is_fx_tracing():
+            call, self.calls = self.calls, self.calls + 1
+            if call == self.at:
+                raise RuntimeError(self.message)
+        return super().forward(batch)
+
+
+GLOO_CLOSED = (
+    "[../third_party/gloo/gloo/transport/tcp/pair.cc:534] Connection closed by peer "
+    "[127.0.0.1]:43027"
+)
+
+
+def test_a_step_cut_by_a_gone_peer_says_restart_not_retry() -> None:
+    model = _PeerGoneModel(GLOO_CLOSED, 1)
+    pipeline = tp.TrainPipelineSparseDist(model, optimizer_for(model), CPU)
+    it = iter(make_batches(4))
+    pipeline.progress(it)
+    with pytest.raises(RuntimeError, match="Connection closed by peer") as failure:
+        pipeline.progress(it)
+    notes = "".join(failure.value.__notes__)
+    assert "while training batch 1 because the peer at [127.0.0.1]:43027 is gone" in notes
+    assert "no retry can succeed in this job" in notes
+    assert "Restart the job from the last checkpoint" in notes
+    assert "retries batch" not in notes and "skip_failed_batch() first" not in notes
+
+
+@pytest.mark.parametrize(
+    "message,peer",
+    [
+        (GLOO_CLOSED, "the peer at [127.0.0.1]:43027"),
+        (
+            "[../third_party/gloo/gloo/transport/tcp/pair.cc:598] Read error "
+            "[10.0.0.2]:5511: Connection reset by peer",
+            "the peer at [10.0.0.2]:5511",
+        ),
+        (
+            "[../third_party/gloo/gloo/transport/tcp/pair.cc:318] Write error "
+            "[10.0.0.2]:5511: Broken pipe",
+            "the peer at [10.0.0.2]:5511",
+        ),
+        (
+            "NCCL error: remote process exited or there was a network error, ncclRemoteError",
+            "a peer",
+        ),
+        ("[Errno 32] Broken pipe", None),  # a pipe of the user's own, not a peer's socket
+        ("injected after the lookup", None),
+        ("Timed out waiting 1800000ms for recv operation to complete", None),
+    ],
+)
+def test_gone_peer_reads_the_process_groups_words(message: str, peer: Optional[str]) -> None:
+    from trec_pipelines.core.peer_failure import gone_peer
+
+    assert gone_peer(RuntimeError(message)) == peer

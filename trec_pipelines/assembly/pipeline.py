@@ -6,16 +6,18 @@ comes before the timeline, and what lives between two steps, is the same for
 every one of them and is written once, in :class:`PipelineCore`:
 
 * construction from torchrec's ``model``, ``optimizer`` and ``device`` plus
-  our options (:mod:`trec_pipelines.assembly.options`): the checks, the
+  our options (:mod:`trec_pipelines.assembly.options`),
+  :meth:`PipelineCore._init_core`: the checks, the
   :class:`~trec_pipelines.data.source.BatchSource` (validation, and the ranks'
   agreement on each pull), the :class:`~trec_pipelines.core.step_guard.StepGuard`,
   and the :class:`~trec_pipelines.assembly.pipelined_model.PipelinedModel`;
-* the start of a step (``_start_step``:
-  :func:`~trec_pipelines.core.step_guard.start_step`): the schedule
+* the start of a step (:meth:`PipelineCore._start_step`): the schedule
   recorder's new call, the take-over of a model another pipeline left
   attached, the iterator switch (parking the previous iterator's in-flight
   batches, :meth:`PipelineCore._switch_iterator`), pulling the host batches
-  the step will copy, and the step guard;
+  the step will copy, and the step guard's begin; where the step is
+  (torchrec's ``_state``, :meth:`PipelineCore._enter_phase`) and the checked
+  forward (:meth:`PipelineCore._call_forward`);
 * what a user calls between steps: :meth:`~PipelineCore.skip_failed_batch`
   and :attr:`~PipelineCore.unused_batches`.
 
@@ -24,24 +26,26 @@ A variant says what it holds in flight through three small methods
 :meth:`~PipelineCore._bring_back`) and how many host batches a step pulls
 (:meth:`~PipelineCore._batches_to_fetch`); the rest follows.
 
-The core is the one class of ours under every pipeline, so that a
-pipeline's MRO is torchrec's plus one class.  What every pipeline has besides
-is held and called, not inherited: torchrec's attributes are properties from
-:mod:`~trec_pipelines.assembly.torchrec_state` assigned in the class body (the
-SparseDist family's rewrite hooks and ``attach``/``detach``, likewise, from
-:mod:`~trec_pipelines.pipelines.sparse_dist_rewrite`); what a class is, its
-flags and its decisions on torchrec's hooks, is one
+The core is the one class of ours under every pipeline besides the
+:class:`~trec_pipelines.assembly.torchrec_state.TorchrecState` it stands on
+(torchrec's attributes, as properties onto the parts of ours that own them).
+What every pipeline has besides is held and called, not inherited (the
+SparseDist family's rewrite hooks and ``attach``/``detach`` are assigned in
+its body from :mod:`~trec_pipelines.pipelines.sparse_dist_rewrite`); what a
+class is, its flags and its decisions on torchrec's hooks, is one
 :class:`~trec_pipelines.assembly.traits.Traits` (``_traits``); the
 subclass-hook checks run from ``__init_subclass__``
-(:func:`~trec_pipelines.core.subclass_hooks.check_subclass`); the recording
+(:func:`~trec_pipelines.core.subclass_hooks.check_subclass`), which wraps a
+subclass's own ``progress()`` in the step guard
+(:func:`~trec_pipelines.core.step_guard.guarded_user_step`); the recording
 methods hand each call to ``self._recording``
 (:class:`~trec_pipelines.observe.recording.Recording`) and the checkpoint
 methods to :func:`~trec_pipelines.assembly.resume.save_state` and
 :func:`~trec_pipelines.assembly.resume.load_state`, one line each.
 StagedTrainPipeline stands on the core too: it shares the start of the
-set-up (:func:`init_options`, :func:`agreement_over`; the others start with
-:func:`init_core`), overrides what it does its own way
-(pulling, ``skip_failed_batch``, the resume hooks) and runs no step guard.
+set-up (:meth:`PipelineCore._init_options`, :meth:`PipelineCore._agreement_over`;
+the others start with :meth:`PipelineCore._init_core`), overrides what it does
+its own way (pulling, ``skip_failed_batch``, the resume hooks) and runs no step guard.
 """
 
 from __future__ import annotations
@@ -62,30 +66,22 @@ from typing import (
 import torch
 from torchrec.distributed.train_pipeline.types import PipelineState
 
-from trec_pipelines.assembly import resume, torchrec_state
+from trec_pipelines.assembly import resume
 from trec_pipelines.assembly.options import PipelineOptions, accepted_options, resolve_options
 from trec_pipelines.assembly.pipelined_model import PipelinedModel
+from trec_pipelines.assembly.torchrec_state import TorchrecState
 from trec_pipelines.assembly.traits import Traits
 from trec_pipelines.core.checks import (
     check_device,
+    check_forward_output,
     check_model_device,
     check_optimizer,
 )
 from trec_pipelines.core.input_dist_group import InputDistGroup
 from trec_pipelines.core.model_step import Precision
-from trec_pipelines.core.step_guard import (
-    StepGuard,
-    enter_phase,
-    guarded_step,
-    skip_failed_batch,
-    start_step,
-)
+from trec_pipelines.core.step_guard import StepGuard, guarded_user_step
 from trec_pipelines.core.streams import StreamSet
-from trec_pipelines.core.subclass_hooks import (
-    beginning_the_step,
-    check_subclass,
-    overrides_outside,
-)
+from trec_pipelines.core.subclass_hooks import check_subclass, overrides_outside
 from trec_pipelines.data.agreement import AgreementChannel, agreement_group
 from trec_pipelines.data.parked import ParkedEpochs
 from trec_pipelines.data.source import BatchSource
@@ -95,11 +91,6 @@ from trec_pipelines.observe.recorder import ScheduleRecorder
 from trec_pipelines.observe.recording import Recording
 
 logger: logging.Logger = logging.getLogger(__name__)
-
-
-def _guarded(progress: Callable[[Any, Iterator[Any]], Any]) -> Callable[[Any, Iterator[Any]], Any]:
-    """A subclass's own ``progress()``, inside the step guard (see ``[Note: subclass hooks]``)."""
-    return guarded_step(beginning_the_step(progress))
 
 
 def check_depth(cls: type[PipelineCore], depth: Any) -> int:
@@ -120,83 +111,7 @@ def check_depth(cls: type[PipelineCore], depth: Any) -> int:
     return depth
 
 
-def init_core(
-    pipeline: Any,
-    model: torch.nn.Module,
-    optimizer: Optional[torch.optim.Optimizer],
-    device: Any,
-    options: Mapping[str, Any],
-    *,
-    input_dist_group: Optional[InputDistGroup] = None,
-) -> None:
-    """Check torchrec's arguments, resolve our options and build the shared parts
-    (every pipeline's constructor calls it first, after ``super().__init__()``).
-
-    ``input_dist_group`` overrides the option's value for the splits fusion
-    (a variant whose input_dist never runs ahead keeps it on the model's group).
-    """
-    name = type(pipeline).__name__
-    init_options(pipeline, options)
-    if pipeline._traits.requires_optimizer:
-        check_optimizer(optimizer, name, model)
-    pipeline._device = check_device(device, name)
-    check_model_device(model, pipeline._device, name)
-    pipeline._model = model
-    # None only for the eval variants, which never step it.
-    pipeline._optimizer = cast(torch.optim.Optimizer, optimizer)
-    # A pull made in the copy stage is agreed there, by an all-reduce of its own.
-    carried = pipeline._traits.carries_agreement and not pipeline._traits.pulls_when_copied
-    pipeline._agreement = agreement_over(pipeline, model, carried=carried)
-    pipeline._precision = Precision(
-        pipeline._device,
-        pipeline._options["autocast_dtype"],
-        pipeline._options["grad_scaler"],
-        model=model,
-        pipeline=name,
-    )
-    pipeline._source = new_source(pipeline)
-    pipeline._step_guard = StepGuard()
-    # In-flight batches of iterators set aside by a switch (see _switch_iterator).
-    pipeline._parked = ParkedEpochs()
-    group = input_dist_group or pipeline._options["input_dist_group"]
-    pipeline._pipelined = PipelinedModel(pipeline, model, group)
-    # Set when another pipeline detached this one to take the model over.
-    pipeline._taken_over_by = None
-
-
-def init_options(pipeline: Any, options: Mapping[str, Any]) -> None:
-    """The set-up every pipeline starts with, StagedTrainPipeline's too: its
-    recording (off) and our options, resolved for its class."""
-    pipeline._recording = Recording()
-    pipeline._options = resolve_options(type(pipeline).__name__, type(pipeline), options)
-
-
-def agreement_over(
-    pipeline: Any, model: Optional[torch.nn.Module], *, carried: bool
-) -> Optional[AgreementChannel]:
-    """The channel the ranks training ``model`` agree on each pull over (None
-    alone or with ``sync_exhaustion=False``); ``carried``: on the splits exchange."""
-    group = agreement_group(pipeline, model, pipeline._options["sync_exhaustion"])
-    return None if group is None else AgreementChannel(group, carried=carried)
-
-
-def new_source(pipeline: Any) -> BatchSource:
-    """A source of host batches for a new epoch count, with the ranks' agreement."""
-    return BatchSource(
-        pipeline._agreement,
-        keep_in_flight=True,
-        validate=pipeline._options["validate_batches"],
-        # Only a user's _next_batch is called back: ours would hand the pull
-        # straight back to the source, which pulls itself.
-        puller=pipeline._next_batch if pipeline._traits.pulls_when_copied else None,
-        agree_ahead=pipeline._options["agree_ahead"] and not pipeline._traits.pulls_when_copied,
-        # An eval pipeline pads a rank whose data ended (training stops at the shortest).
-        pad_uneven="uneven_data" in accepted_options(type(pipeline))
-        and pipeline._options["uneven_data"] == "pad",
-    )
-
-
-class PipelineCore:
+class PipelineCore(TorchrecState):
     """The shared part of every pipeline (see [Note: the core under every pipeline])."""
 
     # What the class is: every answer the core asks of it (see [Note: a pipeline's traits]).
@@ -211,17 +126,11 @@ class PipelineCore:
         if depth is not None:
             cls._traits = cls._traits.updated(depth=check_depth(cls, depth))
         traits = cls._traits
-        check_subclass(cls, _guarded if traits.guards_user_progress else None)
+        check_subclass(cls, guarded_user_step if traits.guards_user_progress else None)
         pulls = traits.pulls_through_next_batch and overrides_outside(cls, "_next_batch")
         if pulls != traits.pulls_when_copied:
             cls._traits = traits.updated(pulls_when_copied=pulls)
 
-    # torchrec's attributes (see [Note: torchrec's state on our pipelines]).
-    _dataloader_iter = torchrec_state.DATALOADER_ITER
-    _dataloader_exhausted = torchrec_state.DATALOADER_EXHAUSTED
-    _data_iter_stopped = torchrec_state.DATA_ITER_STOPPED
-    _memcpy_stream = torchrec_state.MEMCPY_STREAM
-    _data_dist_stream = torchrec_state.DATA_DIST_STREAM
     # Where a step is (torchrec's ``_state``, written by torchrec's base class at
     # construction; outside code writes it too).  Holds torchrec's enum.
     _state: PipelineState
@@ -244,6 +153,80 @@ class PipelineCore:
     # The model's forward, or custom_model_fwd (torchrec's attribute, read and
     # called by subclasses as it is: see call_forward for ours).
     _model_fwd: Callable[..., Any]
+
+    # ------------------------------------------------------------- construction
+
+    def _init_core(
+        self,
+        model: torch.nn.Module,
+        optimizer: Optional[torch.optim.Optimizer],
+        device: Any,
+        options: Mapping[str, Any],
+        *,
+        input_dist_group: Optional[InputDistGroup] = None,
+    ) -> None:
+        """Check torchrec's arguments, resolve our options and build the shared parts
+        (every pipeline's constructor calls it first, after ``super().__init__()``).
+
+        ``input_dist_group`` overrides the option's value for the splits fusion
+        (a variant whose input_dist never runs ahead keeps it on the model's group).
+        """
+        name = type(self).__name__
+        self._init_options(options)
+        if self._traits.requires_optimizer:
+            check_optimizer(optimizer, name, model)
+        self._device = check_device(device, name)
+        check_model_device(model, self._device, name)
+        self._model = model
+        # None only for the eval variants, which never step it.
+        self._optimizer = cast(torch.optim.Optimizer, optimizer)
+        # A pull made in the copy stage is agreed there, by an all-reduce of its own.
+        carried = self._traits.carries_agreement and not self._traits.pulls_when_copied
+        self._agreement = self._agreement_over(model, carried=carried)
+        self._precision = Precision(
+            self._device,
+            self._options["autocast_dtype"],
+            self._options["grad_scaler"],
+            model=model,
+            pipeline=name,
+        )
+        self._source = self._new_source()
+        self._step_guard = StepGuard()
+        # In-flight batches of iterators set aside by a switch (see _switch_iterator).
+        self._parked = ParkedEpochs()
+        group = input_dist_group or self._options["input_dist_group"]
+        self._pipelined = PipelinedModel(self, model, group)
+        # Set when another pipeline detached this one to take the model over.
+        self._taken_over_by = None
+
+    def _init_options(self, options: Mapping[str, Any]) -> None:
+        """The set-up every pipeline starts with, StagedTrainPipeline's too: its
+        recording (off) and our options, resolved for its class."""
+        self._recording = Recording()
+        self._options = resolve_options(type(self).__name__, type(self), options)
+
+    def _agreement_over(
+        self, model: Optional[torch.nn.Module], *, carried: bool
+    ) -> Optional[AgreementChannel]:
+        """The channel the ranks training ``model`` agree on each pull over (None
+        alone or with ``sync_exhaustion=False``); ``carried``: on the splits exchange."""
+        group = agreement_group(self, model, self._options["sync_exhaustion"])
+        return None if group is None else AgreementChannel(group, carried=carried)
+
+    def _new_source(self) -> BatchSource:
+        """A source of host batches for a new epoch count, with the ranks' agreement."""
+        return BatchSource(
+            self._agreement,
+            keep_in_flight=True,
+            validate=self._options["validate_batches"],
+            # Only a user's _next_batch is called back: ours would hand the pull
+            # straight back to the source, which pulls itself.
+            puller=self._next_batch if self._traits.pulls_when_copied else None,
+            agree_ahead=self._options["agree_ahead"] and not self._traits.pulls_when_copied,
+            # An eval pipeline pads a rank whose data ended (training stops at the shortest).
+            pad_uneven="uneven_data" in accepted_options(type(self))
+            and self._options["uneven_data"] == "pad",
+        )
 
     # ------------------------------------------------------------ torchrec's hooks
 
@@ -272,8 +255,22 @@ class PipelineCore:
             return self._source.hook_next(dataloader_iter)
         return self._source.direct_next(dataloader_iter)
 
-    # Set ``_state`` where torchrec's class does (``tracks_state``).
-    _enter_phase = enter_phase
+    def _enter_phase(self, phase: PipelineState) -> None:
+        """Set ``_state`` to ``phase`` (``IDLE`` at a step's start, ``CALL_FWD``,
+        ``CALL_BWD``) where torchrec's class does (``tracks_state``)."""
+        if self._traits.tracks_state:
+            self._state = phase
+
+    def _call_forward(self, batch: Any) -> Tuple[torch.Tensor, Any]:
+        """``self._model_fwd(batch)``, checked in a training pipeline to have returned
+        torchrec's pair ``(losses, output)`` (a type and a length check): a forward
+        that returns a bare loss, a dict or a longer tuple gets an error naming the
+        fix instead of Python's unpacking error.  A subclass's own step that calls
+        ``_model_fwd`` directly gets what it returns, as on torchrec."""
+        output = self._model_fwd(batch)
+        if (type(output) is tuple and len(output) == 2) or not self._traits.requires_optimizer:
+            return cast(Tuple[torch.Tensor, Any], output)
+        return cast(Tuple[torch.Tensor, Any], check_forward_output(output, type(self).__name__))
 
     # ------------------------------------------------------- the in-flight batches
 
@@ -299,9 +296,20 @@ class PipelineCore:
 
     # ----------------------------------------------------------- a step's start
 
-    # What every step does before its timeline, in one place (see the note in
-    # trec_pipelines.core.step_guard).
-    _start_step = start_step
+    def _start_step(self, dataloader_iter: Iterator[Any]) -> None:
+        """What every step does before its timeline, in one place (see the module
+        note of :mod:`trec_pipelines.core.step_guard`)."""
+        self._recording.begin_call()
+        if self._pipelined.looked_at != self._pipelined.changes.count:  # a wrapper changed since
+            self._take_over_model()
+        if dataloader_iter is not self._source.iterator:
+            self._switch_iterator(dataloader_iter)
+        # Pull the host batches this call copies before any work: an iterator error
+        # then reaches the caller with the pipeline untouched.  A user's _next_batch
+        # pulls in the copy stage instead, where torchrec calls it.
+        ahead = 0 if self._traits.pulls_when_copied else self._batches_to_fetch()
+        self._source.fetch_ahead(dataloader_iter, ahead)
+        self._step_guard.begin()  # from here a failure is rolled back and retried
 
     def _take_over_model(self) -> None:
         """Detach any other pipeline whose forward wrappers are on this model
@@ -372,7 +380,7 @@ class PipelineCore:
         skipped batch's index; raises ``RuntimeError`` if the last call did not
         fail.
         """
-        return skip_failed_batch(self)
+        return self._step_guard.skip_failed(self._source, type(self).__name__)
 
     @property
     def unused_batches(self) -> int:

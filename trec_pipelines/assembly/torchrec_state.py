@@ -12,10 +12,10 @@ the end of the data; the :class:`~trec_pipelines.core.streams.StreamSet` owns
 the streams), with a setter where torchrec code writes it.  The attributes we
 do not offer, and why, are listed in the migration guide's "Subclassing".
 
-Each property is a module-level ``property`` object, assigned in one line in
-the body of :class:`~trec_pipelines.assembly.pipeline.PipelineCore` (a
-property has to live on a class in the pipeline's MRO; putting it there
-directly keeps the MRO torchrec's plus our core).
+The properties are those of :class:`TorchrecState`, a base of
+:class:`~trec_pipelines.assembly.pipeline.PipelineCore` (a property has to
+live on a class in the pipeline's MRO); it comes before torchrec's classes
+there, so its properties are what torchrec's code and a subclass's read.
 
 The end of the data reads as torchrec's reads at the same point of the step:
 True from the step whose copy stage asks for a batch and finds none, even
@@ -33,75 +33,64 @@ from trec_pipelines.core.streams import StreamSet
 from trec_pipelines.data.source import BatchSource
 
 
-def _get_dataloader_iter(pipeline: Any) -> Optional[Iterator[Any]]:
-    source: BatchSource = pipeline._source
-    # Inside a pull, what was last written to it, as torchrec's reads in _next_batch.
-    return source.written_iterator if source.pulling else source.iterator
+class TorchrecState:
+    """torchrec's attributes that outside code reads and writes, each onto the part of
+    ours that owns it (see ``[Note: torchrec's state on our pipelines]``)."""
 
+    _source: BatchSource
+    _streams: StreamSet
 
-def _set_dataloader_iter(pipeline: Any, iterator: Optional[Iterator[Any]]) -> None:
-    source: BatchSource = pipeline._source
-    source.assign_iterator(iterator)
+    @property
+    def _dataloader_iter(self) -> Optional[Iterator[Any]]:
+        """The iterator this epoch pulls from (None before the first pull).
 
+        Inside a ``_next_batch`` override it reads as torchrec's does there: the
+        iterator last written to it (by ``super()._next_batch`` or by the override
+        itself), None in the first pull, so an override can tell a new iterator.
+        Writable, as in torchrec: the pulls that follow come from the iterator
+        assigned, and the batches in flight still train.
+        """
+        source = self._source
+        # Inside a pull, what was last written to it, as torchrec's reads in _next_batch.
+        return source.written_iterator if source.pulling else source.iterator
 
-def _get_ended(pipeline: Any) -> bool:
-    source: BatchSource = pipeline._source
-    return source.ended
+    @_dataloader_iter.setter
+    def _dataloader_iter(self, iterator: Optional[Iterator[Any]]) -> None:
+        self._source.assign_iterator(iterator)
 
+    @property
+    def _dataloader_exhausted(self) -> bool:
+        """Whether this epoch's data has ended, read as torchrec's at the same point.
 
-def _set_ended(pipeline: Any, ended: bool) -> None:
-    source: BatchSource = pipeline._source
-    source.set_ended(ended)
+        Writable, as in torchrec: inside a ``_next_batch`` override the override
+        reads back what it wrote, and returning None ends the epoch (seen by the
+        rest of the pipeline when the copy stage reaches that pull); set to True
+        between steps, on every rank, it ends the epoch there: the batches in
+        flight still train and nothing more is pulled (a batch pulled ahead and
+        not yet copied is dropped, and counted in ``unused_batches``).
+        """
+        return self._source.ended
 
+    @_dataloader_exhausted.setter
+    def _dataloader_exhausted(self, ended: bool) -> None:
+        self._source.set_ended(ended)
 
-def _get_memcpy_stream(pipeline: Any) -> Optional[torch.Stream]:
-    streams: StreamSet = pipeline._streams
-    return streams.memcpy
+    @property
+    def _data_iter_stopped(self) -> bool:
+        """TrainPipelineBase's name for ``_dataloader_exhausted``."""
+        return self._source.ended
 
+    @_data_iter_stopped.setter
+    def _data_iter_stopped(self, ended: bool) -> None:
+        self._source.set_ended(ended)
 
-def _get_data_dist_stream(pipeline: Any) -> Optional[torch.Stream]:
-    streams: StreamSet = pipeline._streams
-    return streams.data_dist
+    @property
+    def _memcpy_stream(self) -> Optional[torch.Stream]:
+        """The side stream of the host-to-device copies (None on CPU, as torchrec's)."""
+        return self._streams.memcpy
 
-
-DATALOADER_ITER = property(
-    _get_dataloader_iter,
-    _set_dataloader_iter,
-    doc="""The iterator this epoch pulls from (None before the first pull).
-
-    Inside a ``_next_batch`` override it reads as torchrec's does there: the
-    iterator last written to it (by ``super()._next_batch`` or by the override
-    itself), None in the first pull, so an override can tell a new iterator.
-    Writable, as in torchrec: the pulls that follow come from the iterator
-    assigned, and the batches in flight still train.
-    """,
-)
-
-DATALOADER_EXHAUSTED = property(
-    _get_ended,
-    _set_ended,
-    doc="""Whether this epoch's data has ended, read as torchrec's at the same point.
-
-    Writable, as in torchrec: inside a ``_next_batch`` override the override
-    reads back what it wrote, and returning None ends the epoch (seen by the
-    rest of the pipeline when the copy stage reaches that pull); set to True
-    between steps, on every rank, it ends the epoch there: the batches in
-    flight still train and nothing more is pulled (a batch pulled ahead and
-    not yet copied is dropped, and counted in ``unused_batches``).
-    """,
-)
-
-DATA_ITER_STOPPED = property(
-    _get_ended, _set_ended, doc="TrainPipelineBase's name for ``_dataloader_exhausted``."
-)
-
-MEMCPY_STREAM = property(
-    _get_memcpy_stream,
-    doc="The side stream of the host-to-device copies (None on CPU, as torchrec's).",
-)
-
-DATA_DIST_STREAM = property(
-    _get_data_dist_stream,
-    doc="""The side stream of the input dist (None on CPU and where it runs on the
-    default stream, as torchrec's).""",
-)
+    @property
+    def _data_dist_stream(self) -> Optional[torch.Stream]:
+        """The side stream of the input dist (None on CPU and where it runs on the
+        default stream, as torchrec's)."""
+        return self._streams.data_dist

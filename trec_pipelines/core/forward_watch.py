@@ -5,7 +5,7 @@ forward, the backward and the optimizer, so no ``progress()`` sees them
 raise.  A rank whose forward raises and which then does something else (its
 loop caught the error) leaves the other ranks in that step's collectives.
 These hooks make it tell them, as a failed ``progress()`` does (see
-``[Note: a failed step on one rank]`` in :mod:`trec_pipelines.core.step_guard`):
+``[Note: a failed step on one rank]`` in :mod:`trec_pipelines.core.peer_failure`):
 each forward starts a step (it lasts until the next forward, so a rank
 blocked in the backward's collectives is still in it), and a forward that
 raises publishes the failure in the job's store.  A rank left waiting then
@@ -23,20 +23,20 @@ from typing import Any, Callable, List, Optional
 import torch
 from torch.utils.hooks import RemovableHandle
 
-from trec_pipelines.core import step_guard
+from trec_pipelines.core import peer_failure
 from trec_pipelines.core.notes import add_note
 
 
 def _before(module: torch.nn.Module, args: Any) -> None:
-    ranks = step_guard.news()
+    ranks = peer_failure.news()
     if ranks is not None:
-        ranks.step = next(ranks.step_numbers)  # each forward is a step of its own
+        ranks.begin_step()  # each forward is a step of its own
 
 
 def _after(
     index: Callable[[], Optional[int]], module: torch.nn.Module, args: Any, output: Any
 ) -> None:
-    ranks = step_guard.news()
+    ranks = peer_failure.news()
     error = sys.exc_info()[1]  # set while the forward's exception propagates
     if ranks is None:
         return
@@ -45,7 +45,7 @@ def _after(
         return
     first = (str(error).splitlines() or [""])[0]
     ranks.failed(f"the model's forward raised {type(error).__name__}: {first}", index())
-    grace = step_guard.grace_seconds()
+    grace = peer_failure.grace_seconds()
     add_note(
         error,
         "trec_pipelines: this rank's forward raised; the other ranks are waiting in its "

@@ -1,7 +1,8 @@
 """The model's calls in a step: the forward (checked, under autocast), the backward, the optimizer step.
 
 Each pipeline's ``progress()`` calls the model three times: the forward
-(:func:`call_forward`, under :meth:`Precision.autocast`), the backward of the
+(the core's ``_call_forward``, :meth:`~trec_pipelines.assembly.pipeline.PipelineCore._call_forward`,
+under :meth:`Precision.autocast`), the backward of the
 summed losses and the optimizer step (:meth:`Precision.backward` and
 :meth:`Precision.step`, through the grad scaler when there is one).
 
@@ -55,23 +56,9 @@ them replaces this (see ``[Note: subclass hooks]``).
 from __future__ import annotations
 
 import contextlib
-from typing import Any, ContextManager, List, Optional, Tuple, cast
+from typing import ContextManager, List, Optional
 
 import torch
-
-from trec_pipelines.core.checks import check_forward_output
-
-
-def call_forward(pipeline: Any, batch: Any) -> Tuple[torch.Tensor, Any]:
-    """``pipeline._model_fwd(batch)``, checked in a training pipeline to have returned
-    torchrec's pair ``(losses, output)`` (a type and a length check): a forward
-    that returns a bare loss, a dict or a longer tuple gets an error naming the
-    fix instead of Python's unpacking error.  A subclass's own step that calls
-    ``_model_fwd`` directly gets what it returns, as on torchrec."""
-    output = pipeline._model_fwd(batch)
-    if (type(output) is tuple and len(output) == 2) or not pipeline._traits.requires_optimizer:
-        return cast(Tuple[torch.Tensor, Any], output)
-    return cast(Tuple[torch.Tensor, Any], check_forward_output(output, type(pipeline).__name__))
 
 
 def in_backward_parameters(model: torch.nn.Module) -> List[str]:

@@ -31,7 +31,7 @@ decided by the release that has it.  The migration guide's "Subclassing"
 section lists every decision.
 
 A subclass's own ``progress()`` runs inside the step guard
-(:mod:`trec_pipelines.core.step_guard`): a progress rebuilt from the verbs
+(:func:`~trec_pipelines.core.step_guard.guarded_user_step`): a progress rebuilt from the verbs
 rolls back when it raises and retires each trained batch's host copy, as
 ours does.  This wrapping is the one rewrite of a user's class, and it is
 needed: the guard has to mark the step begun before the user's first line
@@ -44,11 +44,10 @@ wrapper.
 
 from __future__ import annotations
 
-import functools
 import sys
 import warnings
 from dataclasses import dataclass
-from typing import Any, Callable, Dict, Iterator, Optional, Set, Tuple, Union
+from typing import Any, Callable, Dict, Optional, Set, Tuple, Union
 
 
 @dataclass(frozen=True)
@@ -223,17 +222,3 @@ def _user_frame() -> int:
             return level
         frame, level = frame.f_back, level + 1  # type: ignore[assignment]
     return 1
-
-
-def beginning_the_step(
-    progress: Callable[[Any, Iterator[Any]], Any],
-) -> Callable[[Any, Iterator[Any]], Any]:
-    """``progress`` that marks the step begun first: a user's progress issues work
-    from its first line, so a failure anywhere in it is rolled back."""
-
-    @functools.wraps(progress)
-    def begun(self: Any, dataloader_iter: Iterator[Any]) -> Any:
-        self._step_guard.begin()
-        return progress(self, dataloader_iter)
-
-    return begun

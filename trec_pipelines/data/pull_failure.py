@@ -39,7 +39,7 @@ import torch.distributed as dist
 
 from trec_pipelines.core.errors import PeerFailedError
 from trec_pipelines.core.notes import add_note
-from trec_pipelines.core.step_guard import grace_seconds
+from trec_pipelines.core.peer_failure import grace_seconds
 
 logger: logging.Logger = logging.getLogger(__name__)
 

@@ -10,8 +10,7 @@ from torchrec.distributed.train_pipeline import In, Out, TrainPipeline
 from typing_extensions import Unpack
 
 from trec_pipelines.assembly.options import TrainBatchOptions, takes_options
-from trec_pipelines.assembly.pipeline import PipelineCore, init_core
-from trec_pipelines.core.model_step import call_forward
+from trec_pipelines.assembly.pipeline import PipelineCore
 from trec_pipelines.core.step_guard import guarded_step
 from trec_pipelines.core.streams import copy_to_device, make_streams, wait_for_batch
 from trec_pipelines.core.subclass_hooks import never_called
@@ -76,7 +75,7 @@ class TrainPipelineBase(PipelineCore, TrainPipeline[In, Out]):
         **options: Unpack[TrainBatchOptions],
     ) -> None:
         super().__init__()
-        init_core(self, model, optimizer, device, options)
+        self._init_core(model, optimizer, device, options)
         self._model_fwd = custom_model_fwd or model
         self._enable_inplace_copy_batch = enable_inplace_copy_batch
         self._streams = make_streams(self._device, memcpy=True)
@@ -177,7 +176,7 @@ class TrainPipelineBase(PipelineCore, TrainPipeline[In, Out]):
                 self._optimizer.zero_grad()                        # cur, default
         self._wait_for_batch(cur)                                  # cur, memcpy -> default
         with self._recording.span(rec.FORWARD, i), self._precision.autocast():
-            losses, output = call_forward(self, cur)               # cur, default
+            losses, output = self._call_forward(cur)               # cur, default
         del cur  # from here only autograd holds what it saved of cur's input
         self._copy_next_batch(dataloader_iter)                     # nxt, host -> memcpy
         if training:

@@ -21,7 +21,7 @@ from torchrec.pt2.utils import default_pipeline_input_transformer
 from typing_extensions import Unpack
 
 from trec_pipelines.assembly.options import TrainBatchOptions, takes_options
-from trec_pipelines.assembly.pipeline import PipelineCore, init_core
+from trec_pipelines.assembly.pipeline import PipelineCore
 from trec_pipelines.core.checks import check_forward_output
 from trec_pipelines.core.step_guard import guarded_step
 from trec_pipelines.core.streams import copy_to_device
@@ -158,7 +158,7 @@ class TrainPipelinePT2(PipelineCore, TrainPipeline[In, Out]):
         **options: Unpack[TrainBatchOptions],
     ) -> None:
         super().__init__()
-        init_core(self, model, optimizer, device, options)
+        self._init_core(model, optimizer, device, options)
         self._compile_configs = compile_configs or TorchCompileConfig()
         self._pre_compile_fn = pre_compile_fn
         self._post_compile_fn = post_compile_fn

@@ -11,9 +11,7 @@ from typing_extensions import Unpack
 
 from trec_pipelines._types import AnyShardedModule
 from trec_pipelines.assembly.options import SparseDistTrainOptions, takes_options
-from trec_pipelines.assembly.pipeline import new_source
 from trec_pipelines.core.all_reduce_wait import all_reduce_wait
-from trec_pipelines.core.model_step import call_forward
 from trec_pipelines.core.step_guard import guarded_step
 from trec_pipelines.core.streams import (
     current_stream,
@@ -293,7 +291,7 @@ class TrainPipelineSemiSync(TrainPipelineSparseDist[In, Out]):
                 # Allocated on the memcpy stream; an inplace copy allocates here.
                 record_stream(batch, consumer)
         with self._recording.span(rec.FORWARD, context.index), self._precision.autocast():
-            return call_forward(self, batch)
+            return self._call_forward(batch)
 
     def _dense_backward(self, losses: torch.Tensor, context: TrainPipelineContext) -> None:
         with self._recording.span(rec.BACKWARD, context.index):
@@ -457,7 +455,7 @@ class TrainPipelineSemiSync(TrainPipelineSparseDist[In, Out]):
     def reset(self) -> None:
         """Drop the in-flight batches and restart the batch count (synchronous again)."""
         super().reset()
-        self._source = new_source(self)
+        self._source = self._new_source()
         self._gradients.clear()
         self._restored_lookup = None
         self._said_synchronous_start = False  # the count restarts: synchronous again

@@ -22,9 +22,8 @@ from torchrec.distributed.train_pipeline.types import PipelineState
 from typing_extensions import Unpack
 
 from trec_pipelines.assembly.options import SparseDistTrainOptions, takes_options
-from trec_pipelines.assembly.pipeline import PipelineCore, init_core
+from trec_pipelines.assembly.pipeline import PipelineCore
 from trec_pipelines.core.checks import check_apply_jit
-from trec_pipelines.core.model_step import call_forward
 from trec_pipelines.core.step_guard import guarded_step
 from trec_pipelines.core.streams import (
     StreamSet,
@@ -163,8 +162,7 @@ class TrainPipelineSparseDist(SparseDistRewrite, TrainPipeline[In, Out]):
         super().__init__()
         # Lite starts a batch's input_dist in the step that trains it: nothing
         # queues behind it, so it stays on the model's group.
-        init_core(
-            self,
+        self._init_core(
             model,
             optimizer,
             device,
@@ -373,7 +371,7 @@ class TrainPipelineSparseDist(SparseDistRewrite, TrainPipeline[In, Out]):
     def _forward(self) -> Tuple[torch.Tensor, Any]:
         self._enter_phase(PipelineState.CALL_FWD)
         with self._recording.span(rec.FORWARD, self.contexts[0].index), self._precision.autocast():
-            return call_forward(self, self.batches[0])
+            return self._call_forward(self.batches[0])
 
     # --------------------------------------------------------------- schedule
 

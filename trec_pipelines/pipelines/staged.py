@@ -20,7 +20,7 @@ from torchrec.distributed.train_pipeline import In, TrainPipeline
 from typing_extensions import Unpack
 
 from trec_pipelines.assembly.options import BatchOptions, takes_options
-from trec_pipelines.assembly.pipeline import PipelineCore, agreement_over, init_options
+from trec_pipelines.assembly.pipeline import PipelineCore
 from trec_pipelines.assembly.resume import ResumeHooks
 from trec_pipelines.core.errors import MalformedBatchError
 from trec_pipelines.core.streams import (
@@ -178,13 +178,13 @@ class StagedTrainPipeline(PipelineCore, TrainPipeline[In, Optional[StageOut]]):
         **options: Unpack[BatchOptions],
     ) -> None:
         super().__init__()
-        init_options(self, options)
+        self._init_options(options)
         # Each load's agreement rides a SparseDataDistUtil stage's splits
         # exchange where there is one, else an all-reduce started a call ahead.
         # Its model says which ranks train together; without one, the world.
         carriers = agreement_carriers(pipeline_stages)
         model = next((c.trained_model for c in carriers if c.trained_model is not None), None)
-        channel = agreement_over(self, model, carried=bool(carriers))
+        channel = self._agreement_over(model, carried=bool(carriers))
         if channel is not None:
             for carrier in carriers:
                 carrier.carry_agreement(channel)
