@@ -69,7 +69,8 @@ def _nothing(dmp: torch.nn.Module) -> Hooks:
     return {}
 
 
-def _name_of(dmp: torch.nn.Module, target: Any, named: Iterator[Tuple[str, Any]]) -> str:
+def _name_of(target: Any, named: Iterator[Tuple[str, Any]]) -> str:
+    """``target``'s name among ``named`` (the model's modules or parameters)."""
     return next(name for name, value in named if value is target)
 
 
@@ -79,7 +80,7 @@ def _site_forward_hook(site: str) -> Added:
 
     def added(dmp: torch.nn.Module) -> Hooks:
         module = dmp.module.get_submodule(site)
-        return {(_name_of(dmp, module, dmp.named_modules()), "forward+kwargs"): 1}
+        return {(_name_of(module, dmp.named_modules()), "forward+kwargs"): 1}
 
     return added
 
@@ -91,7 +92,7 @@ def _site_last_parameter(site: str) -> Added:
 
     def added(dmp: torch.nn.Module) -> Hooks:
         param = list(dmp.module.get_submodule(site).parameters())[-1]
-        return {(_name_of(dmp, param, dmp.named_parameters()), "post_accumulate_grad"): 1}
+        return {(_name_of(param, dmp.named_parameters()), "post_accumulate_grad"): 1}
 
     return added
 

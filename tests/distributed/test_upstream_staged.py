@@ -198,6 +198,7 @@ def test_model_detach() -> None:
     assert detached is dmp
     assert not any(isinstance(t.forward, PipelinedForward) for t in towers)
     assert len(dmp._forward_hooks) == 0 and len(dmp._forward_pre_hooks) == 0
+    assert "forward" not in dmp.__dict__  # the model's own forward, unwrapped
     # The detached model trains and predicts as the copy does (batches 5 and 6,
     # which the pipeline also holds in flight and trains again below, as the copy does).
     loss_detached, out_detached = detached(batches[5].to(DEVICE))
