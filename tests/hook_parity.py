@@ -1,9 +1,12 @@
-"""torchrec's overridable methods, per class, for the hook-parity tests.
+"""torchrec's overridable methods, per class, and the hooks each class leaves on the
+user's model, for the hook-parity tests.
 
 Shared by the unit tier (every hook honoured with torchrec's signature,
 allowed with one warning where neither torchrec's class nor ours calls it, or
 refused at class creation) and the distributed tier (the honoured ones called
-as torchrec calls them, the uncalled ones called by neither).
+as torchrec calls them, the uncalled ones called by neither; the model's
+module and parameter hooks after training and after ``detach()`` those of
+torchrec's class, :func:`model_hooks`).
 """
 
 from __future__ import annotations
@@ -13,7 +16,10 @@ import functools
 import importlib
 import inspect
 import textwrap
+from collections import Counter
 from typing import Any, Dict, FrozenSet, List, Optional, Set, Tuple
+
+import torch
 
 import trec_pipelines
 
@@ -161,3 +167,47 @@ def reached(cls: type) -> FrozenSet[str]:
         todo += [(ref, _defined(cls, ref)) for ref in on_self]
         todo += [(ref, _defined(cls, ref, after=klass)) for ref in on_super]
     return frozenset(names)
+
+
+# ---------------------------------------------------------------- the model's hooks
+
+# (where, kind): where is a module's or a parameter's name in the model ("" for the
+# model itself); kind one of "forward", "forward_pre", "backward", "backward_pre"
+# (a module's), with "+kwargs" / "+always_call" where the hook was registered so,
+# or "grad", "post_accumulate_grad" (a parameter's).
+Hooks = Dict[Tuple[str, str], int]
+
+
+def model_hooks(model: torch.nn.Module) -> Hooks:
+    """Every hook on ``model``, its submodules and their parameters, counted by
+    where and kind (only what is there: no zero counts)."""
+    found: Counter = Counter()
+    for name, module in model.named_modules():
+        for hook_id in module._forward_hooks:
+            kind = "forward"
+            if hook_id in module._forward_hooks_with_kwargs:
+                kind += "+kwargs"
+            if hook_id in module._forward_hooks_always_called:
+                kind += "+always_call"
+            found[(name, kind)] += 1
+        for hook_id in module._forward_pre_hooks:
+            with_kwargs = hook_id in module._forward_pre_hooks_with_kwargs
+            found[(name, "forward_pre+kwargs" if with_kwargs else "forward_pre")] += 1
+        for _ in module._backward_hooks:
+            found[(name, "backward" if module._is_full_backward_hook else "backward+module")] += 1
+        for _ in module._backward_pre_hooks:
+            found[(name, "backward_pre")] += 1
+    for name, param in model.named_parameters():
+        for attr, kind in (
+            ("_backward_hooks", "grad"),
+            ("_post_accumulate_grad_hooks", "post_accumulate_grad"),
+        ):
+            found[(name, kind)] += len(getattr(param, attr, None) or {})
+    return {key: count for key, count in found.items() if count}
+
+
+def hooks_plus(base: Hooks, added: Hooks) -> Hooks:
+    """``base`` with ``added``'s hooks on top."""
+    total: Counter = Counter(base)
+    total.update(added)
+    return dict(total)

@@ -21,6 +21,8 @@ from tests.distributed.test_faults import (
     plain_loop_with_retry_of,
 )
 from tests.fault_injection import Fault, FlakyIterator
+from tests.unit.test_forward_watch import FakeNews
+from trec_pipelines.core import peer_failure
 from trec_pipelines.core.errors import MalformedBatchError
 from trec_pipelines.pipelines.sparse_data_dist_util import SparseDataDistUtil
 from trec_pipelines.pipelines.staged import PipelineStage, StagedTrainPipeline
@@ -312,3 +314,41 @@ def test_a_malformed_batch_raises_before_any_stage_and_training_equals_the_plain
         Run(outputs, weights(dmp)),
         ("plain loop without the malformed batch", f"staged, at {at}"),
     )
+
+
+# ------------------------------------------- what the other ranks are told
+
+
+def test_a_failure_of_the_forward_hook_is_told_as_a_failed_forward(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The util's forward hook (the wait for the next batch's input_dist) runs in
+    the caller's ``model(batch)``: when it raises, the peer-failure watch of the
+    model's forward (:mod:`trec_pipelines.core.forward_watch`) publishes it with
+    the batch, as it does a forward that raised, so a rank left waiting ends.
+    The process's failure news is a fake here: nothing is written to the store."""
+    news = FakeNews()
+    monkeypatch.setattr(peer_failure, "news", lambda: news)
+    dmp, optimizer = make_sharded(DLRM, "table_wise", seed=SEED)
+    sdd = SparseDataDistUtil(dmp, data_dist_stream=None)
+    pipeline = StagedTrainPipeline(
+        [
+            PipelineStage("h2d", lambda batch: batch.to(DEVICE), None),
+            sdd.start_sparse_data_dist_stage(),
+        ]
+    )
+    it = iter(make_batches(4, seed=DATA_SEED))
+    _train_step(dmp, optimizer, pipeline.progress(it))
+    assert (news.step, news.retracts, news.failures) == (1, 1, [])
+    batch = pipeline.progress(it)
+
+    def fails() -> None:
+        raise Fault("the wait for the next batch failed")
+
+    monkeypatch.setattr(sdd, "_next_batch", fails)
+    with pytest.raises(Fault):
+        dmp(batch)
+    assert news.step == 2
+    assert news.failures == [
+        ("the model's forward raised Fault: the wait for the next batch failed", 1)
+    ]

@@ -14,18 +14,22 @@ override (public and protected, on this torchrec, and the class attribute
   and what to override instead.
 
 That ours calls the honoured hooks as torchrec does, and that neither calls
-the uncalled ones, is checked on 2 ranks (tests/distributed/test_hooks.py).
+the uncalled ones, is checked on 2 ranks (tests/distributed/test_hooks.py);
+so is that each class leaves on the user's model the module and parameter
+hooks torchrec's leaves (tests/distributed/test_model_hooks.py), counted by
+``model_hooks``, whose own check is here.
 """
 
 from __future__ import annotations
 
 import inspect
 import warnings
-from typing import Any
+from typing import Any, List
 
 import pytest
+import torch
 
-from tests.hook_parity import ours, pairs, parameters, reached, torchrec_class
+from tests.hook_parity import model_hooks, ours, pairs, parameters, reached, torchrec_class
 from trec_pipelines.core.subclass_hooks import (
     Refused,
     Uncalled,
@@ -167,3 +171,33 @@ def test_our_own_classes_are_not_checked() -> None:
 
     assert "_pipelined_forward_type" in refused_hooks(TrainPipelineSparseDist)
     assert "_pipelined_forward_type" in TrainPipelineSparseDist.__dict__
+
+
+def test_the_census_sees_every_kind() -> None:
+    """model_hooks counts each kind where it was registered (so an equal census
+    means equal hooks, not two blind counts)."""
+    model = torch.nn.Sequential(torch.nn.Linear(2, 2))
+    inner = model[0]
+    handles: List[Any] = [
+        model.register_forward_hook(lambda *a: None),
+        model.register_forward_hook(lambda *a: None, with_kwargs=True, always_call=True),
+        inner.register_forward_pre_hook(lambda *a: None),
+        inner.register_forward_pre_hook(lambda *a, **k: None, with_kwargs=True),
+        inner.register_full_backward_hook(lambda *a: None),
+        inner.register_full_backward_pre_hook(lambda *a: None),
+        inner.weight.register_hook(lambda grad: None),
+        inner.bias.register_post_accumulate_grad_hook(lambda param: None),
+    ]
+    assert model_hooks(model) == {
+        ("", "forward"): 1,
+        ("", "forward+kwargs+always_call"): 1,
+        ("0", "forward_pre"): 1,
+        ("0", "forward_pre+kwargs"): 1,
+        ("0", "backward"): 1,
+        ("0", "backward_pre"): 1,
+        ("0.weight", "grad"): 1,
+        ("0.bias", "post_accumulate_grad"): 1,
+    }
+    for handle in handles:
+        handle.remove()
+    assert model_hooks(model) == {}

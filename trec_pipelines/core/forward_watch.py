@@ -4,7 +4,7 @@
 forward, the backward and the optimizer, so no ``progress()`` sees them
 raise.  A rank whose forward raises and which then does something else (its
 loop caught the error) leaves the other ranks in that step's collectives.
-These hooks make it tell them, as a failed ``progress()`` does (see
+The watch makes it tell them, as a failed ``progress()`` does (see
 ``[Note: a failed step on one rank]`` in :mod:`trec_pipelines.core.peer_failure`):
 each forward starts a step (it lasts until the next forward, so a rank
 blocked in the backward's collectives is still in it), and a forward that
@@ -12,16 +12,19 @@ raises publishes the failure in the job's store.  A rank left waiting then
 ends after the grace, naming the failed rank, as with the other pipelines.
 The backward and the optimizer step are the caller's own code: their
 failures are not seen.
+
+The watch wraps the model's ``forward`` on the instance while the pipeline is
+attached (as the rewrite wraps the sharded modules'), rather than hooking the
+model: the model then carries exactly the hooks torchrec's class leaves on it,
+which torchrec's code and users' code count and remove.
 """
 
 from __future__ import annotations
 
-import functools
 import sys
-from typing import Any, Callable, List, Optional
+from typing import Any, Callable, Optional
 
 import torch
-from torch.utils.hooks import RemovableHandle
 
 from trec_pipelines.core import peer_failure
 from trec_pipelines.core.notes import add_note
@@ -58,10 +61,53 @@ def _after(
     )
 
 
-def watch(model: torch.nn.Module, index: Callable[[], Optional[int]]) -> List[RemovableHandle]:
-    """Watch ``model``'s forwards (see the module note; ``index()``: the batch a
-    forward trains, for the message); the hooks' handles."""
-    return [
-        model.register_forward_pre_hook(_before),
-        model.register_forward_hook(functools.partial(_after, index), always_call=True),
-    ]
+class WatchedForward:
+    """Replaces ``model.forward`` on the instance until :meth:`remove`: each call
+    runs ``before(model, args)`` (the pipeline's own count of forwards), then the
+    model's forward, watched as the module note says (``index()``: the batch a
+    forward trains, for the message)."""
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        index: Callable[[], Optional[int]],
+        before: Callable[[torch.nn.Module, Any], None],
+    ) -> None:
+        self._model = model
+        self._index = index
+        self._before = before
+        self._forward: Callable[..., Any] = model.forward
+        # What removing puts back: the instance's own forward if it had one.
+        self._had_own = "forward" in model.__dict__
+        self._own = model.__dict__.get("forward")
+        self._removed = False
+        # Not nn.Module.__setattr__, which would register a Module as a child.
+        object.__setattr__(model, "forward", self)
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        if self._removed:  # wrapped over by someone else before removal: pass through
+            return self._forward(*args, **kwargs)
+        self._before(self._model, args)
+        _before(self._model, args)
+        try:
+            output = self._forward(*args, **kwargs)
+        except Exception:  # what a module's always-called forward hook sees
+            _after(self._index, self._model, args, None)
+            raise
+        _after(self._index, self._model, args, output)
+        return output
+
+    def raised(self) -> None:
+        """Called while an exception raised in the model's forward hooks propagates:
+        tell the other ranks, as for the forward itself."""
+        _after(self._index, self._model, (), None)
+
+    def remove(self) -> None:
+        """Give the model back the forward it had (only if nothing wrapped it since)."""
+        self._removed = True
+        if self._model.__dict__.get("forward") is not self:
+            return
+        if self._had_own:
+            object.__setattr__(self._model, "forward", self._own)
+        else:
+            del self._model.__dict__["forward"]

@@ -1,8 +1,10 @@
 """SparseDataDistUtil: the sparse input_dist (and prefetch or lookup) as pipeline stages.
 
 [Note: a failed forward in the caller's loop]
-The forward hook moves the contexts on only when a forward finishes.  A
-forward pre-hook counts the forward calls; a sharded module called in a
+The forward hook moves the contexts on only when a forward finishes.  The
+model's forward, wrapped while the util is attached (not hooked: see
+:mod:`trec_pipelines.core.forward_watch`), counts the forward calls first
+(``_before_forward``); a sharded module called in a
 later call than the one that used its pipelined input up (the caller
 retries a batch whose forward raised after the lookup), or in any call
 after the batch's forward finished and before the next ``progress()``
@@ -156,8 +158,7 @@ class SparseDataDistUtil(SparseDataDistStages[In]):
         )
         self.initialized = False
         self.fwd_hook: Optional[RemovableHandle] = None
-        self._pre_hook: Optional[RemovableHandle] = None
-        self._watch: List[RemovableHandle] = []
+        self._watch: Optional[forward_watch.WatchedForward] = None
         self._pipeline_postproc = pipeline_postproc
 
         given = [
@@ -375,9 +376,12 @@ class SparseDataDistUtil(SparseDataDistStages[In]):
             self._forward_done = record_event(self._compute_stream)
         self._set_module_context(self._forward_context())
         self.fwd_hook = self.model.register_forward_hook(self._after_forward)
-        self._pre_hook = self.model.register_forward_pre_hook(self._before_forward)
-        # A forward that raises on one rank tells the others (the caller's loop runs it).
-        self._watch = forward_watch.watch(self.model, self._forward_index)
+        # The count of forwards and the watch that tells the other ranks when a forward
+        # raises (the caller's loop runs it) wrap the model's forward instead of hooking
+        # it: the model carries torchrec's one hook, as code that counts hooks expects.
+        self._watch = forward_watch.WatchedForward(
+            self.model, self._forward_index, before=self._before_forward
+        )
         self.initialized = True
 
     def _forward_index(self) -> Optional[int]:
@@ -402,7 +406,12 @@ class SparseDataDistUtil(SparseDataDistStages[In]):
         if self._trained_since_tick:
             return  # a repeated forward: the contexts moved on after the first
         self._trained_since_tick = True
-        self._next_batch()
+        try:
+            self._next_batch()
+        except Exception:
+            if self._watch is not None:
+                self._watch.raised()  # part of the model's call, as the forward is
+            raise
 
     def _next_batch(self) -> None:
         """Make the next batch the one the forward reads."""
@@ -426,12 +435,9 @@ class SparseDataDistUtil(SparseDataDistStages[In]):
             assert self.fwd_hook is not None and self._rewrite is not None
             self.fwd_hook.remove()
             self.fwd_hook = None
-            if self._pre_hook is not None:
-                self._pre_hook.remove()
-                self._pre_hook = None
-            for handle in self._watch:
-                handle.remove()
-            self._watch = []
+            if self._watch is not None:
+                self._watch.remove()
+                self._watch = None
         self._pipelined.detach()
         self.initialized = False
         return self.model
