@@ -34,7 +34,9 @@ STAMP_GPU := $(VENV_GPU)/.installed
 .PHONY: venv venv-latest venv-oldest test-oldest unit-oldest distributed-oldest test unit distributed distributed-4 test-latest unit-latest distributed-latest distributed-4-latest lint docs test-gpu gpu-suite bench bench-agreement wheel soak clean
 
 # $(call build_stack,venv,requirements,torchrec requirements,python): the venv
-# made with that Python, torch and torchrec's runtime deps first, then torchrec
+# made with that Python, the stack's test requirements (which include its
+# runtime ones, requirements-runtime*.txt, with -r: torch, fbgemm and
+# torchrec's runtime deps) first, then torchrec
 # with --no-deps (its metadata asks for the CUDA fbgemm-gpu), then this package,
 # then an import check.
 define build_stack
@@ -47,16 +49,16 @@ $(1)/bin/python -c "import sys, torch, torchrec, fbgemm_gpu, trec_pipelines; pri
 touch $(1)/.installed
 endef
 
-$(STAMP): requirements-cpu.txt requirements-torchrec.txt setup.py
+$(STAMP): requirements-cpu.txt requirements-runtime.txt requirements-torchrec.txt setup.py
 	$(call build_stack,$(VENV),requirements-cpu.txt,requirements-torchrec.txt,$(PYTHON_PINNED))
 
-$(STAMP_LATEST): requirements-latest.txt requirements-torchrec-latest.txt setup.py
+$(STAMP_LATEST): requirements-latest.txt requirements-runtime-latest.txt requirements-torchrec-latest.txt setup.py
 	$(call build_stack,$(VENV_LATEST),requirements-latest.txt,requirements-torchrec-latest.txt,$(PYTHON_LATEST))
 
-$(STAMP_OLDEST): requirements-oldest.txt requirements-torchrec-oldest.txt setup.py
+$(STAMP_OLDEST): requirements-oldest.txt requirements-runtime-oldest.txt requirements-torchrec-oldest.txt setup.py
 	$(call build_stack,$(VENV_OLDEST),requirements-oldest.txt,requirements-torchrec-oldest.txt,$(PYTHON_OLDEST))
 
-$(STAMP_GPU): requirements-gpu.txt requirements-torchrec-latest.txt setup.py
+$(STAMP_GPU): requirements-gpu.txt requirements-runtime-gpu.txt requirements-torchrec-latest.txt setup.py
 	$(call build_stack,$(VENV_GPU),requirements-gpu.txt,requirements-torchrec-latest.txt,$(PYTHON))
 
 # Each stack's venv alone (CI builds .venv-latest while the pinned stack tests).

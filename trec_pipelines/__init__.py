@@ -5,7 +5,8 @@ for ``from trec_pipelines import TrainPipelineSparseDist``.
 
 The public names are ``__all__``, and the API reference lists them by role.
 ``trec_pipelines.experimental_pipelines`` (named as torchrec's module),
-``trec_pipelines.testing`` and the ``python -m trec_pipelines.advise`` command
+``trec_pipelines.testing``, ``trec_pipelines.elastic`` (a process group for a
+job torchrun restarts) and the ``python -m trec_pipelines.advise`` command
 line are public too; the other subpackages hold the implementation.
 """
 

@@ -459,23 +459,36 @@ def toy_four_tables() -> Tuple[nn.Module, Any, List[Any]]:
     return dmp, optimizer, make_batches(n=24)
 
 
-def test_a_24_batch_toy_model_gets_an_answer_in_one_default_run() -> None:
-    """A 4-table toy model whose factory gives 24 batches gets "recommend" or
-    "keep your plain loop" in one run, its batches cycled into epochs long
-    enough to time -- not a refusal, and "cannot tell" only when the noise says
-    so: the budget spent with the variant's spread against the plain loop wider
-    than the 2% margin (a busy machine's rounds can spread by tens of percent),
-    and then with the variant named and the budget that would tell."""
+def test_a_24_batch_toy_model_is_measured_and_judged_in_one_default_run() -> None:
+    """A 4-table toy model whose factory gives 24 batches is measured in one run,
+    its batches cycled into longer epochs -- not refused.  What the answer is
+    depends on the machine's load (its epochs' length, its rounds' spread), so
+    the test asserts what holds at any timing: an answer only with epochs long
+    enough to time and, for "keep your plain loop", the variant's spread within
+    the 2% margin; "cannot tell" with the variant named and what to re-run
+    with.  How the run follows its timings (epochs re-stretched after a round
+    that came in short, rounds added, the budget spent) is tested on a fake
+    clock in tests/unit/test_advise_budget.py."""
     with time_limit(150):  # a hang guard: about a minute on two busy cores
         advice = advise(toy_four_tables, **QUICK)
     same_on_every_rank(advice)
     verdict, row = advice.verdict, advice["TrainPipelineSparseDist"]
+    shortest = min(statistics.median(r.seconds) for r in (advice.plain, *advice.variants))
     if verdict.answer is Answer.CANNOT_TELL:
-        assert advice.budget_spent and row.band is not None and row.band > 0.02, advice.table()
-        assert verdict.variant == row.name and verdict.rerun_rounds, advice.table()
-        assert verdict.rerun_time_budget and verdict.rerun_time_budget > 10.0, advice.table()
+        assert verdict.variant in (None, row.name), advice.table()
+        rerun = verdict.rerun_steps or verdict.rerun_rounds or verdict.rerun_time_budget
+        assert rerun or "re-run on a quieter machine" in verdict.reason, advice.table()
+        if advice.budget_spent:
+            assert "time budget of 10 s is spent" in verdict.reason, advice.table()
     else:
         assert verdict.answer in (Answer.RECOMMEND, Answer.KEEP_PLAIN_LOOP), advice.table()
+        assert shortest >= 0.5, advice.table()
+        if verdict.answer is Answer.KEEP_PLAIN_LOOP:  # known to within the margin, or slower
+            assert row.band is not None and row.vs_plain is not None, advice.table()
+            assert row.band <= 0.02 or row.vs_plain - 1 + row.band <= 0.02, advice.table()
+    # A run longer than its budget has spent it (the rounds asked for are measured anyway).
+    assert advice.elapsed is not None
+    assert advice.elapsed <= 10.0 or advice.budget_spent, advice.table()
     assert advice.steps_asked == 20 and advice.rounds >= 3
     # Warm-up and epoch ask for more than the 24 batches hold: cycled; every
     # contender trained as many steps in each timed epoch.
@@ -483,7 +496,4 @@ def test_a_24_batch_toy_model_gets_an_answer_in_one_default_run() -> None:
     assert advice.plain.steps == advice.steps
     for row in advice.variants:
         assert row.ran and row.steps == advice.steps and len(row.seconds) == advice.rounds
-    # Long enough to time: the shortest contender's median epoch.
-    shortest = min(statistics.median(r.seconds) for r in (advice.plain, *advice.variants))
-    assert shortest >= 0.5, advice.table()
     assert advice.cycling() in advice.table()

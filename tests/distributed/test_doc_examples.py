@@ -103,6 +103,48 @@ def test_checkpoint_recipe_resumes_the_batches_in_flight() -> None:
     assert_runs_equal(ref, Run(before + after, weights(dmp)), ("plain loop", "resumed"))
 
 
+def test_resumed_batches_are_not_pulled_through_next_batch_again() -> None:
+    """The checkpoint guide's word on an overridden ``_next_batch``: the batches in flight
+    restored by ``load_state_dict`` were pulled through it by the saving run and are
+    trained without being pulled again; over both runs every batch is pulled once."""
+    batches = make_batches(N, seed=DATA_SEED)
+    pulls: List[float] = []
+
+    class Counting(checkpoint.TrainPipelineSparseDist):
+        def _next_batch(self, dataloader_iter: Any) -> Any:
+            batch = super()._next_batch(dataloader_iter)
+            if batch is not None:
+                pulls.append(batch.dense.sum().item())
+            return batch
+
+    dmp, optimizer = make_sharded(DLRM, "table_wise", seed=SEED)
+    loader = StatefulDataLoader(Batches(batches), batch_size=None)
+    pipeline, it = Counting(dmp, optimizer, DEVICE), iter(loader)
+    for _ in range(3):
+        pipeline.progress(it)
+    state, loader_state = pipeline.state_dict(), loader.state_dict()
+    saved = list(pulls)
+    assert len(saved) == 5  # 3 trained and 2 in flight (SparseDist's cur and nxt)
+
+    pulls.clear()
+    resumed = Counting(*make_sharded(DLRM, "table_wise", seed=SEED), DEVICE)
+    resumed.load_state_dict(state)
+    loader = StatefulDataLoader(Batches(batches), batch_size=None)
+    loader.load_state_dict(loader_state)
+    it = iter(loader)
+    trained = 0
+    while True:
+        try:
+            resumed.progress(it)
+        except StopIteration:
+            break
+        trained += 1
+    # 4 trained after the resume: the 2 restored, unpulled, then the 2 after them, pulled.
+    assert trained == N - 3 and len(pulls) == N - len(saved) == 2
+    every = [b.dense.sum().item() for b in batches]
+    assert saved + pulls == every
+
+
 def test_schedule_example_records_the_steady_state(tmp_path: Any, monkeypatch: Any) -> None:
     monkeypatch.chdir(tmp_path)  # export_trace writes trace.json here
     dmp, optimizer = make_sharded(DLRM, "table_wise", seed=SEED)

@@ -24,6 +24,7 @@ import torch.distributed.checkpoint as dcp
 from torchdata.stateful_dataloader import StatefulDataLoader
 
 import trec_pipelines
+from trec_pipelines.elastic import attempt_store
 from trec_pipelines.testing.dlrm import DLRM, make_batches, make_sharded, weights
 
 CPU = torch.device("cpu")
@@ -42,26 +43,6 @@ class Batches(torch.utils.data.Dataset):
         return self._batches[index]
 
 
-def attempt_store(attempt: int, rank: int, world: int) -> dist.Store:
-    """torchrun's store, under a prefix naming the restart attempt.
-
-    torchrun keeps its store across restarts, and a process group's keys are
-    named after the group, the same in every attempt: a restarted rank could
-    read the address a dead rank of the last attempt published and wait on it
-    (seen here in ``new_group`` after a restart, hanging until the group's
-    timeout).  A prefix per attempt keeps every attempt's keys apart.
-    """
-    agent_hosts_it = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
-    store = dist.TCPStore(
-        os.environ["MASTER_ADDR"],
-        int(os.environ["MASTER_PORT"]),
-        world,
-        is_master=not agent_hosts_it and rank == 0,
-        timeout=timedelta(minutes=2),
-    )
-    return dist.PrefixStore(f"attempt_{attempt}/", store)
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--out", required=True, help="directory for checkpoints and results")
@@ -76,7 +57,7 @@ def main() -> None:
     attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
     dist.init_process_group(
         "gloo",
-        store=attempt_store(attempt, rank, world),
+        store=attempt_store(timedelta(minutes=2)),
         rank=rank,
         world_size=world,
         timeout=timedelta(minutes=2),  # a test: fail rather than wait 30 minutes

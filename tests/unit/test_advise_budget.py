@@ -257,14 +257,17 @@ def test_a_variant_far_faster_than_the_probe_starts_the_rounds_again_longer(
     assert advice.recommended == SD and advice[SD].vs_plain == pytest.approx(5.0)
 
 
-def test_epochs_too_short_after_the_rounds_are_measured_again_longer(monkeypatch: Any) -> None:
-    # SparseDist's first epoch is long enough (0.9 s), then it halves: its
-    # median, 0.375 s, is too short; every round again at the 1200 steps
-    # that bring it to 1.5 s (300 * 1.5 / 0.375).
+def test_a_later_round_that_comes_in_short_starts_the_rounds_again_longer(
+    monkeypatch: Any,
+) -> None:
+    # SparseDist's first epoch is long enough (0.9 s), then it halves (a machine
+    # that got quieter): its second round's 0.375 s is under 0.75 s, so every
+    # round again, at once, at the 800 steps that bring it to 1 s (300 * 1 / 0.375),
+    # rather than ending with a median too short to time.
     machine = Machine({PLAIN: 0.005, SD: 0.0025}, {SD: (1.2, 0.5)})
     advice = run(monkeypatch, machine, [SD], 600.0)
-    assert [steps for _, steps in machine.calls] == [300] * 6 + [1200] * 6
-    assert advice.steps == 1200 and advice.rounds == 3
+    assert [steps for _, steps in machine.calls] == [300] * 4 + [800] * 6
+    assert advice.steps == 800 and advice.rounds == 3
     assert advice.recommended == SD and advice[SD].vs_plain == pytest.approx(4.0)
 
 
@@ -309,11 +312,14 @@ def test_a_budget_too_small_for_long_enough_epochs_cannot_tell_and_says_what_wou
     monkeypatch: Any,
 ) -> None:
     # 1 ms a step: 1500 steps to aim at; 5 s afford less than the floor's 1000
-    # (1 s).  SparseDist's first epoch is 1.08 s, then 0.45 s: too short, and
-    # the rounds alone spent the budget.
-    machine = Machine({PLAIN: 0.001, SD: 0.0009}, {SD: (1.2, 0.5)})
+    # (1 s).  SparseDist's first epoch is 1.08 s, then 0.45 s: too short, so the
+    # rounds start again, whatever the budget, at the 2230 steps that make it 1 s.
+    # Then its epochs shrink again, to 0.40 s: the budget, long spent, affords no
+    # second restart, and the median epoch is too short to time.
+    machine = Machine({PLAIN: 0.001, SD: 0.0009}, {SD: (1.2, 0.5, 0.5, 0.2)})
     advice = run(monkeypatch, machine, [SD], 5.0)
-    assert advice.steps == 1000 and advice.exhausted and advice.rounds == 3
+    assert [steps for name, steps in machine.calls if name == SD] == [1000] * 2 + [2230] * 3
+    assert advice.steps == 2230 and advice.exhausted and advice.rounds == 3
     verdict = advice.verdict
     assert verdict.answer is Answer.CANNOT_TELL and verdict.rerun_steps is not None
     assert verdict.rerun_time_budget is not None and verdict.rerun_time_budget > 5.0
@@ -338,12 +344,39 @@ def test_noise_no_number_of_rounds_would_narrow_is_judged_with_none_to_come(
 ) -> None:
     # Per-round ratios 1.04, 1.30, 0.78: about 2% over the plain loop, give or
     # take 0.3, which 50 rounds would not narrow to 2%: no move to make, so no
-    # rounds to come, with most of the budget left: nothing is faster than the
-    # plain loop beyond the noise.
+    # rounds to come, with most of the budget left.  Nothing is faster than the
+    # plain loop beyond the noise, but a spread this wide cannot say the plain
+    # loop will do: cannot tell yet, and how to re-run.
     factor = {SD: (1 / 1.04, 1 / 1.30, 1 / 0.78)}
     machine = Machine({PLAIN: 0.005, SD: 0.005}, factor)
     advice = run(monkeypatch, machine, [SD], 600.0)
-    assert advice.rounds == 3 and advice.exhausted
-    assert advice.verdict.answer is Answer.KEEP_PLAIN_LOOP
+    assert advice.rounds == 3 and advice.exhausted and not advice.budget_spent
+    assert advice.verdict.answer is Answer.CANNOT_TELL and advice.verdict.variant == SD
+    assert advice.verdict.reason.endswith("with longer epochs (steps=, --steps)")
     assert advice.verdict.rerun_time_budget is None and "time budget" not in advice.reason
     assert advice.cycling().endswith("s of a 600 s time budget")
+
+
+def test_a_run_longer_than_its_budget_has_spent_it(monkeypatch: Any) -> None:
+    # The same noise in 3 rounds that alone take longer than a 10 s budget (the
+    # rounds asked for are measured whatever they cost): the budget is spent,
+    # and the wide spread is "cannot tell yet", never "keep your plain loop".
+    factor = {SD: (1 / 1.04, 1 / 1.30, 1 / 0.78)}
+    machine = Machine({PLAIN: 0.005, SD: 0.005}, factor)
+    advice = run(monkeypatch, machine, [SD], 10.0)
+    assert advice.elapsed is not None and advice.elapsed > 10.0
+    assert advice.budget_spent and advice.exhausted
+    assert advice.verdict.answer is Answer.CANNOT_TELL
+    assert "the time budget of 10 s is spent" in advice.reason
+    assert advice.cycling().endswith("s of a 10 s time budget (spent)")
+    assert advice.to_dict()["budget_spent"] is True
+
+
+def test_no_time_budget_is_said_so(monkeypatch: Any) -> None:
+    machine = Machine({PLAIN: 0.005, SD: 0.004})
+    advice = run(monkeypatch, machine, [SD], 0.0)
+    assert not advice.budget_spent
+    assert advice.cycling().endswith(
+        "s, with no time budget (time_budget=0: the steps and rounds asked for, no more)"
+    )
+    assert "time budget of 0 s" not in advice.table()

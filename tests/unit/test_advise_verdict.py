@@ -205,7 +205,8 @@ def test_a_lead_about_the_margin_asks_for_the_rounds_that_narrow_it_then_either_
     assert final.rerun_rounds is None and final.rerun_steps is None
     assert str(final) == (
         "recommend Small: 1.30x plain ±0.06 over 3 rounds, +4.0 MiB held; Big is within the noise "
-        "of it: either will do, and Small holds least"
+        "of it: either will do, and Small holds least of them; the fastest on the medians is "
+        "Big, 1.32x plain ±0.06 over 3 rounds"
     )
     # With 26 rounds at a spread of 0.05 (± 0.0196, within the margin), the
     # same 2% lead is an answer without the budget being spent.
@@ -222,20 +223,30 @@ def test_a_lead_about_the_margin_asks_for_the_rounds_that_narrow_it_then_either_
 
 
 def test_a_variant_about_the_margin_over_the_plain_loop_is_even_with_it() -> None:
-    # Even leads the plain loop by the 2% margin exactly; once no more rounds
-    # are to come, no variant is faster beyond the noise: keep the plain loop.
+    # Even leads the plain loop by the 2% margin exactly, give or take 0.06:
+    # wider than the margin, so even with no more rounds to come the plain loop
+    # is not yet the answer: the 26 rounds that bring its ± within 2%.
     rows = [measured("Even", ONE, at((1.02, 1.07, 0.97), ONE), MIB)]
     assert judge(plain(ONE), rows, None).rerun_rounds == 26
-    verdict = judge(plain(ONE), rows, None, exhausted=True)
+    wide = judge(plain(ONE), rows, None, exhausted=True)
+    assert wide.answer is Answer.CANNOT_TELL and wide.variant == "Even"
+    assert wide.rerun_rounds == 26
+    # Known to within the margin (26 rounds at a spread of 0.05, ±0.0196): no
+    # variant is faster beyond the noise: keep the plain loop.
+    n = 26
+    base = (1.0,) * n
+    wobble = tuple(0.05 * (-1) ** k * math.sqrt((n - 1) / n) for k in range(n))
+    narrow = [measured("Even", base, at(tuple(1.02 + w for w in wobble), base), MIB)]
+    verdict = judge(plain(base), narrow, None, exhausted=True)
     assert verdict.answer is Answer.KEEP_PLAIN_LOOP and verdict.variant is None
     assert str(verdict) == (
         "keep your plain loop: no variant is more than 2% faster than the plain loop beyond the "
-        "noise (the fastest, Even, is 1.02x plain ±0.06 over 3 rounds, within the noise of the "
+        "noise (the fastest, Even, is 1.02x plain ±0.02 over 26 rounds, within the noise of the "
         "plain loop: either will do), so a pipeline buys nothing measurable on this model"
     )
 
 
-def test_noise_too_wide_to_narrow_cannot_tell_until_no_more_rounds_come() -> None:
+def test_noise_too_wide_to_narrow_cannot_tell_even_with_no_more_rounds_to_come() -> None:
     # Big and Small about 2% over the plain loop, give or take 0.3: neither the
     # lead nor the noise can be settled in 50 rounds.
     rows = [
@@ -245,37 +256,43 @@ def test_noise_too_wide_to_narrow_cannot_tell_until_no_more_rounds_come() -> Non
     verdict = judge(plain(ONE), rows, None)
     assert verdict.answer is Answer.CANNOT_TELL and verdict.rerun_rounds is None
     assert verdict.reason.endswith("and the noise too wide to tell whether either will do")
-    # Once no more rounds come: no variant is faster than the plain loop beyond the noise.
+    # Once no more rounds come, no variant is faster than the plain loop beyond the
+    # noise, but a ± of 0.3 cannot say the plain loop will do either: cannot tell
+    # yet, and what would (no number of rounds under 50 at this spread).
     final = judge(plain(ONE), rows, None, exhausted=True)
-    assert final.answer is Answer.KEEP_PLAIN_LOOP
-    assert "Big, Small are within the noise of the plain loop: either will do" in final.reason
+    assert final.answer is Answer.CANNOT_TELL and final.variant == "Big"
+    assert final.rerun_rounds is None
+    assert final.reason.endswith(
+        "over 50 rounds would be needed at this spread: re-run on a quieter machine (fewer "
+        "other jobs), with longer epochs (steps=, --steps)"
+    )
 
 
 def test_a_clear_lead_is_not_made_even_by_a_spent_budget() -> None:
     # Still open and settleable (Maybe over the plain loop, 7 rounds): with no
-    # rounds to come, Maybe is not clear of the plain loop: keep it.
+    # rounds to come, Maybe is not clear of the plain loop, nor known to within
+    # the margin of it (±0.12): cannot tell yet, still asking for 7 rounds.
     rows = [measured("Maybe", ONE, at((1.00, 1.10, 1.20), ONE), MIB)]
     assert judge(plain(ONE), rows, None).rerun_rounds == 7
     final = judge(plain(ONE), rows, None, exhausted=True)
-    assert final.answer is Answer.KEEP_PLAIN_LOOP and "Maybe," in final.reason
+    assert final.answer is Answer.CANNOT_TELL and final.rerun_rounds == 7
     # Too-short epochs and too few rounds stay "cannot tell" either way.
     short = (0.05, 0.05, 0.05)
     fast = [measured("Fast", short, at((1.25, 1.26, 1.24), short), MIB)]
     assert judge(plain(short), fast, None, exhausted=True).answer is Answer.CANNOT_TELL
 
 
-def test_a_spent_budget_with_noise_wider_than_the_margin_cannot_tell_yet() -> None:
+def test_noise_wider_than_the_margin_cannot_tell_yet_whatever_stopped_the_rounds() -> None:
     # Three rounds of a busy machine: Semi at 1.19x give or take 0.34, Sparse at
-    # 1.10x give or take 0.20.  With no rounds to come because nothing more would
-    # settle it, nothing is faster than the plain loop beyond the noise: keep it ...
+    # 1.10x give or take 0.20.  Nothing is faster than the plain loop beyond the
+    # noise, but a ± of 0.34 cannot say the plain loop will do, whatever stopped
+    # the rounds: cannot tell yet, naming the fastest variant seen and the rounds
+    # that settle it.
     rows = [
         measured("Semi", ONE, at((0.90, 1.19, 1.49), ONE), MIB),
         measured("Sparse", ONE, at((0.95, 1.10, 1.30), ONE), MIB // 2),
     ]
-    assert judge(plain(ONE), rows, None, exhausted=True).answer is Answer.KEEP_PLAIN_LOOP
-    # ... but when the time budget stopped the rounds, a ± of 0.34 cannot say the
-    # plain loop will do: cannot tell yet, naming the fastest variant seen and the
-    # rounds that settle it.  Sparse's lead, +0.10, takes the most: its per-round
+    # Sparse's lead, +0.10, takes the most: its per-round
     # sd (0.18) is under the run's typical spread (the median of the two sds, 0.24),
     # which it is read with; sd / sqrt(n) < (0.10 - 0.02) / 2 for n > (2 * 0.24 / 0.08)^2 = 34.7.
     sd = typical_spread(rows)
@@ -283,7 +300,7 @@ def test_a_spent_budget_with_noise_wider_than_the_margin_cannot_tell_yet() -> No
     lead = (rows[1].vs_plain or 0.0) - 1.0
     expected = math.floor((2 * sd / (lead - 0.02)) ** 2) + 1
     assert expected == 35
-    verdict = judge(plain(ONE), rows, None, exhausted=True, spent=True)
+    verdict = judge(plain(ONE), rows, None, exhausted=True)
     assert verdict.answer is Answer.CANNOT_TELL and verdict.variant == "Semi"
     assert verdict.rerun_rounds == expected and verdict.rerun_steps is None
     assert str(verdict) == (
@@ -292,18 +309,18 @@ def test_a_spent_budget_with_noise_wider_than_the_margin_cannot_tell_yet() -> No
         f"whether a pipeline is faster than the plain loop or not; re-run with {expected} rounds"
     )
     # A variant known to within the margin (Close: 1.015x ±0.012) is even with the
-    # plain loop, spent budget or not: keep it.
+    # plain loop once no rounds are to come: keep it.
     close = [measured("Close", ONE, at((1.005, 1.015, 1.025), ONE), MIB)]
     assert judge(plain(ONE), close, None).answer is Answer.CANNOT_TELL
-    kept = judge(plain(ONE), close, None, exhausted=True, spent=True)
+    kept = judge(plain(ONE), close, None, exhausted=True)
     assert kept.answer is Answer.KEEP_PLAIN_LOOP and "either will do" in kept.reason
     # A variant clear of the plain loop, even with a faster peer, is still recommended
-    # when the budget is spent (whichever of the two is faster, it is faster than the plain loop).
+    # with no rounds to come (whichever of the two is faster, it is faster than the plain loop).
     peers = [
         measured("Big", ONE, at((1.32, 1.37, 1.27), ONE), 20 * MIB),
         measured("Small", ONE, at((1.30, 1.35, 1.25), ONE), 4 * MIB),
     ]
-    recommended = judge(plain(ONE), peers, None, exhausted=True, spent=True)
+    recommended = judge(plain(ONE), peers, None, exhausted=True)
     assert recommended.answer is Answer.RECOMMEND and recommended.variant == "Small"
 
 

@@ -87,14 +87,75 @@ def _shown_output(page: pathlib.Path, command: str) -> List[str]:
     return found.group(1).splitlines()
 
 
+LAUNCH = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
+# fbgemm-gpu 1.7.0's compatibility-table warning, six lines each time it is logged.
+FBGEMM_COMPAT = "_fbgemm_torch_compat_table has no entry for"
+
+
 @pytest.mark.parametrize("page,command", SCRIPTS, ids=[c for _, c in SCRIPTS])
 def test_example_script_runs_on_two_ranks_and_prints_what_its_page_shows(
     page: pathlib.Path, command: str
 ) -> None:
-    launch = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
     env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
+    if (
+        page == README
+    ):  # launched as the README shows it: torchrun sets OMP_NUM_THREADS, and says so
+        env.pop("OMP_NUM_THREADS")
     done = subprocess.run(
-        launch + command.split(), cwd=ROOT, env=env, capture_output=True, text=True, timeout=300
+        LAUNCH + command.split(), cwd=ROOT, env=env, capture_output=True, text=True, timeout=300
     )
     assert done.returncode == 0, (done.stdout + done.stderr)[-3000:]
     assert done.stdout.splitlines() == _shown_output(page, command), done.stdout
+    if page == README:
+        # "about twenty lines of warnings", and on torchrec 1.7.0 168 more: fbgemm's
+        # compatibility-table warning, 6 lines for each of 14 libraries on each of 2 ranks.
+        import fbgemm_gpu
+
+        lines = done.stderr.splitlines()
+        fbgemm = 6 * sum(FBGEMM_COMPAT in line for line in lines)
+        assert fbgemm == (168 if fbgemm_gpu.__version__.startswith("1.7.") else 0), done.stderr
+        assert len(lines) - fbgemm <= 20, done.stderr
+
+
+def _silencing_recipe() -> str:
+    """The migration guide's code that silences the warnings of a run."""
+    guide = (ROOT / "docs" / "guides" / "migrating.md").read_text()
+    blocks = re.findall(r"```python\n(.*?)```", guide, re.S)
+    (recipe,) = [b for b in blocks if "_fbgemm_torch_compat_table" in b]
+    return recipe
+
+
+def test_the_silencing_recipe_drops_fbgemms_compatibility_warning_as_fbgemm_logs_it() -> None:
+    # fbgemm_gpu's own check (its _load_library) on a version its table lacks logs the
+    # warning on every stack; the recipe, run first, drops it.  Then torchrec is imported,
+    # which on torchrec 1.7.0 logs it 14 times without the recipe.
+    emit = (
+        "import torchrec, fbgemm_gpu\n"
+        "fbgemm_gpu._load_library('no_such_library.so', '0.0.1', no_throw=True)\n"
+    )
+    for recipe, expected in (("", True), (_silencing_recipe(), False)):
+        done = subprocess.run(
+            [sys.executable, "-c", recipe + emit], capture_output=True, text=True, timeout=300
+        )
+        assert done.returncode == 0, done.stderr[-3000:]
+        assert (FBGEMM_COMPAT + " 0.0.1" in done.stderr) is expected, done.stderr
+        if recipe:
+            assert FBGEMM_COMPAT not in done.stderr, done.stderr
+
+
+def test_the_quickstart_under_the_silencing_recipe_prints_no_warning(
+    tmp_path: pathlib.Path,
+) -> None:
+    # The recipe above the quickstart's imports, OMP_NUM_THREADS set: nothing on stderr.
+    script = tmp_path / "quiet_quickstart.py"
+    script.write_text(
+        _silencing_recipe() + f"\nimport runpy\n\nrunpy.run_path({str(QUICKSTART)!r}, "
+        "run_name='__main__')\n"
+    )
+    env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
+    done = subprocess.run(
+        LAUNCH + [str(script)], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300
+    )
+    assert done.returncode == 0, (done.stdout + done.stderr)[-3000:]
+    assert done.stdout.splitlines() == _shown_output(README, "docs/examples/quickstart.py")
+    assert done.stderr.splitlines() == [], done.stderr

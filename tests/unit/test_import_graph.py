@@ -385,8 +385,9 @@ FLOORS: List[Tuple[str, Tuple[str, ...]]] = [
     ("pipelines", ("pipelines",)),
     # The public module listing torchrec's experimental pipelines.
     ("experimental list", ("experimental_pipelines.py",)),
-    # The tools that use the pipelines: the advisor and the testing helpers.
-    ("tools", ("advise", "testing")),
+    # The tools that use the pipelines: the advisor and the testing helpers; and the
+    # restart helper (a process group per torchrun attempt), which needs none of them.
+    ("tools", ("advise", "testing", "elastic.py")),
     # The public surface: the package's __init__.
     ("public surface", ("__init__.py",)),
 ]

@@ -97,11 +97,13 @@ def test_star_import_gives_all() -> None:
 
 
 def test_import_paths_users_and_docs_use_still_work() -> None:
-    """The torchrec-mirroring module, the testing module, the advisor's
-    command-line module and the implementation modules the guides name."""
+    """The torchrec-mirroring module, the testing module, the restart helper's
+    module, the advisor's command-line module and the implementation modules the
+    guides name."""
     for module, name in [
         ("trec_pipelines.experimental_pipelines", "TrainPipelineSparseDistT"),
         ("trec_pipelines.testing", "StreamRecorder"),
+        ("trec_pipelines.elastic", "attempt_store"),
         ("trec_pipelines.advise.cli", "main"),
         ("trec_pipelines.observe.ledger", "LedgerSummary"),
         ("trec_pipelines.observe.memory", "footprint"),

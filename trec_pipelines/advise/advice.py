@@ -79,8 +79,9 @@ class Advice:
         elapsed: the seconds it took (None: not recorded).
         exhausted: the verdict was judged with no rounds to come: the time
             budget ran out before its hint could be followed, or it gave none.
-        budget_spent: the time budget stopped it: what the verdict asked to
-            measure next would not fit in it.
+        budget_spent: the run took longer than its time budget, or what the
+            verdict asked to measure next would not fit in what was left
+            (False with no time budget, ``time_budget=0``).
         link: the model's link bytes per step by collective, from its shapes
             and the first batch (None: not computed, or no sharded table reads
             the batch); the table says what they imply at 1 and 10 Gbit/s.
@@ -138,10 +139,8 @@ class Advice:
             for r in self.variants
         )
         plain = replace(self.plain, within_budget=None if memory_budget is None else True)
-        verdict = judge(
-            plain, rows, memory_budget, exhausted=self.exhausted, spent=self.budget_spent
-        )
-        if self.verdict.rerun_time_budget is not None and self.time_budget is not None:
+        verdict = judge(plain, rows, memory_budget, exhausted=self.exhausted)
+        if self.budget_spent and self.time_budget is not None:
             verdict = spent(verdict, self.time_budget, self.verdict.rerun_time_budget)
         return replace(
             self,
@@ -244,10 +243,16 @@ class Advice:
                 f"(warm-up + timed epoch), in the same order for every contender"
             )
         if self.time_budget is not None and self.elapsed is not None:
-            parts.append(
-                f"{self.elapsed:.0f} s of a {self.time_budget:.0f} s time budget"
-                + (" (spent)" if self.budget_spent else "")
-            )
+            if self.time_budget > 0:
+                parts.append(
+                    f"{self.elapsed:.0f} s of a {self.time_budget:.0f} s time budget"
+                    + (" (spent)" if self.budget_spent else "")
+                )
+            else:
+                parts.append(
+                    f"{self.elapsed:.0f} s, with no time budget (time_budget=0: the steps and "
+                    "rounds asked for, no more)"
+                )
         return "; ".join(parts)
 
     def save_plot(self, path: str) -> None:

@@ -18,10 +18,12 @@ budget allows:
   either: an epoch too short to time is wasted, and the floor costs a small
   model at most a second per contender and round (a large one's ``steps``
   take longer anyway).  The probe times the plain loop only: a variant far
-  faster than it shows in the first round, and when the shortest epoch of
-  that round is under 1.5 times the least the verdict accepts, the rounds
-  start again with the epoch that brings it to ``EPOCH_FLOOR``
-  (:func:`floor_epoch`), whatever the budget, once.  Batches that end
+  faster than it shows in the first round, and a machine that gets quieter
+  shortens the epochs of any later one: after every round whose shortest
+  epoch is under 1.5 times the least the verdict accepts, the rounds start
+  again with the epoch that brings it to ``EPOCH_FLOOR``
+  (:func:`floor_epoch`) -- the first time whatever the budget, later times
+  when the rounds asked for fit in what is left of it.  Batches that end
   sooner are cycled (the same batches, in the same order, for every
   contender: :func:`~trec_pipelines.advise.measure.take`);
 * after the rounds, while the verdict is "cannot tell" (:func:`next_move`):
@@ -32,11 +34,12 @@ budget allows:
   cost of the rounds measured so far (:class:`Cost`);
 * when the next move does not fit, or "cannot tell" names none, the verdict
   is judged once more with no rounds to come (``judge(..., exhausted=True)``): contenders the noise
-  leaves even are then an answer ("either will do") -- but not "keep your
-  plain loop" when the budget stopped it with a variant's ``±`` against the
-  plain loop wider than the margin (``spent=True``) -- and "cannot tell" says
-  the budget is spent and what budget would let it go on (:func:`spent`): for
-  more rounds, all those it asks for, by the cost of the rounds measured.
+  leaves even are then an answer ("either will do") -- but never "keep your
+  plain loop" while a variant's ``±`` against the plain loop is wider than
+  the margin -- and "cannot tell" says, when the run took longer than the
+  budget or the next move would have, that the budget is spent and what
+  budget would let it go on (:func:`spent`): for more rounds, all those it
+  asks for, by the cost of the rounds measured.
 
 The budget counts the whole run (builds, warm-ups, the untimed epochs);
 the rounds asked for are always measured, with epochs at the floor, even
@@ -89,9 +92,9 @@ def first_epoch(
 
 
 def floor_epoch(epoch_steps: int, shortest: float) -> Optional[int]:
-    """After the first round: the epoch that brings its shortest contender's (``shortest``
-    seconds at ``epoch_steps``) to ``EPOCH_FLOOR``, when that one was under 1.5 times the
-    least the verdict accepts (None: long enough)."""
+    """After a round: the epoch that brings its shortest contender's (``shortest`` seconds
+    at ``epoch_steps``) to ``EPOCH_FLOOR``, when that one was under 1.5 times the least the
+    verdict accepts (None: long enough)."""
     if shortest >= 1.5 * MIN_EPOCH_SECONDS:
         return None
     return max(

@@ -35,17 +35,18 @@ and a plain loop on the same batches, and answers one of three:
   keep your plain loop no variant is more than 2% faster than it, beyond the noise;
   cannot tell          the --time-budget ran out before the epochs were long
                        enough to time (0.5 s) or the rounds settled the
-                       differences that decide (a variant's spread against the
-                       plain loop wider than 2% included): it names the fastest
-                       variant seen and what budget would let it go on.
+                       differences that decide; or, whatever the budget, a
+                       variant's spread against the plain loop is wider than
+                       2%: it names the fastest variant seen and what to re-run
+                       with (the rounds, or the budget that would let it go on).
 
 Within --time-budget it lengthens the timed epochs until they are long
 enough to time (cycling your batches, in the same order for every contender,
 when they end first) and adds rounds while the noise leaves the answer open.
 Variants within the noise of each other are an answer: either will do, so
 the one holding least (or the plain loop, when no variant is faster than it
-beyond the noise) -- unless the budget ran out with a variant's spread
-against the plain loop wider than 2%: then it cannot tell yet.  The output says how long the epochs were, how many
+beyond the noise) -- unless a variant's spread against the plain loop is
+wider than 2%: then it cannot tell yet.  The output says how long the epochs were, how many
 times the batches were cycled, and the time taken.
 
 --build names a function of yours, importable from the current directory,

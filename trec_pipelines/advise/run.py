@@ -150,7 +150,8 @@ def advise(
     first) until they are long enough to time, and adds rounds while the noise
     leaves the answer open (the note "epochs long enough, within the time
     budget" in ``trec_pipelines.advise.budget``); it cannot tell when the
-    budget is spent first, and then says what budget would let it go on.
+    budget is spent first, and then says what budget would let it go on, or
+    when a variant's spread against the plain loop is wider than 2%.
 
     Call it on every rank of an initialized process group.  ``build()``
     returns ``(model, optimizer, batches)`` as you build them to train: a
@@ -389,7 +390,7 @@ def _advise(
     measured = _Rounds(list(contenders))
     total = rounds * len(contenders)
     wanted: Optional[float] = None
-    resized = time_budget <= 0  # the first round's check, made once
+    restarted = False  # the first restart at a longer epoch is made whatever the budget
     while True:
         while measured.count < rounds:
             _measure_round(
@@ -405,14 +406,23 @@ def _advise(
                 progress,
                 total,
             )
-            if not resized:
-                resized = True
-                longer = floor_epoch(epoch_steps, _shortest_of_round(measured, 0))
-                if longer is not None:  # a contender far faster than the probe's plain loop
-                    offset = measured.offset + measured.count * len(contenders)
-                    epoch_steps, measured = longer, _Rounds(list(contenders))
-                    measured.offset = offset
-                    total = offset + rounds * len(contenders)
+            # A round whose shortest epoch came in short: a contender far faster than the
+            # probe's plain loop, or a machine that got quieter since the epoch was sized.
+            longer = (
+                None
+                if time_budget <= 0
+                else floor_epoch(epoch_steps, _shortest_of_round(measured, measured.count - 1))
+            )
+            if longer is not None and (
+                not restarted
+                or clock.elapsed() + rounds * measured.cost(epoch_steps).round(longer)
+                <= time_budget
+            ):
+                restarted = True
+                offset = measured.offset + measured.count * len(contenders)
+                epoch_steps, measured = longer, _Rounds(list(contenders))
+                measured.offset = offset
+                total = offset + rounds * len(contenders)
         advice = compose(
             asked,
             reasons,
@@ -479,28 +489,25 @@ def _finish(
     """The advice as measured: judged with no rounds to come when ``final``, saying the
     budget is spent when ``wanted`` (what the next move would have taken) exceeded it, and
     what budget the rounds it asks for would take (``cost`` a round's)."""
+    # Spent: the run took longer than the budget (the rounds asked for are measured
+    # whatever they cost), or the next move would have.
+    budget_spent = time_budget > 0 and (wanted is not None or elapsed > time_budget)
     advice = dataclasses.replace(
         advice,
         steps_asked=steps,
         time_budget=time_budget,
         elapsed=elapsed,
         exhausted=final,
-        budget_spent=wanted is not None,
+        budget_spent=budget_spent,
     )
     if not final:
         return advice
-    verdict = judge(
-        advice.plain,
-        advice.variants,
-        advice.memory_budget,
-        exhausted=True,
-        spent=wanted is not None,
-    )
-    if wanted is not None:
+    verdict = judge(advice.plain, advice.variants, advice.memory_budget, exhausted=True)
+    if budget_spent:
         rounds_to_come = (verdict.rerun_rounds or 0) - advice.rounds
         if verdict.rerun_steps is None and rounds_to_come > 0:
             # All the rounds it asks for, not only the next one the budget could not afford.
-            wanted = max(wanted, elapsed + rounds_to_come * cost.round(advice.steps))
+            wanted = max(wanted or 0.0, elapsed + rounds_to_come * cost.round(advice.steps))
         verdict = spent(verdict, time_budget, wanted)
     return dataclasses.replace(advice, verdict=verdict)
 

@@ -57,17 +57,25 @@ the noise), provided it is the plain loop or better than it: "keep your
 plain loop" when it is the plain loop (no variant faster beyond the
 noise), "recommend" otherwise, the reason naming the variants within the
 noise of the pick.  Only when there is no such contender does it stay
-"cannot tell".  One exception, when it was the time budget that stopped
-the rounds (``judge(..., spent=True)``): "keep your plain loop" needs every
-variant the noise leaves open against the plain loop known to within the
-margin (its ``±`` at most 2%); a wider one is "cannot tell yet", naming the
-fastest variant seen and the rounds that would settle its lead (or narrow
-its ``±`` to the margin), by how its spread shrinks with ``sqrt(n)``.  A
-variant even with its peers but clear of the plain loop is still
-recommended: whichever of them is faster, it is.  Otherwise a pair about the margin apart whose ``±`` is
-wider than the margin asks for the rounds that bring its ``±`` within the
-margin (then either will do).  Another run may name another of these peers
-(the noise does not separate them): the reason names them.
+"cannot tell".  Every clause of that reason is read off the table: the
+peers it calls within the noise are those neither side is better than; it
+says the pick holds least of them only when it does; a peer holding less
+is named with why it is not the pick (it is not faster than the plain loop
+beyond the noise, or another variant is faster than it); and a peer faster
+on the medians is named as the fastest.
+
+"Keep your plain loop" needs every variant the noise leaves open against
+the plain loop known to within the margin (its ``±`` at most 2%), whatever
+stopped the rounds: a wider one is "cannot tell yet", naming the fastest
+variant seen and the rounds that would settle its lead (or narrow its
+``±`` to the margin), by how its spread shrinks with ``sqrt(n)`` -- or,
+when that takes over ``MAX_ROUNDS_HINT`` rounds, saying to re-run on a
+quieter machine, with longer epochs.  A variant even with its peers but
+clear of the plain loop is still recommended: whichever of them is faster,
+it is.  Otherwise a pair about the margin apart whose ``±`` is wider than
+the margin asks for the rounds that bring its ``±`` within the margin
+(then either will do).  Another run may name another of these peers (the
+noise does not separate them): the reason names them.
 
 Why this cannot flip: two runs give different confident answers only if one
 of them finds a pair better by over 2% and the other finds it no better
@@ -307,12 +315,25 @@ def _even_verdict(
             "of the plain loop: either will do), so a pipeline buys nothing measurable on this model",
         )
     row = by_name[pick.name]
-    return Verdict(
-        Answer.RECOMMEND,
-        pick.name,
+    sentence = (
         f"{_figure(row, noise)}, +{format_bytes(row.held_peak)} held; {names} {are} within the "
-        f"noise of it: either will do, and {pick.name} holds least",
+        "noise of it: either will do"
     )
+    if all(c.held > pick.held for c in peers):
+        sentence += f", and {pick.name} holds least of them"
+    # A peer holding less is not the pick for a reason of its own: say which.
+    for c in (c for c in peers if c.held < pick.held):
+        faster = [o for o in contenders if o is not c and _better(o, c, noise)]
+        why = (
+            f"{max(faster, key=lambda o: o.ratio).name} is faster than it beyond the noise"
+            if faster
+            else "it is not faster than the plain loop beyond the noise"
+        )
+        sentence += f"; {c.name} holds less, but {why}"
+    fastest = max(pool, key=lambda r: r.vs_plain or 0.0)
+    if fastest is not row and (fastest.vs_plain or 0.0) > (row.vs_plain or 0.0):
+        sentence += f"; the fastest on the medians is {fastest.name}, {_figure(fastest, noise)}"
+    return Verdict(Answer.RECOMMEND, pick.name, sentence)
 
 
 def _none_to_judge(
@@ -392,7 +413,6 @@ def _no_confident_pick(
     noise: float,
     rounds: int,
     exhausted: bool,
-    spent: bool,
 ) -> Verdict:
     """The answer when no contender is a confident pick: either will do, or cannot tell
     (and how many rounds would tell)."""
@@ -402,8 +422,8 @@ def _no_confident_pick(
     # about the margin apart and already known to within the margin.
     unsettleable = pair is None or (pair[4] is None and pair[3] <= MARGIN)
     if even is not None and (exhausted or unsettleable):
-        too_wide = _too_wide_to_keep(contenders, pool, noise, rounds) if spent else None
-        if even.plain and too_wide is not None:
+        too_wide = _too_wide_to_keep(contenders, pool, noise, rounds) if even.plain else None
+        if too_wide is not None:
             return too_wide
         return _even_verdict(even, contenders, pool, noise)
     variant = None if lead.plain else lead.name
@@ -448,10 +468,10 @@ def _too_wide_to_keep(
     noise: float,
     rounds: int,
 ) -> Optional[Verdict]:
-    """Cannot tell yet when the time budget stopped the rounds while a variant's difference
-    to the plain loop is known no closer than the margin: "keep your plain loop" would then
-    say more than the rounds measured (None: every variant the noise leaves open is known
-    to within the margin, and the plain loop will do)."""
+    """Cannot tell yet when a variant's difference to the plain loop is known no closer than
+    the margin, whatever stopped the rounds: "keep your plain loop" would then say more than
+    the rounds measured (None: every variant the noise leaves open is known to within the
+    margin, and the plain loop will do)."""
     plain = next(c for c in contenders if c.plain)
     wide: List[Optional[int]] = []
     for c in contenders:
@@ -473,8 +493,8 @@ def _too_wide_to_keep(
     )
     if needed is None:
         sentence += (
-            f"; over {MAX_ROUNDS_HINT} rounds would be needed at this spread: measure on a "
-            "quieter machine, or with longer epochs"
+            f"; over {MAX_ROUNDS_HINT} rounds would be needed at this spread: re-run on a "
+            "quieter machine (fewer other jobs), with longer epochs (steps=, --steps)"
         )
     else:
         sentence += f"; re-run with {needed} rounds"
@@ -521,7 +541,6 @@ def judge(
     rows: Sequence["VariantReport"],
     budget: Optional[int],
     exhausted: bool = False,
-    spent: bool = False,
 ) -> Verdict:
     """The verdict on the measurements ([Note: the verdict rule]).
 
@@ -529,11 +548,10 @@ def judge(
     row per variant asked for (``seconds``, ``paired``, ``vs_plain``,
     ``held_peak``, ``unpipelined``); ``budget``: bytes a pipeline may hold;
     ``exhausted``: no more rounds will be measured (the time budget is
-    spent), so contenders the noise leaves even are an answer ("either will
-    do") rather than a reason to re-run; ``spent``: what stopped the rounds
-    was the time budget (not that more rounds would not decide), so a
-    variant the noise leaves open by more than the margin is "cannot tell
-    yet", not "keep your plain loop".
+    spent, or the verdict names none to measure), so contenders the noise
+    leaves even are an answer ("either will do") rather than a reason to
+    re-run -- but never "keep your plain loop" while a variant the noise
+    leaves open against it has a ``±`` wider than the margin.
     """
     ran = [r for r in rows if r.ran and r.vs_plain is not None]
     fits = [r for r in ran if budget is None or (r.held_peak is not None and r.held_peak <= budget)]
@@ -564,7 +582,7 @@ def judge(
         return too_little
     pick = _confident_pick(contenders, noise)
     if pick is None:
-        return _no_confident_pick(lead, leads, contenders, pool, noise, rounds, exhausted, spent)
+        return _no_confident_pick(lead, leads, contenders, pool, noise, rounds, exhausted)
     return _picked(pick, ran, pool, budget, noise)
 
 
