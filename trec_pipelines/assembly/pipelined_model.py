@@ -45,7 +45,7 @@ from trec_pipelines.model.rewrite import (
     restore_model,
     rewrite_model,
 )
-from trec_pipelines.sparse.forwards import BaseForward
+from trec_pipelines.sparse.forwards import BaseForward, WrapperOwner
 from trec_pipelines.sparse.input_dist import SplitsFusion
 from trec_pipelines.sparse.takeover import take_model_over
 
@@ -67,7 +67,7 @@ class PipelinedModel:
 
     def __init__(
         self,
-        owner: Any,
+        owner: object,
         model: torch.nn.Module,
         input_dist_group: InputDistGroup = "shared",
     ) -> None:
@@ -89,7 +89,7 @@ class PipelinedModel:
         self.fusion = SplitsFusion(input_dist_group)
 
     @property
-    def owner(self) -> Any:
+    def owner(self) -> object:
         owner = self._owner()
         assert owner is not None, "a pipeline's model outlives it only without this hold"
         return owner
@@ -185,8 +185,11 @@ class PipelinedModel:
 
     def _claim(self, result: RewriteResult) -> None:
         """Tag ``result``'s wrappers with their pipeline and what they replaced."""
+        owner = self.owner
+        # Only a pipeline that can give the model back (detach()) rewrites it.
+        assert isinstance(owner, WrapperOwner), f"{self.owner_name} rewrites without detach()"
         for module, had_instance_forward, original, _ in result._saved:
             forward = module.__dict__.get("forward")
             if isinstance(forward, BaseForward):
-                forward.claim(self.owner)
+                forward.claim(owner)
                 forward.replaced = (had_instance_forward, original)

@@ -172,18 +172,21 @@ def make_copy_worker(
     return InplaceCopyWorker(device, memcpy)
 
 
-def _is_async(pipeline: object) -> bool:
-    return getattr(pipeline, "_copy_worker", None) is not None
+class HoldsCopyWorker:
+    """A pipeline that may issue its in-place copies on a worker of its own
+    (:func:`make_copy_worker`), with torchrec 1.9.2's read-only attribute that
+    says whether it does."""
+
+    # Set by the pipeline's constructor; None: copies are issued in the step.
+    _copy_worker: Optional[InplaceCopyWorker] = None
+
+    @property
+    def _async_inplace_copy(self) -> bool:
+        """True when in-place copies are issued by the background worker."""
+        return self._copy_worker is not None
 
 
-# torchrec 1.9.2's attribute, read-only: assigned in the body of each class that
-# holds a copy worker (a property has to live on a class in the pipeline's MRO).
-ASYNC_INPLACE_COPY = property(
-    _is_async, doc="True when in-place copies are issued by the background worker."
-)
-
-
-class AsyncInplaceCopyMixin(Generic[In], metaclass=ABCMeta):
+class AsyncInplaceCopyMixin(HoldsCopyWorker, Generic[In], metaclass=ABCMeta):
     """What a pipeline needs for ``async_inplace_copy`` (torchrec 1.9.2's name).
 
     Our pipelines hold their copy worker (:func:`make_copy_worker`) rather than
@@ -198,7 +201,6 @@ class AsyncInplaceCopyMixin(Generic[In], metaclass=ABCMeta):
     _device: torch.device
     _streams: Any
     _enable_inplace_copy_batch: bool
-    _copy_worker: Optional[InplaceCopyWorker] = None
 
     def _make_copy_worker(
         self, async_inplace_copy: bool, *, every_copy: bool = False
@@ -206,8 +208,6 @@ class AsyncInplaceCopyMixin(Generic[In], metaclass=ABCMeta):
         """The worker issuing in-place copies for ``async_inplace_copy``, or None
         (see :func:`make_copy_worker`)."""
         return make_copy_worker(self, async_inplace_copy, every_copy=every_copy)
-
-    _async_inplace_copy = ASYNC_INPLACE_COPY
 
 
 class BatchQueue(deque):  # type: ignore[type-arg]
@@ -241,9 +241,9 @@ class BatchQueue(deque):  # type: ignore[type-arg]
 
 
 __all__ = [
-    "ASYNC_INPLACE_COPY",
     "AsyncInplaceCopyMixin",
     "BatchQueue",
+    "HoldsCopyWorker",
     "InplaceCopyWorker",
     "WORKER_THREAD",
     "async_copy_device",

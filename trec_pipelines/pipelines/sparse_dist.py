@@ -38,7 +38,7 @@ from trec_pipelines.core.subclass_hooks import (
     VERSION_0,
 )
 from trec_pipelines.data import inplace_copy
-from trec_pipelines.data.inplace_copy import BatchQueue, InplaceCopyWorker
+from trec_pipelines.data.inplace_copy import BatchQueue, HoldsCopyWorker, InplaceCopyWorker
 from trec_pipelines.data.padding import Padding
 from trec_pipelines.data.validation import note_shared_features
 from trec_pipelines.model.backward_hooks import pipeline_hook, register_backward_hook
@@ -57,7 +57,7 @@ logger: logging.Logger = logging.getLogger(__name__)
 
 
 @takes_options(SparseDistTrainOptions)
-class TrainPipelineSparseDist(SparseDistRewrite, TrainPipeline[In, Out]):
+class TrainPipelineSparseDist(SparseDistRewrite, HoldsCopyWorker, TrainPipeline[In, Out]):
     """Three batches in flight: ``cur`` trains, ``nxt`` is in input_dist, ``new`` is copied.
 
     ==========  =======  ==================================================
@@ -133,8 +133,6 @@ class TrainPipelineSparseDist(SparseDistRewrite, TrainPipeline[In, Out]):
     # torchrec's attribute: the forward wrapper class of the pipelined modules
     # (read, not set: _make_forward builds each module's wrapper).
     _pipelined_forward_type: type = PipelinedForward
-    # torchrec 1.9.2's: whether a worker issues the in-place copies (read-only).
-    _async_inplace_copy = inplace_copy.ASYNC_INPLACE_COPY
     # torchrec's 2D-sharding weight sync (a no-op without ``DMPCollection``), inherited
     # as it is: it reads only ``context.index``, which our contexts have too.
     sync_embeddings: Callable[  # type: ignore[assignment]  # any context with an index

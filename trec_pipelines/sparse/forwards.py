@@ -32,7 +32,19 @@ context has moved on to the next batch).
 from __future__ import annotations
 
 import weakref
-from typing import Any, Dict, Generic, Iterable, List, Optional, Protocol, Tuple, TypeVar, Union
+from typing import (
+    Any,
+    Dict,
+    Generic,
+    Iterable,
+    List,
+    Optional,
+    Protocol,
+    Tuple,
+    TypeVar,
+    Union,
+    runtime_checkable,
+)
 
 import torch
 from torchrec.distributed.pec_embedding import ShardedPECEmbeddingCollection
@@ -61,6 +73,7 @@ from trec_pipelines.sparse.input_dist import run_input_dist
 C = TypeVar("C", bound=TrainPipelineContext)
 
 
+@runtime_checkable
 class WrapperOwner(Protocol):
     """What a wrapper knows of the pipeline that installed it: another pipeline
     taking the model over detaches it and leaves its own class name in

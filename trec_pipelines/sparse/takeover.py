@@ -22,7 +22,7 @@ import torch
 
 from trec_pipelines._types import AnyShardedModule
 from trec_pipelines.model.rewrite import note_wrapper_change, sharded_modules
-from trec_pipelines.sparse.forwards import BaseForward, WrapperOwner
+from trec_pipelines.sparse.forwards import BaseForward
 from trec_pipelines.sparse.input_dist import unfuse_left_over
 
 logger: logging.Logger = logging.getLogger(__name__)
@@ -46,7 +46,7 @@ def strip_orphan(module: AnyShardedModule) -> None:
 
 
 def take_model_over(
-    pipeline: WrapperOwner, model: torch.nn.Module, sharded: Optional[Dict[str, AnyShardedModule]]
+    pipeline: object, model: torch.nn.Module, sharded: Optional[Dict[str, AnyShardedModule]]
 ) -> Dict[str, AnyShardedModule]:
     """Detach every pipeline but ``pipeline`` whose wrappers are on ``model``.
 
