@@ -123,7 +123,14 @@ what else its step overlaps.  At the end of the data it raises ``StopIteration``
 calling it again then starts a new epoch, with a new iterator or the same one
 refilled (a spent iterator ends again at once).  A step that raises is rolled
 back: the next call retries the same batch, and ``skip_failed_batch()``
-drops it instead.  With several ranks, call it on every rank alike."""
+drops it instead.  With several ranks, call it on every rank alike.  An epoch::
+
+    it = iter(dataloader)
+    while True:
+        try:
+            output = pipeline.progress(it)
+        except StopIteration:
+            break"""
 
 
 def parameters_of(cls: type) -> List[str]:

@@ -49,11 +49,7 @@ class TrainPipelineBase(PipelineCore, TrainPipeline[In, Out]):
 
         pipeline = TrainPipelineBase(model, optimizer, torch.device("cuda"))
         it = iter(dataloader)
-        while True:
-            try:
-                output = pipeline.progress(it)
-            except StopIteration:
-                break
+        output = pipeline.progress(it)  # one batch a call, until StopIteration
 
     torchrec's parameters the classes share, our keyword-only options and what every ``progress()``
     does: :class:`~trec_pipelines.PipelineOptions`.

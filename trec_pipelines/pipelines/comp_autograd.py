@@ -222,11 +222,7 @@ class TrainPipelineSparseDistCompAutograd(TrainPipelineSparseDist[In, Out]):
 
         model = DistributedModelParallel(module, ...)
         pipeline = TrainPipelineSparseDistCompAutograd(model, optimizer, device)
-        while True:
-            try:
-                pipeline.progress(it)
-            except StopIteration:
-                break
+        pipeline.progress(it)  # one batch a call, until StopIteration
 
     torchrec's parameters the classes share, our keyword-only options and what every ``progress()``
     does: :class:`~trec_pipelines.PipelineOptions`.

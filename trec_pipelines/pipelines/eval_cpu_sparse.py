@@ -78,11 +78,7 @@ class EvalPipelineCPUSparse(TrainPipelineSparseDist[In, Out]):
         model.eval()
         pipeline = EvalPipelineCPUSparse(dmp_model, None, device, pipeline_depth=2)
         it = iter(dataloader)
-        while True:
-            try:
-                predictions = pipeline.progress(it)
-            except StopIteration:
-                break
+        predictions = pipeline.progress(it)  # one batch a call, until StopIteration
 
     Args:
         multi_thread: Run the host stage (input dist, lookup, output dist) on a thread of its own,

@@ -51,11 +51,7 @@ class EvalPipelineFusedSparseDist(TrainPipelineFusedSparseDist[In, Out]):
             model, optimizer, device, enable_embedding_lookup_prefetch=True
         )
         it = iter(dataloader)
-        while True:
-            try:
-                predictions = pipeline.progress(it)
-            except StopIteration:
-                break
+        predictions = pipeline.progress(it)  # one batch a call, until StopIteration
 
     Args:
         enable_embedding_lookup_prefetch: Keyword-only, as torchrec's: run the lookup one

@@ -267,11 +267,7 @@ class EvalPipelineSparseDist(TrainPipelineSparseDist[In, Out]):
         model.eval()
         pipeline = EvalPipelineSparseDist(dmp_model, None, device)
         it = iter(dataloader)
-        while True:
-            try:
-                predictions = pipeline.progress(it)
-            except StopIteration:
-                break
+        predictions = pipeline.progress(it)  # one batch a call, until StopIteration
 
     Args:
         loader_thread: Ours, keyword-only: ``None`` (default) loads on a thread of its own

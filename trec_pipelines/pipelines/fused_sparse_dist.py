@@ -87,11 +87,7 @@ class TrainPipelineFusedSparseDist(TrainPipelineSparseDist[In, Out]):
             dmp_model, optimizer, torch.device("cuda"), emb_lookup_stream="new"
         )
         it = iter(dataloader)
-        while True:
-            try:
-                output = pipeline.progress(it)
-            except StopIteration:
-                break
+        output = pipeline.progress(it)  # one batch a call, until StopIteration
 
     torchrec's parameters the classes share, our keyword-only options and what every ``progress()``
     does: :class:`~trec_pipelines.PipelineOptions`.

@@ -115,11 +115,7 @@ class TrainPipelinePEC(TrainPipelineSparseDist[In, Out]):
 
         pipeline = TrainPipelinePEC(dmp_model, optimizer, torch.device("cuda"))
         it = iter(dataloader)
-        while True:
-            try:
-                output = pipeline.progress(it)
-            except StopIteration:
-                break
+        output = pipeline.progress(it)  # one batch a call, until StopIteration
 
     torchrec's parameters the classes share, our keyword-only options and what every ``progress()``
     does: :class:`~trec_pipelines.PipelineOptions`.

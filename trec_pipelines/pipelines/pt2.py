@@ -110,11 +110,7 @@ class TrainPipelinePT2(PipelineCore, TrainPipeline[In, Out]):
             model, optimizer, torch.device("cuda"),
             compile_configs=TorchCompileConfig(compile_on_iter=3),
         )
-        while True:
-            try:
-                pipeline.progress(it)
-            except StopIteration:
-                break
+        pipeline.progress(it)  # one batch a call, until StopIteration
 
     Args:
         compile_configs: A ``TorchCompileConfig``: when (``compile_on_iter``) and how to

@@ -87,11 +87,7 @@ class TrainPipelineSemiSync(TrainPipelineSparseDist[In, Out]):
 
         pipeline = TrainPipelineSemiSync(dmp_model, dense_optimizer, device, start_batch=0)
         it = iter(dataloader)
-        while True:
-            try:
-                output = pipeline.progress(it)
-            except StopIteration:
-                break
+        output = pipeline.progress(it)  # one batch a call, until StopIteration
 
     Args:
         start_batch: How many batches train synchronously, counted from construction or

@@ -105,11 +105,7 @@ class TrainPipelineSparseDist(SparseDistRewrite, HoldsCopyWorker, TrainPipeline[
 
         pipeline = TrainPipelineSparseDist(dmp_model, optimizer, device)
         it = iter(dataloader)
-        while True:
-            try:
-                output = pipeline.progress(it)
-            except StopIteration:
-                break
+        output = pipeline.progress(it)  # one batch a call, until StopIteration
 
     torchrec's parameters the classes share, our keyword-only options and what every ``progress()``
     does: :class:`~trec_pipelines.PipelineOptions`.

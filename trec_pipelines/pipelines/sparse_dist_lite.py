@@ -51,11 +51,7 @@ class TrainPipelineSparseDistLite(TrainPipelineSparseDist[In, Out]):
 
         pipeline = TrainPipelineSparseDistLite(dmp_model, optimizer, device)
         it = iter(dataloader)
-        while True:
-            try:
-                output = pipeline.progress(it)
-            except StopIteration:
-                break
+        output = pipeline.progress(it)  # one batch a call, until StopIteration
 
     torchrec's parameters the classes share, our keyword-only options and what every ``progress()``
     does: :class:`~trec_pipelines.PipelineOptions`.

@@ -47,11 +47,7 @@ class TrainPipelineSparseDistT(TrainPipelineSparseDist[In, Out]):
 
         pipeline = TrainPipelineSparseDistT(dmp_model, optimizer, torch.device("cuda"))
         it = iter(dataloader)
-        while True:
-            try:
-                output = pipeline.progress(it)
-            except StopIteration:
-                break
+        output = pipeline.progress(it)  # one batch a call, until StopIteration
 
     torchrec's parameters the classes share, our keyword-only options and what every ``progress()``
     does: :class:`~trec_pipelines.PipelineOptions`.

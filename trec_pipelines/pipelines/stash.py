@@ -76,11 +76,7 @@ class TrainPipelineSparseDistOptStash(TrainPipelineSparseDist[In, Out]):
             dmp_model, optimizer, device, site_fqn="sparse_arch.embedding_bag_collection"
         )
         it = iter(dataloader)
-        while True:
-            try:
-                output = pipeline.progress(it)
-            except StopIteration:
-                break
+        output = pipeline.progress(it)  # one batch a call, until StopIteration
 
     torchrec's parameters the classes share, our keyword-only options and what every ``progress()``
     does: :class:`~trec_pipelines.PipelineOptions`.
@@ -258,11 +254,7 @@ class TrainPipelineSparseDistEmbStash(TrainPipelineSparseDist[In, Out]):
             dmp_model, optimizer, device, site_fqn="over_arch"
         )
         it = iter(dataloader)
-        while True:
-            try:
-                output = pipeline.progress(it)
-            except StopIteration:
-                break
+        output = pipeline.progress(it)  # one batch a call, until StopIteration
 
     Args:
         delay_stash: Stash the embeddings only when the forward reaches ``stash_site_fqn`` (or,

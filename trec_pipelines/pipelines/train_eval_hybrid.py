@@ -47,11 +47,7 @@ class TrainEvalHybridPipelineBase(TrainPipelineSparseDist[In, Out]):
         for _ in range(steps):
             pipeline.progress(train_it)
         model.eval()
-        while True:
-            try:
-                predictions.append(pipeline.progress(eval_it))
-            except StopIteration:
-                break
+        predictions.append(pipeline.progress(eval_it))  # one batch a call, until StopIteration
         model.train()
         pipeline.progress(train_it)  # picks up where training stopped
 
