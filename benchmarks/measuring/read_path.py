@@ -11,6 +11,8 @@ sharded test DLRM under :func:`sys.setprofile`, and counts
   the test model under ``trec_pipelines/testing`` does not either: it is the
   user's code, not the pipeline's),
 * the distinct files those functions live in,
+* every call the step makes, Python and C, ours, torchrec's and the model's
+  alike (the calls per step),
 
 then does the same for torchrec's class of the same name (functions under
 ``torchrec/distributed/train_pipeline``).  It also reads two static shapes of
@@ -20,8 +22,7 @@ its MRO.  Needs the default process group (2 ranks, gloo on CPU)::
     PYTHONPATH=$PWD TREC_DEVICE=cpu .venv/bin/torchrun --standalone --nproc_per_node=2 \\
         -m benchmarks.measuring.read_path [ClassName ...]
 
-Rank 0 prints the table.  ``tests/distributed/test_read_path.py`` holds the
-numbers to ceilings.
+Rank 0 prints the table.  The numbers describe a step; no test holds them.
 """
 
 from __future__ import annotations
@@ -53,6 +54,7 @@ class ReadPath:
     private_names: int
     mro: int
     function_names: Tuple[str, ...] = ()
+    calls: Optional[int] = None  # every call of the step, Python and C
 
 
 def private_names(cls: type) -> List[str]:
@@ -63,15 +65,19 @@ def private_names(cls: type) -> List[str]:
 
 
 class _Calls:
-    """Collects the code objects called under ``root`` while active (this thread and new ones)."""
+    """Collects the code objects called under ``root``, and counts every call, while
+    active (this thread and new ones)."""
 
     def __init__(self, root: str) -> None:
         self.root = root
         # The test model lives in the package but is the user's code, not the pipeline's.
         self.skip = os.path.join(root, "testing") + os.sep
         self.codes: Set[CodeType] = set()
+        self.calls = 0
 
     def _profile(self, frame: FrameType, event: str, arg: Any) -> None:
+        if event in ("call", "c_call"):
+            self.calls += 1
         if event == "call":
             code = frame.f_code
             name = code.co_filename
@@ -116,13 +122,14 @@ def torchrec_root() -> str:
     return _root(tp)
 
 
-def count_step(step: Callable[[], Any], root: str) -> Tuple[int, int, Tuple[str, ...]]:
-    """Run ``step`` once under the profiler: (functions, files, their names) under ``root``."""
+def count_step(step: Callable[[], Any], root: str) -> Tuple[int, int, Tuple[str, ...], int]:
+    """Run ``step`` once under the profiler: (functions, files, their names) under
+    ``root``, and every call the step made."""
     calls = _Calls(root)
     with calls.active():
         step()
     files = {code.co_filename for code in calls.codes}
-    return len(calls.codes), len(files), calls.names()
+    return len(calls.codes), len(files), calls.names(), calls.calls
 
 
 # ------------------------------------------------------------------ builders
@@ -199,6 +206,7 @@ def _measure_one(module: Any, name: str, root: str, shim: bool) -> ReadPath:
     functions: Optional[int] = None
     files: Optional[int] = None
     names: Tuple[str, ...] = ()
+    calls: Optional[int] = None
     # An earlier pipeline left for the collector notes a wrapper change when it
     # is collected: inside the counted step that adds its finalizer, and before
     # it the step takes the slow path that looks for a new owner.  Collect it
@@ -210,7 +218,7 @@ def _measure_one(module: Any, name: str, root: str, shim: bool) -> ReadPath:
             _, step = _build(module, name)
             for _ in range(STEADY_CALL - 1):
                 step()
-            functions, files, names = count_step(step, root)
+            functions, files, names, calls = count_step(step, root)
         except Exception as error:  # noqa: BLE001 -- torchrec's class may not run on CPU
             print(
                 f"{name} ({module.__name__}): no step on this device: {error!r:.120}",
@@ -218,7 +226,8 @@ def _measure_one(module: Any, name: str, root: str, shim: bool) -> ReadPath:
             )
         finally:
             gc.enable()
-    return ReadPath(name, functions, files, len(private_names(cls)), len(cls.__mro__), names)
+    mro = len(cls.__mro__)
+    return ReadPath(name, functions, files, len(private_names(cls)), mro, names, calls)
 
 
 def measure_ours(name: str) -> ReadPath:
@@ -259,15 +268,17 @@ def table(rows: Sequence[Tuple[ReadPath, Optional[ReadPath]]]) -> str:
     """A markdown table: per class, ours and torchrec's numbers side by side."""
     head = (
         "| class | functions, ours | functions, torchrec | files, ours | files, torchrec "
-        "| private names, ours | private names, torchrec | MRO, ours | MRO, torchrec |"
+        "| private names, ours | private names, torchrec | MRO, ours | MRO, torchrec "
+        "| calls, ours | calls, torchrec |"
     )
-    lines = [head, "|" + "---|" * 9]
+    lines = [head, "|" + "---|" * 11]
     for ours, theirs in rows:
         t = theirs
         lines.append(
             f"| `{ours.name}` | {_cell(ours.functions)} | {_cell(t and t.functions)} "
             f"| {_cell(ours.files)} | {_cell(t and t.files)} | {ours.private_names} "
-            f"| {_cell(t and t.private_names)} | {ours.mro} | {_cell(t and t.mro)} |"
+            f"| {_cell(t and t.private_names)} | {ours.mro} | {_cell(t and t.mro)} "
+            f"| {_cell(ours.calls)} | {_cell(t and t.calls)} |"
         )
     return "\n".join(lines)
 

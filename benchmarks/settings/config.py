@@ -131,8 +131,9 @@ _HELP: Dict[str, str] = {
     "overhead_repeats": "rounds of the overhead measurement (its differences are small: more rounds than --repeats)",
     "stages": "measure SparseDist's stages separately (H2D, input dist, fwd+bwd+opt; CPU and link "
     "bytes) for the bound and the hidden input dist",
-    "timelines": "write a schedule timeline PNG per variant of ours (from its recorded epoch, "
-    "which also runs with --stages)",
+    "timelines": "also draw, into timelines/, a schedule timeline PNG per variant of ours (from its "
+    "recorded epoch, which also runs with --stages) and its memory figure, and store what they are "
+    "drawn from in results.json; off: the run draws its summary figure, qps.png, alone",
     "timeline_steps": "batches of the recorded epoch per variant of ours (timeline, hidden input dist, link-order gap)",
     "memory": "measure what each pipeline holds (tensor storage reachable from it, per step; "
     "ours also per action) and the RSS, in separate untimed epochs",
@@ -193,7 +194,7 @@ class BenchConfig:
     overhead_steps: int = 200
     overhead_repeats: int = 21
     stages: bool = True
-    timelines: bool = True
+    timelines: bool = False
     timeline_steps: int = 7
     memory: bool = True
     memory_options: bool = True
@@ -354,8 +355,8 @@ pipelining preset, 3 rounds: a couple of minutes):
 
 make bench runs this command: pass options as make bench BENCH_ARGS="...".
 
-Results go to <out-dir>/<name>/: table.txt, results.json, qps.png and a
-timeline per variant of ours."""
+Results go to <out-dir>/<name>/: table.txt, results.json and qps.png (with
+--timelines also timelines/, a timeline per variant of ours)."""
 
 _EPILOG = """\
 Redraw a results folder's figure from its results.json (nothing is run):

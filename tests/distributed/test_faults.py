@@ -11,7 +11,7 @@ import contextlib
 import gc
 import os
 from datetime import timedelta
-from typing import Any, List, Optional, Tuple
+from typing import Any, Callable, List, Optional, Tuple
 
 import pytest
 import torch
@@ -50,12 +50,15 @@ SEED, DATA_SEED = 1234, 11
 class FaultyDLRM(DLRM):
     """DLRM that raises at its forward call number ``at`` (every attempt counts):
     ``where`` is "before_lookup", "after_lookup" (in the over-arch, once the
-    embeddings arrived) or "backward"; only on ``ranks`` (every rank if None)."""
+    embeddings arrived) or "backward"; only on ``ranks`` (every rank if None).
+    ``reached``, when set, is called on every rank once that call's embeddings
+    arrived (where "after_lookup" raises)."""
 
     def __init__(self, where: str = "", at: int = -1, ranks: Optional[tuple] = None) -> None:
         super().__init__()
         self.where, self.at, self.ranks = where, at, ranks
         self.calls = 0
+        self.reached: Optional[Callable[[], None]] = None
 
     def forward(self, batch: Batch) -> Any:
         if torch.fx._symbolic_trace.is_fx_tracing():
@@ -66,6 +69,8 @@ class FaultyDLRM(DLRM):
             raise Fault("injected before the lookup")
         pooled = self.ebc(batch.sparse)
         by_name = pooled.to_dict()  # waits for the embeddings
+        if call == self.at and self.reached is not None:
+            self.reached()
         if fail and self.where == "after_lookup":
             raise Fault("injected in the over-arch")
         x = torch.cat([self.dense_arch(batch.dense)] + [by_name[f] for f in FEATURES], dim=1)
@@ -291,7 +296,13 @@ def test_a_fault_on_one_rank_ends_the_other_with_an_error_not_a_hang() -> None:
     timeout error (a short one here; or, beyond two ranks, a peer's closed
     connection), with the pipeline's note, instead of hanging."""
     rank = dist.get_rank()
-    short = dist.new_group(backend=devices.backend(), timeout=timedelta(seconds=4))
+    # The model's groups (its own, and those the pipeline makes from it) keep a
+    # 120 s hang guard while the model is built and trains its healthy steps (a
+    # busy machine may hold one rank back for seconds there); their timeout
+    # becomes 4 s on every rank where rank 0 raises, so it times the collectives
+    # rank 0 never joins, and the work left pending on them, and nothing else.
+    groups_before = set(dist.distributed_c10d._world.pg_map)
+    short = dist.new_group(backend=devices.backend(), timeout=timedelta(seconds=120))
     store = dist.TCPStore(
         os.environ["MASTER_ADDR"],
         int(os.environ["MASTER_PORT"]),
@@ -300,6 +311,13 @@ def test_a_fault_on_one_rank_ends_the_other_with_an_error_not_a_hang() -> None:
         timeout=timedelta(seconds=120),
     )
     dmp, optimizer = _build("after_lookup", 2, ranks=(0,), pg=short)
+    (model,) = [m for m in dmp.modules() if isinstance(m, FaultyDLRM)]
+
+    def shorten() -> None:
+        for group in set(dist.distributed_c10d._world.pg_map) - groups_before:
+            dist.distributed_c10d._set_pg_timeout(timedelta(seconds=4), group)
+
+    model.reached = shorten
     pipeline = trec_pipelines.TrainPipelineSparseDist(dmp, optimizer, DEVICE)
     it = iter(make_batches(6, seed=DATA_SEED))
     pipeline.progress(it), pipeline.progress(it)

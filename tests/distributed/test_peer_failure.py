@@ -2,11 +2,13 @@
 raise PeerFailedError in the same progress() call, not wait (torchrec #4270).
 
 The last rank's iterator raises ``OSError`` at its ``next()`` number 3; its
-loop catches it and sleeps (neither retrying nor exiting) for three graces.
-Every other rank must raise :class:`PeerFailedError` naming that rank, batch 3
-and the error's first line, in the progress() call where the failed rank
-raised; a retry it makes alone must raise ``PeerFailedError`` again, having
-issued nothing; once the failed rank calls ``progress()`` again, every rank
+loop catches it and stays out of progress() (neither retrying nor exiting)
+until every other rank has seen a retry of its own raise (each says so with a
+key in torchrun's store).  Every other rank must raise :class:`PeerFailedError`
+naming that rank, batch 3 and the error's first line, in the progress() call
+where the failed rank raised; a retry it makes alone must raise
+``PeerFailedError`` again, having issued nothing; once the failed rank calls
+``progress()`` again, every rank
 trains on, and training equals the plain loop over every batch (nothing lost
 nor trained twice).  The model's group times out after 30 s and each test has
 a time limit, so a rank left waiting fails the test instead of hanging it.
@@ -15,6 +17,8 @@ a time limit, so a rank left waiting fails the test instead of hanging it.
 from __future__ import annotations
 
 import contextlib
+import itertools
+import os
 import signal
 import time
 from datetime import timedelta
@@ -41,7 +45,11 @@ from trec_pipelines.testing.references import plain_loop_of
 
 DEVICE = devices.device()
 SEED, DATA_SEED = 1234, 11
-GRACE = 1.0  # TREC_PIPELINES_PEER_FAILURE_GRACE here (the failed rank sleeps 3)
+GRACE = 1.0  # TREC_PIPELINES_PEER_FAILURE_GRACE here
+# How long the failed rank waits for the others' lone retries to raise: a hang
+# guard (each takes its step's time and one grace), within the test's time limit.
+LONE_WAIT_S = 60
+_runs = itertools.count()  # every rank runs the tests in the same order: one key per run
 FAIL_AT = 3
 ERROR = "OSError: disk gone: shard-1.parquet"
 VARIANTS = [
@@ -87,6 +95,34 @@ class FailsOnce:
         return next(self._it)
 
 
+class LoneRetries:
+    """The failed rank stays out of progress() until every other rank has seen a
+    retry of its own raise: each says so with a key in torchrun's store (not a
+    group: the test's group is what the failure holds up)."""
+
+    def __init__(self, test: str, failed: int) -> None:
+        self._store = dist.TCPStore(
+            os.environ["MASTER_ADDR"],
+            int(os.environ["MASTER_PORT"]),
+            is_master=False,
+            timeout=timedelta(seconds=LONE_WAIT_S),
+        )
+        run = next(_runs)
+        self._prefix = f"trec_pipelines_tests/peer_failure/{run}/{test}/lone_retry_raised/"
+        self._others = [r for r in range(dist.get_world_size()) if r != failed]
+
+    def raised(self) -> None:
+        """On another rank: its first lone retry has raised."""
+        self._store.set(self._prefix + str(dist.get_rank()), "1")
+
+    def wait(self) -> None:
+        """On the failed rank: until every other rank's has (or the hang guard
+        expires: the others' checks then say what they saw)."""
+        keys = [self._prefix + str(r) for r in self._others]
+        with contextlib.suppress(RuntimeError):  # the store's timeout (DistStoreError)
+            self._store.wait(keys, timedelta(seconds=LONE_WAIT_S))
+
+
 def _step(name: str, pipeline: Any, dmp: Any, optimizer: Any, it: Iterator[Any]) -> Any:
     """One progress() (and, for Staged, the caller's training of its batch)."""
     if name != "StagedTrainPipeline":
@@ -98,10 +134,11 @@ def _step(name: str, pipeline: Any, dmp: Any, optimizer: Any, it: Iterator[Any])
 
 
 def _train(
-    name: str, pipeline: Any, dmp: Any, optimizer: Any, it: Iterator[Any]
+    name: str, pipeline: Any, dmp: Any, optimizer: Any, it: Iterator[Any], lone: LoneRetries
 ) -> Tuple[Run, List[Tuple[BaseException, float]]]:
-    """The user's ``try: progress() except Exception`` loop: the failed rank sleeps
-    three graces after its error, then goes on; the others call again at once."""
+    """The user's ``try: progress() except Exception`` loop: after its error the
+    failed rank waits until the others' lone retries have raised, then goes on;
+    the others call again at once."""
     outputs: List[torch.Tensor] = []
     errors: List[Tuple[BaseException, float]] = []
     while len(errors) < 20:
@@ -113,7 +150,9 @@ def _train(
         except Exception as error:  # noqa: BLE001  what a user's loop catches
             errors.append((error, time.monotonic() - started))
             if isinstance(error, OSError):
-                time.sleep(3 * GRACE)  # alive, in no step, not retrying
+                lone.wait()  # alive, in no step, not retrying
+            elif len(errors) == 2:
+                lone.raised()  # the first retry after the peer's failure
     return Run(outputs, weights(dmp)), errors
 
 
@@ -123,6 +162,7 @@ def test_a_loader_error_on_one_rank_raises_peer_failed_on_the_others(
 ) -> None:
     monkeypatch.setenv("TREC_PIPELINES_PEER_FAILURE_GRACE", str(GRACE))
     rank, failed = dist.get_rank(), dist.get_world_size() - 1
+    lone = LoneRetries(name, failed)
     short = dist.new_group(backend=devices.backend(), timeout=timedelta(seconds=30))
     batches = make_batches(8, seed=DATA_SEED)
     ref = plain_loop_of(DLRM, "table_wise", batches, seed=SEED, pg=short)
@@ -134,7 +174,7 @@ def test_a_loader_error_on_one_rank_raises_peer_failed_on_the_others(
         pipeline = getattr(trec_pipelines, name)(dmp, optimizer, DEVICE, **extra)
     with time_limit(90):
         ours, errors = _train(
-            name, pipeline, dmp, optimizer, FailsOnce(batches, FAIL_AT, rank == failed)
+            name, pipeline, dmp, optimizer, FailsOnce(batches, FAIL_AT, rank == failed), lone
         )
     first, seconds = errors[0]
     if rank == failed:

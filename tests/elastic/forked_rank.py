@@ -30,11 +30,18 @@ def main(argv: List[str]) -> None:
     if len(argv) < 2:
         sys.exit("usage: forked_rank.py SOCKET MODULE [ARGS...]")
     path, module, args = argv[0], argv[1], argv[2:]
+    # The child may be up (and the launcher may signal this process) before its pid
+    # arrives here: hold the signals until they can be passed on, so none ends
+    # this process with the child left running.
+    signal.pthread_sigmask(signal.SIG_BLOCK, FORWARDED)
     server = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
     server.connect(path)
     request = {"module": module, "args": args, "env": dict(os.environ), "cwd": os.getcwd()}
     socket.send_fds(server, [json.dumps(request).encode()], [0, 1, 2])
-    child = int(server.recv(64))
+    reply = server.recv(64)
+    if not reply:
+        sys.exit("forked_rank.py: the rank server went away before it started the rank")
+    child = int(reply)
 
     def forward(signum: int, _frame: Any) -> None:
         try:
@@ -44,6 +51,7 @@ def main(argv: List[str]) -> None:
 
     for signum in FORWARDED:
         signal.signal(signum, forward)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, FORWARDED)  # those held are passed on now
     reply = server.recv(64)
     if not reply:
         sys.exit("forked_rank.py: the rank server went away before the rank ended")

@@ -130,10 +130,20 @@ def _run_child(request: Dict[str, object], fds: List[int]) -> int:
     return code
 
 
-def _fork(connection: socket.socket, held: Sequence[socket.socket]) -> int:
-    """Fork the child ``connection`` asks for; ``held``: the server's sockets, which the child closes."""
+def _fork(
+    connection: socket.socket,
+    held: Sequence[socket.socket],
+    children: Dict[int, socket.socket],
+) -> int:
+    """Fork the child ``connection`` asks for and enter it in ``children``; ``held``: the
+    server's sockets, which the child closes."""
     message, fds, _, _ = socket.recv_fds(connection, 1 << 20, 3)
-    request = json.loads(message)
+    try:
+        request = json.loads(message)
+    except ValueError:
+        for fd in fds:
+            os.close(fd)
+        raise
     sys.stdout.flush()
     sys.stderr.flush()
     child = os.fork()
@@ -152,10 +162,17 @@ def _fork(connection: socket.socket, held: Sequence[socket.socket]) -> int:
                 sys.stderr.flush()
             finally:
                 os._exit(code)
+    children[child] = connection  # from here on the server ends it, whatever happens
     for fd in fds:
         os.close(fd)
-    connection.sendall(str(child).encode())
     return child
+
+
+def _kill(child: int) -> None:
+    try:
+        os.kill(child, signal.SIGKILL)
+    except ProcessLookupError:
+        pass  # ended and reaped already
 
 
 def serve(path: str) -> None:
@@ -180,7 +197,34 @@ def serve(path: str) -> None:
         _serve(parent, listener, woken, selector, children, [wake, woken])
     finally:
         for child in children:
-            os.kill(child, signal.SIGKILL)
+            _kill(child)
+
+
+def _start(
+    connection: socket.socket,
+    held: Sequence[socket.socket],
+    selector: selectors.BaseSelector,
+    children: Dict[int, socket.socket],
+) -> None:
+    """Fork the child a new connection asks for and tell its stand-in the pid.  What
+    goes wrong with one connection ends that connection (and its child), not the
+    server the other stand-ins share."""
+    try:
+        child = _fork(connection, held, children)
+    except Exception:  # noqa: BLE001 -- a bad request or a stand-in gone mid-request
+        traceback.print_exc()
+        for child, own in children.items():
+            if own is connection:
+                _kill(child)  # reaped with the others
+        connection.close()
+        return
+    selector.register(connection, selectors.EVENT_READ, child)
+    try:
+        connection.sendall(str(child).encode())
+    except OSError:
+        # The stand-in is gone before it could pass a signal on: its child goes too
+        # (it is reaped, and its connection closed, with the others).
+        _kill(child)
 
 
 def _serve(
@@ -200,14 +244,11 @@ def _serve(
                     pass
             elif key.fileobj is listener:
                 connection, _ = listener.accept()
-                held = [listener, *own, *children.values()]
-                child = _fork(connection, held)
-                children[child] = connection
-                selector.register(connection, selectors.EVENT_READ, child)
+                _start(connection, [listener, *own, *children.values()], selector, children)
             else:
                 # A stand-in only ever closes its end: it was killed (SIGKILL
                 # cannot be passed on), so its child goes too.
-                os.kill(key.data, signal.SIGKILL)
+                _kill(key.data)
                 selector.unregister(key.fileobj)
         while children:
             child, status = os.waitpid(-1, os.WNOHANG)

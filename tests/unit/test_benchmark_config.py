@@ -26,6 +26,9 @@ def test_defaults_are_the_issue_s_default_run() -> None:
     assert cfg.rows == 100_000 and cfg.pooling == 8
     assert cfg.link_gbit is None and not cfg.include_compiled
     assert cfg.run_name() == "default"
+    # Per-step timeline pictures are drawn on demand: --timelines.
+    assert not cfg.timelines and parse_args(["--timelines"]).timelines
+    assert to_argv(parse_args(["--timelines"])) == ["--timelines"]
     assert (cfg.steps_for(512), cfg.steps_for(4096)) == (24, 8)
     assert (
         parse_args(["--batch-sizes", "64,8192,1024"]).steps_for(8192) == 8
@@ -86,7 +89,8 @@ def test_preset_sets_its_fields_and_names_the_run() -> None:
     for name, value in PRESETS["pipelining"].items():
         assert getattr(cfg, name) == value, name
     assert cfg.link_gbit == 1.0 and len(cfg.dims) == 16 and not cfg.memory and not cfg.overhead
-    assert cfg.torchrec and cfg.timelines and cfg.stages  # what it is for stays on
+    assert cfg.torchrec and cfg.stages  # what it is for stays on
+    assert not cfg.timelines  # per-step pictures only on demand
     assert parse_args(to_argv(cfg)) == cfg
     assert "pipelining = --dims 8,8" in " ".join(build_parser().format_help().split())
 

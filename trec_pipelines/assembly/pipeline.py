@@ -26,12 +26,13 @@ A variant says what it holds in flight through three small methods
 :meth:`~PipelineCore._bring_back`) and how many host batches a step pulls
 (:meth:`~PipelineCore._batches_to_fetch`); the rest follows.
 
-The core is the one class of ours under every pipeline besides the
-:class:`~trec_pipelines.assembly.torchrec_state.TorchrecState` it stands on
-(torchrec's attributes, as properties onto the parts of ours that own them).
-What every pipeline has besides is held and called, not inherited (the
-SparseDist family's rewrite hooks and ``attach``/``detach`` are assigned in
-its body from :mod:`~trec_pipelines.pipelines.sparse_dist_rewrite`); what a
+The core stands on
+:class:`~trec_pipelines.assembly.torchrec_state.TorchrecState` (torchrec's
+attributes, as typed properties onto the parts of ours that own them); the
+SparseDist family adds
+:class:`~trec_pipelines.pipelines.sparse_dist_rewrite.SparseDistRewrite`
+(torchrec's rewrite hooks and ``attach``/``detach``).  What every pipeline has
+besides is held and called, not inherited; what a
 class is, its flags and its decisions on torchrec's hooks, is one
 :class:`~trec_pipelines.assembly.traits.Traits` (``_traits``); the
 subclass-hook checks run from ``__init_subclass__``
