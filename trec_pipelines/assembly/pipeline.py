@@ -268,10 +268,12 @@ class PipelineCore(TorchrecState):
         that returns a bare loss, a dict or a longer tuple gets an error naming the
         fix instead of Python's unpacking error.  A subclass's own step that calls
         ``_model_fwd`` directly gets what it returns, as on torchrec."""
-        output = self._model_fwd(batch)
+        # Annotated, not cast: typing.cast is a call of its own on every step.
+        output: Tuple[torch.Tensor, Any] = self._model_fwd(batch)
         if (type(output) is tuple and len(output) == 2) or not self._traits.requires_optimizer:
-            return cast(Tuple[torch.Tensor, Any], output)
-        return cast(Tuple[torch.Tensor, Any], check_forward_output(output, type(self).__name__))
+            return output
+        checked: Tuple[torch.Tensor, Any] = check_forward_output(output, type(self).__name__)
+        return checked
 
     # ------------------------------------------------------- the in-flight batches
 

@@ -254,16 +254,24 @@ class Agreement:
 def decide(codes: Sequence[int], ranks: Sequence[int]) -> Agreed:
     """One pull's outcome from every rank's code; raises :class:`OutOfStepError`
     on every rank alike when the ranks' pull numbers differ."""
-    read = [divmod(code, PER_PULL) for code in codes]  # (pull, outcome) of each rank
-    outcomes = [outcome for _, outcome in read]
-    if len({pull for pull, _ in read}) > 1 or NOTHING in outcomes:
-        raise out_of_step(codes, ranks)
-    return Agreed(
-        [r for r, o in zip(ranks, outcomes, strict=True) if o == MALFORMED],
-        ENDED in outcomes,
-        all(o == ENDED for o in outcomes),
-        [r for r, o in zip(ranks, outcomes, strict=True) if o == FAILED],
-    )
+    # One pass over the ranks' codes, each read as (pull, outcome): it runs on
+    # every pull, so it builds nothing it does not return.
+    first_pull: Optional[int] = None
+    malformed_on: List[int] = []
+    failed_on: List[int] = []
+    ended = 0
+    for rank, code in zip(ranks, codes, strict=True):
+        pull, outcome = divmod(code, PER_PULL)
+        if outcome == NOTHING or (first_pull is not None and pull != first_pull):
+            raise out_of_step(codes, ranks)
+        first_pull = pull
+        if outcome == ENDED:
+            ended += 1
+        elif outcome == MALFORMED:
+            malformed_on.append(rank)
+        elif outcome == FAILED:
+            failed_on.append(rank)
+    return Agreed(malformed_on, ended > 0, ended == len(codes), failed_on)
 
 
 def out_of_step(codes: Sequence[int], ranks: Sequence[int]) -> OutOfStepError:
