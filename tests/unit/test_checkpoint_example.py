@@ -12,12 +12,13 @@ run's byte for byte.
 from __future__ import annotations
 
 import os
+import re
 import signal
 import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Optional
+from typing import List, Optional
 
 import pytest
 
@@ -34,6 +35,11 @@ def _launch(out: Path) -> subprocess.Popen[str]:
         "--standalone",
         "--nproc_per_node=2",
         "--max-restarts=1",
+        # Each worker's stdout in a file of its own (the two ranks' lines cannot mix).
+        "--log-dir",
+        str(out / "logs"),
+        "--redirects",
+        "1",
         "-m",
         "docs.examples.checkpoint",
         str(out),
@@ -64,6 +70,17 @@ def _rank_pid(agent: int, rank: int) -> Optional[int]:
         if f"RANK={rank}".encode() in environ:
             return int(entry.name)
     return None
+
+
+def _last_attempt_lines(out: Path) -> List[str]:
+    """Each rank's stdout in the job's last attempt, one line a rank, rank by rank."""
+    attempts = sorted(out.glob("logs/*/attempt_*"), key=lambda p: int(p.name.split("_")[1]))
+    assert attempts, f"torchrun wrote no attempt under {out / 'logs'}"
+    lines = []
+    for rank in (0, 1):
+        log = attempts[-1] / str(rank) / "stdout.log"
+        lines.append(log.read_text().strip() if log.exists() else f"(no {log})")
+    return lines
 
 
 def _finish(job: subprocess.Popen[str], deadline: float) -> subprocess.CompletedProcess[str]:
@@ -99,11 +116,13 @@ def test_the_example_killed_mid_run_under_torchrun_resumes_exactly(tmp_path: Pat
 
     # Killed mid-run: no rank of the first attempt reached the end; both ranks of the
     # restarted one resumed from a checkpoint and trained to the end.
-    lines = sorted(restarted.stdout.splitlines())
-    assert len(lines) == 2, restarted.stdout
+    lines = _last_attempt_lines(killed)
     for rank, line in enumerate(lines):
-        resumed = int(line.split("resumed from step ")[1].split(",")[0])
-        assert line.startswith(f"rank {rank}: ") and line.endswith(f"trained to step {STEPS}")
+        found = re.fullmatch(
+            rf"rank {rank}: resumed from step (\d+), trained to step {STEPS}", line
+        )
+        assert found is not None, lines
+        resumed = int(found.group(1))
         assert resumed >= EVERY and resumed % EVERY == 0 and resumed < STEPS, line
     assert "exitcode: -9" in restarted.stderr or "Signals.SIGKILL" in restarted.stderr, (
         restarted.stderr[-3000:]
