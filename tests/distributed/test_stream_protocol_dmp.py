@@ -53,9 +53,8 @@ from torchrec.optim.keyed import CombinedOptimizer, KeyedOptimizerWrapper
 from torchrec.optim.optimizers import in_backward_optimizer_filter
 
 import trec_pipelines
+from tests.unit.test_stream_protocol import train_staged_with_sdd_stages
 from trec_pipelines.pipelines.pt2 import TorchCompileConfig
-from trec_pipelines.pipelines.sparse_data_dist_util import SparseDataDistUtil
-from trec_pipelines.pipelines.staged import PipelineStage, StagedTrainPipeline
 from trec_pipelines.sparse import forwards as forwards_module
 from trec_pipelines.sparse.stashing import Stashing
 from trec_pipelines.testing import (
@@ -352,35 +351,9 @@ def test_staged_with_sparse_data_dist_stages(model: str, extra_stage: Optional[s
     dmp, optimizer = MODELS[model].build()
     batches = MODELS[model].batches()
     with StreamRecorder(host_memory=host_memory_of(dmp)) as recorder:
-        device = recorder.device
-        # Streams named after their stages: the stages record those names as roles.
-        h2d, data_dist = device.Stream(name="h2d"), device.Stream(name="start_sparse_data_dist")
-        side: Dict[str, Any] = {}
-        if extra_stage == "prefetch":
-            side["prefetch_stream"] = device.Stream(name="prefetch")
-        if extra_stage == "start_embedding_lookup":
-            side["embedding_lookup_stream"] = device.Stream(name="start_embedding_lookup")
-        sdd = SparseDataDistUtil(dmp, data_dist_stream=data_dist, **side)
-        stages = [
-            PipelineStage("h2d", lambda batch: batch.to(DEVICE, non_blocking=True), h2d),
-            sdd.start_sparse_data_dist_stage(),
-        ]
-        if extra_stage == "prefetch":
-            stages.append(PipelineStage("prefetch", sdd.prefetch, sdd.prefetch_stream))
-        if extra_stage == "start_embedding_lookup":
-            stages.append(sdd.start_embedding_lookup_stage())
-        pipeline = recorder.watch(StagedTrainPipeline(stages))
-        it = iter(batches)
-        trained = 0
-        while (batch := pipeline.progress(it)) is not None:
-            optimizer.zero_grad()
-            losses, _ = dmp(batch)
-            torch.sum(losses, dim=0).backward()
-            optimizer.step()
-            trained += 1
-        assert trained == len(batches)
+        sdd = train_staged_with_sdd_stages(recorder, dmp, optimizer, batches, extra_stage, DEVICE)
         sdd.detach()
-        del pipeline, sdd, stages, batch
+        del sdd
     recorder.assert_protocol()
     summary = summarize(recorder)
     # The prefetch stage has nothing to do on these kernels (no cache).

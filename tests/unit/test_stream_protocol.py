@@ -615,6 +615,47 @@ def test_async_inplace_copy_follows_the_protocol(name: str) -> None:
 # ------------------------------------------------------------------ staged
 
 
+def train_staged_with_sdd_stages(
+    recorder: StreamRecorder,
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    batches: List[Any],
+    extra_stage: Optional[str],
+    device: torch.device,
+) -> SparseDataDistUtil:
+    """Train ``batches`` in the user's loop on a StagedTrainPipeline made of the copy
+    and SparseDataDistUtil's input_dist stages, plus its ``extra_stage`` ("prefetch" or
+    "start_embedding_lookup"), each on a stream of the recorder's named after its
+    stage (the stages record those names as roles); the util, still attached."""
+    streams = recorder.device
+    h2d, dist = streams.Stream(name="h2d"), streams.Stream(name="start_sparse_data_dist")
+    side: Dict[str, Any] = {}
+    if extra_stage == "prefetch":
+        side["prefetch_stream"] = streams.Stream(name="prefetch")
+    if extra_stage == "start_embedding_lookup":
+        side["embedding_lookup_stream"] = streams.Stream(name="start_embedding_lookup")
+    sdd = SparseDataDistUtil(model, data_dist_stream=dist, **side)
+    stages = [
+        PipelineStage("h2d", lambda batch: batch.to(device, non_blocking=True), h2d),
+        sdd.start_sparse_data_dist_stage(),
+    ]
+    if extra_stage == "prefetch":
+        stages.append(PipelineStage("prefetch", sdd.prefetch, sdd.prefetch_stream))
+    if extra_stage == "start_embedding_lookup":
+        stages.append(sdd.start_embedding_lookup_stage())
+    pipeline = recorder.watch(StagedTrainPipeline(stages))
+    it = iter(batches)
+    trained = 0
+    while (batch := pipeline.progress(it)) is not None:
+        optimizer.zero_grad()
+        losses, _ = model(batch)
+        torch.sum(losses, dim=0).backward()
+        optimizer.step()
+        trained += 1
+    assert trained == len(batches)
+    return sdd
+
+
 def _staged_run(
     extra_stage: Optional[str], model_factory: Optional[Callable[[], StandIn]] = None
 ) -> StreamRecorder:
@@ -627,34 +668,8 @@ def _staged_run(
         optimizer = optimizer_for(model)
     batches = make_batches(N_BATCHES)
     with StreamRecorder() as recorder:
-        device = recorder.device
-        # Streams named after their stages: the stages record those names as roles.
-        h2d, dist = device.Stream(name="h2d"), device.Stream(name="start_sparse_data_dist")
-        side: Dict[str, Any] = {}
-        if extra_stage == "prefetch":
-            side["prefetch_stream"] = device.Stream(name="prefetch")
-        if extra_stage == "start_embedding_lookup":
-            side["embedding_lookup_stream"] = device.Stream(name="start_embedding_lookup")
-        sdd = SparseDataDistUtil(model, data_dist_stream=dist, **side)
-        stages = [
-            PipelineStage("h2d", lambda batch: batch.to(CPU, non_blocking=True), h2d),
-            sdd.start_sparse_data_dist_stage(),
-        ]
-        if extra_stage == "prefetch":
-            stages.append(PipelineStage("prefetch", sdd.prefetch, sdd.prefetch_stream))
-        if extra_stage == "start_embedding_lookup":
-            stages.append(sdd.start_embedding_lookup_stage())
-        pipeline = recorder.watch(StagedTrainPipeline(stages))
-        it = iter(batches)
-        trained = 0
-        while (batch := pipeline.progress(it)) is not None:
-            optimizer.zero_grad()
-            losses, _ = model(batch)
-            torch.sum(losses, dim=0).backward()
-            optimizer.step()
-            trained += 1
-        assert trained == N_BATCHES
-        del pipeline, sdd, stages, batch
+        sdd = train_staged_with_sdd_stages(recorder, model, optimizer, batches, extra_stage, CPU)
+        del sdd
     return recorder
 
 
