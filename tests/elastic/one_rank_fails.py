@@ -10,6 +10,12 @@ forward at batch ``--fail-at``; then, by ``--then``:
 * ``retry``: rank 0 alone retries: it must raise ``OutOfStepError`` (the others,
   waiting in the failed step, end as above).
 
+With ``--first-step-copy`` rank 0's first step fails instead in its
+host-to-device copy, before any collective, and the other ranks begin their
+first step only once that failure is published (the pipelines agree on nothing
+at a step's start: ``sync_exhaustion=False``), so their watchers start after
+it: the step they then enter cannot complete either.
+
 Every rank writes what happened to ``--out``/rank<r>.json; the model's
 process group times out after 120 s, far beyond what the test allows.
 """
@@ -31,7 +37,9 @@ import trec_pipelines
 from tests.fault_injection import Fault
 from trec_pipelines.pipelines.sparse_data_dist_util import SparseDataDistUtil
 from trec_pipelines.pipelines.staged import PipelineStage
-from trec_pipelines.testing.dlrm import DLRM, make_batches, make_sharded
+from trec_pipelines.testing.dlrm import DLRM, Batch, make_batches, make_sharded
+
+_COPY_FAILED = "one_rank_fails/copy_failed"
 
 
 def _staged(dmp: Any) -> Any:
@@ -56,12 +64,20 @@ def _staged_step(pipeline: Any, model: Any, optimizer: Any, it: Any) -> None:
     optimizer.step()
 
 
+class _CopyFails(Batch):
+    """A batch whose copy to the device raises :class:`Fault`."""
+
+    def to(self, device: torch.device, non_blocking: bool = False) -> Batch:
+        raise Fault("injected on rank 0 in the copy of batch 0")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--pipeline", default="TrainPipelineSparseDist")
     parser.add_argument("--fail-at", type=int, default=2)
     parser.add_argument("--then", choices=["stay", "retry"], default="stay")
+    parser.add_argument("--first-step-copy", action="store_true")
     args = parser.parse_args()
     torch.set_num_threads(1)
     dist.init_process_group("gloo", timeout=timedelta(seconds=120))
@@ -79,9 +95,20 @@ def main() -> None:
         pipeline: Any = _staged(dmp)
         step = functools.partial(_staged_step, pipeline, dmp, optimizer)
     else:
-        pipeline = getattr(trec_pipelines, args.pipeline)(dmp, optimizer, torch.device("cpu"))
+        options = {"sync_exhaustion": False} if args.first_step_copy else {}
+        pipeline = getattr(trec_pipelines, args.pipeline)(
+            dmp, optimizer, torch.device("cpu"), **options
+        )
         step = pipeline.progress
-    it = iter(make_batches(8, seed=3))
+    batches = make_batches(8, seed=3)
+    store = dist.distributed_c10d._get_default_store()
+    if args.first_step_copy and rank == 0:
+        first = batches[0]
+        assert isinstance(first, Batch)
+        batches[0] = _CopyFails(first.dense, first.sparse, first.labels)
+    elif args.first_step_copy:
+        store.wait([_COPY_FAILED], timedelta(seconds=60))  # rank 0's failure is published
+    it = iter(batches)
     record: dict = {"rank": rank, "steps": 0, "error": None}
     started = time.monotonic()
     try:
@@ -93,6 +120,8 @@ def main() -> None:
     except Exception as error:  # noqa: BLE001  what a user's loop would catch
         record["error"] = f"{type(error).__name__}: {error}"
         record["notes"] = "".join(getattr(error, "__notes__", []))
+        if args.first_step_copy and rank == 0:
+            store.set(_COPY_FAILED, "1")
         if rank == 0 and args.then == "retry":
             try:
                 pipeline.progress(it)

@@ -39,7 +39,13 @@ REPO = Path(__file__).resolve().parents[2]
 
 
 def _launch(
-    server: RankServer, out: Path, ranks: int, then: str, grace: Optional[float], pipeline: str
+    server: RankServer,
+    out: Path,
+    ranks: int,
+    then: str,
+    grace: Optional[float],
+    pipeline: str,
+    *extra: str,
 ) -> tuple[subprocess.CompletedProcess, float]:
     command = [
         sys.executable,
@@ -54,6 +60,7 @@ def _launch(
         then,
         "--pipeline",
         pipeline,
+        *extra,
     ]
     env = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1")
     env.pop("TREC_PIPELINES_PEER_FAILURE_GRACE", None)
@@ -113,6 +120,25 @@ def test_the_other_ranks_end_within_seconds_naming_the_failed_rank(
     assert least <= min(waited) and max(waited) + 1 < 15, waited
 
 
+def test_a_peer_whose_first_step_failed_before_this_rank_began_ends_it(
+    rank_server: RankServer, tmp_path: Path
+) -> None:
+    """Rank 0's first step fails in its copy, before any collective, and rank 1
+    begins its first step (starting its watcher) only after that: rank 1 waits
+    in a step rank 0 will not join, and must end as in the cases above."""
+    done, _ = _launch(
+        rank_server, tmp_path, 2, "stay", 1.0, "TrainPipelineSparseDist", "--first-step-copy"
+    )
+    log = done.stdout + done.stderr
+    assert done.returncode != 0, log[-3000:]
+    first = json.loads((tmp_path / "rank0.json").read_text())
+    assert first["steps"] == 0 and "copy of batch 0" in first["error"], first
+    assert not (tmp_path / "rank1.json").exists(), log[-3000:]
+    assert "rank 0 failed at batch 0" in log, log[-3000:]
+    waited = [float(w) for w in _waits(log)]
+    assert waited and 1.0 <= min(waited) and max(waited) + 1 < 15, (waited, log[-3000:])
+
+
 def _waits(log: str) -> list[str]:
     marker = "This rank has waited "
     return [
@@ -142,7 +168,7 @@ def test_a_failure_published_between_two_steps_ends_the_next_step(
     ranks: Tuple[Any, FailureNews, FailureNews],
 ) -> None:
     store, rank0, rank1 = ranks
-    watch = Watch(rank1, store, 0)
+    watch = Watch(rank1, store)
     rank1.begin_step()
     rank1.end_step()  # rank 1's step 1 went through; it is between two progress() calls
     rank0.failed("TrainPipelineBase.progress() raised Fault: boom", 2)
@@ -157,7 +183,7 @@ def test_a_failure_published_in_the_step_before_ends_the_step_that_waits(
     ranks: Tuple[Any, FailureNews, FailureNews],
 ) -> None:
     store, rank0, rank1 = ranks
-    watch = Watch(rank1, store, 0)
+    watch = Watch(rank1, store)
     rank1.begin_step()  # step 1: its collectives all met, it completes
     rank0.failed("TrainPipelineBase.progress() raised Fault: boom", 2)
     assert watch.look(0.0) is None
@@ -168,15 +194,29 @@ def test_a_failure_published_in_the_step_before_ends_the_step_that_waits(
     assert watch.look(2 * GRACE - 1.0) == GRACE
 
 
+def test_a_failure_published_before_the_watcher_started_ends_the_first_step(
+    ranks: Tuple[Any, FailureNews, FailureNews],
+) -> None:
+    """Rank 0's first step failed before its first collective, while rank 1 had not
+    begun its own: rank 1's first step cannot complete."""
+    store, rank0, rank1 = ranks
+    rank0.failed("TrainPipelineSparseDist.progress() raised Fault: boom", 0)
+    watch = Watch(rank1, store)  # rank 1's first progress() starts its watcher
+    rank1.begin_step()
+    assert watch.look(0.0) is None  # its wait starts
+    assert watch.look(GRACE - 0.5) is None
+    assert watch.look(GRACE) == GRACE
+
+
 def test_a_failure_that_no_longer_stands_or_was_answered_ends_nothing(
     ranks: Tuple[Any, FailureNews, FailureNews],
 ) -> None:
     store, rank0, rank1 = ranks
-    rank0.failed("an old failure, published before the watcher started", 0)
-    watch = Watch(rank1, store, int(store.add("trec_pipelines/peer_failure/published", 0)))
-    rank1.begin_step()
-    assert watch.look(0.0) is None and watch.look(2 * GRACE) is None  # an old one
+    rank0.failed("a failure retried on every rank before rank 1's watcher started", 0)
     rank0.retract()
+    watch = Watch(rank1, store)
+    rank1.begin_step()
+    assert watch.look(0.0) is None and watch.look(2 * GRACE) is None  # it no longer stands
     # Rank 0 fails, fails again (a reset, a new epoch), then its next step goes
     # through: neither failure stands any more.
     rank0.failed("TrainPipelineBase.progress() raised Fault: boom", 1)
@@ -202,7 +242,7 @@ def test_rank_1_retries_first_and_waits_for_rank_0s_retry(
     found both failures, so rank 0's, still standing until rank 0 retries, does not
     end rank 1's retry step."""
     store, rank0, rank1 = ranks
-    watch = Watch(rank1, store, 0)
+    watch = Watch(rank1, store)
     rank1.failed("TrainPipelineBase.progress() raised Fault: boom", 2)
     rank0.failed("TrainPipelineBase.progress() raised RuntimeError: Connection reset", 2)
     rank1.retry_allowed(2)
@@ -214,7 +254,7 @@ def test_a_publication_read_before_its_record_is_written_is_read_at_the_next_loo
     ranks: Tuple[Any, FailureNews, FailureNews],
 ) -> None:
     store, _, rank1 = ranks
-    watch = Watch(rank1, store, 0)
+    watch = Watch(rank1, store)
     rank1.begin_step()
     store.add("trec_pipelines/peer_failure/published", 1)  # rank 0 numbered it ...
     assert watch.look(0.0) is None and watch.seen == 0

@@ -14,8 +14,10 @@ the others.  Nothing is written while steps succeed.
   naming the peer, its batch and its error, so the error a user reads says
   where the trouble started (:func:`note_peers`).
 * Each rank runs a small watcher thread that looks at one counter in the
-  store every second.  A peer's failure published since the watcher started
-  is pending for this rank until it no longer stands; while one is pending,
+  store every second.  Every peer's failure is pending for this rank until it
+  no longer stands, including one published before this rank's watcher
+  started (a peer whose first step failed before its first collective, while
+  this rank had not begun its own first step); while one is pending,
   every step this rank's main thread is in cannot complete: the failed rank
   left (or will leave) that step's collectives, and its retry would raise
   ``OutOfStepError`` since this rank did not fail.  That holds whatever the
@@ -196,13 +198,10 @@ class FailureNews:
     def start_watcher(self) -> None:
         if self._watcher is not None or grace_seconds() <= 0:
             return
-        # The failures published so far, read here and not in the thread: a peer's
-        # failure published while the thread is still starting (a busy machine) is
-        # then new to it, not mistaken for an old one.
-        try:
-            watch = Watch(self, self._store, int(self._store.add(_PUBLISHED, 0)))
-        except Exception:  # noqa: BLE001  the store went away: the job is ending
-            return
+        # The watch reads every publication from the first: a failure published
+        # before this rank's first step (or while the thread starts) still stands
+        # and holds the step this rank enters, as one published later would.
+        watch = Watch(self, self._store)
         self._watcher = threading.Thread(
             target=self._watch, args=(watch,), name="trec_pipelines-peer-failure", daemon=True
         )
@@ -238,10 +237,10 @@ class FailureNews:
 class Watch:
     """What the watcher thread knows between two looks at the store."""
 
-    def __init__(self, news: FailureNews, store: Any, seen: int) -> None:
+    def __init__(self, news: FailureNews, store: Any) -> None:
         self.news = news
         self.store = store
-        self.seen = seen  # publications read so far (or there before the watcher)
+        self.seen = 0  # publications read so far
         # Peers' failures published since, not yet settled: number -> (rank, count).
         self.pending: Dict[int, Tuple[int, int]] = {}
         # (step, when): the step the main thread was first seen in behind a pending failure.
