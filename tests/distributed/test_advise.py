@@ -10,10 +10,8 @@ steps, one or two rounds.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import gc
-import signal
 import statistics
 import weakref
 from typing import Any, Dict, Iterator, List, Tuple
@@ -28,6 +26,7 @@ from benchmarks.contenders.variants import Variant as BenchVariant
 from benchmarks.measuring import link_bytes as bench_link_bytes, memory as bench_memory
 from benchmarks.tables import report as bench_report
 from tests.distributed import postproc_models as pm
+from tests.time_limits import time_limit
 from trec_pipelines import (
     Advice,
     StagedTrainPipeline,
@@ -424,22 +423,6 @@ def test_pec_applies_to_a_model_with_pec_modules() -> None:
     else:
         assert not pec.applicable and "need torchrec >= 1.9" in pec.reason
     assert advice["TrainPipelineBase"].ran
-
-
-@contextlib.contextmanager
-def time_limit(seconds: int) -> Iterator[None]:
-    """Fail the test (TimeoutError) if the block takes longer than ``seconds``."""
-
-    def expire(signum: int, frame: Any) -> None:
-        raise TimeoutError(f"over the test's time limit of {seconds} s")
-
-    previous = signal.signal(signal.SIGALRM, expire)
-    signal.alarm(seconds)
-    try:
-        yield
-    finally:
-        signal.alarm(0)
-        signal.signal(signal.SIGALRM, previous)
 
 
 # The advisor's default steps, warm-up and rounds, with one variant and a 10 s

@@ -19,7 +19,6 @@ from __future__ import annotations
 import contextlib
 import itertools
 import os
-import signal
 import time
 from datetime import timedelta
 from typing import Any, Iterator, List, Tuple
@@ -30,6 +29,7 @@ import torch.distributed as dist
 
 import trec_pipelines
 from tests.distributed.test_staged_faults import _staged, _train_step
+from tests.time_limits import time_limit
 from trec_pipelines import PeerFailedError
 from trec_pipelines.testing import devices
 from trec_pipelines.testing.dlrm import (
@@ -59,22 +59,6 @@ VARIANTS = [
     "TrainPipelineBase",
     "StagedTrainPipeline",
 ]
-
-
-@contextlib.contextmanager
-def time_limit(seconds: int) -> Iterator[None]:
-    """Fail the test (TimeoutError) if the block takes longer than ``seconds``."""
-
-    def expire(signum: int, frame: Any) -> None:
-        raise TimeoutError(f"over the test's time limit of {seconds} s")
-
-    previous = signal.signal(signal.SIGALRM, expire)
-    signal.alarm(seconds)
-    try:
-        yield
-    finally:
-        signal.alarm(0)
-        signal.signal(signal.SIGALRM, previous)
 
 
 class FailsOnce:

@@ -20,10 +20,8 @@ plain eval loop's and torchrec's (which runs there under the CPU shim).
 
 from __future__ import annotations
 
-import contextlib
-import faulthandler
 import warnings
-from typing import Any, Iterator, List, Tuple, Type
+from typing import Any, List, Tuple, Type
 
 import pytest
 import torch
@@ -34,6 +32,7 @@ from torchrec.distributed.train_pipeline.train_pipelines import (
 )
 
 from tests.distributed.test_upstream_eval import eval_loop
+from tests.time_limits import exit_after
 from trec_pipelines import EvalPipelineSparseDist
 from trec_pipelines.core.subclass_hooks import UncalledHookWarning
 from trec_pipelines.testing import devices
@@ -54,15 +53,6 @@ SEED, DATA_SEED = 1234, 7
 # rank dumps its threads' stacks and exits, and the other fails at the next barrier.
 TIME_LIMIT_S = 180
 FIRST_API = ["_start_sparse_data_dist", "_wait_sparse_data_dist"]
-
-
-@contextlib.contextmanager
-def time_limit(seconds: int) -> Iterator[None]:
-    faulthandler.dump_traceback_later(seconds, exit=True)
-    try:
-        yield
-    finally:
-        faulthandler.cancel_dump_traceback_later()
 
 
 class Echo(nn.Module):
@@ -127,7 +117,7 @@ def test_stubbed_first_api_and_rewrite_echo_every_batch_as_torchrec() -> None:
     theirs_cls, theirs_warned = build(UpstreamEval, stub_rewrite=True)
     assert theirs_warned == []  # torchrec's class checks nothing
 
-    with time_limit(TIME_LIMIT_S):
+    with exit_after(TIME_LIMIT_S):
         theirs = theirs_cls(Echo().eval(), None, DEVICE)
         theirs_out = drive(theirs, batches)
         ours = ours_cls(Echo().eval(), None, DEVICE)
@@ -164,7 +154,7 @@ def test_stubbed_first_api_changes_nothing_on_a_sharded_model(sharding_type: str
     # (The class statement warned in the test above already: it warns once.)
     ours_cls, _ = build(EvalPipelineSparseDist, stub_rewrite=False)
     theirs_cls, _ = build(UpstreamEval, stub_rewrite=False)
-    with time_limit(TIME_LIMIT_S):
+    with exit_after(TIME_LIMIT_S):
         with torchrec_on_cpu():
             theirs, theirs_calls = _sharded_eval(theirs_cls, batches, sharding_type)
         assert not shim_active()
