@@ -266,6 +266,17 @@ class Bound:
         return self.step_ms / step_ms
 
 
+def timed_cpu_per_core_ms(
+    cpu_seconds: Sequence[float], steps: int, cores: Optional[int]
+) -> Optional[float]:
+    """The ranks' CPU per core per step, ms, from a contender's timed epochs: the median
+    over epochs of the CPU seconds every rank was charged (added over ranks), per step,
+    over the cores the ranks share (None without epochs, steps or cores)."""
+    if not cpu_seconds or steps <= 0 or not cores:
+        return None
+    return statistics.median(1e3 * c / steps / cores for c in cpu_seconds)
+
+
 def ms_per_step(qps: Optional[float], examples_per_step: float) -> Optional[float]:
     """A step's time, ms, from examples/s (None without a rate)."""
     return examples_per_step * 1e3 / qps if qps else None
@@ -479,6 +490,7 @@ __all__ = [
     "ScheduleFacts",
     "StepCosts",
     "any_schedule_bound",
+    "timed_cpu_per_core_ms",
     "exposed_input_dist_ms",
     "hidden_fraction",
     "input_dist_on_chain",

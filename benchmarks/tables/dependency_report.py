@@ -30,7 +30,7 @@ from benchmarks.measuring.dependency_bound import (
     op_times,
     semantics_of,
 )
-from benchmarks.measuring.schedule_bound import ms_per_step
+from benchmarks.measuring.schedule_bound import ms_per_step, timed_cpu_per_core_ms
 
 # (variant, mode, ours examples/s, torchrec examples/s), as bound_report.Achieved.
 Achieved = Tuple[str, str, Optional[float], Optional[float]]
@@ -52,6 +52,9 @@ class VariantDependency:
     ours: Optional[float]  # examples/s
     torchrec: Optional[float]
     examples_per_step: float
+    # The ranks' CPU per core per step in the timed epochs, ms (None: not measured).
+    ours_cpu_ms: Optional[float] = None
+    torchrec_cpu_ms: Optional[float] = None
 
     @property
     def ours_ms(self) -> Optional[float]:
@@ -126,11 +129,23 @@ def dependency_report(
         if mode == "eval":
             continue
         entry = contenders.get(f"ours:{variant}") or {}
+        theirs = contenders.get(f"torchrec:{variant}") or {}
         semantics = semantics_of(str(entry.get("base_variant") or variant))
         bound = bounds[semantics]
+        steps = block["steps"]
         out.variants.append(
             VariantDependency(
-                variant, semantics, bound, bound.qps(examples), ours, torchrec, examples
+                variant,
+                semantics,
+                bound,
+                bound.qps(examples),
+                ours,
+                torchrec,
+                examples,
+                ours_cpu_ms=timed_cpu_per_core_ms(entry.get("cpu_seconds") or [], steps, cores),
+                torchrec_cpu_ms=timed_cpu_per_core_ms(
+                    theirs.get("cpu_seconds") or [], steps, cores
+                ),
             )
         )
     return out
@@ -230,9 +245,11 @@ def format_dependency(report: DependencyReport, table: TableLayout) -> List[str]
             f"{v.bound.step_ms:.2f} ({v.bound.binding})",
             _qps(v.bound_qps),
             f"{_ms(v.ours_ms)} ({_pct(v.ours_of_bound)})",
+            _ms(v.ours_cpu_ms),
             f"{_ms(v.torchrec_ms)} ({_pct(v.torchrec_of_bound)})"
             if v.torchrec is not None
             else "-",
+            _ms(v.torchrec_cpu_ms) if v.torchrec is not None else "-",
         ]
         for v in report.variants
     ]
@@ -244,14 +261,18 @@ def format_dependency(report: DependencyReport, table: TableLayout) -> List[str]
                 "floor ms/step (binding term)",
                 "floor ex/s",
                 "ours ms/step (% of floor reached)",
+                "ours CPU ms/core/step",
                 "torchrec ms/step (% of floor reached)",
+                "torchrec CPU ms/core/step",
             ],
             body,
         )
         lines.append(
             "  floor = the dependency bound of the variant's semantics (SemiSync: one step "
             "stale, every other variant: sync); % of floor reached = floor ms/step / the "
-            "variant's measured ms/step (100% = at the floor)"
+            "variant's measured ms/step (100% = at the floor); CPU ms/core/step = what every "
+            "rank process was charged in the variant's timed epochs (every thread), per step, "
+            "over the cores (- in results from before it was measured)"
         )
     return lines
 
@@ -292,6 +313,8 @@ def summary(report: Optional[DependencyReport]) -> Optional[Dict[str, Any]]:
                 "binding": v.bound.binding,
                 "ours_ms": v.ours_ms,
                 "torchrec_ms": v.torchrec_ms,
+                "ours_cpu_ms_per_core": v.ours_cpu_ms,
+                "torchrec_cpu_ms_per_core": v.torchrec_cpu_ms,
                 "bound_qps": v.bound_qps,
                 "ours_qps": v.ours,
                 "torchrec_qps": v.torchrec,

@@ -390,6 +390,8 @@ def test_report_prints_a_bound_per_semantics_and_holds_each_variant_to_its_own()
         "2,857",
         "87.50",
         "(80%)",
+        "-",  # no CPU measured in _raw()'s epochs
+        "-",  # no torchrec row
         "-",
     ]
 
@@ -448,10 +450,22 @@ def test_reached_is_the_floor_over_the_measured_step() -> None:
     assert sb.ms_per_step(None, 2000.0) is None and sb.ms_per_step(0.0, 2000.0) is None
 
 
+def test_a_variants_cpu_per_core_is_the_median_epoch_per_step_over_the_cores() -> None:
+    # Epochs of 10 steps charged 1.6, 2.4 and 1.8 s (all ranks); 2 cores: 90 ms per core a step.
+    assert sb.timed_cpu_per_core_ms([1.6, 2.4, 1.8], 10, 2) == pytest.approx(90.0)
+    assert sb.timed_cpu_per_core_ms([], 10, 2) is None  # results from before it was measured
+    assert sb.timed_cpu_per_core_ms([1.6], 10, None) is None
+    assert sb.timed_cpu_per_core_ms([1.6], 0, 2) is None
+
+
 def _raw_with_cpu() -> Dict[str, Any]:
     """_raw() with the probe's CPU: all ranks 160 ms a step (1.6 s over 10 steps), 2 cores."""
     record = {**_probe_epoch(), "cpu_h2d": 0.0, "cpu_input_dist": 0.1, "cpu_compute": 1.5}
-    return _raw(record)
+    raw = _raw(record)
+    # SemiSync's timed epochs: 1.6, 1.7 and 1.8 s of CPU (both ranks) over 10 steps.
+    semi = raw["throughput"][0]["contenders"]["ours:TrainPipelineSemiSync"]
+    semi["cpu_seconds"] = [1.8, 1.6, 1.7]
+    return raw
 
 
 def test_report_holds_each_variant_to_the_measured_cpu_floor_and_names_the_binding_term() -> None:
@@ -466,6 +480,8 @@ def test_report_holds_each_variant_to_the_measured_cpu_floor_and_names_the_bindi
     assert semi.ours_ms == pytest.approx(87.5) and semi.ours_of_bound == pytest.approx(80 / 87.5)
     assert sd.ours_ms == pytest.approx(100.0) and sd.ours_of_bound == pytest.approx(82 / 100)
     assert sd.torchrec_ms == pytest.approx(125.0)
+    assert semi.ours_cpu_ms == pytest.approx(85.0)  # median 1.7 s / 10 steps / 2 cores
+    assert sd.ours_cpu_ms is None and sd.torchrec_cpu_ms is None  # not measured
     text = results.format_report(_raw_with_cpu(), repeats=1)
     assert (
         "cores per rank 1, cores (operations) 70.00 ms per core vs cores (measured CPU) "
@@ -488,6 +504,8 @@ def test_report_holds_each_variant_to_the_measured_cpu_floor_and_names_the_bindi
         "2,500",
         "87.50",
         "(91%)",
+        "85.00",  # 1.7 s of CPU (both ranks) over 10 steps on 2 cores
+        "-",
         "-",
     ]
     summary = json.loads(json.dumps(results.summary(_raw_with_cpu())))
@@ -498,6 +516,7 @@ def test_report_holds_each_variant_to_the_measured_cpu_floor_and_names_the_bindi
     assert semi_json["binding"] == "cores (measured CPU)"
     assert semi_json["ours_ms"] == pytest.approx(87.5)
     assert semi_json["ours_of_bound"] == pytest.approx(80 / 87.5)
+    assert semi_json["ours_cpu_ms_per_core"] == pytest.approx(85.0)
 
 
 def test_report_says_where_the_all_reduce_starts_when_the_probe_timed_the_pieces() -> None:
