@@ -81,10 +81,11 @@ What it does not count: kernel work for the link that runs while no rank
 thread is on a core.  The emulated link's rate limit releases packets from
 a timer, and the softirq that then moves them through the loopback and
 TCP's receive path runs on whichever core the timer fires, charged to
-whatever task is current there: often the idle task or ``ksoftirqd``,
-never (on this machine's tick-based accounting, without
-``CONFIG_IRQ_TIME_ACCOUNTING``) to a rank unless one of its threads was
-running.  The machine-wide counters (``/proc/stat``'s softirq column) see
+whatever task is current there: often the idle task or ``ksoftirqd``, a
+rank only when one of its threads was running.  (That is on a kernel
+without ``CONFIG_IRQ_TIME_ACCOUNTING``, as the bench's machine: with it,
+interrupt work is charged to no task, and the term counts a rank's threads'
+own work alone.)  The machine-wide counters (``/proc/stat``'s softirq column) see
 it, but they also see every other process's interrupts and are sampled per
 tick (10 ms), so counting them could lift the floor above what the ranks
 need.  The floor stays a lower bound by leaving that work out: it counts
@@ -94,7 +95,7 @@ what the ranks' processes were charged, no more.  The dependency bound
 Over the plain loopback (no ``--link-gbit``) there is no link term and no
 link-order term: the loopback is taken to move bytes at memory speed, so
 communication only costs the CPU time gloo and the kernel spend on it, which
-the ``cores`` and ``training thread`` terms already count.
+the cores and ``training thread`` terms already count.
 
 [Note: the hidden fraction]
 
