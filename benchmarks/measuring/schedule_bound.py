@@ -27,8 +27,8 @@ all-reduce; both directions share it).  A step can't be shorter than any of:
 * ``training thread``: that chain plus the input dist's CPU work on the
   training thread (building and issuing it), which the same thread can't do
   while it runs the chain.
-* ``cores``: the CPU seconds of every rank in all three stages, divided by
-  the cores the ranks share.
+* ``cores (measured CPU)``: the CPU seconds of every rank in all three
+  stages, divided by the cores the ranks share ([Note: the measured CPU]).
 * ``link`` (emulated link only): the bytes of every collective of a step
   (read from the namespace's loopback counter during the probe) at the link
   rate, per stage no more than the stage's own time.
@@ -62,10 +62,40 @@ schedule adds what it makes serial, read from its recorded epoch:
   link's queue] in ``benchmarks/settings/netns.py``): each gets half, so the chain's
   collectives take longer by the overlap, at most their own link time.
 
+[Note: the measured CPU]
+
+The cores term is the CPU the ranks were charged while the probe ran a
+step's stages, not the sum of the operations' times: every thread of every
+rank process (the training thread, gloo's and autograd's workers), user and
+kernel time (``time.process_time``, the kernel's per-thread runtime summed
+over the process), per step, added over ranks, over the cores they share.
+It includes what communication costs on the CPU: gloo's threads, the
+sockets' system calls, and the TCP work the kernel does for the link while
+a rank's thread is on the core (a packet's send, and on the loopback often
+its receive too, run in the sender's system call).  Over an emulated link
+that is well above what the probe's operations on the cores add up to (the
+training thread's lookup, dense work, update and optimizer step, which the
+dependency bound's own cores term sums): the gap is communication's CPU.
+
+What it does not count: kernel work for the link that runs while no rank
+thread is on a core.  The emulated link's rate limit releases packets from
+a timer, and the softirq that then moves them through the loopback and
+TCP's receive path runs on whichever core the timer fires, charged to
+whatever task is current there: often the idle task or ``ksoftirqd``, a
+rank only when one of its threads was running.  (That is on a kernel
+without ``CONFIG_IRQ_TIME_ACCOUNTING``, as the bench's machine: with it,
+interrupt work is charged to no task, and the term counts a rank's threads'
+own work alone.)  The machine-wide counters (``/proc/stat``'s softirq column) see
+it, but they also see every other process's interrupts and are sampled per
+tick (10 ms), so counting them could lift the floor above what the ranks
+need.  The floor stays a lower bound by leaving that work out: it counts
+what the ranks' processes were charged, no more.  The dependency bound
+(:mod:`benchmarks.measuring.dependency_bound`) takes the same term.
+
 Over the plain loopback (no ``--link-gbit``) there is no link term and no
 link-order term: the loopback is taken to move bytes at memory speed, so
 communication only costs the CPU time gloo and the kernel spend on it, which
-the ``cores`` and ``training thread`` terms already count.
+the cores and ``training thread`` terms already count.
 
 [Note: the hidden fraction]
 
@@ -91,7 +121,9 @@ INPUT_DIST_TASKS = frozenset({"InputDistStart", "InputDistWait"})
 # Names of the bound's terms, in print order.
 FWD_BWD_OPT = "fwd+bwd+opt"
 TRAINING_THREAD = "training thread"
-CORES = "cores"
+# The ranks' measured CPU per core (see [Note: the measured CPU]); the dependency
+# bound names its term the same way.
+CORES = "cores (measured CPU)"
 LINK = "link"
 INPUT_DIST = "input dist"
 H2D = "H2D"
@@ -139,6 +171,14 @@ class StepCosts:
     # the model's own collectives' (output all-to-alls, gradient all-reduce).
     link_input_dist_bytes: Optional[float] = None
     link_compute_bytes: Optional[float] = None
+
+    @property
+    def cpu_per_core_ms(self) -> Optional[float]:
+        """The ranks' measured CPU per core per step, ms: ``cpu_ms / cores``
+        ([Note: the measured CPU]); None when either is unknown."""
+        if self.cpu_ms is None or not self.cores:
+            return None
+        return self.cpu_ms / self.cores
 
     def stage_ms(self) -> Dict[str, float]:
         """The three stage times, as the old bound printed them."""
@@ -215,14 +255,41 @@ class Bound:
         """Examples/s at the bound (None when every term is 0)."""
         return examples_per_step * 1e3 / self.step_ms if self.step_ms > 0 else None
 
+    def reached(self, step_ms: Optional[float]) -> Optional[float]:
+        """How much of this floor a measured step reaches: ``floor / step``.
+
+        1 is a step at the floor, 0.5 one twice as long; above 1 would be a
+        step faster than the floor (a bound broken: a term measured too high).
+        None without a step (or for a step of 0 ms).
+        """
+        if step_ms is None or step_ms <= 0:
+            return None
+        return self.step_ms / step_ms
+
+
+def timed_cpu_per_core_ms(
+    cpu_seconds: Sequence[float], steps: int, cores: Optional[int]
+) -> Optional[float]:
+    """The ranks' CPU per core per step, ms, from a contender's timed epochs: the median
+    over epochs of the CPU seconds every rank was charged (added over ranks), per step,
+    over the cores the ranks share (None without epochs, steps or cores)."""
+    if not cpu_seconds or steps <= 0 or not cores:
+        return None
+    return statistics.median(1e3 * c / steps / cores for c in cpu_seconds)
+
+
+def ms_per_step(qps: Optional[float], examples_per_step: float) -> Optional[float]:
+    """A step's time, ms, from examples/s (None without a rate)."""
+    return examples_per_step * 1e3 / qps if qps else None
+
 
 def any_schedule_bound(costs: StepCosts) -> Bound:
     """The terms every schedule obeys (see [Note: the bound model])."""
     terms = {FWD_BWD_OPT: costs.compute_ms, INPUT_DIST: costs.input_dist_ms, H2D: costs.h2d_ms}
     if costs.thread_input_dist_ms is not None:
         terms[TRAINING_THREAD] = costs.compute_ms + costs.thread_input_dist_ms
-    if costs.cpu_ms is not None and costs.cores:
-        terms[CORES] = costs.cpu_ms / costs.cores
+    if costs.cpu_per_core_ms is not None:
+        terms[CORES] = costs.cpu_per_core_ms
     if costs.link_input_dist_ms is not None and costs.link_compute_ms is not None:
         terms[LINK] = costs.link_input_dist_ms + costs.link_compute_ms
     return Bound({name: terms[name] for name in TERM_ORDER if name in terms})
@@ -424,9 +491,11 @@ __all__ = [
     "ScheduleFacts",
     "StepCosts",
     "any_schedule_bound",
+    "timed_cpu_per_core_ms",
     "exposed_input_dist_ms",
     "hidden_fraction",
     "input_dist_on_chain",
+    "ms_per_step",
     "issue_gap_ms",
     "schedule_bound",
     "schedule_facts",

@@ -84,9 +84,11 @@ def _timed_rounds(
     block: Dict[str, Any],
     rounds: int,
 ) -> None:
-    """``rounds`` timed epochs per contender into ``block`` (seconds, stages, compiles)."""
+    """``rounds`` timed epochs per contender into ``block`` (seconds, the ranks' CPU
+    seconds, stages, compiles)."""
     session, batch_size = alive.session, block["batch_size"]
     seconds: Dict[str, List[float]] = {c.key: [] for c in contenders}
+    cpu_seconds: Dict[str, List[float]] = {c.key: [] for c in contenders}
     block["rounds"] = rounds
     for round_index in range(rounds):
         for contender in round_order(alive.contenders, round_index):
@@ -96,12 +98,16 @@ def _timed_rounds(
                 alive.drop(contender, f"timed epoch failed: {err}")
                 continue
             seconds[contender.key].append(elapsed)
+            cpu_seconds[contender.key].append(session.last_cpu_seconds)
             alive.entries[contender.key]["compiles"] += session.last_compiles
             if stages:
                 block["stages"].append(stages)
     for key, entry in alive.entries.items():
+        ok = entry["status"] == report.OK
         block["contenders"][key] = dict(
-            entry, seconds=seconds[key] if entry["status"] == report.OK else []
+            entry,
+            seconds=seconds[key] if ok else [],
+            cpu_seconds=cpu_seconds[key] if ok else [],  # every rank's, added; per round
         )
 
 

@@ -64,6 +64,10 @@ class Session:
         self.solo = False
         # Graphs compiled during the last epoch() (the largest over ranks).
         self.last_compiles = 0
+        # CPU seconds every rank process was charged during the last epoch() (every
+        # thread, user and kernel time), added over ranks: [Note: the measured CPU]
+        # in benchmarks/measuring/schedule_bound.py.
+        self.last_cpu_seconds = 0.0
 
     def guarded(self, key: str, fn: Callable[[], Any]) -> Tuple[Optional[str], List[Any]]:
         """Run ``fn`` on every rank (all call this with the same ``key``, in the same order).
@@ -114,24 +118,26 @@ class Session:
     ) -> Tuple[Optional[str], float, Dict[str, float]]:
         """One timed epoch; seconds are the slowest rank's."""
 
-        def do() -> Tuple[float, Dict[str, float], int]:
+        def do() -> Tuple[float, Dict[str, float], int, float]:
             gc.collect()  # nobody pays for the garbage of the contender before
             dist.barrier()
             if not self.active:
-                return 0.0, {}, 0
+                return 0.0, {}, 0, 0.0
             compiled_before = graphs_compiled()
-            start = time.perf_counter()
+            start, cpu_start = time.perf_counter(), time.process_time()
             contender.run_epoch(batches)
-            seconds = time.perf_counter() - start
+            seconds, cpu = time.perf_counter() - start, time.process_time() - cpu_start
             stages = contender.last.as_dict() if isinstance(contender, StageProbe) else {}
-            return seconds, stages, graphs_compiled() - compiled_before
+            return seconds, stages, graphs_compiled() - compiled_before, cpu
 
         err, values = self.guarded(contender.key, do)
         self.last_compiles = 0
+        self.last_cpu_seconds = 0.0
         if err is not None:
             return err, 0.0, {}
         seconds = max(v[0] for v in values)
         self.last_compiles = max(v[2] for v in values)
+        self.last_cpu_seconds = sum(v[3] for v in values)
         return None, seconds, combine_stage_times([v[1] for v in values])
 
     def close(self, contenders: Sequence[Contender]) -> None:

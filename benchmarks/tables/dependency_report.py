@@ -15,6 +15,9 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 
 from benchmarks.measuring.dependency_bound import (
+    CORES,
+    CORES_CPU,
+    CORES_OPS,
     LABEL,
     LINK,
     OPS,
@@ -27,6 +30,7 @@ from benchmarks.measuring.dependency_bound import (
     op_times,
     semantics_of,
 )
+from benchmarks.measuring.schedule_bound import ms_per_step, timed_cpu_per_core_ms
 
 # (variant, mode, ours examples/s, torchrec examples/s), as bound_report.Achieved.
 Achieved = Tuple[str, str, Optional[float], Optional[float]]
@@ -39,7 +43,7 @@ def _fraction(value: Optional[float], bound: Optional[float]) -> Optional[float]
 
 @dataclass
 class VariantDependency:
-    """One training variant against the dependency bound of its semantics."""
+    """One training variant against the dependency bound of its semantics (its floor)."""
 
     variant: str
     semantics: str
@@ -47,14 +51,27 @@ class VariantDependency:
     bound_qps: Optional[float]
     ours: Optional[float]  # examples/s
     torchrec: Optional[float]
+    examples_per_step: float
+    # The ranks' CPU per core per step in the timed epochs, ms (None: not measured).
+    ours_cpu_ms: Optional[float] = None
+    torchrec_cpu_ms: Optional[float] = None
+
+    @property
+    def ours_ms(self) -> Optional[float]:
+        return ms_per_step(self.ours, self.examples_per_step)
+
+    @property
+    def torchrec_ms(self) -> Optional[float]:
+        return ms_per_step(self.torchrec, self.examples_per_step)
 
     @property
     def ours_of_bound(self) -> Optional[float]:
-        return _fraction(self.ours, self.bound_qps)
+        """The share of the floor ours reaches: floor ms / ours' step ms."""
+        return self.bound.reached(self.ours_ms)
 
     @property
     def torchrec_of_bound(self) -> Optional[float]:
-        return _fraction(self.torchrec, self.bound_qps)
+        return self.bound.reached(self.torchrec_ms)
 
 
 @dataclass
@@ -67,6 +84,8 @@ class DependencyReport:
     bounds: Dict[str, DependencyBound]  # semantics -> bound
     plain: Optional[float]  # the plain training loop, examples/s
     variants: List[VariantDependency] = field(default_factory=list)
+    # The ranks' measured CPU per core per step, ms (None: not measured).
+    cpu_per_core_ms: Optional[float] = None
 
     def qps(self, semantics: str) -> Optional[float]:
         return self.bounds[semantics].qps(self.examples_per_step)
@@ -79,12 +98,15 @@ def dependency_report(
     world: int,
     cores: Optional[int],
     link_ms: Tuple[Optional[float], Optional[float]],
+    cpu_per_core_ms: Optional[float] = None,
 ) -> Optional[DependencyReport]:
     """The block's :class:`DependencyReport`, or None when its probe did not time the pieces.
 
     ``cores``: the machine's cores the ranks share (one rank gets ``cores / world``);
     ``link_ms``: the link time per step of the input dist and of the model's
-    own collectives (None, None without an emulated link).
+    own collectives (None, None without an emulated link);
+    ``cpu_per_core_ms``: the ranks' measured CPU per core per step (the
+    measured cores term; None for results without it).
     """
     times = op_times(
         block.get("stages") or [],
@@ -96,17 +118,35 @@ def dependency_report(
         return None
     per_rank = cores / world if cores and world else None
     examples = float(block["batch_size"] * world)
-    bounds = {s: dependency_bound(times, s, per_rank) for s in SEMANTICS}
-    out = DependencyReport(times, per_rank, examples, bounds, plain)
+    bounds = {
+        s: dependency_bound(times, s, per_rank, cpu_per_core_ms=cpu_per_core_ms) for s in SEMANTICS
+    }
+    out = DependencyReport(
+        times, per_rank, examples, bounds, plain, cpu_per_core_ms=cpu_per_core_ms
+    )
     contenders = block.get("contenders") or {}
     for variant, mode, ours, torchrec in achieved:
         if mode == "eval":
             continue
         entry = contenders.get(f"ours:{variant}") or {}
+        theirs = contenders.get(f"torchrec:{variant}") or {}
         semantics = semantics_of(str(entry.get("base_variant") or variant))
         bound = bounds[semantics]
+        steps = block["steps"]
         out.variants.append(
-            VariantDependency(variant, semantics, bound, bound.qps(examples), ours, torchrec)
+            VariantDependency(
+                variant,
+                semantics,
+                bound,
+                bound.qps(examples),
+                ours,
+                torchrec,
+                examples,
+                ours_cpu_ms=timed_cpu_per_core_ms(entry.get("cpu_seconds") or [], steps, cores),
+                torchrec_cpu_ms=timed_cpu_per_core_ms(
+                    theirs.get("cpu_seconds") or [], steps, cores
+                ),
+            )
         )
     return out
 
@@ -124,8 +164,23 @@ def _pct(value: Optional[float]) -> str:
     return "-" if value is None else f"{100 * value:.0f}%"
 
 
-def _step_ms(qps: Optional[float], examples: float) -> str:
-    return "-" if not qps else f"{examples * 1e3 / qps:.2f}"
+def _ms(value: Optional[float]) -> str:
+    return "-" if value is None else f"{value:.2f}"
+
+
+def _cores_detail(report: DependencyReport) -> str:
+    """The cores per rank, and the cores' two terms side by side: the operations' sum and
+    the measured CPU (what communication costs the cores is the difference)."""
+    if report.cores is None:
+        return "cores per rank -"
+    ops = report.times.load(CORES) / report.cores
+    text = f"cores per rank {report.cores:g}, {CORES_OPS} {ops:.2f} ms per core"
+    if report.cpu_per_core_ms is None:
+        return text + " (no measured CPU in this result)"
+    return (
+        f"{text} vs {CORES_CPU} {report.cpu_per_core_ms:.2f} ms per core (every thread of "
+        "every rank, communication's CPU included)"
+    )
 
 
 def _semantics_line(report: DependencyReport, semantics: str) -> List[str]:
@@ -148,7 +203,7 @@ def format_dependency(report: DependencyReport, table: TableLayout) -> List[str]
     derived = t.derived
     ops = ", ".join(f"{LABEL[op]}{'*' if op in derived else ''} {t.ms[op]:.2f}" for op in OPS)
     busy = f"link busy {t.load(LINK):.2f} ms"
-    cores = "cores per rank -" if report.cores is None else f"cores per rank {report.cores:g}"
+    cores = _cores_detail(report)
     start = (
         ""
         if t.allreduce_from is None
@@ -187,12 +242,14 @@ def format_dependency(report: DependencyReport, table: TableLayout) -> List[str]
         [
             v.variant,
             v.semantics,
-            f"{v.bound.step_ms:.2f}",
+            f"{v.bound.step_ms:.2f} ({v.bound.binding})",
             _qps(v.bound_qps),
-            f"{_step_ms(v.ours, report.examples_per_step)} ({_pct(v.ours_of_bound)})",
-            f"{_step_ms(v.torchrec, report.examples_per_step)} ({_pct(v.torchrec_of_bound)})"
+            f"{_ms(v.ours_ms)} ({_pct(v.ours_of_bound)})",
+            _ms(v.ours_cpu_ms),
+            f"{_ms(v.torchrec_ms)} ({_pct(v.torchrec_of_bound)})"
             if v.torchrec is not None
             else "-",
+            _ms(v.torchrec_cpu_ms) if v.torchrec is not None else "-",
         ]
         for v in report.variants
     ]
@@ -201,16 +258,21 @@ def format_dependency(report: DependencyReport, table: TableLayout) -> List[str]
             [
                 "variant",
                 "semantics",
-                "dependency bound ms/step",
-                "bound ex/s",
-                "ours ms/step (of bound)",
-                "torchrec ms/step (of bound)",
+                "floor ms/step (binding term)",
+                "floor ex/s",
+                "ours ms/step (% of floor reached)",
+                "ours CPU ms/core/step",
+                "torchrec ms/step (% of floor reached)",
+                "torchrec CPU ms/core/step",
             ],
             body,
         )
         lines.append(
-            "  of bound = the bound's ms/step over the measured one (its ex/s over the bound's); "
-            "SemiSync is held to the one-step-stale bound, every other variant to the sync one"
+            "  floor = the dependency bound of the variant's semantics (SemiSync: one step "
+            "stale, every other variant: sync); % of floor reached = floor ms/step / the "
+            "variant's measured ms/step (100% = at the floor); CPU ms/core/step = what every "
+            "rank process was charged in the variant's timed epochs (every thread), per step, "
+            "over the cores (- in results from before it was measured)"
         )
     return lines
 
@@ -233,6 +295,7 @@ def summary(report: Optional[DependencyReport]) -> Optional[Dict[str, Any]]:
         "allreduce_from": t.allreduce_from,
         "grad_from": t.grad_from,
         "cores_per_rank": report.cores,
+        "cpu_per_core_ms": report.cpu_per_core_ms,
         "semantics": {
             s: {
                 "terms_ms": bound.terms,
@@ -247,6 +310,11 @@ def summary(report: Optional[DependencyReport]) -> Optional[Dict[str, Any]]:
             v.variant: {
                 "semantics": v.semantics,
                 "bound_ms": v.bound.step_ms,
+                "binding": v.bound.binding,
+                "ours_ms": v.ours_ms,
+                "torchrec_ms": v.torchrec_ms,
+                "ours_cpu_ms_per_core": v.ours_cpu_ms,
+                "torchrec_cpu_ms_per_core": v.torchrec_cpu_ms,
                 "bound_qps": v.bound_qps,
                 "ours_qps": v.ours,
                 "torchrec_qps": v.torchrec,

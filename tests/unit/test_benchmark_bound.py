@@ -125,12 +125,12 @@ def test_any_schedule_bound_takes_the_largest_term() -> None:
             "fwd+bwd+opt": 100.0,
             "training thread": 102.0,
             "link": 50.0,
-            "cores": 130.0,
+            "cores (measured CPU)": 130.0,
             "input dist": 30.0,
             "H2D": 0.1,
         }
     )
-    assert bound.binding == "cores" and bound.step_ms == pytest.approx(130.0)
+    assert bound.binding == "cores (measured CPU)" and bound.step_ms == pytest.approx(130.0)
     assert bound.qps(2000) == pytest.approx(2000 / 0.130)
     # Over the loopback there is no link term; old results have only the three stages.
     loopback = sb.any_schedule_bound(sb.StepCosts(0.1, 30.0, 100.0, 2.0, 120.0, 2))

@@ -9,7 +9,7 @@ from typing import Any, Dict, List, Optional
 import pytest
 
 from benchmarks.contenders.stage_probe import StageTimes
-from benchmarks.measuring import dependency_bound as db
+from benchmarks.measuring import dependency_bound as db, schedule_bound as sb
 from benchmarks.tables import report, results
 
 ROUND_TRIP = "cycle lookup > out a2a > dense fwd > dense bwd > grad a2a > emb update"
@@ -47,7 +47,7 @@ def test_sync_round_trip_carries_both_all_to_alls_and_binds() -> None:
         {
             "link": 5 + 8 + 8 + 12,
             "H2D": 0.1,
-            "cores": 10 + 20 + 30 + 6 + 4,
+            "cores (operations)": 10 + 20 + 30 + 6 + 4,
             ROUND_TRIP: 10 + 8 + 20 + 30 + 8 + 6,  # out a2a and grad a2a on it
             DENSE: 20 + max(30, 12) + 4,
             # The all-reduce may start with the backward: the dense fwd, then the three
@@ -65,16 +65,16 @@ def test_stale_breaks_the_round_trip_and_is_compute_bound() -> None:
         {
             "link": 33.0,
             "H2D": 0.1,
-            "cores": 70.0,
+            "cores (operations)": 70.0,
             ROUND_TRIP + " (over 2 steps)": 82.0 / 2,
             TAKE_TURNS: 10 + 6,  # batch i+1's lookup and batch i's update take turns
             DENSE: 54.0,
         }
     )
-    assert bound.binding == "cores" and bound.step_ms == pytest.approx(70.0)
+    assert bound.binding == "cores (operations)" and bound.step_ms == pytest.approx(70.0)
     # Twice the cores per rank: the dense cycle is what is left.
     halved = db.dependency_bound(_times(), db.STALE, cores=2.0)
-    assert halved.terms["cores"] == pytest.approx(35.0)
+    assert halved.terms["cores (operations)"] == pytest.approx(35.0)
     assert halved.binding == DENSE and halved.step_ms == pytest.approx(54.0)
 
 
@@ -191,7 +191,11 @@ def test_wrong_inputs_say_what_to_do() -> None:
         db.dependency_bound(_times(), db.SYNC, grad_from=-0.1)
     with pytest.raises(ValueError, match="cores must be > 0"):
         db.dependency_bound(_times(), db.SYNC, cores=0.0)
-    assert "cores" not in db.dependency_bound(_times(), db.SYNC, cores=None).terms
+    with pytest.raises(ValueError, match="cpu_per_core_ms must be >= 0"):
+        db.dependency_bound(_times(), db.SYNC, cpu_per_core_ms=-1.0)
+    assert not any(
+        name.startswith("cores") for name in db.dependency_bound(_times(), db.SYNC, None).terms
+    )
 
 
 def test_semantics_of_a_variant() -> None:
@@ -355,7 +359,7 @@ def test_report_prints_a_bound_per_semantics_and_holds_each_variant_to_its_own()
     dep = table.bound.dependency
     assert dep.cores == 1.0  # 2 cores, 2 ranks
     assert dep.bounds[db.SYNC].step_ms == pytest.approx(82.0)
-    assert dep.bounds[db.STALE].binding == "cores"
+    assert dep.bounds[db.STALE].binding == "cores (operations)"  # no measured CPU in _raw()
     sd, semi = dep.variants
     assert (sd.semantics, semi.semantics) == (db.SYNC, db.STALE)
     assert sd.ours_of_bound == pytest.approx(82 / 100) and semi.ours_of_bound == pytest.approx(
@@ -368,7 +372,7 @@ def test_report_prints_a_bound_per_semantics_and_holds_each_variant_to_its_own()
         "plain loop 1,000 (41%)"
     ) in text
     assert (
-        "one-step-stale dependency bound: 70.00 ms/step (binding: cores) -> 2,857 ex/s, "
+        "one-step-stale dependency bound: 70.00 ms/step (binding: cores (operations)) -> 2,857 ex/s, "
         "plain loop 1,000 (35%)"
     ) in text
     assert "dense fwd* 20.00" in text and "lookup 10.00" in text
@@ -381,9 +385,13 @@ def test_report_prints_a_bound_per_semantics_and_holds_each_variant_to_its_own()
         "TrainPipelineSemiSync",
         "one-step-stale",
         "70.00",
+        "(cores",
+        "(operations))",
         "2,857",
         "87.50",
         "(80%)",
+        "-",  # no CPU measured in _raw()'s epochs
+        "-",  # no torchrec row
         "-",
     ]
 
@@ -401,6 +409,114 @@ def test_summary_stores_the_dependency_bound_and_old_results_stay_readable() -> 
     bound = results.summary(_raw(old))["throughput"][0]["bound"]
     assert bound["any_schedule"]["binding"] and bound["dependency"] is None
     assert "dependency bound" not in results.format_report(_raw(old), repeats=1)
+
+
+# --------------------------------------------------------------------------
+# The measured CPU as the cores' floor, and the share of the floor reached
+# --------------------------------------------------------------------------
+
+
+def test_the_cores_floor_is_the_measured_cpu_per_core_when_there_is_one() -> None:
+    # All ranks' CPU 254.76 ms a step on 2 cores: 127.38 ms per core.
+    costs = sb.StepCosts(0.1, 5.0, 100.0, cpu_ms=254.76, cores=2)
+    assert costs.cpu_per_core_ms == pytest.approx(127.38)
+    assert sb.any_schedule_bound(costs).terms["cores (measured CPU)"] == pytest.approx(127.38)
+    assert sb.StepCosts(0.1, 5.0, 100.0, cpu_ms=254.76).cpu_per_core_ms is None  # cores unknown
+    assert sb.StepCosts(0.1, 5.0, 100.0, cores=2).cpu_per_core_ms is None  # CPU not measured
+    # BASE's cores operations add up to 70 ms; the stale cycles to at most 54.
+    measured = db.dependency_bound(_times(), db.STALE, cores=1.0, cpu_per_core_ms=90.0)
+    assert measured.terms["cores (operations)"] == pytest.approx(70.0)
+    assert measured.terms["cores (measured CPU)"] == pytest.approx(90.0)
+    assert measured.binding == "cores (measured CPU)" and measured.step_ms == pytest.approx(90.0)
+    # Above the sync round trip (82 ms) it binds the sync bound too.
+    sync = db.dependency_bound(_times(), db.SYNC, cores=1.0, cpu_per_core_ms=90.0)
+    assert sync.binding == "cores (measured CPU)" and sync.step_ms == pytest.approx(90.0)
+    # Below the operations' sum, the operations bind: the floor is the larger of the two.
+    low = db.dependency_bound(_times(), db.STALE, cores=1.0, cpu_per_core_ms=60.0)
+    assert low.binding == "cores (operations)" and low.step_ms == pytest.approx(70.0)
+    # The measured term does not need the cores per rank (it is per core already).
+    alone = db.dependency_bound(_times(), db.STALE, cores=None, cpu_per_core_ms=90.0)
+    assert "cores (operations)" not in alone.terms and alone.binding == "cores (measured CPU)"
+
+
+def test_reached_is_the_floor_over_the_measured_step() -> None:
+    floor = sb.Bound({"link": 30.0, "cores (measured CPU)": 80.0})
+    assert floor.binding == "cores (measured CPU)"
+    assert floor.reached(100.0) == pytest.approx(0.8)
+    assert floor.reached(80.0) == pytest.approx(1.0)
+    assert floor.reached(None) is None and floor.reached(0.0) is None
+    # 2000 examples a step at 20,000 ex/s: 100 ms a step.
+    assert sb.ms_per_step(20_000.0, 2000.0) == pytest.approx(100.0)
+    assert sb.ms_per_step(None, 2000.0) is None and sb.ms_per_step(0.0, 2000.0) is None
+
+
+def test_a_variants_cpu_per_core_is_the_median_epoch_per_step_over_the_cores() -> None:
+    # Epochs of 10 steps charged 1.6, 2.4 and 1.8 s (all ranks); 2 cores: 90 ms per core a step.
+    assert sb.timed_cpu_per_core_ms([1.6, 2.4, 1.8], 10, 2) == pytest.approx(90.0)
+    assert sb.timed_cpu_per_core_ms([], 10, 2) is None  # results from before it was measured
+    assert sb.timed_cpu_per_core_ms([1.6], 10, None) is None
+    assert sb.timed_cpu_per_core_ms([1.6], 0, 2) is None
+
+
+def _raw_with_cpu() -> Dict[str, Any]:
+    """_raw() with the probe's CPU: all ranks 160 ms a step (1.6 s over 10 steps), 2 cores."""
+    record = {**_probe_epoch(), "cpu_h2d": 0.0, "cpu_input_dist": 0.1, "cpu_compute": 1.5}
+    raw = _raw(record)
+    # SemiSync's timed epochs: 1.6, 1.7 and 1.8 s of CPU (both ranks) over 10 steps.
+    semi = raw["throughput"][0]["contenders"]["ours:TrainPipelineSemiSync"]
+    semi["cpu_seconds"] = [1.8, 1.6, 1.7]
+    return raw
+
+
+def test_report_holds_each_variant_to_the_measured_cpu_floor_and_names_the_binding_term() -> None:
+    (table,) = report.throughput_tables(_raw_with_cpu())
+    assert table.bound is not None and table.bound.dependency is not None
+    dep = table.bound.dependency
+    assert dep.cpu_per_core_ms == pytest.approx(80.0)  # 160 ms of all ranks over 2 cores
+    stale, sync = dep.bounds[db.STALE], dep.bounds[db.SYNC]
+    assert stale.binding == "cores (measured CPU)" and stale.step_ms == pytest.approx(80.0)
+    assert sync.binding == ROUND_TRIP and sync.step_ms == pytest.approx(82.0)  # 82 > 80
+    sd, semi = dep.variants
+    assert semi.ours_ms == pytest.approx(87.5) and semi.ours_of_bound == pytest.approx(80 / 87.5)
+    assert sd.ours_ms == pytest.approx(100.0) and sd.ours_of_bound == pytest.approx(82 / 100)
+    assert sd.torchrec_ms == pytest.approx(125.0)
+    assert semi.ours_cpu_ms == pytest.approx(85.0)  # median 1.7 s / 10 steps / 2 cores
+    assert sd.ours_cpu_ms is None and sd.torchrec_cpu_ms is None  # not measured
+    text = results.format_report(_raw_with_cpu(), repeats=1)
+    assert (
+        "cores per rank 1, cores (operations) 70.00 ms per core vs cores (measured CPU) "
+        "80.00 ms per core"
+    ) in text
+    assert "ours ms/step (% of floor reached)" in text
+    assert "% of floor reached = floor ms/step / the variant's measured ms/step" in text
+    line = next(
+        ln
+        for ln in text.splitlines()
+        if ln.startswith("TrainPipelineSemiSync ") and "one-step-stale" in ln
+    )
+    assert line.split() == [
+        "TrainPipelineSemiSync",
+        "one-step-stale",
+        "80.00",
+        "(cores",
+        "(measured",
+        "CPU))",
+        "2,500",
+        "87.50",
+        "(91%)",
+        "85.00",  # 1.7 s of CPU (both ranks) over 10 steps on 2 cores
+        "-",
+        "-",
+    ]
+    summary = json.loads(json.dumps(results.summary(_raw_with_cpu())))
+    bound = summary["throughput"][0]["bound"]
+    assert bound["costs_ms_per_step"]["cpu_per_core"] == pytest.approx(80.0)
+    assert bound["dependency"]["cpu_per_core_ms"] == pytest.approx(80.0)
+    semi_json = bound["dependency"]["variants"]["TrainPipelineSemiSync"]
+    assert semi_json["binding"] == "cores (measured CPU)"
+    assert semi_json["ours_ms"] == pytest.approx(87.5)
+    assert semi_json["ours_of_bound"] == pytest.approx(80 / 87.5)
+    assert semi_json["ours_cpu_ms_per_core"] == pytest.approx(85.0)
 
 
 def test_report_says_where_the_all_reduce_starts_when_the_probe_timed_the_pieces() -> None:
