@@ -171,7 +171,7 @@ class _Attributor:
             yield
         finally:
             sys.setprofile(None)
-            threading.setprofile(None)  # type: ignore[arg-type]
+            threading.setprofile(None)
 
 
 def _plain_loop() -> Callable[[], Any]:
