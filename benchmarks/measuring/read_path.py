@@ -181,7 +181,9 @@ def _torchrec_classes() -> Any:
     return classes
 
 
-def _build(module: Any, name: str) -> Tuple[Any, Callable[[], Any]]:
+def build(module: Any, name: str) -> Tuple[Any, Callable[[], Any]]:
+    """A pipeline of class ``name`` from ``module`` (ours or torchrec's) on the test
+    DLRM, and its step (a ``progress()`` call; Staged: and the model's forward)."""
     cls = getattr(module, name)
     if name == "StagedTrainPipeline":
         stages = _torchrec_stages() if module.__name__.startswith("torchrec") else module
@@ -215,7 +217,7 @@ def _measure_one(module: Any, name: str, root: str, shim: bool) -> ReadPath:
     gc.disable()
     with torchrec_on_cpu() if shim else contextlib.nullcontext():
         try:
-            _, step = _build(module, name)
+            _, step = build(module, name)
             for _ in range(STEADY_CALL - 1):
                 step()
             functions, files, names, calls = count_step(step, root)

@@ -7,9 +7,11 @@ from __future__ import annotations
 
 from datetime import timedelta
 
+import pytest
 import torch.distributed as dist
 
-from trec_pipelines.data.agreement import AgreementChannel
+from trec_pipelines.core.errors import OutOfStepError
+from trec_pipelines.data.agreement import ENDED, FINE, AgreementChannel, encode
 
 
 def _channel() -> AgreementChannel:
@@ -46,3 +48,23 @@ def test_an_exchange_that_carries_starts_the_count_of_misses_again() -> None:
     assert channel.carried
     channel.missed()
     assert not channel.carried
+
+
+def test_a_pull_is_decided_once_until_other_codes_arrive() -> None:
+    """The exchange and the batch source both read a carried pull: the second
+    read gets the first's decision; codes delivered anew are decided anew, and
+    codes out of step raise on every read."""
+    channel = _channel()
+    agreement = channel.start(pull=0, ended=False, malformed=False)
+    ranks = channel.ranks
+    others_ended = [encode(0, FINE)] + [encode(0, ENDED)] * (len(ranks) - 1)
+    agreement.deliver(others_ended, ranks)
+    first = agreement.result()
+    assert first.ended and not first.all_ended
+    assert agreement.result() is first
+    agreement.deliver([encode(0, FINE)] * len(ranks), ranks)
+    assert not agreement.result().ended
+    agreement.deliver([encode(0, FINE)] + [encode(1, FINE)] * (len(ranks) - 1), ranks)
+    for _ in range(2):
+        with pytest.raises(OutOfStepError):
+            agreement.result()

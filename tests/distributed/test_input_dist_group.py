@@ -16,6 +16,7 @@ import pytest
 import torch
 import torch.distributed as dist
 from torchrec.distributed.dist_data import KJTAllToAll
+from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 import trec_pipelines
 from trec_pipelines.core import input_dist_group as idg, streams
@@ -261,4 +262,26 @@ def test_one_rank_groups_alone_make_no_world_collective() -> None:
         dist.barrier(group=current_group())
     finally:
         if dist.get_rank() == 0:
+            dist.destroy_process_group(solo)
+
+
+def test_the_splits_only_forward_names_the_keys_of_its_rank_in_its_group() -> None:
+    """The splits-only forward keeps this rank's place in its group from its
+    construction: on a group of rank 1 alone, rank 1 is the group's rank 0 and
+    gets every key (its place in the world, 1, names none), on every call."""
+    last = dist.get_world_size() - 1
+    solo = dist.new_group(ranks=[last], backend=devices.backend())
+    try:
+        if dist.get_rank() == last:
+            forward = SplitsOnlyKJTAllToAll(solo, [2], stagger=1)
+            kjt = KeyedJaggedTensor.from_lengths_sync(
+                keys=["a", "b"], values=torch.arange(3), lengths=torch.tensor([1, 0, 1, 1])
+            )
+            for _ in range(2):
+                meta = forward(kjt)
+                assert meta.keys == ["a", "b"]
+                assert meta.pg is solo
+        dist.barrier(group=current_group())
+    finally:
+        if dist.get_rank() == last:
             dist.destroy_process_group(solo)

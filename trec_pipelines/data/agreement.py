@@ -219,6 +219,8 @@ class Agreement:
         # Every rank's code (in the order of ``_ranks``), once known.
         self._codes: Optional[List[int]] = None
         self._ranks: Sequence[int] = channel.ranks
+        # What the codes say, once read (see result()).
+        self._agreed: Optional[Agreed] = None
         self._flags: Optional[torch.Tensor] = None
         self._work: Optional[dist.Work] = None
         # The splits exchange carrying this code, once one does (see CarriedCode).
@@ -233,11 +235,17 @@ class Agreement:
 
     def deliver(self, codes: List[int], ranks: Sequence[int]) -> None:
         """Every rank's code, as a splits exchange brought them (see CarriedCode)."""
-        self._codes, self._ranks = codes, ranks
+        self._codes, self._ranks, self._agreed = codes, ranks, None
         self._channel.carried_pulls += 1
 
     def result(self) -> Agreed:
-        """Every rank's outcome of this pull (waits for the exchange carrying it)."""
+        """Every rank's outcome of this pull (waits for the exchange carrying it).
+
+        A carried pull is read twice, by the exchange (which raises there if the
+        ranks are out of step) and by the batch source: the codes are decided
+        once, and the decision is kept until other codes are delivered."""
+        if self._agreed is not None:
+            return self._agreed
         if self._codes is None and self.carrier is not None:
             self.carrier.wait_code()
         if self._codes is None:
@@ -248,7 +256,8 @@ class Agreement:
             self._work.wait()
             self._work = None
             self._codes = self._flags.tolist()
-        return decide(self._codes, self._ranks)
+        self._agreed = decide(self._codes, self._ranks)
+        return self._agreed
 
 
 def decide(codes: Sequence[int], ranks: Sequence[int]) -> Agreed:

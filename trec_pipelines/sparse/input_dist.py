@@ -68,6 +68,9 @@ class SplitsOnlyKJTAllToAll:
         self._owned = lifetime.is_owned(pg)
         # The registry's release count when the group was last found usable.
         self._checked_at = lifetime.Releases.count
+        # This rank's place in the group, which names its keys: fixed for the
+        # group's life, so asked once rather than on every input_dist.
+        self._rank = dist.get_rank(pg)
         self._splits = splits
         self._stagger = stagger
         self._bounds = [0] + list(itertools.accumulate(splits))
@@ -99,8 +102,8 @@ class SplitsOnlyKJTAllToAll:
                     f"but the sharding plan expects {self._bounds[-1]}; the batch must "
                     "carry exactly the features the sharded module was planned for"
                 )
-            pg = self._pg
-            rank = dist.get_rank(pg)
+            pg = self._pg  # raises if the group was released
+            rank = self._rank
             device = input.values().device
             input_splits = input.dist_splits(self._splits)
             splits_tensors = [torch.tensor(s, device=device) for s in input_splits]
@@ -320,7 +323,9 @@ def _fuse_splits(
             names_per_pg[pg].append(name)
     carrier = None
     if agreement is not None and agreement.carried:
-        world = dist.get_world_size()
+        # The channel's own group spans the world (agreement_group): its rank
+        # count is the world size, without asking the default group each step.
+        world = len(agreement.ranks)
         carrier = next((pg for pg in names_per_pg if pg.size() == world), None)
         if carrier is None:
             agreement.missed()  # the same on every rank: the same modules, groups
