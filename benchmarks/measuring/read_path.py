@@ -151,7 +151,7 @@ def _staged(cls: type, sdd_cls: type, stage_cls: type) -> Tuple[Any, Callable[[]
     from trec_pipelines.testing.dlrm import DLRM, make_batches, make_sharded
 
     batches = make_batches(STEADY_CALL + 4, seed=7)
-    dmp, _ = make_sharded(DLRM, "table_wise", seed=1234)
+    dmp, optimizer = make_sharded(DLRM, "table_wise", seed=1234)
     device = devices.device()
     sdd = sdd_cls(dmp, data_dist_stream=None)
     stages = [
@@ -162,8 +162,12 @@ def _staged(cls: type, sdd_cls: type, stage_cls: type) -> Tuple[Any, Callable[[]
     it = iter(batches)
 
     def step() -> Any:
+        # The stages hand over a batch; the user's loop trains it, as the plain loop does.
         batch = pipeline.progress(it)
-        _, pred = dmp(batch)
+        optimizer.zero_grad()
+        losses, pred = dmp(batch)
+        torch.sum(losses, dim=0).backward()
+        optimizer.step()
         return pred
 
     return pipeline, step
@@ -183,7 +187,8 @@ def _torchrec_classes() -> Any:
 
 def build(module: Any, name: str) -> Tuple[Any, Callable[[], Any]]:
     """A pipeline of class ``name`` from ``module`` (ours or torchrec's) on the test
-    DLRM, and its step (a ``progress()`` call; Staged: and the model's forward)."""
+    DLRM, and its step (a ``progress()`` call; Staged: and the user's training of the
+    batch it hands over: forward, backward, optimizer step)."""
     cls = getattr(module, name)
     if name == "StagedTrainPipeline":
         stages = _torchrec_stages() if module.__name__.startswith("torchrec") else module
