@@ -12,6 +12,7 @@ one that raised, or whose forward hook raised, is published with its batch.
 
 from __future__ import annotations
 
+import inspect
 import itertools
 from typing import Any, List, Optional, Tuple
 
@@ -66,6 +67,20 @@ def test_the_model_keeps_its_hooks_and_gets_its_forward_back() -> None:
     assert len(before.calls) == 2  # no longer watched
     assert model_hooks(model) == hooks
     user_hook.remove()
+
+
+def test_the_forward_reads_as_the_models_own_while_watched() -> None:
+    """Code that inspects ``model.forward`` (its signature, name, docstring) sees the
+    model's forward, as without a pipeline attached."""
+    model = Doubles()
+    signature, name = inspect.signature(model.forward), model.forward.__name__
+    watch = _watch(model, Before())
+    assert model.forward is watch
+    assert inspect.signature(model.forward) == signature
+    assert list(signature.parameters) == ["x"]
+    assert model.forward.__name__ == name == "forward"
+    watch.remove()
+    assert inspect.signature(model.forward) == signature
 
 
 def test_an_instance_forward_of_the_users_is_put_back() -> None:

@@ -21,6 +21,7 @@ which torchrec's code and users' code count and remove.
 
 from __future__ import annotations
 
+import functools
 import sys
 from typing import Any, Callable, Optional
 
@@ -81,6 +82,9 @@ class WatchedForward:
         self._had_own = "forward" in model.__dict__
         self._own = model.__dict__.get("forward")
         self._removed = False
+        # inspect.signature(model.forward), help() and the forward's name read as the
+        # model's own forward (through __wrapped__) while the watch is on.
+        functools.update_wrapper(self, self._forward)
         # Not nn.Module.__setattr__, which would register a Module as a child.
         object.__setattr__(model, "forward", self)
 
