@@ -290,26 +290,35 @@ def table(rows: Sequence[Tuple[ReadPath, Optional[ReadPath]]]) -> str:
     return "\n".join(lines)
 
 
-def main(argv: Sequence[str]) -> None:
+@contextlib.contextmanager
+def measuring_world(
+    argv: Sequence[str], classes: Sequence[str]
+) -> Iterator[Tuple[bool, List[str]]]:
+    """The default process group for a measuring tool run under torchrun (one torch
+    thread per rank), destroyed at the end; yields whether this rank prints (rank 0)
+    and the classes to measure: those ``argv`` names (``-v`` aside), else ``classes``."""
     import torch.distributed as dist
 
     from trec_pipelines.testing import devices
 
-    verbose = "-v" in argv
-    names = [n for n in argv if n != "-v"] or list(CLASSES)
     torch.set_num_threads(1)
     devices.bind()
     dist.init_process_group(backend=devices.backend())
     try:
+        yield dist.get_rank() == 0, [n for n in argv if n != "-v"] or list(classes)
+    finally:
+        dist.destroy_process_group()
+
+
+def main(argv: Sequence[str]) -> None:
+    with measuring_world(argv, CLASSES) as (prints, names):
         rows = [measure(name) for name in names]
-        if dist.get_rank() == 0:
+        if prints:
             print(table(rows))
-            if verbose:
+            if "-v" in argv:
                 for ours, _ in rows:
                     print(f"\n{ours.name}:")
                     print("\n".join(f"  {n}" for n in ours.function_names))
-    finally:
-        dist.destroy_process_group()
 
 
 if __name__ == "__main__":

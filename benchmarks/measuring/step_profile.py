@@ -52,7 +52,7 @@ from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tupl
 
 import torch
 
-from benchmarks.measuring.read_path import STEADY_CALL, build, ours_root
+from benchmarks.measuring.read_path import STEADY_CALL, build, measuring_world, ours_root
 
 # The part each module of the package belongs to, by path prefix under the package
 # (the first that matches wins); anything else of ours is "other-ours".
@@ -271,19 +271,10 @@ def summary(rows: Sequence[Profile], plain: Profile) -> str:
 
 
 def main(argv: Sequence[str]) -> None:
-    import torch.distributed as dist
-
-    from trec_pipelines.testing import devices
-
-    verbose = "-v" in argv
-    names = [n for n in argv if n != "-v"] or list(CLASSES)
-    torch.set_num_threads(1)
-    devices.bind()
-    dist.init_process_group(backend=devices.backend())
-    try:
+    with measuring_world(argv, CLASSES) as (prints, names):
         plain = profile_step("plain loop", _plain_loop)
         rows: List[Profile] = [profile_step(name, _pipeline_step(name)) for name in names]
-        if dist.get_rank() == 0:
+        if prints:
             print(summary(rows, plain))
             for p in rows:
                 print()
@@ -291,15 +282,13 @@ def main(argv: Sequence[str]) -> None:
                     print(f"### `{p.name}`: no step on this device: {p.error}")
                     continue
                 print(table(p, plain))
-                if verbose:
+                if "-v" in argv:
                     print("\n    own calls, by the function of ours that made them:")
                     for function, n in p.functions.most_common():
                         print(f"    {n:5d}  {function}")
                     print("\n    calls inside library code, by the function of ours under them:")
                     for function, n in p.functions_library.most_common():
                         print(f"    {n:5d}  {function}")
-    finally:
-        dist.destroy_process_group()
 
 
 if __name__ == "__main__":
