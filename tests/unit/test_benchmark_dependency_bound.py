@@ -32,6 +32,13 @@ BASE = {
 }
 
 
+def _row(text: str, variant: str, semantics: str) -> List[str]:
+    """The words of ``variant``'s row for ``semantics`` in a printed report."""
+    return next(
+        ln for ln in text.splitlines() if ln.startswith(f"{variant} ") and semantics in ln
+    ).split()
+
+
 def _times(**ms: float) -> db.OpTimes:
     return db.OpTimes({**BASE, **ms})
 
@@ -376,12 +383,7 @@ def test_report_prints_a_bound_per_semantics_and_holds_each_variant_to_its_own()
         "plain loop 1,000 (35%)"
     ) in text
     assert "dense fwd* 20.00" in text and "lookup 10.00" in text
-    line = next(
-        ln
-        for ln in text.splitlines()
-        if ln.startswith("TrainPipelineSemiSync ") and "one-step-stale" in ln
-    )
-    assert line.split() == [
+    assert _row(text, "TrainPipelineSemiSync", "one-step-stale") == [
         "TrainPipelineSemiSync",
         "one-step-stale",
         "70.00",
@@ -489,12 +491,7 @@ def test_report_holds_each_variant_to_the_measured_cpu_floor_and_names_the_bindi
     ) in text
     assert "ours ms/step (% of floor reached)" in text
     assert "% of floor reached = floor ms/step / the variant's measured ms/step" in text
-    line = next(
-        ln
-        for ln in text.splitlines()
-        if ln.startswith("TrainPipelineSemiSync ") and "one-step-stale" in ln
-    )
-    assert line.split() == [
+    assert _row(text, "TrainPipelineSemiSync", "one-step-stale") == [
         "TrainPipelineSemiSync",
         "one-step-stale",
         "80.00",
