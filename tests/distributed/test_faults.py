@@ -313,9 +313,12 @@ def test_a_fault_on_one_rank_ends_the_other_with_an_error_not_a_hang() -> None:
     dmp, optimizer = _build("after_lookup", 2, ranks=(0,), pg=short)
     (model,) = [m for m in dmp.modules() if isinstance(m, FaultyDLRM)]
 
+    # torch 2.14's public name; the private one before it (deprecated there).
+    set_timeout = getattr(dist, "set_timeout", None) or dist.distributed_c10d._set_pg_timeout
+
     def shorten() -> None:
         for group in set(dist.distributed_c10d._world.pg_map) - groups_before:
-            dist.distributed_c10d._set_pg_timeout(timedelta(seconds=4), group)
+            set_timeout(timedelta(seconds=4), group)
 
     model.reached = shorten
     pipeline = trec_pipelines.TrainPipelineSparseDist(dmp, optimizer, DEVICE)
