@@ -320,17 +320,25 @@ def stop_message(rank: int, peers: Dict[int, str], waited: float) -> str:
 
 
 _news: Optional[FailureNews] = None
+# The world (its default group, or None: no process group) found last to have a
+# single rank: no news there, and each step asks only whether the world changed.
+_alone_in: Optional[Tuple[Optional[dist.ProcessGroup]]] = None
 _lock = threading.Lock()
 
 
 def news() -> Optional[FailureNews]:
     """This process's failure news, or None outside a world of several ranks."""
-    global _news
-    if _news is not None and _news.group is dist.group.WORLD:
-        return _news  # the steady state: the one made for the current world
-    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() < 2:
+    global _news, _alone_in
+    if not dist.is_available():
         return None
     world = dist.group.WORLD
+    if _news is not None and _news.group is world:
+        return _news  # the steady state: the one made for the current world
+    if _alone_in is not None and _alone_in[0] is world:
+        return None  # the steady state of a rank on its own
+    if world is None or dist.get_world_size() < 2:
+        _alone_in = (world,)
+        return None
     from torch.distributed.distributed_c10d import _get_default_store
 
     with _lock:
