@@ -135,22 +135,22 @@ def count_step(step: Callable[[], Any], root: str) -> Tuple[int, int, Tuple[str,
 # ------------------------------------------------------------------ builders
 
 
-def _sparse_dist_like(cls: type, **kwargs: Any) -> Tuple[Any, Callable[[], Any]]:
+def _sparse_dist_like(cls: type, count: int, **kwargs: Any) -> Tuple[Any, Callable[[], Any]]:
     from trec_pipelines.testing import devices
     from trec_pipelines.testing.dlrm import DLRM, make_batches, make_sharded
 
-    batches = make_batches(STEADY_CALL + 4, seed=7)
+    batches = make_batches(count, seed=7)
     dmp, optimizer = make_sharded(DLRM, "table_wise", seed=1234)
     pipeline = cls(dmp, optimizer, devices.device(), **kwargs)
     it = iter(batches)
     return pipeline, lambda: pipeline.progress(it)
 
 
-def _staged(cls: type, sdd_cls: type, stage_cls: type) -> Tuple[Any, Callable[[], Any]]:
+def _staged(cls: type, sdd_cls: type, stage_cls: type, count: int) -> Tuple[Any, Callable[[], Any]]:
     from trec_pipelines.testing import devices
     from trec_pipelines.testing.dlrm import DLRM, make_batches, make_sharded
 
-    batches = make_batches(STEADY_CALL + 4, seed=7)
+    batches = make_batches(count, seed=7)
     dmp, optimizer = make_sharded(DLRM, "table_wise", seed=1234)
     device = devices.device()
     sdd = sdd_cls(dmp, data_dist_stream=None)
@@ -173,6 +173,29 @@ def _staged(cls: type, sdd_cls: type, stage_cls: type) -> Tuple[Any, Callable[[]
     return pipeline, step
 
 
+def plain_loop(batches: int = STEADY_CALL + 4) -> Callable[[], Any]:
+    """One step of the plain loop a call, over the batches :func:`build`'s pipelines
+    train: pull the batch, copy it to the device, ``zero_grad``, forward,
+    ``torch.sum(losses, dim=0).backward()``, ``step``."""
+    from trec_pipelines.testing import devices
+    from trec_pipelines.testing.dlrm import DLRM, make_batches, make_sharded
+
+    model, optimizer = make_sharded(DLRM, "table_wise", seed=1234)
+    model.train()
+    device = devices.device()
+    it = iter(make_batches(batches, seed=7))
+
+    def step() -> Any:
+        batch = next(it).to(device, non_blocking=True)
+        optimizer.zero_grad()
+        losses, output = model(batch)
+        torch.sum(losses, dim=0).backward()
+        optimizer.step()
+        return output
+
+    return step
+
+
 def _torchrec_stages() -> Any:
     import torchrec.distributed.train_pipeline.pipeline_stage as stages
 
@@ -185,16 +208,16 @@ def _torchrec_classes() -> Any:
     return classes
 
 
-def build(module: Any, name: str) -> Tuple[Any, Callable[[], Any]]:
+def build(module: Any, name: str, batches: int = STEADY_CALL + 4) -> Tuple[Any, Callable[[], Any]]:
     """A pipeline of class ``name`` from ``module`` (ours or torchrec's) on the test
     DLRM, and its step (a ``progress()`` call; Staged: and the user's training of the
-    batch it hands over: forward, backward, optimizer step)."""
+    batch it hands over: forward, backward, optimizer step), over ``batches`` batches."""
     cls = getattr(module, name)
     if name == "StagedTrainPipeline":
         stages = _torchrec_stages() if module.__name__.startswith("torchrec") else module
-        return _staged(cls, stages.SparseDataDistUtil, stages.PipelineStage)
+        return _staged(cls, stages.SparseDataDistUtil, stages.PipelineStage, batches)
     kwargs: Dict[str, Any] = {"start_batch": 0} if name == "TrainPipelineSemiSync" else {}
-    return _sparse_dist_like(cls, **kwargs)
+    return _sparse_dist_like(cls, batches, **kwargs)
 
 
 # torchrec's classes that call CUDA stream APIs on CPU: run under the test shim.

@@ -50,9 +50,13 @@ from dataclasses import dataclass, field
 from types import FrameType
 from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple
 
-import torch
-
-from benchmarks.measuring.read_path import STEADY_CALL, build, measuring_world, ours_root
+from benchmarks.measuring.read_path import (
+    STEADY_CALL,
+    build,
+    measuring_world,
+    ours_root,
+    plain_loop,
+)
 
 # The part each module of the package belongs to, by path prefix under the package
 # (the first that matches wins); anything else of ours is "other-ours".
@@ -174,28 +178,6 @@ class _Attributor:
             threading.setprofile(None)
 
 
-def _plain_loop() -> Callable[[], Any]:
-    """One step of the plain loop a call, over the batches the pipelines train."""
-    from trec_pipelines.testing import devices
-    from trec_pipelines.testing.dlrm import DLRM, make_batches, make_sharded
-
-    batches = make_batches(STEADY_CALL + 4, seed=7)
-    model, optimizer = make_sharded(DLRM, "table_wise", seed=1234)
-    model.train()
-    device = devices.device()
-    it = iter(batches)
-
-    def step() -> Any:
-        batch = next(it).to(device, non_blocking=True)
-        optimizer.zero_grad()
-        losses, output = model(batch)
-        torch.sum(losses, dim=0).backward()
-        optimizer.step()
-        return output
-
-    return step
-
-
 def profile_step(name: str, make_step: Callable[[], Callable[[], Any]]) -> Profile:
     """Profile the 4th call of the step ``make_step()`` returns."""
     profile = Profile(name)
@@ -272,7 +254,7 @@ def summary(rows: Sequence[Profile], plain: Profile) -> str:
 
 def main(argv: Sequence[str]) -> None:
     with measuring_world(argv, CLASSES) as (prints, names):
-        plain = profile_step("plain loop", _plain_loop)
+        plain = profile_step("plain loop", plain_loop)
         rows: List[Profile] = [profile_step(name, _pipeline_step(name)) for name in names]
         if prints:
             print(summary(rows, plain))
