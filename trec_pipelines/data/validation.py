@@ -67,9 +67,13 @@ def kjts_in(
     else:
         return found
     for item in items:
+        # Leaves first: a KJT is none of them, and telling a tensor from a KJT
+        # costs an ABC check (KJT's metaclass) that the leaves' check does not.
+        if isinstance(item, _LEAVES):
+            continue
         if isinstance(item, KeyedJaggedTensor):
             found.append(item)
-        elif depth < 3 and not isinstance(item, _LEAVES):
+        elif depth < 3:
             kjts_in(item, found, depth + 1)
     return found
 
