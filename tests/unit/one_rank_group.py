@@ -92,6 +92,9 @@ def _run(names: List[str]) -> None:
             "splits_only_overrides": len(pipeline._pipelined.fusion.overrides),
             "awaited": sorted(set(issued)),
             "steps": len(ours),
+            # SemiSync's dense all-reduce: deferred past the embedding backward
+            # (AllReduceWait) only where there are other ranks to wait for.
+            "all_reduce": type(getattr(pipeline, "_all_reduce", None)).__name__,
         }
         print(json.dumps(record), flush=True)
 

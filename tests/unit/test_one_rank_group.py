@@ -5,7 +5,8 @@ skips its splits collective, and our pipelines leave it that way instead of
 fusing it into a splits all-to-all of one rank per step (which torchrec's
 pipelines run).  The run is in a process of its own (one_rank_group.py, forked
 from the rank server, tests/elastic/rank_server.py), so the one-rank gloo world
-never meets this process's state.
+never meets this process's state.  SemiSync there keeps DDP's own wait for its
+dense all-reduce: with one rank there is no one to wait for.
 """
 
 from __future__ import annotations
@@ -47,3 +48,5 @@ def test_one_rank_group_skips_the_splits_collective_and_trains_as_before(
         assert record["splits_only_overrides"] == 0, record
         # Every module's splits request is waited on its own: no fused collective.
         assert record["awaited"] == ["_Single"], record
+    # One rank: DDP's own all-reduce, waited as DDP waits (nothing to overlap it with).
+    assert records["TrainPipelineSemiSync"]["all_reduce"] == "NoAllReduceWait"

@@ -23,8 +23,9 @@ for bit the values DDP's own wait gives.
 It is installed on a ``DistributedDataParallel`` (the model, or the one a
 ``DistributedModelParallel`` wraps) with ``gradient_as_bucket_view=True``,
 DDP's C++ reducer, no communication hook or mixed precision of its own, and
-a power-of-two number of ranks (where DDP's two ways of averaging, a product
-with ``1/size`` and a division by ``size``, give the same bits), and only
+a power-of-two number of ranks above one (where DDP's two ways of averaging, a
+product with ``1/size`` and a division by ``size``, give the same bits; one
+rank has no all-reduce worth waiting later for), and only
 where the pipeline's class does not override a hook that runs between the
 backward and the wait (SemiSync's ``embedding_backward``).
 Anywhere else :func:`all_reduce_wait` returns a stand-in that defers nothing,
@@ -67,6 +68,8 @@ def _why_not(ddp: DistributedDataParallel) -> Optional[str]:
     if getattr(ddp, "_use_python_reducer", False):
         return "it runs the Python reducer"
     size = dist.get_world_size(ddp.process_group)
+    if size == 1:
+        return "its group has one rank: its all-reduce waits for no one"
     if size & (size - 1):
         # DDP scales a gradient it copies into a bucket by 1/size and one
         # already in its bucket by a division: the same value only when size
@@ -92,7 +95,9 @@ class AllReduceWait:
     def _all_reduce(self, _state: object, bucket: GradBucket) -> torch.futures.Future[torch.Tensor]:
         buffer = bucket.buffer()
         buffer.div_(self._size)
-        work = dist.all_reduce(buffer, group=self._group, async_op=True)
+        # Straight to DDP's own group (the sum, AllreduceOptions' default), as DDP's
+        # reducer issues it: dist.all_reduce's checks, in Python, ran for each bucket.
+        work = self._group.allreduce([buffer], dist.AllreduceOptions())
         if not self._deferring:
             reduced: torch.futures.Future[torch.Tensor] = work.get_future().then(lambda _: buffer)
             return reduced
