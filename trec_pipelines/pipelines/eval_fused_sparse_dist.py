@@ -41,7 +41,10 @@ class EvalPipelineFusedSparseDist(TrainPipelineFusedSparseDist[In, Out]):
     pair, any other output as it is.  Call ``model.eval()`` first: as in
     torchrec, ``zero_grad`` runs if the model is left in training mode, and
     the copy of ``new`` is always issued before the forward
-    (``enqueue_batch_after_forward`` has no effect).
+    (``enqueue_batch_after_forward`` has no effect).  A ``progress()`` that
+    raises is rolled back as a training step is: the next call evaluates that
+    batch again (``skip_failed_batch()`` drops it), and with several ranks the
+    others end within seconds naming this rank and the batch.
 
     Differences from torchrec: :ref:`the migration guide <migrating-eval-fused>` (docs/guides/migrating.md).
 

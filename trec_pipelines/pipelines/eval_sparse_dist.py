@@ -320,9 +320,14 @@ class EvalPipelineSparseDist(TrainPipelineSparseDist[In, Out]):
     that batch, after every batch before it was returned, and ends the
     loading: the batches in flight still come out, then ``StopIteration``.  A
     malformed batch (``MalformedBatchError``) is only dropped: that call
-    raises, the next goes on.  The loader thread ends at the end of the data,
-    on ``reset()`` (which drops the batches in flight and the loader's) and
-    when the pipeline is collected; the next epoch starts without ``reset()``.
+    raises, the next goes on.  A ``progress()`` that raises after its loading
+    (the forward, an input_dist) is rolled back: the next call evaluates that
+    batch again (``skip_failed_batch()`` drops it), and with several ranks the
+    others end within seconds naming this rank and the batch (the note "a
+    failed eval step" in the source of this module).  The loader thread ends
+    at the end of the data, on ``reset()`` (which drops the batches in flight
+    and the loader's) and when the pipeline is collected; the next epoch
+    starts without ``reset()``.
 
     Differences from torchrec: :ref:`the migration guide <migrating-eval>` (docs/guides/migrating.md).
 
