@@ -440,6 +440,42 @@ def test_malformed_kjt_on_one_rank_raises_on_every_rank_in_the_same_step(name: s
     assert_runs_equal(ref, Run(outputs, weights(dmp)), ("plain loop without batch 3", name))
 
 
+@pytest.mark.parametrize("where", ["before_lookup", "after_lookup"])
+@pytest.mark.parametrize("name", EVAL_VARIANTS)
+def test_an_eval_forward_that_raises_on_every_rank_is_evaluated_again(
+    name: str, where: str
+) -> None:
+    """Every rank's forward raises at batch 3 (before its lookup, or once the
+    embeddings arrived); every rank calls progress() again, which evaluates batch
+    3 again (the ranks agree on the retry) and goes on: the outputs equal the
+    plain forward of each batch, once.  The model's group times out after 20 s,
+    so a rank left waiting fails the test quickly instead of hanging it."""
+    short = dist.new_group(backend=devices.backend(), timeout=timedelta(seconds=20))
+    batches = make_batches(6, seed=DATA_SEED)
+    ref_dmp, _ = _build("", -1, pg=short)
+    ref_dmp.eval()
+    with torch.no_grad():
+        ref = Run([_snapshot(ref_dmp(b)[1]) for b in batches], weights(ref_dmp))
+    dmp, _ = _build(where, 3, pg=short)
+    dmp.eval()
+    cls_name, _, mode = name.partition("+")
+    thread = {"loader_thread": True} if mode == "thread" else {}
+    pipeline = getattr(trec_pipelines, cls_name)(dmp, None, DEVICE, **thread)
+    it = iter(batches)
+    outputs: List[torch.Tensor] = []
+    failed: List[int] = []
+    while True:
+        try:
+            outputs.append(_snapshot(pipeline.progress(it)))
+        except StopIteration:
+            break
+        except Fault as error:
+            assert "evaluating batch 3" in "".join(error.__notes__), error.__notes__
+            failed.append(len(outputs))
+    assert failed == [3]
+    assert_runs_equal(ref, Run(outputs, weights(dmp)), ("plain forward", name))
+
+
 def test_the_ranks_agree_by_default_and_not_with_sync_exhaustion_false() -> None:
     """By default the ranks agree on each pull (on a gloo group of their own,
     destroyed once the pipeline is collected): SparseDist's codes ride its splits

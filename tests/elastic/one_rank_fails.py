@@ -16,6 +16,10 @@ first step only once that failure is published (the pipelines agree on nothing
 at a step's start: ``sync_exhaustion=False``), so their watchers start after
 it: the step they then enter cannot complete either.
 
+An eval pipeline (``--pipeline EvalPipelineSparseDist``, ``+thread`` loading
+on its loader thread, or ``EvalPipelineFusedSparseDist``) runs the model in
+eval mode and fails the same way, in its forward.
+
 Every rank writes what happened to ``--out``/rank<r>.json; the model's
 process group times out after 120 s, far beyond what the test allows.
 """
@@ -95,10 +99,13 @@ def main() -> None:
         pipeline: Any = _staged(dmp)
         step = functools.partial(_staged_step, pipeline, dmp, optimizer)
     else:
-        options = {"sync_exhaustion": False} if args.first_step_copy else {}
-        pipeline = getattr(trec_pipelines, args.pipeline)(
-            dmp, optimizer, torch.device("cpu"), **options
-        )
+        options: dict = {"sync_exhaustion": False} if args.first_step_copy else {}
+        name, _, mode = args.pipeline.partition("+")
+        if mode == "thread":
+            options["loader_thread"] = True
+        if name.startswith("Eval"):
+            dmp.eval()
+        pipeline = getattr(trec_pipelines, name)(dmp, optimizer, torch.device("cpu"), **options)
         step = pipeline.progress
     batches = make_batches(8, seed=3)
     store = dist.distributed_c10d._get_default_store()

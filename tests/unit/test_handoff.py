@@ -77,3 +77,38 @@ def test_stop_drops_the_waiting_item_and_ends_the_producer() -> None:
     thread.join(timeout=10)
     assert not thread.is_alive()
     assert handoff.take() is None
+
+
+@pytest.mark.parametrize("recoverable", [True, False])
+def test_stop_when_idle_returns_the_error_take_did_not_raise_and_ends_the_producer(
+    recoverable: bool,
+) -> None:
+    """A rollback stops the eval loader thread this way: it waits for the load
+    under way, drops a loaded item and keeps an error not handed over yet."""
+    handoff: OneSlotHandoff[int] = OneSlotHandoff(recoverable=(KeyError,))
+    error = KeyError("malformed") if recoverable else OSError("disk gone")
+    loads: List[int] = []
+
+    def load() -> Optional[int]:
+        loads.append(1)
+        if len(loads) == 2:
+            raise error
+        return len(loads)
+
+    thread = threading.Thread(target=handoff.produce, args=(load,), daemon=True)
+    thread.start()
+    assert handoff.take() == 1
+    assert handoff.stop_when_idle() is error
+    thread.join(timeout=10)
+    assert not thread.is_alive() and len(loads) == 2
+    assert handoff.take() is None  # nothing is left to raise
+
+
+def test_stop_when_idle_drops_a_loaded_item() -> None:
+    handoff: OneSlotHandoff[int] = OneSlotHandoff()
+    thread = _producer(handoff, iter(range(1, 50)))
+    assert handoff.take() == 1
+    assert handoff.stop_when_idle() is None  # item 2 was loaded: dropped
+    thread.join(timeout=10)
+    assert not thread.is_alive()
+    assert handoff.take() is None

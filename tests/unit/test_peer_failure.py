@@ -2,7 +2,8 @@
 
 tests/elastic/one_rank_fails.py under torchrun (its ranks forked from the test
 process's rank server, tests/elastic/rank_server.py), on 2 and 4 gloo ranks, with
-SparseDist, Fused, SemiSync, Base and Staged: rank 0's forward raises at batch 2
+SparseDist, Fused, SemiSync, Base, Staged and the eval pipelines (EvalPipelineSparseDist
+inline and on its loader thread, EvalPipelineFusedSparseDist): rank 0's forward raises at batch 2
 and rank 0 stays alive (``stay``), or retries alone (``retry``).  The model's
 process group would time out after 120 s; the other ranks must instead exit
 with status 1 once the grace has passed, their log naming rank 0 and batch 2,
@@ -83,6 +84,11 @@ CASES = [
     (2, "stay", 1.0, "TrainPipelineSemiSync"),
     (2, "stay", 1.0, "TrainPipelineBase"),
     (2, "stay", 1.0, "StagedTrainPipeline"),
+    # The eval pipelines' forwards fail the same way (see [Note: a failed eval step]).
+    (2, "stay", 1.0, "EvalPipelineSparseDist"),
+    (2, "stay", 1.0, "EvalPipelineSparseDist+thread"),
+    (2, "stay", 1.0, "EvalPipelineFusedSparseDist"),
+    (2, "retry", None, "EvalPipelineSparseDist"),
 ]
 
 

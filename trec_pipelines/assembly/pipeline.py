@@ -192,7 +192,9 @@ class PipelineCore(TorchrecState):
             pipeline=name,
         )
         self._source = self._new_source()
-        self._step_guard = StepGuard()
+        self._step_guard = StepGuard(
+            "training" if self._traits.requires_optimizer else "evaluating"
+        )
         # In-flight batches of iterators set aside by a switch (see _switch_iterator).
         self._parked = ParkedEpochs()
         group = input_dist_group or self._options["input_dist_group"]

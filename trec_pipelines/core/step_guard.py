@@ -41,7 +41,10 @@ and marks the guard begun once the step starts issuing work (the end of
 ``_start_step``; for a user's own ``progress()``, its first line:
 :func:`guarded_user_step`):
 failures before that (a detached pipeline, an iterator error while pulling
-the host batches) change nothing and need no rollback.
+the host batches) change nothing and need no rollback.  An eval pipeline's
+loader pulls and copies inside the begun step; its errors are not the step's
+(:meth:`StepGuard.leave_as_is`; see ``[Note: a failed eval step]`` in
+:mod:`trec_pipelines.pipelines.eval_sparse_dist`).
 
 A failure that is the user's mistake
 (:func:`~trec_pipelines.core.errors.is_users_mistake`: a forward that does not
@@ -113,7 +116,8 @@ class RollbackSource(Protocol):
 class StepGuard:
     """Whether a step is running, whether it issued work, and the last failure."""
 
-    def __init__(self) -> None:
+    def __init__(self, work: str = "training") -> None:
+        self.work = work  # what a step does to its batch, for the notes: "evaluating" in eval
         self.running = False
         self.begun = False
         self.failed: Optional[FailedStep] = None
@@ -124,6 +128,17 @@ class StepGuard:
         if not self.begun:
             self.begun = True
             self.steps += 1
+
+    def leave_as_is(self) -> None:
+        """The error being raised is the loading's, not the step's work: the pipeline
+        stays as it is, nothing is rolled back nor told to the other ranks.
+
+        For a pipeline whose loading runs inside the begun step (an eval pipeline's
+        loader, see ``[Note: a failed eval step]`` in
+        :mod:`trec_pipelines.pipelines.eval_sparse_dist`): its loading errors end or
+        skip the loading, and the batches in flight run on; the ranks agree on them
+        as they pull (``[Note: a loader error on one rank]``)."""
+        self.begun = False
 
     def skip_failed(self, source: RollbackSource, pipeline: str) -> int:
         """Drop the batch the last, failed ``progress()`` was training from ``source``;
@@ -172,19 +187,19 @@ def _where() -> str:
     return ""
 
 
-def _explain(error: BaseException, pipeline: str, index: Optional[int]) -> None:
+def _explain(error: BaseException, pipeline: str, index: Optional[int], work: str) -> None:
     batch = "its batch" if index is None else f"batch {index}"
     gone = gone_peer(error)
     where = _where()
     if gone is None:
         note = (
-            f"trec_pipelines: {where}{pipeline}.progress() raised while training "
+            f"trec_pipelines: {where}{pipeline}.progress() raised while {work} "
             f"{batch}; the pipeline rolled back, and the next progress() retries {batch} "
             "from its host copy (call pipeline.skip_failed_batch() first to drop it instead)."
         )
     else:
         note = (
-            f"trec_pipelines: {where}{pipeline}.progress() raised while training "
+            f"trec_pipelines: {where}{pipeline}.progress() raised while {work} "
             f"{batch} because {gone} is gone: its process ended (its own output says why: "
             "an error, killed, out of memory) or it left the process group. The pipeline "
             "rolled back, but no retry can succeed in this job: the process group cannot "
@@ -246,7 +261,7 @@ def guarded_step(progress: Callable[[G, Iterator[Any]], P]) -> Callable[[G, Iter
                 index = self._source.rewind()
                 guard.failed = FailedStep(index, f"{type(error).__name__}: {error}")
                 if not mistake:
-                    _explain(error, type(self).__name__, index)
+                    _explain(error, type(self).__name__, index, guard.work)
                 if ranks is not None:
                     what = f"{type(self).__name__}.progress() raised {guard.failed.error}"
                     ranks.failed(what, index)

@@ -95,6 +95,19 @@ class OneSlotHandoff(Generic[T]):
             while self._slot is None and not self._finished and not self._stopping:
                 self._cond.wait()
 
+    def stop_when_idle(self) -> Optional[BaseException]:
+        """Wait until the producer is idle, end production (an item in the slot is
+        dropped) and return the exception it raised and :meth:`take` did not raise
+        yet, if any; after it, the producer calls ``load`` no more."""
+        with self._cond:
+            while self._slot is None and not self._finished and not self._stopping:
+                self._cond.wait()
+            left = self._slot.error if isinstance(self._slot, _Raised) else self._error
+            self._slot, self._error = None, None
+            self._stopping = True
+            self._cond.notify_all()
+        return left
+
     def stop(self) -> None:
         """End production (an item in the slot is dropped); returns without waiting."""
         with self._cond:

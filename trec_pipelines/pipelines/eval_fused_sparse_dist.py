@@ -10,6 +10,7 @@ from typing_extensions import Unpack
 
 from trec_pipelines.assembly.options import EvalSparseDistOptions, takes_options
 from trec_pipelines.core.checks import predictions
+from trec_pipelines.core.step_guard import guarded_step
 from trec_pipelines.core.subclass_hooks import never_called
 from trec_pipelines.data.padding import first_real_output
 from trec_pipelines.observe import recorder as rec
@@ -40,7 +41,10 @@ class EvalPipelineFusedSparseDist(TrainPipelineFusedSparseDist[In, Out]):
     pair, any other output as it is.  Call ``model.eval()`` first: as in
     torchrec, ``zero_grad`` runs if the model is left in training mode, and
     the copy of ``new`` is always issued before the forward
-    (``enqueue_batch_after_forward`` has no effect).
+    (``enqueue_batch_after_forward`` has no effect).  A ``progress()`` that
+    raises is rolled back as a training step is: the next call evaluates that
+    batch again (``skip_failed_batch()`` drops it), and with several ranks the
+    others end within seconds naming this rank and the batch.
 
     Differences from torchrec: :ref:`the migration guide <migrating-eval-fused>` (docs/guides/migrating.md).
 
@@ -144,6 +148,7 @@ class EvalPipelineFusedSparseDist(TrainPipelineFusedSparseDist[In, Out]):
         self.start_embedding_lookup(self.batches[0], self.contexts[0])  # the first forward's
         self.enqueue_batch(dataloader_iter)
 
+    @guarded_step
     def progress(self, dataloader_iter: Iterator[Any]) -> Any:
         """Run one step on the next batch of ``dataloader_iter``; return its output.
 
@@ -153,14 +158,18 @@ class EvalPipelineFusedSparseDist(TrainPipelineFusedSparseDist[In, Out]):
         return first_real_output(lambda: self._evaluate_step(dataloader_iter))
 
     def _evaluate_step(self, dataloader_iter: Iterator[Any]) -> Tuple[Any, bool]:
-        """One step: ``cur``'s predictions, and whether ``cur`` was a padding batch."""
+        """One step: ``cur``'s predictions, and whether ``cur`` was a padding batch.
+
+        A step that raises is rolled back and its batch evaluated again by the
+        next call (see [Note: a failed eval step] in
+        trec_pipelines.pipelines.eval_sparse_dist); the guard retires ``cur``'s
+        host copy once ``progress()`` returns."""
         self._start_step(dataloader_iter)  # fill, pull host batches, stop at end of data
         padding = self.contexts[0].padding
         if self._enable_embedding_lookup_prefetch:
             output = self._progress_prefetch(dataloader_iter)
         else:
             output = self._progress_in_order(dataloader_iter)
-        self._source.retire()  # cur's host copy: a checkpoint from here goes on with nxt
         return output, padding
 
     def _progress_in_order(self, dataloader_iter: Iterator[Any]) -> Any:

@@ -15,6 +15,40 @@ that takes the batch, just before that call's first action on it:
 
 So the recorded sequence is the same on every run and in both modes; only the
 thread label of the ``H2D`` actions tells them apart.
+
+[Note: a failed eval step]
+Both eval pipelines (this one and EvalPipelineFusedSparseDist) run each
+``progress()`` inside the step guard, as the train pipelines do (see
+:mod:`trec_pipelines.core.step_guard`).  When a step raises after it began
+issuing work (the forward, an input_dist, a lookup), it is rolled back and the
+next ``progress()`` evaluates the same batch again from its host copy, then
+goes on; ``skip_failed_batch()`` drops that batch instead.  The forward runs
+under ``no_grad`` and changes nothing, so the retry returns what the failed
+step would have returned.  Going on with the next batch is not an option: the
+failed step may have stopped anywhere (``nxt``'s input_dist started and not
+waited, ``cur``'s lookup issued), and none of that can be resumed where it
+stopped; the rollback issues it all again.  With several ranks the failure
+is told to the others, which end within seconds naming this rank and the
+batch, and a retry goes on only where every rank failed at that batch
+(``[Note: a failed step on one rank]`` in :mod:`trec_pipelines.core.peer_failure`).
+
+What a failed step leaves behind here: no batch on the device and no loader.
+The loader is stopped once it is idle (a loader thread first finishes the
+pull or copy it is in), so every batch it pulled, the one it holds included,
+is listed in flight in the source, and the guard gives them all back, in
+order.  The next ``progress()`` starts a loader on the same iterator (the
+epoch goes on), which hands those batches out first, then pulls on.  An error
+the stopped loader thread had met and not handed over yet (the iterator's, a
+malformed batch) is raised by the new one right after those batches, where
+the stopped one would have raised it: both modes still give the same
+batches, results and errors.
+
+The loading's own errors are not a failed step
+(:meth:`~trec_pipelines.core.step_guard.StepGuard.leave_as_is`): as before,
+an error loading a batch reaches the call that needs it and ends the loading
+(the batches in flight still come out; a malformed batch is only dropped),
+with nothing rolled back.  With several ranks the ranks agree on each pull,
+so every rank raises in the same call.
 """
 
 from __future__ import annotations
@@ -41,6 +75,7 @@ from trec_pipelines.assembly.resume import ResumeHooks
 from trec_pipelines.core import lifetime
 from trec_pipelines.core.checks import predictions
 from trec_pipelines.core.errors import MalformedBatchError
+from trec_pipelines.core.step_guard import guarded_step
 from trec_pipelines.core.streams import copy_to_device, has_streams
 from trec_pipelines.core.subclass_hooks import never_called
 from trec_pipelines.data.one_slot_handoff import OneSlotHandoff
@@ -118,10 +153,11 @@ class _BatchLoader:
     is collected, which it could not be while the thread kept it alive.
     """
 
-    def __init__(self, load: Callable[[], Optional[Copied]]) -> None:
+    def __init__(self, load: _Load, left: Optional[BaseException] = None) -> None:
         self._handoff: OneSlotHandoff[Copied] = OneSlotHandoff(recoverable=(MalformedBatchError,))
+        work: Callable[[], Optional[Copied]] = load if left is None else _ThenRaise(load, left)
         self._thread = threading.Thread(
-            target=self._handoff.produce, args=(load,), name=LOADER_THREAD_NAME, daemon=True
+            target=self._handoff.produce, args=(work,), name=LOADER_THREAD_NAME, daemon=True
         )
         self._thread.start()
         # Stopped and joined at interpreter exit if still running (see [Note: a clean exit]).
@@ -163,6 +199,29 @@ class _BatchLoader:
         if wait and self._thread is not threading.current_thread():
             self._thread.join()
 
+    def stop_for_retry(self) -> Optional[BaseException]:
+        """End the thread once it is idle, dropping a batch it holds (the source
+        lists it in flight), and return the error it met and :meth:`take` did not
+        raise yet, if any (see [Note: a failed eval step])."""
+        left = self._handoff.stop_when_idle()
+        self._thread.join()
+        return left
+
+
+class _ThenRaise:
+    """A loader thread's work after a failed step: the batches the rollback gave
+    back first, then the error the stopped thread had not handed over, then on."""
+
+    def __init__(self, load: _Load, left: BaseException) -> None:
+        self._load: _Load = load
+        self._left: Optional[BaseException] = left
+
+    def __call__(self) -> Optional[Copied]:
+        if self._left is not None and not self._load.source.rewound:
+            left, self._left = self._left, None
+            raise left  # where the stopped thread met it
+        return self._load()
+
 
 class _InlineLoader:
     """:class:`_BatchLoader`'s contract without a thread: :meth:`take` loads the batch itself.
@@ -201,8 +260,13 @@ class _InlineLoader:
         """End loading; ``wait`` is for :class:`_BatchLoader`'s signature (nothing runs)."""
         self._load = None
 
+    def stop_for_retry(self) -> Optional[BaseException]:
+        """End loading; nothing is left (every error was raised by :meth:`take`)."""
+        self._load = None
+        return None
 
-# Either loader: they share ``take(span)`` and ``stop(wait)``.
+
+# Either loader: they share ``take(span)``, ``stop(wait)`` and ``stop_for_retry()``.
 _Loader = Union[_BatchLoader, _InlineLoader]
 
 
@@ -256,9 +320,14 @@ class EvalPipelineSparseDist(TrainPipelineSparseDist[In, Out]):
     that batch, after every batch before it was returned, and ends the
     loading: the batches in flight still come out, then ``StopIteration``.  A
     malformed batch (``MalformedBatchError``) is only dropped: that call
-    raises, the next goes on.  The loader thread ends at the end of the data,
-    on ``reset()`` (which drops the batches in flight and the loader's) and
-    when the pipeline is collected; the next epoch starts without ``reset()``.
+    raises, the next goes on.  A ``progress()`` that raises after its loading
+    (the forward, an input_dist) is rolled back: the next call evaluates that
+    batch again (``skip_failed_batch()`` drops it), and with several ranks the
+    others end within seconds naming this rank and the batch (the note "a
+    failed eval step" in the source of this module).  The loader thread ends
+    at the end of the data, on ``reset()`` (which drops the batches in flight
+    and the loader's) and when the pipeline is collected; the next epoch
+    starts without ``reset()``.
 
     Differences from torchrec: :ref:`the migration guide <migrating-eval>` (docs/guides/migrating.md).
 
@@ -339,6 +408,9 @@ class EvalPipelineSparseDist(TrainPipelineSparseDist[In, Out]):
     ) -> None:
         self._loader: Optional[_Loader] = None  # first: __del__ reads it
         self._loader_iter: Optional[Iterator[Any]] = None
+        # (iterator, error) a loader thread stopped by a failed step had not handed
+        # over: the next loader on that iterator raises it (see [Note: a failed eval step]).
+        self._loader_left: Optional[Tuple[Iterator[Any], BaseException]] = None
         if loader_thread is not None and not isinstance(loader_thread, bool):
             raise TypeError(
                 "loader_thread must be None (a loader thread on devices with streams, "
@@ -383,7 +455,10 @@ class EvalPipelineSparseDist(TrainPipelineSparseDist[In, Out]):
             self._enable_inplace_copy_batch,
             self._free_features_storage_early,
         )
-        return _BatchLoader(load) if self._loader_thread else _InlineLoader(load)
+        left, self._loader_left = self._loader_left, None
+        if not self._loader_thread:
+            return _InlineLoader(load)
+        return _BatchLoader(load, left[1] if left and left[0] is dataloader_iter else None)
 
     def _stop_loader(self) -> None:
         if self._loader is not None:
@@ -392,9 +467,21 @@ class EvalPipelineSparseDist(TrainPipelineSparseDist[In, Out]):
             self._loader_iter = None
 
     def _take_batch(self) -> bool:
-        """Queue the loader's next batch, on the device; False once the data has ended."""
+        """Queue the loader's next batch, on the device; False once the data has ended.
+
+        A loading error is not the step's (see [Note: a failed eval step]): the
+        pipeline stays as it is; any error but a malformed batch ends the loading,
+        also for a loader started after a later failed step."""
         assert self._loader is not None
-        loaded = self._loader.take(self._recording.span)  # records its H2D
+        try:
+            loaded = self._loader.take(self._recording.span)  # records its H2D
+        except MalformedBatchError:
+            self._step_guard.leave_as_is()  # dropped; loading goes on with the next batch
+            raise
+        except Exception:
+            self._source.stop_pulling()  # the loader has ended (a thread: joined)
+            self._step_guard.leave_as_is()
+            raise
         if loaded is None:
             return False
         batch, index, shared, padding = loaded
@@ -414,6 +501,7 @@ class EvalPipelineSparseDist(TrainPipelineSparseDist[In, Out]):
             with torch.no_grad():
                 return predictions(self._model(self.batches[0]))
 
+    @guarded_step
     def progress(self, dataloader_iter: Iterator[Any]) -> Any:
         """Run one step on the next batch of ``dataloader_iter``; return its output.
 
@@ -454,6 +542,7 @@ class EvalPipelineSparseDist(TrainPipelineSparseDist[In, Out]):
                 # thread: the batches already pulled are still evaluated.
                 self._source.stop_pulling()
                 raise
+        self._step_guard.begin()  # from here a failure is rolled back and retried
         if not self.batches:
             # fill: cur is copied by the loader, then input_dist (a malformed
             # first batch raises here, and the next call fills with the next)
@@ -477,15 +566,27 @@ class EvalPipelineSparseDist(TrainPipelineSparseDist[In, Out]):
         output = self._predict()                                   # cur, default, no_grad
         if has_nxt:
             self.wait_sparse_data_dist(self.contexts[1])           # nxt, data_dist
-        self.dequeue_batch()
-        self._source.retire()  # cur's host copy: a checkpoint from here goes on with nxt
+        self.dequeue_batch()  # the guard retires cur's host copy once progress() returns
         return output, ctx.padding
 
     # ------------------------------------------------------------ lifecycle
 
+    def _drop_in_flight_state(self) -> None:
+        """A failed step (see [Note: a failed eval step]): stop the loader once it
+        is idle, so the guard's rewind gives back every batch it pulled, and keep
+        the error it had not handed over for the next loader."""
+        if self._loader is not None:
+            left = self._loader.stop_for_retry()
+            if left is not None and self._loader_iter is not None:
+                self._loader_left = (self._loader_iter, left)
+            self._loader = None
+            self._loader_iter = None
+        super()._drop_in_flight_state()
+
     def reset(self) -> None:
         """Stop the loader and drop the batches in flight; the next ``progress()`` starts an epoch."""
         self._stop_loader()
+        self._loader_left = None
         super().reset()
 
     def __del__(self) -> None:
