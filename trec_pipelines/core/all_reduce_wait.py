@@ -95,9 +95,7 @@ class AllReduceWait:
     def _all_reduce(self, _state: object, bucket: GradBucket) -> torch.futures.Future[torch.Tensor]:
         buffer = bucket.buffer()
         buffer.div_(self._size)
-        # Straight to DDP's own group (the sum, AllreduceOptions' default), as DDP's
-        # reducer issues it: dist.all_reduce's checks, in Python, ran for each bucket.
-        work = self._group.allreduce([buffer], dist.AllreduceOptions())
+        work = dist.all_reduce(buffer, group=self._group, async_op=True)
         if not self._deferring:
             reduced: torch.futures.Future[torch.Tensor] = work.get_future().then(lambda _: buffer)
             return reduced

@@ -227,19 +227,11 @@ class Agreement:
         self.carrier: Optional["CarriedCode"] = None
 
     def all_reduce(self) -> None:
-        """Start exchanging this pull's code on the channel's own group.
-
-        It runs on every pull of a pipeline whose steps carry no code (Base, PT2),
-        on the training thread: so the codes become a tensor in one op, and the
-        all-reduce goes straight to the group (a gloo group of the channel's own,
-        so none of ``dist.all_reduce``'s checks for other groups applies)."""
-        channel = self._channel
-        group = channel._group() or channel.group  # the property raises: released
-        flags = [0] * len(channel.ranks)
-        flags[channel.position] = self.code
-        self._flags = torch.tensor(flags, dtype=torch.int64)
-        # AllreduceOptions() is a sum: each rank's column is 0 but on that rank.
-        self._work = group.allreduce([self._flags], dist.AllreduceOptions())
+        """Start exchanging this pull's code on the channel's own group."""
+        group = self._channel._group() or self._channel.group  # the property raises: released
+        self._flags = torch.zeros(group.size(), dtype=torch.int64)
+        self._flags[group.rank()] = self.code
+        self._work = dist.all_reduce(self._flags, group=group, async_op=True)
 
     def deliver(self, codes: List[int], ranks: Sequence[int]) -> None:
         """Every rank's code, as a splits exchange brought them (see CarriedCode)."""
@@ -321,7 +313,6 @@ class AgreementChannel:
         self._group = weakref.ref(group)
         self.carried = carried
         self.ranks: List[int] = dist.get_process_group_ranks(group)
-        self.position = group.rank()  # this rank's place in ``ranks``: its code's column
         # Pulls waiting for an exchange to carry them, oldest first.
         self._waiting: Deque[Agreement] = deque()
         self._missed = 0  # exchanges in a row that carried nothing (see missed(), carrier_found())
