@@ -80,9 +80,7 @@ class SparseDistRewrite(PipelineCore):
         if result is None:
             return
         for pipelined in result.pipelined:
-            # Annotated, not cast: the subscript and the cast are calls on every step.
-            forward: BaseForward[Any] = pipelined.module.forward  # type: ignore[assignment]
-            forward.set_context(context)
+            cast(BaseForward[Any], pipelined.module.forward).set_context(context)
         for postproc in result.postprocs:
             postproc.set_context(context)
 

@@ -294,10 +294,8 @@ def _start_module_input_dist(
     context: TrainPipelineContext,
 ) -> None:
     """Start ``module``'s ``input_dist`` on its call arguments, as ``name`` in ``context``."""
-    # torchrec annotates a list; the arguments a forward got are a tuple, and both work
-    # (annotated, not cast: the subscript and the cast are calls on every step).
-    listed: List[Any] = args  # type: ignore[assignment]
-    call_args, call_kwargs = module.preprocess_input(listed, kwargs)
+    # torchrec annotates a list; the arguments a forward got are a tuple, and both work.
+    call_args, call_kwargs = module.preprocess_input(cast(List[Any], args), kwargs)
     module_ctx = module.create_context()
     context.module_contexts[name] = module_ctx
     context.input_dist_splits_requests[name] = module.input_dist(
