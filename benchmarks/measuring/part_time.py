@@ -54,7 +54,9 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple
 
+from benchmarks.measuring import step_profile
 from benchmarks.measuring.read_path import STEADY_CALL, build, measuring_world, plain_loop
+from benchmarks.settings.variants import COMPILED_VARIANTS
 
 VALIDATION = "validation"
 AGREEMENT = "agreement"
@@ -63,15 +65,9 @@ GUARD = "step guard"
 RECORDING = "recording"
 PARTS: Tuple[str, ...] = (VALIDATION, AGREEMENT, SOURCE, GUARD, RECORDING)
 
-CLASSES = (
-    "TrainPipelineBase",
-    "TrainPipelineSparseDist",
-    "TrainPipelineSparseDistLite",
-    "TrainPipelineFusedSparseDist",
-    "TrainPipelineSemiSync",
-    "PrefetchTrainPipelineSparseDist",
-    "StagedTrainPipeline",
-)
+# The step profile's train classes but those that compile (a compiled step's time is the
+# compiler's and the graph's, not the parts').
+CLASSES = tuple(name for name in step_profile.CLASSES if name not in COMPILED_VARIANTS)
 
 
 class PartClock:

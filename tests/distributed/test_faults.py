@@ -166,6 +166,13 @@ def _pipeline(name: str, dmp: Any, optimizer: Any, **kwargs: Any) -> Any:
     return getattr(trec_pipelines, name)(dmp, optimizer, DEVICE, **extra, **kwargs)
 
 
+def _eval_pipeline(name: str, dmp: Any) -> Any:
+    """An eval pipeline of ``EVAL_VARIANTS`` (``Class+thread``: with its loader thread)."""
+    cls_name, _, mode = name.partition("+")
+    thread = {"loader_thread": True} if mode == "thread" else {}
+    return getattr(trec_pipelines, cls_name)(dmp, None, DEVICE, **thread)
+
+
 VARIANTS = [
     "TrainPipelineSparseDist",
     "TrainPipelineSemiSync",
@@ -411,11 +418,7 @@ def test_malformed_kjt_on_one_rank_raises_on_every_rank_in_the_same_step(name: s
         dmp.eval()
         with torch.no_grad():
             ref = Run([ref_dmp(b)[1] for b in good], weights(ref_dmp))
-        cls_name, thread = (
-            name.split("+")[0],
-            {"loader_thread": True} if name.endswith("+thread") else {},
-        )
-        pipeline = getattr(trec_pipelines, cls_name)(dmp, None, DEVICE, **thread)
+        pipeline = _eval_pipeline(name, dmp)
     else:
         ref = plain_loop(ref_dmp, ref_optimizer, good)
         pipeline = _pipeline(name, dmp, optimizer)
@@ -458,9 +461,7 @@ def test_an_eval_forward_that_raises_on_every_rank_is_evaluated_again(
         ref = Run([_snapshot(ref_dmp(b)[1]) for b in batches], weights(ref_dmp))
     dmp, _ = _build(where, 3, pg=short)
     dmp.eval()
-    cls_name, _, mode = name.partition("+")
-    thread = {"loader_thread": True} if mode == "thread" else {}
-    pipeline = getattr(trec_pipelines, cls_name)(dmp, None, DEVICE, **thread)
+    pipeline = _eval_pipeline(name, dmp)
     it = iter(batches)
     outputs: List[torch.Tensor] = []
     failed: List[int] = []
